@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs whatever the build, the default job and the tests need and is missing: Debian packages (compilers'
+# header-only libraries, GoogleTest, zlib, Fashion-MNIST) and, from PyPI, torch==2.11.0 (LibTorch) with torchvision.
+# Idempotent: a second run installs nothing and takes a second.
+set -euo pipefail
+
+TORCH_VERSION=2.11.0
+TORCHVISION_VERSION=0.26.0
+APT_PACKAGES=(cmake ninja-build g++ make zlib1g-dev nlohmann-json3-dev libcli11-dev libgtest-dev dataset-fashion-mnist)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+have_torch=$($PY -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
+have_tv=$($PY -c "import torchvision; print(torchvision.__version__.split('+')[0])" 2>/dev/null || true)
+have_np=$($PY -c "import numpy; print('ok')" 2>/dev/null || true)
+if [ "$have_torch" != "$TORCH_VERSION" ] || [ "$have_tv" != "$TORCHVISION_VERSION" ] || [ "$have_np" != "ok" ]; then
+  echo "setup: installing torch==$TORCH_VERSION torchvision==$TORCHVISION_VERSION numpy from PyPI"
+  $PY -m pip install -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" numpy
+fi

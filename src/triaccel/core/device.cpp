@@ -1,0 +1,73 @@
+#include "triaccel/core/device.h"
+
+#include "triaccel/core/errors.h"
+
+#include <torch/cuda.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <algorithm>
+#include <cctype>
+
+namespace triaccel {
+
+c10::Device device_resolve(const std::string& spec) {
+  if (spec == "cpu") return c10::Device(c10::kCPU);
+  if (spec == "auto") return torch::cuda::is_available() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+  if (spec == "cuda") {
+    TRIACCEL_CHECK_INPUT(torch::cuda::is_available(),
+                         "--device cuda: no CUDA GPU is visible; use --device cpu or --device auto");
+    return c10::Device(c10::kCUDA, 0);
+  }
+  throw UserError("--device must be auto, cpu or cuda, got '" + spec + "'");
+}
+
+MemoryStats memory_stats(const c10::Device& device) {
+  MemoryStats s;
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda()) {
+    using c10::CachingAllocator::StatType;
+    const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto agg = static_cast<size_t>(StatType::AGGREGATE);
+    s.allocated_bytes = st.allocated_bytes[agg].current;
+    s.peak_allocated_bytes = st.allocated_bytes[agg].peak;
+    s.reserved_bytes = st.reserved_bytes[agg].current;
+    s.device_total_bytes = static_cast<int64_t>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
+  }
+#endif
+  return s;
+}
+
+void memory_stats_reset_peak(const c10::Device& device) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+}
+
+std::string device_long_name(const c10::Device& device) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda()) return at::cuda::getDeviceProperties(device.index())->name;
+#endif
+  return "cpu";
+}
+
+std::string device_short_name(const c10::Device& device) {
+  std::string name = device_long_name(device);
+  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+  for (const char* known : {"h100", "h200", "a100", "l4", "a10g", "t4", "v100"}) {
+    if (name.find(known) != std::string::npos) return known;
+  }
+  std::string out;
+  for (char c : name) out += std::isalnum(static_cast<unsigned char>(c)) ? c : '-';
+  return out;
+}
+
+void device_synchronize(const c10::Device& device) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::device_synchronize();
+#endif
+}
+
+}  // namespace triaccel

@@ -1,0 +1,32 @@
+// Device resolution and memory statistics from the CUDA caching allocator.
+// Peak VRAM follows DESIGN.md: the allocator's allocated_bytes peak since the last reset, in GB (1e9 bytes).
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+
+namespace triaccel {
+
+// "auto" → cuda when a GPU is visible, else cpu; "cpu"; "cuda" (error if no GPU).
+c10::Device device_resolve(const std::string& spec);
+
+struct MemoryStats {
+  int64_t allocated_bytes = 0;       // now
+  int64_t peak_allocated_bytes = 0;  // since the last memory_stats_reset_peak
+  int64_t reserved_bytes = 0;        // held by the caching allocator
+  int64_t device_total_bytes = 0;    // the card's capacity
+};
+
+// All zero on the CPU.
+MemoryStats memory_stats(const c10::Device& device);
+void memory_stats_reset_peak(const c10::Device& device);
+
+// "NVIDIA H100 80GB HBM3" → "h100"; "cpu" on the CPU. Used for bench/results/<gpu>/.
+std::string device_short_name(const c10::Device& device);
+std::string device_long_name(const c10::Device& device);
+
+void device_synchronize(const c10::Device& device);
+
+}  // namespace triaccel

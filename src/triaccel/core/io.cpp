@@ -1,0 +1,96 @@
+#include "triaccel/core/io.h"
+
+#include "triaccel/core/errors.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace triaccel {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string errno_text() { return std::strerror(errno); }
+
+void fsync_directory(const fs::path& dir) {
+  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return;  // best effort: some filesystems refuse directory fds
+  ::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace
+
+void file_write_atomic(const std::string& path, const std::string& bytes) {
+  const fs::path target(path);
+  const fs::path tmp = target.string() + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TRIACCEL_CHECK_INPUT(fd >= 0, "cannot write ", tmp.string(), ": ", errno_text(),
+                       "; choose a writable --out folder");
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = errno_text();
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw UserError("writing " + path + " failed after " + std::to_string(done) + " of " +
+                      std::to_string(bytes.size()) + " bytes: " + why +
+                      "; free disk space and resume (the previous file is intact)");
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const std::string why = errno_text();
+    ::unlink(tmp.c_str());
+    throw UserError("writing " + path + " failed at fsync: " + why + "; the previous file is intact");
+  }
+  if (::rename(tmp.c_str(), target.c_str()) != 0) {
+    const std::string why = errno_text();
+    ::unlink(tmp.c_str());
+    throw UserError("cannot rename " + tmp.string() + " to " + path + ": " + why);
+  }
+  fsync_directory(target.parent_path());
+}
+
+std::string file_read_all(const std::string& path) {
+  std::error_code ec;
+  TRIACCEL_CHECK_INPUT(fs::is_regular_file(path, ec), "file not found: ", path);
+  std::ifstream in(path, std::ios::binary);
+  TRIACCEL_CHECK_INPUT(in.good(), "cannot open ", path, " for reading");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  TRIACCEL_CHECK_INPUT(!in.bad(), "read error in ", path);
+  return ss.str();
+}
+
+bool file_exists(const std::string& path) {
+  std::error_code ec;
+  return fs::exists(path, ec);
+}
+
+void directory_prepare_writable(const std::string& dir, const std::string& flag_name) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  TRIACCEL_CHECK_INPUT(fs::is_directory(dir, ec), flag_name, " ", dir,
+                       ": cannot create the folder (", ec ? ec.message() : "not a folder",
+                       "); choose a writable path");
+  TRIACCEL_CHECK_INPUT(::access(dir.c_str(), W_OK) == 0, flag_name, " ", dir,
+                       ": folder is not writable; choose a writable path");
+}
+
+double time_since_start_s() {
+  static const auto t0 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace triaccel

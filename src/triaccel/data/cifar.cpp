@@ -1,0 +1,1 @@
+#include "triaccel/data/dataset.h"

@@ -1,0 +1,1 @@
+#include "triaccel/models/model.h"
