@@ -1,1 +1,207 @@
+// Named datasets: finds the standard files of cifar10, cifar100, mnist and fashion-mnist in a folder, reads both
+// splits with the format readers and computes the per-channel normalisation statistics of the training split.
+// Invariants: every file is located before any is read, so a missing file is reported by name and folder with the
+// command that fixes it; train and test splits of one dataset have the same (C, H, W) and class count.
 #include "triaccel/data/dataset.h"
+
+#include "triaccel/core/errors.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace triaccel {
+
+namespace {
+
+constexpr const char* kFashionMnistDefaultDir = "/usr/share/datasets/fashion-mnist";
+constexpr const char* kCifar10BuildScript = "../shared/data/cifar10/build_cifar10_bin.py";
+
+bool dataset_is_file(const std::string& path) {
+  struct stat info {};
+  return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
+}
+
+bool dataset_is_dir(const std::string& path) {
+  struct stat info {};
+  return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
+}
+
+std::string dataset_join(const std::string& dir, const std::string& name) {
+  return !dir.empty() && dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+std::string dataset_join_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
+void dataset_check_dir(const std::string& name, const std::string& dir, const std::string& fix_hint) {
+  TRIACCEL_CHECK_INPUT(dataset_is_dir(dir), name, ": data folder ", dir, " does not exist or is not a folder; ",
+                       fix_hint);
+}
+
+// Finds the folder (dir itself, or dir/subfolder) that holds all of files, and returns each file's full path.
+// Throws naming the first missing file, the folder it was expected in, and fix_hint.
+std::vector<std::string> dataset_find_files(const std::string& name, const std::string& dir,
+                                            const std::string& subfolder, const std::vector<std::string>& files,
+                                            const std::string& fix_hint) {
+  dataset_check_dir(name, dir, fix_hint);
+  const std::vector<std::string> candidates = {dir, dataset_join(dir, subfolder)};
+  // The candidate holding the most of the files: all of them when the data is complete, else the best guess
+  // of where the user meant them to be.
+  std::string best = candidates.front();
+  int64_t best_found = -1;
+  for (const std::string& folder : candidates) {
+    const auto found = std::count_if(files.begin(), files.end(),
+                                     [&](const std::string& f) { return dataset_is_file(dataset_join(folder, f)); });
+    if (found > best_found) {
+      best = folder;
+      best_found = found;
+    }
+  }
+  std::vector<std::string> paths;
+  for (const std::string& file : files) {
+    const std::string path = dataset_join(best, file);
+    TRIACCEL_CHECK_INPUT(dataset_is_file(path), name, ": ", file, " not found in ", best, " (looked in ", candidates[0],
+                         " and ", candidates[1], "); ", fix_hint);
+    paths.push_back(path);
+  }
+  return paths;
+}
+
+// One IDX file by its base name: the plain file when present, else the .gz one.
+std::string dataset_find_idx(const std::string& name, const std::string& dir, const std::string& base,
+                             const std::string& fix_hint) {
+  const std::string plain = dataset_join(dir, base);
+  if (dataset_is_file(plain)) return plain;
+  const std::string gz = plain + ".gz";
+  if (dataset_is_file(gz)) return gz;
+  throw UserError(c10::str(name, ": neither ", base, " nor ", base, ".gz found in ", dir, "; ", fix_hint));
+}
+
+DatasetSplits dataset_load_cifar10(const std::string& dir) {
+  const std::string hint = c10::str("build the binary files with: python3 ", kCifar10BuildScript, " ",
+                                    dir.empty() ? "DIR" : dir, ", then pass --data with that folder");
+  TRIACCEL_CHECK_INPUT(!dir.empty(), "cifar10: no data folder given; ", hint);
+  std::vector<std::string> names;
+  for (int k = 1; k <= 5; ++k) names.push_back(c10::str("data_batch_", k, ".bin"));
+  names.push_back("test_batch.bin");
+  std::vector<std::string> paths = dataset_find_files("cifar10", dir, "cifar-10-batches-bin", names, hint);
+  const std::string test_path = paths.back();
+  paths.pop_back();
+  DatasetSplits out;
+  out.train = cifar_read(paths, CifarLabel::kCifar10);
+  out.test = cifar_read({test_path}, CifarLabel::kCifar10);
+  return out;
+}
+
+DatasetSplits dataset_load_cifar100(const std::string& dir) {
+  const std::string hint =
+      "pass --data with the folder of the CIFAR-100 binary version (train.bin, test.bin, from cifar-100-binary.tar.gz)";
+  TRIACCEL_CHECK_INPUT(!dir.empty(), "cifar100: no data folder given; ", hint);
+  const std::vector<std::string> paths =
+      dataset_find_files("cifar100", dir, "cifar-100-binary", {"train.bin", "test.bin"}, hint);
+  DatasetSplits out;
+  out.train = cifar_read({paths[0]}, CifarLabel::kCifar100Fine);
+  out.test = cifar_read({paths[1]}, CifarLabel::kCifar100Fine);
+  return out;
+}
+
+DatasetSplits dataset_load_idx(const std::string& name, const std::string& dir_arg) {
+  const std::string files_text = "{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]";
+  std::string dir = dir_arg;
+  std::string hint = c10::str("pass --data with the folder that holds ", files_text);
+  if (dir.empty()) {
+    TRIACCEL_CHECK_INPUT(name == "fashion-mnist", name, ": no data folder given and ", name,
+                         " has no default location; ", hint);
+    dir = kFashionMnistDefaultDir;
+    hint = c10::str("install the Debian package dataset-fashion-mnist (it fills ", dir, "), or ", hint);
+  }
+  dataset_check_dir(name, dir, hint);
+  const std::string train_images = dataset_find_idx(name, dir, "train-images-idx3-ubyte", hint);
+  const std::string train_labels = dataset_find_idx(name, dir, "train-labels-idx1-ubyte", hint);
+  const std::string test_images = dataset_find_idx(name, dir, "t10k-images-idx3-ubyte", hint);
+  const std::string test_labels = dataset_find_idx(name, dir, "t10k-labels-idx1-ubyte", hint);
+  DatasetSplits out;
+  out.train = idx_read(train_images, train_labels, 10);
+  out.test = idx_read(test_images, test_labels, 10);
+  TRIACCEL_CHECK_INPUT(out.train.images.sizes().slice(1) == out.test.images.sizes().slice(1), name, ": test images ",
+                       test_images, " are ", out.test.height(), "x", out.test.width(), " but train images ",
+                       train_images, " are ", out.train.height(), "x", out.train.width(), ", expected the same size");
+  return out;
+}
+
+}  // namespace
+
+const std::vector<std::string>& dataset_names() {
+  static const std::vector<std::string> names = {"cifar10", "cifar100", "mnist", "fashion-mnist"};
+  return names;
+}
+
+DatasetSplits dataset_load(const std::string& name, const std::string& dir) {
+  const auto& names = dataset_names();
+  TRIACCEL_CHECK_INPUT(std::find(names.begin(), names.end(), name) != names.end(), "unknown dataset '", name,
+                       "'; known datasets: ", dataset_join_names(names));
+  DatasetSplits out;
+  if (name == "cifar10") {
+    out = dataset_load_cifar10(dir);
+  } else if (name == "cifar100") {
+    out = dataset_load_cifar100(dir);
+  } else {
+    out = dataset_load_idx(name, dir);
+  }
+  out.train.name = name;
+  out.test.name = name;
+  dataset_channel_stats(out.train.images, out.mean, out.std);
+  return out;
+}
+
+void dataset_channel_stats(const at::Tensor& images_in, std::vector<float>& mean_out, std::vector<float>& std_out) {
+  TORCH_CHECK(images_in.defined() && images_in.dim() == 4 && images_in.scalar_type() == at::kByte &&
+                  images_in.device().is_cpu(),
+              "dataset_channel_stats: expected a (N, C, H, W) uint8 CPU tensor, got ",
+              images_in.defined() ? images_in.toString() : "an undefined tensor", " of shape ",
+              images_in.defined() ? images_in.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(images_in.numel() > 0, "dataset_channel_stats: no pixels in a tensor of shape ", images_in.sizes());
+  const at::Tensor images = images_in.contiguous();  // (N, C, H, W), uint8
+  const int64_t n = images.size(0);
+  const int64_t channels = images.size(1);
+  const int64_t plane = images.size(2) * images.size(3);
+  const uint8_t* data = images.data_ptr<uint8_t>();
+  // Exact integer sums. Within a block of at most kStatsBlock pixels the sums fit 32 bits (65536 * 255^2 < 2^32),
+  // which lets the compiler vectorise the inner loop; the totals are 64-bit.
+  constexpr int64_t kStatsBlock = 65536;
+  std::vector<uint64_t> sum(static_cast<size_t>(channels), 0);
+  std::vector<uint64_t> sum_sq(static_cast<size_t>(channels), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t c = 0; c < channels; ++c) {
+      const uint8_t* p = data + (i * channels + c) * plane;
+      for (int64_t start = 0; start < plane; start += kStatsBlock) {
+        const int64_t end = std::min(plane, start + kStatsBlock);
+        uint32_t s = 0;
+        uint32_t s2 = 0;
+        for (int64_t k = start; k < end; ++k) {
+          const uint32_t v = p[k];
+          s += v;
+          s2 += v * v;
+        }
+        sum[c] += s;
+        sum_sq[c] += s2;
+      }
+    }
+  }
+  const double count = static_cast<double>(n * plane);
+  mean_out.assign(static_cast<size_t>(channels), 0.0f);
+  std_out.assign(static_cast<size_t>(channels), 0.0f);
+  for (int64_t c = 0; c < channels; ++c) {
+    const double m = static_cast<double>(sum[c]) / count / 255.0;
+    const double m2 = static_cast<double>(sum_sq[c]) / count / (255.0 * 255.0);
+    mean_out[c] = static_cast<float>(m);
+    std_out[c] = static_cast<float>(std::sqrt(std::max(0.0, m2 - m * m)));  // population std over all pixels
+  }
+}
+
+}  // namespace triaccel
