@@ -1,1 +1,118 @@
+// Sgd: the ATen reference against LibTorch's torch::optim::SGD (the spec of the math), the skip on found_inf, and
+// the CUDA kernel against the reference (GPU only). Tolerances: float32 rounding only (FMA vs separate ops),
+// so 1e-6 relative after 50 steps.
+#include "test_util.h"
+#include "triaccel/train/sgd.h"
+#ifdef TRIACCEL_WITH_CUDA
+#include "triaccel/kernels/sgd_step.h"
+#endif
+
+#include <gtest/gtest.h>
 #include <torch/torch.h>
+
+namespace triaccel {
+namespace {
+
+double max_rel_err(const at::Tensor& a, const at::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
+}
+
+TEST(SgdTest, MatchesLibTorchSgdWithNesterovAndNoDecayOnBiases) {
+  torch::manual_seed(1);
+  const double lr = 0.05, mu = 0.9, wd = 5e-4;
+  std::vector<at::Tensor> ours = {torch::randn({8, 4}), torch::randn({8}), torch::randn({3, 2, 3, 3})};
+  const at::Tensor initial = ours[0].clone();
+  std::vector<at::Tensor> theirs;
+  for (auto& t : ours) {
+    t.set_requires_grad(true);
+    theirs.push_back(t.detach().clone().set_requires_grad(true));
+  }
+  Sgd sgd({{"w", ours[0]}, {"b", ours[1]}, {"conv", ours[2]}}, SgdOptions{mu, true, wd});
+  EXPECT_EQ(sgd.weight_decays()[0], static_cast<float>(wd));
+  EXPECT_EQ(sgd.weight_decays()[1], 0.f);  // biases and norms: no decay
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{theirs[0], theirs[2]},
+                      std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(lr).momentum(mu).nesterov(true).weight_decay(wd)));
+  groups.emplace_back(std::vector<at::Tensor>{theirs[1]},
+                      std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(lr).momentum(mu).nesterov(true)));
+  torch::optim::SGD reference(groups, torch::optim::SGDOptions(lr));
+  const at::Tensor lr_t = torch::full({1}, lr);
+  const at::Tensor no_inf = torch::zeros({1});
+  for (int step = 0; step < 50; ++step) {
+    for (size_t i = 0; i < ours.size(); ++i) {
+      const at::Tensor g = torch::randn_like(ours[i]);
+      ours[i].mutable_grad() = g.clone();
+      theirs[i].mutable_grad() = g.clone();
+    }
+    sgd.step(lr_t, no_inf);
+    reference.step();
+  }
+  for (size_t i = 0; i < ours.size(); ++i) {
+    EXPECT_LT(max_rel_err(ours[i].detach(), theirs[i].detach()), 1e-6) << "tensor " << i;
+  }
+  // The parameters moved (a no-op optimizer must not pass by matching a no-op reference).
+  EXPECT_GT((ours[0].detach() - initial).abs().max().item<double>(), 1e-2);
+}
+
+TEST(SgdTest, FoundInfSkipsTheStep) {
+  at::Tensor p = torch::randn({5}).set_requires_grad(true);
+  const at::Tensor before = p.detach().clone();
+  p.mutable_grad() = torch::ones({5});
+  Sgd sgd({{"p", p}}, SgdOptions{});
+  sgd.step(torch::full({1}, 0.1), torch::ones({1}));
+  EXPECT_TRUE(torch::equal(p.detach(), before));
+  EXPECT_EQ(sgd.momenta()[0].abs().sum().item<float>(), 0.f);
+  sgd.step(torch::full({1}, 0.1), torch::zeros({1}));
+  EXPECT_FALSE(torch::equal(p.detach(), before));
+}
+
+TEST(SgdTest, PlainMomentumMatchesHandComputedValues) {
+  // p = 1, g = 1, wd = 0, mu = 0.5, lr = 0.1, no nesterov: m1 = 1, p1 = 0.9; m2 = 1.5, p2 = 0.75.
+  at::Tensor p = torch::ones({1, 1}).set_requires_grad(true);
+  Sgd sgd({{"p", p}}, SgdOptions{0.5, false, 0.0});
+  p.mutable_grad() = torch::ones({1, 1});
+  sgd.step(torch::full({1}, 0.1), torch::zeros({1}));
+  EXPECT_FLOAT_EQ(p.item<float>(), 0.9f);
+  sgd.step(torch::full({1}, 0.1), torch::zeros({1}));
+  EXPECT_FLOAT_EQ(p.item<float>(), 0.75f);
+}
+
+#ifdef TRIACCEL_WITH_CUDA
+TEST(SgdCudaTest, KernelMatchesReference) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(2);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  // Odd sizes (scalar tail), a channels_last conv weight, and more tensors than one launch holds.
+  std::vector<std::vector<int64_t>> shapes = {{7}, {1000003}, {64, 3, 3, 3}, {10, 512}};
+  for (int i = 0; i < 70; ++i) shapes.push_back({i + 1, 5});
+  std::vector<at::Tensor> p_gpu, g_gpu, m_gpu, p_ref, g_ref, m_ref;
+  std::vector<float> wds;
+  for (const auto& s : shapes) {
+    at::Tensor p = torch::randn(s, cuda);
+    if (s.size() == 4) p = p.contiguous(at::MemoryFormat::ChannelsLast);
+    p_gpu.push_back(p);
+    g_gpu.push_back(torch::randn_like(p));
+    m_gpu.push_back(torch::randn_like(p));
+    p_ref.push_back(p.clone());
+    g_ref.push_back(g_gpu.back().clone());
+    m_ref.push_back(m_gpu.back().clone());
+    wds.push_back(s.size() > 1 ? 5e-4f : 0.f);
+  }
+  const at::Tensor lr = torch::full({1}, 0.1, cuda);
+  const at::Tensor found = torch::zeros({1}, cuda);
+  for (bool nesterov : {true, false}) {
+    sgd_step_cuda(p_gpu, g_gpu, m_gpu, wds, lr, found, 0.9f, nesterov);
+    sgd_step_reference(p_ref, g_ref, m_ref, wds, lr, found, 0.9f, nesterov);
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      ASSERT_LT(max_rel_err(p_gpu[i], p_ref[i]), 1e-6) << "param " << i;
+      ASSERT_LT(max_rel_err(m_gpu[i], m_ref[i]), 1e-6) << "momentum " << i;
+    }
+  }
+  const at::Tensor before = p_gpu[1].clone();
+  sgd_step_cuda(p_gpu, g_gpu, m_gpu, wds, lr, torch::ones({1}, cuda), 0.9f, true);
+  EXPECT_TRUE(torch::equal(before, p_gpu[1]));
+}
+#endif
+
+}  // namespace
+}  // namespace triaccel

@@ -35,3 +35,43 @@ inline bool gpu_available() { return torch::cuda::is_available(); }
 
 #define TRIACCEL_SKIP_WITHOUT_GPU() \
   if (!::triaccel::test::gpu_available()) GTEST_SKIP() << "no CUDA GPU"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cstdint>
+#include <fstream>
+
+namespace triaccel::test {
+
+// Writes an uncompressed IDX file (big-endian header) of uint8 data with the given dims.
+inline void idx_write(const std::string& path, uint32_t magic, const std::vector<uint32_t>& dims,
+                      const at::Tensor& data_u8) {
+  std::ofstream out(path, std::ios::binary);
+  auto be32 = [&](uint32_t v) {
+    const unsigned char b[4] = {static_cast<unsigned char>(v >> 24), static_cast<unsigned char>(v >> 16),
+                                static_cast<unsigned char>(v >> 8), static_cast<unsigned char>(v)};
+    out.write(reinterpret_cast<const char*>(b), 4);
+  };
+  be32(magic);
+  for (uint32_t d : dims) be32(d);
+  const at::Tensor c = data_u8.contiguous();
+  out.write(static_cast<const char*>(c.data_ptr()), c.numel());
+}
+
+// A tiny MNIST-layout dataset (random 28×28 images whose mean brightness depends on the label, so it is learnable)
+// in dir, readable with --dataset mnist --data dir.
+inline void mnist_like_write(const std::string& dir, int64_t n_train, int64_t n_test, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto split = [&](const std::string& prefix, int64_t n) {
+    const at::Tensor labels = at::randint(0, 10, {n}, gen, at::kLong);
+    const at::Tensor noise = at::randint(0, 100, {n, 28, 28}, gen, at::kLong);
+    const at::Tensor images = (noise + labels.view({n, 1, 1}) * 15).clamp(0, 255).to(at::kByte);
+    idx_write(dir + "/" + prefix + "-images-idx3-ubyte", 0x803, {static_cast<uint32_t>(n), 28, 28}, images);
+    idx_write(dir + "/" + prefix + "-labels-idx1-ubyte", 0x801, {static_cast<uint32_t>(n)}, labels.to(at::kByte));
+  };
+  split("train", n_train);
+  split("t10k", n_test);
+}
+
+}  // namespace triaccel::test

@@ -1,1 +1,139 @@
-int main() { return 0; }
+// The triaccel command line. Subcommands:
+//   train   train a model (TrainOptions; every option declared once below with its help text and default)
+// main() catches every error and prints one line: "triaccel: error: <what and how to fix it>", exit 2 for bad
+// input, 1 for internal errors.
+#include "triaccel/core/errors.h"
+#include "triaccel/data/dataset.h"
+#include "triaccel/models/model.h"
+#include "triaccel/train/options.h"
+#include "triaccel/train/trainer.h"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using triaccel::TrainOptions;
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : "|") + s;
+  return out;
+}
+
+struct TrainFlags {
+  TrainOptions options;
+  std::string precision = "fp32";
+  std::vector<std::pair<std::string, CLI::Option*>> declared;  // TrainOptions JSON key → option
+
+  void declare(CLI::App& app) {
+    auto& o = options;
+    auto add = [&](const std::string& key, CLI::Option* opt) { declared.emplace_back(key, opt); };
+    add("method", app.add_option("--method", o.method, "training method: " + join(triaccel::method_names()))
+                      ->capture_default_str());
+    add("model", app.add_option("--model", o.model, "model: " + join(triaccel::model_names()))->capture_default_str());
+    add("dataset", app.add_option("--dataset", o.dataset, "dataset: " + join(triaccel::dataset_names()))
+                       ->capture_default_str());
+    add("data_dir", app.add_option("--data", o.data_dir,
+                                   "dataset folder (CIFAR binary files or IDX files); default: the dataset's "
+                                   "standard location (fashion-mnist: /usr/share/datasets/fashion-mnist)"));
+    add("epochs", app.add_option("--epochs", o.epochs, "epochs (the schedule spans all of them)")->capture_default_str());
+    add("max_steps", app.add_option("--max-steps", o.max_steps,
+                                    "stop this run after N optimizer steps with a checkpoint (0: no limit)")
+                         ->capture_default_str());
+    add("batch_size", app.add_option("--batch-size", o.batch_size, "training batch size")->capture_default_str());
+    add("lr", app.add_option("--lr", o.lr, "peak learning rate (after warm-up)")->capture_default_str());
+    add("momentum", app.add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str());
+    add("nesterov", app.add_option("--nesterov", o.nesterov, "Nesterov momentum (true|false)")->capture_default_str());
+    add("weight_decay", app.add_option("--weight-decay", o.weight_decay,
+                                       "weight decay (not applied to norms and biases)")
+                            ->capture_default_str());
+    add("warmup_epochs", app.add_option("--warmup-epochs", o.warmup_epochs,
+                                        "linear warm-up length in epochs (then cosine decay to 0)")
+                             ->capture_default_str());
+    add("label_smoothing", app.add_option("--label-smoothing", o.label_smoothing, "label smoothing for the loss")
+                               ->capture_default_str());
+    add("precision", app.add_option("--precision", precision, "fp32|amp-bf16|amp-fp16 (fp16 uses dynamic loss scaling)")
+                         ->capture_default_str());
+    add("device", app.add_option("--device", o.device, "auto|cpu|cuda")->capture_default_str());
+    add("channels_last", app.add_option("--channels-last", o.channels_last, "channels_last layout on CUDA (true|false)")
+                             ->capture_default_str());
+    add("cuda_graphs", app.add_option("--cuda-graphs", o.cuda_graphs,
+                                      "capture the training step in a CUDA graph (true|false)")
+                           ->capture_default_str());
+    add("augment", app.add_option("--augment", o.augment,
+                                  "auto|on|off: random crop (4-pixel padding) + horizontal flip; auto = on for CIFAR")
+                       ->capture_default_str());
+    add("image_size", app.add_option("--image-size", o.image_size, "resize inputs to N×N (0: native size)")
+                          ->capture_default_str());
+    add("eval_batch_size", app.add_option("--eval-batch-size", o.eval_batch_size, "batch size for evaluation")
+                               ->capture_default_str());
+    add("out", app.add_option("--out", o.out, "output folder (events.jsonl, checkpoint.pt, model.pt)")
+                   ->capture_default_str());
+    add("seed", app.add_option("--seed", o.seed, "random seed (initialization, data order, augmentation)")
+                    ->capture_default_str());
+    add("resume", app.add_option("--resume", o.resume, "continue the run in this folder (or checkpoint file)"));
+    add("checkpoint_every", app.add_option("--checkpoint-every", o.checkpoint_every,
+                                           "checkpoint every N steps (0: at the end of every epoch)")
+                                ->capture_default_str());
+    add("log_every", app.add_option("--log-every", o.log_every, "steps between progress lines")->capture_default_str());
+    add("progress", app.add_option("--progress", o.progress, "auto|bar|lines|off")->capture_default_str());
+  }
+
+  std::vector<std::string> explicit_keys() const {
+    std::vector<std::string> keys;
+    for (const auto& [key, opt] : declared) {
+      if (opt->count() > 0) keys.push_back(key);
+    }
+    return keys;
+  }
+
+  TrainOptions resolve() {
+    options.precision = triaccel::precision_mode_parse(precision);
+    if (!options.resume.empty()) return triaccel::resume_options(options, explicit_keys());
+    return options;
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"triaccel: fast neural-network training inside a GPU-memory budget (LibTorch + CUDA)"};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "help for every subcommand");
+
+  TrainFlags train_flags;
+  CLI::App* train = app.add_subcommand("train", "train a model; writes OUT/events.jsonl, checkpoint.pt, model.pt");
+  train_flags.declare(*train);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::string msg = e.what();
+    std::fprintf(stderr, "triaccel: error: %s (see `triaccel %s--help`)\n", msg.c_str(),
+                 train->parsed() ? "train " : "");
+    return triaccel::kExitUserError;
+  }
+
+  try {
+    if (train->parsed()) {
+      const TrainOptions options = train_flags.resolve();
+      triaccel::train_run(options);
+    }
+    return 0;
+  } catch (const triaccel::UserError& e) {
+    std::fprintf(stderr, "triaccel: error: %s\n", e.what());
+    return triaccel::kExitUserError;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "triaccel: internal error: %s\n", triaccel::error_one_line(e).c_str());
+    return triaccel::kExitInternalError;
+  }
+}

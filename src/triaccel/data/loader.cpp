@@ -1,1 +1,126 @@
-#include <torch/torch.h>
+#include "triaccel/data/loader.h"
+
+#include "triaccel/core/errors.h"
+#ifdef TRIACCEL_WITH_CUDA
+#include "triaccel/kernels/augment.h"
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/autograd.h>
+
+namespace triaccel {
+
+void LoaderOptions::validate() const {
+  TRIACCEL_CHECK_INPUT(batch_size > 0, "--batch-size must be > 0, got ", batch_size);
+  TRIACCEL_CHECK_INPUT(pad >= 0, "augmentation pad must be >= 0, got ", pad);
+  TRIACCEL_CHECK_INPUT(image_size >= 0 && image_size <= 1024, "--image-size must be in [0, 1024], got ", image_size);
+}
+
+uint64_t seed_mix(uint64_t seed, uint64_t stream) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (stream + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> std, LoaderOptions options,
+               const c10::Device& device)
+    : options_(options), device_(device), mean_(std::move(mean)), std_(std::move(std)) {
+  options_.validate();
+  TORCH_CHECK(data.images.defined() && data.images.dim() == 4 && data.images.scalar_type() == at::kByte,
+              "Loader: dataset images must be (N, C, H, W) uint8");
+  TORCH_CHECK(static_cast<int64_t>(mean_.size()) == data.channels() &&
+                  static_cast<int64_t>(std_.size()) == data.channels(),
+              "Loader: need one mean and std per channel");
+  TRIACCEL_CHECK_INPUT(data.size() > 0, "dataset ", data.name, " is empty");
+  images_ = data.images.contiguous().to(device_);
+  labels_ = data.labels.to(at::kLong).to(device_);
+  epoch_begin(0);
+}
+
+int64_t Loader::image_height() const { return options_.image_size > 0 ? options_.image_size : images_.size(2); }
+int64_t Loader::image_width() const { return options_.image_size > 0 ? options_.image_size : images_.size(3); }
+
+void Loader::epoch_begin(int64_t epoch) {
+  const int64_t n = size();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_mix(options_.seed, static_cast<uint64_t>(epoch)));
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  order_ = (options_.shuffle ? at::randperm(n, gen, i64) : at::arange(n, i64)).to(device_);
+  if (options_.augment) {
+    shift_ = at::randint(0, 2 * options_.pad + 1, {n, 2}, gen, i64).to(device_);
+    flip_ = at::randint(0, 2, {n}, gen, i64).to(at::kByte).to(device_);
+  } else {
+    shift_ = at::Tensor();
+    flip_ = at::Tensor();
+  }
+}
+
+at::Tensor Loader::batch_images_empty(int64_t count) const {
+  auto opts = at::TensorOptions().dtype(at::kFloat).device(device_);
+  if (options_.channels_last) opts = opts.memory_format(at::MemoryFormat::ChannelsLast);
+  return at::empty({count, channels(), image_height(), image_width()}, opts);
+}
+
+void Loader::batch_into(int64_t offset, int64_t count, at::Tensor& images, at::Tensor& labels) const {
+  TORCH_CHECK(offset >= 0 && count > 0 && offset + count <= size(), "Loader::batch_into: samples [", offset, ", ",
+              offset + count, ") out of range [0, ", size(), ")");
+  const torch::NoGradGuard no_grad;
+  const at::Tensor index = order_.narrow(0, offset, count);
+  const at::Tensor shift = shift_.defined() ? shift_.narrow(0, offset, count) : at::Tensor();
+  const at::Tensor flip = flip_.defined() ? flip_.narrow(0, offset, count) : at::Tensor();
+  const bool resize = options_.image_size > 0 &&
+                      (options_.image_size != images_.size(2) || options_.image_size != images_.size(3));
+  at::Tensor native = resize ? at::empty({count, images_.size(1), images_.size(2), images_.size(3)},
+                                         at::TensorOptions().dtype(at::kFloat).device(device_))
+                             : images;
+  TORCH_CHECK(native.defined() && native.size(0) == count, "Loader::batch_into: output buffer has the wrong size");
+#ifdef TRIACCEL_WITH_CUDA
+  if (device_.is_cuda()) {
+    augment_cuda(images_, index, shift, flip, options_.pad, mean_, std_, native);
+  } else
+#endif
+  {
+    augment_reference(images_, index, shift, flip, options_.pad, mean_, std_, native);
+  }
+  if (resize) {
+    images.copy_(at::upsample_bilinear2d(native, {options_.image_size, options_.image_size}, false));
+  }
+  labels.copy_(labels_.index_select(0, index));
+}
+
+std::pair<at::Tensor, at::Tensor> Loader::batch(int64_t offset, int64_t count) const {
+  at::Tensor images = batch_images_empty(count);
+  at::Tensor labels = at::empty({count}, at::TensorOptions().dtype(at::kLong).device(device_));
+  batch_into(offset, count, images, labels);
+  return {images, labels};
+}
+
+int64_t Loader::resident_bytes() const {
+  return images_.numel() * images_.element_size() + labels_.numel() * labels_.element_size();
+}
+
+void augment_reference(const at::Tensor& images, const at::Tensor& index, const at::Tensor& shift,
+                       const at::Tensor& flip, int64_t pad, const std::vector<float>& mean,
+                       const std::vector<float>& std, at::Tensor& out) {
+  const int64_t B = index.numel();
+  const int64_t C = images.size(1), H = images.size(2), W = images.size(3);
+  // (B, C, H + 2·pad, W + 2·pad) float, zero borders.
+  const at::Tensor padded = at::constant_pad_nd(images.index_select(0, index).to(at::kFloat), {pad, pad, pad, pad}, 0);
+  const at::Tensor shift_cpu = shift.defined() ? shift.cpu() : at::Tensor();
+  const at::Tensor flip_cpu = flip.defined() ? flip.cpu() : at::Tensor();
+  std::vector<at::Tensor> crops;
+  crops.reserve(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t dy = shift_cpu.defined() ? shift_cpu[b][0].item<int64_t>() : pad;
+    const int64_t dx = shift_cpu.defined() ? shift_cpu[b][1].item<int64_t>() : pad;
+    at::Tensor crop = padded[b].narrow(1, dy, H).narrow(2, dx, W);
+    if (flip_cpu.defined() && flip_cpu[b].item<uint8_t>() != 0) crop = crop.flip({2});
+    crops.push_back(crop);
+  }
+  const at::Tensor m = at::tensor(mean, at::kFloat).view({1, C, 1, 1}).to(images.device());
+  const at::Tensor s = at::tensor(std, at::kFloat).view({1, C, 1, 1}).to(images.device());
+  out.copy_((at::stack(crops) / 255.0 - m) / s);
+}
+
+}  // namespace triaccel

@@ -1,1 +1,137 @@
+// Fused multi-tensor SGD: one launch updates up to kMaxTensors tensors (more launches for larger lists).
+// Per element, with g the gradient, p the parameter, m the momentum buffer (all fp32):
+//   d = g + wd·p;  m = μ·m + d;  d = nesterov ? d + μ·m : m;  p = p − lr·d
+// skipped entirely when *found_inf != 0. The tensor list travels by value in the kernel's parameters, so a
+// captured CUDA graph replays with the same pointers (the caller keeps grads and buffers at fixed addresses).
+#include "triaccel/kernels/sgd_step.h"
+
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace triaccel {
+namespace {
+
+constexpr int kMaxTensors = 64;
+constexpr int kThreads = 256;
+constexpr int kElemsPerThread = 8;
+constexpr int64_t kChunk = kThreads * kElemsPerThread;  // elements per block
+
+struct SgdLaunchArgs {
+  int num_tensors;
+  float* param[kMaxTensors];
+  const float* grad[kMaxTensors];
+  float* mom[kMaxTensors];
+  int64_t numel[kMaxTensors];
+  float weight_decay[kMaxTensors];
+  int block_start[kMaxTensors + 1];  // prefix sum of blocks per tensor
+};
+
+__device__ __forceinline__ void sgd_update(float& p, float g, float& m, float wd, float lr, float mu,
+                                           bool nesterov) {
+  float d = g + wd * p;
+  m = mu * m + d;
+  d = nesterov ? d + mu * m : m;
+  p = p - lr * d;
+}
+
+__global__ void sgd_step_kernel(const __grid_constant__ SgdLaunchArgs args, const float* __restrict__ lr_ptr,
+                                const float* __restrict__ found_inf_ptr, float mu, bool nesterov) {
+  if (*found_inf_ptr != 0.f) return;
+  // Find this block's tensor (lists are short: a linear scan beats the divergence of anything smarter).
+  int t = 0;
+  while (t + 1 < args.num_tensors && args.block_start[t + 1] <= static_cast<int>(blockIdx.x)) ++t;
+  const int64_t n = args.numel[t];
+  const int64_t base = (static_cast<int64_t>(blockIdx.x) - args.block_start[t]) * kChunk;
+  float* p = args.param[t];
+  const float* g = args.grad[t];
+  float* m = args.mom[t];
+  const float wd = args.weight_decay[t];
+  const float lr = *lr_ptr;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(g) |
+                         reinterpret_cast<uintptr_t>(m)) & 15) == 0;
+  if (aligned && base + kChunk <= n) {
+    // Full chunk, 16-byte accesses: each thread handles kElemsPerThread / 4 float4s, strided across the block.
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread / 4; ++k) {
+      const int64_t i = base + (static_cast<int64_t>(k) * kThreads + threadIdx.x) * 4;
+      float4 pv = *reinterpret_cast<const float4*>(p + i);
+      const float4 gv = *reinterpret_cast<const float4*>(g + i);
+      float4 mv = *reinterpret_cast<const float4*>(m + i);
+      sgd_update(pv.x, gv.x, mv.x, wd, lr, mu, nesterov);
+      sgd_update(pv.y, gv.y, mv.y, wd, lr, mu, nesterov);
+      sgd_update(pv.z, gv.z, mv.z, wd, lr, mu, nesterov);
+      sgd_update(pv.w, gv.w, mv.w, wd, lr, mu, nesterov);
+      *reinterpret_cast<float4*>(p + i) = pv;
+      *reinterpret_cast<float4*>(m + i) = mv;
+    }
+  } else {
+    for (int64_t i = base + threadIdx.x; i < base + kChunk && i < n; i += kThreads) {
+      float pv = p[i];
+      float mv = m[i];
+      sgd_update(pv, g[i], mv, wd, lr, mu, nesterov);
+      p[i] = pv;
+      m[i] = mv;
+    }
+  }
+}
+
+void sgd_step_launch(const SgdLaunchArgs& args, const float* lr, const float* found_inf, float mu,
+                     bool nesterov, cudaStream_t stream) {
+  const int blocks = args.block_start[args.num_tensors];
+  if (blocks == 0) return;
+  sgd_step_kernel<<<blocks, kThreads, 0, stream>>>(args, lr, found_inf, mu, nesterov);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void check_fp32_cuda(const at::Tensor& t, const char* what, const at::Device& device) {
+  TORCH_CHECK(t.is_cuda() && t.device() == device, "sgd_step_cuda: ", what, " must be on ", device);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "sgd_step_cuda: ", what, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_non_overlapping_and_dense(), "sgd_step_cuda: ", what, " must be dense");
+}
+
+}  // namespace
+
+void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                   const std::vector<at::Tensor>& momenta, const std::vector<float>& weight_decays,
+                   const at::Tensor& lr, const at::Tensor& found_inf, float momentum, bool nesterov) {
+  TORCH_CHECK(params.size() == grads.size() && params.size() == momenta.size() &&
+                  params.size() == weight_decays.size(),
+              "sgd_step_cuda: list lengths differ");
+  if (params.empty()) return;
+  const at::Device device = params[0].device();
+  check_fp32_cuda(lr, "lr", device);
+  check_fp32_cuda(found_inf, "found_inf", device);
+  TORCH_CHECK(lr.numel() == 1 && found_inf.numel() == 1, "sgd_step_cuda: lr and found_inf must be scalars");
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  SgdLaunchArgs args{};
+  auto flush = [&]() {
+    sgd_step_launch(args, lr.data_ptr<float>(), found_inf.data_ptr<float>(), momentum, nesterov, stream);
+    args.num_tensors = 0;
+    args.block_start[0] = 0;
+  };
+  for (size_t i = 0; i < params.size(); ++i) {
+    check_fp32_cuda(params[i], "param", device);
+    check_fp32_cuda(grads[i], "grad", device);
+    check_fp32_cuda(momenta[i], "momentum buffer", device);
+    TORCH_CHECK(params[i].strides() == grads[i].strides() && params[i].strides() == momenta[i].strides(),
+                "sgd_step_cuda: param, grad and momentum buffer must share a memory layout (tensor ", i, ")");
+    const int64_t n = params[i].numel();
+    const int64_t blocks = (n + kChunk - 1) / kChunk;
+    TORCH_CHECK(blocks < (1 << 30), "sgd_step_cuda: tensor too large");
+    const int k = args.num_tensors;
+    args.param[k] = params[i].data_ptr<float>();
+    args.grad[k] = grads[i].data_ptr<float>();
+    args.mom[k] = momenta[i].data_ptr<float>();
+    args.numel[k] = n;
+    args.weight_decay[k] = weight_decays[i];
+    args.block_start[k + 1] = args.block_start[k] + static_cast<int>(blocks);
+    args.num_tensors = k + 1;
+    if (args.num_tensors == kMaxTensors || args.block_start[args.num_tensors] > (1 << 30)) flush();
+  }
+  if (args.num_tensors > 0) flush();
+}
+
+}  // namespace triaccel

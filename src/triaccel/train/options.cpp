@@ -1,1 +1,153 @@
-#include <torch/torch.h>
+#include "triaccel/train/options.h"
+
+#include "triaccel/core/errors.h"
+#include "triaccel/data/dataset.h"
+#include "triaccel/models/model.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace triaccel {
+namespace {
+
+template <typename T>
+bool contains(const std::vector<T>& v, const T& x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
+  return out;
+}
+
+}  // namespace
+
+std::string precision_mode_name(PrecisionMode mode) {
+  switch (mode) {
+    case PrecisionMode::kFP32: return "fp32";
+    case PrecisionMode::kAmpBF16: return "amp-bf16";
+    case PrecisionMode::kAmpFP16: return "amp-fp16";
+  }
+  return "?";
+}
+
+PrecisionMode precision_mode_parse(const std::string& name) {
+  if (name == "fp32") return PrecisionMode::kFP32;
+  if (name == "amp-bf16" || name == "bf16") return PrecisionMode::kAmpBF16;
+  if (name == "amp-fp16" || name == "fp16") return PrecisionMode::kAmpFP16;
+  throw UserError("--precision must be fp32, amp-bf16 or amp-fp16, got '" + name + "'");
+}
+
+const std::vector<std::string>& method_names() {
+  static const std::vector<std::string> names = {"backprop"};
+  return names;
+}
+
+void TrainOptions::validate() const {
+  TRIACCEL_CHECK_INPUT(contains(method_names(), method), "--method must be one of ", join(method_names()),
+                       ", got '", method, "'");
+  TRIACCEL_CHECK_INPUT(contains(model_names(), model), "--model must be one of ", join(model_names()), ", got '",
+                       model, "'");
+  TRIACCEL_CHECK_INPUT(contains(dataset_names(), dataset), "--dataset must be one of ", join(dataset_names()),
+                       ", got '", dataset, "'");
+  TRIACCEL_CHECK_INPUT(epochs > 0, "--epochs must be > 0, got ", epochs);
+  TRIACCEL_CHECK_INPUT(max_steps >= 0, "--max-steps must be >= 0 (0 = no limit), got ", max_steps);
+  TRIACCEL_CHECK_INPUT(batch_size > 0, "--batch-size must be > 0, got ", batch_size);
+  TRIACCEL_CHECK_INPUT(batch_size <= 1 << 20, "--batch-size is too large: ", batch_size);
+  TRIACCEL_CHECK_INPUT(lr > 0 && std::isfinite(lr), "--lr must be a positive number, got ", lr);
+  TRIACCEL_CHECK_INPUT(momentum >= 0 && momentum < 1, "--momentum must be in [0, 1), got ", momentum);
+  TRIACCEL_CHECK_INPUT(weight_decay >= 0, "--weight-decay must be >= 0, got ", weight_decay);
+  TRIACCEL_CHECK_INPUT(warmup_epochs >= 0 && warmup_epochs <= static_cast<double>(epochs),
+                       "--warmup-epochs must be in [0, --epochs = ", epochs, "], got ", warmup_epochs);
+  TRIACCEL_CHECK_INPUT(label_smoothing >= 0 && label_smoothing < 1, "--label-smoothing must be in [0, 1), got ",
+                       label_smoothing);
+  TRIACCEL_CHECK_INPUT(device == "auto" || device == "cpu" || device == "cuda",
+                       "--device must be auto, cpu or cuda, got '", device, "'");
+  TRIACCEL_CHECK_INPUT(augment == "auto" || augment == "on" || augment == "off",
+                       "--augment must be auto, on or off, got '", augment, "'");
+  TRIACCEL_CHECK_INPUT(image_size >= 0 && image_size <= 1024, "--image-size must be in [0, 1024], got ", image_size);
+  TRIACCEL_CHECK_INPUT(eval_batch_size > 0, "--eval-batch-size must be > 0, got ", eval_batch_size);
+  TRIACCEL_CHECK_INPUT(!out.empty(), "--out must name a folder");
+  TRIACCEL_CHECK_INPUT(checkpoint_every >= 0, "--checkpoint-every must be >= 0, got ", checkpoint_every);
+  TRIACCEL_CHECK_INPUT(log_every > 0, "--log-every must be > 0, got ", log_every);
+  TRIACCEL_CHECK_INPUT(progress == "auto" || progress == "bar" || progress == "lines" || progress == "off",
+                       "--progress must be auto, bar, lines or off, got '", progress, "'");
+}
+
+bool TrainOptions::augment_enabled() const {
+  if (augment == "auto") return dataset == "cifar10" || dataset == "cifar100";
+  return augment == "on";
+}
+
+Json TrainOptions::to_json() const {
+  return Json{{"method", method},
+              {"model", model},
+              {"dataset", dataset},
+              {"data_dir", data_dir},
+              {"epochs", epochs},
+              {"max_steps", max_steps},
+              {"batch_size", batch_size},
+              {"lr", lr},
+              {"momentum", momentum},
+              {"nesterov", nesterov},
+              {"weight_decay", weight_decay},
+              {"warmup_epochs", warmup_epochs},
+              {"label_smoothing", label_smoothing},
+              {"precision", precision_mode_name(precision)},
+              {"device", device},
+              {"channels_last", channels_last},
+              {"cuda_graphs", cuda_graphs},
+              {"augment", augment},
+              {"image_size", image_size},
+              {"eval_batch_size", eval_batch_size},
+              {"out", out},
+              {"seed", seed},
+              {"resume", resume},
+              {"checkpoint_every", checkpoint_every},
+              {"log_every", log_every},
+              {"progress", progress}};
+}
+
+TrainOptions TrainOptions::from_json(const Json& j) {
+  TrainOptions o;
+  auto get = [&](const char* key, auto& field) {
+    TRIACCEL_CHECK_INPUT(j.contains(key), "stored configuration lacks '", key, "'");
+    try {
+      j.at(key).get_to(field);
+    } catch (const std::exception&) {
+      throw UserError(std::string("stored configuration has a mistyped '") + key + "'");
+    }
+  };
+  std::string precision;
+  get("method", o.method);
+  get("model", o.model);
+  get("dataset", o.dataset);
+  get("data_dir", o.data_dir);
+  get("epochs", o.epochs);
+  get("max_steps", o.max_steps);
+  get("batch_size", o.batch_size);
+  get("lr", o.lr);
+  get("momentum", o.momentum);
+  get("nesterov", o.nesterov);
+  get("weight_decay", o.weight_decay);
+  get("warmup_epochs", o.warmup_epochs);
+  get("label_smoothing", o.label_smoothing);
+  get("precision", precision);
+  o.precision = precision_mode_parse(precision);
+  get("device", o.device);
+  get("channels_last", o.channels_last);
+  get("cuda_graphs", o.cuda_graphs);
+  get("augment", o.augment);
+  get("image_size", o.image_size);
+  get("eval_batch_size", o.eval_batch_size);
+  get("out", o.out);
+  get("seed", o.seed);
+  get("resume", o.resume);
+  get("checkpoint_every", o.checkpoint_every);
+  get("log_every", o.log_every);
+  get("progress", o.progress);
+  return o;
+}
+
+}  // namespace triaccel

@@ -1,1 +1,122 @@
-#include <torch/torch.h>
+#include "triaccel/train/step.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/autograd.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#endif
+
+namespace triaccel {
+
+AutocastScope::AutocastScope(const c10::Device& device, PrecisionMode precision)
+    : type_(device.type()),
+      prev_enabled_(at::autocast::is_autocast_enabled(device.type())),
+      prev_dtype_(at::autocast::get_autocast_dtype(device.type())),
+      active_(precision != PrecisionMode::kFP32) {
+  if (!active_) return;
+  at::autocast::set_autocast_enabled(type_, true);
+  at::autocast::set_autocast_dtype(type_, precision == PrecisionMode::kAmpBF16 ? at::kBFloat16 : at::kHalf);
+  // No weight-cast cache: a cached cast would be baked into a captured graph with stale values.
+  at::autocast::set_autocast_cache_enabled(false);
+  at::autocast::increment_nesting();
+}
+
+AutocastScope::~AutocastScope() {
+  if (!active_) return;
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_autocast_enabled(type_, prev_enabled_);
+  at::autocast::set_autocast_dtype(type_, prev_dtype_);
+}
+
+struct TrainStep::Graph {
+#ifdef TRIACCEL_WITH_CUDA
+  at::cuda::CUDAGraph graph;
+#endif
+  at::Tensor images;  // static input buffers, (B, C, H, W) float32 and (B) int64
+  at::Tensor labels;
+};
+
+TrainStep::TrainStep(Model& model, Sgd& sgd, LossScaler& scaler, StepOptions options, const c10::Device& device)
+    : model_(model), sgd_(sgd), scaler_(scaler), options_(options), device_(device) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
+  lr_ = at::zeros({1}, f32);
+  loss_sum_ = at::zeros({1}, f32);
+  correct_sum_ = at::zeros({1}, f32);
+  last_loss_ = at::zeros({1}, f32);
+  if (!device_.is_cuda()) options_.cuda_graphs = false;
+}
+
+TrainStep::~TrainStep() = default;
+
+void TrainStep::metrics_reset() {
+  loss_sum_.zero_();
+  correct_sum_.zero_();
+}
+
+void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
+  // Zero in place (addresses stay fixed for the graph); the first step has no gradients yet.
+  {
+    const torch::NoGradGuard no_grad;
+    for (const auto& p : sgd_.params()) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+  }
+  at::Tensor logits;
+  at::Tensor loss;
+  {
+    const AutocastScope autocast(device_, options_.precision);
+    logits = model_.forward(images);  // (B, classes)
+    loss = at::cross_entropy_loss(logits.to(at::kFloat), labels, {}, at::Reduction::Mean, -100,
+                                  options_.label_smoothing);
+  }
+  scaler_.scale(loss).backward();
+  const torch::NoGradGuard no_grad;
+  scaler_.unscale_and_check(sgd_.grads());
+  sgd_.step(lr_, scaler_.found_inf());
+  scaler_.update();
+  const at::Tensor loss_detached = loss.detach().reshape({1});
+  last_loss_.copy_(loss_detached);
+  loss_sum_.add_(loss_detached * static_cast<double>(labels.size(0)));
+  correct_sum_.add_(logits.detach().argmax(1).eq(labels).sum().to(at::kFloat));
+}
+
+void TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
+#ifdef TRIACCEL_WITH_CUDA
+  graph_ = std::make_unique<Graph>();
+  graph_->images = at::empty_like(images);
+  graph_->labels = at::empty_like(labels);
+  graph_->images.copy_(images);
+  graph_->labels.copy_(labels);
+  // Capture records the work without running it; the caller replays right after, which performs this step.
+  graph_->graph.capture_begin();
+  body(graph_->images, graph_->labels);
+  graph_->graph.capture_end();
+#endif
+}
+
+void TrainStep::run(const at::Tensor& images, const at::Tensor& labels, double lr) {
+  lr_.fill_(lr);
+  const int64_t batch = images.size(0);
+  const bool graph_size = options_.cuda_graphs && batch == options_.graph_batch_size;
+  if (!graph_size) {
+    body(images, labels);
+    return;
+  }
+  if (!graph_) {
+    if (eager_steps_at_graph_size_ < options_.warmup_steps) {
+      ++eager_steps_at_graph_size_;
+      body(images, labels);
+      return;
+    }
+    capture(images, labels);
+  } else {
+    graph_->images.copy_(images);
+    graph_->labels.copy_(labels);
+  }
+#ifdef TRIACCEL_WITH_CUDA
+  graph_->graph.replay();
+#endif
+}
+
+}  // namespace triaccel

@@ -1,1 +1,474 @@
-#include <torch/torch.h>
+#include "triaccel/train/trainer.h"
+
+#include "triaccel/core/device.h"
+#include "triaccel/core/errors.h"
+#include "triaccel/core/io.h"
+#include "triaccel/data/dataset.h"
+#include "triaccel/data/loader.h"
+#include "triaccel/models/model.h"
+#include "triaccel/train/checkpoint.h"
+#include "triaccel/train/loss_scaler.h"
+#include "triaccel/train/schedule.h"
+#include "triaccel/train/sgd.h"
+#include "triaccel/train/step.h"
+#include "triaccel/train/telemetry.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/autograd.h>
+#include <torch/utils.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <numeric>
+#include <optional>
+
+namespace triaccel {
+namespace {
+
+constexpr double kGB = 1e9;
+
+// Keys that define what is being trained: a resumed run may not change them.
+const std::vector<std::string> kIdentityKeys = {"method", "model", "dataset", "batch_size", "lr", "momentum",
+                                                "nesterov", "weight_decay", "warmup_epochs", "label_smoothing",
+                                                "precision", "augment", "image_size", "seed"};
+
+struct Progress {
+  int64_t step = 0;          // optimizer steps done
+  int64_t epoch = 0;         // current epoch (0-based)
+  int64_t epoch_offset = 0;  // samples of the current epoch already trained
+  double elapsed_s = 0;      // wall time of earlier sessions of this run
+  double epoch_train_s = 0;  // training time spent in the current epoch so far
+  std::vector<double> epoch_times;  // finished epochs' training seconds
+  double peak_vram_gb = 0;
+  Json last_epoch;           // the last epoch event's fields
+
+  Json to_json() const {
+    return Json{{"step", step}, {"epoch", epoch}, {"epoch_offset", epoch_offset}, {"elapsed_s", elapsed_s},
+                {"epoch_train_s", epoch_train_s}, {"epoch_times", epoch_times}, {"peak_vram_gb", peak_vram_gb},
+                {"last_epoch", last_epoch}};
+  }
+  static Progress from_json(const Json& j, const std::string& path) {
+    Progress p;
+    try {
+      p.step = j.at("step").get<int64_t>();
+      p.epoch = j.at("epoch").get<int64_t>();
+      p.epoch_offset = j.at("epoch_offset").get<int64_t>();
+      p.elapsed_s = j.at("elapsed_s").get<double>();
+      p.epoch_train_s = j.at("epoch_train_s").get<double>();
+      p.epoch_times = j.at("epoch_times").get<std::vector<double>>();
+      p.peak_vram_gb = j.at("peak_vram_gb").get<double>();
+      p.last_epoch = j.at("last_epoch");
+    } catch (const Json::exception&) {
+      throw UserError("checkpoint " + path + " has an unreadable progress record");
+    }
+    return p;
+  }
+};
+
+NamedTensors optimizer_state(const Sgd& sgd) {
+  NamedTensors out;
+  for (size_t i = 0; i < sgd.names().size(); ++i) out.emplace_back(sgd.names()[i] + ".momentum", sgd.momenta()[i]);
+  return out;
+}
+
+NamedTensors scaler_state(const LossScaler& s) {
+  return {{"scale", s.scale_tensor()}, {"growth_tracker", s.growth_tracker()}, {"skipped", s.skipped_steps()}};
+}
+
+NamedTensors rng_state(const c10::Device& device) {
+  NamedTensors out{{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda()) out.emplace_back("cuda", at::cuda::detail::getDefaultCUDAGenerator(device.index()).get_state());
+#endif
+  return out;
+}
+
+void rng_restore(const NamedTensors& rng, const c10::Device& device) {
+  for (const auto& [name, state] : rng) {
+    // Generators are shared handles: a copy sets the default generator's state.
+    if (name == "cpu") {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      gen.set_state(state);
+    }
+#ifdef TRIACCEL_WITH_CUDA
+    if (name == "cuda" && device.is_cuda()) {
+      at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device.index());
+      gen.set_state(state);
+    }
+#endif
+  }
+}
+
+double mean_of_last(const std::vector<double>& v, size_t n) {
+  if (v.empty()) return 0;
+  const size_t k = std::min(n, v.size());
+  return std::accumulate(v.end() - static_cast<long>(k), v.end(), 0.0) / static_cast<double>(k);
+}
+
+struct EvalResult {
+  double loss = 0;
+  double acc = 0;  // percent
+};
+
+EvalResult evaluate(Model& model, const Loader& loader, const c10::Device& device, PrecisionMode precision,
+                    int64_t batch_size) {
+  const torch::NoGradGuard no_grad;
+  model.eval();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  at::Tensor loss_sum = at::zeros({1}, f32);
+  at::Tensor correct = at::zeros({1}, f32);
+  for (int64_t offset = 0; offset < loader.size(); offset += batch_size) {
+    const int64_t count = std::min(batch_size, loader.size() - offset);
+    auto [images, labels] = loader.batch(offset, count);
+    const AutocastScope autocast(device, precision);
+    const at::Tensor logits = model.forward(images).to(at::kFloat);
+    loss_sum.add_(at::cross_entropy_loss(logits, labels, {}, at::Reduction::Sum));
+    correct.add_(logits.argmax(1).eq(labels).sum().to(at::kFloat));
+  }
+  model.train();
+  const double n = static_cast<double>(loader.size());
+  return {loss_sum.item<double>() / n, 100.0 * correct.item<double>() / n};
+}
+
+// Progress output: a bar redrawn in place on a terminal, or a plain line every log_every steps.
+class ProgressPrinter {
+ public:
+  explicit ProgressPrinter(const std::string& mode) {
+    const bool tty = ::isatty(STDERR_FILENO) != 0;
+    bar_ = mode == "bar" || (mode == "auto" && tty);
+    off_ = mode == "off";
+  }
+  void step(int64_t epoch, int64_t epochs, int64_t done, int64_t total, double loss, double lr, double img_s) {
+    if (off_) return;
+    if (bar_) {
+      const int width = 30;
+      const int filled = total > 0 ? static_cast<int>(width * done / total) : 0;
+      std::fprintf(stderr, "\repoch %lld/%lld [%s%s] %lld/%lld loss %.4f lr %.4g %.0f img/s   ",
+                   static_cast<long long>(epoch + 1), static_cast<long long>(epochs),
+                   std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                   static_cast<long long>(done), static_cast<long long>(total), loss, lr, img_s);
+    } else {
+      std::fprintf(stderr, "epoch %lld/%lld step %lld/%lld loss %.4f lr %.4g %.0f img/s\n",
+                   static_cast<long long>(epoch + 1), static_cast<long long>(epochs), static_cast<long long>(done),
+                   static_cast<long long>(total), loss, lr, img_s);
+    }
+    std::fflush(stderr);
+  }
+  void line(const std::string& text) {
+    if (off_) return;
+    std::fprintf(stderr, "%s%s\n", bar_ ? "\r" : "", text.c_str());
+    std::fflush(stderr);
+  }
+
+ private:
+  bool bar_ = false;
+  bool off_ = false;
+};
+
+}  // namespace
+
+TrainOptions resume_options(const TrainOptions& given, const std::vector<std::string>& explicit_keys) {
+  const std::string path = checkpoint_path(given.resume);
+  TRIACCEL_CHECK_INPUT(file_exists(path), "--resume ", given.resume, ": no checkpoint at ", path,
+                       " (train with --out first)");
+  const Checkpoint ckpt = checkpoint_read(path);
+  TrainOptions stored = TrainOptions::from_json(ckpt.config);
+  Json merged = stored.to_json();
+  const Json given_json = given.to_json();
+  for (const auto& key : explicit_keys) {
+    if (!given_json.contains(key) || key == "resume") continue;
+    if (std::find(kIdentityKeys.begin(), kIdentityKeys.end(), key) != kIdentityKeys.end()) {
+      TRIACCEL_CHECK_INPUT(given_json[key] == merged[key], "--", key, " ", given_json[key].dump(),
+                           " differs from the checkpoint's ", merged[key].dump(), " (", path,
+                           "); drop the flag to resume, or start a new run");
+      continue;
+    }
+    merged[key] = given_json[key];
+  }
+  TrainOptions out = TrainOptions::from_json(merged);
+  out.resume = given.resume;
+  if (std::find(explicit_keys.begin(), explicit_keys.end(), "out") == explicit_keys.end()) {
+    std::error_code ec;
+    out.out = std::filesystem::is_directory(given.resume, ec)
+                  ? given.resume
+                  : std::filesystem::path(given.resume).parent_path().string();
+  }
+  // A resumed run continues to the end unless the user sets a new limit.
+  if (std::find(explicit_keys.begin(), explicit_keys.end(), "max_steps") == explicit_keys.end()) out.max_steps = 0;
+  return out;
+}
+
+Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
+  options.validate();
+  const double t_start = time_since_start_s();
+  const c10::Device device = device_resolve(options.device);
+  directory_prepare_writable(options.out, "--out");
+
+  std::optional<Checkpoint> ckpt;
+  std::string ckpt_file;
+  if (!options.resume.empty()) {
+    ckpt_file = checkpoint_path(options.resume);
+    ckpt = checkpoint_read(ckpt_file);
+    TRIACCEL_CHECK_INPUT(ckpt->model_arch == options.model, "checkpoint ", ckpt_file, " holds model ",
+                         ckpt->model_arch, ", this run trains ", options.model);
+  }
+
+#ifdef TRIACCEL_WITH_CUDA
+  // All work on one non-default stream (graph capture needs one, and the legacy stream serializes everything).
+  std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
+  if (device.is_cuda()) {
+    stream_guard.emplace(c10::cuda::getStreamFromPool(false, device.index()));
+    at::globalContext().setBenchmarkCuDNN(true);
+  }
+#endif
+
+  torch::manual_seed(options.seed);
+
+  // Data.
+  const DatasetSplits data = dataset_load(options.dataset, options.data_dir);
+  LoaderOptions train_lo;
+  train_lo.batch_size = options.batch_size;
+  train_lo.shuffle = true;
+  train_lo.augment = options.augment_enabled();
+  train_lo.image_size = options.image_size;
+  train_lo.channels_last = device.is_cuda() && options.channels_last;
+  train_lo.seed = options.seed;
+  LoaderOptions test_lo = train_lo;
+  test_lo.shuffle = false;
+  test_lo.augment = false;
+  test_lo.batch_size = options.eval_batch_size;
+  Loader train_loader(data.train, data.mean, data.std, train_lo, device);
+  Loader test_loader(data.test, data.mean, data.std, test_lo, device);
+
+  // Model and optimizer.
+  ModelOptions mo;
+  mo.name = options.model;
+  mo.num_classes = data.train.num_classes;
+  mo.in_channels = data.train.channels();
+  mo.image_size = train_loader.image_height();
+  const std::shared_ptr<Model> model = model_create(mo);
+  model->to(device);
+  if (train_lo.channels_last) {
+    const torch::NoGradGuard no_grad;
+    for (auto& p : model->parameters()) {
+      if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+    }
+  }
+  model->train();
+  SgdOptions so;
+  so.momentum = options.momentum;
+  so.nesterov = options.nesterov;
+  so.weight_decay = options.weight_decay;
+  std::vector<std::pair<std::string, at::Tensor>> named_params;
+  for (const auto& item : model->named_parameters()) named_params.emplace_back(item.key(), item.value());
+  Sgd sgd(named_params, so);
+  LossScalerOptions lso;
+  lso.enabled = options.precision == PrecisionMode::kAmpFP16;
+  LossScaler scaler(lso, device);
+
+  const int64_t steps_per_epoch = train_loader.steps_per_epoch();
+  ScheduleOptions sched;
+  sched.base_lr = options.lr;
+  sched.total_steps = steps_per_epoch * options.epochs;
+  sched.warmup_steps = static_cast<int64_t>(std::llround(options.warmup_epochs * static_cast<double>(steps_per_epoch)));
+  sched.validate();
+
+  Progress progress;
+  if (ckpt) {
+    named_tensors_load(model_state(*model), ckpt->model, "model", ckpt_file);
+    named_tensors_load(optimizer_state(sgd), ckpt->optimizer, "optimizer", ckpt_file);
+    named_tensors_load(scaler_state(scaler), ckpt->scaler, "loss scaler", ckpt_file);
+    progress = Progress::from_json(ckpt->progress, ckpt_file);
+    rng_restore(ckpt->rng, device);
+    TRIACCEL_CHECK_INPUT(progress.epoch_offset <= train_loader.size(), "checkpoint ", ckpt_file,
+                         " has a data cursor beyond the dataset (", progress.epoch_offset, " > ",
+                         train_loader.size(), ")");
+  }
+
+  const std::string events_path = (std::filesystem::path(options.out) / "events.jsonl").string();
+  const bool append = ckpt.has_value() && file_exists(events_path);
+  EventLog events(events_path, append);
+  const auto now = [&]() { return progress.elapsed_s + (time_since_start_s() - t_start); };
+  const int64_t params = model->parameter_count();
+  Json unit_names = Json::array();
+  for (const auto& u : model->units()) unit_names.push_back(u.name);
+  const Json resolved{{"options", options.to_json()},
+                      {"device", device_long_name(device)},
+                      {"params", params},
+                      {"units", unit_names},
+                      {"train_samples", train_loader.size()},
+                      {"test_samples", test_loader.size()},
+                      {"steps_per_epoch", steps_per_epoch},
+                      {"total_steps", sched.total_steps},
+                      {"warmup_steps", sched.warmup_steps},
+                      {"augment", train_lo.augment},
+                      {"dataset_resident_gb", static_cast<double>(train_loader.resident_bytes() +
+                                                                  test_loader.resident_bytes()) / kGB},
+                      {"torch_version", TORCH_VERSION}};
+  if (append) {
+    events.write("resume", progress.step, now(), Json{{"from", ckpt_file}, {"config", resolved}});
+  } else {
+    events.write("config", progress.step, now(), resolved);
+  }
+  ProgressPrinter printer(options.progress);
+  printer.line(c10::str("triaccel: ", options.model, " on ", options.dataset, " (", train_loader.size(),
+                        " train / ", test_loader.size(), " test), ", params, " params, ",
+                        precision_mode_name(options.precision), ", batch ", options.batch_size, ", ",
+                        device_long_name(device), append ? ", resumed at step " + std::to_string(progress.step) : ""));
+
+  StepOptions step_opts;
+  step_opts.precision = options.precision;
+  step_opts.cuda_graphs = options.cuda_graphs;
+  step_opts.graph_batch_size = options.batch_size;
+  step_opts.label_smoothing = options.label_smoothing;
+  TrainStep step(*model, sgd, scaler, step_opts, device);
+
+  // Peak VRAM: allocator peak since here, resident dataset included (it stays allocated for the whole run).
+  memory_stats_reset_peak(device);
+
+  const auto save_checkpoint = [&]() {
+    Checkpoint c;
+    c.config = options.to_json();
+    c.model_arch = options.model;
+    c.model = model_state(*model);
+    c.optimizer = optimizer_state(sgd);
+    c.scaler = scaler_state(scaler);
+    c.rng = rng_state(device);
+    Progress p = progress;
+    p.elapsed_s = now();
+    c.progress = p.to_json();
+    const std::string path = (std::filesystem::path(options.out) / kCheckpointFile).string();
+    checkpoint_write(path, c);
+    events.write("checkpoint", progress.step, now(), Json{{"path", path}, {"epoch", progress.epoch},
+                                                          {"epoch_offset", progress.epoch_offset}});
+  };
+
+  at::Tensor batch_images = train_loader.batch_images_empty(options.batch_size);
+  at::Tensor batch_labels = at::empty({options.batch_size}, at::TensorOptions().dtype(at::kLong).device(device));
+  bool stopped = false;
+  while (progress.epoch < options.epochs && !stopped) {
+    train_loader.epoch_begin(progress.epoch);
+    step.metrics_reset();
+    int64_t samples_this_session = 0;
+    device_synchronize(device);
+    double t_epoch = time_since_start_s();
+    double t_log = t_epoch;
+    int64_t samples_since_log = 0;
+    while (progress.epoch_offset < train_loader.size()) {
+      const int64_t count = std::min(options.batch_size, train_loader.size() - progress.epoch_offset);
+      at::Tensor images = count == options.batch_size ? batch_images : train_loader.batch_images_empty(count);
+      at::Tensor labels = count == options.batch_size ? batch_labels : batch_labels.narrow(0, 0, count);
+      train_loader.batch_into(progress.epoch_offset, count, images, labels);
+      const double lr = schedule_lr(sched, progress.step);
+      step.run(images, labels, lr);
+      progress.epoch_offset += count;
+      progress.step += 1;
+      samples_this_session += count;
+      samples_since_log += count;
+      if (hooks.after_step) hooks.after_step(progress.step);
+      const bool last_in_epoch = progress.epoch_offset >= train_loader.size();
+      if (progress.step % options.log_every == 0 || last_in_epoch) {
+        const double loss = step.last_loss().item<double>();  // syncs
+        const double t = time_since_start_s();
+        printer.step(progress.epoch, options.epochs, (progress.epoch_offset + options.batch_size - 1) / options.batch_size,
+                     steps_per_epoch, loss, lr, static_cast<double>(samples_since_log) / std::max(t - t_log, 1e-9));
+        t_log = t;
+        samples_since_log = 0;
+      }
+      if (options.max_steps > 0 && progress.step >= options.max_steps) {
+        stopped = true;
+        if (!last_in_epoch) break;
+      }
+      if (options.checkpoint_every > 0 && progress.step % options.checkpoint_every == 0 && !last_in_epoch) {
+        device_synchronize(device);
+        progress.epoch_train_s += time_since_start_s() - t_epoch;
+        save_checkpoint();
+        t_epoch = time_since_start_s();
+      }
+    }
+    device_synchronize(device);
+    progress.epoch_train_s += time_since_start_s() - t_epoch;
+    if (stopped && progress.epoch_offset < train_loader.size()) break;  // mid-epoch stop
+
+    // Epoch done: evaluate and log. Train metrics cover this session's part of the epoch.
+    const double train_s = progress.epoch_train_s;
+    const double t_eval = time_since_start_s();
+    const EvalResult test = evaluate(*model, test_loader, device, options.precision, options.eval_batch_size);
+    const double eval_s = time_since_start_s() - t_eval;
+    const MemoryStats mem = memory_stats(device);
+    progress.peak_vram_gb = std::max(progress.peak_vram_gb, static_cast<double>(mem.peak_allocated_bytes) / kGB);
+    const double seen = static_cast<double>(std::max<int64_t>(samples_this_session, 1));
+    progress.epoch_times.push_back(train_s);
+    progress.last_epoch = Json{{"epoch", progress.epoch + 1},
+                               {"train_loss", step.loss_sum().item<double>() / seen},
+                               {"train_acc", 100.0 * step.correct_sum().item<double>() / seen},
+                               {"test_loss", test.loss},
+                               {"test_acc", test.acc},
+                               {"epoch_s", train_s},
+                               {"eval_s", eval_s},
+                               {"images_per_s", static_cast<double>(samples_this_session) / std::max(train_s, 1e-9)},
+                               {"lr", schedule_lr(sched, progress.step - 1)},
+                               {"peak_vram_gb", progress.peak_vram_gb},
+                               {"skipped_steps", scaler.skipped_steps().item<double>()},
+                               {"loss_scale", scaler.scale_tensor().item<double>()},
+                               {"cuda_graph", step.graph_captured()}};
+    events.write("epoch", progress.step, now(), progress.last_epoch);
+    printer.line(c10::str("epoch ", progress.epoch + 1, "/", options.epochs, ": train loss ",
+                          progress.last_epoch["train_loss"].get<double>(), ", test acc ", test.acc, " %, ", train_s,
+                          " s"));
+    progress.epoch += 1;
+    progress.epoch_offset = 0;
+    progress.epoch_train_s = 0;
+    if (options.checkpoint_every == 0 || progress.epoch == options.epochs) save_checkpoint();
+  }
+
+  if (stopped && progress.epoch < options.epochs) {
+    save_checkpoint();
+    const Json fields{{"reason", "max_steps"}, {"epoch", progress.epoch}, {"epoch_offset", progress.epoch_offset}};
+    events.write("stop", progress.step, now(), fields);
+    printer.line(c10::str("stopped at step ", progress.step, " (--max-steps); continue with --resume ", options.out));
+    return fields;
+  }
+
+  const std::string model_path = (std::filesystem::path(options.out) / "model.pt").string();
+  model_export_state_dict(*model, model_path);
+  const double epoch_s = mean_of_last(progress.epoch_times, 5);
+  const double acc = progress.last_epoch.value("test_acc", 0.0);
+  Json summary{{"test_acc", acc},
+               {"test_loss", progress.last_epoch.value("test_loss", 0.0)},
+               {"epoch_s", epoch_s},
+               {"peak_vram_gb", progress.peak_vram_gb},
+               {"peak_vram_includes_dataset", true},
+               {"eff_score", (epoch_s > 0 && progress.peak_vram_gb > 0)
+                                 ? Json(acc / (epoch_s * progress.peak_vram_gb))
+                                 : Json(nullptr)},
+               {"params", params},
+               {"method", options.method},
+               {"model", options.model},
+               {"dataset", options.dataset},
+               {"precision", precision_mode_name(options.precision)},
+               {"batch_size", options.batch_size},
+               {"epochs", options.epochs},
+               {"steps", progress.step},
+               {"skipped_steps", scaler.skipped_steps().item<double>()},
+               {"total_s", now()},
+               {"device", device_long_name(device)},
+               {"model_path", model_path}};
+  events.write("summary", progress.step, now(), summary);
+  printer.line(c10::str("done: test acc ", acc, " %, ", epoch_s, " s/epoch, peak ", progress.peak_vram_gb,
+                        " GB; events in ", events_path));
+  return summary;
+}
+
+}  // namespace triaccel

@@ -1,0 +1,74 @@
+// A device-resident batch loader. The uint8 dataset is copied to the device once; each batch is gathered,
+// augmented and normalized there (kernels/augment.cu on CUDA, augment_reference on the CPU).
+// Determinism: the order and the augmentation of epoch e are a pure function of (seed, e), drawn on the CPU,
+// so a resumed run, a CPU run and a GPU run all see the same samples in the same order with the same crops.
+// Any batch is addressed by its offset in the epoch's order, so batch sizes may change mid-epoch without
+// skipping or repeating a sample.
+#pragma once
+
+#include "triaccel/data/dataset.h"
+
+#include <ATen/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace triaccel {
+
+struct LoaderOptions {
+  int64_t batch_size = 128;
+  bool shuffle = true;
+  bool augment = false;      // random crop with `pad` zero pixels on each side + horizontal flip
+  int64_t pad = 4;
+  int64_t image_size = 0;    // 0: native size; else bilinear resize to image_size × image_size
+  bool channels_last = false;
+  uint64_t seed = 0;
+
+  void validate() const;
+};
+
+class Loader {
+ public:
+  Loader(const Dataset& data, std::vector<float> mean, std::vector<float> std, LoaderOptions options,
+         const c10::Device& device);
+
+  // Draws the order (and augmentation) of epoch `epoch`. Must be called before batch().
+  void epoch_begin(int64_t epoch);
+
+  int64_t size() const { return labels_.size(0); }
+  int64_t steps_per_epoch() const { return (size() + options_.batch_size - 1) / options_.batch_size; }
+  int64_t image_height() const;
+  int64_t image_width() const;
+  int64_t channels() const { return images_.size(1); }
+  const LoaderOptions& options() const { return options_; }
+
+  // Samples [offset, offset + count) of the epoch's order: images (count, C, H', W') float32 (channels_last if
+  // asked) and labels (count) int64, on the device.
+  void batch_into(int64_t offset, int64_t count, at::Tensor& images, at::Tensor& labels) const;
+  std::pair<at::Tensor, at::Tensor> batch(int64_t offset, int64_t count) const;
+  at::Tensor batch_images_empty(int64_t count) const;  // an output buffer of the right shape and format
+
+  // Bytes of the device-resident copy (images + labels).
+  int64_t resident_bytes() const;
+
+ private:
+  LoaderOptions options_;
+  c10::Device device_;
+  std::vector<float> mean_, std_;
+  at::Tensor images_;   // (N, C, H, W) uint8 on device
+  at::Tensor labels_;   // (N) int64 on device
+  at::Tensor order_;    // (N) int64 on device: this epoch's sample order
+  at::Tensor shift_;    // (N, 2) int64 on device, or undefined
+  at::Tensor flip_;     // (N) uint8 on device, or undefined
+};
+
+// The CPU reference of kernels/augment.cu (same arguments; tensors on the CPU).
+void augment_reference(const at::Tensor& images, const at::Tensor& index, const at::Tensor& shift,
+                       const at::Tensor& flip, int64_t pad, const std::vector<float>& mean,
+                       const std::vector<float>& std, at::Tensor& out);
+
+// Mixes a seed with an epoch (or any stream id) into an independent 64-bit seed (splitmix64).
+uint64_t seed_mix(uint64_t seed, uint64_t stream);
+
+}  // namespace triaccel

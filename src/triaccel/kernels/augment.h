@@ -1,0 +1,19 @@
+// Fused batch assembly on the GPU: gather samples by index from the resident uint8 dataset, random crop with zero
+// padding, horizontal flip, scale to [0, 1] and per-channel normalization, written straight into the output tensor
+// in whatever memory format it has (NCHW or channels_last). Reference: augment_reference (data/loader.h).
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <vector>
+
+namespace triaccel {
+
+// images: (N, C, H, W) uint8 contiguous; index: (B) int64; shift: (B, 2) int64 crop offsets (dy, dx) in
+// [0, 2·pad] (undefined = no crop, i.e. dy = dx = pad); flip: (B) uint8 (undefined = no flip);
+// mean, std: C values (C ≤ 4); out: (B, C, H, W) float32, dense, on the same device.
+void augment_cuda(const at::Tensor& images, const at::Tensor& index, const at::Tensor& shift,
+                  const at::Tensor& flip, int64_t pad, const std::vector<float>& mean, const std::vector<float>& std,
+                  at::Tensor& out);
+
+}  // namespace triaccel

@@ -1,0 +1,18 @@
+// Fused multi-tensor SGD step (momentum, nesterov, per-tensor weight decay) for CUDA.
+// lr and found_inf are read on the device, so the step needs no host sync and can live inside a CUDA graph.
+// The reference for the math is sgd_step_reference (train/sgd.h).
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <vector>
+
+namespace triaccel {
+
+// params, grads, momenta: float32, contiguous (any memory format, dense), same device, same length lists.
+// lr, found_inf: float32 scalars (0-dim or 1 element) on the same device. If found_inf != 0 nothing changes.
+void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                   const std::vector<at::Tensor>& momenta, const std::vector<float>& weight_decays,
+                   const at::Tensor& lr, const at::Tensor& found_inf, float momentum, bool nesterov);
+
+}  // namespace triaccel

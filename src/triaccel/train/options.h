@@ -1,0 +1,63 @@
+// TrainOptions: everything a training run is configured by, with its defaults in one place. The CLI fills it,
+// validate() names any bad value, and to_json()/from_json() store it in events.jsonl and in every checkpoint.
+#pragma once
+
+#include "triaccel/core/json.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace triaccel {
+
+enum class PrecisionMode { kFP32, kAmpBF16, kAmpFP16 };
+
+std::string precision_mode_name(PrecisionMode mode);   // "fp32", "amp-bf16", "amp-fp16"
+PrecisionMode precision_mode_parse(const std::string& name);  // UserError for unknown names
+
+struct TrainOptions {
+  // What to train.
+  std::string method = "backprop";
+  std::string model = "small-cnn";
+  std::string dataset = "fashion-mnist";
+  std::string data_dir;             // empty: the dataset's default location
+
+  // How long. The schedule always spans `epochs`; max_steps only stops this run early (with a checkpoint).
+  int64_t epochs = 1;
+  int64_t max_steps = 0;            // 0: no limit
+
+  // Optimization: SGD with momentum, linear warm-up then cosine decay.
+  int64_t batch_size = 128;
+  double lr = 0.1;
+  double momentum = 0.9;
+  bool nesterov = true;
+  double weight_decay = 5e-4;       // not applied to norms and biases
+  double warmup_epochs = 1.0;
+  double label_smoothing = 0.0;
+  PrecisionMode precision = PrecisionMode::kFP32;
+
+  // Execution.
+  std::string device = "auto";      // auto | cpu | cuda
+  bool channels_last = true;        // CUDA only
+  bool cuda_graphs = true;          // CUDA only: capture the whole step where the batch shape is static
+  std::string augment = "auto";     // auto (on for CIFAR) | on | off: random crop (pad 4) + horizontal flip
+  int64_t image_size = 0;           // 0: native; else resize inputs (e.g. 224 for EfficientNet-B0 as in the paper)
+  int64_t eval_batch_size = 1000;
+
+  // Output and reproducibility.
+  std::string out = "runs/latest";
+  uint64_t seed = 0;
+  std::string resume;               // a run folder (or checkpoint file) to continue from
+  int64_t checkpoint_every = 0;     // steps; 0: at the end of every epoch (and always when stopping)
+  int64_t log_every = 50;           // steps between progress lines
+  std::string progress = "auto";    // auto (bar on a terminal, lines otherwise) | bar | lines | off
+
+  void validate() const;
+  bool augment_enabled() const;     // resolves "auto" from the dataset
+  Json to_json() const;
+  static TrainOptions from_json(const Json& json);  // UserError naming a missing or mistyped key
+};
+
+const std::vector<std::string>& method_names();
+
+}  // namespace triaccel

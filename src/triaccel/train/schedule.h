@@ -1,0 +1,21 @@
+// Learning-rate schedule: linear warm-up from lr/warmup_steps to lr over warmup_steps, then cosine decay to
+// min_lr_ratio·lr at total_steps. A pure function of the step, so a resumed run gets the same rate.
+#pragma once
+
+#include <cstdint>
+
+namespace triaccel {
+
+struct ScheduleOptions {
+  double base_lr = 0.1;
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 1;
+  double min_lr_ratio = 0.0;
+
+  void validate() const;
+};
+
+// The learning rate for optimizer step `step` (0-based). Steps past total_steps keep the final rate.
+double schedule_lr(const ScheduleOptions& options, int64_t step);
+
+}  // namespace triaccel

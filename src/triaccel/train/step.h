@@ -1,0 +1,79 @@
+// The training step: forward under autocast (per the precision mode), cross-entropy, scaled backward, non-finite
+// check and unscale, fused SGD, loss-scale update, and device-side metric accumulation — no host sync anywhere.
+// On CUDA, the step for the main batch size is captured once in a CUDA graph (after a few eager warm-up steps on
+// the same stream) and replayed; other batch sizes (an epoch's last, shorter batch) run eagerly. Invariants the
+// graph relies on: gradients, momentum buffers, the lr scalar and the static input buffers keep their addresses
+// for the life of the TrainStep (gradients are zeroed in place, never set to None).
+#pragma once
+
+#include "triaccel/models/model.h"
+#include "triaccel/train/loss_scaler.h"
+#include "triaccel/train/options.h"
+#include "triaccel/train/sgd.h"
+
+#include <ATen/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <map>
+#include <memory>
+
+namespace triaccel {
+
+struct StepOptions {
+  PrecisionMode precision = PrecisionMode::kFP32;
+  bool cuda_graphs = true;
+  int64_t graph_batch_size = 0;   // the batch size to capture (0: none)
+  int64_t warmup_steps = 3;       // eager steps at graph_batch_size before capture
+  double label_smoothing = 0.0;
+};
+
+// Sets autocast for the device from the precision mode for the scope's lifetime (and restores it after).
+class AutocastScope {
+ public:
+  AutocastScope(const c10::Device& device, PrecisionMode precision);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  c10::DeviceType type_;
+  bool prev_enabled_;
+  at::ScalarType prev_dtype_;
+  bool active_;
+};
+
+class TrainStep {
+ public:
+  TrainStep(Model& model, Sgd& sgd, LossScaler& scaler, StepOptions options, const c10::Device& device);
+  ~TrainStep();
+
+  // One optimizer step on (images, labels) at learning rate lr.
+  void run(const at::Tensor& images, const at::Tensor& labels, double lr);
+
+  // Device accumulators since metrics_reset(): summed per-sample loss, correct predictions, samples.
+  const at::Tensor& loss_sum() const { return loss_sum_; }
+  const at::Tensor& correct_sum() const { return correct_sum_; }
+  const at::Tensor& last_loss() const { return last_loss_; }
+  void metrics_reset();
+  bool graph_captured() const { return graph_ != nullptr; }
+
+ private:
+  void body(const at::Tensor& images, const at::Tensor& labels);
+  void capture(const at::Tensor& images, const at::Tensor& labels);
+
+  Model& model_;
+  Sgd& sgd_;
+  LossScaler& scaler_;
+  StepOptions options_;
+  c10::Device device_;
+  at::Tensor lr_;           // (1) float32 on device
+  at::Tensor loss_sum_;     // (1) float32
+  at::Tensor correct_sum_;  // (1) float32
+  at::Tensor last_loss_;    // (1) float32
+  int64_t eager_steps_at_graph_size_ = 0;
+
+  struct Graph;
+  std::unique_ptr<Graph> graph_;
+};
+
+}  // namespace triaccel

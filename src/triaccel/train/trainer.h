@@ -1,0 +1,29 @@
+// The trainer: owns the run. Loads data and model, resumes from a checkpoint if asked, runs the epochs through
+// TrainStep, evaluates, writes events.jsonl, checkpoints and the exported model.pt, and returns the summary.
+// Output folder layout (OUT = --out):
+//   OUT/events.jsonl   config (first line), epoch, checkpoint, ... summary (last line)
+//   OUT/checkpoint.pt  the latest checkpoint (train/checkpoint.h)
+//   OUT/model.pt       the final weights as a torchvision-named state_dict
+#pragma once
+
+#include "triaccel/core/json.h"
+#include "triaccel/train/options.h"
+
+#include <functional>
+
+namespace triaccel {
+
+struct TrainHooks {
+  // Called after every optimizer step with the global step count (tests use it to stop or inspect).
+  std::function<void(int64_t step)> after_step;
+};
+
+// Runs training; returns the summary event's fields. Throws UserError for bad input.
+Json train_run(const TrainOptions& options, const TrainHooks& hooks = {});
+
+// Applies --resume: reads the checkpoint's configuration and overlays the options the user set explicitly.
+// `explicit_keys` are TrainOptions JSON keys given on the command line; a key that would change the run's
+// identity (model, dataset, batch size, precision, ...) and differs from the checkpoint is refused.
+TrainOptions resume_options(const TrainOptions& given, const std::vector<std::string>& explicit_keys);
+
+}  // namespace triaccel
