@@ -1,1 +1,154 @@
-int main() { return 0; }
+// Training-step throughput and peak VRAM of triaccel's step (TrainStep: autocast, fused SGD, loss scaler, CUDA
+// graph) on synthetic GPU-resident input, for each batch size × precision. The PyTorch eager reference
+// (bench/pytorch_reference.py) measures the same protocol; bench/run_foundation.sh runs both in one job.
+// Protocol (DESIGN.md): warm up, synchronize, time `steps` steps with CUDA events, repeat, report the median
+// images/s; peak VRAM = the allocator's peak allocated bytes from model creation to the end of the timed steps.
+#include "triaccel/core/device.h"
+#include "triaccel/core/errors.h"
+#include "triaccel/core/io.h"
+#include "triaccel/core/json.h"
+#include "triaccel/models/model.h"
+#include "triaccel/train/loss_scaler.h"
+#include "triaccel/train/options.h"
+#include "triaccel/train/sgd.h"
+#include "triaccel/train/step.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <CLI/CLI.hpp>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+namespace {
+
+using triaccel::Json;
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(item);
+  return out;
+}
+
+struct Config {
+  std::string model;
+  int64_t batch;
+  triaccel::PrecisionMode precision;
+  bool channels_last;
+  bool cuda_graphs;
+  int64_t image_size;
+};
+
+Json bench_one(const Config& cfg, int warmup, int steps, int repeats, const c10::Device& device) {
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  triaccel::memory_stats_reset_peak(device);
+  torch::manual_seed(0);
+  triaccel::ModelOptions mo;
+  mo.name = cfg.model;
+  mo.image_size = cfg.image_size;
+  auto model = triaccel::model_create(mo);
+  model->to(device);
+  const auto mf = cfg.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  {
+    const torch::NoGradGuard no_grad;
+    for (auto& p : model->parameters()) {
+      if (p.dim() == 4) p.set_data(p.contiguous(mf));
+    }
+  }
+  model->train();
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& it : model->named_parameters()) named.emplace_back(it.key(), it.value());
+  triaccel::Sgd sgd(named, triaccel::SgdOptions{0.9, true, 5e-4});
+  triaccel::LossScalerOptions lso;
+  lso.enabled = cfg.precision == triaccel::PrecisionMode::kAmpFP16;
+  triaccel::LossScaler scaler(lso, device);
+  triaccel::StepOptions so;
+  so.precision = cfg.precision;
+  so.cuda_graphs = cfg.cuda_graphs;
+  so.graph_batch_size = cfg.batch;
+  triaccel::TrainStep step(*model, sgd, scaler, so, device);
+
+  const auto opts = at::TensorOptions().device(device);
+  const at::Tensor images = torch::randn({cfg.batch, 3, cfg.image_size, cfg.image_size}, opts).contiguous(mf);
+  const at::Tensor labels = torch::randint(0, 10, {cfg.batch}, opts.dtype(at::kLong));
+  for (int i = 0; i < warmup; ++i) step.run(images, labels, 0.01);
+  triaccel::device_synchronize(device);
+
+  std::vector<double> rates;
+  for (int r = 0; r < repeats; ++r) {
+    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+    start.record();
+    for (int i = 0; i < steps; ++i) step.run(images, labels, 0.01);
+    stop.record();
+    stop.synchronize();
+    const double ms = start.elapsed_time(stop);
+    rates.push_back(static_cast<double>(cfg.batch * steps) / (ms / 1000.0));
+  }
+  std::sort(rates.begin(), rates.end());
+  const auto mem = triaccel::memory_stats(device);
+  const double loss = step.last_loss().item<double>();
+  return Json{{"model", cfg.model},
+              {"batch", cfg.batch},
+              {"precision", triaccel::precision_mode_name(cfg.precision)},
+              {"channels_last", cfg.channels_last},
+              {"cuda_graphs", cfg.cuda_graphs},
+              {"image_size", cfg.image_size},
+              {"images_per_s", rates[rates.size() / 2]},
+              {"images_per_s_min", rates.front()},
+              {"images_per_s_max", rates.back()},
+              {"peak_allocated_gb", static_cast<double>(mem.peak_allocated_bytes) / 1e9},
+              {"graph_captured", step.graph_captured()},
+              {"final_loss_finite", std::isfinite(loss)}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_train_throughput: triaccel training-step throughput and peak VRAM (synthetic input)"};
+  std::string model = "resnet18", batches = "96,512", precisions = "fp32,amp-bf16,amp-fp16", out;
+  int warmup = 15, steps = 50, repeats = 5;
+  int64_t image_size = 32;
+  bool channels_last = true, cuda_graphs = true;
+  app.add_option("--model", model, "model")->capture_default_str();
+  app.add_option("--batch-sizes", batches, "comma-separated batch sizes")->capture_default_str();
+  app.add_option("--precisions", precisions, "comma-separated precision modes")->capture_default_str();
+  app.add_option("--image-size", image_size, "input height and width")->capture_default_str();
+  app.add_option("--warmup", warmup, "warm-up steps (graph capture included)")->capture_default_str();
+  app.add_option("--steps", steps, "timed steps per repeat")->capture_default_str();
+  app.add_option("--repeats", repeats, "repeats (the median is reported)")->capture_default_str();
+  app.add_option("--channels-last", channels_last, "channels_last layout")->capture_default_str();
+  app.add_option("--cuda-graphs", cuda_graphs, "capture the step in a CUDA graph")->capture_default_str();
+  app.add_option("--out", out, "write the rows as JSON here");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    TRIACCEL_CHECK_INPUT(torch::cuda::is_available(), "bench_train_throughput needs a CUDA GPU");
+    const c10::Device device(c10::kCUDA, 0);
+    const c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromPool(false, 0));
+    at::globalContext().setBenchmarkCuDNN(true);
+    Json rows = Json::array();
+    for (const auto& b : split(batches)) {
+      for (const auto& p : split(precisions)) {
+        const Config cfg{model, std::stoll(b), triaccel::precision_mode_parse(p), channels_last, cuda_graphs,
+                         image_size};
+        Json row = bench_one(cfg, warmup, steps, repeats, device);
+        std::printf("triaccel %-16s batch %4lld %-9s %9.0f img/s  peak %.3f GB\n", model.c_str(),
+                    static_cast<long long>(cfg.batch), p.c_str(), row["images_per_s"].get<double>(),
+                    row["peak_allocated_gb"].get<double>());
+        std::fflush(stdout);
+        rows.push_back(row);
+      }
+    }
+    const Json result{{"system", "triaccel"}, {"gpu", triaccel::device_long_name(device)}, {"rows", rows}};
+    if (!out.empty()) triaccel::file_write_atomic(out, result.dump(2) + "\n");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_train_throughput: error: %s\n", triaccel::error_one_line(e).c_str());
+    return 2;
+  }
+}

@@ -1,1 +1,85 @@
-exit 0
+#!/usr/bin/env bash
+# Bad input through the real CLI: each case asserts the exit code and a phrase of the one-line error, and that no
+# partial output that looks valid is left behind. Usage: run_cli_tests.sh path/to/triaccel
+set -u
+CLI=${1:?usage: run_cli_tests.sh path/to/triaccel}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+passed=0
+failed=0
+
+# expect NAME EXIT_CODE PHRASE -- ARGS...
+expect() {
+  local name=$1 code=$2 phrase=$3
+  shift 4
+  local out rc
+  out=$("$CLI" "$@" 2>&1)
+  rc=$?
+  local lines
+  lines=$(printf '%s\n' "$out" | grep -c 'triaccel: error' || true)
+  if [ "$rc" -eq "$code" ] && printf '%s' "$out" | grep -qF -- "$phrase" && { [ "$code" -eq 0 ] || [ "$lines" -eq 1 ]; }; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
+    echo "FAIL $name: exit $rc (want $code), output: $out (want phrase: $phrase)"
+  fi
+}
+
+# A tiny MNIST-layout dataset (IDX) for the cases that need data.
+python3 - "$WORK/mnist" <<'PY'
+import os, struct, sys, random
+d = sys.argv[1]; os.makedirs(d)
+random.seed(0)
+def write(prefix, n):
+    labels = bytes(random.randrange(10) for _ in range(n))
+    pixels = bytes(random.randrange(256) for _ in range(n * 784))
+    open(f"{d}/{prefix}-images-idx3-ubyte", "wb").write(struct.pack(">IIII", 0x803, n, 28, 28) + pixels)
+    open(f"{d}/{prefix}-labels-idx1-ubyte", "wb").write(struct.pack(">II", 0x801, n) + labels)
+write("train", 96); write("t10k", 32)
+PY
+TINY=(--dataset mnist --data "$WORK/mnist" --model small-cnn --device cpu --batch-size 32 --progress off)
+
+expect help_lists_flags 0 "--resume" -- train --help
+expect unknown_flag 2 "--bogus" -- train --bogus 1
+expect unknown_subcommand 2 "error" -- frobnicate
+expect unknown_model 2 "--model must be one of" -- train "${TINY[@]}" --model resnet99
+expect unknown_dataset 2 "--dataset must be one of" -- train --dataset imagenet
+expect batch_zero 2 "--batch-size must be > 0, got 0" -- train "${TINY[@]}" --batch-size 0
+expect batch_text 2 "--batch-size" -- train --batch-size many
+expect bad_precision 2 "--precision must be fp32, amp-bf16 or amp-fp16, got 'fp8'" -- train "${TINY[@]}" --precision fp8
+expect bad_lr 2 "--lr must be a positive number" -- train "${TINY[@]}" --lr -1
+expect bad_device 2 "--device must be auto, cpu or cuda" -- train "${TINY[@]}" --device tpu
+expect warmup_too_long 2 "--warmup-epochs must be in [0, --epochs = 1]" -- train "${TINY[@]}" --warmup-epochs 3
+expect missing_cifar 2 "data_batch_1.bin" -- train --dataset cifar10 --data "$WORK/nothing-here" --out "$WORK/o1"
+expect unwritable_out 2 "--out" -- train "${TINY[@]}" --out /proc/triaccel-cannot-write
+touch "$WORK/a-file"
+expect out_is_file 2 "--out" -- train "${TINY[@]}" --out "$WORK/a-file/sub"
+
+# Truncated data file: the error names the file.
+mkdir -p "$WORK/trunc" && cp "$WORK/mnist"/* "$WORK/trunc/"
+head -c 5000 "$WORK/mnist/train-images-idx3-ubyte" > "$WORK/trunc/train-images-idx3-ubyte"
+expect truncated_data 2 "train-images-idx3-ubyte" -- train "${TINY[@]}" --data "$WORK/trunc" --out "$WORK/o2"
+if [ -e "$WORK/o2/events.jsonl" ] && grep -q '"summary"' "$WORK/o2/events.jsonl"; then
+  failed=$((failed + 1)); echo "FAIL truncated_data left a summary behind"
+fi
+
+# A run stopped by --max-steps leaves a checkpoint and no model.pt; resuming it with another model is refused.
+expect stop_early 0 "" -- train "${TINY[@]}" --epochs 2 --max-steps 2 --out "$WORK/run"
+if [ -f "$WORK/run/checkpoint.pt" ] && [ ! -e "$WORK/run/model.pt" ]; then passed=$((passed + 1)); else
+  failed=$((failed + 1)); echo "FAIL stop_early: want checkpoint.pt and no model.pt"; fi
+expect resume_other_model 2 "differs from the checkpoint" -- train --resume "$WORK/run" --model resnet18 --progress off
+expect resume_missing 2 "no checkpoint at" -- train --resume "$WORK/nowhere" --progress off
+cp "$WORK/run/checkpoint.pt" "$WORK/good.pt"
+head -c 3000 "$WORK/good.pt" > "$WORK/run/checkpoint.pt"
+expect resume_truncated 2 "is corrupt or truncated" -- train --resume "$WORK/run" --progress off
+cp "$WORK/good.pt" "$WORK/run/checkpoint.pt"
+expect resume_finishes 0 "" -- train --resume "$WORK/run" --progress off
+if [ -f "$WORK/run/model.pt" ] && tail -n 1 "$WORK/run/events.jsonl" | grep -q '"event":"summary"'; then
+  passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL resume_finishes: no model.pt or summary"; fi
+
+if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  expect no_gpu 2 "no CUDA GPU is visible" -- train "${TINY[@]}" --device cuda
+fi
+
+echo "cli: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]

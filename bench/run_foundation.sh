@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The foundation's GPU job, in one call on the device machine (see docs/measuring.md):
+#   1. binaries: the ones carried in .device/bin if they run here, else a fresh build (cmake + ninja)
+#   2. every unit test on the GPU (GPU tests skip on a CPU machine, so this is where they really run)
+#   3. throughput + peak VRAM: bench_train_throughput and the PyTorch eager reference, same GPU, same job
+#   4. accuracy: ResNet-18 on the CIFAR-10 copy (batch 96 fp32 and amp-fp16, 10 epochs; batch 512 amp-bf16, 30)
+# Results go to $OUT (copied by hand to bench/results/<gpu>/). Usage: bash bench/run_foundation.sh [stages]
+# where stages ⊆ {tests,bench,accuracy} (default: all).
+set -uo pipefail
+STAGES=${1:-tests,bench,accuracy}
+OUT=${OUT:-out/foundation}
+mkdir -p "$OUT"
+ROOT=$(pwd)
+TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+export LD_LIBRARY_PATH="$TORCH_LIB:${LD_LIBRARY_PATH:-}"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "gpu: $GPU; torch: $(python3 -c 'import torch; print(torch.__version__)')"
+
+BIN=.device/bin
+if ! "$BIN/triaccel_tests" --gtest_list_tests >/dev/null 2>&1; then
+  echo "carried binaries do not run here; building"
+  TORCH_PREFIX=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
+    -DTRIACCEL_CUDA_ARCHITECTURES=90 >"$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
+  cmake --build build-gpu -j 16 >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
+  BIN=build-gpu
+fi
+cat > "$OUT/commands.txt" <<TXT
+gpu: $GPU
+host command: bash bench/run_foundation.sh $STAGES
+TXT
+
+summary=()
+if [[ $STAGES == *tests* ]]; then
+  "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1
+  rc=$?
+  tail -5 "$OUT/unit_tests_gpu.log"
+  summary+=("unit tests on GPU: exit $rc ($(grep -c '^\[       OK \]\|OK \]' "$OUT/unit_tests_gpu.log") ok lines; see unit_tests_gpu.log)")
+fi
+
+if [[ $STAGES == *bench* ]]; then
+  "$BIN/bench_train_throughput" --out "$OUT/ours.json" 2>&1 | tee "$OUT/bench.log"
+  python3 bench/pytorch_reference.py --out "$OUT/pytorch.json" 2>&1 | tee -a "$OUT/bench.log"
+  python3 bench/merge_results.py --ours "$OUT/ours.json" --pytorch "$OUT/pytorch.json" --bench train_throughput \
+    --gpu "$GPU" --command "bash bench/run_foundation.sh bench" --out "$OUT/train_throughput.json" | tee "$OUT/throughput_table.txt"
+fi
+
+if [[ $STAGES == *accuracy* ]]; then
+  DATA=/tmp/cifar10-bin
+  if [ ! -f "$DATA/test_batch.bin" ]; then
+    python3 .device/data/build_cifar10_bin.py "$DATA" >/dev/null 2>&1 || { echo "CIFAR conversion failed"; exit 1; }
+  fi
+  run() {  # name, then train flags
+    local name=$1; shift
+    echo "== $name: triaccel train $*" | tee -a "$OUT/commands.txt"
+    "$BIN/triaccel" train --model resnet18 --dataset cifar10 --data "$DATA" --progress lines --log-every 100000 \
+      --out "/tmp/runs/$name" "$@" 2>&1 | tail -3
+    cp "/tmp/runs/$name/events.jsonl" "$OUT/$name.events.jsonl"
+  }
+  run b96_fp32 --batch-size 96 --lr 0.075 --epochs 10 --precision fp32 --label-smoothing 0.1
+  run b96_fp16 --batch-size 96 --lr 0.075 --epochs 10 --precision amp-fp16 --label-smoothing 0.1
+  run b512_bf16 --batch-size 512 --lr 0.4 --epochs 30 --warmup-epochs 2 --precision amp-bf16 --label-smoothing 0.1
+  python3 - "$OUT" <<'PY'
+import json, sys, glob, os
+out = sys.argv[1]
+rows = []
+for f in sorted(glob.glob(f"{out}/*.events.jsonl")):
+    ev = [json.loads(l) for l in open(f)]
+    s = ev[-1]
+    if s["event"] != "summary":
+        print(f"{f}: no summary"); continue
+    cfg = ev[0]["options"] if ev[0]["event"] == "config" else {}
+    rows.append({"run": os.path.basename(f).split(".")[0], "batch": s["batch_size"], "precision": s["precision"],
+                 "epochs": s["epochs"], "test_acc": round(s["test_acc"], 2), "epoch_s": round(s["epoch_s"], 3),
+                 "peak_vram_gb": round(s["peak_vram_gb"], 3), "eff_score": round(s["eff_score"], 2),
+                 "skipped_steps": s["skipped_steps"], "lr": cfg.get("lr"), "label_smoothing": cfg.get("label_smoothing")})
+json.dump({"bench": "resnet18_cifar10_accuracy", "rows": rows}, open(f"{out}/accuracy.json", "w"), indent=2)
+print(f"{'run':10s} {'acc %':>7s} {'s/epoch':>8s} {'peak GB':>8s} {'eff':>7s}")
+for r in rows:
+    print(f"{r['run']:10s} {r['test_acc']:7.2f} {r['epoch_s']:8.3f} {r['peak_vram_gb']:8.3f} {r['eff_score']:7.2f}")
+PY
+fi
+for s in "${summary[@]}"; do echo "$s"; done
+[ -f "$OUT/throughput_table.txt" ] && cat "$OUT/throughput_table.txt"
+exit 0
