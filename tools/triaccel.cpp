@@ -53,7 +53,7 @@ struct TrainFlags {
                                        "weight decay (not applied to norms and biases)")
                             ->capture_default_str());
     add("warmup_epochs", app.add_option("--warmup-epochs", o.warmup_epochs,
-                                        "linear warm-up length in epochs (then cosine decay to 0)")
+                                        "linear warm-up in epochs, then cosine decay to 0 (-1: auto = min(1, 0.1 × epochs))")
                              ->capture_default_str());
     add("label_smoothing", app.add_option("--label-smoothing", o.label_smoothing, "label smoothing for the loss")
                                ->capture_default_str());
@@ -108,6 +108,7 @@ int main(int argc, char** argv) {
 
   TrainFlags train_flags;
   CLI::App* train = app.add_subcommand("train", "train a model; writes OUT/events.jsonl, checkpoint.pt, model.pt");
+  train->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // a repeated flag: last wins
   train_flags.declare(*train);
 
   try {

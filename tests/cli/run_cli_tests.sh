@@ -48,9 +48,12 @@ expect batch_zero 2 "--batch-size must be > 0, got 0" -- train "${TINY[@]}" --ba
 expect batch_text 2 "--batch-size" -- train --batch-size many
 expect bad_precision 2 "--precision must be fp32, amp-bf16 or amp-fp16, got 'fp8'" -- train "${TINY[@]}" --precision fp8
 expect bad_lr 2 "--lr must be a positive number" -- train "${TINY[@]}" --lr -1
+expect last_flag_wins 2 "--batch-size must be > 0, got 0" -- train "${TINY[@]}" --batch-size 8 --batch-size 0
 expect bad_device 2 "--device must be auto, cpu or cuda" -- train "${TINY[@]}" --device tpu
-expect warmup_too_long 2 "--warmup-epochs must be in [0, --epochs = 1]" -- train "${TINY[@]}" --warmup-epochs 3
-expect missing_cifar 2 "data_batch_1.bin" -- train --dataset cifar10 --data "$WORK/nothing-here" --out "$WORK/o1"
+expect warmup_too_long 2 "--warmup-epochs must be -1 (auto) or in [0, --epochs = 1], got 3" -- train "${TINY[@]}" --warmup-epochs 3
+expect missing_cifar_dir 2 "build_cifar10_bin.py" -- train --dataset cifar10 --data "$WORK/nothing-here" --out "$WORK/o1"
+mkdir -p "$WORK/empty"
+expect missing_cifar_file 2 "data_batch_1.bin" -- train --dataset cifar10 --data "$WORK/empty" --out "$WORK/o1"
 expect unwritable_out 2 "--out" -- train "${TINY[@]}" --out /proc/triaccel-cannot-write
 touch "$WORK/a-file"
 expect out_is_file 2 "--out" -- train "${TINY[@]}" --out "$WORK/a-file/sub"
@@ -64,7 +67,7 @@ if [ -e "$WORK/o2/events.jsonl" ] && grep -q '"summary"' "$WORK/o2/events.jsonl"
 fi
 
 # A run stopped by --max-steps leaves a checkpoint and no model.pt; resuming it with another model is refused.
-expect stop_early 0 "" -- train "${TINY[@]}" --epochs 2 --max-steps 2 --out "$WORK/run"
+expect stop_early 0 "stopped at step 2" -- train "${TINY[@]}" --epochs 2 --max-steps 2 --out "$WORK/run" --progress lines
 if [ -f "$WORK/run/checkpoint.pt" ] && [ ! -e "$WORK/run/model.pt" ]; then passed=$((passed + 1)); else
   failed=$((failed + 1)); echo "FAIL stop_early: want checkpoint.pt and no model.pt"; fi
 expect resume_other_model 2 "differs from the checkpoint" -- train --resume "$WORK/run" --model resnet18 --progress off
@@ -73,7 +76,7 @@ cp "$WORK/run/checkpoint.pt" "$WORK/good.pt"
 head -c 3000 "$WORK/good.pt" > "$WORK/run/checkpoint.pt"
 expect resume_truncated 2 "is corrupt or truncated" -- train --resume "$WORK/run" --progress off
 cp "$WORK/good.pt" "$WORK/run/checkpoint.pt"
-expect resume_finishes 0 "" -- train --resume "$WORK/run" --progress off
+expect resume_finishes 0 "done: test acc" -- train --resume "$WORK/run" --progress lines
 if [ -f "$WORK/run/model.pt" ] && tail -n 1 "$WORK/run/events.jsonl" | grep -q '"event":"summary"'; then
   passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL resume_finishes: no model.pt or summary"; fi
 

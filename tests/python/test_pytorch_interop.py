@@ -4,8 +4,10 @@
 Usage:
   test_pytorch_interop.py [TRIACCEL_CLI] [--model-pt PATH --arch {resnet18,efficientnet-b0,small-cnn}]
 
-With only the CLI path (how ctest calls it today) the script prints "skipped: no model.pt given" and exits 0;
-wiring it to `triaccel` so that it trains and exports a model first is still to do. With --model-pt it loads
+With only the CLI path (how ctest calls it) the script writes a tiny CIFAR-10-layout dataset, trains ResNet-18
+on it for one epoch on the CPU with the CLI, and checks the run's model.pt (loads into torchvision strict, and the
+loaded model reproduces the run's reported test accuracy) and checkpoint.pt (torch.load reads it with
+weights_only=True; its "model" entry equals model.pt). With --model-pt it loads
 the file with torch.load(weights_only=True), checks that it is a dict of tensors, builds the torchvision model
 (ResNet-18 with the CIFAR stem, EfficientNet-B0; small-cnn has no torchvision twin, so only the dict is checked)
 with the class count and input channels read from the file, and loads it with strict=True.
@@ -79,15 +81,90 @@ def check_state_dict(path, arch):
     return model
 
 
+def write_tiny_cifar10(folder, n_train=64, n_test=32, seed=0):
+    """CIFAR-10 binary files (1 label byte + 3072 planar RGB bytes per record) with random pixels."""
+    import os
+    import random
+
+    rng = random.Random(seed)
+    os.makedirs(folder, exist_ok=True)
+
+    def records(n):
+        return b"".join(bytes([rng.randrange(10)]) + rng.randbytes(3072) for _ in range(n))
+
+    for i in range(1, 6):
+        with open(os.path.join(folder, f"data_batch_{i}.bin"), "wb") as f:
+            f.write(records(n_train // 5 if i < 5 else n_train - 4 * (n_train // 5)))
+    with open(os.path.join(folder, "test_batch.bin"), "wb") as f:
+        f.write(records(n_test))
+
+
+def check_cli_run(cli):
+    """Trains ResNet-18 for one epoch on a tiny dataset with the CLI and checks model.pt and checkpoint.pt."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "cifar")
+        out = os.path.join(tmp, "run")
+        write_tiny_cifar10(data)
+        cmd = [cli, "train", "--model", "resnet18", "--dataset", "cifar10", "--data", data, "--epochs", "1",
+               "--batch-size", "32", "--device", "cpu", "--progress", "off", "--out", out]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise InteropError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
+        model = check_state_dict(os.path.join(out, "model.pt"), "resnet18")
+
+        # The loaded torchvision model reproduces the accuracy triaccel reported on the same (unaugmented) test set.
+        raw = open(os.path.join(data, "test_batch.bin"), "rb").read()
+        n = len(raw) // 3073
+        rec = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(n, 3073)
+        labels = rec[:, 0].long()
+        images = rec[:, 1:].view(n, 3, 32, 32).float() / 255.0
+        train = b"".join(open(os.path.join(data, f"data_batch_{i}.bin"), "rb").read() for i in range(1, 6))
+        tr = torch.frombuffer(bytearray(train), dtype=torch.uint8).view(-1, 3073)[:, 1:].view(-1, 3, 32, 32).double()
+        mean = (tr / 255.0).mean(dim=(0, 2, 3)).float()
+        std = (tr / 255.0).std(dim=(0, 2, 3), unbiased=False).float()
+        with torch.no_grad():
+            logits = model((images - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1))
+        acc = 100.0 * (logits.argmax(1) == labels).float().mean().item()
+        summary = json.loads(open(os.path.join(out, "events.jsonl")).read().splitlines()[-1])
+        if summary.get("event") != "summary" or abs(summary["test_acc"] - acc) > 1e-6:
+            raise InteropError(f"torchvision accuracy {acc} != triaccel's reported {summary.get('test_acc')}")
+
+        ckpt = torch.load(os.path.join(out, "checkpoint.pt"), map_location="cpu", weights_only=True)
+        if ckpt.get("format") != "triaccel-checkpoint":
+            raise InteropError(f"checkpoint.pt format is {ckpt.get('format')!r}")
+        exported = torch.load(os.path.join(out, "model.pt"), map_location="cpu", weights_only=True)
+        if set(ckpt["model"]) != set(exported):
+            raise InteropError("checkpoint.pt's model entry and model.pt have different keys")
+        for k, v in exported.items():
+            if not torch.equal(ckpt["model"][k].to(v.dtype), v):
+                raise InteropError(f"checkpoint.pt's model[{k!r}] differs from model.pt")
+        return acc
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("cli", nargs="?", help="path to the triaccel CLI (not used yet)")
+    parser.add_argument("cli", nargs="?", help="path to the triaccel CLI: train a tiny run and check its files")
     parser.add_argument("--model-pt", help="state_dict file written by triaccel")
     parser.add_argument("--arch", choices=ARCHS, help="architecture of --model-pt")
     args = parser.parse_args(argv)
 
     if args.model_pt is None:
-        print("skipped: no model.pt given")
+        if args.cli is None:
+            parser.error("give the triaccel CLI path or --model-pt")
+        try:
+            acc = check_cli_run(args.cli)
+        except InteropError as e:
+            print(f"FAIL: {e}".replace("\n", " "), file=sys.stderr)
+            return 1
+        print(f"ok: model.pt loads into torchvision resnet18 (strict) and reproduces test acc {acc:.2f} %; "
+              "checkpoint.pt loads with weights_only=True")
         return 0
     if args.arch is None:
         parser.error("--model-pt needs --arch")

@@ -105,6 +105,12 @@ void augment_reference(const at::Tensor& images, const at::Tensor& index, const 
                        const std::vector<float>& std, at::Tensor& out) {
   const int64_t B = index.numel();
   const int64_t C = images.size(1), H = images.size(2), W = images.size(3);
+  const at::Tensor m = at::tensor(mean, at::kFloat).view({1, C, 1, 1}).to(images.device());
+  const at::Tensor s = at::tensor(std, at::kFloat).view({1, C, 1, 1}).to(images.device());
+  if (!shift.defined() && !flip.defined()) {  // no augmentation: gather and normalize
+    out.copy_((images.index_select(0, index).to(at::kFloat) / 255.0 - m) / s);
+    return;
+  }
   // (B, C, H + 2·pad, W + 2·pad) float, zero borders.
   const at::Tensor padded = at::constant_pad_nd(images.index_select(0, index).to(at::kFloat), {pad, pad, pad, pad}, 0);
   const at::Tensor shift_cpu = shift.defined() ? shift.cpu() : at::Tensor();
@@ -118,8 +124,6 @@ void augment_reference(const at::Tensor& images, const at::Tensor& index, const 
     if (flip_cpu.defined() && flip_cpu[b].item<uint8_t>() != 0) crop = crop.flip({2});
     crops.push_back(crop);
   }
-  const at::Tensor m = at::tensor(mean, at::kFloat).view({1, C, 1, 1}).to(images.device());
-  const at::Tensor s = at::tensor(std, at::kFloat).view({1, C, 1, 1}).to(images.device());
   out.copy_((at::stack(crops) / 255.0 - m) / s);
 }
 

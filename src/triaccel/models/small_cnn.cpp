@@ -1,5 +1,5 @@
-// A small, fast CNN for CPU runs and tests: three conv3x3-BN-ReLU blocks (in→32, 32→64 stride 2,
-// 64→128 stride 2), global average pool, linear. 94,186 parameters for 1 input channel and 10 classes
+// A small, fast CNN for CPU runs and tests: three conv3x3-BN-ReLU blocks (in→32 stride 2, 32→64 stride 2,
+// 64→128), global average pool, linear. 94,186 parameters for 1 input channel and 10 classes
 // (94,762 for 3 channels). Invariants: modules are named "block1.0" (conv) / "block1.1" (bn) ... "fc",
 // units are "block1", "block2", "block3", "fc" and every parameter is in exactly one of them; initialization
 // as in torchvision's ResNet (kaiming-normal fan-out convs, BatchNorm 1 / 0, Linear default).
@@ -36,15 +36,15 @@ class SmallCnn final : public Model {
  public:
   explicit SmallCnn(const ModelOptions& options) : Model("small-cnn") {
     const int64_t in_channels = options.in_channels;
-    auto block1 = register_module("block1", ConvBlock(in_channels, 32, 1));
+    auto block1 = register_module("block1", ConvBlock(in_channels, 32, 2));
     auto block2 = register_module("block2", ConvBlock(32, 64, 2));
-    auto block3 = register_module("block3", ConvBlock(64, 128, 2));
+    auto block3 = register_module("block3", ConvBlock(64, 128, 1));
     auto fc = register_module("fc", torch::nn::Linear(128, options.num_classes));
 
     unit_add("block1", {block1}, [block1, in_channels](const at::Tensor& x) {
       TORCH_CHECK(x.dim() == 4 && x.size(1) == in_channels, "small-cnn expects input (N, ", in_channels,
                   ", H, W), got ", x.sizes());
-      return block1->forward(x);  // (N, 32, H, W)
+      return block1->forward(x);  // (N, 32, H / 2, W / 2)
     });
     unit_add("block2", {block2}, [block2](const at::Tensor& x) { return block2->forward(x); });
     unit_add("block3", {block3}, [block3](const at::Tensor& x) { return block3->forward(x); });

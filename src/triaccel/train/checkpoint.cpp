@@ -2,11 +2,11 @@
 
 #include "triaccel/core/errors.h"
 #include "triaccel/core/io.h"
+#include "triaccel/core/torch_file.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <torch/autograd.h>
-#include <torch/serialize.h>
 #include <zlib.h>
 
 #include <filesystem>
@@ -91,8 +91,7 @@ void checkpoint_write(const std::string& path, const Checkpoint& checkpoint) {
   d.insert("rng", to_dict(c.rng));
   d.insert("progress", c.progress.dump());
   d.insert("checksum", static_cast<int64_t>(checkpoint_checksum(c)));
-  const std::vector<char> bytes = torch::pickle_save(c10::IValue(d));
-  file_write_atomic(path, std::string(bytes.begin(), bytes.end()));
+  file_write_atomic(path, torch_save_bytes(c10::IValue(d)));
 }
 
 Checkpoint checkpoint_read(const std::string& path) {
@@ -100,7 +99,7 @@ Checkpoint checkpoint_read(const std::string& path) {
   TRIACCEL_CHECK_INPUT(!bytes.empty(), "checkpoint ", path, " is empty; resume from another run folder");
   c10::IValue root;
   try {
-    root = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+    root = torch_load_bytes(bytes);
   } catch (const std::exception& e) {
     throw UserError("checkpoint " + path + " is corrupt or truncated (" + error_one_line(e) +
                     "); resume from another checkpoint or start afresh");

@@ -58,8 +58,8 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(lr > 0 && std::isfinite(lr), "--lr must be a positive number, got ", lr);
   TRIACCEL_CHECK_INPUT(momentum >= 0 && momentum < 1, "--momentum must be in [0, 1), got ", momentum);
   TRIACCEL_CHECK_INPUT(weight_decay >= 0, "--weight-decay must be >= 0, got ", weight_decay);
-  TRIACCEL_CHECK_INPUT(warmup_epochs >= 0 && warmup_epochs <= static_cast<double>(epochs),
-                       "--warmup-epochs must be in [0, --epochs = ", epochs, "], got ", warmup_epochs);
+  TRIACCEL_CHECK_INPUT(warmup_epochs < 0 || warmup_epochs <= static_cast<double>(epochs),
+                       "--warmup-epochs must be -1 (auto) or in [0, --epochs = ", epochs, "], got ", warmup_epochs);
   TRIACCEL_CHECK_INPUT(label_smoothing >= 0 && label_smoothing < 1, "--label-smoothing must be in [0, 1), got ",
                        label_smoothing);
   TRIACCEL_CHECK_INPUT(device == "auto" || device == "cpu" || device == "cuda",
@@ -73,6 +73,10 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(log_every > 0, "--log-every must be > 0, got ", log_every);
   TRIACCEL_CHECK_INPUT(progress == "auto" || progress == "bar" || progress == "lines" || progress == "off",
                        "--progress must be auto, bar, lines or off, got '", progress, "'");
+}
+
+double TrainOptions::warmup_epochs_resolved() const {
+  return warmup_epochs < 0 ? std::min(1.0, 0.1 * static_cast<double>(epochs)) : warmup_epochs;
 }
 
 bool TrainOptions::augment_enabled() const {

@@ -32,7 +32,7 @@ struct TrainOptions {
   double momentum = 0.9;
   bool nesterov = true;
   double weight_decay = 5e-4;       // not applied to norms and biases
-  double warmup_epochs = 1.0;
+  double warmup_epochs = -1.0;      // < 0: auto = min(1, 0.1 × epochs)
   double label_smoothing = 0.0;
   PrecisionMode precision = PrecisionMode::kFP32;
 
@@ -54,6 +54,7 @@ struct TrainOptions {
 
   void validate() const;
   bool augment_enabled() const;     // resolves "auto" from the dataset
+  double warmup_epochs_resolved() const;
   Json to_json() const;
   static TrainOptions from_json(const Json& json);  // UserError naming a missing or mistyped key
 };

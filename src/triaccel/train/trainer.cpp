@@ -281,7 +281,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   ScheduleOptions sched;
   sched.base_lr = options.lr;
   sched.total_steps = steps_per_epoch * options.epochs;
-  sched.warmup_steps = static_cast<int64_t>(std::llround(options.warmup_epochs * static_cast<double>(steps_per_epoch)));
+  sched.warmup_steps = static_cast<int64_t>(std::llround(options.warmup_epochs_resolved() * static_cast<double>(steps_per_epoch)));
   sched.validate();
 
   Progress progress;
