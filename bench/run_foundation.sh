@@ -12,7 +12,9 @@ OUT=${OUT:-out/foundation}
 mkdir -p "$OUT"
 ROOT=$(pwd)
 TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
-export LD_LIBRARY_PATH="$TORCH_LIB:${LD_LIBRARY_PATH:-}"
+SITE=$(dirname "$(dirname "$TORCH_LIB")")
+NV_LIBS=$(ls -d "$SITE"/nvidia/*/lib "$SITE"/nvidia/cu13/lib 2>/dev/null | tr '\n' ':')
+export LD_LIBRARY_PATH="$TORCH_LIB:$NV_LIBS/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $GPU; torch: $(python3 -c 'import torch; print(torch.__version__)')"
 
