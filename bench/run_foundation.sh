@@ -8,8 +8,9 @@
 # where stages ⊆ {tests,bench,accuracy} (default: all).
 set -uo pipefail
 STAGES=${1:-tests,bench,accuracy}
-OUT=${OUT:-out/foundation}
-mkdir -p "$OUT"
+FINAL_OUT=${OUT:-out}
+OUT=/tmp/foundation_out   # everything lands here; $FINAL_OUT gets one archive + the tables (8 files come back)
+mkdir -p "$OUT" "$FINAL_OUT"
 ROOT=$(pwd)
 TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
 SITE=$(dirname "$(dirname "$TORCH_LIB")")
@@ -37,7 +38,7 @@ if [[ $STAGES == *tests* ]]; then
   "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1
   rc=$?
   tail -5 "$OUT/unit_tests_gpu.log"
-  summary+=("unit tests on GPU: exit $rc ($(grep -c '^\[       OK \]\|OK \]' "$OUT/unit_tests_gpu.log") ok lines; see unit_tests_gpu.log)")
+  summary+=("unit tests on GPU: exit $rc; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/unit_tests_gpu.log" | tr '\n' ' ')")
 fi
 
 if [[ $STAGES == *bench* ]]; then
@@ -82,6 +83,8 @@ for r in rows:
     print(f"{r['run']:10s} {r['test_acc']:7.2f} {r['epoch_s']:8.3f} {r['peak_vram_gb']:8.3f} {r['eff_score']:7.2f}")
 PY
 fi
+tar czf "$FINAL_OUT/foundation.tgz" -C "$OUT" .
+cp "$OUT"/*.json "$FINAL_OUT"/ 2>/dev/null
 for s in "${summary[@]}"; do echo "$s"; done
 [ -f "$OUT/throughput_table.txt" ] && cat "$OUT/throughput_table.txt"
 exit 0

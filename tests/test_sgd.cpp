@@ -83,7 +83,7 @@ TEST(SgdCudaTest, KernelMatchesReference) {
   torch::manual_seed(2);
   const auto cuda = torch::TensorOptions().device(torch::kCUDA);
   // Odd sizes (scalar tail), a channels_last conv weight, and more tensors than one launch holds.
-  std::vector<std::vector<int64_t>> shapes = {{7}, {1000003}, {64, 3, 3, 3}, {10, 512}};
+  std::vector<std::vector<int64_t>> shapes = {{7}, {1000003}, {64, 3, 3, 3}, {10, 512}, {128, 64, 1, 1}};
   for (int i = 0; i < 70; ++i) shapes.push_back({i + 1, 5});
   std::vector<at::Tensor> p_gpu, g_gpu, m_gpu, p_ref, g_ref, m_ref;
   std::vector<float> wds;
@@ -91,7 +91,8 @@ TEST(SgdCudaTest, KernelMatchesReference) {
     at::Tensor p = torch::randn(s, cuda);
     if (s.size() == 4) p = p.contiguous(at::MemoryFormat::ChannelsLast);
     p_gpu.push_back(p);
-    g_gpu.push_back(torch::randn_like(p));
+    // A 1×1 conv's gradient may come back contiguous while its weight is channels_last: same memory order.
+    g_gpu.push_back(s.size() == 4 && s[2] == 1 ? torch::randn(s, cuda) : torch::randn_like(p));
     m_gpu.push_back(torch::randn_like(p));
     p_ref.push_back(p.clone());
     g_ref.push_back(g_gpu.back().clone());

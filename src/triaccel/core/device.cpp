@@ -2,6 +2,7 @@
 
 #include "triaccel/core/errors.h"
 
+#include <ATen/Context.h>
 #include <torch/cuda.h>
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -28,6 +29,7 @@ MemoryStats memory_stats(const c10::Device& device) {
   MemoryStats s;
 #ifdef TRIACCEL_WITH_CUDA
   if (device.is_cuda()) {
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);  // the allocator exists only after CUDA init
     using c10::CachingAllocator::StatType;
     const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
     const auto agg = static_cast<size_t>(StatType::AGGREGATE);
@@ -42,7 +44,10 @@ MemoryStats memory_stats(const c10::Device& device) {
 
 void memory_stats_reset_peak(const c10::Device& device) {
 #ifdef TRIACCEL_WITH_CUDA
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+  if (device.is_cuda()) {
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+  }
 #endif
 }
 

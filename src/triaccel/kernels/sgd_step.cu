@@ -84,6 +84,16 @@ void sgd_step_launch(const SgdLaunchArgs& args, const float* lr, const float* fo
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Same element → address map: equal sizes, and equal strides in every dimension of size > 1 (a 1×1 conv weight
+// has different channels_last and contiguous strides but the same layout in memory).
+bool same_dense_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
 void check_fp32_cuda(const at::Tensor& t, const char* what, const at::Device& device) {
   TORCH_CHECK(t.is_cuda() && t.device() == device, "sgd_step_cuda: ", what, " must be on ", device);
   TORCH_CHECK(t.scalar_type() == at::kFloat, "sgd_step_cuda: ", what, " must be float32, got ", t.scalar_type());
@@ -116,7 +126,7 @@ void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::
     check_fp32_cuda(params[i], "param", device);
     check_fp32_cuda(grads[i], "grad", device);
     check_fp32_cuda(momenta[i], "momentum buffer", device);
-    TORCH_CHECK(params[i].strides() == grads[i].strides() && params[i].strides() == momenta[i].strides(),
+    TORCH_CHECK(same_dense_layout(params[i], grads[i]) && same_dense_layout(params[i], momenta[i]),
                 "sgd_step_cuda: param, grad and momentum buffer must share a memory layout (tensor ", i, ")");
     const int64_t n = params[i].numel();
     const int64_t blocks = (n + kChunk - 1) / kChunk;
