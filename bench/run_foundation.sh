@@ -62,7 +62,9 @@ if [[ $STAGES == *accuracy* ]]; then
   }
   run b96_fp32 --batch-size 96 --lr 0.075 --epochs 10 --precision fp32 --label-smoothing 0.1
   run b96_fp16 --batch-size 96 --lr 0.075 --epochs 10 --precision amp-fp16 --label-smoothing 0.1
-  run b512_bf16 --batch-size 512 --lr 0.4 --epochs 30 --warmup-epochs 2 --precision amp-bf16 --label-smoothing 0.1
+  run b512_bf16 --batch-size 512 --lr 0.4 --epochs 30 --warmup-epochs 2 --precision amp-bf16 --label-smoothing 0.1 --tta flip
+  run b512_bf16_wd1e-3 --batch-size 512 --lr 0.4 --weight-decay 1e-3 --epochs 30 --warmup-epochs 2 --precision amp-bf16 --label-smoothing 0.1 --tta flip
+  run b512_bf16_lr02 --batch-size 512 --lr 0.2 --epochs 30 --warmup-epochs 2 --precision amp-bf16 --label-smoothing 0.1 --tta flip
   python3 - "$OUT" <<'PY'
 import json, sys, glob, os
 out = sys.argv[1]
@@ -74,13 +76,14 @@ for f in sorted(glob.glob(f"{out}/*.events.jsonl")):
         print(f"{f}: no summary"); continue
     cfg = ev[0]["options"] if ev[0]["event"] == "config" else {}
     rows.append({"run": os.path.basename(f).split(".")[0], "batch": s["batch_size"], "precision": s["precision"],
-                 "epochs": s["epochs"], "test_acc": round(s["test_acc"], 2), "epoch_s": round(s["epoch_s"], 3),
+                 "epochs": s["epochs"], "test_acc": round(s["test_acc"], 2),
+                 "test_acc_tta": s.get("test_acc_tta") and round(s["test_acc_tta"], 2), "weight_decay": cfg.get("weight_decay"), "epoch_s": round(s["epoch_s"], 3),
                  "peak_vram_gb": round(s["peak_vram_gb"], 3), "eff_score": round(s["eff_score"], 2),
                  "skipped_steps": s["skipped_steps"], "lr": cfg.get("lr"), "label_smoothing": cfg.get("label_smoothing")})
 json.dump({"bench": "resnet18_cifar10_accuracy", "rows": rows}, open(f"{out}/accuracy.json", "w"), indent=2)
-print(f"{'run':10s} {'acc %':>7s} {'s/epoch':>8s} {'peak GB':>8s} {'eff':>7s}")
+print(f"{'run':18s} {'acc %':>7s} {'tta %':>7s} {'s/epoch':>8s} {'peak GB':>8s} {'eff':>7s}")
 for r in rows:
-    print(f"{r['run']:10s} {r['test_acc']:7.2f} {r['epoch_s']:8.3f} {r['peak_vram_gb']:8.3f} {r['eff_score']:7.2f}")
+    print(f"{r['run']:18s} {r['test_acc']:7.2f} {r['test_acc_tta'] or 0:7.2f} {r['epoch_s']:8.3f} {r['peak_vram_gb']:8.3f} {r['eff_score']:7.2f}")
 PY
 fi
 tar czf "$FINAL_OUT/foundation.tgz" -C "$OUT" .

@@ -72,6 +72,9 @@ struct TrainFlags {
                           ->capture_default_str());
     add("eval_batch_size", app.add_option("--eval-batch-size", o.eval_batch_size, "batch size for evaluation")
                                ->capture_default_str());
+    add("tta", app.add_option("--tta", o.tta,
+                              "off|flip: also report test accuracy with horizontal-flip test-time augmentation")
+                   ->capture_default_str());
     add("out", app.add_option("--out", o.out, "output folder (events.jsonl, checkpoint.pt, model.pt)")
                    ->capture_default_str());
     add("seed", app.add_option("--seed", o.seed, "random seed (initialization, data order, augmentation)")

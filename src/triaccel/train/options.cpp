@@ -67,6 +67,7 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(augment == "auto" || augment == "on" || augment == "off",
                        "--augment must be auto, on or off, got '", augment, "'");
   TRIACCEL_CHECK_INPUT(image_size >= 0 && image_size <= 1024, "--image-size must be in [0, 1024], got ", image_size);
+  TRIACCEL_CHECK_INPUT(tta == "off" || tta == "flip", "--tta must be off or flip, got '", tta, "'");
   TRIACCEL_CHECK_INPUT(eval_batch_size > 0, "--eval-batch-size must be > 0, got ", eval_batch_size);
   TRIACCEL_CHECK_INPUT(!out.empty(), "--out must name a folder");
   TRIACCEL_CHECK_INPUT(checkpoint_every >= 0, "--checkpoint-every must be >= 0, got ", checkpoint_every);
@@ -105,6 +106,7 @@ Json TrainOptions::to_json() const {
               {"augment", augment},
               {"image_size", image_size},
               {"eval_batch_size", eval_batch_size},
+              {"tta", tta},
               {"out", out},
               {"seed", seed},
               {"resume", resume},
@@ -145,6 +147,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("augment", o.augment);
   get("image_size", o.image_size);
   get("eval_batch_size", o.eval_batch_size);
+  get("tta", o.tta);
   get("out", o.out);
   get("seed", o.seed);
   get("resume", o.resume);

@@ -43,6 +43,7 @@ struct TrainOptions {
   std::string augment = "auto";     // auto (on for CIFAR) | on | off: random crop (pad 4) + horizontal flip
   int64_t image_size = 0;           // 0: native; else resize inputs (e.g. 224 for EfficientNet-B0 as in the paper)
   int64_t eval_batch_size = 1000;
+  std::string tta = "off";          // off | flip: also report accuracy on logits(x) + logits(flipped x)
 
   // Output and reproducibility.
   std::string out = "runs/latest";

@@ -55,13 +55,7 @@ void TrainStep::metrics_reset() {
 }
 
 void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
-  // Zero in place (addresses stay fixed for the graph); the first step has no gradients yet.
-  {
-    const torch::NoGradGuard no_grad;
-    for (const auto& p : sgd_.params()) {
-      if (p.grad().defined()) p.mutable_grad().zero_();
-    }
-  }
+  grads_release();
   at::Tensor logits;
   at::Tensor loss;
   {
@@ -81,13 +75,18 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
   correct_sum_.add_(logits.detach().argmax(1).eq(labels).sum().to(at::kFloat));
 }
 
+void TrainStep::grads_release() {
+  // Like zero_grad(set_to_none=True): backward creates fresh gradients, so they do not occupy memory during the
+  // forward pass (the peak). Inside a capture they come from the graph's private pool at fixed addresses.
+  for (const auto& p : sgd_.params()) p.mutable_grad() = at::Tensor();
+}
+
 void TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
 #ifdef TRIACCEL_WITH_CUDA
   graph_ = std::make_unique<Graph>();
-  graph_->images = at::empty_like(images);
-  graph_->labels = at::empty_like(labels);
-  graph_->images.copy_(images);
-  graph_->labels.copy_(labels);
+  // The caller's buffers become the graph's static inputs (no copy); later batches are written into them.
+  graph_->images = images;
+  graph_->labels = labels;
   // Capture records the work without running it; the caller replays right after, which performs this step.
   graph_->graph.capture_begin();
   body(graph_->images, graph_->labels);
@@ -111,8 +110,9 @@ void TrainStep::run(const at::Tensor& images, const at::Tensor& labels, double l
     }
     capture(images, labels);
   } else {
-    graph_->images.copy_(images);
-    graph_->labels.copy_(labels);
+    if (!images.is_same(graph_->images)) graph_->images.copy_(images);
+    if (!labels.is_same(graph_->labels)) graph_->labels.copy_(labels);
+    grads_release();  // frees gradients an eager step (a shorter last batch) may have left
   }
 #ifdef TRIACCEL_WITH_CUDA
   graph_->graph.replay();

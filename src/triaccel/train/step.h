@@ -2,8 +2,10 @@
 // check and unscale, fused SGD, loss-scale update, and device-side metric accumulation — no host sync anywhere.
 // On CUDA, the step for the main batch size is captured once in a CUDA graph (after a few eager warm-up steps on
 // the same stream) and replayed; other batch sizes (an epoch's last, shorter batch) run eagerly. Invariants the
-// graph relies on: gradients, momentum buffers, the lr scalar and the static input buffers keep their addresses
-// for the life of the TrainStep (gradients are zeroed in place, never set to None).
+// graph relies on: momentum buffers, the lr scalar and the static inputs keep their addresses for the life of the
+// TrainStep; gradients are released before every step (set to None, as PyTorch's zero_grad does) and, inside the
+// graph, live in its private pool at fixed addresses. The first batch at the graph size is kept as the static
+// input: pass the same tensors every step (the trainer and the benchmark do) to avoid a copy.
 #pragma once
 
 #include "triaccel/models/model.h"
@@ -60,6 +62,7 @@ class TrainStep {
  private:
   void body(const at::Tensor& images, const at::Tensor& labels);
   void capture(const at::Tensor& images, const at::Tensor& labels);
+  void grads_release();
 
   Model& model_;
   Sgd& sgd_;

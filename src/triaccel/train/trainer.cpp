@@ -118,27 +118,34 @@ double mean_of_last(const std::vector<double>& v, size_t n) {
 
 struct EvalResult {
   double loss = 0;
-  double acc = 0;  // percent
+  double acc = 0;      // percent
+  double acc_tta = -1;  // percent with flip test-time augmentation; -1 when not measured
 };
 
 EvalResult evaluate(Model& model, const Loader& loader, const c10::Device& device, PrecisionMode precision,
-                    int64_t batch_size) {
+                    int64_t batch_size, bool flip_tta) {
   const torch::NoGradGuard no_grad;
   model.eval();
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   at::Tensor loss_sum = at::zeros({1}, f32);
   at::Tensor correct = at::zeros({1}, f32);
+  at::Tensor correct_tta = at::zeros({1}, f32);
   for (int64_t offset = 0; offset < loader.size(); offset += batch_size) {
     const int64_t count = std::min(batch_size, loader.size() - offset);
     auto [images, labels] = loader.batch(offset, count);
     const AutocastScope autocast(device, precision);
-    const at::Tensor logits = model.forward(images).to(at::kFloat);
+    const at::Tensor logits = model.forward(images).to(at::kFloat);  // (count, classes)
     loss_sum.add_(at::cross_entropy_loss(logits, labels, {}, at::Reduction::Sum));
     correct.add_(logits.argmax(1).eq(labels).sum().to(at::kFloat));
+    if (flip_tta) {
+      const at::Tensor both = logits + model.forward(images.flip({3})).to(at::kFloat);
+      correct_tta.add_(both.argmax(1).eq(labels).sum().to(at::kFloat));
+    }
   }
   model.train();
   const double n = static_cast<double>(loader.size());
-  return {loss_sum.item<double>() / n, 100.0 * correct.item<double>() / n};
+  return {loss_sum.item<double>() / n, 100.0 * correct.item<double>() / n,
+          flip_tta ? 100.0 * correct_tta.item<double>() / n : -1.0};
 }
 
 // Progress output: a bar redrawn in place on a terminal, or a plain line every log_every steps.
@@ -404,7 +411,8 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
     // Epoch done: evaluate and log. Train metrics cover this session's part of the epoch.
     const double train_s = progress.epoch_train_s;
     const double t_eval = time_since_start_s();
-    const EvalResult test = evaluate(*model, test_loader, device, options.precision, options.eval_batch_size);
+    const EvalResult test = evaluate(*model, test_loader, device, options.precision, options.eval_batch_size,
+                                     options.tta == "flip");
     const double eval_s = time_since_start_s() - t_eval;
     const MemoryStats mem = memory_stats(device);
     progress.peak_vram_gb = std::max(progress.peak_vram_gb, static_cast<double>(mem.peak_allocated_bytes) / kGB);
@@ -415,6 +423,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                {"train_acc", 100.0 * step.correct_sum().item<double>() / seen},
                                {"test_loss", test.loss},
                                {"test_acc", test.acc},
+                               {"test_acc_tta", test.acc_tta >= 0 ? Json(test.acc_tta) : Json(nullptr)},
                                {"epoch_s", train_s},
                                {"eval_s", eval_s},
                                {"images_per_s", static_cast<double>(samples_this_session) / std::max(train_s, 1e-9)},
@@ -446,6 +455,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   const double epoch_s = mean_of_last(progress.epoch_times, 5);
   const double acc = progress.last_epoch.value("test_acc", 0.0);
   Json summary{{"test_acc", acc},
+               {"test_acc_tta", progress.last_epoch.value("test_acc_tta", Json(nullptr))},
                {"test_loss", progress.last_epoch.value("test_loss", 0.0)},
                {"epoch_s", epoch_s},
                {"peak_vram_gb", progress.peak_vram_gb},
