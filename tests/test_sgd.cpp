@@ -59,6 +59,7 @@ TEST(SgdTest, FoundInfSkipsTheStep) {
   const at::Tensor before = p.detach().clone();
   p.mutable_grad() = torch::ones({5});
   Sgd sgd({{"p", p}}, SgdOptions{});
+  EXPECT_TRUE(sgd.momenta().empty());  // created at the first step, after the first backward (as torch.optim.SGD)
   sgd.step(torch::full({1}, 0.1), torch::ones({1}));
   EXPECT_TRUE(torch::equal(p.detach(), before));
   EXPECT_EQ(sgd.momenta()[0].abs().sum().item<float>(), 0.f);

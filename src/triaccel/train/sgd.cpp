@@ -23,9 +23,14 @@ Sgd::Sgd(const std::vector<std::pair<std::string, at::Tensor>>& named_params, Sg
     TORCH_CHECK(p.scalar_type() == at::kFloat, "Sgd: parameter ", name, " must be float32 (master weights)");
     names_.push_back(name);
     params_.push_back(p);
-    momenta_.push_back(at::zeros_like(p));  // keeps p's memory format (channels_last stays channels_last)
     weight_decays_.push_back(p.dim() <= 1 ? 0.f : static_cast<float>(options_.weight_decay));
   }
+}
+
+void Sgd::state_init() {
+  if (!momenta_.empty()) return;
+  const torch::NoGradGuard no_grad;
+  for (const auto& p : params_) momenta_.push_back(at::zeros_like(p));  // keeps p's memory format
 }
 
 std::vector<at::Tensor> Sgd::grads() const {
@@ -40,6 +45,7 @@ void Sgd::step(const at::Tensor& lr, const at::Tensor& found_inf) {
   for (size_t i = 0; i < g.size(); ++i) {
     TORCH_CHECK(g[i].defined(), "Sgd::step: parameter ", names_[i], " has no gradient");
   }
+  state_init();
   const torch::NoGradGuard no_grad;
 #ifdef TRIACCEL_WITH_CUDA
   if (!params_.empty() && params_[0].is_cuda()) {

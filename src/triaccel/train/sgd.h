@@ -23,7 +23,9 @@ struct SgdOptions {
 
 class Sgd {
  public:
-  // named_params: the model's parameters (float32, requires_grad). Momentum buffers start at zero.
+  // named_params: the model's parameters (float32, requires_grad). Momentum buffers are created (zero) at the first
+  // step, after the first backward, as torch.optim.SGD does: they do not exist during the first forward/backward,
+  // where cuDNN autotuning sets the run's memory peak.
   Sgd(const std::vector<std::pair<std::string, at::Tensor>>& named_params, SgdOptions options);
 
   // One update from the current .grad() of every parameter. lr, found_inf: float32 scalars on the params' device.
@@ -32,7 +34,9 @@ class Sgd {
   const SgdOptions& options() const { return options_; }
   const std::vector<std::string>& names() const { return names_; }
   const std::vector<at::Tensor>& params() const { return params_; }
-  const std::vector<at::Tensor>& momenta() const { return momenta_; }  // same order as names()
+  // Creates the momentum buffers if the first step has not yet (a checkpoint load needs them).
+  void state_init();
+  const std::vector<at::Tensor>& momenta() const { return momenta_; }  // same order as names(); empty before state_init
   const std::vector<float>& weight_decays() const { return weight_decays_; }
   std::vector<at::Tensor> grads() const;
 

@@ -76,7 +76,8 @@ struct Progress {
   }
 };
 
-NamedTensors optimizer_state(const Sgd& sgd) {
+NamedTensors optimizer_state(Sgd& sgd) {
+  sgd.state_init();
   NamedTensors out;
   for (size_t i = 0; i < sgd.names().size(); ++i) out.emplace_back(sgd.names()[i] + ".momentum", sgd.momenta()[i]);
   return out;
