@@ -15,13 +15,16 @@ def main():
     ap.add_argument("--command", required=True)
     ap.add_argument("--gpu", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--commit", help="the commit the binaries were built from (the device copy has no .git)")
     a = ap.parse_args()
     ours = json.load(open(a.ours))
     ref = json.load(open(a.pytorch))
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:
-        commit = "unknown"
+    commit = a.commit
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+        except Exception:
+            commit = "unknown"
     rows = []
     for o in ours["rows"]:
         same = [r for r in ref["rows"] if (r["model"], r["batch"], r["precision"]) == (o["model"], o["batch"], o["precision"])]

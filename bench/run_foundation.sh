@@ -5,7 +5,7 @@
 #   3. throughput + peak VRAM: bench_train_throughput and the PyTorch eager reference, same GPU, same job
 #   4. accuracy: ResNet-18 on the CIFAR-10 copy (batch 96 fp32 and amp-fp16, 10 epochs; batch 512 amp-bf16, 30)
 # Results go to $OUT (copied by hand to bench/results/<gpu>/). Usage: bash bench/run_foundation.sh [stages]
-# where stages ⊆ {tests,bench,accuracy} (default: all).
+# where stages ⊆ {tests,bench,accuracy} (default: all). Set COMMIT=<hash> (the device copy has no .git).
 set -uo pipefail
 STAGES=${1:-tests,bench,accuracy}
 FINAL_OUT=${OUT:-out}
@@ -45,7 +45,7 @@ if [[ $STAGES == *bench* ]]; then
   "$BIN/bench_train_throughput" --out "$OUT/ours.json" 2>&1 | tee "$OUT/bench.log"
   python3 bench/pytorch_reference.py --out "$OUT/pytorch.json" 2>&1 | tee -a "$OUT/bench.log"
   python3 bench/merge_results.py --ours "$OUT/ours.json" --pytorch "$OUT/pytorch.json" --bench train_throughput \
-    --gpu "$GPU" --command "bash bench/run_foundation.sh bench" --out "$OUT/train_throughput.json" | tee "$OUT/throughput_table.txt"
+    --gpu "$GPU" --commit "${COMMIT:-unknown}" --command "bash bench/run_foundation.sh bench" --out "$OUT/train_throughput.json" | tee "$OUT/throughput_table.txt"
 fi
 
 if [[ $STAGES == *accuracy* ]]; then
