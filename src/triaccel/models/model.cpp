@@ -7,6 +7,9 @@
 #include "triaccel/core/errors.h"
 
 #include <c10/util/StringUtil.h>
+#include <torch/nn/init.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
 
 #include <utility>
 
@@ -101,6 +104,18 @@ std::vector<std::pair<std::string, at::Tensor>> model_state(const Model& model) 
     }
   }
   return state;
+}
+
+void model_init_conv_bn(torch::nn::Module& model) {
+  const torch::NoGradGuard no_grad;
+  for (const auto& module : model.modules(/*include_self=*/false)) {
+    if (auto* conv = module->as<torch::nn::Conv2dImpl>()) {
+      torch::nn::init::kaiming_normal_(conv->weight, 0.0, torch::kFanOut, torch::kReLU);
+    } else if (auto* bn = module->as<torch::nn::BatchNorm2dImpl>()) {
+      torch::nn::init::ones_(bn->weight);
+      torch::nn::init::zeros_(bn->bias);
+    }
+  }
 }
 
 }  // namespace triaccel

@@ -67,6 +67,10 @@ std::shared_ptr<Model> resnet18_create(const ModelOptions& options);
 std::shared_ptr<Model> efficientnet_b0_create(const ModelOptions& options);
 std::shared_ptr<Model> small_cnn_create(const ModelOptions& options);
 
+// torchvision's ResNet initialization: kaiming-normal (fan-out, relu) for every Conv2d, BatchNorm weight 1 and
+// bias 0; other modules keep their defaults. Uses the global torch RNG.
+void model_init_conv_bn(torch::nn::Module& model);
+
 // The model's parameters and buffers as an ordered name → tensor map, torchvision names
 // ("conv1.weight", "bn1.running_mean", "bn1.num_batches_tracked", "layer2.0.downsample.0.weight", ...).
 std::vector<std::pair<std::string, at::Tensor>> model_state(const Model& model);

@@ -107,21 +107,7 @@ class ResNet18 final : public Model {
       return fc->forward(pooled);                                                   // (N, classes)
     });
 
-    init_weights();
-  }
-
- private:
-  // torchvision ResNet.__init__: kaiming-normal (fan-out, relu) convs, BatchNorm 1 / 0; Linear keeps its default.
-  void init_weights() {
-    torch::NoGradGuard no_grad;
-    for (const auto& module : modules(/*include_self=*/false)) {
-      if (auto* conv = module->as<torch::nn::Conv2dImpl>()) {
-        torch::nn::init::kaiming_normal_(conv->weight, 0.0, torch::kFanOut, torch::kReLU);
-      } else if (auto* bn = module->as<torch::nn::BatchNorm2dImpl>()) {
-        torch::nn::init::ones_(bn->weight);
-        torch::nn::init::zeros_(bn->bias);
-      }
-    }
+    model_init_conv_bn(*this);  // as torchvision's ResNet.__init__; Linear keeps its default
   }
 };
 
