@@ -1,1 +1,148 @@
-#include <torch/torch.h>
+// The curvature probe (see probe.h): one train-mode forward on a small batch, then per unit an HvpOperator over
+// that unit's parameters from the same loss and power iteration for its top-k eigenvalues. Everything the forward
+// changes (BatchNorm running statistics, num_batches_tracked, generator states) is snapshotted before and
+// written back after, so probing never perturbs training.
+#include "triaccel/curvature/probe.h"
+
+#include "triaccel/core/device.h"
+#include "triaccel/core/errors.h"
+#include "triaccel/curvature/hvp.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <mutex>
+
+namespace triaccel {
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Everything a train-mode forward may change, captured on construction and written back by restore():
+// buffers, the train/eval mode, autocast on the device, and the default generator of the CPU and the device.
+class ModelStateGuard {
+ public:
+  ModelStateGuard(Model& model, const c10::Device& device)
+      : model_(model), device_(device), was_training_(model.is_training()) {
+    at::NoGradGuard no_grad;
+    for (const auto& buffer : model_.buffers(/*recurse=*/true)) {
+      buffers_.push_back(buffer);
+      saved_buffers_.push_back(buffer.clone());
+    }
+    generator_save(at::Device(at::kCPU));
+    if (device_.type() != at::kCPU) generator_save(device_);
+    autocast_enabled_ = at::autocast::is_autocast_enabled(device_.type());
+    at::autocast::set_autocast_enabled(device_.type(), false);
+  }
+
+  void restore() {
+    if (restored_) return;
+    restored_ = true;
+    at::autocast::set_autocast_enabled(device_.type(), autocast_enabled_);
+    for (auto& [generator, state] : generators_) {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(state);
+    }
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved_buffers_[i]);
+    model_.train(was_training_);
+  }
+
+  ~ModelStateGuard() {
+    try {
+      restore();
+    } catch (const std::exception& e) {
+      TORCH_WARN("curvature probe: could not restore the model state: ", e.what());
+    }
+  }
+
+ private:
+  void generator_save(const at::Device& device) {
+    at::Generator generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generators_.emplace_back(generator, generator.get_state());
+  }
+
+  Model& model_;
+  c10::Device device_;
+  bool was_training_;
+  bool autocast_enabled_ = false;
+  bool restored_ = false;
+  std::vector<at::Tensor> buffers_;
+  std::vector<at::Tensor> saved_buffers_;
+  std::vector<std::pair<at::Generator, at::Tensor>> generators_;
+};
+
+}  // namespace
+
+void CurvatureOptions::validate() const {
+  TRIACCEL_CHECK_INPUT(top_k >= 1, "--curv-top-k must be >= 1, got ", top_k);
+  TRIACCEL_CHECK_INPUT(max_iters >= 1, "--curv-max-iters must be >= 1, got ", max_iters);
+  TRIACCEL_CHECK_INPUT(tol >= 0 && std::isfinite(tol), "--curv-tol must be a number >= 0, got ", tol);
+  TRIACCEL_CHECK_INPUT(batch >= 1, "--curv-batch must be >= 1, got ", batch);
+  TRIACCEL_CHECK_INPUT(every_steps >= 1, "--curv-every must be >= 1, got ", every_steps);
+}
+
+std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& images, const at::Tensor& labels,
+                                           const CurvatureOptions& options, double* wall_seconds) {
+  options.validate();
+  TORCH_CHECK(images.dim() == 4, "curvature_probe: images must be (N, C, H, W), got ", images.sizes());
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == images.size(0), "curvature_probe: labels must be (",
+              images.size(0), "), got ", labels.sizes());
+  TORCH_CHECK(images.size(0) >= 1, "curvature_probe: empty batch");
+  const auto start = std::chrono::steady_clock::now();
+  const c10::Device device = images.device();
+
+  std::vector<UnitCurvature> result;
+  {
+    ModelStateGuard state(model, device);
+    at::AutoGradMode grad_mode(true);
+    model.train(true);
+
+    const int64_t n = std::min(options.batch, images.size(0));
+    const at::Tensor x = images.narrow(0, 0, n);                  // (n, C, H, W)
+    const at::Tensor y = labels.narrow(0, 0, n).to(at::kLong);    // (n)
+    at::Tensor logits = model.forward(x);                         // (n, classes)
+    if (at::isReducedFloatingType(logits.scalar_type())) logits = logits.to(at::kFloat);
+    const at::Tensor loss = at::cross_entropy_loss(logits, y);   // scalar
+
+    const auto& units = model.units();
+    for (size_t i = 0; i < units.size(); ++i) {
+      const auto unit_start = std::chrono::steady_clock::now();
+      UnitCurvature entry;
+      entry.unit = units[i].name;
+      std::vector<at::Tensor> params;
+      for (const auto& p : units[i].parameters()) {
+        if (p.requires_grad()) params.push_back(p);
+      }
+      if (params.empty()) {
+        entry.converged = true;
+      } else {
+        const HvpOperator op(loss, params);  // this unit's first-order gradients, with their graph
+        const EigenResult eigen =
+            power_iteration_topk(op, options.top_k, options.max_iters, options.tol, options.seed + i);
+        entry.eigenvalues = eigen.eigenvalues;
+        entry.lambda_max = *std::max_element(eigen.eigenvalues.begin(), eigen.eigenvalues.end());
+        entry.iterations = eigen.iterations;
+        entry.converged = eigen.converged;
+      }
+      entry.seconds = seconds_since(unit_start);
+      result.push_back(std::move(entry));
+    }
+    state.restore();
+  }
+  device_synchronize(device);
+  if (wall_seconds != nullptr) *wall_seconds = seconds_since(start);
+  return result;
+}
+
+}  // namespace triaccel

@@ -1,0 +1,60 @@
+// Hessian-vector products by double backward, and top-k Hessian eigenvalues by power iteration with deflation
+// (Tri-Accel §3.2, DESIGN.md "Hessian-vector products by double backward; power iteration with deflation").
+//
+// Invariants:
+// - H is the block of the Hessian of `loss` for the given parameter group (∂²loss / ∂θ_i ∂θ_j over that group
+//   only); H·v is returned as one tensor per parameter, each with that parameter's shape, dtype and device.
+// - Parameters the loss does not depend on (or depends on only linearly) contribute zero rows: their HVP is zeros.
+// - The loss's graph is retained, so any number of HVPs can be taken from one loss, and several HvpOperators
+//   (e.g. one per unit) can share one forward pass. Nothing is accumulated into parameters' .grad.
+// - power_iteration_topk is deterministic for a seed: start vectors come from a CPU generator seeded with it.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace triaccel {
+
+// H·v for the parameter group `params`, by double backward of `loss` (a scalar that requires grad).
+// v: one tensor per parameter, same shapes. Recomputes the first-order gradients on every call; use HvpOperator
+// to take many products from one loss.
+std::vector<at::Tensor> hessian_vector_product(const at::Tensor& loss, const std::vector<at::Tensor>& params,
+                                               const std::vector<at::Tensor>& v);
+
+// H for one parameter group as a linear operator: the first-order gradients g = ∂loss/∂θ are computed once
+// (with create_graph), then each apply(v) is one backward of Σ_i g_i·v_i.
+class HvpOperator {
+ public:
+  HvpOperator(const at::Tensor& loss, std::vector<at::Tensor> params);
+
+  // v: one tensor per parameter, same shapes → H·v, one tensor per parameter.
+  std::vector<at::Tensor> apply(const std::vector<at::Tensor>& v) const;
+
+  // The same product on flat vectors: v (n), in the parameters' dtype and device → H·v (n), where
+  // n = numel() and the layout is the parameters' elements concatenated in order.
+  at::Tensor apply_flat(const at::Tensor& v) const;
+
+  int64_t numel() const { return numel_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  at::TensorOptions flat_options() const;
+
+ private:
+  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> grads_;  // g_i with a graph to θ; undefined where g_i does not depend on the group
+  int64_t numel_ = 0;
+};
+
+struct EigenResult {
+  std::vector<double> eigenvalues;  // sorted by decreasing |λ|, signed
+  int iterations = 0;               // Hessian-vector products taken, summed over all k eigenvalues
+  bool converged = false;           // every eigenvalue met the tolerance within max_iters
+};
+
+// Top-k eigenvalues of H by magnitude: power iteration on each eigenvalue in turn, the iterate orthogonalized
+// (Gram–Schmidt) against the eigenvectors already found at every step, λ = vᵀHv / vᵀv (Rayleigh quotient),
+// stopping when |λ_t − λ_{t−1}| ≤ tol·|λ_t| or after max_iters products. k is clamped to the group's size.
+EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, double tol, uint64_t seed);
+
+}  // namespace triaccel
