@@ -67,6 +67,19 @@ TEST(SgdTest, FoundInfSkipsTheStep) {
   EXPECT_FALSE(torch::equal(p.detach(), before));
 }
 
+TEST(SgdTest, LrScalesMultiplyEachTensorsStep) {
+  at::Tensor a = torch::ones({1, 1}).set_requires_grad(true);
+  at::Tensor b = torch::ones({1, 1}).set_requires_grad(true);
+  Sgd sgd({{"a", a}, {"b", b}}, SgdOptions{0.0, false, 0.0});
+  sgd.set_lr_scales({1.f, 0.5f});
+  a.mutable_grad() = torch::ones({1, 1});
+  b.mutable_grad() = torch::ones({1, 1});
+  sgd.step(torch::full({1}, 0.1), torch::zeros({1}));
+  EXPECT_FLOAT_EQ(a.item<float>(), 0.9f);
+  EXPECT_FLOAT_EQ(b.item<float>(), 0.95f);
+  EXPECT_THROW(sgd.set_lr_scales({1.f}), c10::Error);
+}
+
 TEST(SgdTest, PlainMomentumMatchesHandComputedValues) {
   // p = 1, g = 1, wd = 0, mu = 0.5, lr = 0.1, no nesterov: m1 = 1, p1 = 0.9; m2 = 1.5, p2 = 0.75.
   at::Tensor p = torch::ones({1, 1}).set_requires_grad(true);
@@ -87,7 +100,7 @@ TEST(SgdCudaTest, KernelMatchesReference) {
   std::vector<std::vector<int64_t>> shapes = {{7}, {1000003}, {64, 3, 3, 3}, {10, 512}, {128, 64, 1, 1}};
   for (int i = 0; i < 70; ++i) shapes.push_back({i + 1, 5});
   std::vector<at::Tensor> p_gpu, g_gpu, m_gpu, p_ref, g_ref, m_ref;
-  std::vector<float> wds;
+  std::vector<float> wds, scales;
   for (const auto& s : shapes) {
     at::Tensor p = torch::randn(s, cuda);
     if (s.size() == 4) p = p.contiguous(at::MemoryFormat::ChannelsLast);
@@ -99,19 +112,20 @@ TEST(SgdCudaTest, KernelMatchesReference) {
     g_ref.push_back(g_gpu.back().clone());
     m_ref.push_back(m_gpu.back().clone());
     wds.push_back(s.size() > 1 ? 5e-4f : 0.f);
+    scales.push_back(0.25f + 0.01f * static_cast<float>(scales.size() % 50));
   }
   const at::Tensor lr = torch::full({1}, 0.1, cuda);
   const at::Tensor found = torch::zeros({1}, cuda);
   for (bool nesterov : {true, false}) {
-    sgd_step_cuda(p_gpu, g_gpu, m_gpu, wds, lr, found, 0.9f, nesterov);
-    sgd_step_reference(p_ref, g_ref, m_ref, wds, lr, found, 0.9f, nesterov);
+    sgd_step_cuda(p_gpu, g_gpu, m_gpu, wds, scales, lr, found, 0.9f, nesterov);
+    sgd_step_reference(p_ref, g_ref, m_ref, wds, scales, lr, found, 0.9f, nesterov);
     for (size_t i = 0; i < shapes.size(); ++i) {
       ASSERT_LT(max_rel_err(p_gpu[i], p_ref[i]), 1e-6) << "param " << i;
       ASSERT_LT(max_rel_err(m_gpu[i], m_ref[i]), 1e-6) << "momentum " << i;
     }
   }
   const at::Tensor before = p_gpu[1].clone();
-  sgd_step_cuda(p_gpu, g_gpu, m_gpu, wds, lr, torch::ones({1}, cuda), 0.9f, true);
+  sgd_step_cuda(p_gpu, g_gpu, m_gpu, wds, scales, lr, torch::ones({1}, cuda), 0.9f, true);
   EXPECT_TRUE(torch::equal(before, p_gpu[1]));
 }
 #endif

@@ -6,6 +6,7 @@
 #include "triaccel/core/io.h"
 #include "triaccel/train/telemetry.h"
 #include "triaccel/models/model.h"
+#include "triaccel/train/checkpoint.h"
 #include "triaccel/train/step.h"
 #include "triaccel/train/trainer.h"
 
@@ -130,6 +131,57 @@ TEST_F(TrainerTest, ResumeRefusesAChangedIdentity) {
               std::string::npos)
         << e.what();
   }
+}
+
+// The Tri-Accel loop on the CPU: probes and precision windows happen on schedule, thresholds calibrate, the
+// decisions reach the events, and a resumed run restores the controllers' state.
+TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
+  test::TempDir out("run_tri");
+  TrainOptions o = options(out.path());
+  o.method = "tri-accel";
+  o.ctrl_every = 2;
+  o.curv_every = 4;
+  o.curv_batch = 16;
+  o.curv_top_k = 2;
+  o.curv_max_iters = 3;
+  const Json summary = train_run(o);  // 12 steps: windows at 2, 4, …, 12; probes at 2 (first window), 4, 8, 12
+  int precision_events = 0, curvature_events = 0;
+  Json last_precision;
+  for (const auto& e : events_read(out.file("events.jsonl"))) {
+    if (e["event"] == "precision") {
+      ++precision_events;
+      last_precision = e;
+      EXPECT_EQ(e["step"].get<int64_t>() % 2, 0);
+    }
+    if (e["event"] == "curvature") {
+      ++curvature_events;
+      ASSERT_EQ(e["lambda_max"].size(), 4u);  // one per unit
+      for (const auto& l : e["lr_scale"]) EXPECT_TRUE(l.get<double>() > 0 && l.get<double>() <= 1.0);
+    }
+  }
+  EXPECT_EQ(precision_events, 6);
+  EXPECT_EQ(curvature_events, 4);
+  EXPECT_TRUE(last_precision["calibrated"].get<bool>());  // after 3 windows
+  EXPECT_LE(last_precision["tau_low"].get<double>(), last_precision["tau_high"].get<double>());
+  for (const auto& p : last_precision["applied"]) EXPECT_NE(p.get<std::string>(), "fp16");  // CPU: fp16 runs as bf16
+  EXPECT_EQ(summary["precision"], "adaptive");
+  EXPECT_GT(summary["probe_share"].get<double>(), 0.0);
+  EXPECT_LT(summary["probe_share"].get<double>(), 1.0);
+
+  // Stop mid-run and resume: the controllers' state comes back from the checkpoint.
+  test::TempDir b("run_tri_b");
+  TrainOptions first = o;
+  first.out = b.path();
+  first.max_steps = 7;
+  train_run(first);
+  const Checkpoint ckpt = checkpoint_read(b.file("checkpoint.pt"));
+  ASSERT_FALSE(ckpt.progress["tri_accel"].is_null());
+  EXPECT_EQ(ckpt.progress["tri_accel"]["windows"], 3);
+  TrainOptions again = o;
+  again.out = b.path();
+  again.resume = b.path();
+  const Json resumed = train_run(resume_options(again, {"resume"}));
+  EXPECT_EQ(resumed["steps"], 12);
 }
 
 // On a GPU, with deterministic cuDNN and no TF32: six steps of ResNet-18 (1×1 downsample convs, channels_last)

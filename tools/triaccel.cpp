@@ -75,6 +75,31 @@ struct TrainFlags {
     add("tta", app.add_option("--tta", o.tta,
                               "off|flip: also report test accuracy with horizontal-flip test-time augmentation")
                    ->capture_default_str());
+    add("ctrl_every", app.add_option("--ctrl-every", o.ctrl_every, "tri-accel: steps per control window (T_ctrl)")
+                          ->capture_default_str());
+    add("curv_every", app.add_option("--curv-every", o.curv_every, "tri-accel: steps between curvature probes (T_curv)")
+                          ->capture_default_str());
+    add("curv_batch", app.add_option("--curv-batch", o.curv_batch, "tri-accel: samples in the curvature batch (b_curv)")
+                          ->capture_default_str());
+    add("curv_top_k", app.add_option("--curv-top-k", o.curv_top_k, "tri-accel: Hessian eigenvalues per unit")
+                          ->capture_default_str());
+    add("curv_max_iters", app.add_option("--curv-max-iters", o.curv_max_iters,
+                                         "tri-accel: power-iteration steps per eigenvalue")
+                              ->capture_default_str());
+    add("curv_alpha", app.add_option("--curv-alpha", o.curv_alpha,
+                                     "tri-accel: alpha in lr / (1 + alpha * lambda_max); -1: calibrate")
+                          ->capture_default_str());
+    add("tau_low", app.add_option("--tau-low", o.tau_low, "tri-accel: fp16 below this gradient variance; -1: calibrate")
+                       ->capture_default_str());
+    add("tau_high", app.add_option("--tau-high", o.tau_high, "tri-accel: fp32 at or above this variance; -1: calibrate")
+                        ->capture_default_str());
+    add("tau_curv", app.add_option("--tau-curv", o.tau_curv, "tri-accel: promote precision above this lambda_max; -1: calibrate")
+                        ->capture_default_str());
+    add("ta_precision", app.add_option("--ta-precision", o.ta_precision, "tri-accel: adaptive per-unit precision (true|false)")
+                            ->capture_default_str());
+    add("ta_curvature", app.add_option("--ta-curvature", o.ta_curvature,
+                                       "tri-accel: curvature-scaled per-unit learning rates (true|false)")
+                            ->capture_default_str());
     add("out", app.add_option("--out", o.out, "output folder (events.jsonl, checkpoint.pt, model.pt)")
                    ->capture_default_str());
     add("seed", app.add_option("--seed", o.seed, "random seed (initialization, data order, augmentation)")

@@ -1,6 +1,6 @@
 // Fused multi-tensor SGD: one launch updates up to kMaxTensors tensors (more launches for larger lists).
 // Per element, with g the gradient, p the parameter, m the momentum buffer (all fp32):
-//   d = g + wd·p;  m = μ·m + d;  d = nesterov ? d + μ·m : m;  p = p − lr·d
+//   d = g + wd·p;  m = μ·m + d;  d = nesterov ? d + μ·m : m;  p = p − lr·s·d   (s: the tensor's lr scale)
 // skipped entirely when *found_inf != 0. The tensor list travels by value in the kernel's parameters, so a
 // captured CUDA graph replays with the same pointers (the caller keeps grads and buffers at fixed addresses).
 #include "triaccel/kernels/sgd_step.h"
@@ -24,6 +24,7 @@ struct SgdLaunchArgs {
   float* mom[kMaxTensors];
   int64_t numel[kMaxTensors];
   float weight_decay[kMaxTensors];
+  float lr_scale[kMaxTensors];       // per-tensor multiplier of *lr (Tri-Accel curvature scaling; 1 otherwise)
   int block_start[kMaxTensors + 1];  // prefix sum of blocks per tensor
 };
 
@@ -47,7 +48,7 @@ __global__ void sgd_step_kernel(const __grid_constant__ SgdLaunchArgs args, cons
   const float* g = args.grad[t];
   float* m = args.mom[t];
   const float wd = args.weight_decay[t];
-  const float lr = *lr_ptr;
+  const float lr = *lr_ptr * args.lr_scale[t];
   const bool aligned = ((reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(g) |
                          reinterpret_cast<uintptr_t>(m)) & 15) == 0;
   if (aligned && base + kChunk <= n) {
@@ -104,9 +105,10 @@ void check_fp32_cuda(const at::Tensor& t, const char* what, const at::Device& de
 
 void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                    const std::vector<at::Tensor>& momenta, const std::vector<float>& weight_decays,
-                   const at::Tensor& lr, const at::Tensor& found_inf, float momentum, bool nesterov) {
+                   const std::vector<float>& lr_scales, const at::Tensor& lr, const at::Tensor& found_inf,
+                   float momentum, bool nesterov) {
   TORCH_CHECK(params.size() == grads.size() && params.size() == momenta.size() &&
-                  params.size() == weight_decays.size(),
+                  params.size() == weight_decays.size() && params.size() == lr_scales.size(),
               "sgd_step_cuda: list lengths differ");
   if (params.empty()) return;
   const at::Device device = params[0].device();
@@ -137,6 +139,7 @@ void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::
     args.mom[k] = momenta[i].data_ptr<float>();
     args.numel[k] = n;
     args.weight_decay[k] = weight_decays[i];
+    args.lr_scale[k] = lr_scales[i];
     args.block_start[k + 1] = args.block_start[k] + static_cast<int>(blocks);
     args.num_tensors = k + 1;
     if (args.num_tensors == kMaxTensors || args.block_start[args.num_tensors] > (1 << 30)) flush();

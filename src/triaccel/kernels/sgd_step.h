@@ -13,6 +13,7 @@ namespace triaccel {
 // lr, found_inf: float32 scalars (0-dim or 1 element) on the same device. If found_inf != 0 nothing changes.
 void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                    const std::vector<at::Tensor>& momenta, const std::vector<float>& weight_decays,
-                   const at::Tensor& lr, const at::Tensor& found_inf, float momentum, bool nesterov);
+                   const std::vector<float>& lr_scales, const at::Tensor& lr, const at::Tensor& found_inf,
+                   float momentum, bool nesterov);
 
 }  // namespace triaccel

@@ -40,7 +40,7 @@ PrecisionMode precision_mode_parse(const std::string& name) {
 }
 
 const std::vector<std::string>& method_names() {
-  static const std::vector<std::string> names = {"backprop"};
+  static const std::vector<std::string> names = {"backprop", "tri-accel"};
   return names;
 }
 
@@ -67,6 +67,13 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(augment == "auto" || augment == "on" || augment == "off",
                        "--augment must be auto, on or off, got '", augment, "'");
   TRIACCEL_CHECK_INPUT(image_size >= 0 && image_size <= 1024, "--image-size must be in [0, 1024], got ", image_size);
+  TRIACCEL_CHECK_INPUT(ctrl_every > 0, "--ctrl-every must be > 0, got ", ctrl_every);
+  TRIACCEL_CHECK_INPUT(curv_every > 0, "--curv-every must be > 0, got ", curv_every);
+  TRIACCEL_CHECK_INPUT(curv_batch > 0, "--curv-batch must be > 0, got ", curv_batch);
+  TRIACCEL_CHECK_INPUT(curv_top_k > 0 && curv_top_k <= 64, "--curv-top-k must be in [1, 64], got ", curv_top_k);
+  TRIACCEL_CHECK_INPUT(curv_max_iters > 0, "--curv-max-iters must be > 0, got ", curv_max_iters);
+  TRIACCEL_CHECK_INPUT(tau_low < 0 || tau_high < 0 || tau_low <= tau_high, "--tau-low (", tau_low,
+                       ") must not exceed --tau-high (", tau_high, ")");
   TRIACCEL_CHECK_INPUT(tta == "off" || tta == "flip", "--tta must be off or flip, got '", tta, "'");
   TRIACCEL_CHECK_INPUT(eval_batch_size > 0, "--eval-batch-size must be > 0, got ", eval_batch_size);
   TRIACCEL_CHECK_INPUT(!out.empty(), "--out must name a folder");
@@ -107,6 +114,17 @@ Json TrainOptions::to_json() const {
               {"image_size", image_size},
               {"eval_batch_size", eval_batch_size},
               {"tta", tta},
+              {"ctrl_every", ctrl_every},
+              {"curv_every", curv_every},
+              {"curv_batch", curv_batch},
+              {"curv_top_k", curv_top_k},
+              {"curv_max_iters", curv_max_iters},
+              {"curv_alpha", curv_alpha},
+              {"tau_low", tau_low},
+              {"tau_high", tau_high},
+              {"tau_curv", tau_curv},
+              {"ta_precision", ta_precision},
+              {"ta_curvature", ta_curvature},
               {"out", out},
               {"seed", seed},
               {"resume", resume},
@@ -148,6 +166,17 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("image_size", o.image_size);
   get("eval_batch_size", o.eval_batch_size);
   get("tta", o.tta);
+  get("ctrl_every", o.ctrl_every);
+  get("curv_every", o.curv_every);
+  get("curv_batch", o.curv_batch);
+  get("curv_top_k", o.curv_top_k);
+  get("curv_max_iters", o.curv_max_iters);
+  get("curv_alpha", o.curv_alpha);
+  get("tau_low", o.tau_low);
+  get("tau_high", o.tau_high);
+  get("tau_curv", o.tau_curv);
+  get("ta_precision", o.ta_precision);
+  get("ta_curvature", o.ta_curvature);
   get("out", o.out);
   get("seed", o.seed);
   get("resume", o.resume);

@@ -45,6 +45,19 @@ struct TrainOptions {
   int64_t eval_batch_size = 1000;
   std::string tta = "off";          // off | flip: also report accuracy on logits(x) + logits(flipped x)
 
+  // Tri-Accel (--method tri-accel; docs/tri-accel.md). Thresholds < 0 calibrate themselves.
+  int64_t ctrl_every = 50;          // T_ctrl: steps per control window
+  int64_t curv_every = 200;         // T_curv: steps between curvature probes
+  int64_t curv_batch = 32;          // b_curv
+  int64_t curv_top_k = 5;
+  int64_t curv_max_iters = 20;
+  double curv_alpha = -1;           // α in η_l = η0 / (1 + α·λ_max); < 0: 1 / (0.9-quantile of the first probe's λ)
+  double tau_low = -1;
+  double tau_high = -1;
+  double tau_curv = -1;
+  bool ta_precision = true;         // ablation switches
+  bool ta_curvature = true;
+
   // Output and reproducibility.
   std::string out = "runs/latest";
   uint64_t seed = 0;

@@ -24,7 +24,14 @@ Sgd::Sgd(const std::vector<std::pair<std::string, at::Tensor>>& named_params, Sg
     names_.push_back(name);
     params_.push_back(p);
     weight_decays_.push_back(p.dim() <= 1 ? 0.f : static_cast<float>(options_.weight_decay));
+    lr_scales_.push_back(1.f);
   }
+}
+
+void Sgd::set_lr_scales(std::vector<float> scales) {
+  TORCH_CHECK(scales.size() == params_.size(), "Sgd::set_lr_scales: ", scales.size(), " scales for ",
+              params_.size(), " parameters");
+  lr_scales_ = std::move(scales);
 }
 
 void Sgd::state_init() {
@@ -49,18 +56,19 @@ void Sgd::step(const at::Tensor& lr, const at::Tensor& found_inf) {
   const torch::NoGradGuard no_grad;
 #ifdef TRIACCEL_WITH_CUDA
   if (!params_.empty() && params_[0].is_cuda()) {
-    sgd_step_cuda(params_, g, momenta_, weight_decays_, lr, found_inf, static_cast<float>(options_.momentum),
-                  options_.nesterov);
+    sgd_step_cuda(params_, g, momenta_, weight_decays_, lr_scales_, lr, found_inf,
+                  static_cast<float>(options_.momentum), options_.nesterov);
     return;
   }
 #endif
-  sgd_step_reference(params_, g, momenta_, weight_decays_, lr, found_inf, static_cast<float>(options_.momentum),
-                     options_.nesterov);
+  sgd_step_reference(params_, g, momenta_, weight_decays_, lr_scales_, lr, found_inf,
+                     static_cast<float>(options_.momentum), options_.nesterov);
 }
 
 void sgd_step_reference(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                         const std::vector<at::Tensor>& momenta, const std::vector<float>& weight_decays,
-                        const at::Tensor& lr, const at::Tensor& found_inf, float momentum, bool nesterov) {
+                        const std::vector<float>& lr_scales, const at::Tensor& lr, const at::Tensor& found_inf,
+                        float momentum, bool nesterov) {
   const torch::NoGradGuard no_grad;
   // The reference syncs on found_inf; the CUDA kernel reads it on the device instead.
   if (found_inf.item<float>() != 0.f) return;
@@ -70,7 +78,7 @@ void sgd_step_reference(const std::vector<at::Tensor>& params, const std::vector
     if (weight_decays[i] != 0.f) d = d.add(params[i], weight_decays[i]);
     momenta[i].mul_(momentum).add_(d);
     d = nesterov ? d.add(momenta[i], momentum) : momenta[i];
-    params[i].sub_(d, lr_value);
+    params[i].sub_(d, lr_value * lr_scales[i]);
   }
 }
 

@@ -38,6 +38,10 @@ class Sgd {
   void state_init();
   const std::vector<at::Tensor>& momenta() const { return momenta_; }  // same order as names(); empty before state_init
   const std::vector<float>& weight_decays() const { return weight_decays_; }
+  // Per-parameter learning-rate multipliers (all 1 by default; Tri-Accel's curvature scaling sets them). They travel
+  // by value into the fused kernel, so a captured CUDA graph must be re-captured after a change.
+  void set_lr_scales(std::vector<float> scales);
+  const std::vector<float>& lr_scales() const { return lr_scales_; }
   std::vector<at::Tensor> grads() const;
 
  private:
@@ -46,11 +50,13 @@ class Sgd {
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> momenta_;
   std::vector<float> weight_decays_;
+  std::vector<float> lr_scales_;
 };
 
 // The math of one step in plain ATen ops (the reference for the CUDA kernel).
 void sgd_step_reference(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                         const std::vector<at::Tensor>& momenta, const std::vector<float>& weight_decays,
-                        const at::Tensor& lr, const at::Tensor& found_inf, float momentum, bool nesterov);
+                        const std::vector<float>& lr_scales, const at::Tensor& lr, const at::Tensor& found_inf,
+                        float momentum, bool nesterov);
 
 }  // namespace triaccel

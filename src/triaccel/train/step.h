@@ -8,7 +8,9 @@
 // input: pass the same tensors every step (the trainer and the benchmark do) to avoid a copy.
 #pragma once
 
+#include "triaccel/core/grad_stats.h"
 #include "triaccel/models/model.h"
+#include "triaccel/precision/policy.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/options.h"
 #include "triaccel/train/sgd.h"
@@ -58,11 +60,27 @@ class TrainStep {
   const at::Tensor& last_loss() const { return last_loss_; }
   void metrics_reset();
   bool graph_captured() const { return graph_ != nullptr; }
+  int64_t graph_captures() const { return graph_captures_; }
+
+  // Tri-Accel: per-unit precision for the forward (empty: the uniform precision mode). A change drops the captured
+  // graph (it is re-captured after one eager step).
+  void set_unit_precisions(const std::vector<Precision>& precisions);
+  // The precision a decision runs at on this device (fp16 runs as bf16 on the CPU).
+  Precision precision_applied(Precision decided) const;
+  // Drops the captured graph, e.g. after the optimizer's per-tensor lr scales changed.
+  void invalidate_graph();
+
+  // Tri-Accel: accumulate per-unit gradient statistics (core/grad_stats.h) of every non-skipped step, inside the
+  // step (and so inside the graph). `layout` must follow sgd.params() order.
+  void grad_stats_enable(GradStatsLayout layout);
+  // The window's per-unit mean statistics, (U, kGradStatsColumns) float32 on the CPU (syncs), and resets the sums.
+  at::Tensor grad_stats_take();
 
  private:
   void body(const at::Tensor& images, const at::Tensor& labels);
   void capture(const at::Tensor& images, const at::Tensor& labels);
   void grads_release();
+  at::Tensor forward(const at::Tensor& images);
 
   Model& model_;
   Sgd& sgd_;
@@ -74,6 +92,12 @@ class TrainStep {
   at::Tensor correct_sum_;  // (1) float32
   at::Tensor last_loss_;    // (1) float32
   int64_t eager_steps_at_graph_size_ = 0;
+  int64_t graph_captures_ = 0;
+  std::vector<Precision> unit_precisions_;
+  bool grad_stats_enabled_ = false;
+  GradStatsLayout grad_stats_layout_;
+  at::Tensor grad_stats_sum_;    // (U, kGradStatsColumns) float32 on device
+  at::Tensor grad_stats_steps_;  // (1) float32: non-skipped steps summed
 
   struct Graph;
   std::unique_ptr<Graph> graph_;

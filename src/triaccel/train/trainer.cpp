@@ -12,6 +12,7 @@
 #include "triaccel/train/sgd.h"
 #include "triaccel/train/step.h"
 #include "triaccel/train/telemetry.h"
+#include "triaccel/train/tri_accel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -52,11 +53,12 @@ struct Progress {
   std::vector<double> epoch_times;  // finished epochs' training seconds
   double peak_vram_gb = 0;
   Json last_epoch;           // the last epoch event's fields
+  Json tri_accel;            // TriAccelDriver state (null for other methods)
 
   Json to_json() const {
     return Json{{"step", step}, {"epoch", epoch}, {"epoch_offset", epoch_offset}, {"elapsed_s", elapsed_s},
                 {"epoch_train_s", epoch_train_s}, {"epoch_times", epoch_times}, {"peak_vram_gb", peak_vram_gb},
-                {"last_epoch", last_epoch}};
+                {"last_epoch", last_epoch}, {"tri_accel", tri_accel}};
   }
   static Progress from_json(const Json& j, const std::string& path) {
     Progress p;
@@ -69,6 +71,7 @@ struct Progress {
       p.epoch_times = j.at("epoch_times").get<std::vector<double>>();
       p.peak_vram_gb = j.at("peak_vram_gb").get<double>();
       p.last_epoch = j.at("last_epoch");
+      p.tri_accel = j.value("tri_accel", Json());
     } catch (const Json::exception&) {
       throw UserError("checkpoint " + path + " has an unreadable progress record");
     }
@@ -282,8 +285,12 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   for (const auto& item : model->named_parameters()) named_params.emplace_back(item.key(), item.value());
   Sgd sgd(named_params, so);
   LossScalerOptions lso;
-  lso.enabled = options.precision == PrecisionMode::kAmpFP16;
+  const bool tri = options.method == "tri-accel";
+  // Tri-Accel may put units in fp16 at any window: the loss scaler runs from the start.
+  lso.enabled = options.precision == PrecisionMode::kAmpFP16 || tri;
   LossScaler scaler(lso, device);
+  // Evaluation (and Tri-Accel's calibration phase) uses bf16 for tri-accel, the chosen mode otherwise.
+  const PrecisionMode eval_precision = tri ? PrecisionMode::kAmpBF16 : options.precision;
 
   const int64_t steps_per_epoch = train_loader.steps_per_epoch();
   ScheduleOptions sched;
@@ -341,6 +348,15 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   step_opts.graph_batch_size = options.batch_size;
   step_opts.label_smoothing = options.label_smoothing;
   TrainStep step(*model, sgd, scaler, step_opts, device);
+  std::unique_ptr<TriAccelDriver> tri_accel;
+  if (tri) {
+    // The fixed curvature batch: the first b_curv samples of epoch 0's (seeded) order.
+    train_loader.epoch_begin(0);
+    auto [probe_images, probe_labels] =
+        train_loader.batch(0, std::min(options.curv_batch, train_loader.size()));
+    tri_accel = std::make_unique<TriAccelDriver>(options, *model, sgd, step, probe_images, probe_labels);
+    if (!progress.tri_accel.is_null()) tri_accel->state_from_json(progress.tri_accel);
+  }
 
   // Peak VRAM: allocator peak since here, resident dataset included (it stays allocated for the whole run).
   memory_stats_reset_peak(device);
@@ -355,6 +371,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
     c.rng = rng_state(device);
     Progress p = progress;
     p.elapsed_s = now();
+    if (tri_accel) p.tri_accel = tri_accel->state_to_json();
     c.progress = p.to_json();
     const std::string path = (std::filesystem::path(options.out) / kCheckpointFile).string();
     checkpoint_write(path, c);
@@ -385,6 +402,11 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
       samples_this_session += count;
       samples_since_log += count;
       if (hooks.after_step) hooks.after_step(progress.step);
+      if (tri_accel) {
+        for (const auto& [name, fields] : tri_accel->after_step(progress.step)) {
+          events.write(name, progress.step, now(), fields);
+        }
+      }
       const bool last_in_epoch = progress.epoch_offset >= train_loader.size();
       if (progress.step % options.log_every == 0 || last_in_epoch) {
         const double loss = step.last_loss().item<double>();  // syncs
@@ -412,7 +434,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
     // Epoch done: evaluate and log. Train metrics cover this session's part of the epoch.
     const double train_s = progress.epoch_train_s;
     const double t_eval = time_since_start_s();
-    const EvalResult test = evaluate(*model, test_loader, device, options.precision, options.eval_batch_size,
+    const EvalResult test = evaluate(*model, test_loader, device, eval_precision, options.eval_batch_size,
                                      options.tta == "flip");
     const double eval_s = time_since_start_s() - t_eval;
     const MemoryStats mem = memory_stats(device);
@@ -432,7 +454,9 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                {"peak_vram_gb", progress.peak_vram_gb},
                                {"skipped_steps", scaler.skipped_steps().item<double>()},
                                {"loss_scale", scaler.scale_tensor().item<double>()},
-                               {"cuda_graph", step.graph_captured()}};
+                               {"cuda_graph", step.graph_captured()},
+                               {"graph_captures", step.graph_captures()},
+                               {"probe_s_total", tri_accel ? Json(tri_accel->probe_seconds()) : Json(nullptr)}};
     events.write("epoch", progress.step, now(), progress.last_epoch);
     printer.line(c10::str("epoch ", progress.epoch + 1, "/", options.epochs, ": train loss ",
                           progress.last_epoch["train_loss"].get<double>(), ", test acc ", test.acc, " %, ", train_s,
@@ -468,7 +492,11 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                {"method", options.method},
                {"model", options.model},
                {"dataset", options.dataset},
-               {"precision", precision_mode_name(options.precision)},
+               {"precision", tri ? std::string("adaptive") : precision_mode_name(options.precision)},
+               {"probe_share", tri_accel ? Json(tri_accel->probe_seconds() /
+                                                std::max(1e-9, std::accumulate(progress.epoch_times.begin(),
+                                                                               progress.epoch_times.end(), 0.0)))
+                                         : Json(nullptr)},
                {"batch_size", options.batch_size},
                {"epochs", options.epochs},
                {"steps", progress.step},

@@ -1,0 +1,64 @@
+// The Tri-Accel control loop, driven by the trainer after every optimizer step (docs/tri-accel.md):
+//   every ctrl_every steps: per-unit gradient variance (accumulated inside the step) → PrecisionPolicy → the step's
+//                           per-unit autocast precision;
+//   every curv_every steps (and at the first window): CurvatureProbe on a fixed batch → per-unit
+//                           η_l = η0 / (1 + α·λ_max,l) as the optimizer's per-tensor lr scales, and λ_max into the
+//                           policy (precision promotion above τ_curv).
+// The controllers are pure (precision/policy.h); this class owns their state and applies the decisions (side
+// effects: the step's precisions, the optimizer's lr scales, graph invalidation). It returns the events to log.
+#pragma once
+
+#include "triaccel/core/json.h"
+#include "triaccel/curvature/probe.h"
+#include "triaccel/models/model.h"
+#include "triaccel/precision/policy.h"
+#include "triaccel/train/options.h"
+#include "triaccel/train/sgd.h"
+#include "triaccel/train/step.h"
+
+#include <ATen/Tensor.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace triaccel {
+
+class TriAccelDriver {
+ public:
+  // probe_images/labels: the fixed curvature batch (b_curv samples), on the model's device.
+  TriAccelDriver(const TrainOptions& options, Model& model, Sgd& sgd, TrainStep& step, at::Tensor probe_images,
+                 at::Tensor probe_labels);
+
+  // Runs whatever is due after optimizer step `step` (1-based count); returns (event name, fields) to log.
+  std::vector<std::pair<std::string, Json>> after_step(int64_t step);
+
+  double probe_seconds() const { return probe_seconds_; }
+  int64_t probes() const { return probes_; }
+
+  // Checkpoint support: the controllers' state (EMA, classes, thresholds, λ, α, lr scales).
+  Json state_to_json() const;
+  void state_from_json(const Json& json);
+
+ private:
+  void probe(int64_t step, std::vector<std::pair<std::string, Json>>& events);
+  void apply_lr_scales();
+  Json unit_names() const;
+
+  const TrainOptions& options_;
+  Model& model_;
+  Sgd& sgd_;
+  TrainStep& step_;
+  at::Tensor probe_images_, probe_labels_;
+  PrecisionPolicyOptions policy_options_;
+  CurvatureOptions curvature_options_;
+  std::vector<int64_t> unit_of_param_;  // sgd.params() index → unit index
+  PrecisionState state_;
+  std::vector<double> pending_lambda_;  // λ_max from a probe not yet fed to the policy
+  std::vector<double> unit_lr_scale_;
+  double alpha_ = -1;
+  double probe_seconds_ = 0;
+  int64_t probes_ = 0;
+};
+
+}  // namespace triaccel
