@@ -144,7 +144,8 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
   o.curv_batch = 16;
   o.curv_top_k = 2;
   o.curv_max_iters = 3;
-  const Json summary = train_run(o);  // 12 steps: windows at 2, 4, …, 12; probes at 2 (first window), 4, 8, 12
+  o.curv_budget = 0;  // fixed schedule: 12 steps → windows at 2, 4, …, 12; probes at 2 (first window), 6, 10
+  const Json summary = train_run(o);
   int precision_events = 0, curvature_events = 0;
   Json last_precision;
   for (const auto& e : events_read(out.file("events.jsonl"))) {
@@ -160,13 +161,27 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
     }
   }
   EXPECT_EQ(precision_events, 6);
-  EXPECT_EQ(curvature_events, 4);
+  EXPECT_EQ(curvature_events, 3);
   EXPECT_TRUE(last_precision["calibrated"].get<bool>());  // after 3 windows
   EXPECT_LE(last_precision["tau_low"].get<double>(), last_precision["tau_high"].get<double>());
   for (const auto& p : last_precision["applied"]) EXPECT_NE(p.get<std::string>(), "fp16");  // CPU: fp16 runs as bf16
   EXPECT_EQ(summary["precision"], "adaptive");
   EXPECT_GT(summary["probe_share"].get<double>(), 0.0);
   EXPECT_LT(summary["probe_share"].get<double>(), 1.0);
+
+  // With a time budget the probes are spaced out: at most 1 % of training time → fewer probes.
+  test::TempDir budget_dir("run_tri_budget");
+  TrainOptions budgeted = o;
+  budgeted.out = budget_dir.path();
+  budgeted.curv_budget = 0.01;
+  train_run(budgeted);
+  int budgeted_probes = 0;
+  for (const auto& e : events_read(budget_dir.file("events.jsonl"))) {
+    if (e["event"] != "curvature") continue;
+    ++budgeted_probes;
+    EXPECT_GE(e["next_probe_step"].get<int64_t>(), e["step"].get<int64_t>() + o.curv_every);
+  }
+  EXPECT_EQ(budgeted_probes, 1);  // a probe costs far more than 1 % of the next 10 steps
 
   // Stop mid-run and resume: the controllers' state comes back from the checkpoint.
   test::TempDir b("run_tri_b");

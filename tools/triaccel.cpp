@@ -86,6 +86,10 @@ struct TrainFlags {
     add("curv_max_iters", app.add_option("--curv-max-iters", o.curv_max_iters,
                                          "tri-accel: power-iteration steps per eigenvalue")
                               ->capture_default_str());
+    add("curv_budget", app.add_option("--curv-budget", o.curv_budget,
+                                      "tri-accel: max share of training time for curvature probes; they are spaced "
+                                      "to stay within it (0: every --curv-every steps)")
+                           ->capture_default_str());
     add("curv_alpha", app.add_option("--curv-alpha", o.curv_alpha,
                                      "tri-accel: alpha in lr / (1 + alpha * lambda_max); -1: calibrate")
                           ->capture_default_str());

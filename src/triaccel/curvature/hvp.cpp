@@ -48,6 +48,16 @@ HvpOperator::HvpOperator(const at::Tensor& loss, std::vector<at::Tensor> params)
                                  /*create_graph=*/true, /*allow_unused=*/true);
 }
 
+HvpOperator::HvpOperator(std::vector<at::Tensor> params, std::vector<at::Tensor> grads_with_graph)
+    : params_(std::move(params)), grads_(std::move(grads_with_graph)) {
+  TORCH_CHECK(params_.size() == grads_.size(), "HvpOperator: ", params_.size(), " parameters but ", grads_.size(),
+              " gradients");
+  for (const auto& p : params_) {
+    TORCH_CHECK(p.defined() && p.requires_grad(), "HvpOperator: every parameter must require grad");
+    numel_ += p.numel();
+  }
+}
+
 std::vector<at::Tensor> HvpOperator::apply(const std::vector<at::Tensor>& v) const {
   TORCH_CHECK(v.size() == params_.size(), "HvpOperator::apply: expected ", params_.size(), " tensors, got ",
               v.size());

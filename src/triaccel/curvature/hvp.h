@@ -28,6 +28,9 @@ std::vector<at::Tensor> hessian_vector_product(const at::Tensor& loss, const std
 class HvpOperator {
  public:
   HvpOperator(const at::Tensor& loss, std::vector<at::Tensor> params);
+  // From first-order gradients already computed with create_graph (grads[i] of params[i]; undefined = unused), so
+  // several operators (one per unit) share one first-order backward pass.
+  HvpOperator(std::vector<at::Tensor> params, std::vector<at::Tensor> grads_with_graph);
 
   // v: one tensor per parameter, same shapes → H·v, one tensor per parameter.
   std::vector<at::Tensor> apply(const std::vector<at::Tensor>& v) const;

@@ -13,6 +13,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
+#include <torch/autograd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -116,18 +117,35 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
     const at::Tensor loss = at::cross_entropy_loss(logits, y);   // scalar
 
     const auto& units = model.units();
+    // First-order gradients of every unit's parameters in one backward pass (with their graph); each unit's
+    // operator then takes its slice, instead of one create-graph backward per unit.
+    std::vector<std::vector<at::Tensor>> unit_params(units.size());
+    std::vector<at::Tensor> all_params;
+    for (size_t i = 0; i < units.size(); ++i) {
+      for (const auto& p : units[i].parameters()) {
+        if (p.requires_grad()) {
+          unit_params[i].push_back(p);
+          all_params.push_back(p);
+        }
+      }
+    }
+    const std::vector<at::Tensor> all_grads =
+        all_params.empty() ? std::vector<at::Tensor>{}
+                           : torch::autograd::grad({loss}, all_params, /*grad_outputs=*/{}, /*retain_graph=*/true,
+                                                   /*create_graph=*/true, /*allow_unused=*/true);
+    size_t next_grad = 0;
     for (size_t i = 0; i < units.size(); ++i) {
       const auto unit_start = std::chrono::steady_clock::now();
       UnitCurvature entry;
       entry.unit = units[i].name;
-      std::vector<at::Tensor> params;
-      for (const auto& p : units[i].parameters()) {
-        if (p.requires_grad()) params.push_back(p);
-      }
+      const std::vector<at::Tensor>& params = unit_params[i];
+      std::vector<at::Tensor> grads(all_grads.begin() + static_cast<long>(next_grad),
+                                    all_grads.begin() + static_cast<long>(next_grad + params.size()));
+      next_grad += params.size();
       if (params.empty()) {
         entry.converged = true;
       } else {
-        const HvpOperator op(loss, params);  // this unit's first-order gradients, with their graph
+        const HvpOperator op(params, std::move(grads));  // this unit's slice of the shared first-order gradients
         const EigenResult eigen =
             power_iteration_topk(op, options.top_k, options.max_iters, options.tol, options.seed + i);
         entry.eigenvalues = eigen.eigenvalues;

@@ -71,6 +71,7 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(curv_every > 0, "--curv-every must be > 0, got ", curv_every);
   TRIACCEL_CHECK_INPUT(curv_batch > 0, "--curv-batch must be > 0, got ", curv_batch);
   TRIACCEL_CHECK_INPUT(curv_top_k > 0 && curv_top_k <= 64, "--curv-top-k must be in [1, 64], got ", curv_top_k);
+  TRIACCEL_CHECK_INPUT(curv_budget >= 0 && curv_budget <= 1, "--curv-budget must be in [0, 1], got ", curv_budget);
   TRIACCEL_CHECK_INPUT(curv_max_iters > 0, "--curv-max-iters must be > 0, got ", curv_max_iters);
   TRIACCEL_CHECK_INPUT(tau_low < 0 || tau_high < 0 || tau_low <= tau_high, "--tau-low (", tau_low,
                        ") must not exceed --tau-high (", tau_high, ")");
@@ -119,6 +120,7 @@ Json TrainOptions::to_json() const {
               {"curv_batch", curv_batch},
               {"curv_top_k", curv_top_k},
               {"curv_max_iters", curv_max_iters},
+              {"curv_budget", curv_budget},
               {"curv_alpha", curv_alpha},
               {"tau_low", tau_low},
               {"tau_high", tau_high},
@@ -171,6 +173,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("curv_batch", o.curv_batch);
   get("curv_top_k", o.curv_top_k);
   get("curv_max_iters", o.curv_max_iters);
+  get("curv_budget", o.curv_budget);
   get("curv_alpha", o.curv_alpha);
   get("tau_low", o.tau_low);
   get("tau_high", o.tau_high);

@@ -51,6 +51,7 @@ struct TrainOptions {
   int64_t curv_batch = 32;          // b_curv
   int64_t curv_top_k = 5;
   int64_t curv_max_iters = 20;
+  double curv_budget = 0.05;        // probes are spaced so they take at most this share of training time (0: every T_curv)
   double curv_alpha = -1;           // α in η_l = η0 / (1 + α·λ_max); < 0: 1 / (0.9-quantile of the first probe's λ)
   double tau_low = -1;
   double tau_high = -1;

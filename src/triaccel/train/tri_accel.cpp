@@ -2,6 +2,7 @@
 
 #include "triaccel/core/errors.h"
 #include "triaccel/core/grad_stats.h"
+#include "triaccel/core/io.h"
 
 #include <algorithm>
 #include <cmath>
@@ -90,6 +91,16 @@ void TriAccelDriver::probe(int64_t step, std::vector<std::pair<std::string, Json
     apply_lr_scales();
   }
   pending_lambda_ = lambda;
+  // Space the next probe so that probes take at most curv_budget of the training time (no manual tuning of T_curv
+  // per model or GPU): gap ≥ probe_s / (budget · seconds per step), and never below curv_every.
+  int64_t gap = options_.curv_every;
+  if (options_.curv_budget > 0 && steps_since_probe_ > 0 && train_s_since_probe_ > 0) {
+    const double step_s = train_s_since_probe_ / static_cast<double>(steps_since_probe_);
+    gap = std::max<int64_t>(gap, static_cast<int64_t>(std::ceil(seconds / (options_.curv_budget * step_s))));
+  }
+  next_probe_step_ = step + gap;
+  train_s_since_probe_ = 0;
+  steps_since_probe_ = 0;
   events.emplace_back("curvature", Json{{"units", unit_names()},
                                         {"lambda_max", lambda},
                                         {"eigenvalues", eigen},
@@ -97,13 +108,19 @@ void TriAccelDriver::probe(int64_t step, std::vector<std::pair<std::string, Json
                                         {"alpha", alpha_},
                                         {"probe_s", seconds},
                                         {"probe_s_total", probe_seconds_},
+                                        {"next_probe_step", next_probe_step_},
                                         {"lr_scaling", options_.ta_curvature}});
 }
 
 std::vector<std::pair<std::string, Json>> TriAccelDriver::after_step(int64_t step) {
   std::vector<std::pair<std::string, Json>> events;
+  const double now = time_since_start_s();
+  if (last_call_s_ >= 0) {
+    train_s_since_probe_ += now - last_call_s_;
+    steps_since_probe_ += 1;
+  }
   const bool window = step % options_.ctrl_every == 0;
-  const bool probe_due = step % options_.curv_every == 0 || (probes_ == 0 && window);
+  const bool probe_due = next_probe_step_ < 0 ? window : step >= next_probe_step_;
   if ((options_.ta_curvature || options_.ta_precision) && probe_due) probe(step, events);
   if (options_.ta_precision && window) {
     const at::Tensor stats = step_.grad_stats_take();  // (U, columns) on the CPU
@@ -133,6 +150,7 @@ std::vector<std::pair<std::string, Json>> TriAccelDriver::after_step(int64_t ste
                                           {"calibrated", state_.calibrated},
                                           {"changed", before != state_.precision}});
   }
+  last_call_s_ = time_since_start_s();  // the probe's own time is not training time
   return events;
 }
 
@@ -150,7 +168,7 @@ Json TriAccelDriver::state_to_json() const {
               {"dwell", state_.dwell},            {"promoted", state_.promoted},
               {"pending_lambda", pending_lambda_}, {"unit_lr_scale", unit_lr_scale_},
               {"alpha", alpha_},                  {"probe_seconds", probe_seconds_},
-              {"probes", probes_}};
+              {"probes", probes_},                {"next_probe_step", next_probe_step_}};
 }
 
 void TriAccelDriver::state_from_json(const Json& j) {
@@ -177,6 +195,7 @@ void TriAccelDriver::state_from_json(const Json& j) {
     alpha_ = j.at("alpha").get<double>();
     probe_seconds_ = j.at("probe_seconds").get<double>();
     probes_ = j.at("probes").get<int64_t>();
+    next_probe_step_ = j.at("next_probe_step").get<int64_t>();
   } catch (const Json::exception&) {
     throw UserError("checkpoint has an unreadable Tri-Accel state; resume with the same --method or start afresh");
   }

@@ -1,7 +1,8 @@
 // The Tri-Accel control loop, driven by the trainer after every optimizer step (docs/tri-accel.md):
 //   every ctrl_every steps: per-unit gradient variance (accumulated inside the step) → PrecisionPolicy → the step's
 //                           per-unit autocast precision;
-//   every curv_every steps (and at the first window): CurvatureProbe on a fixed batch → per-unit
+//   at the first window, then every curv_every steps or more (spaced so probes stay within curv_budget of the
+//                           training time, measured): CurvatureProbe on a fixed batch → per-unit
 //                           η_l = η0 / (1 + α·λ_max,l) as the optimizer's per-tensor lr scales, and λ_max into the
 //                           policy (precision promotion above τ_curv).
 // The controllers are pure (precision/policy.h); this class owns their state and applies the decisions (side
@@ -57,6 +58,10 @@ class TriAccelDriver {
   std::vector<double> pending_lambda_;  // λ_max from a probe not yet fed to the policy
   std::vector<double> unit_lr_scale_;
   double alpha_ = -1;
+  int64_t next_probe_step_ = -1;     // < 0: at the first control window
+  double train_s_since_probe_ = 0;   // host wall time of training steps since the last probe (probe excluded)
+  int64_t steps_since_probe_ = 0;
+  double last_call_s_ = -1;
   double probe_seconds_ = 0;
   int64_t probes_ = 0;
 };
