@@ -133,6 +133,43 @@ TEST_F(TrainerTest, ResumeRefusesAChangedIdentity) {
   }
 }
 
+// Out of memory (injected at the step's start): the step is retried on the same samples at half the batch, the run
+// continues at that batch, and every sample of every epoch is trained exactly once.
+TEST_F(TrainerTest, OutOfMemoryRetriesTheSameSamplesAtASmallerBatch) {
+  test::TempDir out("run_oom");
+  TrainOptions o = options(out.path());  // 384 samples, batch 64, 2 epochs
+  TrainHooks hooks;
+  int injected = 0;
+  hooks.before_step = [&](int64_t step, int64_t batch) {
+    if (step == 2 && batch == 64 && injected++ == 0) {
+      throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__}, "injected out of memory");
+    }
+  };
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> spans(2);
+  hooks.on_batch = [&](int64_t epoch, int64_t offset, int64_t count) { spans[epoch].emplace_back(offset, count); };
+  const Json summary = train_run(o, hooks);
+  EXPECT_EQ(injected, 1);
+  for (const auto& epoch : spans) {
+    int64_t next = 0;
+    for (const auto& [offset, count] : epoch) {
+      EXPECT_EQ(offset, next);  // contiguous: no gap (skipped samples), no overlap (repeated ones)
+      next = offset + count;
+    }
+    EXPECT_EQ(next, 384);
+  }
+  EXPECT_EQ(spans[0][2], (std::pair<int64_t, int64_t>{128, 32}));  // the failed step's samples, retried at 32
+  EXPECT_EQ(summary["steps"], 2 + (384 - 128) / 32 + 384 / 32);
+  int oom_events = 0;
+  for (const auto& e : events_read(out.file("events.jsonl"))) {
+    if (e["event"] == "oom") {
+      ++oom_events;
+      EXPECT_EQ(e["batch"], 64);
+      EXPECT_EQ(e["retry_batch"], 32);
+    }
+  }
+  EXPECT_EQ(oom_events, 1);
+}
+
 // The Tri-Accel loop on the CPU: probes and precision windows happen on schedule, thresholds calibrate, the
 // decisions reach the events, and a resumed run restores the controllers' state.
 TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {

@@ -104,6 +104,9 @@ struct TrainFlags {
     add("ta_curvature", app.add_option("--ta-curvature", o.ta_curvature,
                                        "tri-accel: curvature-scaled per-unit learning rates (true|false)")
                             ->capture_default_str());
+    add("lr_batch_rule", app.add_option("--lr-batch-rule", o.lr_batch_rule,
+                                        "how the lr follows a batch change (after out-of-memory): none|linear|sqrt")
+                             ->capture_default_str());
     add("out", app.add_option("--out", o.out, "output folder (events.jsonl, checkpoint.pt, model.pt)")
                    ->capture_default_str());
     add("seed", app.add_option("--seed", o.seed, "random seed (initialization, data order, augmentation)")

@@ -2,6 +2,7 @@
 
 #include "triaccel/core/errors.h"
 #include "triaccel/data/dataset.h"
+#include "triaccel/memory/batch_controller.h"
 #include "triaccel/models/model.h"
 
 #include <algorithm>
@@ -75,6 +76,7 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(curv_max_iters > 0, "--curv-max-iters must be > 0, got ", curv_max_iters);
   TRIACCEL_CHECK_INPUT(tau_low < 0 || tau_high < 0 || tau_low <= tau_high, "--tau-low (", tau_low,
                        ") must not exceed --tau-high (", tau_high, ")");
+  lr_batch_rule_parse(lr_batch_rule);  // throws with the flag's name
   TRIACCEL_CHECK_INPUT(tta == "off" || tta == "flip", "--tta must be off or flip, got '", tta, "'");
   TRIACCEL_CHECK_INPUT(eval_batch_size > 0, "--eval-batch-size must be > 0, got ", eval_batch_size);
   TRIACCEL_CHECK_INPUT(!out.empty(), "--out must name a folder");
@@ -127,6 +129,7 @@ Json TrainOptions::to_json() const {
               {"tau_curv", tau_curv},
               {"ta_precision", ta_precision},
               {"ta_curvature", ta_curvature},
+              {"lr_batch_rule", lr_batch_rule},
               {"out", out},
               {"seed", seed},
               {"resume", resume},
@@ -180,6 +183,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("tau_curv", o.tau_curv);
   get("ta_precision", o.ta_precision);
   get("ta_curvature", o.ta_curvature);
+  get("lr_batch_rule", o.lr_batch_rule);
   get("out", o.out);
   get("seed", o.seed);
   get("resume", o.resume);

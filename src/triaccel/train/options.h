@@ -59,6 +59,9 @@ struct TrainOptions {
   bool ta_precision = true;         // ablation switches
   bool ta_curvature = true;
 
+  // Out of memory: the step is retried on the same samples at a smaller batch; the lr follows the batch.
+  std::string lr_batch_rule = "sqrt"; // none | linear | sqrt
+
   // Output and reproducibility.
   std::string out = "runs/latest";
   uint64_t seed = 0;

@@ -152,7 +152,12 @@ void TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
   graph_->labels = labels;
   // Capture records the work without running it; the caller replays right after, which performs this step.
   graph_->graph.capture_begin();
-  body(graph_->images, graph_->labels);
+  try {
+    body(graph_->images, graph_->labels);
+  } catch (...) {
+    graph_.reset();  // a failed capture (out of memory, say) leaves no half-made graph behind
+    throw;
+  }
   graph_->graph.capture_end();
   ++graph_captures_;
 #endif

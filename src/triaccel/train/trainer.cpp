@@ -5,6 +5,7 @@
 #include "triaccel/core/io.h"
 #include "triaccel/data/dataset.h"
 #include "triaccel/data/loader.h"
+#include "triaccel/memory/batch_controller.h"
 #include "triaccel/models/model.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/loss_scaler.h"
@@ -22,6 +23,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -52,13 +54,14 @@ struct Progress {
   double epoch_train_s = 0;  // training time spent in the current epoch so far
   std::vector<double> epoch_times;  // finished epochs' training seconds
   double peak_vram_gb = 0;
+  int64_t batch = 0;         // the batch size in use (smaller than --batch-size after an out-of-memory retry)
   Json last_epoch;           // the last epoch event's fields
   Json tri_accel;            // TriAccelDriver state (null for other methods)
 
   Json to_json() const {
     return Json{{"step", step}, {"epoch", epoch}, {"epoch_offset", epoch_offset}, {"elapsed_s", elapsed_s},
                 {"epoch_train_s", epoch_train_s}, {"epoch_times", epoch_times}, {"peak_vram_gb", peak_vram_gb},
-                {"last_epoch", last_epoch}, {"tri_accel", tri_accel}};
+                {"batch", batch}, {"last_epoch", last_epoch}, {"tri_accel", tri_accel}};
   }
   static Progress from_json(const Json& j, const std::string& path) {
     Progress p;
@@ -70,6 +73,7 @@ struct Progress {
       p.epoch_train_s = j.at("epoch_train_s").get<double>();
       p.epoch_times = j.at("epoch_times").get<std::vector<double>>();
       p.peak_vram_gb = j.at("peak_vram_gb").get<double>();
+      p.batch = j.value("batch", int64_t{0});
       p.last_epoch = j.at("last_epoch");
       p.tri_accel = j.value("tri_accel", Json());
     } catch (const Json::exception&) {
@@ -379,6 +383,11 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                                           {"epoch_offset", progress.epoch_offset}});
   };
 
+  if (progress.batch <= 0) progress.batch = options.batch_size;
+  BatchControllerOptions oom_rules;  // bucketed halving down to min_batch
+  oom_rules.budget_bytes = 1;
+  oom_rules.min_batch = std::min<int64_t>(oom_rules.min_batch, options.batch_size);
+  const LrBatchRule lr_rule = lr_batch_rule_parse(options.lr_batch_rule);
   at::Tensor batch_images = train_loader.batch_images_empty(options.batch_size);
   at::Tensor batch_labels = at::empty({options.batch_size}, at::TensorOptions().dtype(at::kLong).device(device));
   bool stopped = false;
@@ -391,12 +400,27 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
     double t_log = t_epoch;
     int64_t samples_since_log = 0;
     while (progress.epoch_offset < train_loader.size()) {
-      const int64_t count = std::min(options.batch_size, train_loader.size() - progress.epoch_offset);
+      const int64_t count = std::min(progress.batch, train_loader.size() - progress.epoch_offset);
       at::Tensor images = count == options.batch_size ? batch_images : train_loader.batch_images_empty(count);
       at::Tensor labels = count == options.batch_size ? batch_labels : batch_labels.narrow(0, 0, count);
       train_loader.batch_into(progress.epoch_offset, count, images, labels);
-      const double lr = schedule_lr(sched, progress.step);
-      step.run(images, labels, lr);
+      const double lr =
+          schedule_lr(sched, progress.step) * lr_scale_for_batch(lr_rule, progress.batch, options.batch_size);
+      try {
+        if (hooks.before_step) hooks.before_step(progress.step, count);
+        step.run(images, labels, lr);
+      } catch (const c10::OutOfMemoryError&) {
+        // Retry the same samples at a smaller batch: nothing is skipped or repeated (throws at the minimum batch).
+        const int64_t smaller = batch_after_oom(oom_rules, progress.batch);
+        events.write("oom", progress.step, now(), Json{{"batch", progress.batch}, {"retry_batch", smaller},
+                                                       {"epoch", progress.epoch}, {"epoch_offset", progress.epoch_offset}});
+        progress.batch = smaller;
+#ifdef TRIACCEL_WITH_CUDA
+        if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+        continue;
+      }
+      if (hooks.on_batch) hooks.on_batch(progress.epoch, progress.epoch_offset, count);
       progress.epoch_offset += count;
       progress.step += 1;
       samples_this_session += count;
