@@ -213,6 +213,34 @@ std::shared_ptr<Model> small_cnn_make() {
   return model_create(options);
 }
 
+// Warm starts: a second probe of the same model and batch, started from the first probe's eigenvectors, needs far
+// fewer Hessian-vector products for the same eigenvalues.
+TEST(CurvatureProbeTest, WarmStartFromThePreviousProbeConvergesInFewerProducts) {
+  const SingleThreadScope single_thread;
+  auto model = small_cnn_make();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  const at::Tensor images = at::randn({8, 1, 28, 28}, gen);           // (8, 1, 28, 28)
+  const at::Tensor labels = at::randint(0, 10, {8}, gen, at::kLong);  // (8)
+  CurvatureOptions options;
+  options.top_k = 2;
+  options.max_iters = 30;
+  options.tol = 1e-4;
+  options.batch = 8;
+  std::vector<std::vector<at::Tensor>> warm;
+  const auto cold = curvature_probe(*model, images, labels, options, nullptr, &warm);
+  ASSERT_EQ(warm.size(), cold.size());
+  const auto again = curvature_probe(*model, images, labels, options, nullptr, &warm);
+  int cold_products = 0, warm_products = 0;
+  for (size_t i = 0; i < cold.size(); ++i) {
+    cold_products += cold[i].iterations;
+    warm_products += again[i].iterations;
+    if (cold[i].converged) {
+      EXPECT_NEAR(again[i].lambda_max, cold[i].lambda_max, 1e-2 * std::abs(cold[i].lambda_max) + 1e-6) << cold[i].unit;
+    }
+  }
+  EXPECT_LT(warm_products * 2, cold_products) << "cold " << cold_products << ", warm " << warm_products;
+}
+
 TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
   const SingleThreadScope single_thread;
   auto model = small_cnn_make();

@@ -103,7 +103,8 @@ std::vector<at::Tensor> hessian_vector_product(const at::Tensor& loss, const std
   return HvpOperator(loss, params).apply(v);
 }
 
-EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, double tol, uint64_t seed) {
+EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, double tol, uint64_t seed,
+                                 const std::vector<at::Tensor>& warm_start) {
   TORCH_CHECK(k >= 1, "power_iteration_topk: k must be >= 1, got ", k);
   TORCH_CHECK(max_iters >= 1, "power_iteration_topk: max_iters must be >= 1, got ", max_iters);
   TORCH_CHECK(tol >= 0 && std::isfinite(tol), "power_iteration_topk: tol must be >= 0, got ", tol);
@@ -122,6 +123,9 @@ EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, do
   for (int j = 0; j < count; ++j) {
     // Start vectors are drawn in float64 on the CPU so a seed gives the same start on every device.
     at::Tensor start = at::randn({n}, generator, at::TensorOptions().dtype(at::kDouble));
+    if (j < static_cast<int>(warm_start.size()) && warm_start[j].defined() && warm_start[j].numel() == n) {
+      start = warm_start[j].detach().to(at::kDouble).cpu().reshape({n});
+    }
     at::Tensor v = orthogonalized(start.to(options), eigenvectors);  // (n)
     v = v / v.norm();
 
@@ -154,6 +158,7 @@ EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, do
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return std::abs(eigenvalues[a]) > std::abs(eigenvalues[b]); });
   for (size_t i : order) result.eigenvalues.push_back(eigenvalues[i]);
+  result.eigenvectors = std::move(eigenvectors);
   return result;
 }
 

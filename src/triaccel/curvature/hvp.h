@@ -53,11 +53,16 @@ struct EigenResult {
   std::vector<double> eigenvalues;  // sorted by decreasing |λ|, signed
   int iterations = 0;               // Hessian-vector products taken, summed over all k eigenvalues
   bool converged = false;           // every eigenvalue met the tolerance within max_iters
+  std::vector<at::Tensor> eigenvectors;  // unit vectors (n), in the order they were found (not sorted)
 };
 
 // Top-k eigenvalues of H by magnitude: power iteration on each eigenvalue in turn, the iterate orthogonalized
 // (Gram–Schmidt) against the eigenvectors already found at every step, λ = vᵀHv / vᵀv (Rayleigh quotient),
 // stopping when |λ_t − λ_{t−1}| ≤ tol·|λ_t| or after max_iters products. k is clamped to the group's size.
-EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, double tol, uint64_t seed);
+// warm_start: start vectors (n) from an earlier run (e.g. the previous probe's eigenvectors, which move slowly
+// during training); the j-th search starts from warm_start[j] when given and of the right size, else from a seeded
+// random vector.
+EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, double tol, uint64_t seed,
+                                 const std::vector<at::Tensor>& warm_start = {});
 
 }  // namespace triaccel

@@ -94,7 +94,8 @@ void CurvatureOptions::validate() const {
 }
 
 std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& images, const at::Tensor& labels,
-                                           const CurvatureOptions& options, double* wall_seconds) {
+                                           const CurvatureOptions& options, double* wall_seconds,
+                                           std::vector<std::vector<at::Tensor>>* warm_start) {
   options.validate();
   TORCH_CHECK(images.dim() == 4, "curvature_probe: images must be (N, C, H, W), got ", images.sizes());
   TORCH_CHECK(labels.dim() == 1 && labels.size(0) == images.size(0), "curvature_probe: labels must be (",
@@ -146,8 +147,13 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
         entry.converged = true;
       } else {
         const HvpOperator op(params, std::move(grads));  // this unit's slice of the shared first-order gradients
-        const EigenResult eigen =
-            power_iteration_topk(op, options.top_k, options.max_iters, options.tol, options.seed + i);
+        const bool warm = warm_start != nullptr && warm_start->size() == units.size();
+        const EigenResult eigen = power_iteration_topk(op, options.top_k, options.max_iters, options.tol,
+                                                       options.seed + i, warm ? (*warm_start)[i] : std::vector<at::Tensor>{});
+        if (warm_start != nullptr) {
+          if (warm_start->size() != units.size()) warm_start->assign(units.size(), {});
+          (*warm_start)[i] = eigen.eigenvectors;
+        }
         entry.eigenvalues = eigen.eigenvalues;
         entry.lambda_max = *std::max_element(eigen.eigenvalues.begin(), eigen.eigenvalues.end());
         entry.iterations = eigen.iterations;

@@ -48,7 +48,10 @@ struct UnitCurvature {
 // Returns one entry per unit, in unit order. If wall_seconds is given, it receives the whole call's wall time
 // (forward, every unit, restoring the state; the device is synchronized before the clock stops), so the trainer
 // can report the probe's share of training time.
+// warm_start (optional, per unit): the previous probe's eigenvectors in, this probe's out; power iteration starts
+// from them, so a probe on a slowly moving model converges in a few products instead of max_iters.
 std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& images, const at::Tensor& labels,
-                                           const CurvatureOptions& options, double* wall_seconds = nullptr);
+                                           const CurvatureOptions& options, double* wall_seconds = nullptr,
+                                           std::vector<std::vector<at::Tensor>>* warm_start = nullptr);
 
 }  // namespace triaccel

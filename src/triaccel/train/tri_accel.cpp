@@ -65,14 +65,16 @@ void TriAccelDriver::apply_lr_scales() {
 void TriAccelDriver::probe(int64_t step, std::vector<std::pair<std::string, Json>>& events) {
   double seconds = 0;
   const std::vector<UnitCurvature> curv =
-      curvature_probe(model_, probe_images_, probe_labels_, curvature_options_, &seconds);
+      curvature_probe(model_, probe_images_, probe_labels_, curvature_options_, &seconds, &warm_start_);
   probe_seconds_ += seconds;
   probes_ += 1;
   std::vector<double> lambda;
   Json eigen = Json::array();
+  int64_t products = 0;
   for (const auto& c : curv) {
     lambda.push_back(c.lambda_max);
     eigen.push_back(c.eigenvalues);
+    products += c.iterations;
   }
   if (options_.ta_curvature) {
     if (alpha_ < 0) {
@@ -107,6 +109,7 @@ void TriAccelDriver::probe(int64_t step, std::vector<std::pair<std::string, Json
                                         {"lr_scale", unit_lr_scale_},
                                         {"alpha", alpha_},
                                         {"probe_s", seconds},
+                                        {"hvp_products", products},
                                         {"probe_s_total", probe_seconds_},
                                         {"next_probe_step", next_probe_step_},
                                         {"lr_scaling", options_.ta_curvature}});

@@ -55,6 +55,7 @@ class TriAccelDriver {
   CurvatureOptions curvature_options_;
   std::vector<int64_t> unit_of_param_;  // sgd.params() index → unit index
   PrecisionState state_;
+  std::vector<std::vector<at::Tensor>> warm_start_;  // per unit: the last probe's eigenvectors (not checkpointed)
   std::vector<double> pending_lambda_;  // λ_max from a probe not yet fed to the policy
   std::vector<double> unit_lr_scale_;
   double alpha_ = -1;
