@@ -18,8 +18,8 @@
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
 
-#include <map>
 #include <memory>
+#include <vector>
 
 namespace triaccel {
 

@@ -385,7 +385,6 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
 
   if (progress.batch <= 0) progress.batch = options.batch_size;
   BatchControllerOptions oom_rules;  // bucketed halving down to min_batch
-  oom_rules.budget_bytes = 1;
   oom_rules.min_batch = std::min<int64_t>(oom_rules.min_batch, options.batch_size);
   const LrBatchRule lr_rule = lr_batch_rule_parse(options.lr_batch_rule);
   at::Tensor batch_images = train_loader.batch_images_empty(options.batch_size);
@@ -401,7 +400,9 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
     int64_t samples_since_log = 0;
     while (progress.epoch_offset < train_loader.size()) {
       const int64_t count = std::min(progress.batch, train_loader.size() - progress.epoch_offset);
-      at::Tensor images = count == options.batch_size ? batch_images : train_loader.batch_images_empty(count);
+      // A shorter batch (the epoch's last, or after an out-of-memory retry) uses the front of the full-size buffers:
+      // dim 0 is outermost in NCHW and channels_last alike, so the view stays dense and nothing is allocated.
+      at::Tensor images = count == options.batch_size ? batch_images : batch_images.narrow(0, 0, count);
       at::Tensor labels = count == options.batch_size ? batch_labels : batch_labels.narrow(0, 0, count);
       train_loader.batch_into(progress.epoch_offset, count, images, labels);
       const double lr =
