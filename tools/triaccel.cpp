@@ -104,8 +104,15 @@ struct TrainFlags {
     add("ta_curvature", app.add_option("--ta-curvature", o.ta_curvature,
                                        "tri-accel: curvature-scaled per-unit learning rates (true|false)")
                             ->capture_default_str());
+    add("ta_batch", app.add_option("--ta-batch", o.ta_batch,
+                                   "tri-accel: memory-elastic batch size under --vram-budget (true|false)")
+                        ->capture_default_str());
+    add("vram_budget", app.add_option("--vram-budget", o.vram_budget,
+                                      "GPU memory budget, e.g. 2GB or 1.5GiB: the allocator is capped at it and "
+                                      "tri-accel sizes the batch by it (default: none)"));
     add("lr_batch_rule", app.add_option("--lr-batch-rule", o.lr_batch_rule,
-                                        "how the lr follows a batch change (after out-of-memory): none|linear|sqrt")
+                                        "how the lr follows a batch change (elastic batch, out-of-memory retry): "
+                                        "none|linear|sqrt")
                              ->capture_default_str());
     add("out", app.add_option("--out", o.out, "output folder (events.jsonl, checkpoint.pt, model.pt)")
                    ->capture_default_str());

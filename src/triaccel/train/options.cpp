@@ -1,5 +1,6 @@
 #include "triaccel/train/options.h"
 
+#include "triaccel/core/bytes.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/data/dataset.h"
 #include "triaccel/memory/batch_controller.h"
@@ -76,6 +77,7 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(curv_max_iters > 0, "--curv-max-iters must be > 0, got ", curv_max_iters);
   TRIACCEL_CHECK_INPUT(tau_low < 0 || tau_high < 0 || tau_low <= tau_high, "--tau-low (", tau_low,
                        ") must not exceed --tau-high (", tau_high, ")");
+  vram_budget_bytes();                 // throws with the flag's name
   lr_batch_rule_parse(lr_batch_rule);  // throws with the flag's name
   TRIACCEL_CHECK_INPUT(tta == "off" || tta == "flip", "--tta must be off or flip, got '", tta, "'");
   TRIACCEL_CHECK_INPUT(eval_batch_size > 0, "--eval-batch-size must be > 0, got ", eval_batch_size);
@@ -88,6 +90,10 @@ void TrainOptions::validate() const {
 
 double TrainOptions::warmup_epochs_resolved() const {
   return warmup_epochs < 0 ? std::min(1.0, 0.1 * static_cast<double>(epochs)) : warmup_epochs;
+}
+
+int64_t TrainOptions::vram_budget_bytes() const {
+  return vram_budget.empty() ? 0 : bytes_parse(vram_budget, "--vram-budget");
 }
 
 bool TrainOptions::augment_enabled() const {
@@ -129,6 +135,8 @@ Json TrainOptions::to_json() const {
               {"tau_curv", tau_curv},
               {"ta_precision", ta_precision},
               {"ta_curvature", ta_curvature},
+              {"ta_batch", ta_batch},
+              {"vram_budget", vram_budget},
               {"lr_batch_rule", lr_batch_rule},
               {"out", out},
               {"seed", seed},
@@ -183,6 +191,8 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("tau_curv", o.tau_curv);
   get("ta_precision", o.ta_precision);
   get("ta_curvature", o.ta_curvature);
+  if (j.contains("ta_batch")) get("ta_batch", o.ta_batch);
+  if (j.contains("vram_budget")) get("vram_budget", o.vram_budget);  // absent in checkpoints before the flag
   get("lr_batch_rule", o.lr_batch_rule);
   get("out", o.out);
   get("seed", o.seed);

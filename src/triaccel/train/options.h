@@ -58,7 +58,11 @@ struct TrainOptions {
   double tau_curv = -1;
   bool ta_precision = true;         // ablation switches
   bool ta_curvature = true;
+  bool ta_batch = true;             // memory-elastic batch (active when vram_budget is set)
 
+  // Memory budget (Tri-Accel, NeuroFlux): "" = none, else a size like "2GB" (core/bytes.h). Peak allocation is kept
+  // under it: the caching allocator is capped at it, and Tri-Accel's batch controller sizes the batch by it.
+  std::string vram_budget;
   // Out of memory: the step is retried on the same samples at a smaller batch; the lr follows the batch.
   std::string lr_batch_rule = "sqrt"; // none | linear | sqrt
 
@@ -71,7 +75,8 @@ struct TrainOptions {
   std::string progress = "auto";    // auto (bar on a terminal, lines otherwise) | bar | lines | off
 
   void validate() const;
-  bool augment_enabled() const;     // resolves "auto" from the dataset
+  bool augment_enabled() const;       // resolves "auto" from the dataset
+  int64_t vram_budget_bytes() const;  // 0 when no budget
   double warmup_epochs_resolved() const;
   Json to_json() const;
   static TrainOptions from_json(const Json& json);  // UserError naming a missing or mistyped key
