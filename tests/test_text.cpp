@@ -172,6 +172,9 @@ TEST(Text, OptionsRejectModelDatasetMismatches) {
   o.tta = "flip";
   EXPECT_NE(error_of([&] { o.validate(); }).find("--tta"), std::string::npos);
   o.tta = "off";
+  o.method = "tri-accel";
+  EXPECT_NE(error_of([&] { o.validate(); }).find("use --method backprop"), std::string::npos);
+  o.method = "backprop";
   o.block_size = 0;
   EXPECT_NE(error_of([&] { o.validate(); }).find("--block-size"), std::string::npos);
 }

@@ -92,6 +92,8 @@ PY
 : > "$WORK/text-empty/input.txt"
 TEXT=(--model gpt-char --dataset tinyshakespeare --data "$WORK/text" --block-size 8 --device cpu --progress off)
 expect gpt_text_stop 0 "stopped at step 2" -- train "${TEXT[@]}" --batch-size 16 --max-steps 2 --out "$WORK/gpt" --progress lines
+expect gpt_text_resume_other_block 2 "--block_size 16 differs from the checkpoint" -- train --resume "$WORK/gpt" --block-size 16 --progress off
+expect gpt_text_resume 0 "done: test acc" -- train --resume "$WORK/gpt" --progress lines
 expect gpt_text_epoch 0 "done: test acc" -- train "${TEXT[@]}" --batch-size 64 --out "$WORK/gpt1" --progress lines
 if [ -f "$WORK/gpt1/model.pt" ] && grep '"event":"epoch"' "$WORK/gpt1/events.jsonl" | grep -q '"val_loss":[0-9]'; then
   passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL gpt_text_epoch: no model.pt or val_loss"; fi
@@ -101,6 +103,7 @@ expect augment_on_text 2 "--augment on applies to images only" -- train "${TEXT[
 expect text_missing 2 "input.txt not found in $WORK/text-none; pass --data" -- train "${TEXT[@]}" --data "$WORK/text-none"
 expect text_empty 2 "is empty" -- train "${TEXT[@]}" --data "$WORK/text-empty" --out "$WORK/o3"
 expect text_too_short 2 "smaller --block-size" -- train "${TEXT[@]}" --block-size 200 --out "$WORK/o3"
+expect tri_accel_gpt 2 "does not support --model gpt-char" -- train "${TEXT[@]}" --method tri-accel
 expect vit_on_mnist 0 "stopped at step 1" -- train "${TINY[@]}" --model vit-tiny --max-steps 1 --batch-size 4 --out "$WORK/vit" --progress lines
 
 if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then

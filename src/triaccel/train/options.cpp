@@ -91,6 +91,11 @@ void TrainOptions::validate() const {
 
 void TrainOptions::validate_model_data() const {
   TRIACCEL_CHECK_INPUT(block_size >= 1 && block_size <= 8192, "--block-size must be in [1, 8192], got ", block_size);
+  // The curvature probe differentiates twice; the fused attention kernels (flash, memory-efficient, CPU flash)
+  // have no double backward, and the probe reads image batches.
+  TRIACCEL_CHECK_INPUT(method != "tri-accel" || (model != "vit-tiny" && model != "gpt-char"),
+                       "--method tri-accel does not support --model ", model,
+                       " yet (its curvature probe needs double backward through attention); use --method backprop");
   const bool text = dataset_kind(dataset) == DatasetKind::kTokens;
   const bool language_model = model_input(model) == ModelInput::kTokens;
   TRIACCEL_CHECK_INPUT(!language_model || text, "--model ", model, " reads text but --dataset ", dataset,

@@ -44,7 +44,7 @@ constexpr double kGB = 1e9;
 // Keys that define what is being trained: a resumed run may not change them.
 const std::vector<std::string> kIdentityKeys = {"method", "model", "dataset", "batch_size", "lr", "momentum",
                                                 "nesterov", "weight_decay", "warmup_epochs", "label_smoothing",
-                                                "precision", "augment", "image_size", "seed"};
+                                                "precision", "augment", "image_size", "seed", "block_size"};
 
 struct Progress {
   int64_t step = 0;          // optimizer steps done
