@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <numeric>
 #include <optional>
 
@@ -384,11 +385,48 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   };
 
   if (progress.batch <= 0) progress.batch = options.batch_size;
-  BatchControllerOptions oom_rules;  // bucketed halving down to min_batch
-  oom_rules.min_batch = std::min<int64_t>(oom_rules.min_batch, options.batch_size);
-  const LrBatchRule lr_rule = lr_batch_rule_parse(options.lr_batch_rule);
-  at::Tensor batch_images = train_loader.batch_images_empty(options.batch_size);
-  at::Tensor batch_labels = at::empty({options.batch_size}, at::TensorOptions().dtype(at::kLong).device(device));
+  // Batch sizes: bucketed halving after out of memory; under --vram-budget, Tri-Accel's elastic batch (the paper's
+  // rule on the measured peak) every control window. The lr follows the batch by --lr-batch-rule.
+  const int64_t budget = options.vram_budget_bytes();
+  BatchControllerOptions batch_rules;
+  batch_rules.min_batch = std::min<int64_t>(batch_rules.min_batch, options.batch_size);
+  batch_rules.max_batch = std::max<int64_t>(options.batch_size, std::min<int64_t>(4096, train_loader.size()));
+  batch_rules.budget_bytes = budget;
+  batch_rules.lr_rule = lr_batch_rule_parse(options.lr_batch_rule);
+  const bool elastic = tri && options.ta_batch && budget > 0 && (device.is_cuda() || hooks.memory_signal);
+  std::map<int64_t, int64_t> peak_at_batch;  // the highest window peak measured at each batch size (CUDA)
+  if (budget > 0) {
+    if (device.is_cuda()) {
+      const MemoryStats m = memory_stats(device);
+      TRIACCEL_CHECK_INPUT(m.allocated_bytes < budget, "--vram-budget ", options.vram_budget,
+                           " is below this run's minimum: the resident dataset and the weights alone take ",
+                           static_cast<double>(m.allocated_bytes) / kGB,
+                           " GB before gradients, optimizer state and activations; raise the budget");
+      memory_cap_set(device, budget);
+    } else if (!hooks.memory_signal) {
+      printer.line("note: --vram-budget applies to CUDA devices; this run is on the CPU and ignores it");
+    }
+  }
+  step.set_graph_batch_size(progress.batch);
+  at::Tensor batch_images = train_loader.batch_images_empty(std::max(options.batch_size, progress.batch));
+  at::Tensor batch_labels = at::empty({batch_images.size(0)}, at::TensorOptions().dtype(at::kLong).device(device));
+  const auto batch_set = [&](int64_t batch) {
+    progress.batch = batch;
+    step.set_graph_batch_size(batch);
+    if (batch > batch_images.size(0)) {  // grow the input buffers (the old graph, which used them, is gone)
+      batch_images = at::Tensor();
+      batch_labels = at::Tensor();
+      batch_images = train_loader.batch_images_empty(batch);
+      batch_labels = at::empty({batch}, at::TensorOptions().dtype(at::kLong).device(device));
+    }
+  };
+  // The schedule's position in units of the initial batch: equal to the step count while the batch is unchanged,
+  // and it still ends with the data when the batch changes.
+  const auto schedule_position = [&]() {
+    return static_cast<double>(progress.epoch * steps_per_epoch) +
+           static_cast<double>(progress.epoch_offset) / static_cast<double>(options.batch_size);
+  };
+  double last_lr = schedule_lr(sched, schedule_position());
   bool stopped = false;
   while (progress.epoch < options.epochs && !stopped) {
     train_loader.epoch_begin(progress.epoch);
@@ -402,20 +440,23 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
       const int64_t count = std::min(progress.batch, train_loader.size() - progress.epoch_offset);
       // A shorter batch (the epoch's last, or after an out-of-memory retry) uses the front of the full-size buffers:
       // dim 0 is outermost in NCHW and channels_last alike, so the view stays dense and nothing is allocated.
-      at::Tensor images = count == options.batch_size ? batch_images : batch_images.narrow(0, 0, count);
-      at::Tensor labels = count == options.batch_size ? batch_labels : batch_labels.narrow(0, 0, count);
+      at::Tensor images = count == batch_images.size(0) ? batch_images : batch_images.narrow(0, 0, count);
+      at::Tensor labels = count == batch_labels.size(0) ? batch_labels : batch_labels.narrow(0, 0, count);
       train_loader.batch_into(progress.epoch_offset, count, images, labels);
-      const double lr =
-          schedule_lr(sched, progress.step) * lr_scale_for_batch(lr_rule, progress.batch, options.batch_size);
+      const double lr = schedule_lr(sched, schedule_position()) *
+                        lr_scale_for_batch(batch_rules.lr_rule, progress.batch, options.batch_size);
+      last_lr = lr;
       try {
         if (hooks.before_step) hooks.before_step(progress.step, count);
         step.run(images, labels, lr);
       } catch (const c10::OutOfMemoryError&) {
         // Retry the same samples at a smaller batch: nothing is skipped or repeated (throws at the minimum batch).
-        const int64_t smaller = batch_after_oom(oom_rules, progress.batch);
+        const int64_t smaller = batch_after_oom(batch_rules, progress.batch);
         events.write("oom", progress.step, now(), Json{{"batch", progress.batch}, {"retry_batch", smaller},
                                                        {"epoch", progress.epoch}, {"epoch_offset", progress.epoch_offset}});
-        progress.batch = smaller;
+        // The elastic batch never grows back to a size that ran out of memory.
+        batch_rules.max_batch = std::max(batch_rules.min_batch, std::min(batch_rules.max_batch, progress.batch - 1));
+        batch_set(smaller);
 #ifdef TRIACCEL_WITH_CUDA
         if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
@@ -431,6 +472,34 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
         for (const auto& [name, fields] : tri_accel->after_step(progress.step)) {
           events.write(name, progress.step, now(), fields);
         }
+      }
+      if (elastic && progress.step % options.ctrl_every == 0) {
+        // Memory signal: the window's allocator peak. A replayed CUDA graph allocates nothing, so a window of replays
+        // shows only the static bytes: the peak measured when this batch size ran eagerly and was captured stands in.
+        MemorySignal signal;
+        double reserved_gb = 0;
+        if (hooks.memory_signal) {
+          signal = hooks.memory_signal(progress.step, progress.batch);
+        } else {
+          const MemoryStats m = memory_stats(device);
+          progress.peak_vram_gb = std::max(progress.peak_vram_gb, static_cast<double>(m.peak_allocated_bytes) / kGB);
+          int64_t& seen = peak_at_batch[progress.batch];
+          seen = std::max(seen, m.peak_allocated_bytes);
+          signal.peak_bytes = seen;
+          signal.static_bytes = m.allocated_bytes;
+          reserved_gb = static_cast<double>(m.reserved_bytes) / kGB;
+          memory_stats_reset_peak(device);
+        }
+        const int64_t before = progress.batch;
+        const BatchDecision d = batch_controller_step(batch_rules, before, signal);
+        if (d.changed) batch_set(d.batch);
+        events.write("batch", progress.step, now(),
+                     Json{{"batch", progress.batch}, {"previous", before}, {"changed", d.changed}, {"reason", d.reason},
+                          {"peak_gb", static_cast<double>(signal.peak_bytes) / kGB},
+                          {"static_gb", static_cast<double>(signal.static_bytes) / kGB},
+                          {"predicted_peak_gb", d.predicted_peak_bytes / kGB}, {"reserved_gb", reserved_gb},
+                          {"budget_gb", static_cast<double>(budget) / kGB},
+                          {"lr_scale", lr_scale_for_batch(batch_rules.lr_rule, progress.batch, options.batch_size)}});
       }
       const bool last_in_epoch = progress.epoch_offset >= train_loader.size();
       if (progress.step % options.log_every == 0 || last_in_epoch) {
@@ -475,7 +544,8 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                {"epoch_s", train_s},
                                {"eval_s", eval_s},
                                {"images_per_s", static_cast<double>(samples_this_session) / std::max(train_s, 1e-9)},
-                               {"lr", schedule_lr(sched, progress.step - 1)},
+                               {"lr", last_lr},
+                               {"batch", progress.batch},
                                {"peak_vram_gb", progress.peak_vram_gb},
                                {"skipped_steps", scaler.skipped_steps().item<double>()},
                                {"loss_scale", scaler.scale_tensor().item<double>()},
