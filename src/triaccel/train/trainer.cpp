@@ -527,12 +527,28 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
 
     // Epoch done: evaluate and log. Train metrics cover this session's part of the epoch.
     const double train_s = progress.epoch_train_s;
+    // Peak VRAM is the training peak (DESIGN.md: the measured period); evaluation's own peak is reported beside it.
+    progress.peak_vram_gb =
+        std::max(progress.peak_vram_gb, static_cast<double>(memory_stats(device).peak_allocated_bytes) / kGB);
+    memory_stats_reset_peak(device);
     const double t_eval = time_since_start_s();
-    const EvalResult test = evaluate(*model, test_loader, device, eval_precision, options.eval_batch_size,
-                                     options.tta == "flip");
+    EvalResult test;
+    for (int64_t eval_batch = options.eval_batch_size;; eval_batch = (eval_batch + 1) / 2) {
+      try {  // under a --vram-budget, an evaluation batch that does not fit is halved, not fatal
+        test = evaluate(*model, test_loader, device, eval_precision, eval_batch, options.tta == "flip");
+        break;
+      } catch (const c10::OutOfMemoryError&) {
+        TRIACCEL_CHECK_INPUT(eval_batch > 1, "out of memory evaluating one sample: raise --vram-budget");
+        events.write("oom", progress.step, now(), Json{{"phase", "eval"}, {"batch", eval_batch},
+                                                       {"retry_batch", (eval_batch + 1) / 2}});
+#ifdef TRIACCEL_WITH_CUDA
+        if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+      }
+    }
     const double eval_s = time_since_start_s() - t_eval;
-    const MemoryStats mem = memory_stats(device);
-    progress.peak_vram_gb = std::max(progress.peak_vram_gb, static_cast<double>(mem.peak_allocated_bytes) / kGB);
+    const double eval_peak_gb = static_cast<double>(memory_stats(device).peak_allocated_bytes) / kGB;
+    memory_stats_reset_peak(device);
     const double seen = static_cast<double>(std::max<int64_t>(samples_this_session, 1));
     progress.epoch_times.push_back(train_s);
     progress.last_epoch = Json{{"epoch", progress.epoch + 1},
@@ -544,9 +560,11 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                {"epoch_s", train_s},
                                {"eval_s", eval_s},
                                {"images_per_s", static_cast<double>(samples_this_session) / std::max(train_s, 1e-9)},
+                               {"samples", samples_this_session},  // trained this epoch in this session
                                {"lr", last_lr},
                                {"batch", progress.batch},
                                {"peak_vram_gb", progress.peak_vram_gb},
+                               {"eval_peak_vram_gb", eval_peak_gb},
                                {"skipped_steps", scaler.skipped_steps().item<double>()},
                                {"loss_scale", scaler.scale_tensor().item<double>()},
                                {"cuda_graph", step.graph_captured()},
@@ -580,6 +598,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                {"epoch_s", epoch_s},
                {"peak_vram_gb", progress.peak_vram_gb},
                {"peak_vram_includes_dataset", true},
+               {"peak_vram_phase", "training steps (evaluation's peak is in each epoch event)"},
                {"eff_score", (epoch_s > 0 && progress.peak_vram_gb > 0)
                                  ? Json(acc / (epoch_s * progress.peak_vram_gb))
                                  : Json(nullptr)},
