@@ -269,8 +269,12 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
     if (e["event"] != "curvature") continue;
     ++budgeted_probes;
     EXPECT_GE(e["next_probe_step"].get<int64_t>(), e["step"].get<int64_t>() + o.curv_every);
+    // The first budgeted round probes one unit, from the output end, to learn the cost; the others stay unknown.
+    EXPECT_EQ(e["probed"], Json::array({"fc"}));
+    EXPECT_TRUE(e["lambda_max"][0].is_null());
+    EXPECT_FALSE(e["lambda_max"][3].is_null());
   }
-  EXPECT_EQ(budgeted_probes, 1);  // a probe costs far more than 1 % of the next 10 steps
+  EXPECT_EQ(budgeted_probes, 1);  // one unit's probe costs far more than 1 % of the next 10 steps
 
   // Stop mid-run and resume: the controllers' state comes back from the checkpoint.
   test::TempDir b("run_tri_b");

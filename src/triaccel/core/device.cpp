@@ -52,6 +52,12 @@ void memory_stats_reset_peak(const c10::Device& device) {
 #endif
 }
 
+void memory_cache_release(const c10::Device& device) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
 void memory_cap_set(const c10::Device& device, int64_t bytes) {
 #ifdef TRIACCEL_WITH_CUDA
   if (device.is_cuda()) {

@@ -24,6 +24,9 @@ struct MemoryStats {
 MemoryStats memory_stats(const c10::Device& device);
 void memory_stats_reset_peak(const c10::Device& device);
 
+// Returns the caching allocator's unused blocks to the device (after an out-of-memory error). No-op on the CPU.
+void memory_cache_release(const c10::Device& device);
+
 // Caps what the caching allocator may reserve on the device at `bytes` (--vram-budget): an allocation that would
 // pass it frees cached blocks and then raises c10::OutOfMemoryError, which the trainer turns into a smaller batch.
 // A no-op on the CPU. Throws UserError when the device has less memory than `bytes`.

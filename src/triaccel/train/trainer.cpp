@@ -442,11 +442,11 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
       // dim 0 is outermost in NCHW and channels_last alike, so the view stays dense and nothing is allocated.
       at::Tensor images = count == batch_images.size(0) ? batch_images : batch_images.narrow(0, 0, count);
       at::Tensor labels = count == batch_labels.size(0) ? batch_labels : batch_labels.narrow(0, 0, count);
-      train_loader.batch_into(progress.epoch_offset, count, images, labels);
       const double lr = schedule_lr(sched, schedule_position()) *
                         lr_scale_for_batch(batch_rules.lr_rule, progress.batch, options.batch_size);
       last_lr = lr;
-      try {
+      try {  // loading the batch allocates too (resize, augmentation): under a budget it can run out of memory
+        train_loader.batch_into(progress.epoch_offset, count, images, labels);
         if (hooks.before_step) hooks.before_step(progress.step, count);
         step.run(images, labels, lr);
       } catch (const c10::OutOfMemoryError&) {
