@@ -7,7 +7,7 @@
 #                cosine): ResNet-18 FP32 / AMP bf16 / AMP fp16 / Tri-Accel over 3 seeds, EfficientNet-B0 at 224×224
 #                over 1 seed, the Table-2 ablation (each component alone, all combined) and the budget runs
 #                (ResNet-18 --vram-budget 1GB, EfficientNet-B0 --vram-budget 3GB).
-# Usage: bash bench/run_tri_accel.sh check|table. Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
+# Usage: bash bench/run_tri_accel.sh check|table|extra. Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
 set -uo pipefail
 STAGE=${1:-table}
@@ -40,6 +40,18 @@ if [ "$STAGE" = check ]; then
   job r18_tri_check --model resnet18 --method tri-accel $PROTO --epochs 2 --warmup-epochs 1
   job r18_tri_1GB_check --model resnet18 --method tri-accel $PROTO --epochs 2 --warmup-epochs 1 --vram-budget 1GB
   job effb0_tri_3GB_check --model efficientnet-b0 --image-size 224 --method tri-accel $PROTO --epochs 1 --warmup-epochs 0 --vram-budget 3GB
+elif [ "$STAGE" = extra ]; then  # what a 10-minute table call leaves out: EfficientNet seed 1, ablation, budgets
+  E="--model efficientnet-b0 --image-size 224"
+  R="--model resnet18"
+  job effb0_fp32_s1 $E --precision fp32 $PROTO --seed 1
+  job effb0_bf16_s1 $E --precision amp-bf16 $PROTO --seed 1
+  job effb0_tri_s1 $E --method tri-accel $PROTO --seed 1
+  job effb0_fp16_s1 $E --precision amp-fp16 $PROTO --seed 1
+  job effb0_tri_3GB_s0 $E --method tri-accel $PROTO --seed 0 --vram-budget 3GB --epochs 3 --warmup-epochs 1
+  job r18_abl_batch_s0 $R --method tri-accel --ta-precision false --ta-curvature false --vram-budget 1GB $PROTO --seed 0
+  job r18_abl_curv_s0 $R --method tri-accel --ta-precision false --ta-batch false $PROTO --seed 0
+  job r18_abl_prec_s0 $R --method tri-accel --ta-curvature false --ta-batch false $PROTO --seed 0
+  job r18_tri_1GB_s0 $R --method tri-accel --vram-budget 1GB $PROTO --seed 0
 else
   E="--model efficientnet-b0 --image-size 224"
   R="--model resnet18"

@@ -245,7 +245,9 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
   if (device.is_cuda()) {
     stream_guard.emplace(c10::cuda::getStreamFromPool(false, device.index()));
-    at::globalContext().setBenchmarkCuDNN(true);
+    // cuDNN autotuning tries algorithms with workspaces of gigabytes; under a --vram-budget those tries fill the
+    // budget (the elastic batch then reads them as the step's need) and can run out of memory: heuristics instead.
+    at::globalContext().setBenchmarkCuDNN(options.vram_budget.empty());
   }
 #endif
 
@@ -427,6 +429,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
            static_cast<double>(progress.epoch_offset) / static_cast<double>(options.batch_size);
   };
   double last_lr = schedule_lr(sched, schedule_position());
+  bool retried_at_min = false;  // an out-of-memory retry at the minimum batch is allowed once in a row
   bool stopped = false;
   while (progress.epoch < options.epochs && !stopped) {
     train_loader.epoch_begin(progress.epoch);
@@ -450,7 +453,18 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
         if (hooks.before_step) hooks.before_step(progress.step, count);
         step.run(images, labels, lr);
       } catch (const c10::OutOfMemoryError&) {
-        // Retry the same samples at a smaller batch: nothing is skipped or repeated (throws at the minimum batch).
+        // Retry the same samples at a smaller batch: nothing is skipped or repeated. At the minimum batch, one retry
+        // at the same size after releasing the cache and the graph (a transient peak: a re-capture, a probe), and
+        // only a second failure in a row is the budget's fault (batch_after_oom throws then).
+        if (progress.batch <= batch_rules.min_batch && !retried_at_min) {
+          retried_at_min = true;
+          step.set_graph_batch_size(0);
+          memory_cache_release(device);
+          events.write("oom", progress.step, now(), Json{{"batch", progress.batch}, {"retry_batch", progress.batch},
+                                                         {"epoch", progress.epoch}, {"epoch_offset", progress.epoch_offset}});
+          step.set_graph_batch_size(progress.batch);
+          continue;
+        }
         const int64_t smaller = batch_after_oom(batch_rules, progress.batch);
         events.write("oom", progress.step, now(), Json{{"batch", progress.batch}, {"retry_batch", smaller},
                                                        {"epoch", progress.epoch}, {"epoch_offset", progress.epoch_offset}});
@@ -462,6 +476,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
 #endif
         continue;
       }
+      retried_at_min = false;
       if (hooks.on_batch) hooks.on_batch(progress.epoch, progress.epoch_offset, count);
       progress.epoch_offset += count;
       progress.step += 1;
