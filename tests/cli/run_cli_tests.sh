@@ -95,8 +95,8 @@ expect gpt_text_stop 0 "stopped at step 2" -- train "${TEXT[@]}" --batch-size 16
 expect gpt_text_resume_other_block 2 "--block_size 16 differs from the checkpoint" -- train --resume "$WORK/gpt" --block-size 16 --progress off
 expect gpt_text_resume 0 "done: test acc" -- train --resume "$WORK/gpt" --progress lines
 expect gpt_text_epoch 0 "done: test acc" -- train "${TEXT[@]}" --batch-size 64 --out "$WORK/gpt1" --progress lines
-if [ -f "$WORK/gpt1/model.pt" ] && grep '"event":"epoch"' "$WORK/gpt1/events.jsonl" | grep -q '"val_loss":[0-9]'; then
-  passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL gpt_text_epoch: no model.pt or val_loss"; fi
+if [ -f "$WORK/gpt1/model.pt" ] && grep '"event":"epoch"' "$WORK/gpt1/events.jsonl" | grep '"val_loss":[0-9]' | grep -q '"tokens_per_s":[0-9]'; then
+  passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL gpt_text_epoch: no model.pt, val_loss or tokens_per_s"; fi
 expect gpt_on_images 2 "reads text but --dataset mnist holds images" -- train "${TINY[@]}" --model gpt-char
 expect resnet_on_text 2 "use --model gpt-char" -- train "${TEXT[@]}" --model resnet18
 expect augment_on_text 2 "--augment on applies to images only" -- train "${TEXT[@]}" --augment on

@@ -581,6 +581,10 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                {"epoch_s", train_s},
                                {"eval_s", eval_s},
                                {"images_per_s", static_cast<double>(samples_this_session) / std::max(train_s, 1e-9)},
+                               {"tokens_per_s", data.train.kind == DatasetKind::kTokens
+                                                    ? Json(static_cast<double>(samples_this_session * data.train.images.size(1)) /
+                                                           std::max(train_s, 1e-9))
+                                                    : Json(nullptr)},
                                {"samples", samples_this_session},  // trained this epoch in this session
                                {"lr", last_lr},
                                {"batch", progress.batch},
