@@ -7,6 +7,7 @@
 #include "triaccel/train/telemetry.h"
 #include "triaccel/models/model.h"
 #include "triaccel/train/checkpoint.h"
+#include "triaccel/train/sgd.h"
 #include "triaccel/train/step.h"
 #include "triaccel/train/trainer.h"
 
@@ -113,6 +114,51 @@ TEST_F(TrainerTest, ResumeMidEpochIsBitExact) {
   EXPECT_EQ(ea[0]["test_loss"], eb[0]["test_loss"]);
   EXPECT_EQ(ea[1]["test_loss"], eb[1]["test_loss"]);
   EXPECT_EQ(ea[1]["train_loss"], eb[1]["train_loss"]);
+}
+
+// The same for the AdamW and BAOC optimizers: BAOC plans after 2 steps and re-plans every 3 (plans at steps 2, 5, 8,
+// 11; statistics windows 1–2, 4–5, 7–8, 10–11), so the stop at step 4 falls inside a window and between plans.
+TEST_F(TrainerTest, ResumeMidEpochIsBitExactWithAdamWAndBaoc) {
+  for (const std::string optimizer : {"adamw", "baoc"}) {
+    test::TempDir a("run_opt_a"), b("run_opt_b");
+    auto configure = [&](TrainOptions o) {
+      o.optimizer = optimizer;
+      o.lr = 2e-3;
+      o.weight_decay = 0.01;
+      o.plan_warmup = 2;
+      o.replan_every = 3;
+      o.optim_memory_budget = "20%";
+      return o;
+    };
+    train_run(configure(options(a.path())));
+    TrainOptions first = configure(options(b.path()));
+    first.max_steps = 4;
+    train_run(first);
+    TrainOptions again = configure(options(b.path()));
+    again.resume = b.path();
+    train_run(resume_options(again, {"resume"}));
+    const auto wa = load_state(a.file("model.pt"));
+    const auto wb = load_state(b.file("model.pt"));
+    for (const auto& [name, t] : wa) {
+      EXPECT_TRUE(torch::equal(t, wb.at(name))) << optimizer << ": " << name << " differs after resume";
+    }
+    std::vector<Json> pa, pb;
+    for (const auto& e : events_read(a.file("events.jsonl"))) if (e["event"] == "plan") pa.push_back(e);
+    for (const auto& e : events_read(b.file("events.jsonl"))) if (e["event"] == "plan") pb.push_back(e);
+    if (optimizer == "baoc") {
+      ASSERT_EQ(pa.size(), 4u);  // steps 2, 5, 8, 11
+      ASSERT_EQ(pb.size(), 4u);
+      for (size_t i = 0; i < pa.size(); ++i) {
+        EXPECT_EQ(pa[i]["units"], pb[i]["units"]) << "plan " << i;
+        EXPECT_LE(pa[i]["total_bytes"].get<int64_t>(), pa[i]["budget_bytes"].get<int64_t>());
+      }
+      const Json summary = events_read(a.file("events.jsonl")).back();
+      EXPECT_EQ(summary["optimizer"], "baoc");
+      EXPECT_LE(summary["optim_state_bytes"].get<double>(), 0.2 * summary["adamw_fp32_state_bytes"].get<double>());
+    } else {
+      EXPECT_TRUE(pa.empty());
+    }
+  }
 }
 
 TEST_F(TrainerTest, ResumeRefusesAChangedIdentity) {
