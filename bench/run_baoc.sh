@@ -57,6 +57,7 @@ if [[ $STAGES == *train* ]]; then
           --lr 2e-3 --weight-decay 0.05 --precision amp-bf16 --label-smoothing 0.1 --seed 0 --progress lines
           --log-every 100000)
   BAOC=(--optimizer baoc --plan-warmup 50 --replan-every 1000)
+  [ -f "$OUT/optim_step.json" ] && BAOC+=(--optim-time-table "$OUT/optim_step.json")  # measured step times
   run() {  # name, then flags
     local name=$1; shift
     echo "== $name: triaccel train ${COMMON[*]} $*" | tee -a "$OUT/commands.txt"

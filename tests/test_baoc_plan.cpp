@@ -2,6 +2,7 @@
 // monotonicity, budget parsing and its errors, signals from gradient streams, and a plan for the small CNN.
 #include "test_util.h"
 #include "triaccel/core/errors.h"
+#include "triaccel/core/io.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/allocation.h"
 #include "triaccel/optim/baoc_driver.h"
@@ -163,6 +164,38 @@ TEST(PlannerTest, ChoosesTheLowRiskCheapFormatsAndSaysTheMinimumWhenTheBudgetIsT
     EXPECT_NE(msg.find("at least 4064 bytes"), std::string::npos) << msg;  // 2 × (2·1000 + 2·4·4 blocks)
     EXPECT_NE(msg.find("--optim-memory-budget"), std::string::npos) << msg;
   }
+}
+
+TEST(PlannerTest, MeasuredStepTimesDecideUnderATimeBudget) {
+  test::TempDir dir("optim_time_table");
+  // A bench_optim_step result in which 8-bit is the slowest format (per 1000 elements, CUDA-graph medians).
+  Json rows = Json::array();
+  const std::vector<std::pair<std::string, double>> ms = {{"adamw-fp32", 1.0}, {"adamw-bf16", 0.8}, {"adamw-8bit", 1.5},
+                                                          {"factored", 0.5},   {"no-momentum", 0.8}, {"sgd-momentum", 0.8},
+                                                          {"sgd", 0.4}};
+  for (const auto& [name, t] : ms) rows.push_back(Json{{"format", name}, {"graph", Json{{"median_ms", t}}}});
+  rows.push_back(Json{{"system", "libtorch"}, {"time", Json{{"median_ms", 3.0}}}});
+  const std::string path = dir.file("optim_step.json");
+  file_write_atomic(path, Json{{"bench", "optim_step"}, {"params", 1000}, {"rows", rows}}.dump());
+  PlannerOptions o;
+  o.time_model = step_time_model_from_bench(path);
+  EXPECT_DOUBLE_EQ(o.time_model.seconds(StateFormat::kAdamW8, 1000), 1.5e-3);
+  std::vector<PlanUnitInput> units = {{"A", {{100, 10}}}};
+  UnitSignals s;
+  s.quant_error_8bit = 0.001;  // 8-bit is nearly free in risk
+  s.factor_error = 0.3;
+  s.precond_error = 0.3;
+  s.cos_successive = s.cos_momentum = 0;
+  o.memory_budget = "30%";
+  EXPECT_EQ(plan_solve(units, {s}, o).units[0].format, StateFormat::kAdamW8);
+  o.time_budget = "1.2x";  // 1.2 ms: 8-bit (1.5 ms) no longer fits
+  const Plan timed = plan_solve(units, {s}, o);
+  EXPECT_NE(timed.units[0].format, StateFormat::kAdamW8);
+  EXPECT_LE(timed.time_s, 1.2e-3 + 1e-12);
+  EXPECT_EQ(plan_to_json(timed)["time_model"], path);
+  file_write_atomic(path, Json{{"bench", "optim_step"}, {"params", 1000}, {"rows", Json::array()}}.dump());
+  EXPECT_THROW(step_time_model_from_bench(path), UserError);
+  EXPECT_THROW(step_time_model_from_bench(dir.file("missing.json")), UserError);
 }
 
 TEST(SignalsTest, StableGradientsScoreHigherDirectionalStabilityThanNoise) {

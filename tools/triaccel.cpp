@@ -138,6 +138,9 @@ struct TrainFlags {
     add("optim_formats", app.add_option("--optim-formats", o.optim_formats,
                                         "baoc: comma-separated formats to choose from (default: all of adamw-fp32, "
                                         "adamw-bf16, adamw-8bit, factored, no-momentum, sgd-momentum, sgd)"));
+    add("optim_time_table", app.add_option("--optim-time-table", o.optim_time_table,
+                                           "baoc: step times per format measured by bench_optim_step (its --out "
+                                           "JSON); default: a bytes-moved model"));
     add("plan_warmup", app.add_option("--plan-warmup", o.plan_warmup,
                                       "baoc: fp32 AdamW steps gathering statistics before the first plan")
                            ->capture_default_str());

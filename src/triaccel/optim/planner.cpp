@@ -2,6 +2,7 @@
 
 #include "triaccel/core/bytes.h"
 #include "triaccel/core/errors.h"
+#include "triaccel/core/io.h"
 
 #include <c10/util/Exception.h>
 
@@ -50,6 +51,33 @@ StepTimeModel::StepTimeModel() {
 
 double StepTimeModel::seconds(StateFormat f, int64_t elements) const {
   return seconds_per_element[static_cast<size_t>(f)] * static_cast<double>(elements);
+}
+
+StepTimeModel step_time_model_from_bench(const std::string& path) {
+  TRIACCEL_CHECK_INPUT(file_exists(path), "--optim-time-table ", path, ": no such file (write it with bench_optim_step --out)");
+  Json j;
+  try {
+    j = Json::parse(file_read_all(path));
+  } catch (const Json::exception&) {
+    throw UserError("--optim-time-table " + path + " is not JSON (a bench_optim_step result)");
+  }
+  TRIACCEL_CHECK_INPUT(j.value("bench", "") == "optim_step" && j.contains("params") && j.contains("rows"),
+                       "--optim-time-table ", path, " is not a bench_optim_step result");
+  const double params = j["params"].get<double>();
+  TRIACCEL_CHECK_INPUT(params > 0, "--optim-time-table ", path, " has no parameter count");
+  StepTimeModel model;
+  model.source = path;
+  for (StateFormat f : state_formats_all()) {
+    bool found = false;
+    for (const auto& row : j["rows"]) {
+      if (row.value("format", "") == state_format_name(f) && row.contains("graph")) {
+        model.seconds_per_element[static_cast<size_t>(f)] = row["graph"].at("median_ms").get<double>() * 1e-3 / params;
+        found = true;
+      }
+    }
+    TRIACCEL_CHECK_INPUT(found, "--optim-time-table ", path, " has no time for format ", state_format_name(f));
+  }
+  return model;
 }
 
 int64_t optim_memory_budget_parse(const std::string& text, int64_t adamw_fp32_bytes) {
@@ -128,6 +156,7 @@ Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitS
     up.signals.params = up.params;
     plan.units.push_back(up);
   }
+  plan.time_source = o.time_model.source;
   plan.bytes = r.bytes;
   plan.risk = r.risk;
   plan.time_s = r.time;
@@ -160,6 +189,7 @@ Json plan_to_json(const Plan& plan) {
               {"adamw_fp32_bytes", plan.adamw_fp32_bytes},
               {"fraction_of_adamw_fp32", static_cast<double>(plan.bytes) / fp32},
               {"model_time_s", plan.time_s},
+              {"time_model", plan.time_source},
               {"adamw_fp32_model_time_s", plan.adamw_fp32_time_s},
               {"budget_time_s", plan.budget_time_s < 0 ? Json(nullptr) : Json(plan.budget_time_s)}};
 }

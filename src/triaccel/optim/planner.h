@@ -25,9 +25,14 @@ double optim_time_budget_parse(const std::string& text, double adamw_fp32_second
 struct StepTimeModel {
   static constexpr double kModelBandwidth = 3.0e12;  // bytes / s (H100 HBM3 order of magnitude)
   std::vector<double> seconds_per_element;           // indexed by StateFormat
+  std::string source = "bytes-moved model";          // or the benchmark file the times come from
   StepTimeModel();
   double seconds(StateFormat f, int64_t elements) const;
 };
+
+// The step times bench/bench_optim_step measured (its JSON: per format, the CUDA-graph median ms over `params`
+// elements). UserError naming the file and what is missing.
+StepTimeModel step_time_model_from_bench(const std::string& path);
 
 struct PlanUnitInput {
   std::string name;
@@ -61,6 +66,7 @@ struct Plan {
   double budget_time_s = -1;
   int64_t adamw_fp32_bytes = 0;
   double adamw_fp32_time_s = 0;
+  std::string time_source;
 };
 
 // Throws UserError when no plan fits: the message names the budget, the minimum a plan needs and the flag to change.

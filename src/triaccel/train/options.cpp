@@ -161,6 +161,7 @@ Json TrainOptions::to_json() const {
               {"optim_memory_budget", optim_memory_budget},
               {"optim_time_budget", optim_time_budget},
               {"optim_formats", optim_formats},
+              {"optim_time_table", optim_time_table},
               {"plan_warmup", plan_warmup},
               {"replan_every", replan_every},
               {"out", out},
@@ -227,6 +228,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
     get("optim_memory_budget", o.optim_memory_budget);
     get("optim_time_budget", o.optim_time_budget);
     get("optim_formats", o.optim_formats);
+    get("optim_time_table", o.optim_time_table);
     get("plan_warmup", o.plan_warmup);
     get("replan_every", o.replan_every);
   }

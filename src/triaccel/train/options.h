@@ -75,6 +75,7 @@ struct TrainOptions {
   std::string optim_memory_budget = "25%";  // baoc: bytes ("200MB") or a percentage of fp32 AdamW's state
   std::string optim_time_budget;            // baoc: "" = none, or "1.1x" of fp32 AdamW's step time (time model)
   std::string optim_formats;                // baoc: comma-separated menu of formats; "" = all
+  std::string optim_time_table;             // baoc: bench_optim_step JSON with measured step times ("" = model)
   int64_t plan_warmup = 50;                 // baoc: steps of fp32 AdamW gathering statistics before the first plan
   int64_t replan_every = 0;                 // baoc: steps between re-plans (0: plan once)
 
