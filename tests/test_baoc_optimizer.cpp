@@ -159,6 +159,28 @@ INSTANTIATE_TEST_SUITE_P(AllFormats, FormatTest,
                            return n;
                          });
 
+// The factored state's columns follow the memory order (what the CUDA kernel reads); the factorization does not
+// depend on it: a channels_last conv weight follows the same trajectory as its contiguous copy.
+TEST(FactoredTest, ChannelsLastAndContiguousFollowTheSameTrajectory) {
+  torch::manual_seed(13);
+  const at::Tensor w0 = torch::randn({8, 4, 3, 3});
+  at::Tensor a = w0.clone().set_requires_grad(true);
+  at::Tensor b = w0.contiguous(at::MemoryFormat::ChannelsLast).set_requires_grad(true);
+  ASSERT_FALSE(b.is_contiguous());
+  BaocOptimizer oa({{"w", a}}, BaocOptions{}, StateFormat::kFactored), ob({{"w", b}}, BaocOptions{}, StateFormat::kFactored);
+  for (int step = 0; step < 10; ++step) {
+    const at::Tensor g = torch::randn({8, 4, 3, 3}) * torch::linspace(0.1, 2, 8).view({8, 1, 1, 1});
+    a.mutable_grad() = g.clone();
+    b.mutable_grad() = g.contiguous(at::MemoryFormat::ChannelsLast);
+    oa.step(torch::full({1}, 1e-2), torch::zeros({1}));
+    ob.step(torch::full({1}, 1e-2), torch::zeros({1}));
+  }
+  EXPECT_LT(max_rel_err(b.detach(), a.detach()), 1e-6);
+  EXPECT_LT(max_rel_err(ob.v_float(0), oa.v_float(0)), 1e-6);
+  EXPECT_TRUE(torch::allclose(ob.state(0).v_row, oa.state(0).v_row));
+  EXPECT_GT((a.detach() - w0).abs().max().item<double>(), 1e-2);
+}
+
 TEST(Quant8Test, MapsAreSortedSpanTheRangeAndAreDynamic) {
   const at::Tensor s = quant8_map(true), u = quant8_map(false);
   ASSERT_EQ(s.numel(), 256);

@@ -6,6 +6,7 @@
 #ifdef TRIACCEL_WITH_CUDA
 #include "triaccel/kernels/adam8_step.h"
 #include "triaccel/kernels/adam_step.h"
+#include "triaccel/kernels/factored_step.h"
 #endif
 
 #include <ATen/ATen.h>
@@ -42,22 +43,38 @@ at::Tensor decode_like(const at::Tensor& codes, const at::Tensor& absmax, const 
   return out;
 }
 
+// A factored tensor as (rows, cols) in memory order: rows = size(0) (outermost in memory for contiguous and
+// channels_last tensors alike), columns in memory order within a row. The rank-1 factorization does not depend on the
+// order of the columns, so this equals the logical (size(0), rest) view up to a permutation of c.
+at::Tensor factored_view(const at::Tensor& x, int64_t rows, int64_t cols) {
+  TORCH_CHECK(x.dim() < 2 || x.stride(0) == cols || x.size(0) == 1, "factored state needs size(0) outermost in memory");
+  return memory_flat(x).view({rows, cols});
+}
+
+// v̂ = r cᵀ / mean(r) in the memory layout of p (float32).
+at::Tensor factored_expand(const at::Tensor& r, const at::Tensor& c, const at::Tensor& p) {
+  at::Tensor out = at::empty_like(p, p.options().dtype(at::kFloat));
+  memory_flat(out).copy_((at::outer(r, c) / r.mean()).reshape({-1}));
+  return out;
+}
+
 double bias_correction(double beta, double count) { return 1.0 - std::pow(beta, count); }
 
-// The factored / no-momentum update with every scalar as a tensor on p's device, masked by ok: no host sync.
+// The factored / no-momentum update (CPU reference) with every scalar as a tensor, masked by ok.
 // lr_eff, bc2: float32 scalars; ok: bool scalar.
 void second_moment_only_step(BaocTensorState& s, const at::Tensor& p, const at::Tensor& g, const at::Tensor& lr_eff,
                              double wd, const at::Tensor& bc2, const at::Tensor& ok, const BaocOptions& o) {
-  const at::Tensor g32 = g.to(at::kFloat);
+  const at::Tensor g32 = like_param(g, p);
   at::Tensor vhat;
   if (s.v_row.defined()) {
+    // Rows = size(0), the outermost dimension in memory; columns in memory order (factored_view).
     const int64_t rows = s.v_row.size(0), cols = s.v_col.size(0);
-    const at::Tensor g2 = (g32 * g32 + kFactoredEps).reshape({rows, cols});
+    const at::Tensor g2 = factored_view(g32 * g32 + kFactoredEps, rows, cols);
     const at::Tensor r = s.v_row * o.beta2 + g2.mean(1) * (1 - o.beta2);
     const at::Tensor c = s.v_col * o.beta2 + g2.mean(0) * (1 - o.beta2);
     s.v_row.copy_(at::where(ok, r, s.v_row));
     s.v_col.copy_(at::where(ok, c, s.v_col));
-    vhat = (at::outer(r, c) / r.mean()).reshape(p.sizes());
+    vhat = factored_expand(r, c, p);
   } else {
     const at::Tensor v = s.v * o.beta2 + g32 * g32 * (1 - o.beta2);
     s.v.copy_(at::where(ok, v, s.v));
@@ -146,7 +163,7 @@ BaocTensorState BaocOptimizer::state_make(size_t i, StateFormat f, const at::Ten
     case StateFormat::kFactored: {
       const auto [rows, cols] = state_format_factor_shape(p.sizes().vec());
       if (rows > 0) {
-        const at::Tensor v2 = v.reshape({rows, cols});
+        const at::Tensor v2 = factored_view(v, rows, cols);
         s.v_row = v2.mean(1).contiguous();
         s.v_col = v2.mean(0).contiguous();
       } else {
@@ -195,7 +212,7 @@ at::Tensor BaocOptimizer::v_float(size_t i) const {
     case StateFormat::kAdamW16: return s.v.to(at::kFloat);
     case StateFormat::kAdamW8: return decode_like(s.v, s.v_absmax, params_[i], map_unsigned_);
     case StateFormat::kFactored:
-      if (s.v_row.defined()) return (at::outer(s.v_row, s.v_col) / s.v_row.mean()).reshape(params_[i].sizes());
+      if (s.v_row.defined()) return factored_expand(s.v_row, s.v_col, params_[i]);
       return s.v;
     default: return {};
   }
@@ -267,11 +284,22 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
         adam8_step_cuda(ps, gs, ms, vs, mas, vas, wds, scales, counts_, rows, map_signed_, map_unsigned_, lr,
                         found_inf, hyper);
       } else if (format == StateFormat::kFactored) {
-        for (size_t i : idx) {
-          const at::Tensor bc2 = (1.0 - at::pow(options_.beta2, counts_[static_cast<int64_t>(i)][1])).to(at::kFloat);
-          second_moment_only_step(states_[i], params_[i], g[i], lr.reshape({}) * lr_scales_[i], weight_decays_[i],
-                                  bc2, ok, options_);
+        // Matrices: the factored kernel. 1-D tensors keep a full v: the same math as kNoMomentum.
+        std::vector<at::Tensor> fp, fg, fr, fc, np, ng, nm, nv;
+        std::vector<float> fwd, fsc, nwd, nsc, nk;
+        std::vector<int64_t> frow, nrow;
+        for (size_t j = 0; j < idx.size(); ++j) {
+          const BaocTensorState& s = states_[idx[j]];
+          if (s.v_row.defined()) {
+            fp.push_back(ps[j]); fg.push_back(gs[j]); fr.push_back(s.v_row); fc.push_back(s.v_col);
+            fwd.push_back(wds[j]); fsc.push_back(scales[j]); frow.push_back(rows[j]);
+          } else {
+            np.push_back(ps[j]); ng.push_back(gs[j]); nm.push_back(at::Tensor()); nv.push_back(s.v);
+            nwd.push_back(wds[j]); nsc.push_back(scales[j]); nk.push_back(ks[j]); nrow.push_back(rows[j]);
+          }
         }
+        factored_step_cuda(fp, fg, fr, fc, fwd, fsc, counts_, frow, lr, found_inf, hyper);
+        adam_step_cuda(StateFormat::kNoMomentum, np, ng, nm, nv, nwd, nsc, nk, counts_, nrow, lr, found_inf, hyper);
       } else {
         adam_step_cuda(format, ps, gs, ms, vs, wds, scales, ks, counts_, rows, lr, found_inf, hyper);
       }

@@ -5,8 +5,8 @@
 //
 // Invariants. step() on CUDA never synchronizes: per-tensor step counts (for bias correction) live in a device
 // tensor and are advanced on the device when found_inf = 0; the fused kernels (kernels/adam_step.cu, one launch per
-// format group; kernels/adam8_step.cu for 8-bit) read lr, counts and found_inf there; the factored format runs as
-// ATen ops masked by found_inf. State tensors keep their addresses between steps; formats_set() replaces the state
+// format group; kernels/adam8_step.cu for 8-bit; kernels/factored_step.cu, four launches, for factored matrices)
+// read lr, counts and found_inf there. State tensors keep their addresses between steps; formats_set() replaces the state
 // of the tensors whose format changes (callers drop captured CUDA graphs after it). Moments survive a conversion
 // (re-encoded in the new format, up to its rounding); a moment the old format lacked starts at zero with its step
 // count at zero. Weight decay is decoupled and, as for SGD, not applied to tensors of dim ≤ 1.
