@@ -5,6 +5,8 @@
 #include "triaccel/data/dataset.h"
 #include "triaccel/memory/batch_controller.h"
 #include "triaccel/models/model.h"
+#include "triaccel/optim/baoc_driver.h"
+#include "triaccel/optim/planner.h"
 
 #include <algorithm>
 #include <cmath>
@@ -79,6 +81,20 @@ void TrainOptions::validate() const {
                        ") must not exceed --tau-high (", tau_high, ")");
   vram_budget_bytes();                 // throws with the flag's name
   lr_batch_rule_parse(lr_batch_rule);  // throws with the flag's name
+  TRIACCEL_CHECK_INPUT(optimizer == "sgd" || optimizer == "adamw" || optimizer == "baoc",
+                       "--optimizer must be sgd, adamw or baoc, got '", optimizer, "'");
+  TRIACCEL_CHECK_INPUT(adam_beta1 >= 0 && adam_beta1 < 1, "--adam-beta1 must be in [0, 1), got ", adam_beta1);
+  TRIACCEL_CHECK_INPUT(adam_beta2 > 0 && adam_beta2 < 1, "--adam-beta2 must be in (0, 1), got ", adam_beta2);
+  TRIACCEL_CHECK_INPUT(adam_eps > 0, "--adam-eps must be > 0, got ", adam_eps);
+  TRIACCEL_CHECK_INPUT(plan_warmup >= 2, "--plan-warmup must be >= 2 steps (statistics compare successive gradients), got ",
+                       plan_warmup);
+  TRIACCEL_CHECK_INPUT(replan_every >= 0, "--replan-every must be >= 0 (0: plan once), got ", replan_every);
+  TRIACCEL_CHECK_INPUT(optimizer != "baoc" || method == "backprop", "--optimizer baoc needs --method backprop");
+  if (optimizer == "baoc") {  // syntax now; feasibility once the model is known
+    optim_memory_budget_parse(optim_memory_budget, 1);
+    optim_time_budget_parse(optim_time_budget, 1.0);
+    optim_formats_parse(optim_formats);
+  }
   TRIACCEL_CHECK_INPUT(tta == "off" || tta == "flip", "--tta must be off or flip, got '", tta, "'");
   TRIACCEL_CHECK_INPUT(eval_batch_size > 0, "--eval-batch-size must be > 0, got ", eval_batch_size);
   TRIACCEL_CHECK_INPUT(!out.empty(), "--out must name a folder");
@@ -162,6 +178,16 @@ Json TrainOptions::to_json() const {
               {"ta_batch", ta_batch},
               {"vram_budget", vram_budget},
               {"lr_batch_rule", lr_batch_rule},
+              {"optimizer", optimizer},
+              {"adam_beta1", adam_beta1},
+              {"adam_beta2", adam_beta2},
+              {"adam_eps", adam_eps},
+              {"optim_memory_budget", optim_memory_budget},
+              {"optim_time_budget", optim_time_budget},
+              {"optim_formats", optim_formats},
+              {"optim_time_table", optim_time_table},
+              {"plan_warmup", plan_warmup},
+              {"replan_every", replan_every},
               {"out", out},
               {"seed", seed},
               {"resume", resume},
@@ -219,6 +245,18 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   if (j.contains("ta_batch")) get("ta_batch", o.ta_batch);
   if (j.contains("vram_budget")) get("vram_budget", o.vram_budget);  // absent in checkpoints before the flag
   get("lr_batch_rule", o.lr_batch_rule);
+  if (j.contains("optimizer")) {  // absent in checkpoints from before --optimizer (they used SGD)
+    get("optimizer", o.optimizer);
+    get("adam_beta1", o.adam_beta1);
+    get("adam_beta2", o.adam_beta2);
+    get("adam_eps", o.adam_eps);
+    get("optim_memory_budget", o.optim_memory_budget);
+    get("optim_time_budget", o.optim_time_budget);
+    get("optim_formats", o.optim_formats);
+    get("optim_time_table", o.optim_time_table);
+    get("plan_warmup", o.plan_warmup);
+    get("replan_every", o.replan_every);
+  }
   get("out", o.out);
   get("seed", o.seed);
   get("resume", o.resume);
