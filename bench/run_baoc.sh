@@ -21,7 +21,7 @@ EPOCHS=${EPOCHS:-15}
 VIT_EPOCHS=${VIT_EPOCHS:-10}
 GPT_EPOCHS=${GPT_EPOCHS:-10}
 FINAL_OUT=${OUT:-out}
-OUT=/tmp/baoc_out
+OUT=${BAOC_WORK:-/tmp/baoc_out}  # scratch; BAOC_WORK lets stages run side by side on several GPUs
 rm -rf "$OUT" && mkdir -p "$OUT" "$FINAL_OUT"
 TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
 SITE=$(dirname "$(dirname "$TORCH_LIB")")
