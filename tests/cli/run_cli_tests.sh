@@ -82,6 +82,32 @@ expect resume_finishes 0 "done: test acc" -- train --resume "$WORK/run" --progre
 if [ -f "$WORK/run/model.pt" ] && tail -n 1 "$WORK/run/events.jsonl" | grep -q '"event":"summary"'; then
   passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL resume_finishes: no model.pt or summary"; fi
 
+# NeuroFlux: bad input, then a run that trains block by block from the cache and exports a smaller exit model.
+expect nf_budget_too_small 2 "is below what NeuroFlux needs for this model: at least" -- train "${TINY[@]}" --method neuroflux --vram-budget 100KB --out "$WORK/nf0"
+expect nf_fp16 2 "--method neuroflux supports --precision fp32 or amp-bf16" -- train "${TINY[@]}" --method neuroflux --precision amp-fp16 --out "$WORK/nf0"
+expect nf_bad_tolerance 2 "--nf-exit-tolerance must be in [0, 100]" -- train "${TINY[@]}" --method neuroflux --nf-exit-tolerance -1
+expect nf_bad_profile 2 "--nf-profile must be auto, model or measured, got 'guess'" -- train "${TINY[@]}" --method neuroflux --nf-profile guess
+if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  expect nf_measured_on_cpu 2 "--nf-profile measured needs a CUDA device" -- train "${TINY[@]}" --method neuroflux --nf-profile measured --out "$WORK/nf0"
+fi
+# The tiny set under the name fashion-mnist (the issue's command, small enough for CI); 24MB forces several blocks.
+expect nf_trains 0 "done: test acc" -- train "${TINY[@]}" --dataset fashion-mnist --method neuroflux --epochs 1 --vram-budget 24MB --nf-exit-tolerance 100 --out "$WORK/nf" --progress lines
+if python3 - "$WORK/nf" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+ev = [json.loads(l) for l in open(f"{d}/events.jsonl")]
+blocks = [e for e in ev if e["event"] == "block"]
+ex = [e for e in ev if e["event"] == "exit"]
+assert len(blocks) >= 2 and blocks[0]["input"] == "data" and all(b["input"] == "cache" for b in blocks[1:]), blocks
+assert len(ex) == 1 and ex[0]["chosen"]["params"] < ev[-1]["params"] and ex[0]["chosen"]["images_per_s"] > 0, ex
+assert ev[-1]["event"] == "summary" and ev[-1]["method"] == "neuroflux"
+assert os.path.getsize(f"{d}/exit_model.pt") < os.path.getsize(f"{d}/model.pt")
+assert json.load(open(f"{d}/exit.json"))["params"] == ex[0]["chosen"]["params"]
+PY
+then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nf_trains: events/exports not as expected"; fi
+expect nf_stop_after_block 0 "stopped after block 1" -- train "${TINY[@]}" --method neuroflux --epochs 1 --vram-budget 24MB --max-steps 1 --out "$WORK/nf2" --progress lines
+expect nf_resume_finishes 0 "done: test acc" -- train --resume "$WORK/nf2" --progress lines
+
 if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   expect no_gpu 2 "no CUDA GPU is visible" -- train "${TINY[@]}" --device cuda
 fi

@@ -42,7 +42,7 @@ PrecisionMode precision_mode_parse(const std::string& name) {
 }
 
 const std::vector<std::string>& method_names() {
-  static const std::vector<std::string> names = {"backprop", "tri-accel"};
+  static const std::vector<std::string> names = {"backprop", "tri-accel", "neuroflux"};
   return names;
 }
 
@@ -79,6 +79,12 @@ void TrainOptions::validate() const {
                        ") must not exceed --tau-high (", tau_high, ")");
   vram_budget_bytes();                 // throws with the flag's name
   lr_batch_rule_parse(lr_batch_rule);  // throws with the flag's name
+  TRIACCEL_CHECK_INPUT(nf_max_batch >= 2, "--nf-max-batch must be >= 2, got ", nf_max_batch);
+  TRIACCEL_CHECK_INPUT(nf_holdout >= 0, "--nf-holdout must be >= 0, got ", nf_holdout);
+  TRIACCEL_CHECK_INPUT(nf_exit_tolerance >= 0 && nf_exit_tolerance <= 100,
+                       "--nf-exit-tolerance must be in [0, 100] (accuracy points), got ", nf_exit_tolerance);
+  TRIACCEL_CHECK_INPUT(nf_profile == "auto" || nf_profile == "model" || nf_profile == "measured",
+                       "--nf-profile must be auto, model or measured, got '", nf_profile, "'");
   TRIACCEL_CHECK_INPUT(tta == "off" || tta == "flip", "--tta must be off or flip, got '", tta, "'");
   TRIACCEL_CHECK_INPUT(eval_batch_size > 0, "--eval-batch-size must be > 0, got ", eval_batch_size);
   TRIACCEL_CHECK_INPUT(!out.empty(), "--out must name a folder");
@@ -137,6 +143,10 @@ Json TrainOptions::to_json() const {
               {"ta_curvature", ta_curvature},
               {"ta_batch", ta_batch},
               {"vram_budget", vram_budget},
+              {"nf_max_batch", nf_max_batch},
+              {"nf_holdout", nf_holdout},
+              {"nf_exit_tolerance", nf_exit_tolerance},
+              {"nf_profile", nf_profile},
               {"lr_batch_rule", lr_batch_rule},
               {"out", out},
               {"seed", seed},
@@ -193,6 +203,12 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("ta_curvature", o.ta_curvature);
   if (j.contains("ta_batch")) get("ta_batch", o.ta_batch);
   if (j.contains("vram_budget")) get("vram_budget", o.vram_budget);  // absent in checkpoints before the flag
+  if (j.contains("nf_max_batch")) {  // absent in configurations written before NeuroFlux
+    get("nf_max_batch", o.nf_max_batch);
+    get("nf_holdout", o.nf_holdout);
+    get("nf_exit_tolerance", o.nf_exit_tolerance);
+    get("nf_profile", o.nf_profile);
+  }
   get("lr_batch_rule", o.lr_batch_rule);
   get("out", o.out);
   get("seed", o.seed);
