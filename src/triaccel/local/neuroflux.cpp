@@ -72,9 +72,12 @@ struct SplitInput {
   at::Tensor labels;  // (N) int64 on the device, row order
 
   int64_t size() const { return labels.size(0); }
-  at::Tensor rows(int64_t offset, int64_t count) const {
-    if (cache) return cache->read_range(offset, count);
+  at::Tensor rows(int64_t offset, int64_t count, bool channels_last) const {
+    if (cache) return layout(cache->read_range(offset, count), channels_last);
     return loader->batch(offset, count).first;
+  }
+  static at::Tensor layout(const at::Tensor& x, bool channels_last) {
+    return channels_last && x.dim() == 4 ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
   }
 };
 
@@ -208,6 +211,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   plain_lo.augment = false;
   plain_lo.image_size = options.image_size;
   plain_lo.seed = options.seed;
+  plain_lo.channels_last = device.is_cuda() && options.channels_last;
   LoaderOptions train_lo = plain_lo;
   train_lo.shuffle = true;
   train_lo.augment = options.augment_enabled();
@@ -237,6 +241,14 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   const std::shared_ptr<Model> model = model_create(mo);
   model->to(device);
   model->train();
+  const auto layout_params = [&](torch::nn::Module& module) {  // channels_last weights on CUDA, as the trainer does
+    if (!plain_lo.channels_last) return;
+    const torch::NoGradGuard no_grad;
+    for (auto& p : module.parameters()) {
+      if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+    }
+  };
+  layout_params(*model);
   const auto& units = model->units();
   const auto n_units = static_cast<int64_t>(units.size());
   TRIACCEL_CHECK_INPUT(options.nf_profile != "measured" || device.is_cuda(),
@@ -281,6 +293,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     AuxHead head(up.out_shape, aux_filters(up.out_shape[0], level), mo.num_classes);
     head->to(device);
     head->train();
+    layout_params(*head);
     heads.push_back(head);
   }
   const auto live_state = [&]() {
@@ -398,7 +411,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
         const int64_t count = std::min(bp.batch, n - offset);
         const at::Tensor labels = in.labels.narrow(0, offset, count);
         const AutocastScope autocast(device, options.precision);
-        at::Tensor h = in.rows(offset, count);
+        at::Tensor h = in.rows(offset, count, plain_lo.channels_last);
         for (int64_t u = bp.first; u < bp.end; ++u) {
           h = units[static_cast<size_t>(u)].forward(h);
           if (accs[s]) correct[u - bp.first].add_(logits_of(u, h).argmax(1).eq(labels).sum().to(at::kFloat));
@@ -499,7 +512,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
           std::tie(x, y) = train_aug->batch(offset, count);
         } else {
           const at::Tensor index = order.narrow(0, offset, count);
-          x = train_in.cache->read(index);  // (count, C, H, W) float32
+          x = SplitInput::layout(train_in.cache->read(index), plain_lo.channels_last);  // (count, C, H, W) float32
           const at::Tensor index_dev = index.to(device);
           y = train_in.labels.index_select(0, index_dev);
           if (flip.defined()) x = at::where(flip.index_select(0, index_dev).view({-1, 1, 1, 1}), x.flip({3}), x);
@@ -635,7 +648,9 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   // Inference throughput of the exit model and of the full network, eval mode, on a zero batch.
   model->eval();
   for (auto& h : heads) h->eval();
-  const at::Tensor probe = at::zeros(std::vector<int64_t>{device.is_cuda() ? 256 : 32, sample_shape[0], sample_shape[1], sample_shape[2]}, f32);
+  const at::Tensor probe = SplitInput::layout(
+      at::zeros(std::vector<int64_t>{device.is_cuda() ? 256 : 32, sample_shape[0], sample_shape[1], sample_shape[2]}, f32),
+      plain_lo.channels_last);
   const double exit_rate = inference_throughput(
       [&](const at::Tensor& x) {
         const AutocastScope autocast(device, options.precision);
