@@ -116,8 +116,8 @@ struct TrainFlags {
                                      "neuroflux: training samples held out to choose the exit (at most 10%)")
                           ->capture_default_str());
     add("nf_exit_tolerance", app.add_option("--nf-exit-tolerance", o.nf_exit_tolerance,
-                                            "neuroflux: exported exit = fewest parameters within this many accuracy "
-                                            "points of the best exit on held-out data (0: the most accurate)")
+                                            "neuroflux: exported exit = fewest parameters whose held-out accuracy is "
+                                            "within this many points of the full network's")
                                  ->capture_default_str());
     add("nf_profile", app.add_option("--nf-profile", o.nf_profile,
                                      "neuroflux: memory profile auto|model|measured (auto: measured on CUDA)")

@@ -171,6 +171,18 @@ at::Tensor neuroflux_block_loss(const Model& model, const std::vector<AuxHead>& 
   return loss;
 }
 
+int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<int64_t>& params, double tolerance) {
+  TORCH_CHECK(!holdout_acc.empty() && holdout_acc.size() == params.size(), "exit_choose: mismatched exits");
+  const double reference = holdout_acc.back();
+  auto chosen = static_cast<int64_t>(holdout_acc.size()) - 1;
+  for (size_t u = 0; u < holdout_acc.size(); ++u) {
+    if (holdout_acc[u] >= reference - tolerance && params[u] < params[static_cast<size_t>(chosen)]) {
+      chosen = static_cast<int64_t>(u);
+    }
+  }
+  return chosen;
+}
+
 Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   options.validate();
   TRIACCEL_CHECK_INPUT(options.precision != PrecisionMode::kAmpFP16,
@@ -591,24 +603,16 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     return fields;
   }
 
-  // Exits: the prefix up to unit u plus its head. Chosen on held-out data: the fewest parameters within
-  // --nf-exit-tolerance points of the best held-out accuracy (the full network when nothing is held out).
+  // Exits: the prefix up to unit u plus its head. Chosen on held-out data: the fewest parameters among the exits
+  // whose held-out accuracy is within --nf-exit-tolerance points of the full network's (the last exit); the full
+  // network when nothing is held out.
   std::vector<int64_t> exit_params(static_cast<size_t>(n_units), 0);
   int64_t prefix = 0;
   for (int64_t u = 0; u < n_units; ++u) {
     prefix += units[static_cast<size_t>(u)].parameter_count();
     exit_params[static_cast<size_t>(u)] = prefix + (u + 1 < n_units ? heads[static_cast<size_t>(u)]->parameter_count() : 0);
   }
-  int64_t chosen = n_units - 1;
-  if (n_hold > 0) {
-    const double best = *std::max_element(hold_acc.begin(), hold_acc.end());
-    for (int64_t u = 0; u < n_units; ++u) {
-      if (hold_acc[static_cast<size_t>(u)] >= best - options.nf_exit_tolerance &&
-          exit_params[static_cast<size_t>(u)] < exit_params[static_cast<size_t>(chosen)]) {
-        chosen = u;
-      }
-    }
-  }
+  const int64_t chosen = n_hold > 0 ? exit_choose(hold_acc, exit_params, options.nf_exit_tolerance) : n_units - 1;
 
   // Export: the full network (model.pt) and the early-exit prefix (exit_model.pt: the kept units' torchvision names
   // plus the head as "exit.*"; exit.json describes it).

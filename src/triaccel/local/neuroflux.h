@@ -26,6 +26,10 @@ at::Tensor neuroflux_block_loss(const Model& model, const std::vector<AuxHead>& 
                                 const at::Tensor& x, const at::Tensor& y, double label_smoothing,
                                 at::Tensor* loss_sum = nullptr, at::Tensor* correct = nullptr);
 
+// The exported exit: the fewest parameters among the exits whose held-out accuracy is within `tolerance` points
+// of the last exit's (the full network's). Exits in unit order; returns an index.
+int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<int64_t>& params, double tolerance);
+
 // Runs NeuroFlux training; returns the summary event's fields. Throws UserError for bad input (e.g. a budget
 // below the minimum the model needs). hooks.after_step is called after every optimizer step.
 Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks = {});
