@@ -141,7 +141,9 @@ void expect_matches_reference(const at::Tensor& got_device, const std::vector<at
     const double rms = n > 0 ? norm / std::sqrt(n) : 0.0;
     EXPECT_NEAR(g[kGradStatsNorm].item<double>(), norm, 1e-5 * norm) << "unit " << u;
     EXPECT_NEAR(g[kGradStatsMean].item<double>(), w[kGradStatsMean].item<double>(), 1e-5 * rms) << "unit " << u;
-    EXPECT_NEAR(g[kGradStatsVar].item<double>(), w[kGradStatsVar].item<double>(), 1e-5 * rms * rms) << "unit " << u;
+    // Variance as E[g²] − mean² in float32 cancels when the mean dominates (a one-element unit: true variance 0, the
+    // H200 gave 3.5e-9 at rms² = 3.5e-4): relative to rms², 1e-4.
+    EXPECT_NEAR(g[kGradStatsVar].item<double>(), w[kGradStatsVar].item<double>(), 1e-4 * rms * rms) << "unit " << u;
     EXPECT_EQ(g[kGradStatsMaxAbs].item<double>(), w[kGradStatsMaxAbs].item<double>()) << "unit " << u;
   }
 }

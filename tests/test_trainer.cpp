@@ -170,6 +170,58 @@ TEST_F(TrainerTest, OutOfMemoryRetriesTheSameSamplesAtASmallerBatch) {
   EXPECT_EQ(oom_events, 1);
 }
 
+// Tri-Accel's elastic batch, driven by a made-up memory signal (the CPU has no allocator statistics): the batch
+// grows while the peak is under rho_low·budget and the predicted peak stays under rho_high·budget, shrinks when the
+// peak passes rho_high·budget, every epoch still trains each sample exactly once, and the schedule follows the data
+// (position in units of the initial batch), so it ends at the end of the last epoch.
+TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
+  test::TempDir out("run_elastic");
+  TrainOptions o = options(out.path());  // 384 samples, batch 64, 2 epochs
+  o.method = "tri-accel";
+  o.ta_precision = false;
+  o.ta_curvature = false;
+  o.ctrl_every = 1;
+  o.vram_budget = "1GB";
+  TrainHooks hooks;
+  hooks.memory_signal = [](int64_t step, int64_t batch) {
+    const double per_sample = step >= 6 ? 8e6 : 5e6;  // at step 6 the model "needs" more memory per sample
+    MemorySignal m;
+    m.static_bytes = 200'000'000;
+    m.peak_bytes = m.static_bytes + static_cast<int64_t>(per_sample * static_cast<double>(batch));
+    return m;
+  };
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> spans(2);
+  hooks.on_batch = [&](int64_t epoch, int64_t offset, int64_t count) { spans[epoch].emplace_back(offset, count); };
+  const Json summary = train_run(o, hooks);
+  for (const auto& epoch : spans) {
+    int64_t next = 0;
+    for (const auto& [offset, count] : epoch) {
+      EXPECT_EQ(offset, next);
+      next = offset + count;
+    }
+    EXPECT_EQ(next, 384);
+  }
+  std::vector<int64_t> batches;
+  std::vector<std::string> reasons;
+  Json last_epoch;
+  for (const auto& e : events_read(out.file("events.jsonl"))) {
+    if (e["event"] == "batch") {
+      batches.push_back(e["batch"].get<int64_t>());
+      reasons.push_back(e["reason"].get<std::string>());
+      EXPECT_DOUBLE_EQ(e["budget_gb"].get<double>(), 1.0);
+    }
+    if (e["event"] == "epoch") last_epoch = e;
+  }
+  // 64 → 96 → 128 (0.2 + 128·0.005 = 0.84 GB: hold); per-sample 8 MB from step 6: 128 → 96 → 64 (0.712 GB: hold).
+  EXPECT_EQ(batches, (std::vector<int64_t>{96, 128, 128, 128, 128, 96, 64, 64}));
+  EXPECT_EQ(reasons.front(), "grow");
+  EXPECT_EQ(reasons[5], "shrink");
+  EXPECT_EQ(summary["steps"], 8);
+  // The last step starts at position 6 + 352/64 = 11.5 of 12: lr = 0.05 · (1 + cos(π·8.5/9)) / 2 ≈ 3.8e-4. A schedule
+  // by step count (step 7 of 12) would still be at ≈ 0.03.
+  EXPECT_NEAR(last_epoch["lr"].get<double>(), 0.05 * 0.5 * (1 + std::cos(M_PI * 8.5 / 9)), 1e-9);
+}
+
 // The Tri-Accel loop on the CPU: probes and precision windows happen on schedule, thresholds calibrate, the
 // decisions reach the events, and a resumed run restores the controllers' state.
 TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
@@ -217,8 +269,12 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
     if (e["event"] != "curvature") continue;
     ++budgeted_probes;
     EXPECT_GE(e["next_probe_step"].get<int64_t>(), e["step"].get<int64_t>() + o.curv_every);
+    // The first budgeted round probes one unit, from the output end, to learn the cost; the others stay unknown.
+    EXPECT_EQ(e["probed"], Json::array({"fc"}));
+    EXPECT_TRUE(e["lambda_max"][0].is_null());
+    EXPECT_FALSE(e["lambda_max"][3].is_null());
   }
-  EXPECT_EQ(budgeted_probes, 1);  // a probe costs far more than 1 % of the next 10 steps
+  EXPECT_EQ(budgeted_probes, 1);  // one unit's probe costs far more than 1 % of the next 10 steps
 
   // Stop mid-run and resume: the controllers' state comes back from the checkpoint.
   test::TempDir b("run_tri_b");

@@ -36,6 +36,7 @@ MemoryStats memory_stats(const c10::Device& device) {
     s.allocated_bytes = st.allocated_bytes[agg].current;
     s.peak_allocated_bytes = st.allocated_bytes[agg].peak;
     s.reserved_bytes = st.reserved_bytes[agg].current;
+    s.peak_reserved_bytes = st.reserved_bytes[agg].peak;
     s.device_total_bytes = static_cast<int64_t>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
   }
 #endif
@@ -47,6 +48,24 @@ void memory_stats_reset_peak(const c10::Device& device) {
   if (device.is_cuda()) {
     at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
     c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+  }
+#endif
+}
+
+void memory_cache_release(const c10::Device& device) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
+void memory_cap_set(const c10::Device& device, int64_t bytes) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda()) {
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+    const auto total = static_cast<double>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
+    TRIACCEL_CHECK_INPUT(static_cast<double>(bytes) <= total, "--vram-budget ", static_cast<double>(bytes) / 1e9,
+                         " GB is more than this GPU has (", total / 1e9, " GB); lower it or drop the flag");
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(static_cast<double>(bytes) / total, device.index());
   }
 #endif
 }

@@ -16,12 +16,21 @@ struct MemoryStats {
   int64_t allocated_bytes = 0;       // now
   int64_t peak_allocated_bytes = 0;  // since the last memory_stats_reset_peak
   int64_t reserved_bytes = 0;        // held by the caching allocator
+  int64_t peak_reserved_bytes = 0;   // since the last memory_stats_reset_peak
   int64_t device_total_bytes = 0;    // the card's capacity
 };
 
 // All zero on the CPU.
 MemoryStats memory_stats(const c10::Device& device);
 void memory_stats_reset_peak(const c10::Device& device);
+
+// Returns the caching allocator's unused blocks to the device (after an out-of-memory error). No-op on the CPU.
+void memory_cache_release(const c10::Device& device);
+
+// Caps what the caching allocator may reserve on the device at `bytes` (--vram-budget): an allocation that would
+// pass it frees cached blocks and then raises c10::OutOfMemoryError, which the trainer turns into a smaller batch.
+// A no-op on the CPU. Throws UserError when the device has less memory than `bytes`.
+void memory_cap_set(const c10::Device& device, int64_t bytes);
 
 // "NVIDIA H100 80GB HBM3" → "h100"; "cpu" on the CPU. Used for bench/results/<gpu>/.
 std::string device_short_name(const c10::Device& device);

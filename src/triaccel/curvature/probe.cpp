@@ -95,7 +95,8 @@ void CurvatureOptions::validate() const {
 
 std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& images, const at::Tensor& labels,
                                            const CurvatureOptions& options, double* wall_seconds,
-                                           std::vector<std::vector<at::Tensor>>* warm_start) {
+                                           std::vector<std::vector<at::Tensor>>* warm_start,
+                                           const std::vector<size_t>* only_units) {
   options.validate();
   TORCH_CHECK(images.dim() == 4, "curvature_probe: images must be (N, C, H, W), got ", images.sizes());
   TORCH_CHECK(labels.dim() == 1 && labels.size(0) == images.size(0), "curvature_probe: labels must be (",
@@ -122,7 +123,11 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
     // operator then takes its slice, instead of one create-graph backward per unit.
     std::vector<std::vector<at::Tensor>> unit_params(units.size());
     std::vector<at::Tensor> all_params;
+    const auto selected = [&](size_t i) {
+      return only_units == nullptr || std::find(only_units->begin(), only_units->end(), i) != only_units->end();
+    };
     for (size_t i = 0; i < units.size(); ++i) {
+      if (!selected(i)) continue;
       for (const auto& p : units[i].parameters()) {
         if (p.requires_grad()) {
           unit_params[i].push_back(p);
@@ -139,6 +144,11 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
       const auto unit_start = std::chrono::steady_clock::now();
       UnitCurvature entry;
       entry.unit = units[i].name;
+      if (!selected(i)) {
+        entry.probed = false;
+        result.push_back(std::move(entry));
+        continue;
+      }
       const std::vector<at::Tensor>& params = unit_params[i];
       std::vector<at::Tensor> grads(all_grads.begin() + static_cast<long>(next_grad),
                                     all_grads.begin() + static_cast<long>(next_grad + params.size()));

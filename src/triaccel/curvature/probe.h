@@ -41,6 +41,7 @@ struct UnitCurvature {
   int iterations = 0;                // Hessian-vector products taken for this unit
   bool converged = false;            // every eigenvalue met options.tol within options.max_iters
   double seconds = 0.0;              // wall time of this unit's gradients and power iteration
+  bool probed = true;                // false: not in `only_units` this call (the other fields are empty)
 };
 
 // Probes every unit of model on the first min(options.batch, N) samples.
@@ -50,8 +51,11 @@ struct UnitCurvature {
 // can report the probe's share of training time.
 // warm_start (optional, per unit): the previous probe's eigenvectors in, this probe's out; power iteration starts
 // from them, so a probe on a slowly moving model converges in a few products instead of max_iters.
+// only_units (optional): probe just these unit indices (first-order gradients too); the others come back with
+// probed = false. Tri-Accel's time-budgeted schedule probes a few units per round.
 std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& images, const at::Tensor& labels,
                                            const CurvatureOptions& options, double* wall_seconds = nullptr,
-                                           std::vector<std::vector<at::Tensor>>* warm_start = nullptr);
+                                           std::vector<std::vector<at::Tensor>>* warm_start = nullptr,
+                                           const std::vector<size_t>* only_units = nullptr);
 
 }  // namespace triaccel

@@ -16,14 +16,13 @@ void ScheduleOptions::validate() const {
   TRIACCEL_CHECK_INPUT(min_lr_ratio >= 0 && min_lr_ratio <= 1, "schedule: min_lr_ratio must be in [0, 1]");
 }
 
-double schedule_lr(const ScheduleOptions& o, int64_t step) {
-  step = std::max<int64_t>(step, 0);
-  if (step < o.warmup_steps) {
-    return o.base_lr * static_cast<double>(step + 1) / static_cast<double>(o.warmup_steps);
-  }
+double schedule_lr(const ScheduleOptions& o, double step) {
+  step = std::max(step, 0.0);
+  const auto warmup = static_cast<double>(o.warmup_steps);
+  if (step < warmup) return o.base_lr * (step + 1.0) / warmup;
   const int64_t decay_steps = o.total_steps - o.warmup_steps;
   if (decay_steps <= 0) return o.base_lr;
-  const double t = std::min(1.0, static_cast<double>(step - o.warmup_steps) / static_cast<double>(decay_steps));
+  const double t = std::min(1.0, (step - warmup) / static_cast<double>(decay_steps));
   const double cosine = 0.5 * (1.0 + std::cos(M_PI * t));
   return o.base_lr * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * cosine);
 }

@@ -15,7 +15,9 @@ struct ScheduleOptions {
   void validate() const;
 };
 
-// The learning rate for optimizer step `step` (0-based). Steps past total_steps keep the final rate.
-double schedule_lr(const ScheduleOptions& options, int64_t step);
+// The learning rate for optimizer step `step` (0-based). Steps past total_steps keep the final rate. The step may be
+// fractional: when the batch size changes during a run the trainer passes the position in units of the initial
+// batch (samples seen / initial batch), so the schedule still ends where the data does.
+double schedule_lr(const ScheduleOptions& options, double step);
 
 }  // namespace triaccel

@@ -119,6 +119,13 @@ void TrainStep::invalidate_graph() {
   eager_steps_at_graph_size_ = std::max<int64_t>(0, options_.warmup_steps - 1);
 }
 
+void TrainStep::set_graph_batch_size(int64_t batch) {
+  if (batch == options_.graph_batch_size) return;
+  options_.graph_batch_size = batch;
+  graph_.reset();
+  eager_steps_at_graph_size_ = std::max<int64_t>(0, options_.warmup_steps - 1);
+}
+
 void TrainStep::grad_stats_enable(GradStatsLayout layout) {
   TORCH_CHECK(layout.num_tensors() == sgd_.params().size(), "grad_stats_enable: layout has ", layout.num_tensors(),
               " tensors, the optimizer ", sgd_.params().size());
@@ -155,7 +162,13 @@ void TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
   try {
     body(graph_->images, graph_->labels);
   } catch (...) {
-    graph_.reset();  // a failed capture (out of memory, say) leaves no half-made graph behind
+    // A failed capture (out of memory, say) leaves no half-made graph behind, and the stream leaves capture mode
+    // (ending an invalidated capture throws too; that error says nothing new).
+    try {
+      graph_->graph.capture_end();
+    } catch (...) {
+    }
+    graph_.reset();
     throw;
   }
   graph_->graph.capture_end();
@@ -179,8 +192,9 @@ void TrainStep::run(const at::Tensor& images, const at::Tensor& labels, double l
     }
     capture(images, labels);
   } else {
-    if (!images.is_same(graph_->images)) graph_->images.copy_(images);
-    if (!labels.is_same(graph_->labels)) graph_->labels.copy_(labels);
+    // The trainer passes views of one buffer (new Tensor objects, same memory): compare storage, not identity.
+    if (images.data_ptr() != graph_->images.data_ptr()) graph_->images.copy_(images);
+    if (labels.data_ptr() != graph_->labels.data_ptr()) graph_->labels.copy_(labels);
     grads_release();  // frees gradients an eager step (a shorter last batch) may have left
   }
 #ifdef TRIACCEL_WITH_CUDA

@@ -69,6 +69,11 @@ class TrainStep {
   Precision precision_applied(Precision decided) const;
   // Drops the captured graph, e.g. after the optimizer's per-tensor lr scales changed.
   void invalidate_graph();
+  // The batch size whose step is captured (Tri-Accel's elastic batch changes it). A new size drops the old graph —
+  // one graph at a time, so a --vram-budget never holds two graph pools — and captures after one eager step at the
+  // new size (cuDNN picks its algorithms for the new shapes there).
+  void set_graph_batch_size(int64_t batch);
+  int64_t graph_batch_size() const { return options_.graph_batch_size; }
 
   // Tri-Accel: accumulate per-unit gradient statistics (core/grad_stats.h) of every non-skipped step, inside the
   // step (and so inside the graph). `layout` must follow sgd.params() order.

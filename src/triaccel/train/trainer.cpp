@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <numeric>
 #include <optional>
 
@@ -246,7 +247,9 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
   if (device.is_cuda()) {
     stream_guard.emplace(c10::cuda::getStreamFromPool(false, device.index()));
-    at::globalContext().setBenchmarkCuDNN(true);
+    // cuDNN autotuning tries algorithms with workspaces of gigabytes; under a --vram-budget those tries fill the
+    // budget (the elastic batch then reads them as the step's need) and can run out of memory: heuristics instead.
+    at::globalContext().setBenchmarkCuDNN(options.vram_budget.empty());
   }
 #endif
 
@@ -386,11 +389,49 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   };
 
   if (progress.batch <= 0) progress.batch = options.batch_size;
-  BatchControllerOptions oom_rules;  // bucketed halving down to min_batch
-  oom_rules.min_batch = std::min<int64_t>(oom_rules.min_batch, options.batch_size);
-  const LrBatchRule lr_rule = lr_batch_rule_parse(options.lr_batch_rule);
-  at::Tensor batch_images = train_loader.batch_images_empty(options.batch_size);
-  at::Tensor batch_labels = at::empty({options.batch_size}, at::TensorOptions().dtype(at::kLong).device(device));
+  // Batch sizes: bucketed halving after out of memory; under --vram-budget, Tri-Accel's elastic batch (the paper's
+  // rule on the measured peak) every control window. The lr follows the batch by --lr-batch-rule.
+  const int64_t budget = options.vram_budget_bytes();
+  BatchControllerOptions batch_rules;
+  batch_rules.min_batch = std::min<int64_t>(batch_rules.min_batch, options.batch_size);
+  batch_rules.max_batch = std::max<int64_t>(options.batch_size, std::min<int64_t>(4096, train_loader.size()));
+  batch_rules.budget_bytes = budget;
+  batch_rules.lr_rule = lr_batch_rule_parse(options.lr_batch_rule);
+  const bool elastic = tri && options.ta_batch && budget > 0 && (device.is_cuda() || hooks.memory_signal);
+  std::map<int64_t, int64_t> peak_at_batch;  // the highest window peak measured at each batch size (CUDA)
+  if (budget > 0) {
+    if (device.is_cuda()) {
+      const MemoryStats m = memory_stats(device);
+      TRIACCEL_CHECK_INPUT(m.allocated_bytes < budget, "--vram-budget ", options.vram_budget,
+                           " is below this run's minimum: the resident dataset and the weights alone take ",
+                           static_cast<double>(m.allocated_bytes) / kGB,
+                           " GB before gradients, optimizer state and activations; raise the budget");
+      memory_cap_set(device, budget);
+    } else if (!hooks.memory_signal) {
+      printer.line("note: --vram-budget applies to CUDA devices; this run is on the CPU and ignores it");
+    }
+  }
+  step.set_graph_batch_size(progress.batch);
+  at::Tensor batch_images = train_loader.batch_images_empty(std::max(options.batch_size, progress.batch));
+  at::Tensor batch_labels = at::empty({batch_images.size(0)}, at::TensorOptions().dtype(at::kLong).device(device));
+  const auto batch_set = [&](int64_t batch) {
+    progress.batch = batch;
+    step.set_graph_batch_size(batch);
+    if (batch > batch_images.size(0)) {  // grow the input buffers (the old graph, which used them, is gone)
+      batch_images = at::Tensor();
+      batch_labels = at::Tensor();
+      batch_images = train_loader.batch_images_empty(batch);
+      batch_labels = at::empty({batch}, at::TensorOptions().dtype(at::kLong).device(device));
+    }
+  };
+  // The schedule's position in units of the initial batch: equal to the step count while the batch is unchanged,
+  // and it still ends with the data when the batch changes.
+  const auto schedule_position = [&]() {
+    return static_cast<double>(progress.epoch * steps_per_epoch) +
+           static_cast<double>(progress.epoch_offset) / static_cast<double>(options.batch_size);
+  };
+  double last_lr = schedule_lr(sched, schedule_position());
+  bool retried_at_min = false;  // an out-of-memory retry at the minimum batch is allowed once in a row
   bool stopped = false;
   while (progress.epoch < options.epochs && !stopped) {
     train_loader.epoch_begin(progress.epoch);
@@ -404,25 +445,40 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
       const int64_t count = std::min(progress.batch, train_loader.size() - progress.epoch_offset);
       // A shorter batch (the epoch's last, or after an out-of-memory retry) uses the front of the full-size buffers:
       // dim 0 is outermost in NCHW and channels_last alike, so the view stays dense and nothing is allocated.
-      at::Tensor images = count == options.batch_size ? batch_images : batch_images.narrow(0, 0, count);
-      at::Tensor labels = count == options.batch_size ? batch_labels : batch_labels.narrow(0, 0, count);
-      train_loader.batch_into(progress.epoch_offset, count, images, labels);
-      const double lr =
-          schedule_lr(sched, progress.step) * lr_scale_for_batch(lr_rule, progress.batch, options.batch_size);
-      try {
+      at::Tensor images = count == batch_images.size(0) ? batch_images : batch_images.narrow(0, 0, count);
+      at::Tensor labels = count == batch_labels.size(0) ? batch_labels : batch_labels.narrow(0, 0, count);
+      const double lr = schedule_lr(sched, schedule_position()) *
+                        lr_scale_for_batch(batch_rules.lr_rule, progress.batch, options.batch_size);
+      last_lr = lr;
+      try {  // loading the batch allocates too (resize, augmentation): under a budget it can run out of memory
+        train_loader.batch_into(progress.epoch_offset, count, images, labels);
         if (hooks.before_step) hooks.before_step(progress.step, count);
         step.run(images, labels, lr);
       } catch (const c10::OutOfMemoryError&) {
-        // Retry the same samples at a smaller batch: nothing is skipped or repeated (throws at the minimum batch).
-        const int64_t smaller = batch_after_oom(oom_rules, progress.batch);
+        // Retry the same samples at a smaller batch: nothing is skipped or repeated. At the minimum batch, one retry
+        // at the same size after releasing the cache and the graph (a transient peak: a re-capture, a probe), and
+        // only a second failure in a row is the budget's fault (batch_after_oom throws then).
+        if (progress.batch <= batch_rules.min_batch && !retried_at_min) {
+          retried_at_min = true;
+          step.set_graph_batch_size(0);
+          memory_cache_release(device);
+          events.write("oom", progress.step, now(), Json{{"batch", progress.batch}, {"retry_batch", progress.batch},
+                                                         {"epoch", progress.epoch}, {"epoch_offset", progress.epoch_offset}});
+          step.set_graph_batch_size(progress.batch);
+          continue;
+        }
+        const int64_t smaller = batch_after_oom(batch_rules, progress.batch);
         events.write("oom", progress.step, now(), Json{{"batch", progress.batch}, {"retry_batch", smaller},
                                                        {"epoch", progress.epoch}, {"epoch_offset", progress.epoch_offset}});
-        progress.batch = smaller;
+        // The elastic batch never grows back to a size that ran out of memory.
+        batch_rules.max_batch = std::max(batch_rules.min_batch, std::min(batch_rules.max_batch, progress.batch - 1));
+        batch_set(smaller);
 #ifdef TRIACCEL_WITH_CUDA
         if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
         continue;
       }
+      retried_at_min = false;
       if (hooks.on_batch) hooks.on_batch(progress.epoch, progress.epoch_offset, count);
       progress.epoch_offset += count;
       progress.step += 1;
@@ -433,6 +489,34 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
         for (const auto& [name, fields] : tri_accel->after_step(progress.step)) {
           events.write(name, progress.step, now(), fields);
         }
+      }
+      if (elastic && progress.step % options.ctrl_every == 0) {
+        // Memory signal: the window's allocator peak. A replayed CUDA graph allocates nothing, so a window of replays
+        // shows only the static bytes: the peak measured when this batch size ran eagerly and was captured stands in.
+        MemorySignal signal;
+        double reserved_gb = 0;
+        if (hooks.memory_signal) {
+          signal = hooks.memory_signal(progress.step, progress.batch);
+        } else {
+          const MemoryStats m = memory_stats(device);
+          progress.peak_vram_gb = std::max(progress.peak_vram_gb, static_cast<double>(m.peak_allocated_bytes) / kGB);
+          int64_t& seen = peak_at_batch[progress.batch];
+          seen = std::max(seen, m.peak_allocated_bytes);
+          signal.peak_bytes = seen;
+          signal.static_bytes = m.allocated_bytes;
+          reserved_gb = static_cast<double>(m.reserved_bytes) / kGB;
+          memory_stats_reset_peak(device);
+        }
+        const int64_t before = progress.batch;
+        const BatchDecision d = batch_controller_step(batch_rules, before, signal);
+        if (d.changed) batch_set(d.batch);
+        events.write("batch", progress.step, now(),
+                     Json{{"batch", progress.batch}, {"previous", before}, {"changed", d.changed}, {"reason", d.reason},
+                          {"peak_gb", static_cast<double>(signal.peak_bytes) / kGB},
+                          {"static_gb", static_cast<double>(signal.static_bytes) / kGB},
+                          {"predicted_peak_gb", d.predicted_peak_bytes / kGB}, {"reserved_gb", reserved_gb},
+                          {"budget_gb", static_cast<double>(budget) / kGB},
+                          {"lr_scale", lr_scale_for_batch(batch_rules.lr_rule, progress.batch, options.batch_size)}});
       }
       const bool last_in_epoch = progress.epoch_offset >= train_loader.size();
       if (progress.step % options.log_every == 0 || last_in_epoch) {
@@ -460,12 +544,28 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
 
     // Epoch done: evaluate and log. Train metrics cover this session's part of the epoch.
     const double train_s = progress.epoch_train_s;
+    // Peak VRAM is the training peak (DESIGN.md: the measured period); evaluation's own peak is reported beside it.
+    progress.peak_vram_gb =
+        std::max(progress.peak_vram_gb, static_cast<double>(memory_stats(device).peak_allocated_bytes) / kGB);
+    memory_stats_reset_peak(device);
     const double t_eval = time_since_start_s();
-    const EvalResult test = evaluate(*model, test_loader, device, eval_precision, options.eval_batch_size,
-                                     options.tta == "flip");
+    EvalResult test;
+    for (int64_t eval_batch = options.eval_batch_size;; eval_batch = (eval_batch + 1) / 2) {
+      try {  // under a --vram-budget, an evaluation batch that does not fit is halved, not fatal
+        test = evaluate(*model, test_loader, device, eval_precision, eval_batch, options.tta == "flip");
+        break;
+      } catch (const c10::OutOfMemoryError&) {
+        TRIACCEL_CHECK_INPUT(eval_batch > 1, "out of memory evaluating one sample: raise --vram-budget");
+        events.write("oom", progress.step, now(), Json{{"phase", "eval"}, {"batch", eval_batch},
+                                                       {"retry_batch", (eval_batch + 1) / 2}});
+#ifdef TRIACCEL_WITH_CUDA
+        if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+      }
+    }
     const double eval_s = time_since_start_s() - t_eval;
-    const MemoryStats mem = memory_stats(device);
-    progress.peak_vram_gb = std::max(progress.peak_vram_gb, static_cast<double>(mem.peak_allocated_bytes) / kGB);
+    const double eval_peak_gb = static_cast<double>(memory_stats(device).peak_allocated_bytes) / kGB;
+    memory_stats_reset_peak(device);
     const double seen = static_cast<double>(std::max<int64_t>(samples_this_session, 1));
     progress.epoch_times.push_back(train_s);
     progress.last_epoch = Json{{"epoch", progress.epoch + 1},
@@ -477,8 +577,11 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                {"epoch_s", train_s},
                                {"eval_s", eval_s},
                                {"images_per_s", static_cast<double>(samples_this_session) / std::max(train_s, 1e-9)},
-                               {"lr", schedule_lr(sched, progress.step - 1)},
+                               {"samples", samples_this_session},  // trained this epoch in this session
+                               {"lr", last_lr},
+                               {"batch", progress.batch},
                                {"peak_vram_gb", progress.peak_vram_gb},
+                               {"eval_peak_vram_gb", eval_peak_gb},
                                {"skipped_steps", scaler.skipped_steps().item<double>()},
                                {"loss_scale", scaler.scale_tensor().item<double>()},
                                {"cuda_graph", step.graph_captured()},
@@ -512,6 +615,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                {"epoch_s", epoch_s},
                {"peak_vram_gb", progress.peak_vram_gb},
                {"peak_vram_includes_dataset", true},
+               {"peak_vram_phase", "training steps (evaluation's peak is in each epoch event)"},
                {"eff_score", (epoch_s > 0 && progress.peak_vram_gb > 0)
                                  ? Json(acc / (epoch_s * progress.peak_vram_gb))
                                  : Json(nullptr)},

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "triaccel/core/json.h"
+#include "triaccel/memory/batch_controller.h"
 #include "triaccel/train/options.h"
 
 #include <functional>
@@ -20,6 +21,9 @@ struct TrainHooks {
   std::function<void(int64_t step, int64_t batch)> before_step;
   // Called after every successful step with the samples it trained: [offset, offset + count) of the epoch's order.
   std::function<void(int64_t epoch, int64_t offset, int64_t count)> on_batch;
+  // Replaces the measured memory signal of Tri-Accel's batch controller (tests: the CPU has no allocator stats).
+  // Called at every control window with the step count and the batch in use.
+  std::function<MemorySignal(int64_t step, int64_t batch)> memory_signal;
 };
 
 // Runs training; returns the summary event's fields. Throws UserError for bad input.

@@ -1,8 +1,12 @@
 #include "triaccel/train/tri_accel.h"
 
+#include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/core/grad_stats.h"
 #include "triaccel/core/io.h"
+
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -41,6 +45,9 @@ TriAccelDriver::TriAccelDriver(const TrainOptions& options, Model& model, Sgd& s
     unit_of_param_.push_back(it->second);
   }
   unit_lr_scale_.assign(units.size(), 1.0);
+  unit_cost_s_.assign(units.size(), -1.0);
+  unit_lambda_.assign(units.size(), 0.0);
+  unit_probed_.assign(units.size(), false);
   if (options_.ta_precision) {
     step_.grad_stats_enable(
         GradStatsLayout(sgd_.params(), unit_of_param_, static_cast<int64_t>(units.size())));
@@ -63,47 +70,94 @@ void TriAccelDriver::apply_lr_scales() {
 }
 
 void TriAccelDriver::probe(int64_t step, std::vector<std::pair<std::string, Json>>& events) {
+  const size_t n_units = model_.units().size();
+  // Which units this round: all of them on the fixed schedule (curv_budget 0); else the next ones, round-robin from
+  // the output end (their products are the cheapest), while their cost fits the credit. A unit never probed costs
+  // what the dearest probed one did; the very first round probes one unit to learn the cost.
+  std::vector<size_t> chosen;
+  int64_t advance = 0;
+  if (options_.curv_budget <= 0) {
+    for (size_t u = 0; u < n_units; ++u) chosen.push_back(u);
+  } else {
+    double known_max = -1;
+    for (double c : unit_cost_s_) known_max = std::max(known_max, c);
+    double credit = probe_credit_s_;
+    for (size_t n = 0; n < n_units; ++n) {
+      const size_t u = n_units - 1 - static_cast<size_t>((next_unit_ + static_cast<int64_t>(n)) % static_cast<int64_t>(n_units));
+      const double est = unit_cost_s_[u] >= 0 ? unit_cost_s_[u] : known_max;
+      if (!(est < 0 && chosen.empty()) && est > credit) break;
+      chosen.push_back(u);
+      ++advance;
+      credit -= std::max(est, 0.0);
+      if (est < 0) break;  // bootstrap: one unit, to measure
+    }
+  }
+  next_probe_step_ = step + options_.curv_every;
+  if (chosen.empty()) return;  // not enough credit yet: try again after the next T_curv
+
   double seconds = 0;
-  const std::vector<UnitCurvature> curv =
-      curvature_probe(model_, probe_images_, probe_labels_, curvature_options_, &seconds, &warm_start_);
+  std::vector<UnitCurvature> curv;
+  try {
+    // cuDNN autotuning off for the probe: benchmarking the double-backward convolutions tries algorithms with
+    // workspaces of gigabytes, which set the run's memory peak (3.05 GB instead of ~0.4 GB on the H100 smoke run).
+    struct CudnnHeuristics {
+      bool saved = at::globalContext().benchmarkCuDNN();
+      CudnnHeuristics() { at::globalContext().setBenchmarkCuDNN(false); }
+      ~CudnnHeuristics() { at::globalContext().setBenchmarkCuDNN(saved); }
+    } heuristics;
+    curv = curvature_probe(model_, probe_images_, probe_labels_, curvature_options_, &seconds, &warm_start_, &chosen);
+  } catch (const c10::OutOfMemoryError&) {
+    // Under a tight --vram-budget the probe may not fit beside the captured step: skip it, train on.
+    memory_cache_release(probe_images_.device());
+    events.emplace_back("curvature", Json{{"skipped", "out of memory"}, {"next_probe_step", next_probe_step_}});
+    return;
+  }
   probe_seconds_ += seconds;
+  probe_credit_s_ -= seconds;
   probes_ += 1;
-  std::vector<double> lambda;
+  next_unit_ += advance;
+  std::vector<double> pending(n_units, -1.0);
+  Json probed = Json::array();
   Json eigen = Json::array();
   int64_t products = 0;
-  for (const auto& c : curv) {
-    lambda.push_back(c.lambda_max);
+  for (size_t u = 0; u < n_units; ++u) {
+    const UnitCurvature& c = curv[u];
+    if (!c.probed) {
+      eigen.push_back(nullptr);
+      continue;
+    }
+    probed.push_back(c.unit);
     eigen.push_back(c.eigenvalues);
     products += c.iterations;
+    unit_cost_s_[u] = c.seconds;
+    unit_lambda_[u] = std::isfinite(c.lambda_max) ? c.lambda_max : 0.0;
+    unit_probed_[u] = true;
+    pending[u] = c.lambda_max;
   }
+  const bool all_known = std::all_of(unit_probed_.begin(), unit_probed_.end(), [](bool b) { return b; });
   if (options_.ta_curvature) {
-    if (alpha_ < 0) {
-      // No manual tuning: α so that the 0.9-quantile unit gets half its rate (flat units keep nearly all of theirs).
+    if (alpha_ < 0 && options_.curv_alpha >= 0) alpha_ = options_.curv_alpha;
+    if (alpha_ < 0 && all_known) {
+      // No manual tuning: α so that the 0.9-quantile unit gets half its rate (flat units keep nearly all of theirs),
+      // fixed once every unit has been probed.
       std::vector<double> positive;
-      for (double l : lambda) {
-        if (l > 0 && std::isfinite(l)) positive.push_back(l);
+      for (double l : unit_lambda_) {
+        if (l > 0) positive.push_back(l);
       }
-      alpha_ = options_.curv_alpha >= 0 ? options_.curv_alpha
-                                        : (positive.empty() ? 0.0 : 1.0 / quantile(positive, 0.9));
+      alpha_ = positive.empty() ? 0.0 : 1.0 / quantile(positive, 0.9);
     }
-    for (size_t u = 0; u < lambda.size(); ++u) {
-      const double l = std::isfinite(lambda[u]) ? std::max(0.0, lambda[u]) : 0.0;
-      unit_lr_scale_[u] = 1.0 / (1.0 + alpha_ * l);
+    if (alpha_ >= 0) {
+      for (size_t u = 0; u < n_units; ++u) {
+        if (unit_probed_[u]) unit_lr_scale_[u] = 1.0 / (1.0 + alpha_ * std::max(0.0, unit_lambda_[u]));
+      }
+      apply_lr_scales();
     }
-    apply_lr_scales();
   }
-  pending_lambda_ = lambda;
-  // Space the next probe so that probes take at most curv_budget of the training time (no manual tuning of T_curv
-  // per model or GPU): gap ≥ probe_s / (budget · seconds per step), and never below curv_every.
-  int64_t gap = options_.curv_every;
-  if (options_.curv_budget > 0 && steps_since_probe_ > 0 && train_s_since_probe_ > 0) {
-    const double step_s = train_s_since_probe_ / static_cast<double>(steps_since_probe_);
-    gap = std::max<int64_t>(gap, static_cast<int64_t>(std::ceil(seconds / (options_.curv_budget * step_s))));
-  }
-  next_probe_step_ = step + gap;
-  train_s_since_probe_ = 0;
-  steps_since_probe_ = 0;
+  pending_lambda_ = pending;
+  Json lambda = Json::array();
+  for (size_t u = 0; u < n_units; ++u) lambda.push_back(unit_probed_[u] ? Json(unit_lambda_[u]) : Json(nullptr));
   events.emplace_back("curvature", Json{{"units", unit_names()},
+                                        {"probed", probed},
                                         {"lambda_max", lambda},
                                         {"eigenvalues", eigen},
                                         {"lr_scale", unit_lr_scale_},
@@ -111,6 +165,7 @@ void TriAccelDriver::probe(int64_t step, std::vector<std::pair<std::string, Json
                                         {"probe_s", seconds},
                                         {"hvp_products", products},
                                         {"probe_s_total", probe_seconds_},
+                                        {"credit_s", probe_credit_s_},
                                         {"next_probe_step", next_probe_step_},
                                         {"lr_scaling", options_.ta_curvature}});
 }
@@ -118,12 +173,9 @@ void TriAccelDriver::probe(int64_t step, std::vector<std::pair<std::string, Json
 std::vector<std::pair<std::string, Json>> TriAccelDriver::after_step(int64_t step) {
   std::vector<std::pair<std::string, Json>> events;
   const double now = time_since_start_s();
-  if (last_call_s_ >= 0) {
-    train_s_since_probe_ += now - last_call_s_;
-    steps_since_probe_ += 1;
-  }
+  if (last_call_s_ >= 0) probe_credit_s_ += options_.curv_budget * (now - last_call_s_);
   const bool window = step % options_.ctrl_every == 0;
-  const bool probe_due = next_probe_step_ < 0 ? window : step >= next_probe_step_;
+  const bool probe_due = window && (next_probe_step_ < 0 || step >= next_probe_step_);
   if ((options_.ta_curvature || options_.ta_precision) && probe_due) probe(step, events);
   if (options_.ta_precision && window) {
     const at::Tensor stats = step_.grad_stats_take();  // (U, columns) on the CPU
@@ -171,7 +223,10 @@ Json TriAccelDriver::state_to_json() const {
               {"dwell", state_.dwell},            {"promoted", state_.promoted},
               {"pending_lambda", pending_lambda_}, {"unit_lr_scale", unit_lr_scale_},
               {"alpha", alpha_},                  {"probe_seconds", probe_seconds_},
-              {"probes", probes_},                {"next_probe_step", next_probe_step_}};
+              {"probes", probes_},                {"next_probe_step", next_probe_step_},
+              {"probe_credit_s", probe_credit_s_}, {"unit_cost_s", unit_cost_s_},
+              {"unit_lambda", unit_lambda_},      {"unit_probed", unit_probed_},
+              {"next_unit", next_unit_}};
 }
 
 void TriAccelDriver::state_from_json(const Json& j) {
@@ -199,6 +254,13 @@ void TriAccelDriver::state_from_json(const Json& j) {
     probe_seconds_ = j.at("probe_seconds").get<double>();
     probes_ = j.at("probes").get<int64_t>();
     next_probe_step_ = j.at("next_probe_step").get<int64_t>();
+    if (j.contains("unit_cost_s")) {
+      probe_credit_s_ = j.at("probe_credit_s").get<double>();
+      unit_cost_s_ = j.at("unit_cost_s").get<std::vector<double>>();
+      unit_lambda_ = j.at("unit_lambda").get<std::vector<double>>();
+      unit_probed_ = j.at("unit_probed").get<std::vector<bool>>();
+      next_unit_ = j.at("next_unit").get<int64_t>();
+    }
   } catch (const Json::exception&) {
     throw UserError("checkpoint has an unreadable Tri-Accel state; resume with the same --method or start afresh");
   }

@@ -1,8 +1,9 @@
 // The Tri-Accel control loop, driven by the trainer after every optimizer step (docs/tri-accel.md):
 //   every ctrl_every steps: per-unit gradient variance (accumulated inside the step) → PrecisionPolicy → the step's
 //                           per-unit autocast precision;
-//   at the first window, then every curv_every steps or more (spaced so probes stay within curv_budget of the
-//                           training time, measured): CurvatureProbe on a fixed batch → per-unit
+//   at the first window, then at windows at least curv_every steps apart: CurvatureProbe on a fixed batch, of all
+//                           units (curv_budget 0) or of the next units round-robin whose measured cost fits a credit
+//                           that accrues at curv_budget × training time (so probes stay within that share) → per-unit
 //                           η_l = η0 / (1 + α·λ_max,l) as the optimizer's per-tensor lr scales, and λ_max into the
 //                           policy (precision promotion above τ_curv).
 // The controllers are pure (precision/policy.h); this class owns their state and applies the decisions (side
@@ -58,10 +59,15 @@ class TriAccelDriver {
   std::vector<std::vector<at::Tensor>> warm_start_;  // per unit: the last probe's eigenvectors (not checkpointed)
   std::vector<double> pending_lambda_;  // λ_max from a probe not yet fed to the policy
   std::vector<double> unit_lr_scale_;
+  // Time-budgeted probing (curv_budget > 0): each round probes the next units, round-robin from the output end,
+  // whose measured (or estimated) cost fits the credit; credit accrues at curv_budget × training time.
+  double probe_credit_s_ = 0;
+  std::vector<double> unit_cost_s_;    // per unit: wall seconds of its last probe; < 0 unknown
+  std::vector<double> unit_lambda_;    // per unit: last λ_max
+  std::vector<bool> unit_probed_;      // per unit: probed at least once
+  int64_t next_unit_ = 0;              // round-robin position
   double alpha_ = -1;
   int64_t next_probe_step_ = -1;     // < 0: at the first control window
-  double train_s_since_probe_ = 0;   // host wall time of training steps since the last probe (probe excluded)
-  int64_t steps_since_probe_ = 0;
   double last_call_s_ = -1;
   double probe_seconds_ = 0;
   int64_t probes_ = 0;

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Tri-Accel's GPU acceptance job (issue 3), in one call on a device machine with one or more GPUs: the runs are
+# queued longest first and each GPU takes the next one, so every run has a GPU to itself (timings are comparable
+# within one call on one kind of GPU; see docs/measuring.md).
+#   stage check: the unit tests on the GPU + short Tri-Accel runs (loop, elastic batch under a budget, probe share)
+#   stage table: the paper's protocol (CIFAR-10 copy, batch 96, SGD momentum 0.9, 15 epochs = 5 warm-up + 10
+#                cosine): ResNet-18 FP32 / AMP bf16 / AMP fp16 / Tri-Accel over 3 seeds, EfficientNet-B0 at 224×224
+#                over 1 seed, the Table-2 ablation (each component alone, all combined) and the budget runs
+#                (ResNet-18 --vram-budget 1GB, EfficientNet-B0 --vram-budget 3GB).
+# Usage: bash bench/run_tri_accel.sh check|table|extra. Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
+# $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
+set -uo pipefail
+STAGE=${1:-table}
+FINAL_OUT=${OUT:-out}
+OUT=/tmp/tri_accel_out
+mkdir -p "$OUT" "$FINAL_OUT"
+TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+SITE=$(dirname "$(dirname "$TORCH_LIB")")
+NV_LIBS=$(ls -d "$SITE"/nvidia/*/lib "$SITE"/nvidia/cu13/lib 2>/dev/null | tr '\n' ':')
+export LD_LIBRARY_PATH="$TORCH_LIB:$NV_LIBS/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+NGPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+echo "gpu: $NGPU x $GPU; torch: $(python3 -c 'import torch; print(torch.__version__)')"
+BIN=.device/bin
+"$BIN/triaccel" --help >/dev/null 2>&1 || { echo "carried binaries do not run here"; exit 1; }
+
+DATA=/tmp/cifar10-bin
+if [ ! -f "$DATA/test_batch.bin" ]; then
+  python3 .device/data/build_cifar10_bin.py "$DATA" >/dev/null 2>&1 || { echo "CIFAR conversion failed"; exit 1; }
+fi
+
+# The protocol's recipe for every method: SGD momentum 0.9 (nesterov), wd 5e-4, lr 0.075 at batch 96, label
+# smoothing 0.1, 5 warm-up epochs then cosine, 15 epochs in all.
+PROTO="--dataset cifar10 --data $DATA --batch-size 96 --lr 0.075 --label-smoothing 0.1 --epochs 15 --warmup-epochs 5"
+QUEUE=$OUT/queue
+: >"$QUEUE"
+job() { echo "$*" >>"$QUEUE"; }  # name, then train flags
+
+if [ "$STAGE" = check ]; then
+  job r18_tri_check --model resnet18 --method tri-accel $PROTO --epochs 2 --warmup-epochs 1
+  job r18_tri_1GB_check --model resnet18 --method tri-accel $PROTO --epochs 2 --warmup-epochs 1 --vram-budget 1GB
+  job effb0_tri_3GB_check --model efficientnet-b0 --image-size 224 --method tri-accel $PROTO --epochs 1 --warmup-epochs 0 --vram-budget 3GB
+elif [ "$STAGE" = extra ]; then  # what a 10-minute table call leaves out: EfficientNet seed 1, ablation, budgets
+  E="--model efficientnet-b0 --image-size 224"
+  R="--model resnet18"
+  job effb0_fp32_s1 $E --precision fp32 $PROTO --seed 1
+  job effb0_bf16_s1 $E --precision amp-bf16 $PROTO --seed 1
+  job effb0_tri_s1 $E --method tri-accel $PROTO --seed 1
+  job effb0_fp16_s1 $E --precision amp-fp16 $PROTO --seed 1
+  job effb0_tri_3GB_s0 $E --method tri-accel $PROTO --seed 0 --vram-budget 3GB --epochs 3 --warmup-epochs 1
+  job r18_abl_batch_s0 $R --method tri-accel --ta-precision false --ta-curvature false --vram-budget 1GB $PROTO --seed 0
+  job r18_abl_curv_s0 $R --method tri-accel --ta-precision false --ta-batch false $PROTO --seed 0
+  job r18_abl_prec_s0 $R --method tri-accel --ta-curvature false --ta-batch false $PROTO --seed 0
+  job r18_tri_1GB_s0 $R --method tri-accel --vram-budget 1GB $PROTO --seed 0
+else
+  E="--model efficientnet-b0 --image-size 224"
+  R="--model resnet18"
+  job effb0_fp32_s0 $E --precision fp32 $PROTO --seed 0
+  job effb0_tri_3GB_s0 $E --method tri-accel $PROTO --seed 0 --vram-budget 3GB
+  job effb0_tri_s0 $E --method tri-accel $PROTO --seed 0
+  job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
+  job effb0_fp16_s0 $E --precision amp-fp16 $PROTO --seed 0
+  for s in 0 1 2; do
+    job r18_fp32_s$s $R --precision fp32 $PROTO --seed $s
+    job r18_tri_s$s $R --method tri-accel $PROTO --seed $s
+    job r18_bf16_s$s $R --precision amp-bf16 $PROTO --seed $s
+    job r18_fp16_s$s $R --precision amp-fp16 $PROTO --seed $s
+  done
+  # Table 2: each component alone (the others off) and all combined, seed 0. The batch component needs a budget.
+  job r18_abl_batch_s0 $R --method tri-accel --ta-precision false --ta-curvature false --vram-budget 1GB $PROTO --seed 0
+  job r18_abl_curv_s0 $R --method tri-accel --ta-precision false --ta-batch false $PROTO --seed 0
+  job r18_abl_prec_s0 $R --method tri-accel --ta-curvature false --ta-batch false $PROTO --seed 0
+  job r18_tri_1GB_s0 $R --method tri-accel --vram-budget 1GB $PROTO --seed 0
+fi
+echo "host command: bash bench/run_tri_accel.sh $STAGE ($NGPU x $GPU)" >"$OUT/commands.txt"
+while read -r name flags; do echo "$name: triaccel train --out runs/$name $flags"; done <"$QUEUE" >>"$OUT/commands.txt"
+
+worker() {  # GPU index: takes queue lines until none are left
+  local gpu=$1 line name
+  while true; do
+    line=$(flock "$QUEUE.lock" bash -c "head -1 '$QUEUE'; sed -i 1d '$QUEUE'")
+    [ -z "$line" ] && break
+    name=${line%% *}
+    CUDA_VISIBLE_DEVICES=$gpu "$BIN/triaccel" train --progress lines --log-every 100000 --out "/tmp/runs/$name" \
+      ${line#* } >"$OUT/$name.log" 2>&1
+    echo "[gpu $gpu] $name: exit $? $(tail -1 "$OUT/$name.log")"
+    cp "/tmp/runs/$name/events.jsonl" "$OUT/$name.events.jsonl" 2>/dev/null
+    mkdir -p "$FINAL_OUT/runs" && cp "$OUT/$name.events.jsonl" "$FINAL_OUT/runs/" 2>/dev/null  # kept if the call is cut
+    if (( SECONDS > ${START_BUDGET_S:-400} )); then echo "[gpu $gpu] stops taking jobs at ${SECONDS}s"; break; fi
+  done
+}
+
+(CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
+   echo "unit tests on GPU: exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/unit_tests_gpu.log" | tr '\n' ' ')") &
+# The unit tests take ~10 s on the last GPU; in the table stage its first job is long and only its last 5 epochs
+# are timed. The check stage keeps that GPU for the tests.
+WORKERS=$NGPU
+[ "$STAGE" = check ] && WORKERS=$((NGPU > 1 ? NGPU - 1 : 1))
+for ((g = 0; g < WORKERS; g++)); do worker $g & done
+wait
+grep -B2 -A20 "FAILED\|Failure" "$OUT/unit_tests_gpu.log" 2>/dev/null | head -60
+python3 bench/tri_accel_table.py "$OUT" --gpu "$GPU" --commit "${COMMIT:-unknown}" \
+  --command "bash bench/run_tri_accel.sh $STAGE" --out "$OUT/tri_accel_table"
+tar czf "$FINAL_OUT/tri_accel_out.tar.gz" -C "$OUT" .
+cp "$OUT"/tri_accel_table.* "$FINAL_OUT"/ 2>/dev/null
+cat "$OUT/tri_accel_table.md" 2>/dev/null
