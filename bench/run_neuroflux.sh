@@ -5,7 +5,8 @@
 # Writes $OUT/neuroflux_budgets.json ({"bench","gpu","command","commit","rows"}; copy it to bench/results/<gpu>/),
 # the runs' events under $OUT/runs/, and prints a table last.
 # Usage: bash bench/run_neuroflux.sh       env: MODELS ("resnet18 small-cnn"), BUDGETS ("0.5GB 1GB"), EPOCHS (2),
-#        NF_EXIT_TOL (5: accuracy points the exported exit may give up for size), COMMIT (the device copy has no .git)
+#        NF_EXIT_TOL (5: accuracy points the exported exit may lose against NeuroFlux's full network),
+#        DEADLINE (420 s: no new pair after it), COMMIT (the device copy has no .git)
 set -uo pipefail
 MODELS=${MODELS:-resnet18 small-cnn}
 BUDGETS=${BUDGETS:-0.5GB 1GB}
@@ -35,9 +36,12 @@ if [ ! -f "$DATA/test_batch.bin" ]; then
 fi
 
 COMMON=(--dataset cifar10 --data "$DATA" --epochs "$EPOCHS" --precision amp-bf16 --progress lines --log-every 100000)
+START=$SECONDS
+DEADLINE=${DEADLINE:-420}   # seconds: no new pair starts after this (the device call is limited to ~8 min)
 for model in $MODELS; do
   for budget in $BUDGETS; do
     tag="${model}_${budget}"
+    if [ $((SECONDS - START)) -gt "$DEADLINE" ]; then echo "skipping $tag: past ${DEADLINE}s"; continue; fi
     nf="$FINAL_OUT/runs/${tag}_neuroflux"
     bp="$FINAL_OUT/runs/${tag}_backprop"
     echo "== $tag neuroflux"

@@ -79,6 +79,25 @@ TEST(MemoryProfileTest, SmallCnnUnitsMatchHandComputedBytes) {
   EXPECT_NEAR(static_cast<double>(p.backprop_max_batch(p.backprop_bytes(100) + 1)), 100, 0.5);
 }
 
+TEST(MemoryProfileCudaTest, MeasuredAgreesWithTheModelOnTheGpu) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  auto model = small_cnn();
+  const c10::Device cuda(c10::kCUDA, 0);
+  model->to(cuda);
+  const MemoryProfile modelled = memory_profile(*model, {1, 28, 28}, 10, ProfileSource::kModel, cuda);
+  const MemoryProfile measured = memory_profile(*model, {1, 28, 28}, 10, ProfileSource::kMeasured, cuda);
+  ASSERT_EQ(measured.source, ProfileSource::kMeasured);
+  for (size_t u = 0; u + 1 < measured.units.size(); ++u) {
+    // The allocator's peak per sample is the same order as the traced graph (cuDNN may keep a little more or less).
+    const double ratio = measured.units[u].train.per_sample_bytes / modelled.units[u].train.per_sample_bytes;
+    EXPECT_GT(ratio, 0.4) << measured.units[u].name;
+    EXPECT_LT(ratio, 2.5) << measured.units[u].name;
+  }
+  const double bp_ratio = measured.backprop_per_sample / modelled.backprop_per_sample;
+  EXPECT_GT(bp_ratio, 0.4);
+  EXPECT_LT(bp_ratio, 2.5);
+}
+
 // A made-up profile: units with given per-sample training bytes and parameter counts (heads cost 10 %, 5 %, ...).
 MemoryProfile fake_profile(const std::vector<double>& per_sample, const std::vector<int64_t>& params) {
   MemoryProfile p;

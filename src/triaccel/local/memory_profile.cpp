@@ -83,12 +83,6 @@ Footprint measure_footprint(const std::function<at::Tensor(int64_t)>& fn, const 
   return line_fit(batches[0], y[0], batches[1], y[1]);
 }
 
-std::vector<at::Tensor> params_of(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b = {}) {
-  std::vector<at::Tensor> out = a;
-  out.insert(out.end(), b.begin(), b.end());
-  return out;
-}
-
 }  // namespace
 
 double autograd_graph_bytes(const at::Tensor& output, double* max_bytes) {

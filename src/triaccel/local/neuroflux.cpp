@@ -205,7 +205,8 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
   if (device.is_cuda()) {
     stream_guard.emplace(c10::cuda::getStreamFromPool(false, device.index()));
-    at::globalContext().setBenchmarkCuDNN(true);
+    // As the trainer: cuDNN autotuning's workspace tries would fill a --vram-budget, so heuristics under a budget.
+    at::globalContext().setBenchmarkCuDNN(options.vram_budget.empty());
   }
 #endif
   torch::manual_seed(options.seed);
@@ -381,6 +382,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   log_line(options, c10::str("triaccel: neuroflux ", options.model, " on ", options.dataset, " (", n_train, " train / ",
                              n_hold, " held out / ", data.test.size(), " test), ", plan.blocks.size(), " blocks, budget ",
                              budget / kGB, " GB, ", device_long_name(device)));
+  if (device.is_cuda() && explicit_budget) memory_cap_set(device, options.vram_budget_bytes());
   memory_stats_reset_peak(device);
 
   // Per-unit exit accuracies on the held-out and test splits, filled as blocks finish.
@@ -500,6 +502,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     at::Tensor loss_sum = at::zeros({n_block}, f32), correct = at::zeros({n_block}, f32);
     std::vector<double> epoch_times;
     int64_t block_step = 0;
+    int64_t batch = bp.batch;  // smaller than planned only after an out-of-memory retry
     for (int64_t epoch = 0; epoch < options.epochs; ++epoch) {
       const uint64_t epoch_seed = seed_mix(block_seed, static_cast<uint64_t>(epoch));
       at::Tensor order, flip;
@@ -517,8 +520,8 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
       correct.zero_();
       device_synchronize(device);
       const double t_epoch = time_since_start_s();
-      for (int64_t offset = 0; offset < n_train; offset += bp.batch) {
-        const int64_t count = std::min(bp.batch, n_train - offset);
+      for (int64_t offset = 0; offset < n_train;) {
+        const int64_t count = std::min(batch, n_train - offset);
         at::Tensor x, y;
         if (train_aug) {
           std::tie(x, y) = train_aug->batch(offset, count);
@@ -532,15 +535,29 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
         for (const auto& p : params) {
           if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
         }
-        at::Tensor loss;
-        {
-          const AutocastScope autocast(device, options.precision);
-          loss = neuroflux_block_loss(*model, heads, bp.first, bp.end, x, y, options.label_smoothing, &loss_sum,
-                                      &correct);
+        try {
+          at::Tensor loss;
+          {
+            const AutocastScope autocast(device, options.precision);
+            loss = neuroflux_block_loss(*model, heads, bp.first, bp.end, x, y, options.label_smoothing, &loss_sum,
+                                        &correct);
+          }
+          loss.backward();
+        } catch (const c10::OutOfMemoryError&) {
+          // The plan was off (fragmentation, workspaces): the same samples again at half the batch.
+          TRIACCEL_CHECK_INPUT(batch > 2, "out of memory in NeuroFlux block ", b, " at batch 2; raise --vram-budget");
+          x = at::Tensor();
+          y = at::Tensor();
+          memory_cache_release(device);
+          events.write("oom", step, now(), Json{{"block", b}, {"batch", batch}, {"retry_batch", batch / 2}});
+          batch /= 2;
+          continue;
         }
-        loss.backward();
-        lr.fill_(schedule_lr(sched, block_step));
+        // The schedule follows the data position (on the planned batch's step grid), the lr the batch actually used.
+        const int64_t position = (epoch * n_train + offset) / bp.batch;
+        lr.fill_(schedule_lr(sched, position) * lr_scale_for_batch(lr_rule, batch, bp.batch));
         sgd.step(lr, found_inf);
+        offset += count;
         ++block_step;
         ++step;
         if (hooks.after_step) hooks.after_step(step);
@@ -572,7 +589,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     }
     const bool last = b + 1 == plan.blocks.size();
     events.write("block", step, now(),
-                 Json{{"block", b}, {"units", names}, {"batch", bp.batch}, {"head_level", bp.head_level},
+                 Json{{"block", b}, {"units", names}, {"batch", bp.batch}, {"final_batch", batch}, {"head_level", bp.head_level},
                       {"epochs", options.epochs}, {"steps", block_step}, {"train_s", train_s},
                       {"epoch_s", train_s / static_cast<double>(options.epochs)}, {"cache_s", cache_s},
                       {"input", b == 0 ? "data" : "cache"},
