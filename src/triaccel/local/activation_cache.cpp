@@ -34,8 +34,17 @@ void ActivationCache::write(int64_t offset, const at::Tensor& batch) {
 
 at::Tensor ActivationCache::read(const at::Tensor& index) const {
   if (place_ == CachePlace::kDevice) return data_.index_select(0, index.to(device_)).to(at::kFloat);
-  // Gathered on the host, then one synchronous copy (the gathered rows are a fresh, pageable tensor).
-  return data_.index_select(0, index).to(device_).to(at::kFloat);
+  // Gathered on the host into a pinned staging buffer, then one synchronous copy (so the buffer is free on return).
+  const int64_t count = index.size(0);
+  if (!device_.is_cuda()) return data_.index_select(0, index).to(at::kFloat);
+  if (!staging_.defined() || staging_.size(0) < count) {
+    std::vector<int64_t> shape(data_.sizes().begin(), data_.sizes().end());
+    shape[0] = count;
+    staging_ = at::empty(shape, data_.options().pinned_memory(true));
+  }
+  at::Tensor rows = staging_.narrow(0, 0, count);
+  at::index_select_out(rows, data_, 0, index);
+  return rows.to(device_, /*non_blocking=*/false).to(at::kFloat);
 }
 
 at::Tensor ActivationCache::read_range(int64_t offset, int64_t count) const {

@@ -37,7 +37,8 @@ class ActivationCache {
  private:
   CachePlace place_;
   c10::Device device_;
-  at::Tensor data_;  // (N, ...) bf16, on device_ or on the host (pinned when device_ is CUDA)
+  at::Tensor data_;             // (N, ...) bf16, on device_ or on the host (pinned when device_ is CUDA)
+  mutable at::Tensor staging_;  // (batch, ...) bf16 pinned: host rows gathered for one read (CUDA only)
 };
 
 }  // namespace triaccel
