@@ -670,7 +670,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   model->eval();
   for (auto& h : heads) h->eval();
   const at::Tensor probe = SplitInput::layout(
-      at::zeros(std::vector<int64_t>{device.is_cuda() ? 256 : 32, sample_shape[0], sample_shape[1], sample_shape[2]}, f32),
+      at::zeros(std::vector<int64_t>{device.is_cuda() ? 256 : 8, sample_shape[0], sample_shape[1], sample_shape[2]}, f32),
       plain_lo.channels_last);
   const double exit_rate = inference_throughput(
       [&](const at::Tensor& x) {
