@@ -283,12 +283,10 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   po.epochs = options.epochs;
   po.max_batch = options.nf_max_batch;
   po.target_batch = options.batch_size;
-  if (!device.is_cuda()) {
+  if (!device.is_cuda()) {  // the CPU: slower, saturated at small batches, and its "host cache" is just memory
     po.bytes_per_s = 5e9;
     po.sat_batch = 32;
     po.host_bytes_per_s = 0;
-  } else {
-    po.host_bytes_per_s = 2e10;
   }
   const Partition plan = ckpt ? plan_from_json(ckpt->progress.at("plan"), n_units, ckpt_file) : partition_plan(profile, po);
   const int64_t backprop_batch = profile.backprop_max_batch(po.safety * budget - resident);
