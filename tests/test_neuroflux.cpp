@@ -375,6 +375,25 @@ TEST_F(NeuroFluxRunTest, ResumeAtABlockBoundaryEndsWithTheSameWeights) {
   for (const auto& [name, t] : ea) EXPECT_TRUE(t.equal(eb.at(name))) << name;
 }
 
+TEST_F(NeuroFluxRunTest, RunsOnTheGpuWithinItsBudget) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  test::TempDir out("neuroflux_gpu");
+  TrainOptions o = options(out.path());
+  o.device = "cuda";
+  o.vram_budget = "200MB";
+  o.precision = PrecisionMode::kAmpBF16;
+  const Json summary = neuroflux_run(o);
+  EXPECT_LE(summary["peak_vram_gb"].get<double>(), 0.2);
+  EXPECT_GT(summary["peak_vram_gb"].get<double>(), 0.0);
+  Json plan;
+  for (const auto& e : events_read(out.file("events.jsonl"))) {
+    if (e["event"] == "plan") plan = e;
+  }
+  EXPECT_EQ(plan["profile"], "measured");
+  EXPECT_GT(plan["backprop_max_batch"].get<int64_t>(), 0);
+  EXPECT_TRUE(file_exists(out.file(kExitModelFile)));
+}
+
 TEST_F(NeuroFluxRunTest, ImpossibleBudgetIsOneClearError) {
   test::TempDir out("neuroflux_tiny_budget");
   TrainOptions o = options(out.path());

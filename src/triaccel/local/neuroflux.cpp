@@ -268,10 +268,12 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
                        "--nf-profile measured needs a CUDA device; use model (or auto) on the CPU");
   const ProfileSource source =
       device.is_cuda() && options.nf_profile != "model" ? ProfileSource::kMeasured : ProfileSource::kModel;
+  const double t_profile = time_since_start_s();
   const MemoryProfile profile = [&]() {  // under the run's precision: bf16 activations take half the bytes
     const AutocastScope autocast(device, options.precision);
     return memory_profile(*model, sample_shape, mo.num_classes, source, device);
   }();
+  const double profile_s = time_since_start_s() - t_profile;
   const bool explicit_budget = options.vram_budget_bytes() > 0;
   // Backprop keeps the whole training split (held-out part included) and the test split resident.
   const double budget = explicit_budget ? static_cast<double>(options.vram_budget_bytes())
@@ -371,7 +373,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     }
     events.write("plan", step, now(),
                  Json{{"method", "neuroflux"}, {"budget_gb", budget / kGB}, {"budget_from", explicit_budget ? "--vram-budget" : "backprop at --batch-size"},
-                      {"profile", source == ProfileSource::kMeasured ? "measured" : "model"},
+                      {"profile", source == ProfileSource::kMeasured ? "measured" : "model"}, {"profile_s", profile_s},
                       {"resident_gb", resident / kGB}, {"blocks", blocks}, {"predicted_s", plan.time_s},
                       {"backprop_max_batch", backprop_batch},
                       {"backprop_gb_at_batch", profile.backprop_bytes(options.batch_size) / kGB},
