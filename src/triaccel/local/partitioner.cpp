@@ -18,7 +18,7 @@ constexpr double kForwardShare = 1.0 / 3.0;  // a forward pass is about a third 
 struct BlockCost {
   double fixed = 0;
   double per_sample = 0;
-  double work = 0;  // per-sample bytes processed in one training step of the block
+  double work = 0;  // per-sample bytes of the block's units in one training step (heads excluded: see partitioner.h)
 };
 
 BlockCost block_cost(const MemoryProfile& p, const PartitionOptions& o, int64_t first, int64_t end, int64_t level) {
@@ -29,6 +29,7 @@ BlockCost block_cost(const MemoryProfile& p, const PartitionOptions& o, int64_t 
     double params = static_cast<double>(up.params);
     c.fixed += up.train.fixed_bytes;
     c.per_sample += up.train.per_sample_bytes;
+    c.work += up.train.per_sample_bytes;
     if (!up.head_train.empty()) {
       const auto l = static_cast<size_t>(level);
       params += static_cast<double>(up.head_params[l]);
@@ -37,7 +38,6 @@ BlockCost block_cost(const MemoryProfile& p, const PartitionOptions& o, int64_t 
     }
     c.fixed += 3 * 4 * params;
   }
-  c.work = c.per_sample;
   c.per_sample += 1.5 * static_cast<double>(p.units[static_cast<size_t>(first)].in_bytes) +
                   0.5 * static_cast<double>(p.units[static_cast<size_t>(end - 1)].out_bytes);
   return c;

@@ -10,7 +10,8 @@
 // The batch is the largest that fits, capped at max_batch and rounded down to a multiple of 8 from 16 up.
 // The head level per block: the most filters whose batch reaches target_batch, else the smallest head (no conv).
 // Predicted time (seconds): per epoch Σ_u N · w_u · (1 + sat_batch / B) with w_u = per-sample work, modelled as the
-// unit's (and head's) per-sample bytes / bytes_per_s; plus, for every block after the first, one forward pass of
+// unit's per-sample bytes / bytes_per_s (heads are left out: counting them would reward merging blocks only to get
+// smaller heads, trading local accuracy for a little time); plus, for every block after the first, one forward pass of
 // the previous block to write the cache (N · w / 3) and, when the cache lives on the host, its transfer every epoch.
 // The partition is exact: dynamic programming over the split points (O(U²·levels)).
 #pragma once
