@@ -5,6 +5,7 @@
 // images/s; peak VRAM = the allocator's peak allocated bytes from model creation to the end of the timed steps.
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
+#include "triaccel/core/grad_stats.h"
 #include "triaccel/core/io.h"
 #include "triaccel/core/json.h"
 #include "triaccel/models/model.h"
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
+#include <unordered_map>
 
 namespace {
 
@@ -43,6 +45,7 @@ struct Config {
   bool channels_last;
   bool cuda_graphs;
   int64_t image_size;
+  bool grad_stats;  // Tri-Accel's per-unit gradient statistics accumulated inside the step
 };
 
 Json bench_one(const Config& cfg, int warmup, int steps, int repeats, const c10::Device& device) {
@@ -73,6 +76,16 @@ Json bench_one(const Config& cfg, int warmup, int steps, int repeats, const c10:
   so.cuda_graphs = cfg.cuda_graphs;
   so.graph_batch_size = cfg.batch;
   triaccel::TrainStep step(*model, sgd, scaler, so, device);
+  if (cfg.grad_stats) {
+    std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+    const auto& units = model->units();
+    for (size_t u = 0; u < units.size(); ++u) {
+      for (const auto& p : units[u].parameters()) owner[p.unsafeGetTensorImpl()] = static_cast<int64_t>(u);
+    }
+    std::vector<int64_t> unit_of;
+    for (const auto& p : sgd.params()) unit_of.push_back(owner.at(p.unsafeGetTensorImpl()));
+    step.grad_stats_enable(triaccel::GradStatsLayout(sgd.params(), unit_of, static_cast<int64_t>(units.size())));
+  }
 
   const auto opts = at::TensorOptions().device(device);
   const at::Tensor images = torch::randn({cfg.batch, 3, cfg.image_size, cfg.image_size}, opts).contiguous(mf);
@@ -104,6 +117,7 @@ Json bench_one(const Config& cfg, int warmup, int steps, int repeats, const c10:
               {"images_per_s_max", rates.back()},
               {"peak_allocated_gb", static_cast<double>(mem.peak_allocated_bytes) / 1e9},
               {"graph_captured", step.graph_captured()},
+              {"grad_stats", cfg.grad_stats},
               {"final_loss_finite", std::isfinite(loss)}};
 }
 
@@ -111,7 +125,7 @@ Json bench_one(const Config& cfg, int warmup, int steps, int repeats, const c10:
 
 int main(int argc, char** argv) {
   CLI::App app{"bench_train_throughput: triaccel training-step throughput and peak VRAM (synthetic input)"};
-  std::string model = "resnet18", batches = "96,512", precisions = "fp32,amp-bf16,amp-fp16", out;
+  std::string model = "resnet18", batches = "96,512", precisions = "fp32,amp-bf16,amp-fp16", out, grad_stats = "off";
   int warmup = 15, steps = 50, repeats = 5;
   int64_t image_size = 32;
   bool channels_last = true, cuda_graphs = true;
@@ -125,6 +139,8 @@ int main(int argc, char** argv) {
   app.add_option("--channels-last", channels_last, "channels_last layout")->capture_default_str();
   app.add_option("--cuda-graphs", cuda_graphs, "capture the step in a CUDA graph")->capture_default_str();
   app.add_option("--out", out, "write the rows as JSON here");
+  app.add_option("--grad-stats", grad_stats, "off|on|both: Tri-Accel's fused per-unit gradient statistics in the step "
+                 "(both: each configuration without, then with)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     TRIACCEL_CHECK_INPUT(torch::cuda::is_available(), "bench_train_throughput needs a CUDA GPU");
@@ -134,14 +150,19 @@ int main(int argc, char** argv) {
     Json rows = Json::array();
     for (const auto& b : split(batches)) {
       for (const auto& p : split(precisions)) {
-        const Config cfg{model, std::stoll(b), triaccel::precision_mode_parse(p), channels_last, cuda_graphs,
-                         image_size};
-        Json row = bench_one(cfg, warmup, steps, repeats, device);
-        std::printf("triaccel %-16s batch %4lld %-9s %9.0f img/s  peak %.3f GB\n", model.c_str(),
-                    static_cast<long long>(cfg.batch), p.c_str(), row["images_per_s"].get<double>(),
-                    row["peak_allocated_gb"].get<double>());
-        std::fflush(stdout);
-        rows.push_back(row);
+        std::vector<bool> stats_modes;
+        if (grad_stats != "on") stats_modes.push_back(false);
+        if (grad_stats != "off") stats_modes.push_back(true);
+        for (const bool gs : stats_modes) {
+          const Config cfg{model, std::stoll(b), triaccel::precision_mode_parse(p), channels_last, cuda_graphs,
+                           image_size, gs};
+          Json row = bench_one(cfg, warmup, steps, repeats, device);
+          std::printf("triaccel %-16s batch %4lld %-9s %s%9.0f img/s  peak %.3f GB\n", model.c_str(),
+                      static_cast<long long>(cfg.batch), p.c_str(), gs ? "grad-stats " : "", row["images_per_s"].get<double>(),
+                      row["peak_allocated_gb"].get<double>());
+          std::fflush(stdout);
+          rows.push_back(row);
+        }
       }
     }
     const Json result{{"system", "triaccel"}, {"gpu", triaccel::device_long_name(device)}, {"rows", rows}};

@@ -442,11 +442,11 @@ TEST(IdxRead, CorruptGzip) {
 
 TEST(DataLoad, UnknownNameListsTheKnownNames) {
   EXPECT_EQ(user_error_of([] { dataset_load("imagenet", "/tmp"); }),
-            "unknown dataset 'imagenet'; known datasets: cifar10, cifar100, mnist, fashion-mnist");
+            "unknown dataset 'imagenet'; known datasets: cifar10, cifar100, mnist, fashion-mnist, tinyshakespeare");
 }
 
 TEST(DataLoad, DatasetNames) {
-  EXPECT_EQ(dataset_names(), (std::vector<std::string>{"cifar10", "cifar100", "mnist", "fashion-mnist"}));
+  EXPECT_EQ(dataset_names(), (std::vector<std::string>{"cifar10", "cifar100", "mnist", "fashion-mnist", "tinyshakespeare"}));
 }
 
 TEST(DataLoad, MnistWithoutFolderAsksForData) {

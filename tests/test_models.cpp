@@ -239,7 +239,9 @@ TEST(Model, BeforeUnitCalledOncePerUnitInOrder) {
     std::vector<size_t> calls;
     torch::NoGradGuard no_grad;
     model->eval();
-    model->forward(torch::randn({1, 3, 32, 32}), [&calls](size_t i) { calls.push_back(i); });
+    const at::Tensor input = model_input(name) == ModelInput::kTokens ? torch::zeros({1, 8}, torch::kLong)
+                                                                       : torch::randn({1, 3, 32, 32});
+    model->forward(input, [&calls](size_t i) { calls.push_back(i); });
     ASSERT_EQ(calls.size(), model->units().size()) << name;
     for (size_t i = 0; i < calls.size(); ++i) EXPECT_EQ(calls[i], i) << name;
   }

@@ -39,8 +39,12 @@ struct TrainFlags {
     add("dataset", app.add_option("--dataset", o.dataset, "dataset: " + join(triaccel::dataset_names()))
                        ->capture_default_str());
     add("data_dir", app.add_option("--data", o.data_dir,
-                                   "dataset folder (CIFAR binary files or IDX files); default: the dataset's "
-                                   "standard location (fashion-mnist: /usr/share/datasets/fashion-mnist)"));
+                                   "dataset folder (CIFAR binary files, IDX files, or input.txt for text); default: "
+                                   "the dataset's standard location (fashion-mnist: /usr/share/datasets/fashion-mnist, "
+                                   "tinyshakespeare: ../shared/data/tinyshakespeare)"));
+    add("block_size", app.add_option("--block-size", o.block_size,
+                                     "text datasets: characters per sample = the GPT's context length")
+                          ->capture_default_str());
     add("epochs", app.add_option("--epochs", o.epochs, "epochs (the schedule spans all of them)")->capture_default_str());
     add("max_steps", app.add_option("--max-steps", o.max_steps,
                                     "stop this run after N optimizer steps with a checkpoint (0: no limit)")

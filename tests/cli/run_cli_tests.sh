@@ -86,6 +86,7 @@ if [ -f "$WORK/run/model.pt" ] && tail -n 1 "$WORK/run/events.jsonl" | grep -q '
 expect nf_budget_too_small 2 "is below what NeuroFlux needs for this model: at least" -- train "${TINY[@]}" --method neuroflux --vram-budget 100KB --out "$WORK/nf0"
 expect nf_fp16 2 "--method neuroflux supports --precision fp32 or amp-bf16" -- train "${TINY[@]}" --method neuroflux --precision amp-fp16 --out "$WORK/nf0"
 expect nf_bad_tolerance 2 "--nf-exit-tolerance must be in [0, 100]" -- train "${TINY[@]}" --method neuroflux --nf-exit-tolerance -1
+expect nf_not_a_cnn 2 "--method neuroflux trains CNNs (resnet18, efficientnet-b0, small-cnn), got --model vit-tiny" -- train "${TINY[@]}" --method neuroflux --model vit-tiny
 expect nf_bad_profile 2 "--nf-profile must be auto, model or measured, got 'guess'" -- train "${TINY[@]}" --method neuroflux --nf-profile guess
 if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   expect nf_measured_on_cpu 2 "--nf-profile measured needs a CUDA device" -- train "${TINY[@]}" --method neuroflux --nf-profile measured --out "$WORK/nf0"
@@ -107,6 +108,29 @@ PY
 then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nf_trains: events/exports not as expected"; fi
 expect nf_stop_after_block 0 "stopped after block 1" -- train "${TINY[@]}" --method neuroflux --epochs 1 --vram-budget 8MB --max-steps 1 --out "$WORK/nf2" --progress lines
 expect nf_resume_finishes 0 "done: test acc" -- train --resume "$WORK/nf2" --progress lines
+# Text: a small corpus, the character GPT with a short context. Mismatches and bad files are one-line errors.
+mkdir -p "$WORK/text" "$WORK/text-empty" "$WORK/text-none"
+python3 - "$WORK/text/input.txt" <<'PY'
+import sys
+line = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
+open(sys.argv[1], "w").write(line * 16)
+PY
+: > "$WORK/text-empty/input.txt"
+TEXT=(--model gpt-char --dataset tinyshakespeare --data "$WORK/text" --block-size 8 --device cpu --progress off)
+expect gpt_text_stop 0 "stopped at step 2" -- train "${TEXT[@]}" --batch-size 16 --max-steps 2 --out "$WORK/gpt" --progress lines
+expect gpt_text_resume_other_block 2 "--block_size 16 differs from the checkpoint" -- train --resume "$WORK/gpt" --block-size 16 --progress off
+expect gpt_text_resume 0 "done: test acc" -- train --resume "$WORK/gpt" --progress lines
+expect gpt_text_epoch 0 "done: test acc" -- train "${TEXT[@]}" --batch-size 64 --out "$WORK/gpt1" --progress lines
+if [ -f "$WORK/gpt1/model.pt" ] && grep '"event":"epoch"' "$WORK/gpt1/events.jsonl" | grep '"val_loss":[0-9]' | grep -q '"tokens_per_s":[0-9]'; then
+  passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL gpt_text_epoch: no model.pt, val_loss or tokens_per_s"; fi
+expect gpt_on_images 2 "reads text but --dataset mnist holds images" -- train "${TINY[@]}" --model gpt-char
+expect resnet_on_text 2 "use --model gpt-char" -- train "${TEXT[@]}" --model resnet18
+expect augment_on_text 2 "--augment on applies to images only" -- train "${TEXT[@]}" --augment on
+expect text_missing 2 "input.txt not found in $WORK/text-none; pass --data" -- train "${TEXT[@]}" --data "$WORK/text-none"
+expect text_empty 2 "is empty" -- train "${TEXT[@]}" --data "$WORK/text-empty" --out "$WORK/o3"
+expect text_too_short 2 "smaller --block-size" -- train "${TEXT[@]}" --block-size 200 --out "$WORK/o3"
+expect tri_accel_gpt 2 "does not support --model gpt-char" -- train "${TEXT[@]}" --method tri-accel
+expect vit_on_mnist 0 "stopped at step 1" -- train "${TINY[@]}" --model vit-tiny --max-steps 1 --batch-size 4 --out "$WORK/vit" --progress lines
 
 if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   expect no_gpu 2 "no CUDA GPU is visible" -- train "${TINY[@]}" --device cuda

@@ -7,7 +7,9 @@ Usage:
 With only the CLI path (how ctest calls it) the script writes a tiny CIFAR-10-layout dataset, trains ResNet-18
 on it for one epoch on the CPU with the CLI, and checks the run's model.pt (loads into torchvision strict, and the
 loaded model reproduces the run's reported test accuracy) and checkpoint.pt (torch.load reads it with
-weights_only=True; its "model" entry equals model.pt). With --model-pt it loads
+weights_only=True; its "model" entry equals model.pt). It then trains gpt-char for one epoch on a small text and
+checks that its model.pt holds the documented keys and that a plain-PyTorch GPT built from those tensors
+reproduces the run's reported validation loss and token accuracy. With --model-pt it loads
 the file with torch.load(weights_only=True), checks that it is a dict of tensors, builds the torchvision model
 (ResNet-18 with the CIFAR stem, EfficientNet-B0; small-cnn has no torchvision twin, so only the dict is checked)
 with the class count and input channels read from the file, and loads it with strict=True.
@@ -148,6 +150,77 @@ def check_cli_run(cli):
         return acc
 
 
+def gpt_forward(state, tokens, heads=6):
+    """Plain-PyTorch twin of triaccel's gpt-char (models/gpt.cpp): logits (B, T, V) from a model.pt state."""
+    import torch
+    import torch.nn.functional as F
+
+    t = tokens.shape[1]
+    x = state["tok_embed.weight"][tokens] + state["pos_embed"][:, :t]
+    d = x.shape[-1]
+    layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
+    for i in range(layers):
+        p = lambda name: state[f"blocks.{i}.{name}"]  # noqa: E731
+        h = F.layer_norm(x, (d,), p("norm1.weight"), p("norm1.bias"), 1e-5)
+        q, k, v = F.linear(h, p("attn.qkv.weight"), p("attn.qkv.bias")).view(x.shape[0], t, 3, heads, d // heads) \
+            .permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape[0], t, d)
+        x = x + F.linear(a, p("attn.proj.weight"), p("attn.proj.bias"))
+        h = F.layer_norm(x, (d,), p("norm2.weight"), p("norm2.bias"), 1e-5)
+        x = x + F.linear(F.gelu(F.linear(h, p("mlp.fc1.weight"), p("mlp.fc1.bias"))), p("mlp.fc2.weight"),
+                         p("mlp.fc2.bias"))
+    x = F.layer_norm(x, (d,), state["norm.weight"], state["norm.bias"], 1e-5)
+    return F.linear(x, state["head.weight"])
+
+
+def check_gpt_run(cli):
+    """Trains gpt-char for one epoch on a small text with the CLI; checks model.pt's keys and its validation loss."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    import torch
+    import torch.nn.functional as F
+
+    with tempfile.TemporaryDirectory() as tmp:
+        text = "".join(f"{i} little pigs went to market, and {i % 7} stayed home.\n" for i in range(20)).encode()
+        os.makedirs(os.path.join(tmp, "text"))
+        with open(os.path.join(tmp, "text", "input.txt"), "wb") as f:
+            f.write(text)
+        out = os.path.join(tmp, "gpt")
+        block = 8
+        cmd = [cli, "train", "--model", "gpt-char", "--dataset", "tinyshakespeare", "--data", os.path.join(tmp, "text"),
+               "--block-size", str(block), "--batch-size", "64", "--lr", "0.05", "--device", "cpu", "--progress",
+               "off", "--out", out]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise InteropError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
+        state = torch.load(os.path.join(out, "model.pt"), map_location="cpu", weights_only=True)
+        vocab = sorted(set(text))
+        expected = {"pos_embed": (1, block, 384), "tok_embed.weight": (len(vocab), 384),
+                    "blocks.5.attn.qkv.weight": (1152, 384), "norm.weight": (384,), "head.weight": (len(vocab), 384)}
+        for key, shape in expected.items():
+            if key not in state or tuple(state[key].shape) != shape:
+                raise InteropError(f"gpt-char model.pt: want {key} of shape {shape}, got "
+                                   f"{tuple(state[key].shape) if key in state else 'nothing'}")
+        # Validation windows: the last 10 % of the characters, windows of block + 1 at stride block.
+        ids = torch.tensor([vocab.index(c) for c in text])
+        val = ids[int(len(ids) * 0.9):]
+        n = (len(val) - 1) // block
+        inputs = val[: n * block].view(n, block)
+        targets = val[1 : n * block + 1].view(n, block)
+        with torch.no_grad():
+            logits = gpt_forward(state, inputs).flatten(0, 1)
+        loss = F.cross_entropy(logits, targets.flatten()).item()
+        acc = 100.0 * (logits.argmax(1) == targets.flatten()).float().mean().item()
+        summary = json.loads(open(os.path.join(out, "events.jsonl")).read().splitlines()[-1])
+        if abs(summary["test_loss"] - loss) > 1e-4 or abs(summary["test_acc"] - acc) > 1e-3:
+            raise InteropError(f"PyTorch gpt-char twin: val loss {loss}, acc {acc}; triaccel reported "
+                               f"{summary['test_loss']}, {summary['test_acc']}")
+        return loss
+
+
 def check_neuroflux_exit(cli):
     """NeuroFlux's early-exit model: exit_model.pt holds the kept units under torchvision names plus the head as
     exit.*; rebuilt in PyTorch (torchvision's ResNet-18 stem + the documented head) it reproduces the exit's test
@@ -219,13 +292,15 @@ def main(argv):
             parser.error("give the triaccel CLI path or --model-pt")
         try:
             acc = check_cli_run(args.cli)
+            gpt_loss = check_gpt_run(args.cli)
             exit_acc = check_neuroflux_exit(args.cli)
         except InteropError as e:
             print(f"FAIL: {e}".replace("\n", " "), file=sys.stderr)
             return 1
         print(f"ok: model.pt loads into torchvision resnet18 (strict) and reproduces test acc {acc:.2f} %; "
-              "checkpoint.pt loads with weights_only=True; NeuroFlux's exit_model.pt rebuilt in PyTorch reproduces "
-              f"its exit's test acc {exit_acc:.2f} %")
+              "checkpoint.pt loads with weights_only=True; "
+              f"gpt-char's model.pt reproduces its validation loss {gpt_loss:.4f} in plain PyTorch; "
+              f"NeuroFlux's exit_model.pt rebuilt in PyTorch reproduces its exit's test acc {exit_acc:.2f} %")
         return 0
     if args.arch is None:
         parser.error("--model-pt needs --arch")

@@ -17,6 +17,7 @@ namespace {
 
 constexpr const char* kFashionMnistDefaultDir = "/usr/share/datasets/fashion-mnist";
 constexpr const char* kCifar10BuildScript = "../shared/data/cifar10/build_cifar10_bin.py";
+constexpr const char* kTinyShakespeareDefaultDir = "../shared/data/tinyshakespeare";
 
 bool dataset_is_file(const std::string& path) {
   struct stat info {};
@@ -134,17 +135,30 @@ DatasetSplits dataset_load_idx(const std::string& name, const std::string& dir_a
   return out;
 }
 
+DatasetSplits dataset_load_text(const std::string& name, const std::string& dir_arg, int64_t block_size) {
+  const std::string dir = dir_arg.empty() ? kTinyShakespeareDefaultDir : dir_arg;
+  const std::string path = dataset_join(dir, "input.txt");
+  TRIACCEL_CHECK_INPUT(dataset_is_file(path), name, ": input.txt not found in ", dir,
+                       "; pass --data with the folder that holds input.txt (the plain-text corpus)");
+  return text_read(path, name, block_size);
+}
+
 }  // namespace
 
 const std::vector<std::string>& dataset_names() {
-  static const std::vector<std::string> names = {"cifar10", "cifar100", "mnist", "fashion-mnist"};
+  static const std::vector<std::string> names = {"cifar10", "cifar100", "mnist", "fashion-mnist", "tinyshakespeare"};
   return names;
 }
 
-DatasetSplits dataset_load(const std::string& name, const std::string& dir) {
+DatasetKind dataset_kind(const std::string& name) {
+  return name == "tinyshakespeare" ? DatasetKind::kTokens : DatasetKind::kImage;
+}
+
+DatasetSplits dataset_load(const std::string& name, const std::string& dir, int64_t block_size) {
   const auto& names = dataset_names();
   TRIACCEL_CHECK_INPUT(std::find(names.begin(), names.end(), name) != names.end(), "unknown dataset '", name,
                        "'; known datasets: ", dataset_join_names(names));
+  if (dataset_kind(name) == DatasetKind::kTokens) return dataset_load_text(name, dir, block_size);
   DatasetSplits out;
   if (name == "cifar10") {
     out = dataset_load_cifar10(dir);

@@ -1,5 +1,7 @@
-// In-memory image classification datasets and the readers for their file formats.
-// Invariants: images are (N, C, H, W) uint8 on the CPU, contiguous; labels are (N) int64 in [0, num_classes).
+// In-memory datasets and the readers for their file formats: image classification, and character-level text.
+// Invariants (images): images are (N, C, H, W) uint8 on the CPU, contiguous; labels are (N) int64 in
+// [0, num_classes). Invariants (tokens): images holds the inputs (N, T) int64 and labels the targets (N, T) int64,
+// both in [0, num_classes) where num_classes is the vocabulary size; labels[i][t] = images[i][t + 1] in the text.
 // Readers validate every size, magic number and label before trusting it and name the file, the offset and the
 // expected value in the UserError they throw.
 #pragma once
@@ -12,11 +14,15 @@
 
 namespace triaccel {
 
+enum class DatasetKind { kImage, kTokens };
+
 struct Dataset {
-  std::string name;        // "cifar10", "cifar100", "mnist", "fashion-mnist"
-  at::Tensor images;       // (N, C, H, W) uint8, CPU, contiguous
-  at::Tensor labels;       // (N) int64, CPU
-  int64_t num_classes = 0;
+  std::string name;        // "cifar10", "cifar100", "mnist", "fashion-mnist", "tinyshakespeare"
+  DatasetKind kind = DatasetKind::kImage;
+  at::Tensor images;       // (N, C, H, W) uint8, CPU, contiguous; tokens: (N, T) int64 inputs
+  at::Tensor labels;       // (N) int64, CPU; tokens: (N, T) int64 next-token targets
+  int64_t num_classes = 0; // tokens: the vocabulary size
+  std::string vocab;       // tokens: the characters (bytes) of ids 0 .. num_classes - 1, sorted
 
   int64_t size() const { return images.defined() ? images.size(0) : 0; }
   int64_t channels() const { return images.size(1); }
@@ -27,9 +33,25 @@ struct Dataset {
 struct DatasetSplits {
   Dataset train;
   Dataset test;
-  std::vector<float> mean;  // per channel, in [0, 1], from the training split
-  std::vector<float> std;   // per channel, from the training split
+  std::vector<float> mean;  // per channel, in [0, 1], from the training split (empty for tokens)
+  std::vector<float> std;   // per channel, from the training split (empty for tokens)
 };
+
+constexpr int64_t kTextBlockSize = 256;  // tokens per sample of a text dataset unless told otherwise
+
+// A character-level text corpus (text.cpp). The vocabulary is the sorted set of distinct bytes of the whole file;
+// the first 90 % of the characters are the training split, the last 10 % the validation split (reported as
+// "test"); each split is cut into windows of block_size + 1 characters at stride block_size (input = the first
+// block_size, target = the last block_size), so every input character is in exactly one sample and leftover
+// characters at a split's end are dropped. Throws UserError for an empty or binary file, or a file too short for
+// one window per split.
+DatasetSplits text_read(const std::string& path, const std::string& name, int64_t block_size);
+std::string text_vocab(const std::string& text);  // sorted distinct bytes
+at::Tensor text_encode(const std::string& text, const std::string& vocab);  // (len) int64; throws on unknown bytes
+std::string text_decode(const at::Tensor& ids, const std::string& vocab);
+
+// What a named dataset holds (images or tokens), for checking it against the model.
+DatasetKind dataset_kind(const std::string& name);
 
 enum class CifarLabel { kCifar10, kCifar100Fine, kCifar100Coarse };
 
@@ -45,9 +67,11 @@ Dataset idx_read(const std::string& images_path, const std::string& labels_path,
 //   cifar10:  data_batch_1..5.bin, test_batch.bin (also inside a cifar-10-batches-bin/ subfolder)
 //   cifar100: train.bin, test.bin (also inside cifar-100-binary/)
 //   mnist, fashion-mnist: {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]
-// An empty dir means the default location: fashion-mnist → /usr/share/datasets/fashion-mnist.
+//   tinyshakespeare: input.txt (text_read, windows of block_size + 1 characters)
+// An empty dir means the default location: fashion-mnist → /usr/share/datasets/fashion-mnist, tinyshakespeare →
+// ../shared/data/tinyshakespeare (relative to the current directory).
 // Unknown names or missing files throw UserError naming what was expected and where.
-DatasetSplits dataset_load(const std::string& name, const std::string& dir);
+DatasetSplits dataset_load(const std::string& name, const std::string& dir, int64_t block_size = kTextBlockSize);
 
 // Per-channel mean and std of a uint8 image tensor, scaled to [0, 1].
 void dataset_channel_stats(const at::Tensor& images, std::vector<float>& mean, std::vector<float>& std);

@@ -26,8 +26,20 @@ uint64_t seed_mix(uint64_t seed, uint64_t stream) {
 
 Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> std, LoaderOptions options,
                const c10::Device& device)
-    : options_(options), device_(device), mean_(std::move(mean)), std_(std::move(std)) {
+    : options_(options), kind_(data.kind), device_(device), mean_(std::move(mean)), std_(std::move(std)) {
   options_.validate();
+  if (kind_ == DatasetKind::kTokens) {
+    TORCH_CHECK(data.images.defined() && data.images.dim() == 2 && data.images.scalar_type() == at::kLong &&
+                    data.labels.sizes() == data.images.sizes(),
+                "Loader: token datasets must hold (N, T) int64 inputs and targets");
+    TRIACCEL_CHECK_INPUT(!options_.augment, "--augment on applies to images only; dataset ", data.name,
+                         " is text: use --augment off (or auto)");
+    TRIACCEL_CHECK_INPUT(data.size() > 0, "dataset ", data.name, " is empty");
+    images_ = data.images.contiguous().to(device_);
+    labels_ = data.labels.contiguous().to(device_);
+    epoch_begin(0);
+    return;
+  }
   TORCH_CHECK(data.images.defined() && data.images.dim() == 4 && data.images.scalar_type() == at::kByte,
               "Loader: dataset images must be (N, C, H, W) uint8");
   TORCH_CHECK(static_cast<int64_t>(mean_.size()) == data.channels() &&
@@ -39,8 +51,14 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
   epoch_begin(0);
 }
 
-int64_t Loader::image_height() const { return options_.image_size > 0 ? options_.image_size : images_.size(2); }
-int64_t Loader::image_width() const { return options_.image_size > 0 ? options_.image_size : images_.size(3); }
+int64_t Loader::image_height() const {
+  if (kind_ == DatasetKind::kTokens) return 0;
+  return options_.image_size > 0 ? options_.image_size : images_.size(2);
+}
+int64_t Loader::image_width() const {
+  if (kind_ == DatasetKind::kTokens) return 0;
+  return options_.image_size > 0 ? options_.image_size : images_.size(3);
+}
 
 void Loader::epoch_begin(int64_t epoch) {
   const int64_t n = size();
@@ -56,7 +74,15 @@ void Loader::epoch_begin(int64_t epoch) {
   }
 }
 
+at::Tensor Loader::batch_labels_empty(int64_t count) const {
+  const auto i64 = at::TensorOptions().dtype(at::kLong).device(device_);
+  return kind_ == DatasetKind::kTokens ? at::empty({count, labels_.size(1)}, i64) : at::empty({count}, i64);
+}
+
 at::Tensor Loader::batch_images_empty(int64_t count) const {
+  if (kind_ == DatasetKind::kTokens) {
+    return at::empty({count, images_.size(1)}, at::TensorOptions().dtype(at::kLong).device(device_));
+  }
   auto opts = at::TensorOptions().dtype(at::kFloat).device(device_);
   if (options_.channels_last) opts = opts.memory_format(at::MemoryFormat::ChannelsLast);
   return at::empty({count, channels(), image_height(), image_width()}, opts);
@@ -67,6 +93,11 @@ void Loader::batch_into(int64_t offset, int64_t count, at::Tensor& images, at::T
               offset + count, ") out of range [0, ", size(), ")");
   const torch::NoGradGuard no_grad;
   const at::Tensor index = order_.narrow(0, offset, count);
+  if (kind_ == DatasetKind::kTokens) {  // (count, T) int64 inputs and targets, as stored
+    images.copy_(images_.index_select(0, index));
+    labels.copy_(labels_.index_select(0, index));
+    return;
+  }
   const at::Tensor shift = shift_.defined() ? shift_.narrow(0, offset, count) : at::Tensor();
   const at::Tensor flip = flip_.defined() ? flip_.narrow(0, offset, count) : at::Tensor();
   const bool resize = options_.image_size > 0 &&
@@ -91,7 +122,7 @@ void Loader::batch_into(int64_t offset, int64_t count, at::Tensor& images, at::T
 
 std::pair<at::Tensor, at::Tensor> Loader::batch(int64_t offset, int64_t count) const {
   at::Tensor images = batch_images_empty(count);
-  at::Tensor labels = at::empty({count}, at::TensorOptions().dtype(at::kLong).device(device_));
+  at::Tensor labels = batch_labels_empty(count);
   batch_into(offset, count, images, labels);
   return {images, labels};
 }

@@ -3,7 +3,8 @@
 // Determinism: the order and the augmentation of epoch e are a pure function of (seed, e), drawn on the CPU,
 // so a resumed run, a CPU run and a GPU run all see the same samples in the same order with the same crops.
 // Any batch is addressed by its offset in the epoch's order, so batch sizes may change mid-epoch without
-// skipping or repeating a sample.
+// skipping or repeating a sample. Token datasets (DatasetKind::kTokens) pass through unchanged: inputs (count, T)
+// and targets (count, T) int64, same seeded order, no normalization or augmentation (augment must be off).
 #pragma once
 
 #include "triaccel/data/dataset.h"
@@ -38,9 +39,10 @@ class Loader {
 
   int64_t size() const { return labels_.size(0); }
   int64_t steps_per_epoch() const { return (size() + options_.batch_size - 1) / options_.batch_size; }
-  int64_t image_height() const;
-  int64_t image_width() const;
+  int64_t image_height() const;  // 0 for tokens
+  int64_t image_width() const;   // 0 for tokens
   int64_t channels() const { return images_.size(1); }
+  DatasetKind kind() const { return kind_; }
   const LoaderOptions& options() const { return options_; }
 
   // Samples [offset, offset + count) of the epoch's order: images (count, C, H', W') float32 (channels_last if
@@ -48,16 +50,18 @@ class Loader {
   void batch_into(int64_t offset, int64_t count, at::Tensor& images, at::Tensor& labels) const;
   std::pair<at::Tensor, at::Tensor> batch(int64_t offset, int64_t count) const;
   at::Tensor batch_images_empty(int64_t count) const;  // an output buffer of the right shape and format
+  at::Tensor batch_labels_empty(int64_t count) const;  // (count) int64, or (count, T) int64 for tokens
 
   // Bytes of the device-resident copy (images + labels).
   int64_t resident_bytes() const;
 
  private:
   LoaderOptions options_;
+  DatasetKind kind_;
   c10::Device device_;
   std::vector<float> mean_, std_;
-  at::Tensor images_;   // (N, C, H, W) uint8 on device
-  at::Tensor labels_;   // (N) int64 on device
+  at::Tensor images_;   // (N, C, H, W) uint8 on device; tokens: (N, T) int64
+  at::Tensor labels_;   // (N) int64 on device; tokens: (N, T) int64
   at::Tensor order_;    // (N) int64 on device: this epoch's sample order
   at::Tensor shift_;    // (N, 2) int64 on device, or undefined
   at::Tensor flip_;     // (N) uint8 on device, or undefined

@@ -49,10 +49,15 @@ void ModelOptions::validate() const {
   TRIACCEL_CHECK_INPUT(known, "unknown model '", name, "'; known models: ", names_joined(names));
   TRIACCEL_CHECK_INPUT(num_classes >= 1, "num_classes must be >= 1, got ", num_classes);
   TRIACCEL_CHECK_INPUT(in_channels >= 1, "in_channels must be >= 1, got ", in_channels);
-  TRIACCEL_CHECK_INPUT(image_size >= 1, "image_size must be >= 1, got ", image_size);
+  TRIACCEL_CHECK_INPUT(image_size >= 1 || model_input(name) == ModelInput::kTokens, "image_size must be >= 1, got ",
+                       image_size);
   TRIACCEL_CHECK_INPUT(stochastic_depth >= 0.0 && stochastic_depth < 1.0,
                        "stochastic_depth must be in [0, 1), got ", stochastic_depth);
   TRIACCEL_CHECK_INPUT(dropout >= 0.0 && dropout < 1.0, "dropout must be in [0, 1), got ", dropout);
+  TRIACCEL_CHECK_INPUT(block_size >= 1, "block_size must be >= 1, got ", block_size);
+  TRIACCEL_CHECK_INPUT(gpt_layers >= 1 && gpt_heads >= 1 && gpt_embed >= 1 && gpt_embed % gpt_heads == 0,
+                       "gpt-char needs layers, heads, width >= 1 with width divisible by heads, got ", gpt_layers,
+                       ", ", gpt_heads, ", ", gpt_embed);
 }
 
 at::Tensor Model::forward(const at::Tensor& x, const std::function<void(size_t)>& before_unit) {
@@ -81,12 +86,18 @@ std::shared_ptr<Model> model_create(const ModelOptions& options) {
   if (options.name == "resnet18") return resnet18_create(options);
   if (options.name == "efficientnet-b0") return efficientnet_b0_create(options);
   if (options.name == "small-cnn") return small_cnn_create(options);
+  if (options.name == "vit-tiny") return vit_tiny_create(options);
+  if (options.name == "gpt-char") return gpt_char_create(options);
   throw UserError(c10::str("unknown model '", options.name, "'; known models: ", names_joined(model_names())));
 }
 
 const std::vector<std::string>& model_names() {
-  static const std::vector<std::string> kNames = {"resnet18", "efficientnet-b0", "small-cnn"};
+  static const std::vector<std::string> kNames = {"resnet18", "efficientnet-b0", "small-cnn", "vit-tiny", "gpt-char"};
   return kNames;
+}
+
+ModelInput model_input(const std::string& name) {
+  return name == "gpt-char" ? ModelInput::kTokens : ModelInput::kImage;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> model_state(const Model& model) {

@@ -24,12 +24,18 @@ struct Unit {
 };
 
 struct ModelOptions {
-  std::string name = "small-cnn";  // resnet18 | efficientnet-b0 | small-cnn
-  int64_t num_classes = 10;
+  std::string name = "small-cnn";  // resnet18 | efficientnet-b0 | small-cnn | vit-tiny | gpt-char
+  int64_t num_classes = 10;        // gpt-char: the vocabulary size
+
   int64_t in_channels = 3;
   int64_t image_size = 32;         // input height = width after any resize
   double stochastic_depth = 0.0;   // EfficientNet-B0 only; 0 = off (default)
   double dropout = 0.2;            // EfficientNet-B0 classifier dropout (torchvision default)
+  // gpt-char only: context length (position embeddings) and width; the defaults are nanoGPT's shakespeare_char.
+  int64_t block_size = 256;
+  int64_t gpt_layers = 6;
+  int64_t gpt_heads = 6;
+  int64_t gpt_embed = 384;
 
   void validate() const;
 };
@@ -62,10 +68,16 @@ std::shared_ptr<Model> model_create(const ModelOptions& options);
 
 const std::vector<std::string>& model_names();
 
+// What a model reads: images (N, C, H, W) float, or tokens (B, T) int64 (gpt-char).
+enum class ModelInput { kImage, kTokens };
+ModelInput model_input(const std::string& name);
+
 // Each architecture's builder (models/<arch>.cpp).
 std::shared_ptr<Model> resnet18_create(const ModelOptions& options);
 std::shared_ptr<Model> efficientnet_b0_create(const ModelOptions& options);
 std::shared_ptr<Model> small_cnn_create(const ModelOptions& options);
+std::shared_ptr<Model> vit_tiny_create(const ModelOptions& options);
+std::shared_ptr<Model> gpt_char_create(const ModelOptions& options);
 
 // torchvision's ResNet initialization: kaiming-normal (fan-out, relu) for every Conv2d, BatchNorm weight 1 and
 // bias 0; other modules keep their defaults. Uses the global torch RNG.

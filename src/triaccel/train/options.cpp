@@ -92,6 +92,32 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(log_every > 0, "--log-every must be > 0, got ", log_every);
   TRIACCEL_CHECK_INPUT(progress == "auto" || progress == "bar" || progress == "lines" || progress == "off",
                        "--progress must be auto, bar, lines or off, got '", progress, "'");
+  validate_model_data();
+}
+
+void TrainOptions::validate_model_data() const {
+  TRIACCEL_CHECK_INPUT(block_size >= 1 && block_size <= 8192, "--block-size must be in [1, 8192], got ", block_size);
+  // The curvature probe differentiates twice; the fused attention kernels (flash, memory-efficient, CPU flash)
+  // have no double backward, and the probe reads image batches.
+  TRIACCEL_CHECK_INPUT(method != "tri-accel" || (model != "vit-tiny" && model != "gpt-char"),
+                       "--method tri-accel does not support --model ", model,
+                       " yet (its curvature probe needs double backward through attention); use --method backprop");
+  // NeuroFlux's aux heads, cache and exits are built for CNN feature maps (docs/neuroflux.md).
+  TRIACCEL_CHECK_INPUT(method != "neuroflux" || model == "resnet18" || model == "efficientnet-b0" || model == "small-cnn",
+                       "--method neuroflux trains CNNs (resnet18, efficientnet-b0, small-cnn), got --model ", model);
+  const bool text = dataset_kind(dataset) == DatasetKind::kTokens;
+  const bool language_model = model_input(model) == ModelInput::kTokens;
+  TRIACCEL_CHECK_INPUT(!language_model || text, "--model ", model, " reads text but --dataset ", dataset,
+                       " holds images; use --dataset tinyshakespeare, or an image model");
+  TRIACCEL_CHECK_INPUT(language_model || !text, "--model ", model, " reads images but --dataset ", dataset,
+                       " is text; use --model gpt-char");
+  if (!text) return;
+  TRIACCEL_CHECK_INPUT(augment != "on", "--augment on applies to images only; --dataset ", dataset,
+                       " is text: drop the flag or use --augment off");
+  TRIACCEL_CHECK_INPUT(image_size == 0, "--image-size applies to images only; --dataset ", dataset,
+                       " is text: drop the flag (use --block-size for the context length)");
+  TRIACCEL_CHECK_INPUT(tta == "off", "--tta flip applies to images only; --dataset ", dataset,
+                       " is text: drop the flag");
 }
 
 double TrainOptions::warmup_epochs_resolved() const {
@@ -112,6 +138,7 @@ Json TrainOptions::to_json() const {
               {"model", model},
               {"dataset", dataset},
               {"data_dir", data_dir},
+              {"block_size", block_size},
               {"epochs", epochs},
               {"max_steps", max_steps},
               {"batch_size", batch_size},
@@ -171,6 +198,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("model", o.model);
   get("dataset", o.dataset);
   get("data_dir", o.data_dir);
+  if (j.contains("block_size")) get("block_size", o.block_size);  // absent in checkpoints before the flag
   get("epochs", o.epochs);
   get("max_steps", o.max_steps);
   get("batch_size", o.batch_size);

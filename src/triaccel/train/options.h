@@ -21,6 +21,7 @@ struct TrainOptions {
   std::string model = "small-cnn";
   std::string dataset = "fashion-mnist";
   std::string data_dir;             // empty: the dataset's default location
+  int64_t block_size = 256;         // text datasets: characters per sample (the GPT's context length)
 
   // How long. The schedule always spans `epochs`; max_steps only stops this run early (with a checkpoint).
   int64_t epochs = 1;
@@ -81,6 +82,7 @@ struct TrainOptions {
   std::string progress = "auto";    // auto (bar on a terminal, lines otherwise) | bar | lines | off
 
   void validate() const;
+  void validate_model_data() const;  // the model reads what the dataset holds; image-only flags on text
   bool augment_enabled() const;       // resolves "auto" from the dataset
   int64_t vram_budget_bytes() const;  // 0 when no budget
   double warmup_epochs_resolved() const;

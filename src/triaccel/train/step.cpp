@@ -56,8 +56,10 @@ void TrainStep::metrics_reset() {
 
 void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
   grads_release();
-  const at::Tensor logits = forward(images);  // (B, classes)
-  const at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), labels, {}, at::Reduction::Mean, -100,
+  // (B, classes), or (B, T, V) for a language model: flattened to one prediction per label element.
+  const at::Tensor logits = forward(images).flatten(0, -2);
+  const at::Tensor targets = labels.flatten();
+  const at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), targets, {}, at::Reduction::Mean, -100,
                                                  options_.label_smoothing);
   scaler_.scale(loss).backward();
   const torch::NoGradGuard no_grad;
@@ -75,7 +77,9 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
   const at::Tensor loss_detached = loss.detach().reshape({1});
   last_loss_.copy_(loss_detached);
   loss_sum_.add_(loss_detached * static_cast<double>(labels.size(0)));
-  correct_sum_.add_(logits.detach().argmax(1).eq(labels).sum().to(at::kFloat));
+  // Per sample: a sample's share of correct predictions (its correct tokens / T; 0 or 1 for a classifier).
+  const double labels_per_sample = static_cast<double>(targets.numel()) / static_cast<double>(labels.size(0));
+  correct_sum_.add_(logits.detach().argmax(1).eq(targets).sum().to(at::kFloat) / labels_per_sample);
 }
 
 at::Tensor TrainStep::forward(const at::Tensor& images) {

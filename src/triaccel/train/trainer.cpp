@@ -46,7 +46,7 @@ constexpr double kGB = 1e9;
 // Keys that define what is being trained: a resumed run may not change them.
 const std::vector<std::string> kIdentityKeys = {"method", "model", "dataset", "batch_size", "lr", "momentum",
                                                 "nesterov", "weight_decay", "warmup_epochs", "label_smoothing",
-                                                "precision", "augment", "image_size", "seed"};
+                                                "precision", "augment", "image_size", "seed", "block_size"};
 
 struct Progress {
   int64_t step = 0;          // optimizer steps done
@@ -140,13 +140,17 @@ EvalResult evaluate(Model& model, const Loader& loader, const c10::Device& devic
   at::Tensor loss_sum = at::zeros({1}, f32);
   at::Tensor correct = at::zeros({1}, f32);
   at::Tensor correct_tta = at::zeros({1}, f32);
+  double predictions = 0;  // label elements: samples, or samples × T for a language model
   for (int64_t offset = 0; offset < loader.size(); offset += batch_size) {
     const int64_t count = std::min(batch_size, loader.size() - offset);
     auto [images, labels] = loader.batch(offset, count);
     const AutocastScope autocast(device, precision);
-    const at::Tensor logits = model.forward(images).to(at::kFloat);  // (count, classes)
-    loss_sum.add_(at::cross_entropy_loss(logits, labels, {}, at::Reduction::Sum));
-    correct.add_(logits.argmax(1).eq(labels).sum().to(at::kFloat));
+    // (count, classes), or (count, T, V) flattened to (count · T, V) for a language model
+    const at::Tensor logits = model.forward(images).to(at::kFloat).flatten(0, -2);
+    const at::Tensor targets = labels.flatten();
+    predictions += static_cast<double>(targets.numel());
+    loss_sum.add_(at::cross_entropy_loss(logits, targets, {}, at::Reduction::Sum));
+    correct.add_(logits.argmax(1).eq(targets).sum().to(at::kFloat));
     if (flip_tta) {
       const at::Tensor both = logits + model.forward(images.flip({3})).to(at::kFloat);
       correct_tta.add_(both.argmax(1).eq(labels).sum().to(at::kFloat));
@@ -154,7 +158,7 @@ EvalResult evaluate(Model& model, const Loader& loader, const c10::Device& devic
   }
   model.train();
   const double n = static_cast<double>(loader.size());
-  return {loss_sum.item<double>() / n, 100.0 * correct.item<double>() / n,
+  return {loss_sum.item<double>() / predictions, 100.0 * correct.item<double>() / predictions,
           flip_tta ? 100.0 * correct_tta.item<double>() / n : -1.0};
 }
 
@@ -256,7 +260,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   torch::manual_seed(options.seed);
 
   // Data.
-  const DatasetSplits data = dataset_load(options.dataset, options.data_dir);
+  const DatasetSplits data = dataset_load(options.dataset, options.data_dir, options.block_size);
   LoaderOptions train_lo;
   train_lo.batch_size = options.batch_size;
   train_lo.shuffle = true;
@@ -277,6 +281,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   mo.num_classes = data.train.num_classes;
   mo.in_channels = data.train.channels();
   mo.image_size = train_loader.image_height();
+  if (data.train.kind == DatasetKind::kTokens) mo.block_size = data.train.images.size(1);  // vocab = num_classes
   const std::shared_ptr<Model> model = model_create(mo);
   model->to(device);
   if (train_lo.channels_last) {
@@ -413,7 +418,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   }
   step.set_graph_batch_size(progress.batch);
   at::Tensor batch_images = train_loader.batch_images_empty(std::max(options.batch_size, progress.batch));
-  at::Tensor batch_labels = at::empty({batch_images.size(0)}, at::TensorOptions().dtype(at::kLong).device(device));
+  at::Tensor batch_labels = train_loader.batch_labels_empty(batch_images.size(0));
   const auto batch_set = [&](int64_t batch) {
     progress.batch = batch;
     step.set_graph_batch_size(batch);
@@ -421,7 +426,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
       batch_images = at::Tensor();
       batch_labels = at::Tensor();
       batch_images = train_loader.batch_images_empty(batch);
-      batch_labels = at::empty({batch}, at::TensorOptions().dtype(at::kLong).device(device));
+      batch_labels = train_loader.batch_labels_empty(batch);
     }
   };
   // The schedule's position in units of the initial batch: equal to the step count while the batch is unchanged,
@@ -572,11 +577,16 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                {"train_loss", step.loss_sum().item<double>() / seen},
                                {"train_acc", 100.0 * step.correct_sum().item<double>() / seen},
                                {"test_loss", test.loss},
+                               {"val_loss", data.test.kind == DatasetKind::kTokens ? Json(test.loss) : Json(nullptr)},
                                {"test_acc", test.acc},
                                {"test_acc_tta", test.acc_tta >= 0 ? Json(test.acc_tta) : Json(nullptr)},
                                {"epoch_s", train_s},
                                {"eval_s", eval_s},
                                {"images_per_s", static_cast<double>(samples_this_session) / std::max(train_s, 1e-9)},
+                               {"tokens_per_s", data.train.kind == DatasetKind::kTokens
+                                                    ? Json(static_cast<double>(samples_this_session * data.train.images.size(1)) /
+                                                           std::max(train_s, 1e-9))
+                                                    : Json(nullptr)},
                                {"samples", samples_this_session},  // trained this epoch in this session
                                {"lr", last_lr},
                                {"batch", progress.batch},
