@@ -106,6 +106,19 @@ assert os.path.getsize(f"{d}/exit_model.pt") < os.path.getsize(f"{d}/model.pt")
 assert json.load(open(f"{d}/exit.json"))["params"] == ex[0]["chosen"]["params"]
 PY
 then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nf_trains: events/exports not as expected"; fi
+# The issue's command itself, on the real Fashion-MNIST where it is installed (about 15 s on 2 free cores).
+if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte ] || [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+  expect nf_issue_command 0 "done: test acc" -- train --method neuroflux --model small-cnn --dataset fashion-mnist --device cpu --out "$WORK/nf_fm" --progress lines
+  if python3 - "$WORK/nf_fm" <<'PY'
+import json, sys
+ev = [json.loads(l) for l in open(f"{sys.argv[1]}/events.jsonl")]
+blocks = [e for e in ev if e["event"] == "block"]
+chosen = [e for e in ev if e["event"] == "exit"][0]["chosen"]
+assert len(blocks) >= 2 and all(b["input"] == "cache" for b in blocks[1:]), blocks
+assert chosen["params"] < ev[-1]["params"], chosen
+PY
+  then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nf_issue_command: not block by block or no smaller exit"; fi
+fi
 expect nf_stop_after_block 0 "stopped after block 1" -- train "${TINY[@]}" --method neuroflux --epochs 1 --vram-budget 8MB --max-steps 1 --out "$WORK/nf2" --progress lines
 expect nf_resume_finishes 0 "done: test acc" -- train --resume "$WORK/nf2" --progress lines
 # Text: a small corpus, the character GPT with a short context. Mismatches and bad files are one-line errors.
