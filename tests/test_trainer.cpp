@@ -7,6 +7,8 @@
 #include "triaccel/train/telemetry.h"
 #include "triaccel/models/model.h"
 #include "triaccel/train/checkpoint.h"
+#include "triaccel/optim/baoc_optimizer.h"
+#include "triaccel/train/sgd.h"
 #include "triaccel/train/step.h"
 #include "triaccel/train/trainer.h"
 
@@ -113,6 +115,51 @@ TEST_F(TrainerTest, ResumeMidEpochIsBitExact) {
   EXPECT_EQ(ea[0]["test_loss"], eb[0]["test_loss"]);
   EXPECT_EQ(ea[1]["test_loss"], eb[1]["test_loss"]);
   EXPECT_EQ(ea[1]["train_loss"], eb[1]["train_loss"]);
+}
+
+// The same for the AdamW and BAOC optimizers: BAOC plans after 2 steps and re-plans every 3 (plans at steps 2, 5, 8,
+// 11; statistics windows 1–2, 4–5, 7–8, 10–11), so the stop at step 4 falls inside a window and between plans.
+TEST_F(TrainerTest, ResumeMidEpochIsBitExactWithAdamWAndBaoc) {
+  for (const std::string optimizer : {"adamw", "baoc"}) {
+    test::TempDir a("run_opt_a"), b("run_opt_b");
+    auto configure = [&](TrainOptions o) {
+      o.optimizer = optimizer;
+      o.lr = 2e-3;
+      o.weight_decay = 0.01;
+      o.plan_warmup = 2;
+      o.replan_every = 3;
+      o.optim_memory_budget = "20%";
+      return o;
+    };
+    train_run(configure(options(a.path())));
+    TrainOptions first = configure(options(b.path()));
+    first.max_steps = 4;
+    train_run(first);
+    TrainOptions again = configure(options(b.path()));
+    again.resume = b.path();
+    train_run(resume_options(again, {"resume"}));
+    const auto wa = load_state(a.file("model.pt"));
+    const auto wb = load_state(b.file("model.pt"));
+    for (const auto& [name, t] : wa) {
+      EXPECT_TRUE(torch::equal(t, wb.at(name))) << optimizer << ": " << name << " differs after resume";
+    }
+    std::vector<Json> pa, pb;
+    for (const auto& e : events_read(a.file("events.jsonl"))) if (e["event"] == "plan") pa.push_back(e);
+    for (const auto& e : events_read(b.file("events.jsonl"))) if (e["event"] == "plan") pb.push_back(e);
+    if (optimizer == "baoc") {
+      ASSERT_EQ(pa.size(), 4u);  // steps 2, 5, 8, 11
+      ASSERT_EQ(pb.size(), 4u);
+      for (size_t i = 0; i < pa.size(); ++i) {
+        EXPECT_EQ(pa[i]["units"], pb[i]["units"]) << "plan " << i;
+        EXPECT_LE(pa[i]["total_bytes"].get<int64_t>(), pa[i]["budget_bytes"].get<int64_t>());
+      }
+      const Json summary = events_read(a.file("events.jsonl")).back();
+      EXPECT_EQ(summary["optimizer"], "baoc");
+      EXPECT_LE(summary["optim_state_bytes"].get<double>(), 0.2 * summary["adamw_fp32_state_bytes"].get<double>());
+    } else {
+      EXPECT_TRUE(pa.empty());
+    }
+  }
 }
 
 TEST_F(TrainerTest, ResumeRefusesAChangedIdentity) {
@@ -295,6 +342,77 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
 // On a GPU, with deterministic cuDNN and no TF32: six steps of ResNet-18 (1×1 downsample convs, channels_last)
 // where steps 3–6 replay a captured CUDA graph give the same weights as six eager steps, in every precision. The
 // batches and the learning rate change every step, so a graph replaying stale inputs or a baked-in lr fails.
+// BAOC inside the captured step: every state format (assigned round-robin over ResNet-18's tensors) and the
+// gradient-stream statistics replay from the graph exactly as they run eagerly.
+TEST(TrainStepCudaTest, BaocGraphReplayMatchesEagerSteps) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  auto& ctx = at::globalContext();
+  const bool det = ctx.deterministicCuDNN(), bench = ctx.benchmarkCuDNN(), tf32 = ctx.allowTF32CuDNN();
+  ctx.setDeterministicCuDNN(true);
+  ctx.setBenchmarkCuDNN(false);
+  ctx.setAllowTF32CuDNN(false);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  const c10::Device cuda(c10::kCUDA, 0);
+  auto train = [&](bool graphs, bool* captured, at::Tensor* stats) {
+    torch::manual_seed(0);
+    ModelOptions mo;
+    mo.name = "resnet18";
+    auto model = model_create(mo);
+    model->to(cuda);
+    for (auto& p : model->parameters()) {
+      if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+    }
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& it : model->named_parameters()) named.emplace_back(it.key(), it.value());
+    BaocOptimizer opt(named, BaocOptions{});
+    std::vector<StateFormat> formats;
+    for (size_t i = 0; i < named.size(); ++i) formats.push_back(state_formats_all()[i % state_formats_all().size()]);
+    opt.formats_set(formats);
+    opt.stream_stats_enable(true);
+    LossScaler scaler(LossScalerOptions{}, cuda);
+    StepOptions so;
+    so.cuda_graphs = graphs;
+    so.graph_batch_size = 16;
+    so.warmup_steps = 2;
+    TrainStep step(*model, opt, scaler, so, cuda);
+    at::Tensor images = torch::empty({16, 3, 32, 32}, torch::TensorOptions().device(cuda))
+                            .contiguous(at::MemoryFormat::ChannelsLast);
+    at::Tensor labels = torch::empty({16}, torch::TensorOptions().dtype(torch::kLong).device(cuda));
+    for (int i = 0; i < 6; ++i) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + i);
+      images.copy_(at::randn({16, 3, 32, 32}, gen));
+      labels.copy_(torch::randint(0, 10, {16}, gen, torch::kLong));
+      step.run(images, labels, 1e-3 * (i + 1));
+    }
+    *captured = step.graph_captured();
+    *stats = opt.stream_stats_take();
+    EXPECT_EQ(opt.counts().cpu()[0][0].item<double>(), 6.0);
+    std::vector<at::Tensor> out;
+    for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
+    return out;
+  };
+  bool captured_graph = false, captured_eager = true;
+  at::Tensor stats_graph, stats_eager;
+  const auto with_graph = train(true, &captured_graph, &stats_graph);
+  const auto eager = train(false, &captured_eager, &stats_eager);
+  EXPECT_TRUE(captured_graph);
+  EXPECT_FALSE(captured_eager);
+  ASSERT_EQ(with_graph.size(), eager.size());
+  double worst = 0;
+  for (size_t i = 0; i < eager.size(); ++i) {
+    worst = std::max(worst, ((with_graph[i] - eager[i]).abs().max() / eager[i].abs().max().clamp_min(1e-12))
+                                .item<double>());
+  }
+  EXPECT_LT(worst, 1e-5);
+  EXPECT_LT(((stats_graph - stats_eager).abs().max() / stats_eager.abs().max()).item<double>(), 1e-5);
+  EXPECT_GT(stats_eager.select(1, kStreamSqCur).sum().item<double>(), 0);
+  ctx.setDeterministicCuDNN(det);
+  ctx.setBenchmarkCuDNN(bench);
+  ctx.setAllowTF32CuDNN(tf32);
+#endif
+}
+
 TEST(TrainStepCudaTest, GraphReplayMatchesEagerSteps) {
   TRIACCEL_SKIP_WITHOUT_GPU();
 #ifdef TRIACCEL_WITH_CUDA

@@ -1,8 +1,12 @@
 // The triaccel command line. Subcommands:
 //   train   train a model (TrainOptions; every option declared once below with its help text and default)
+//   plan    BAOC: a short fp32-AdamW warm-up (--plan-warmup steps) gathering statistics, then the per-unit optimizer
+//           state plan under --optim-memory-budget / --optim-time-budget (JSON with --json)
 // main() catches every error and prints one line: "triaccel: error: <what and how to fix it>", exit 2 for bad
 // input, 1 for internal errors.
 #include "triaccel/core/errors.h"
+#include "triaccel/core/io.h"
+#include "triaccel/train/telemetry.h"
 #include "triaccel/data/dataset.h"
 #include "triaccel/models/model.h"
 #include "triaccel/train/options.h"
@@ -10,7 +14,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -130,6 +136,33 @@ struct TrainFlags {
                                         "how the lr follows a batch change (elastic batch, out-of-memory retry): "
                                         "none|linear|sqrt")
                              ->capture_default_str());
+    add("optimizer", app.add_option("--optimizer", o.optimizer,
+                                    "sgd|adamw|baoc: SGD with momentum; AdamW (fp32 states); BAOC (AdamW warm-up, then "
+                                    "per-unit state formats under the budgets). adamw/baoc default to --lr 1e-3 and "
+                                    "--weight-decay 0.01 unless given")
+                         ->capture_default_str());
+    add("adam_beta1", app.add_option("--adam-beta1", o.adam_beta1, "AdamW beta1")->capture_default_str());
+    add("adam_beta2", app.add_option("--adam-beta2", o.adam_beta2, "AdamW beta2")->capture_default_str());
+    add("adam_eps", app.add_option("--adam-eps", o.adam_eps, "AdamW epsilon")->capture_default_str());
+    add("optim_memory_budget", app.add_option("--optim-memory-budget", o.optim_memory_budget,
+                                              "baoc: optimizer-state memory budget, a percentage of fp32 AdamW's "
+                                              "state (15%) or a size (200MB)")
+                                   ->capture_default_str());
+    add("optim_time_budget", app.add_option("--optim-time-budget", o.optim_time_budget,
+                                            "baoc: optimizer step-time budget as a multiple of fp32 AdamW's (1.1x; "
+                                            "default: none)"));
+    add("optim_formats", app.add_option("--optim-formats", o.optim_formats,
+                                        "baoc: comma-separated formats to choose from (default: all of adamw-fp32, "
+                                        "adamw-bf16, adamw-8bit, factored, no-momentum, sgd-momentum, sgd)"));
+    add("optim_time_table", app.add_option("--optim-time-table", o.optim_time_table,
+                                           "baoc: step times per format measured by bench_optim_step (its --out "
+                                           "JSON); default: a bytes-moved model"));
+    add("plan_warmup", app.add_option("--plan-warmup", o.plan_warmup,
+                                      "baoc: fp32 AdamW steps gathering statistics before the first plan")
+                           ->capture_default_str());
+    add("replan_every", app.add_option("--replan-every", o.replan_every,
+                                       "baoc: steps between re-plans (0: plan once)")
+                            ->capture_default_str());
     add("out", app.add_option("--out", o.out, "output folder (events.jsonl, checkpoint.pt, model.pt)")
                    ->capture_default_str());
     add("seed", app.add_option("--seed", o.seed, "random seed (initialization, data order, augmentation)")
@@ -150,9 +183,19 @@ struct TrainFlags {
     return keys;
   }
 
+  bool given(const std::string& key) const {
+    const auto keys = explicit_keys();
+    return std::find(keys.begin(), keys.end(), key) != keys.end();
+  }
+
   TrainOptions resolve() {
     options.precision = triaccel::precision_mode_parse(precision);
     if (!options.resume.empty()) return triaccel::resume_options(options, explicit_keys());
+    // AdamW's usual scale: SGD's defaults (lr 0.1, weight decay 5e-4) would diverge or barely regularize.
+    if (options.optimizer != "sgd") {
+      if (!given("lr")) options.lr = 1e-3;
+      if (!given("weight_decay")) options.weight_decay = 1e-2;
+    }
     return options;
   }
 };
@@ -169,6 +212,16 @@ int main(int argc, char** argv) {
   train->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // a repeated flag: last wins
   train_flags.declare(*train);
 
+  TrainFlags plan_flags;
+  bool plan_json = false;
+  CLI::App* plan = app.add_subcommand(
+      "plan", "BAOC: warm up with fp32 AdamW for --plan-warmup steps, gather per-unit statistics and print the plan "
+              "(a format per unit with its bytes and risk, the totals, fp32 AdamW's total)");
+  plan->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  plan_flags.options.out = "runs/plan";
+  plan_flags.declare(*plan);
+  plan->add_flag("--json", plan_json, "print the plan as one JSON object on stdout");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -178,7 +231,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::string msg = e.what();
     std::fprintf(stderr, "triaccel: error: %s (see `triaccel %s--help`)\n", msg.c_str(),
-                 train->parsed() ? "train " : "");
+                 train->parsed() ? "train " : (plan->parsed() ? "plan " : ""));
     return triaccel::kExitUserError;
   }
 
@@ -186,6 +239,44 @@ int main(int argc, char** argv) {
     if (train->parsed()) {
       const TrainOptions options = train_flags.resolve();
       triaccel::train_run(options);
+    }
+    if (plan->parsed()) {
+      TRIACCEL_CHECK_INPUT(plan_flags.options.resume.empty(), "plan does not take --resume (it starts a fresh warm-up)");
+      TrainOptions options = plan_flags.resolve();
+      TRIACCEL_CHECK_INPUT(options.optimizer != "sgd" || !plan_flags.given("optimizer"),
+                           "plan uses --optimizer baoc; drop --optimizer");
+      options.optimizer = "baoc";
+      if (!plan_flags.given("lr")) options.lr = 1e-3;
+      if (!plan_flags.given("weight_decay")) options.weight_decay = 1e-2;
+      options.max_steps = options.plan_warmup;
+      options.replan_every = 0;
+      if (plan_json && !plan_flags.given("progress")) options.progress = "off";
+      triaccel::train_run(options);
+      const std::string events = (std::filesystem::path(options.out) / "events.jsonl").string();
+      triaccel::Json found;
+      for (const auto& e : triaccel::events_read(events)) {
+        if (e.value("event", "") == "plan") found = e;
+      }
+      TRIACCEL_CHECK_INPUT(!found.is_null(), "the warm-up ended before --plan-warmup ", options.plan_warmup,
+                           " steps: raise --epochs or lower --plan-warmup");
+      found["model"] = options.model;
+      found["dataset"] = options.dataset;
+      found["optim_memory_budget"] = options.optim_memory_budget;
+      if (plan_json) {
+        std::printf("%s\n", found.dump().c_str());
+      } else {
+        std::printf("%-24s %-14s %12s %10s\n", "unit", "format", "bytes", "risk");
+        for (const auto& u : found["units"]) {
+          std::printf("%-24s %-14s %12lld %10.4g\n", u["unit"].get<std::string>().c_str(),
+                      u["format"].get<std::string>().c_str(), static_cast<long long>(u["bytes"].get<int64_t>()),
+                      u["risk"].get<double>());
+        }
+        std::printf("total %lld bytes (%.1f%% of fp32 AdamW's %lld), budget %lld, risk %.4g\n",
+                    static_cast<long long>(found["total_bytes"].get<int64_t>()),
+                    100.0 * found["fraction_of_adamw_fp32"].get<double>(),
+                    static_cast<long long>(found["adamw_fp32_bytes"].get<int64_t>()),
+                    static_cast<long long>(found["budget_bytes"].get<int64_t>()), found["total_risk"].get<double>());
+      }
     }
     return 0;
   } catch (const triaccel::UserError& e) {

@@ -87,6 +87,7 @@ expect nf_budget_too_small 2 "is below what NeuroFlux needs for this model: at l
 expect nf_fp16 2 "--method neuroflux supports --precision fp32 or amp-bf16" -- train "${TINY[@]}" --method neuroflux --precision amp-fp16 --out "$WORK/nf0"
 expect nf_bad_tolerance 2 "--nf-exit-tolerance must be in [0, 100]" -- train "${TINY[@]}" --method neuroflux --nf-exit-tolerance -1
 expect nf_not_a_cnn 2 "--method neuroflux trains CNNs (resnet18, efficientnet-b0, small-cnn), got --model vit-tiny" -- train "${TINY[@]}" --method neuroflux --model vit-tiny
+expect nf_adamw 2 "--method neuroflux trains every block with the fused SGD" -- train "${TINY[@]}" --method neuroflux --optimizer adamw
 expect nf_bad_profile 2 "--nf-profile must be auto, model or measured, got 'guess'" -- train "${TINY[@]}" --method neuroflux --nf-profile guess
 if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   expect nf_measured_on_cpu 2 "--nf-profile measured needs a CUDA device" -- train "${TINY[@]}" --method neuroflux --nf-profile measured --out "$WORK/nf0"
@@ -121,6 +122,23 @@ PY
 fi
 expect nf_stop_after_block 0 "stopped after block 1" -- train "${TINY[@]}" --method neuroflux --epochs 1 --vram-budget 8MB --max-steps 1 --out "$WORK/nf2" --progress lines
 expect nf_resume_finishes 0 "done: test acc" -- train --resume "$WORK/nf2" --progress lines
+# BAOC: bad optimizer flags, a budget below the cheapest plan (one line naming the minimum), and a real plan.
+expect bad_optimizer 2 "--optimizer must be sgd, adamw or baoc, got 'lion'" -- train "${TINY[@]}" --optimizer lion
+expect bad_memory_budget 2 "--optim-memory-budget must be a percentage" -- plan "${TINY[@]}" --optim-memory-budget 120% --out "$WORK/p0"
+expect bad_time_budget 2 "--optim-time-budget must be none or a multiple" -- plan "${TINY[@]}" --optim-time-budget fast --out "$WORK/p0"
+expect bad_format 2 "--optim-formats: unknown optimizer-state format 'fp4'" -- plan "${TINY[@]}" --optim-formats adamw-fp32,fp4 --out "$WORK/p0"
+expect budget_too_small 2 "raise it to at least" -- plan "${TINY[@]}" --optim-formats adamw-fp32,adamw-8bit --optim-memory-budget 10% --out "$WORK/p0"
+expect missing_time_table 2 "--optim-time-table $WORK/none.json: no such file" -- plan "${TINY[@]}" --optim-time-table "$WORK/none.json" --out "$WORK/p0"
+expect warmup_too_long 2 "raise --epochs or lower --plan-warmup" -- plan "${TINY[@]}" --plan-warmup 10 --out "$WORK/p1"
+expect plan_json 0 '"adamw_fp32_bytes"' -- plan "${TINY[@]}" --plan-warmup 3 --optim-memory-budget 15% --json --out "$WORK/p2"
+if "$CLI" plan "${TINY[@]}" --plan-warmup 3 --optim-memory-budget 15% --json --out "$WORK/p3" 2>/dev/null | python3 -c '
+import json, sys
+p = json.loads(sys.stdin.read())
+assert p["total_bytes"] <= p["budget_bytes"] <= 0.15 * p["adamw_fp32_bytes"] + 1, p
+assert len({u["format"] for u in p["units"]}) >= 2, "the plan does not mix formats"
+assert all({"unit", "format", "bytes", "risk"} <= set(u) for u in p["units"])
+'; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL plan_json_contents"; fi
+
 # Text: a small corpus, the character GPT with a short context. Mismatches and bad files are one-line errors.
 mkdir -p "$WORK/text" "$WORK/text-empty" "$WORK/text-none"
 python3 - "$WORK/text/input.txt" <<'PY'
@@ -144,6 +162,8 @@ expect text_empty 2 "is empty" -- train "${TEXT[@]}" --data "$WORK/text-empty" -
 expect text_too_short 2 "smaller --block-size" -- train "${TEXT[@]}" --block-size 200 --out "$WORK/o3"
 expect tri_accel_gpt 2 "does not support --model gpt-char" -- train "${TEXT[@]}" --method tri-accel
 expect vit_on_mnist 0 "stopped at step 1" -- train "${TINY[@]}" --model vit-tiny --max-steps 1 --batch-size 4 --out "$WORK/vit" --progress lines
+# BAOC plans any unit-based model: the character GPT on text.
+expect plan_gpt 0 '"unit":"blocks.0"' -- plan "${TEXT[@]}" --batch-size 16 --plan-warmup 2 --optim-memory-budget 25% --json --out "$WORK/pg"
 
 if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   expect no_gpu 2 "no CUDA GPU is visible" -- train "${TINY[@]}" --device cuda

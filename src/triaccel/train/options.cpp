@@ -5,6 +5,8 @@
 #include "triaccel/data/dataset.h"
 #include "triaccel/memory/batch_controller.h"
 #include "triaccel/models/model.h"
+#include "triaccel/optim/baoc_driver.h"
+#include "triaccel/optim/planner.h"
 
 #include <algorithm>
 #include <cmath>
@@ -85,6 +87,22 @@ void TrainOptions::validate() const {
                        "--nf-exit-tolerance must be in [0, 100] (accuracy points), got ", nf_exit_tolerance);
   TRIACCEL_CHECK_INPUT(nf_profile == "auto" || nf_profile == "model" || nf_profile == "measured",
                        "--nf-profile must be auto, model or measured, got '", nf_profile, "'");
+  TRIACCEL_CHECK_INPUT(method != "neuroflux" || optimizer == "sgd",
+                       "--method neuroflux trains every block with the fused SGD; use --optimizer sgd, got '", optimizer, "'");
+  TRIACCEL_CHECK_INPUT(optimizer == "sgd" || optimizer == "adamw" || optimizer == "baoc",
+                       "--optimizer must be sgd, adamw or baoc, got '", optimizer, "'");
+  TRIACCEL_CHECK_INPUT(adam_beta1 >= 0 && adam_beta1 < 1, "--adam-beta1 must be in [0, 1), got ", adam_beta1);
+  TRIACCEL_CHECK_INPUT(adam_beta2 > 0 && adam_beta2 < 1, "--adam-beta2 must be in (0, 1), got ", adam_beta2);
+  TRIACCEL_CHECK_INPUT(adam_eps > 0, "--adam-eps must be > 0, got ", adam_eps);
+  TRIACCEL_CHECK_INPUT(plan_warmup >= 2, "--plan-warmup must be >= 2 steps (statistics compare successive gradients), got ",
+                       plan_warmup);
+  TRIACCEL_CHECK_INPUT(replan_every >= 0, "--replan-every must be >= 0 (0: plan once), got ", replan_every);
+  TRIACCEL_CHECK_INPUT(optimizer != "baoc" || method == "backprop", "--optimizer baoc needs --method backprop");
+  if (optimizer == "baoc") {  // syntax now; feasibility once the model is known
+    optim_memory_budget_parse(optim_memory_budget, 1);
+    optim_time_budget_parse(optim_time_budget, 1.0);
+    optim_formats_parse(optim_formats);
+  }
   TRIACCEL_CHECK_INPUT(tta == "off" || tta == "flip", "--tta must be off or flip, got '", tta, "'");
   TRIACCEL_CHECK_INPUT(eval_batch_size > 0, "--eval-batch-size must be > 0, got ", eval_batch_size);
   TRIACCEL_CHECK_INPUT(!out.empty(), "--out must name a folder");
@@ -175,6 +193,16 @@ Json TrainOptions::to_json() const {
               {"nf_exit_tolerance", nf_exit_tolerance},
               {"nf_profile", nf_profile},
               {"lr_batch_rule", lr_batch_rule},
+              {"optimizer", optimizer},
+              {"adam_beta1", adam_beta1},
+              {"adam_beta2", adam_beta2},
+              {"adam_eps", adam_eps},
+              {"optim_memory_budget", optim_memory_budget},
+              {"optim_time_budget", optim_time_budget},
+              {"optim_formats", optim_formats},
+              {"optim_time_table", optim_time_table},
+              {"plan_warmup", plan_warmup},
+              {"replan_every", replan_every},
               {"out", out},
               {"seed", seed},
               {"resume", resume},
@@ -238,6 +266,18 @@ TrainOptions TrainOptions::from_json(const Json& j) {
     get("nf_profile", o.nf_profile);
   }
   get("lr_batch_rule", o.lr_batch_rule);
+  if (j.contains("optimizer")) {  // absent in checkpoints from before --optimizer (they used SGD)
+    get("optimizer", o.optimizer);
+    get("adam_beta1", o.adam_beta1);
+    get("adam_beta2", o.adam_beta2);
+    get("adam_eps", o.adam_eps);
+    get("optim_memory_budget", o.optim_memory_budget);
+    get("optim_time_budget", o.optim_time_budget);
+    get("optim_formats", o.optim_formats);
+    get("optim_time_table", o.optim_time_table);
+    get("plan_warmup", o.plan_warmup);
+    get("replan_every", o.replan_every);
+  }
   get("out", o.out);
   get("seed", o.seed);
   get("resume", o.resume);

@@ -73,6 +73,19 @@ struct TrainOptions {
   // Out of memory: the step is retried on the same samples at a smaller batch; the lr follows the batch.
   std::string lr_batch_rule = "sqrt"; // none | linear | sqrt
 
+  // Optimizer (docs/baoc.md): sgd (SGD with momentum, above) | adamw (AdamW, fp32 states) | baoc (AdamW warm-up,
+  // then per-unit state formats planned under the budgets). --lr and --weight-decay apply to all three.
+  std::string optimizer = "sgd";
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_eps = 1e-8;
+  std::string optim_memory_budget = "25%";  // baoc: bytes ("200MB") or a percentage of fp32 AdamW's state
+  std::string optim_time_budget;            // baoc: "" = none, or "1.1x" of fp32 AdamW's step time (time model)
+  std::string optim_formats;                // baoc: comma-separated menu of formats; "" = all
+  std::string optim_time_table;             // baoc: bench_optim_step JSON with measured step times ("" = model)
+  int64_t plan_warmup = 50;                 // baoc: steps of fp32 AdamW gathering statistics before the first plan
+  int64_t replan_every = 0;                 // baoc: steps between re-plans (0: plan once)
+
   // Output and reproducibility.
   std::string out = "runs/latest";
   uint64_t seed = 0;

@@ -40,10 +40,10 @@ void Sgd::state_init() {
   for (const auto& p : params_) momenta_.push_back(at::zeros_like(p));  // keeps p's memory format
 }
 
-std::vector<at::Tensor> Sgd::grads() const {
-  std::vector<at::Tensor> out;
-  out.reserve(params_.size());
-  for (const auto& p : params_) out.push_back(p.grad());
+Optimizer::NamedTensors Sgd::state_tensors() {
+  state_init();
+  NamedTensors out;
+  for (size_t i = 0; i < names_.size(); ++i) out.emplace_back(names_[i] + ".momentum", momenta_[i]);
   return out;
 }
 

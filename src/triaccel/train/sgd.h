@@ -5,6 +5,8 @@
 // elsewhere: sgd_step_reference, which is also the spec the kernel is tested against.
 #pragma once
 
+#include "triaccel/train/optimizer.h"
+
 #include <ATen/Tensor.h>
 
 #include <string>
@@ -21,7 +23,7 @@ struct SgdOptions {
   void validate() const;
 };
 
-class Sgd {
+class Sgd : public Optimizer {
  public:
   // named_params: the model's parameters (float32, requires_grad). Momentum buffers are created (zero) at the first
   // step, after the first backward, as torch.optim.SGD does: they do not exist during the first forward/backward,
@@ -29,20 +31,21 @@ class Sgd {
   Sgd(const std::vector<std::pair<std::string, at::Tensor>>& named_params, SgdOptions options);
 
   // One update from the current .grad() of every parameter. lr, found_inf: float32 scalars on the params' device.
-  void step(const at::Tensor& lr, const at::Tensor& found_inf);
+  void step(const at::Tensor& lr, const at::Tensor& found_inf) override;
 
   const SgdOptions& options() const { return options_; }
-  const std::vector<std::string>& names() const { return names_; }
-  const std::vector<at::Tensor>& params() const { return params_; }
+  const std::vector<std::string>& names() const override { return names_; }
+  const std::vector<at::Tensor>& params() const override { return params_; }
   // Creates the momentum buffers if the first step has not yet (a checkpoint load needs them).
   void state_init();
   const std::vector<at::Tensor>& momenta() const { return momenta_; }  // same order as names(); empty before state_init
   const std::vector<float>& weight_decays() const { return weight_decays_; }
   // Per-parameter learning-rate multipliers (all 1 by default; Tri-Accel's curvature scaling sets them). They travel
   // by value into the fused kernel, so a captured CUDA graph must be re-captured after a change.
-  void set_lr_scales(std::vector<float> scales);
-  const std::vector<float>& lr_scales() const { return lr_scales_; }
-  std::vector<at::Tensor> grads() const;
+  void set_lr_scales(std::vector<float> scales) override;
+  const std::vector<float>& lr_scales() const override { return lr_scales_; }
+  // "<param name>.momentum" for every parameter.
+  NamedTensors state_tensors() override;
 
  private:
   SgdOptions options_;

@@ -37,7 +37,7 @@ struct TrainStep::Graph {
   at::Tensor labels;
 };
 
-TrainStep::TrainStep(Model& model, Sgd& sgd, LossScaler& scaler, StepOptions options, const c10::Device& device)
+TrainStep::TrainStep(Model& model, Optimizer& sgd, LossScaler& scaler, StepOptions options, const c10::Device& device)
     : model_(model), sgd_(sgd), scaler_(scaler), options_(options), device_(device) {
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
   lr_ = at::zeros({1}, f32);

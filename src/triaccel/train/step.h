@@ -13,7 +13,7 @@
 #include "triaccel/precision/policy.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/options.h"
-#include "triaccel/train/sgd.h"
+#include "triaccel/train/optimizer.h"
 
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
@@ -48,7 +48,7 @@ class AutocastScope {
 
 class TrainStep {
  public:
-  TrainStep(Model& model, Sgd& sgd, LossScaler& scaler, StepOptions options, const c10::Device& device);
+  TrainStep(Model& model, Optimizer& sgd, LossScaler& scaler, StepOptions options, const c10::Device& device);
   ~TrainStep();
 
   // One optimizer step on (images, labels) at learning rate lr.
@@ -88,7 +88,7 @@ class TrainStep {
   at::Tensor forward(const at::Tensor& images);
 
   Model& model_;
-  Sgd& sgd_;
+  Optimizer& sgd_;
   LossScaler& scaler_;
   StepOptions options_;
   c10::Device device_;

@@ -8,6 +8,8 @@
 #include "triaccel/local/neuroflux.h"
 #include "triaccel/memory/batch_controller.h"
 #include "triaccel/models/model.h"
+#include "triaccel/optim/baoc_driver.h"
+#include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/schedule.h"
@@ -46,7 +48,8 @@ constexpr double kGB = 1e9;
 // Keys that define what is being trained: a resumed run may not change them.
 const std::vector<std::string> kIdentityKeys = {"method", "model", "dataset", "batch_size", "lr", "momentum",
                                                 "nesterov", "weight_decay", "warmup_epochs", "label_smoothing",
-                                                "precision", "augment", "image_size", "seed", "block_size"};
+                                                "precision", "augment", "image_size", "seed", "block_size",
+                                                "optimizer", "adam_beta1", "adam_beta2", "adam_eps"};
 
 struct Progress {
   int64_t step = 0;          // optimizer steps done
@@ -59,11 +62,14 @@ struct Progress {
   int64_t batch = 0;         // the batch size in use (smaller than --batch-size after an out-of-memory retry)
   Json last_epoch;           // the last epoch event's fields
   Json tri_accel;            // TriAccelDriver state (null for other methods)
+  Json baoc;                 // BaocDriver state (null for other optimizers)
+  double peak_vram_warmup_gb = -1;  // adamw/baoc: the peak up to step --plan-warmup (then the peak is reset)
 
   Json to_json() const {
     return Json{{"step", step}, {"epoch", epoch}, {"epoch_offset", epoch_offset}, {"elapsed_s", elapsed_s},
                 {"epoch_train_s", epoch_train_s}, {"epoch_times", epoch_times}, {"peak_vram_gb", peak_vram_gb},
-                {"batch", batch}, {"last_epoch", last_epoch}, {"tri_accel", tri_accel}};
+                {"batch", batch}, {"last_epoch", last_epoch}, {"tri_accel", tri_accel}, {"baoc", baoc},
+                {"peak_vram_warmup_gb", peak_vram_warmup_gb}};
   }
   static Progress from_json(const Json& j, const std::string& path) {
     Progress p;
@@ -78,19 +84,14 @@ struct Progress {
       p.batch = j.value("batch", int64_t{0});
       p.last_epoch = j.at("last_epoch");
       p.tri_accel = j.value("tri_accel", Json());
+      p.baoc = j.value("baoc", Json());
+      p.peak_vram_warmup_gb = j.value("peak_vram_warmup_gb", -1.0);
     } catch (const Json::exception&) {
       throw UserError("checkpoint " + path + " has an unreadable progress record");
     }
     return p;
   }
 };
-
-NamedTensors optimizer_state(Sgd& sgd) {
-  sgd.state_init();
-  NamedTensors out;
-  for (size_t i = 0; i < sgd.names().size(); ++i) out.emplace_back(sgd.names()[i] + ".momentum", sgd.momenta()[i]);
-  return out;
-}
 
 NamedTensors scaler_state(const LossScaler& s) {
   return {{"scale", s.scale_tensor()}, {"growth_tracker", s.growth_tracker()}, {"skipped", s.skipped_steps()}};
@@ -291,13 +292,27 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
     }
   }
   model->train();
-  SgdOptions so;
-  so.momentum = options.momentum;
-  so.nesterov = options.nesterov;
-  so.weight_decay = options.weight_decay;
   std::vector<std::pair<std::string, at::Tensor>> named_params;
   for (const auto& item : model->named_parameters()) named_params.emplace_back(item.key(), item.value());
-  Sgd sgd(named_params, so);
+  std::unique_ptr<Optimizer> optimizer_owner;
+  BaocOptimizer* baoc_optimizer = nullptr;  // set for --optimizer adamw|baoc
+  if (options.optimizer == "sgd") {
+    SgdOptions so;
+    so.momentum = options.momentum;
+    so.nesterov = options.nesterov;
+    so.weight_decay = options.weight_decay;
+    optimizer_owner = std::make_unique<Sgd>(named_params, so);
+  } else {
+    BaocOptions bo;
+    bo.beta1 = options.adam_beta1;
+    bo.beta2 = options.adam_beta2;
+    bo.eps = options.adam_eps;
+    bo.weight_decay = options.weight_decay;
+    auto owned = std::make_unique<BaocOptimizer>(named_params, bo, StateFormat::kAdamW32);
+    baoc_optimizer = owned.get();
+    optimizer_owner = std::move(owned);
+  }
+  Optimizer& optimizer = *optimizer_owner;
   LossScalerOptions lso;
   const bool tri = options.method == "tri-accel";
   // Tri-Accel may put units in fp16 at any window: the loss scaler runs from the start.
@@ -316,7 +331,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   Progress progress;
   if (ckpt) {
     named_tensors_load(model_state(*model), ckpt->model, "model", ckpt_file);
-    named_tensors_load(optimizer_state(sgd), ckpt->optimizer, "optimizer", ckpt_file);
+    optimizer.state_load(ckpt->optimizer, ckpt_file);
     named_tensors_load(scaler_state(scaler), ckpt->scaler, "loss scaler", ckpt_file);
     progress = Progress::from_json(ckpt->progress, ckpt_file);
     rng_restore(ckpt->rng, device);
@@ -361,15 +376,21 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   step_opts.cuda_graphs = options.cuda_graphs;
   step_opts.graph_batch_size = options.batch_size;
   step_opts.label_smoothing = options.label_smoothing;
-  TrainStep step(*model, sgd, scaler, step_opts, device);
+  TrainStep step(*model, optimizer, scaler, step_opts, device);
   std::unique_ptr<TriAccelDriver> tri_accel;
   if (tri) {
     // The fixed curvature batch: the first b_curv samples of epoch 0's (seeded) order.
     train_loader.epoch_begin(0);
     auto [probe_images, probe_labels] =
         train_loader.batch(0, std::min(options.curv_batch, train_loader.size()));
-    tri_accel = std::make_unique<TriAccelDriver>(options, *model, sgd, step, probe_images, probe_labels);
+    tri_accel = std::make_unique<TriAccelDriver>(options, *model, optimizer, step, probe_images, probe_labels);
     if (!progress.tri_accel.is_null()) tri_accel->state_from_json(progress.tri_accel);
+  }
+  std::unique_ptr<BaocDriver> baoc;
+  if (options.optimizer == "baoc") {
+    baoc = std::make_unique<BaocDriver>(options, *model, *baoc_optimizer, [&step]() { step.invalidate_graph(); },
+                                        progress.step + 1);
+    if (!progress.baoc.is_null()) baoc->state_from_json(progress.baoc);
   }
 
   // Peak VRAM: allocator peak since here, resident dataset included (it stays allocated for the whole run).
@@ -380,12 +401,13 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
     c.config = options.to_json();
     c.model_arch = options.model;
     c.model = model_state(*model);
-    c.optimizer = optimizer_state(sgd);
+    c.optimizer = optimizer.state_tensors();
     c.scaler = scaler_state(scaler);
     c.rng = rng_state(device);
     Progress p = progress;
     p.elapsed_s = now();
     if (tri_accel) p.tri_accel = tri_accel->state_to_json();
+    if (baoc) p.baoc = baoc->state_to_json();
     c.progress = p.to_json();
     const std::string path = (std::filesystem::path(options.out) / kCheckpointFile).string();
     checkpoint_write(path, c);
@@ -494,6 +516,17 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
         for (const auto& [name, fields] : tri_accel->after_step(progress.step)) {
           events.write(name, progress.step, now(), fields);
         }
+      }
+      if (baoc) {
+        for (const auto& [name, fields] : baoc->after_step(progress.step)) events.write(name, progress.step, now(), fields);
+      }
+      if (options.optimizer != "sgd" && progress.step == options.plan_warmup) {
+        // AdamW and BAOC alike: the peak of the warm-up (fp32 AdamW state in both) is kept apart, and the summary's
+        // peak covers the steps after it, where BAOC runs its plan (docs/baoc.md).
+        progress.peak_vram_warmup_gb = std::max(progress.peak_vram_gb,
+                                                static_cast<double>(memory_stats(device).peak_allocated_bytes) / kGB);
+        progress.peak_vram_gb = 0;
+        memory_stats_reset_peak(device);
       }
       if (elastic && progress.step % options.ctrl_every == 0) {
         // Memory signal: the window's allocator peak. A replayed CUDA graph allocates nothing, so a window of replays
@@ -631,6 +664,11 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                  : Json(nullptr)},
                {"params", params},
                {"method", options.method},
+               {"optimizer", options.optimizer},
+               {"optim_state_bytes", baoc_optimizer ? baoc_optimizer->state_bytes() : 4 * params},
+               {"adamw_fp32_state_bytes", 8 * params},
+               {"peak_vram_warmup_gb", progress.peak_vram_warmup_gb >= 0 ? Json(progress.peak_vram_warmup_gb) : Json(nullptr)},
+               {"peak_vram_from_step", options.optimizer != "sgd" ? options.plan_warmup : 0},
                {"model", options.model},
                {"dataset", options.dataset},
                {"precision", tri ? std::string("adaptive") : precision_mode_name(options.precision)},

@@ -14,7 +14,7 @@
 
 namespace triaccel {
 
-TriAccelDriver::TriAccelDriver(const TrainOptions& options, Model& model, Sgd& sgd, TrainStep& step,
+TriAccelDriver::TriAccelDriver(const TrainOptions& options, Model& model, Optimizer& sgd, TrainStep& step,
                                at::Tensor probe_images, at::Tensor probe_labels)
     : options_(options),
       model_(model),

@@ -15,7 +15,7 @@
 #include "triaccel/models/model.h"
 #include "triaccel/precision/policy.h"
 #include "triaccel/train/options.h"
-#include "triaccel/train/sgd.h"
+#include "triaccel/train/optimizer.h"
 #include "triaccel/train/step.h"
 
 #include <ATen/Tensor.h>
@@ -29,7 +29,7 @@ namespace triaccel {
 class TriAccelDriver {
  public:
   // probe_images/labels: the fixed curvature batch (b_curv samples), on the model's device.
-  TriAccelDriver(const TrainOptions& options, Model& model, Sgd& sgd, TrainStep& step, at::Tensor probe_images,
+  TriAccelDriver(const TrainOptions& options, Model& model, Optimizer& sgd, TrainStep& step, at::Tensor probe_images,
                  at::Tensor probe_labels);
 
   // Runs whatever is due after optimizer step `step` (1-based count); returns (event name, fields) to log.
@@ -49,7 +49,7 @@ class TriAccelDriver {
 
   const TrainOptions& options_;
   Model& model_;
-  Sgd& sgd_;
+  Optimizer& sgd_;
   TrainStep& step_;
   at::Tensor probe_images_, probe_labels_;
   PrecisionPolicyOptions policy_options_;

@@ -1,0 +1,189 @@
+// Fused multi-tensor AdamW with 8-bit block-wise states. One CUDA block of kQuantBlock (256) threads owns one
+// quantization block of one tensor (elements in memory order): each thread dequantizes its m (signed map) and v
+// (unsigned map), applies the AdamW update in fp32 (as kAdamW32 in kernels/adam_step.cu), the block reduces the new
+// absmax of m and of v, and each thread re-quantizes to the nearest map value (binary search over the midpoints,
+// ties to the lower code: the rule of quant8_encode). Nothing changes when *found_inf != 0.
+#include "triaccel/kernels/adam8_step.h"
+
+#include "triaccel/optim/state_format.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace triaccel {
+namespace {
+
+constexpr int kMaxTensors = 40;
+constexpr int kThreads = static_cast<int>(kQuantBlock);
+
+struct Adam8LaunchArgs {
+  int num_tensors;
+  float* param[kMaxTensors];
+  const float* grad[kMaxTensors];
+  uint8_t* m_codes[kMaxTensors];
+  uint8_t* v_codes[kMaxTensors];
+  float* m_absmax[kMaxTensors];
+  float* v_absmax[kMaxTensors];
+  const double* counts[kMaxTensors];
+  int64_t numel[kMaxTensors];
+  float weight_decay[kMaxTensors];
+  float lr_scale[kMaxTensors];
+  int block_start[kMaxTensors + 1];
+};
+
+__device__ __forceinline__ float block_max(float x, float* scratch) {
+  for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float r = scratch[0];
+  for (int w = 1; w < kThreads / 32; ++w) r = fmaxf(r, scratch[w]);
+  return r;
+}
+
+// The number of midpoints < x: the index of the nearest map value (ties to the lower one).
+__device__ __forceinline__ int nearest_code(const float* mids, float x) {
+  int lo = 0, hi = 255;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (mids[mid] < x) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+__global__ void adam8_step_kernel(const __grid_constant__ Adam8LaunchArgs args, const float* __restrict__ map_s,
+                                  const float* __restrict__ map_u, const float* __restrict__ lr_ptr,
+                                  const float* __restrict__ found_inf_ptr, AdamStepHyper h) {
+  if (*found_inf_ptr != 0.f) return;
+  __shared__ float smap_s[256], smap_u[256], smid_s[255], smid_u[255], scratch[kThreads / 32], bc[2];
+  smap_s[threadIdx.x] = map_s[threadIdx.x];
+  smap_u[threadIdx.x] = map_u[threadIdx.x];
+  __syncthreads();
+  if (threadIdx.x < 255) {
+    smid_s[threadIdx.x] = (smap_s[threadIdx.x] + smap_s[threadIdx.x + 1]) * 0.5f;
+    smid_u[threadIdx.x] = (smap_u[threadIdx.x] + smap_u[threadIdx.x + 1]) * 0.5f;
+  }
+  int t = 0;
+  while (t + 1 < args.num_tensors && args.block_start[t + 1] <= static_cast<int>(blockIdx.x)) ++t;
+  if (threadIdx.x == 0) {
+    bc[0] = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), args.counts[t][0]));
+    bc[1] = static_cast<float>(1.0 - pow(static_cast<double>(h.beta2), args.counts[t][1]));
+  }
+  __syncthreads();
+  const int64_t qb = static_cast<int64_t>(blockIdx.x) - args.block_start[t];
+  const int64_t i = qb * kQuantBlock + threadIdx.x;
+  const bool valid = i < args.numel[t];
+  const float lr = *lr_ptr * args.lr_scale[t];
+  float m = 0.f, v = 0.f;
+  if (valid) {
+    float pv = args.param[t][i] * (1.f - lr * args.weight_decay[t]);
+    const float g = args.grad[t][i];
+    m = smap_s[args.m_codes[t][i]] * args.m_absmax[t][qb];
+    v = smap_u[args.v_codes[t][i]] * args.v_absmax[t][qb];
+    m = h.beta1 * m + (1.f - h.beta1) * g;
+    v = h.beta2 * v + (1.f - h.beta2) * g * g;
+    pv -= (lr / bc[0]) * m / (sqrtf(v) / sqrtf(bc[1]) + h.eps);
+    args.param[t][i] = pv;
+  }
+  const float m_max = block_max(valid ? fabsf(m) : 0.f, scratch);
+  const float v_max = block_max(valid ? fabsf(v) : 0.f, scratch);
+  if (valid) {
+    args.m_codes[t][i] = static_cast<uint8_t>(nearest_code(smid_s, m_max > 0.f ? m / m_max : 0.f));
+    args.v_codes[t][i] = static_cast<uint8_t>(nearest_code(smid_u, v_max > 0.f ? v / v_max : 0.f));
+  }
+  if (threadIdx.x == 0) {
+    args.m_absmax[t][qb] = m_max;
+    args.v_absmax[t][qb] = v_max;
+  }
+}
+
+void check_cuda(const at::Tensor& t, const char* what, const at::Device& device, at::ScalarType dtype) {
+  TORCH_CHECK(t.defined() && t.is_cuda() && t.device() == device, "adam8_step_cuda: ", what, " must be on ", device);
+  TORCH_CHECK(t.scalar_type() == dtype, "adam8_step_cuda: ", what, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_non_overlapping_and_dense(), "adam8_step_cuda: ", what, " must be dense");
+}
+
+bool same_dense_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                     const std::vector<at::Tensor>& m_codes, const std::vector<at::Tensor>& v_codes,
+                     const std::vector<at::Tensor>& m_absmax, const std::vector<at::Tensor>& v_absmax,
+                     const std::vector<float>& weight_decays, const std::vector<float>& lr_scales,
+                     const at::Tensor& counts, const std::vector<int64_t>& count_rows, const at::Tensor& map_signed,
+                     const at::Tensor& map_unsigned, const at::Tensor& lr, const at::Tensor& found_inf,
+                     const AdamStepHyper& hyper) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && m_codes.size() == n && v_codes.size() == n && m_absmax.size() == n &&
+                  v_absmax.size() == n && weight_decays.size() == n && lr_scales.size() == n &&
+                  count_rows.size() == n,
+              "adam8_step_cuda: list lengths differ");
+  if (n == 0) return;
+  const at::Device device = params[0].device();
+  check_cuda(lr, "lr", device, at::kFloat);
+  check_cuda(found_inf, "found_inf", device, at::kFloat);
+  check_cuda(counts, "counts", device, at::kDouble);
+  check_cuda(map_signed, "map_signed", device, at::kFloat);
+  check_cuda(map_unsigned, "map_unsigned", device, at::kFloat);
+  TORCH_CHECK(map_signed.numel() == 256 && map_unsigned.numel() == 256, "adam8_step_cuda: maps must have 256 values");
+  TORCH_CHECK(counts.is_contiguous() && counts.dim() == 2 && counts.size(1) == 2, "adam8_step_cuda: counts must be (T, 2)");
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  Adam8LaunchArgs args{};
+  auto flush = [&]() {
+    const int blocks = args.block_start[args.num_tensors];
+    if (blocks > 0) {
+      adam8_step_kernel<<<blocks, kThreads, 0, stream>>>(args, map_signed.data_ptr<float>(),
+                                                          map_unsigned.data_ptr<float>(), lr.data_ptr<float>(),
+                                                          found_inf.data_ptr<float>(), hyper);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    args.num_tensors = 0;
+    args.block_start[0] = 0;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    check_cuda(params[i], "param", device, at::kFloat);
+    check_cuda(grads[i], "grad", device, at::kFloat);
+    TORCH_CHECK(same_dense_layout(params[i], grads[i]), "adam8_step_cuda: param and grad layouts differ (tensor ", i, ")");
+    const int64_t numel = params[i].numel();
+    const int64_t blocks = (numel + kQuantBlock - 1) / kQuantBlock;
+    check_cuda(m_codes[i], "m codes", device, at::kByte);
+    check_cuda(v_codes[i], "v codes", device, at::kByte);
+    check_cuda(m_absmax[i], "m absmax", device, at::kFloat);
+    check_cuda(v_absmax[i], "v absmax", device, at::kFloat);
+    TORCH_CHECK(m_codes[i].numel() == numel && v_codes[i].numel() == numel && m_absmax[i].numel() == blocks &&
+                    v_absmax[i].numel() == blocks,
+                "adam8_step_cuda: state sizes do not match tensor ", i);
+    TORCH_CHECK(blocks < (1 << 30), "adam8_step_cuda: tensor too large");
+    const int k = args.num_tensors;
+    args.param[k] = params[i].data_ptr<float>();
+    args.grad[k] = grads[i].data_ptr<float>();
+    args.m_codes[k] = m_codes[i].data_ptr<uint8_t>();
+    args.v_codes[k] = v_codes[i].data_ptr<uint8_t>();
+    args.m_absmax[k] = m_absmax[i].data_ptr<float>();
+    args.v_absmax[k] = v_absmax[i].data_ptr<float>();
+    args.counts[k] = counts.data_ptr<double>() + 2 * count_rows[i];
+    args.numel[k] = numel;
+    args.weight_decay[k] = weight_decays[i];
+    args.lr_scale[k] = lr_scales[i];
+    args.block_start[k + 1] = args.block_start[k] + static_cast<int>(blocks);
+    args.num_tensors = k + 1;
+    if (args.num_tensors == kMaxTensors || args.block_start[args.num_tensors] > (1 << 30)) flush();
+  }
+  if (args.num_tensors > 0) flush();
+}
+
+}  // namespace triaccel

@@ -1,0 +1,489 @@
+#include "triaccel/optim/baoc_optimizer.h"
+
+#include "triaccel/core/errors.h"
+#include "triaccel/optim/quant8.h"
+#include "triaccel/train/checkpoint.h"
+#ifdef TRIACCEL_WITH_CUDA
+#include "triaccel/kernels/adam8_step.h"
+#include "triaccel/kernels/adam_step.h"
+#include "triaccel/kernels/factored_step.h"
+#endif
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <cmath>
+#include <map>
+
+namespace triaccel {
+namespace {
+
+constexpr double kFactoredEps = 1e-30;  // added to g² before the row/column means (Adafactor's ε1)
+
+// A dense tensor's elements in memory order (the order of 8-bit blocks), as a 1-D view.
+at::Tensor memory_flat(const at::Tensor& t) {
+  TORCH_CHECK(t.is_non_overlapping_and_dense(), "BaocOptimizer: tensors must be dense");
+  return t.as_strided({t.numel()}, {1}, t.storage_offset());
+}
+
+// g in p's memory layout (a copy only if the layouts differ).
+at::Tensor like_param(const at::Tensor& g, const at::Tensor& p) {
+  at::Tensor g32 = g.to(at::kFloat);
+  if (g32.strides() == p.strides()) return g32;
+  return at::empty_like(p).copy_(g32);
+}
+
+Quantized8 encode_like(const at::Tensor& x32, const at::Tensor& p, const at::Tensor& map) {
+  return quant8_encode(memory_flat(like_param(x32, p)), map);
+}
+
+at::Tensor decode_like(const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& p, const at::Tensor& map) {
+  at::Tensor out = at::empty_like(p, p.options().dtype(at::kFloat));
+  memory_flat(out).copy_(quant8_decode({codes, absmax}, map, {p.numel()}));
+  return out;
+}
+
+// A factored tensor as (rows, cols) in memory order: rows = size(0) (outermost in memory for contiguous and
+// channels_last tensors alike), columns in memory order within a row. The rank-1 factorization does not depend on the
+// order of the columns, so this equals the logical (size(0), rest) view up to a permutation of c.
+at::Tensor factored_view(const at::Tensor& x, int64_t rows, int64_t cols) {
+  TORCH_CHECK(x.dim() < 2 || x.stride(0) == cols || x.size(0) == 1, "factored state needs size(0) outermost in memory");
+  return memory_flat(x).view({rows, cols});
+}
+
+// v̂ = r cᵀ / mean(r) in the memory layout of p (float32).
+at::Tensor factored_expand(const at::Tensor& r, const at::Tensor& c, const at::Tensor& p) {
+  at::Tensor out = at::empty_like(p, p.options().dtype(at::kFloat));
+  memory_flat(out).copy_((at::outer(r, c) / r.mean()).reshape({-1}));
+  return out;
+}
+
+double bias_correction(double beta, double count) { return 1.0 - std::pow(beta, count); }
+
+// The factored / no-momentum update (CPU reference) with every scalar as a tensor, masked by ok.
+// lr_eff, bc2: float32 scalars; ok: bool scalar.
+void second_moment_only_step(BaocTensorState& s, const at::Tensor& p, const at::Tensor& g, const at::Tensor& lr_eff,
+                             double wd, const at::Tensor& bc2, const at::Tensor& ok, const BaocOptions& o) {
+  const at::Tensor g32 = like_param(g, p);
+  at::Tensor vhat;
+  if (s.v_row.defined()) {
+    // Rows = size(0), the outermost dimension in memory; columns in memory order (factored_view).
+    const int64_t rows = s.v_row.size(0), cols = s.v_col.size(0);
+    const at::Tensor g2 = factored_view(g32 * g32 + kFactoredEps, rows, cols);
+    const at::Tensor r = s.v_row * o.beta2 + g2.mean(1) * (1 - o.beta2);
+    const at::Tensor c = s.v_col * o.beta2 + g2.mean(0) * (1 - o.beta2);
+    s.v_row.copy_(at::where(ok, r, s.v_row));
+    s.v_col.copy_(at::where(ok, c, s.v_col));
+    vhat = factored_expand(r, c, p);
+  } else {
+    const at::Tensor v = s.v * o.beta2 + g32 * g32 * (1 - o.beta2);
+    s.v.copy_(at::where(ok, v, s.v));
+    vhat = v;
+  }
+  const at::Tensor denom = vhat.sqrt() / bc2.sqrt() + o.eps;
+  const at::Tensor p_new = p * (1 - lr_eff * wd) - lr_eff * g32 / denom;
+  p.copy_(at::where(ok, p_new, p));
+}
+
+}  // namespace
+
+void BaocOptions::validate() const {
+  TRIACCEL_CHECK_INPUT(beta1 >= 0 && beta1 < 1, "--adam-beta1 must be in [0, 1), got ", beta1);
+  TRIACCEL_CHECK_INPUT(beta2 > 0 && beta2 < 1, "--adam-beta2 must be in (0, 1), got ", beta2);
+  TRIACCEL_CHECK_INPUT(eps > 0, "--adam-eps must be > 0, got ", eps);
+  TRIACCEL_CHECK_INPUT(weight_decay >= 0, "--weight-decay must be >= 0, got ", weight_decay);
+}
+
+BaocOptimizer::BaocOptimizer(const std::vector<std::pair<std::string, at::Tensor>>& named_params,
+                             BaocOptions options, StateFormat initial)
+    : options_(options) {
+  options_.validate();
+  for (const auto& [name, p] : named_params) {
+    TORCH_CHECK(p.scalar_type() == at::kFloat, "BaocOptimizer: parameter ", name, " must be float32");
+    names_.push_back(name);
+    params_.push_back(p);
+    weight_decays_.push_back(p.dim() <= 1 ? 0.f : static_cast<float>(options_.weight_decay));
+    lr_scales_.push_back(1.f);
+    pending_formats_.push_back(initial);
+  }
+  const at::Device device = params_.empty() ? at::Device(at::kCPU) : params_[0].device();
+  map_signed_ = quant8_map(true).to(device);
+  map_unsigned_ = quant8_map(false).to(device);
+  mids_signed_ = quant8_midpoints(map_signed_);
+  mids_unsigned_ = quant8_midpoints(map_unsigned_);
+  counts_ = at::zeros({static_cast<int64_t>(params_.size()), 2}, at::TensorOptions().dtype(at::kDouble).device(device));
+  stats_have_prev_ = at::zeros({1}, counts_.options());
+}
+
+void BaocOptimizer::set_lr_scales(std::vector<float> scales) {
+  TORCH_CHECK(scales.size() == params_.size(), "BaocOptimizer::set_lr_scales: ", scales.size(), " scales for ",
+              params_.size(), " parameters");
+  lr_scales_ = std::move(scales);
+}
+
+std::vector<StateFormat> BaocOptimizer::formats() const {
+  if (!initialized_) return pending_formats_;
+  std::vector<StateFormat> out;
+  for (const auto& s : states_) out.push_back(s.format);
+  return out;
+}
+
+int64_t BaocOptimizer::state_bytes() const {
+  const auto f = formats();
+  int64_t total = 0;
+  for (size_t i = 0; i < params_.size(); ++i) total += state_format_bytes(f[i], params_[i].sizes().vec());
+  return total;
+}
+
+BaocTensorState BaocOptimizer::state_make(size_t i, StateFormat f, const at::Tensor& m32, const at::Tensor& v32) const {
+  const at::Tensor& p = params_[i];
+  const auto f32 = p.options().dtype(at::kFloat);
+  BaocTensorState s;
+  s.format = f;
+  const at::Tensor m = m32.defined() ? like_param(m32, p) : at::zeros_like(p, f32);
+  const at::Tensor v = v32.defined() ? like_param(v32, p) : at::zeros_like(p, f32);
+  switch (f) {
+    case StateFormat::kAdamW32:
+      s.m = m.clone();
+      s.v = v.clone();
+      break;
+    case StateFormat::kAdamW16:
+      s.m = m.to(at::kBFloat16);
+      s.v = v.to(at::kBFloat16);
+      break;
+    case StateFormat::kAdamW8: {
+      Quantized8 qm = encode_like(m, p, map_signed_);
+      Quantized8 qv = encode_like(v, p, map_unsigned_);
+      s.m = qm.codes;
+      s.m_absmax = qm.absmax;
+      s.v = qv.codes;
+      s.v_absmax = qv.absmax;
+      break;
+    }
+    case StateFormat::kFactored: {
+      const auto [rows, cols] = state_format_factor_shape(p.sizes().vec());
+      if (rows > 0) {
+        const at::Tensor v2 = factored_view(v, rows, cols);
+        s.v_row = v2.mean(1).contiguous();
+        s.v_col = v2.mean(0).contiguous();
+      } else {
+        s.v = v.clone();
+      }
+      break;
+    }
+    case StateFormat::kNoMomentum:
+      s.v = v.clone();
+      break;
+    case StateFormat::kSgdMomentum:
+      s.m = m.clone();
+      break;
+    case StateFormat::kSgd:
+      break;
+  }
+  return s;
+}
+
+void BaocOptimizer::state_init() {
+  if (initialized_) return;
+  const torch::NoGradGuard no_grad;
+  states_.clear();
+  for (size_t i = 0; i < params_.size(); ++i) states_.push_back(state_make(i, pending_formats_[i], {}, {}));
+  initialized_ = true;
+}
+
+at::Tensor BaocOptimizer::m_float(size_t i) const {
+  if (!initialized_) return {};
+  const BaocTensorState& s = states_[i];
+  switch (s.format) {
+    case StateFormat::kAdamW32:
+    case StateFormat::kSgdMomentum: return s.m;
+    case StateFormat::kAdamW16: return s.m.to(at::kFloat);
+    case StateFormat::kAdamW8: return decode_like(s.m, s.m_absmax, params_[i], map_signed_);
+    default: return {};
+  }
+}
+
+at::Tensor BaocOptimizer::v_float(size_t i) const {
+  if (!initialized_) return {};
+  const BaocTensorState& s = states_[i];
+  switch (s.format) {
+    case StateFormat::kAdamW32:
+    case StateFormat::kNoMomentum: return s.v;
+    case StateFormat::kAdamW16: return s.v.to(at::kFloat);
+    case StateFormat::kAdamW8: return decode_like(s.v, s.v_absmax, params_[i], map_unsigned_);
+    case StateFormat::kFactored:
+      if (s.v_row.defined()) return factored_expand(s.v_row, s.v_col, params_[i]);
+      return s.v;
+    default: return {};
+  }
+}
+
+void BaocOptimizer::formats_set(const std::vector<StateFormat>& formats) {
+  TORCH_CHECK(formats.size() == params_.size(), "formats_set: ", formats.size(), " formats for ", params_.size(),
+              " tensors");
+  if (!initialized_) {
+    pending_formats_ = formats;
+    return;
+  }
+  const torch::NoGradGuard no_grad;
+  const at::Tensor counts_cpu = counts_.cpu();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const StateFormat from = states_[i].format, to = formats[i];
+    if (from == to) continue;
+    const at::Tensor m32 = state_format_has_m(to) ? m_float(i) : at::Tensor();
+    const at::Tensor v32 = v_float(i);  // also feeds the SGD scale
+    const float old_scale = states_[i].sgd_scale;
+    BaocTensorState next = state_make(i, to, m32, state_format_has_v(to) ? v32 : at::Tensor());
+    next.sgd_scale = old_scale;
+    if ((to == StateFormat::kSgdMomentum || to == StateFormat::kSgd) && v32.defined()) {
+      const double count_v = counts_cpu[static_cast<int64_t>(i)][1].item<double>();
+      const double bc2 = count_v > 0 ? bias_correction(options_.beta2, count_v) : 1.0;
+      const double mean_v = v32.mean().item<double>() / bc2;
+      next.sgd_scale = static_cast<float>(1.0 / (std::sqrt(mean_v) + options_.eps));
+    }
+    if (state_format_has_m(to) && !m32.defined()) counts_[static_cast<int64_t>(i)][0].fill_(0);
+    if (state_format_has_v(to) && !(state_format_has_v(from) && v32.defined())) counts_[static_cast<int64_t>(i)][1].fill_(0);
+    states_[i] = std::move(next);
+  }
+}
+
+void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
+  const std::vector<at::Tensor> g = grads();
+  for (size_t i = 0; i < g.size(); ++i) {
+    TORCH_CHECK(g[i].defined(), "BaocOptimizer::step: parameter ", names_[i], " has no gradient");
+  }
+  state_init();
+  const torch::NoGradGuard no_grad;
+  if (stats_on_) stream_stats_add(g, found_inf);
+#ifdef TRIACCEL_WITH_CUDA
+  if (!params_.empty() && params_[0].is_cuda()) {
+    const at::Tensor ok = found_inf.reshape({}).eq(0);
+    counts_.add_(ok.to(at::kDouble));
+    const AdamStepHyper hyper{static_cast<float>(options_.beta1), static_cast<float>(options_.beta2),
+                              static_cast<float>(options_.eps)};
+    std::map<StateFormat, std::vector<size_t>> groups;
+    for (size_t i = 0; i < params_.size(); ++i) groups[states_[i].format].push_back(i);
+    for (const auto& [format, idx] : groups) {
+      std::vector<at::Tensor> ps, gs, ms, vs, mas, vas;
+      std::vector<float> wds, scales, ks;
+      std::vector<int64_t> rows;
+      for (size_t i : idx) {
+        const BaocTensorState& s = states_[i];
+        ps.push_back(params_[i]);
+        gs.push_back(g[i]);
+        ms.push_back(s.m);
+        vs.push_back(s.v);
+        mas.push_back(s.m_absmax);
+        vas.push_back(s.v_absmax);
+        wds.push_back(weight_decays_[i]);
+        scales.push_back(lr_scales_[i]);
+        ks.push_back(s.sgd_scale);
+        rows.push_back(static_cast<int64_t>(i));
+      }
+      if (format == StateFormat::kAdamW8) {
+        adam8_step_cuda(ps, gs, ms, vs, mas, vas, wds, scales, counts_, rows, map_signed_, map_unsigned_, lr,
+                        found_inf, hyper);
+      } else if (format == StateFormat::kFactored) {
+        // Matrices: the factored kernel. 1-D tensors keep a full v: the same math as kNoMomentum.
+        std::vector<at::Tensor> fp, fg, fr, fc, np, ng, nm, nv;
+        std::vector<float> fwd, fsc, nwd, nsc, nk;
+        std::vector<int64_t> frow, nrow;
+        for (size_t j = 0; j < idx.size(); ++j) {
+          const BaocTensorState& s = states_[idx[j]];
+          if (s.v_row.defined()) {
+            fp.push_back(ps[j]); fg.push_back(gs[j]); fr.push_back(s.v_row); fc.push_back(s.v_col);
+            fwd.push_back(wds[j]); fsc.push_back(scales[j]); frow.push_back(rows[j]);
+          } else {
+            np.push_back(ps[j]); ng.push_back(gs[j]); nm.push_back(at::Tensor()); nv.push_back(s.v);
+            nwd.push_back(wds[j]); nsc.push_back(scales[j]); nk.push_back(ks[j]); nrow.push_back(rows[j]);
+          }
+        }
+        factored_step_cuda(fp, fg, fr, fc, fwd, fsc, counts_, frow, lr, found_inf, hyper);
+        adam_step_cuda(StateFormat::kNoMomentum, np, ng, nm, nv, nwd, nsc, nk, counts_, nrow, lr, found_inf, hyper);
+      } else {
+        adam_step_cuda(format, ps, gs, ms, vs, wds, scales, ks, counts_, rows, lr, found_inf, hyper);
+      }
+    }
+    return;
+  }
+#endif
+  // The reference path syncs on found_inf; the CUDA path reads it on the device.
+  if (found_inf.item<float>() != 0.f) return;
+  counts_.add_(1.0);
+  const at::Tensor counts_cpu = counts_.cpu();
+  const double lr_value = lr.item<double>();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto row = static_cast<int64_t>(i);
+    baoc_tensor_step_reference(states_[i], params_[i], g[i], lr_value * lr_scales_[i], weight_decays_[i],
+                               counts_cpu[row][0].item<double>(), counts_cpu[row][1].item<double>(), options_,
+                               map_signed_, map_unsigned_);
+  }
+}
+
+void baoc_tensor_step_reference(BaocTensorState& s, const at::Tensor& p, const at::Tensor& g_in, double lr_eff,
+                                double wd, double count_m, double count_v, const BaocOptions& o,
+                                const at::Tensor& map_signed, const at::Tensor& map_unsigned) {
+  const torch::NoGradGuard no_grad;
+  const at::Tensor g = like_param(g_in, p);
+  const double bc1 = bias_correction(o.beta1, count_m);
+  const double bc2 = bias_correction(o.beta2, count_v);
+  switch (s.format) {
+    case StateFormat::kAdamW32:
+    case StateFormat::kAdamW16:
+    case StateFormat::kAdamW8: {
+      // The order of torch::optim::AdamW: decay, moments, denom = √v / √bc2 + ε, p −= (lr / bc1) · m / denom.
+      at::Tensor m, v;
+      if (s.format == StateFormat::kAdamW32) {
+        m = s.m;
+        v = s.v;
+      } else if (s.format == StateFormat::kAdamW16) {
+        m = s.m.to(at::kFloat);
+        v = s.v.to(at::kFloat);
+      } else {
+        m = decode_like(s.m, s.m_absmax, p, map_signed);
+        v = decode_like(s.v, s.v_absmax, p, map_unsigned);
+      }
+      p.mul_(1 - lr_eff * wd);
+      m.mul_(o.beta1).add_(g, 1 - o.beta1);
+      v.mul_(o.beta2).addcmul_(g, g, 1 - o.beta2);
+      const at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(o.eps);
+      p.addcdiv_(m, denom, -lr_eff / bc1);
+      if (s.format == StateFormat::kAdamW16) {
+        s.m.copy_(m);
+        s.v.copy_(v);
+      } else if (s.format == StateFormat::kAdamW8) {
+        Quantized8 qm = encode_like(m, p, map_signed);
+        Quantized8 qv = encode_like(v, p, map_unsigned);
+        s.m.copy_(qm.codes);
+        s.m_absmax.copy_(qm.absmax);
+        s.v.copy_(qv.codes);
+        s.v_absmax.copy_(qv.absmax);
+      }
+      break;
+    }
+    case StateFormat::kFactored:
+    case StateFormat::kNoMomentum: {
+      const auto f32 = p.options().dtype(at::kFloat);
+      second_moment_only_step(s, p, g, at::scalar_tensor(lr_eff, f32), wd, at::scalar_tensor(bc2, f32),
+                              at::scalar_tensor(true, p.options().dtype(at::kBool)), o);
+      break;
+    }
+    case StateFormat::kSgdMomentum:
+      p.mul_(1 - lr_eff * wd);
+      s.m.mul_(o.beta1).add_(g, 1 - o.beta1);
+      p.add_(s.m, -lr_eff * s.sgd_scale / bc1);
+      break;
+    case StateFormat::kSgd:
+      p.mul_(1 - lr_eff * wd);
+      p.add_(g, -lr_eff * s.sgd_scale);
+      break;
+  }
+}
+
+void BaocOptimizer::stream_stats_enable(bool on) {
+  if (on == stats_on_) return;
+  stats_on_ = on;
+  stats_prev_.clear();
+  if (!stats_have_prev_.defined()) stats_have_prev_ = at::zeros({1}, counts_.options());
+  stats_have_prev_.zero_();
+  if (on) {
+    const auto f64 = counts_.options();
+    if (!stats_sum_.defined()) stats_sum_ = at::zeros({static_cast<int64_t>(params_.size()), kStreamColumns}, f64);
+    for (const auto& p : params_) stats_prev_.push_back(at::zeros_like(p, p.options().dtype(at::kFloat)));
+  }
+}
+
+void BaocOptimizer::stream_stats_add(const std::vector<at::Tensor>& grads, const at::Tensor& found_inf) {
+  const at::Tensor ok = found_inf.reshape({}).eq(0);
+  const at::Tensor zero = at::zeros({}, counts_.options());
+  const at::Tensor have_prev = stats_have_prev_.reshape({});
+  std::vector<at::Tensor> rows;
+  // No host branches on the window's progress: the previous gradient starts at zero (its terms add nothing) and
+  // have_prev, a device flag, masks |g_t|² of the window's first step, so a captured graph replays correctly.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor g = like_param(grads[i], params_[i]);
+    const at::Tensor gg = (g * g).sum().to(at::kDouble);
+    const at::Tensor pair_dot = (g * stats_prev_[i]).sum().to(at::kDouble);
+    const at::Tensor pair_prev = (stats_prev_[i] * stats_prev_[i]).sum().to(at::kDouble);
+    const at::Tensor pair_cur = gg * have_prev;
+    const at::Tensor m = m_float(i);
+    const at::Tensor mom_dot = m.defined() ? (g * m).sum().to(at::kDouble) : zero;
+    const at::Tensor mom_sq = m.defined() ? (m * m).sum().to(at::kDouble) : zero;
+    const at::Tensor mom_gg = m.defined() ? gg : zero;
+    rows.push_back(at::stack({pair_dot, pair_prev, pair_cur, mom_dot, mom_sq, mom_gg}));
+    stats_prev_[i].copy_(at::where(ok, g, stats_prev_[i]));
+  }
+  const at::Tensor sums = at::stack(rows);  // (T, kStreamColumns)
+  stats_sum_.add_(at::where(ok, sums, at::zeros_like(sums)));
+  stats_have_prev_.copy_(at::where(ok, at::ones_like(stats_have_prev_), stats_have_prev_));
+}
+
+at::Tensor BaocOptimizer::stream_stats_take() {
+  if (!stats_sum_.defined()) return at::zeros({static_cast<int64_t>(params_.size()), kStreamColumns}, at::kDouble);
+  const at::Tensor out = stats_sum_.cpu().clone();
+  stats_sum_.zero_();
+  return out;
+}
+
+Optimizer::NamedTensors BaocOptimizer::state_tensors() {
+  state_init();
+  NamedTensors out;
+  std::vector<int64_t> codes;
+  std::vector<float> scales;
+  for (const auto& s : states_) {
+    codes.push_back(static_cast<int64_t>(s.format));
+    scales.push_back(s.sgd_scale);
+  }
+  out.emplace_back("baoc.formats", at::tensor(codes, at::kLong));
+  out.emplace_back("baoc.sgd_scales", at::tensor(scales, at::kFloat));
+  out.emplace_back("baoc.counts", counts_);
+  // The statistics window in progress (so a resume inside it stays exact).
+  if (!stats_sum_.defined()) stats_sum_ = at::zeros({static_cast<int64_t>(params_.size()), kStreamColumns}, counts_.options());
+  out.emplace_back("baoc.stream_sums", stats_sum_);
+  if (!stats_have_prev_.defined()) stats_have_prev_ = at::zeros({1}, counts_.options());
+  out.emplace_back("baoc.stream_have_prev", stats_have_prev_);
+  if (stats_on_) {
+    for (size_t i = 0; i < params_.size(); ++i) out.emplace_back(names_[i] + ".g_prev", stats_prev_[i]);
+  }
+  for (size_t i = 0; i < states_.size(); ++i) {
+    const BaocTensorState& s = states_[i];
+    const std::pair<const char*, const at::Tensor*> fields[] = {{".m", &s.m},           {".v", &s.v},
+                                                                {".m_absmax", &s.m_absmax}, {".v_absmax", &s.v_absmax},
+                                                                {".v_row", &s.v_row},   {".v_col", &s.v_col}};
+    for (const auto& [suffix, t] : fields) {
+      if (t->defined()) out.emplace_back(names_[i] + suffix, *t);
+    }
+  }
+  return out;
+}
+
+void BaocOptimizer::state_load(const NamedTensors& stored, const std::string& path) {
+  const auto find = [&](const std::string& name) -> at::Tensor {
+    for (const auto& [n, t] : stored) {
+      if (n == name) return t;
+    }
+    throw UserError("checkpoint " + path + " lacks optimizer tensor '" + name +
+                    "' (written by another --optimizer? resume with the one it was trained with)");
+  };
+  const at::Tensor codes = find("baoc.formats").to(at::kLong).contiguous();
+  const at::Tensor scales = find("baoc.sgd_scales").to(at::kFloat).contiguous();
+  TRIACCEL_CHECK_INPUT(codes.numel() == static_cast<int64_t>(params_.size()), "checkpoint ", path, " holds ",
+                       codes.numel(), " optimizer formats, this run has ", params_.size(), " parameters");
+  std::vector<StateFormat> formats;
+  for (int64_t i = 0; i < codes.numel(); ++i) {
+    const int64_t c = codes[i].item<int64_t>();
+    TRIACCEL_CHECK_INPUT(c >= 0 && c < kStateFormatCount, "checkpoint ", path, " has a bad optimizer format code ", c);
+    formats.push_back(static_cast<StateFormat>(c));
+  }
+  // Fresh state in the stored formats, then every tensor copied in by name.
+  initialized_ = false;
+  pending_formats_ = formats;
+  state_init();
+  for (size_t i = 0; i < states_.size(); ++i) states_[i].sgd_scale = scales[static_cast<int64_t>(i)].item<float>();
+  bool window_open = false;
+  for (const auto& [n, t] : stored) window_open = window_open || (!names_.empty() && n == names_[0] + ".g_prev");
+  stream_stats_enable(window_open);
+  named_tensors_load(state_tensors(), stored, "optimizer", path);
+}
+
+}  // namespace triaccel

@@ -1,0 +1,30 @@
+// 8-bit block-wise quantization of optimizer state with dynamic (exponent-spaced) maps.
+// A map is 256 float32 values sorted ascending in [-1, 1] (signed) or [0, 1] (unsigned). Our generator: the
+// magnitudes are split into decades (10^-(e+1), 10^-e], e = 0, 1, ...; decade e holds 2^(B-1-e) evenly spaced
+// values (B magnitude bits: 7 signed, 8 unsigned), so precision is relative: fine near the block maximum, coarse
+// but present down to 1e-7 (signed) / 1e-8 (unsigned) of it. The signed map mirrors the magnitudes around zero
+// (zero appears twice, which keeps 256 entries). A tensor is cut into blocks of kQuantBlock elements in memory order
+// (the last one may be short); each block stores its absmax a (float32) and, per element, the index of the map
+// value nearest to x / a (ties to the lower index). Dequantization: map[code] · a. A block of zeros has a = 0.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+namespace triaccel {
+
+// (256) float32 on the CPU.
+at::Tensor quant8_map(bool is_signed);
+// (255) float32: midpoints between successive map values (the decision boundaries of nearest rounding).
+at::Tensor quant8_midpoints(const at::Tensor& map);
+
+struct Quantized8 {
+  at::Tensor codes;   // (numel) uint8
+  at::Tensor absmax;  // (ceil(numel / 256)) float32
+};
+
+// x: float32, any shape (read in memory order of x.contiguous()). Reference implementation in ATen.
+Quantized8 quant8_encode(const at::Tensor& x, const at::Tensor& map);
+// The float32 tensor of `shape` (contiguous) that q encodes.
+at::Tensor quant8_decode(const Quantized8& q, const at::Tensor& map, at::IntArrayRef shape);
+
+}  // namespace triaccel

@@ -1,0 +1,41 @@
+// Optimizer-state formats: how one parameter tensor is updated and what state it keeps (docs/baoc.md).
+// Every format applies decoupled weight decay p ← p·(1 − lr·s·wd) first (s: the tensor's lr scale), then:
+//   kAdamW32     m, v float32                      p −= lr·s · m̂ / (√v̂ + ε)          (torch.optim.AdamW)
+//   kAdamW16     m, v bfloat16 (updated in fp32, stored rounded to nearest)
+//   kAdamW8      m, v 8-bit codes, block-wise (256) absmax scales in float32: m on the signed dynamic map,
+//                v on the unsigned one (optim/quant8.h); updated in fp32, re-quantized after each step
+//   kFactored    no first moment; second moment factored Adafactor-style for tensors with dim ≥ 2 viewed as
+//                (R = size(0), C = numel / R): row means r (R) and column means c (C) of g², v̂ ≈ r cᵀ / mean(r);
+//                1-D tensors keep a full float32 v.                 p −= lr·s · g / (√v̂ + ε)
+//   kNoMomentum  no first moment, full float32 v                    p −= lr·s · g / (√v̂ + ε)
+//   kSgdMomentum float32 m (the same EMA as AdamW's m)              p −= lr·s·k · m̂
+//   kSgd         no state                                           p −= lr·s·k · g
+// m̂, v̂ are bias-corrected by per-tensor step counts (a moment created fresh by a conversion restarts its count).
+// k is a per-tensor constant 1 / (√mean(v̂) + ε) frozen when the tensor enters an SGD format (BAOC planner): SGD on
+// the AdamW learning-rate scale, with one scalar preconditioner per tensor instead of one per element.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace triaccel {
+
+enum class StateFormat : int { kAdamW32 = 0, kAdamW16, kAdamW8, kFactored, kNoMomentum, kSgdMomentum, kSgd };
+
+constexpr int kStateFormatCount = 7;
+constexpr int64_t kQuantBlock = 256;  // elements per absmax block of kAdamW8
+
+const std::vector<StateFormat>& state_formats_all();
+std::string state_format_name(StateFormat f);  // "adamw-fp32", "adamw-bf16", "adamw-8bit", "factored", ...
+StateFormat state_format_parse(const std::string& name);  // UserError listing the names
+bool state_format_has_m(StateFormat f);
+bool state_format_has_v(StateFormat f);  // full or factored second moment
+
+// Exact optimizer-state bytes of one parameter tensor of this shape in format f (scales and factors included).
+int64_t state_format_bytes(StateFormat f, const std::vector<int64_t>& shape);
+
+// The (R, C) view a factored format uses for `shape`; {0, 0} when the tensor keeps a full v (dim < 2, R or C = 1).
+std::pair<int64_t, int64_t> state_format_factor_shape(const std::vector<int64_t>& shape);
+
+}  // namespace triaccel

@@ -1,0 +1,266 @@
+// BAOC planning: the exact allocation against brute force on random small instances, the risk model's
+// monotonicity, budget parsing and its errors, signals from gradient streams, and a plan for the small CNN.
+#include "test_util.h"
+#include "triaccel/core/errors.h"
+#include "triaccel/core/io.h"
+#include "triaccel/models/model.h"
+#include "triaccel/optim/allocation.h"
+#include "triaccel/optim/baoc_driver.h"
+#include "triaccel/optim/baoc_optimizer.h"
+#include "triaccel/optim/planner.h"
+#include "triaccel/optim/risk.h"
+#include "triaccel/optim/signals.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <random>
+#include <set>
+
+namespace triaccel {
+namespace {
+
+AllocationProblem random_problem(std::mt19937& rng, bool timed) {
+  std::uniform_int_distribution<int> units(1, 5), options(1, 4), bytes(0, 40), time(0, 9);
+  std::uniform_real_distribution<double> risk(0, 1);
+  AllocationProblem p;
+  const int n = units(rng);
+  for (int u = 0; u < n; ++u) {
+    std::vector<AllocationOption> opts;
+    const int k = options(rng);
+    for (int j = 0; j < k; ++j) opts.push_back({risk(rng), bytes(rng), static_cast<double>(time(rng))});
+    p.units.push_back(opts);
+  }
+  p.memory_budget = std::uniform_int_distribution<int>(0, 40 * n)(rng);
+  if (timed) {
+    p.time_budget = std::uniform_int_distribution<int>(1, 9 * n)(rng);
+    p.time_buckets = static_cast<int64_t>(p.time_budget);  // one bucket per time unit: the DP is exact
+  }
+  return p;
+}
+
+TEST(AllocationTest, DynamicProgramEqualsBruteForceOnRandomInstances) {
+  std::mt19937 rng(7);
+  int feasible = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const AllocationProblem p = random_problem(rng, trial % 2 == 1);
+    const AllocationResult dp = allocation_solve(p), bf = allocation_brute_force(p);
+    ASSERT_EQ(dp.feasible, bf.feasible) << "trial " << trial;
+    if (!bf.feasible) continue;
+    ++feasible;
+    EXPECT_NEAR(dp.risk, bf.risk, 1e-9) << "trial " << trial;
+    EXPECT_LE(dp.bytes, p.memory_budget);
+    if (p.time_budget >= 0) EXPECT_LE(dp.time, p.time_budget + 1e-9);
+  }
+  EXPECT_GT(feasible, 100);  // the instances are not all trivially infeasible
+}
+
+TEST(AllocationTest, CoarseBucketsStayWithinTheRealBudget) {
+  std::mt19937 rng(8);
+  for (int trial = 0; trial < 100; ++trial) {
+    AllocationProblem p = random_problem(rng, true);
+    for (auto& opts : p.units) for (auto& o : opts) o.bytes *= 1000003;  // large, not multiples of a bucket
+    p.memory_budget *= 1000003;
+    p.time_buckets = 7;
+    const AllocationResult dp = allocation_solve(p), bf = allocation_brute_force(p);
+    if (dp.feasible) {
+      EXPECT_TRUE(bf.feasible);
+      EXPECT_LE(dp.bytes, p.memory_budget);
+      EXPECT_LE(dp.time, p.time_budget + 1e-9);
+      EXPECT_GE(dp.risk, bf.risk - 1e-9);
+    }
+  }
+}
+
+TEST(RiskTest, Monotonicity) {
+  UnitSignals base;
+  base.params = 100;
+  base.cos_successive = 0.5;
+  base.cos_momentum = 0.6;
+  base.snr = 0.1;
+  base.precond_error = 0.3;
+  base.factor_error = 0.2;
+  base.quant_error_bf16 = 0.004;
+  base.quant_error_8bit = 0.03;
+  EXPECT_EQ(risk_unit_format(StateFormat::kAdamW32, base), 0.0);
+  UnitSignals worse = base;
+  worse.quant_error_8bit = 0.1;
+  EXPECT_GT(risk_unit_format(StateFormat::kAdamW8, worse), risk_unit_format(StateFormat::kAdamW8, base));
+  worse = base;
+  worse.quant_error_bf16 = 0.01;
+  EXPECT_GT(risk_unit_format(StateFormat::kAdamW16, worse), risk_unit_format(StateFormat::kAdamW16, base));
+  // Lower directional stability ⇒ more risk without momentum (no-momentum, factored, plain SGD).
+  worse = base;
+  worse.cos_successive = 0.1;
+  for (StateFormat f : {StateFormat::kNoMomentum, StateFormat::kFactored, StateFormat::kSgd}) {
+    EXPECT_GT(risk_unit_format(f, worse), risk_unit_format(f, base)) << state_format_name(f);
+  }
+  worse = base;
+  worse.cos_momentum = 0.2;
+  EXPECT_GT(risk_unit_format(StateFormat::kNoMomentum, worse), risk_unit_format(StateFormat::kNoMomentum, base));
+  // Higher signal-to-noise ⇒ momentum matters less.
+  UnitSignals better = base;
+  better.snr = 2;
+  EXPECT_LT(risk_unit_format(StateFormat::kNoMomentum, better), risk_unit_format(StateFormat::kNoMomentum, base));
+  // More anisotropy ⇒ more risk for a scalar preconditioner; worse rank-1 fit ⇒ more risk factored.
+  worse = base;
+  worse.precond_error = 0.6;
+  EXPECT_GT(risk_unit_format(StateFormat::kSgdMomentum, worse), risk_unit_format(StateFormat::kSgdMomentum, base));
+  worse = base;
+  worse.factor_error = 0.5;
+  EXPECT_GT(risk_unit_format(StateFormat::kFactored, worse), risk_unit_format(StateFormat::kFactored, base));
+  // Momentum-free formats are never less risky than their momentum counterparts on the same signals.
+  EXPECT_GE(risk_unit_format(StateFormat::kSgd, base), risk_unit_format(StateFormat::kSgdMomentum, base));
+  // Weighting by size: a unit with twice the parameters carries twice the risk.
+  UnitSignals big = base;
+  big.params = 200;
+  EXPECT_NEAR(risk_weighted(StateFormat::kAdamW8, big, 1000), 2 * risk_weighted(StateFormat::kAdamW8, base, 1000), 1e-12);
+}
+
+TEST(PlannerTest, BudgetsParse) {
+  EXPECT_EQ(optim_memory_budget_parse("15%", 1000), 150);
+  EXPECT_EQ(optim_memory_budget_parse("200MB", 1000), 200000000);
+  EXPECT_EQ(optim_memory_budget_parse("1.5KiB", 1000), 1536);
+  EXPECT_THROW(optim_memory_budget_parse("abc%", 1000), UserError);
+  EXPECT_THROW(optim_memory_budget_parse("150%", 1000), UserError);
+  EXPECT_DOUBLE_EQ(optim_time_budget_parse("1.1x", 2.0), 2.2);
+  EXPECT_LT(optim_time_budget_parse("none", 2.0), 0);
+  EXPECT_LT(optim_time_budget_parse("", 2.0), 0);
+  EXPECT_THROW(optim_time_budget_parse("fast", 2.0), UserError);
+}
+
+TEST(PlannerTest, ChoosesTheLowRiskCheapFormatsAndSaysTheMinimumWhenTheBudgetIsTooSmall) {
+  // Two equal units: A quantizes badly, B has unstable gradients (momentum matters).
+  std::vector<PlanUnitInput> units = {{"A", {{100, 10}}}, {"B", {{100, 10}}}};
+  UnitSignals a, b;
+  a.quant_error_8bit = 0.5;
+  a.cos_successive = a.cos_momentum = 1;  // stable: momentum-free formats cost nothing
+  a.factor_error = 0.01;
+  a.precond_error = 0.5;  // a scalar preconditioner would turn its update a lot
+  b.precond_error = 0.5;
+  b.quant_error_bf16 = 0.005;
+  b.quant_error_8bit = 0.01;
+  b.cos_successive = b.cos_momentum = -0.5;
+  b.factor_error = 0.01;
+  PlannerOptions o;
+  o.memory_budget = "20%";  // 3200 bytes: too little for bf16 on B (4000)
+  const Plan plan = plan_solve(units, {a, b}, o);
+  ASSERT_EQ(plan.units.size(), 2u);
+  EXPECT_EQ(plan.adamw_fp32_bytes, 16000);
+  EXPECT_LE(plan.bytes, 3200);
+  EXPECT_EQ(plan.units[0].format, StateFormat::kFactored);  // cheap and (almost) riskless for the stable unit
+  EXPECT_EQ(plan.units[1].format, StateFormat::kAdamW8);   // keeps momentum, quantizes well
+  const Json j = plan_to_json(plan);
+  EXPECT_EQ(j["units"][1]["format"], "adamw-8bit");
+  EXPECT_EQ(j["adamw_fp32_bytes"], 16000);
+
+  o.formats = {StateFormat::kAdamW32, StateFormat::kAdamW8};
+  o.memory_budget = "10%";
+  try {
+    plan_solve(units, {a, b}, o);
+    FAIL() << "expected a UserError";
+  } catch (const UserError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("at least 4064 bytes"), std::string::npos) << msg;  // 2 × (2·1000 + 2·4·4 blocks)
+    EXPECT_NE(msg.find("--optim-memory-budget"), std::string::npos) << msg;
+  }
+}
+
+TEST(PlannerTest, MeasuredStepTimesDecideUnderATimeBudget) {
+  test::TempDir dir("optim_time_table");
+  // A bench_optim_step result in which 8-bit is the slowest format (per 1000 elements, CUDA-graph medians).
+  Json rows = Json::array();
+  const std::vector<std::pair<std::string, double>> ms = {{"adamw-fp32", 1.0}, {"adamw-bf16", 0.8}, {"adamw-8bit", 1.5},
+                                                          {"factored", 0.5},   {"no-momentum", 0.8}, {"sgd-momentum", 0.8},
+                                                          {"sgd", 0.4}};
+  for (const auto& [name, t] : ms) rows.push_back(Json{{"format", name}, {"graph", Json{{"median_ms", t}}}});
+  rows.push_back(Json{{"system", "libtorch"}, {"time", Json{{"median_ms", 3.0}}}});
+  const std::string path = dir.file("optim_step.json");
+  file_write_atomic(path, Json{{"bench", "optim_step"}, {"params", 1000}, {"rows", rows}}.dump());
+  PlannerOptions o;
+  o.time_model = step_time_model_from_bench(path);
+  EXPECT_DOUBLE_EQ(o.time_model.seconds(StateFormat::kAdamW8, 1000), 1.5e-3);
+  std::vector<PlanUnitInput> units = {{"A", {{100, 10}}}};
+  UnitSignals s;
+  s.quant_error_8bit = 0.001;  // 8-bit is nearly free in risk
+  s.factor_error = 0.3;
+  s.precond_error = 0.3;
+  s.cos_successive = s.cos_momentum = 0;
+  o.memory_budget = "30%";
+  EXPECT_EQ(plan_solve(units, {s}, o).units[0].format, StateFormat::kAdamW8);
+  o.time_budget = "1.2x";  // 1.2 ms: 8-bit (1.5 ms) no longer fits
+  const Plan timed = plan_solve(units, {s}, o);
+  EXPECT_NE(timed.units[0].format, StateFormat::kAdamW8);
+  EXPECT_LE(timed.time_s, 1.2e-3 + 1e-12);
+  EXPECT_EQ(plan_to_json(timed)["time_model"], path);
+  file_write_atomic(path, Json{{"bench", "optim_step"}, {"params", 1000}, {"rows", Json::array()}}.dump());
+  EXPECT_THROW(step_time_model_from_bench(path), UserError);
+  EXPECT_THROW(step_time_model_from_bench(dir.file("missing.json")), UserError);
+}
+
+TEST(SignalsTest, StableGradientsScoreHigherDirectionalStabilityThanNoise) {
+  torch::manual_seed(11);
+  at::Tensor stable = torch::zeros({64, 32}).set_requires_grad(true);
+  at::Tensor noisy = torch::zeros({64, 32}).set_requires_grad(true);
+  BaocOptimizer opt({{"stable", stable}, {"noisy", noisy}}, BaocOptions{});
+  opt.stream_stats_enable(true);
+  const at::Tensor direction = torch::randn({64, 32});
+  for (int step = 0; step < 20; ++step) {
+    stable.mutable_grad() = direction + 0.1 * torch::randn({64, 32});
+    noisy.mutable_grad() = torch::randn({64, 32});
+    opt.step(torch::full({1}, 1e-3), torch::zeros({1}));
+  }
+  const auto s = baoc_signals(opt, opt.stream_stats_take(), {0, 1}, 2);
+  EXPECT_GT(s[0].cos_successive, 0.9);
+  EXPECT_LT(std::abs(s[1].cos_successive), 0.1);
+  EXPECT_GT(s[0].cos_momentum, s[1].cos_momentum);
+  EXPECT_GT(s[0].snr, s[1].snr);
+  EXPECT_GT(risk_unit_format(StateFormat::kNoMomentum, s[1]), risk_unit_format(StateFormat::kNoMomentum, s[0]));
+  // Quantization errors are measured and ordered: 8-bit loses more than bf16.
+  EXPECT_GT(s[1].quant_error_8bit, s[1].quant_error_bf16);
+  EXPECT_GT(s[1].quant_error_bf16, 0);
+  EXPECT_EQ(s[0].params, 64 * 32);
+}
+
+TEST(SignalsTest, SmallCnnPlanAtFifteenPercentFitsAndMixesFormats) {
+  torch::manual_seed(12);
+  ModelOptions mo;
+  mo.name = "small-cnn";
+  mo.in_channels = 1;
+  mo.image_size = 28;
+  const auto model = model_create(mo);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& item : model->named_parameters()) named.emplace_back(item.key(), item.value());
+  BaocOptimizer opt(named, BaocOptions{});
+  TrainOptions to;
+  to.optimizer = "baoc";
+  to.optim_memory_budget = "15%";
+  to.plan_warmup = 6;
+  int invalidations = 0;
+  BaocDriver driver(to, *model, opt, [&]() { ++invalidations; }, 1);
+  EXPECT_TRUE(opt.stream_stats_enabled());
+  const at::Tensor x = torch::randn({32, 1, 28, 28});
+  const at::Tensor y = torch::randint(0, 10, {32});
+  Json plan;
+  for (int64_t step = 1; step <= 6; ++step) {
+    for (auto& p : opt.params()) p.mutable_grad() = at::Tensor();
+    at::cross_entropy_loss(model->forward(x), y).backward();
+    opt.step(torch::full({1}, 1e-3), torch::zeros({1}));
+    for (const auto& [name, fields] : driver.after_step(step)) {
+      if (name == "plan") plan = fields;
+    }
+  }
+  ASSERT_FALSE(plan.is_null());
+  EXPECT_FALSE(opt.stream_stats_enabled());
+  EXPECT_LE(plan["total_bytes"].get<int64_t>(), plan["budget_bytes"].get<int64_t>());
+  EXPECT_EQ(plan["adamw_fp32_bytes"].get<int64_t>(), 8 * model->parameter_count());
+  EXPECT_EQ(plan["state_bytes"].get<int64_t>(), opt.state_bytes());
+  EXPECT_EQ(opt.state_bytes(), plan["total_bytes"].get<int64_t>());
+  std::set<std::string> formats;
+  for (const auto& u : plan["units"]) formats.insert(u["format"].get<std::string>());
+  EXPECT_GE(formats.size(), 2u) << plan.dump();
+  EXPECT_GE(invalidations, 2);  // statistics off, state converted
+}
+
+}  // namespace
+}  // namespace triaccel
