@@ -120,6 +120,18 @@ struct TrainFlags {
     add("vram_budget", app.add_option("--vram-budget", o.vram_budget,
                                       "GPU memory budget, e.g. 2GB or 1.5GiB: the allocator is capped at it and "
                                       "tri-accel sizes the batch by it (default: none)"));
+    add("nf_max_batch", app.add_option("--nf-max-batch", o.nf_max_batch, "neuroflux: cap on a block's batch size")
+                            ->capture_default_str());
+    add("nf_holdout", app.add_option("--nf-holdout", o.nf_holdout,
+                                     "neuroflux: training samples held out to choose the exit (at most 10%)")
+                          ->capture_default_str());
+    add("nf_exit_tolerance", app.add_option("--nf-exit-tolerance", o.nf_exit_tolerance,
+                                            "neuroflux: exported exit = fewest parameters whose held-out accuracy is "
+                                            "within this many points of the full network's")
+                                 ->capture_default_str());
+    add("nf_profile", app.add_option("--nf-profile", o.nf_profile,
+                                     "neuroflux: memory profile auto|model|measured (auto: measured on CUDA)")
+                          ->capture_default_str());
     add("lr_batch_rule", app.add_option("--lr-batch-rule", o.lr_batch_rule,
                                         "how the lr follows a batch change (elastic batch, out-of-memory retry): "
                                         "none|linear|sqrt")

@@ -82,6 +82,46 @@ expect resume_finishes 0 "done: test acc" -- train --resume "$WORK/run" --progre
 if [ -f "$WORK/run/model.pt" ] && tail -n 1 "$WORK/run/events.jsonl" | grep -q '"event":"summary"'; then
   passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL resume_finishes: no model.pt or summary"; fi
 
+# NeuroFlux: bad input, then a run that trains block by block from the cache and exports a smaller exit model.
+expect nf_budget_too_small 2 "is below what NeuroFlux needs for this model: at least" -- train "${TINY[@]}" --method neuroflux --vram-budget 100KB --out "$WORK/nf0"
+expect nf_fp16 2 "--method neuroflux supports --precision fp32 or amp-bf16" -- train "${TINY[@]}" --method neuroflux --precision amp-fp16 --out "$WORK/nf0"
+expect nf_bad_tolerance 2 "--nf-exit-tolerance must be in [0, 100]" -- train "${TINY[@]}" --method neuroflux --nf-exit-tolerance -1
+expect nf_not_a_cnn 2 "--method neuroflux trains CNNs (resnet18, efficientnet-b0, small-cnn), got --model vit-tiny" -- train "${TINY[@]}" --method neuroflux --model vit-tiny
+expect nf_adamw 2 "--method neuroflux trains every block with the fused SGD" -- train "${TINY[@]}" --method neuroflux --optimizer adamw
+expect nf_bad_profile 2 "--nf-profile must be auto, model or measured, got 'guess'" -- train "${TINY[@]}" --method neuroflux --nf-profile guess
+if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  expect nf_measured_on_cpu 2 "--nf-profile measured needs a CUDA device" -- train "${TINY[@]}" --method neuroflux --nf-profile measured --out "$WORK/nf0"
+fi
+# The tiny set under the name fashion-mnist (the issue's command, small enough for CI); 8MB forces several blocks.
+expect nf_trains 0 "done: test acc" -- train "${TINY[@]}" --dataset fashion-mnist --method neuroflux --epochs 1 --vram-budget 8MB --nf-exit-tolerance 100 --out "$WORK/nf" --progress lines
+if python3 - "$WORK/nf" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+ev = [json.loads(l) for l in open(f"{d}/events.jsonl")]
+blocks = [e for e in ev if e["event"] == "block"]
+ex = [e for e in ev if e["event"] == "exit"]
+assert len(blocks) >= 2 and blocks[0]["input"] == "data" and all(b["input"] == "cache" for b in blocks[1:]), blocks
+assert len(ex) == 1 and ex[0]["chosen"]["params"] < ev[-1]["params"] and ex[0]["chosen"]["images_per_s"] > 0, ex
+assert ev[-1]["event"] == "summary" and ev[-1]["method"] == "neuroflux"
+assert os.path.getsize(f"{d}/exit_model.pt") < os.path.getsize(f"{d}/model.pt")
+assert json.load(open(f"{d}/exit.json"))["params"] == ex[0]["chosen"]["params"]
+PY
+then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nf_trains: events/exports not as expected"; fi
+# The issue's command itself, on the real Fashion-MNIST where it is installed (about 15 s on 2 free cores).
+if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte ] || [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+  expect nf_issue_command 0 "done: test acc" -- train --method neuroflux --model small-cnn --dataset fashion-mnist --device cpu --out "$WORK/nf_fm" --progress lines
+  if python3 - "$WORK/nf_fm" <<'PY'
+import json, sys
+ev = [json.loads(l) for l in open(f"{sys.argv[1]}/events.jsonl")]
+blocks = [e for e in ev if e["event"] == "block"]
+chosen = [e for e in ev if e["event"] == "exit"][0]["chosen"]
+assert len(blocks) >= 2 and all(b["input"] == "cache" for b in blocks[1:]), blocks
+assert chosen["params"] < ev[-1]["params"], chosen
+PY
+  then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nf_issue_command: not block by block or no smaller exit"; fi
+fi
+expect nf_stop_after_block 0 "stopped after block 1" -- train "${TINY[@]}" --method neuroflux --epochs 1 --vram-budget 8MB --max-steps 1 --out "$WORK/nf2" --progress lines
+expect nf_resume_finishes 0 "done: test acc" -- train --resume "$WORK/nf2" --progress lines
 # BAOC: bad optimizer flags, a budget below the cheapest plan (one line naming the minimum), and a real plan.
 expect bad_optimizer 2 "--optimizer must be sgd, adamw or baoc, got 'lion'" -- train "${TINY[@]}" --optimizer lion
 expect bad_memory_budget 2 "--optim-memory-budget must be a percentage" -- plan "${TINY[@]}" --optim-memory-budget 120% --out "$WORK/p0"

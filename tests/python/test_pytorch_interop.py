@@ -221,6 +221,65 @@ def check_gpt_run(cli):
         return loss
 
 
+def check_neuroflux_exit(cli):
+    """NeuroFlux's early-exit model: exit_model.pt holds the kept units under torchvision names plus the head as
+    exit.*; rebuilt in PyTorch (torchvision's ResNet-18 stem + the documented head) it reproduces the exit's test
+    accuracy from exit.json. Tolerance 100 makes the smallest exit (after the stem) the exported one."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    import torch
+    import torch.nn.functional as F
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "cifar")
+        out = os.path.join(tmp, "nf")
+        write_tiny_cifar10(data, n_train=80, n_test=32)
+        cmd = [cli, "train", "--method", "neuroflux", "--model", "resnet18", "--dataset", "cifar10", "--data", data,
+               "--epochs", "1", "--batch-size", "16", "--device", "cpu", "--progress", "off",
+               "--nf-exit-tolerance", "100", "--out", out]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise InteropError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
+        info = json.load(open(os.path.join(out, "exit.json")))
+        if info["units_kept"] != ["stem"]:
+            raise InteropError(f"expected the stem exit with tolerance 100, got {info['units_kept']}")
+        state = torch.load(os.path.join(out, "exit_model.pt"), map_location="cpu", weights_only=True)
+        model = torchvision_model("resnet18", 10, 3)
+        result = model.load_state_dict({k: v for k, v in state.items() if not k.startswith("exit.")}, strict=False)
+        if result.unexpected_keys or any(k.startswith(("conv1.", "bn1.")) for k in result.missing_keys):
+            raise InteropError(f"exit_model.pt prefix does not match torchvision names: {result}")
+        params = sum(v.numel() for k, v in state.items() if not k.endswith(("running_mean", "running_var", "num_batches_tracked")))
+        if params != info["params"]:
+            raise InteropError(f"exit_model.pt has {params} parameters, exit.json says {info['params']}")
+        model.eval()
+
+        def head(h):
+            if "exit.conv.weight" in state:
+                h = F.conv2d(h, state["exit.conv.weight"], padding=1)
+                h = F.batch_norm(h, state["exit.bn.running_mean"], state["exit.bn.running_var"],
+                                 state["exit.bn.weight"], state["exit.bn.bias"], training=False, eps=1e-5)
+                h = F.relu(h)
+            h = F.adaptive_avg_pool2d(h, 2).flatten(1)
+            return F.linear(h, state["exit.fc.weight"], state["exit.fc.bias"])
+
+        raw = open(os.path.join(data, "test_batch.bin"), "rb").read()
+        n = len(raw) // 3073
+        rec = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(n, 3073)
+        labels = rec[:, 0].long()
+        images = rec[:, 1:].view(n, 3, 32, 32).float() / 255.0
+        mean = torch.tensor(info["mean"]).view(1, 3, 1, 1)
+        std = torch.tensor(info["std"]).view(1, 3, 1, 1)
+        with torch.no_grad():
+            logits = head(model.relu(model.bn1(model.conv1((images - mean) / std))))
+        acc = 100.0 * (logits.argmax(1) == labels).float().mean().item()
+        if abs(acc - info["test_acc"]) > 100.0 / n + 1e-6:  # at most one sample apart (float order of operations)
+            raise InteropError(f"rebuilt exit model accuracy {acc} != exit.json's {info['test_acc']}")
+        return acc
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cli", nargs="?", help="path to the triaccel CLI: train a tiny run and check its files")
@@ -234,12 +293,14 @@ def main(argv):
         try:
             acc = check_cli_run(args.cli)
             gpt_loss = check_gpt_run(args.cli)
+            exit_acc = check_neuroflux_exit(args.cli)
         except InteropError as e:
             print(f"FAIL: {e}".replace("\n", " "), file=sys.stderr)
             return 1
         print(f"ok: model.pt loads into torchvision resnet18 (strict) and reproduces test acc {acc:.2f} %; "
               "checkpoint.pt loads with weights_only=True; "
-              f"gpt-char's model.pt reproduces its validation loss {gpt_loss:.4f} in plain PyTorch")
+              f"gpt-char's model.pt reproduces its validation loss {gpt_loss:.4f} in plain PyTorch; "
+              f"NeuroFlux's exit_model.pt rebuilt in PyTorch reproduces its exit's test acc {exit_acc:.2f} %")
         return 0
     if args.arch is None:
         parser.error("--model-pt needs --arch")

@@ -14,18 +14,23 @@
 
 namespace triaccel {
 
-void model_export_state_dict(const Model& model, const std::string& path) {
-  std::unordered_set<const c10::TensorImpl*> parameters;
-  for (const auto& parameter : model.parameters(/*recurse=*/true)) parameters.insert(parameter.unsafeGetTensorImpl());
+void state_dict_write(const std::vector<std::pair<std::string, at::Tensor>>& state,
+                      const std::vector<at::Tensor>& parameters, const std::string& path) {
+  std::unordered_set<const c10::TensorImpl*> is_parameter;
+  for (const auto& parameter : parameters) is_parameter.insert(parameter.unsafeGetTensorImpl());
 
-  c10::Dict<std::string, at::Tensor> state;
-  for (const auto& [name, tensor] : model_state(model)) {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& [name, tensor] : state) {
     at::Tensor value = tensor.detach().to(at::kCPU);
-    if (parameters.count(tensor.unsafeGetTensorImpl()) != 0) value = value.to(at::kFloat);
-    state.insert(name, value.clone(at::MemoryFormat::Contiguous));
+    if (is_parameter.count(tensor.unsafeGetTensorImpl()) != 0) value = value.to(at::kFloat);
+    dict.insert(name, value.clone(at::MemoryFormat::Contiguous));
   }
 
-  file_write_atomic(path, torch_save_bytes(state));
+  file_write_atomic(path, torch_save_bytes(dict));
+}
+
+void model_export_state_dict(const Model& model, const std::string& path) {
+  state_dict_write(model_state(model), model.parameters(/*recurse=*/true), path);
 }
 
 }  // namespace triaccel

@@ -92,4 +92,9 @@ std::vector<std::pair<std::string, at::Tensor>> model_state(const Model& model);
 // Tensors are written contiguous, on the CPU, in float32 (buffers keep their dtype). Atomic (io.h).
 void model_export_state_dict(const Model& model, const std::string& path);
 
+// Writes (name, tensor) entries in the same format (e.g. a model's prefix plus an exit head, local/neuroflux.cpp):
+// entries that are in `parameters` are written as float32, the others keep their dtype.
+void state_dict_write(const std::vector<std::pair<std::string, at::Tensor>>& state,
+                      const std::vector<at::Tensor>& parameters, const std::string& path);
+
 }  // namespace triaccel

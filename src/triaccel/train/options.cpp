@@ -44,7 +44,7 @@ PrecisionMode precision_mode_parse(const std::string& name) {
 }
 
 const std::vector<std::string>& method_names() {
-  static const std::vector<std::string> names = {"backprop", "tri-accel"};
+  static const std::vector<std::string> names = {"backprop", "tri-accel", "neuroflux"};
   return names;
 }
 
@@ -81,6 +81,14 @@ void TrainOptions::validate() const {
                        ") must not exceed --tau-high (", tau_high, ")");
   vram_budget_bytes();                 // throws with the flag's name
   lr_batch_rule_parse(lr_batch_rule);  // throws with the flag's name
+  TRIACCEL_CHECK_INPUT(nf_max_batch >= 2, "--nf-max-batch must be >= 2, got ", nf_max_batch);
+  TRIACCEL_CHECK_INPUT(nf_holdout >= 0, "--nf-holdout must be >= 0, got ", nf_holdout);
+  TRIACCEL_CHECK_INPUT(nf_exit_tolerance >= 0 && nf_exit_tolerance <= 100,
+                       "--nf-exit-tolerance must be in [0, 100] (accuracy points), got ", nf_exit_tolerance);
+  TRIACCEL_CHECK_INPUT(nf_profile == "auto" || nf_profile == "model" || nf_profile == "measured",
+                       "--nf-profile must be auto, model or measured, got '", nf_profile, "'");
+  TRIACCEL_CHECK_INPUT(method != "neuroflux" || optimizer == "sgd",
+                       "--method neuroflux trains every block with the fused SGD; use --optimizer sgd, got '", optimizer, "'");
   TRIACCEL_CHECK_INPUT(optimizer == "sgd" || optimizer == "adamw" || optimizer == "baoc",
                        "--optimizer must be sgd, adamw or baoc, got '", optimizer, "'");
   TRIACCEL_CHECK_INPUT(adam_beta1 >= 0 && adam_beta1 < 1, "--adam-beta1 must be in [0, 1), got ", adam_beta1);
@@ -112,6 +120,9 @@ void TrainOptions::validate_model_data() const {
   TRIACCEL_CHECK_INPUT(method != "tri-accel" || (model != "vit-tiny" && model != "gpt-char"),
                        "--method tri-accel does not support --model ", model,
                        " yet (its curvature probe needs double backward through attention); use --method backprop");
+  // NeuroFlux's aux heads, cache and exits are built for CNN feature maps (docs/neuroflux.md).
+  TRIACCEL_CHECK_INPUT(method != "neuroflux" || model == "resnet18" || model == "efficientnet-b0" || model == "small-cnn",
+                       "--method neuroflux trains CNNs (resnet18, efficientnet-b0, small-cnn), got --model ", model);
   const bool text = dataset_kind(dataset) == DatasetKind::kTokens;
   const bool language_model = model_input(model) == ModelInput::kTokens;
   TRIACCEL_CHECK_INPUT(!language_model || text, "--model ", model, " reads text but --dataset ", dataset,
@@ -177,6 +188,10 @@ Json TrainOptions::to_json() const {
               {"ta_curvature", ta_curvature},
               {"ta_batch", ta_batch},
               {"vram_budget", vram_budget},
+              {"nf_max_batch", nf_max_batch},
+              {"nf_holdout", nf_holdout},
+              {"nf_exit_tolerance", nf_exit_tolerance},
+              {"nf_profile", nf_profile},
               {"lr_batch_rule", lr_batch_rule},
               {"optimizer", optimizer},
               {"adam_beta1", adam_beta1},
@@ -244,6 +259,12 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("ta_curvature", o.ta_curvature);
   if (j.contains("ta_batch")) get("ta_batch", o.ta_batch);
   if (j.contains("vram_budget")) get("vram_budget", o.vram_budget);  // absent in checkpoints before the flag
+  if (j.contains("nf_max_batch")) {  // absent in configurations written before NeuroFlux
+    get("nf_max_batch", o.nf_max_batch);
+    get("nf_holdout", o.nf_holdout);
+    get("nf_exit_tolerance", o.nf_exit_tolerance);
+    get("nf_profile", o.nf_profile);
+  }
   get("lr_batch_rule", o.lr_batch_rule);
   if (j.contains("optimizer")) {  // absent in checkpoints from before --optimizer (they used SGD)
     get("optimizer", o.optimizer);

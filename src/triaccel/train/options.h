@@ -64,6 +64,12 @@ struct TrainOptions {
   // Memory budget (Tri-Accel, NeuroFlux): "" = none, else a size like "2GB" (core/bytes.h). Peak allocation is kept
   // under it: the caching allocator is capped at it, and Tri-Accel's batch controller sizes the batch by it.
   std::string vram_budget;
+  // NeuroFlux (--method neuroflux; docs/neuroflux.md). Without --vram-budget the budget is what backprop needs at
+  // --batch-size (modelled or measured), so NeuroFlux trains in the memory backprop would use.
+  int64_t nf_max_batch = 512;       // cap on a block's batch size
+  int64_t nf_holdout = 5000;        // training samples held out to choose the exit (at most 10% of the split)
+  double nf_exit_tolerance = 1.0;   // exit = fewest parameters within this many points of the full network (held out)
+  std::string nf_profile = "auto";  // auto (measured on CUDA, modelled on the CPU) | model | measured
   // Out of memory: the step is retried on the same samples at a smaller batch; the lr follows the batch.
   std::string lr_batch_rule = "sqrt"; // none | linear | sqrt
 

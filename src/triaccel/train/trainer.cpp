@@ -5,6 +5,7 @@
 #include "triaccel/core/io.h"
 #include "triaccel/data/dataset.h"
 #include "triaccel/data/loader.h"
+#include "triaccel/local/neuroflux.h"
 #include "triaccel/memory/batch_controller.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/baoc_driver.h"
@@ -232,6 +233,7 @@ TrainOptions resume_options(const TrainOptions& given, const std::vector<std::st
 
 Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   options.validate();
+  if (options.method == "neuroflux") return neuroflux_run(options, hooks);  // local/neuroflux.h: its own loop
   const double t_start = time_since_start_s();
   const c10::Device device = device_resolve(options.device);
   directory_prepare_writable(options.out, "--out");

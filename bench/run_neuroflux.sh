@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# NeuroFlux vs backprop under GPU-memory budgets, side by side in one call on the device machine (docs/neuroflux.md).
+# For every model × budget: NeuroFlux runs first (its `plan` event holds the largest batch backprop fits under the
+# same budget, from the measured memory profile), then backprop at that batch, same epochs, same budget.
+# Writes $OUT/neuroflux_budgets.json ({"bench","gpu","command","commit","rows"}; copy it to bench/results/<gpu>/),
+# the runs' events under $OUT/runs/, and prints a table last.
+# Usage: bash bench/run_neuroflux.sh       env: MODELS ("resnet18 small-cnn"), BUDGETS ("0.5GB 1GB"), EPOCHS (2),
+#        NF_EXIT_TOL (5: accuracy points the exported exit may lose against NeuroFlux's full network),
+#        DEADLINE (420 s: no new pair after it), COMMIT (the device copy has no .git)
+set -uo pipefail
+MODELS=${MODELS:-resnet18 small-cnn}
+BUDGETS=${BUDGETS:-0.5GB 1GB}
+EPOCHS=${EPOCHS:-2}
+NF_EXIT_TOL=${NF_EXIT_TOL:-5}
+FINAL_OUT=${OUT:-out}
+mkdir -p "$FINAL_OUT/runs"
+TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+SITE=$(dirname "$(dirname "$TORCH_LIB")")
+NV_LIBS=$(ls -d "$SITE"/nvidia/*/lib "$SITE"/nvidia/cu13/lib 2>/dev/null | tr '\n' ':')
+export LD_LIBRARY_PATH="$TORCH_LIB:$NV_LIBS/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "gpu: $GPU"
+
+BIN=.device/bin
+if ! "$BIN/triaccel" --help >/dev/null 2>&1; then
+  echo "carried binaries do not run here; building"
+  TORCH_PREFIX=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
+    -DTRIACCEL_CUDA_ARCHITECTURES=90 -DTRIACCEL_BUILD_TESTS=OFF >"$FINAL_OUT/cmake.log" 2>&1 || { tail -30 "$FINAL_OUT/cmake.log"; exit 1; }
+  cmake --build build-gpu -j 16 --target triaccel_cli >"$FINAL_OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$FINAL_OUT/build.log" | head -30; exit 1; }
+  BIN=build-gpu
+fi
+DATA=/tmp/cifar10-bin
+if [ ! -f "$DATA/test_batch.bin" ]; then
+  python3 .device/data/build_cifar10_bin.py "$DATA" >/dev/null 2>&1 || { echo "CIFAR conversion failed"; exit 1; }
+fi
+
+COMMON=(--dataset cifar10 --data "$DATA" --epochs "$EPOCHS" --precision amp-bf16 --progress lines --log-every 100000)
+START=$SECONDS
+DEADLINE=${DEADLINE:-420}   # seconds: no new pair starts after this (the device call is limited to ~8 min)
+for model in $MODELS; do
+  for budget in $BUDGETS; do
+    tag="${model}_${budget}"
+    if [ $((SECONDS - START)) -gt "$DEADLINE" ]; then echo "skipping $tag: past ${DEADLINE}s"; continue; fi
+    nf="$FINAL_OUT/runs/${tag}_neuroflux"
+    bp="$FINAL_OUT/runs/${tag}_backprop"
+    echo "== $tag neuroflux"
+    "$BIN/triaccel" train --method neuroflux --model "$model" --vram-budget "$budget" --nf-exit-tolerance "$NF_EXIT_TOL" \
+      "${COMMON[@]}" --out "$nf" 2>&1 | grep -E "^(block|done|triaccel)" | tail -20
+    batch=$(python3 -c "import json,sys; ev=[json.loads(l) for l in open(sys.argv[1])]; print([e for e in ev if e['event']=='plan'][0]['backprop_max_batch'])" "$nf/events.jsonl" 2>/dev/null)
+    if [ -z "$batch" ] || [ "$batch" -lt 2 ]; then echo "no backprop batch fits $budget for $model"; continue; fi
+    echo "== $tag backprop at batch $batch"
+    # lr follows the batch by the sqrt rule from the default 0.1 at 128 (the same rule NeuroFlux's blocks use)
+    lr=$(python3 -c "print(0.1 * ($batch / 128) ** 0.5)")
+    "$BIN/triaccel" train --method backprop --model "$model" --vram-budget "$budget" --batch-size "$batch" --lr "$lr" \
+      "${COMMON[@]}" --out "$bp" 2>&1 | grep -E "^(epoch|done|triaccel)" | tail -5
+  done
+done
+
+python3 - "$FINAL_OUT" "$GPU" "${COMMIT:-unknown}" "$MODELS" "$BUDGETS" "$EPOCHS" "$NF_EXIT_TOL" <<'PY'
+import json, os, sys
+out, gpu, commit, models, budgets, epochs, tol = sys.argv[1:8]
+def events(path):
+    p = os.path.join(path, "events.jsonl")
+    return [json.loads(l) for l in open(p)] if os.path.exists(p) else []
+def parse_gb(b):
+    return float(b[:-2]) * (1.0 if b.endswith("GB") else 1.073741824)
+rows = []
+for model in models.split():
+    for budget in budgets.split():
+        tag = f"{model}_{budget}"
+        nf, bp = events(f"{out}/runs/{tag}_neuroflux"), events(f"{out}/runs/{tag}_backprop")
+        row = {"model": model, "budget": budget, "epochs": int(epochs)}
+        if nf and nf[-1]["event"] == "summary":
+            s = nf[-1]; ex = [e for e in nf if e["event"] == "exit"][0]["chosen"]
+            row["neuroflux"] = {k: s[k] for k in ("test_acc", "train_s", "epoch_s", "peak_vram_gb", "blocks", "block_batches",
+                                                 "params", "exit_unit", "exit_params", "exit_test_acc", "exit_images_per_s")}
+            row["neuroflux"]["full_images_per_s"] = ex["full_images_per_s"]
+            row["neuroflux"]["exit_params_ratio"] = ex["params_ratio"]
+        if bp and bp[-1]["event"] == "summary":
+            s = bp[-1]
+            train_s = sum(e["epoch_s"] for e in bp if e["event"] == "epoch")
+            row["backprop"] = {"batch": s["batch_size"], "test_acc": s["test_acc"], "train_s": train_s,
+                               "epoch_s": s["epoch_s"], "peak_vram_gb": s["peak_vram_gb"], "params": s["params"]}
+        if "neuroflux" in row and "backprop" in row:
+            b = parse_gb(budget)
+            row["speedup"] = row["backprop"]["train_s"] / max(row["neuroflux"]["train_s"], 1e-9)
+            row["both_within_budget"] = row["backprop"]["peak_vram_gb"] <= b and row["neuroflux"]["peak_vram_gb"] <= b
+        rows.append(row)
+doc = {"bench": "neuroflux_budgets", "gpu": gpu, "commit": commit,
+       "command": f"MODELS='{models}' BUDGETS='{budgets}' EPOCHS={epochs} NF_EXIT_TOL={tol} bash bench/run_neuroflux.sh",
+       "rows": rows}
+json.dump(doc, open(f"{out}/neuroflux_budgets.json", "w"), indent=2)
+print(f"{'model':10s} {'budget':6s} {'bp batch':>8s} {'bp acc':>7s} {'bp s':>7s} {'bp GB':>6s} {'nf acc':>7s} {'nf s':>7s} {'nf GB':>6s} {'speedup':>7s} {'exit':>9s} {'exit acc':>8s} {'x fewer':>7s}")
+for r in rows:
+    b, n = r.get("backprop", {}), r.get("neuroflux", {})
+    f = lambda d, k, fmt: (fmt % d[k]) if k in d else "-"
+    print(f"{r['model']:10s} {r['budget']:6s} {f(b,'batch','%8d')} {f(b,'test_acc','%7.2f')} {f(b,'train_s','%7.1f')} {f(b,'peak_vram_gb','%6.3f')} "
+          f"{f(n,'test_acc','%7.2f')} {f(n,'train_s','%7.1f')} {f(n,'peak_vram_gb','%6.3f')} {f(r,'speedup','%7.2f')} "
+          f"{n.get('exit_unit','-'):>9s} {f(n,'exit_test_acc','%8.2f')} {f(n,'exit_params_ratio','%7.1f')}")
+PY

@@ -1,0 +1,44 @@
+// NeuroFlux activation cache: one block's outputs for a whole split, stored in bf16, so the next block trains on
+// them and earlier blocks never run again. Lives on the GPU when it fits the budget, else in pinned host memory
+// (plain host memory on a CPU-only run) and is gathered there and copied to the GPU batch by batch.
+// Invariant: row i holds sample i of the split in the order it was written; labels are kept by the caller.
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace triaccel {
+
+enum class CachePlace { kDevice, kHost };
+std::string cache_place_name(CachePlace place);  // "device" | "host"
+
+class ActivationCache {
+ public:
+  // samples × sample_shape bf16 elements, uninitialized. `device` is where batches are read to.
+  ActivationCache(int64_t samples, const std::vector<int64_t>& sample_shape, CachePlace place,
+                  const c10::Device& device);
+
+  // Rows [offset, offset + batch.size(0)) from a float batch on `device` (converted to bf16).
+  void write(int64_t offset, const at::Tensor& batch);
+  // Rows `index` ((count) int64, on the CPU) as a float32 batch on `device`.
+  at::Tensor read(const at::Tensor& index) const;
+  // Rows [offset, offset + count) as a float32 batch on `device`.
+  at::Tensor read_range(int64_t offset, int64_t count) const;
+
+  int64_t size() const { return data_.size(0); }
+  CachePlace place() const { return place_; }
+  int64_t bytes() const { return data_.numel() * 2; }
+  static int64_t bytes_for(int64_t samples, const std::vector<int64_t>& sample_shape);
+
+ private:
+  CachePlace place_;
+  c10::Device device_;
+  at::Tensor data_;             // (N, ...) bf16, on device_ or on the host (pinned when device_ is CUDA)
+  mutable at::Tensor staging_;  // (batch, ...) bf16 pinned: host rows gathered for one read (CUDA only)
+};
+
+}  // namespace triaccel

@@ -1,0 +1,37 @@
+// NeuroFlux (--method neuroflux; docs/neuroflux.md): memory-bounded CNN training by adaptive local learning.
+// The runner: profile the units' memory, partition them into blocks under the budget (local/partitioner.h), then
+// train block after block — every unit with its own auxiliary head and a detached input, each block at its own
+// batch size — reading the block's input from the activation cache written by the previous block; evaluate every
+// exit on held-out data; export the full model and the prefix up to the chosen exit.
+// Output folder (OUT = --out): events.jsonl (config, plan, block…, exit, summary), checkpoint.pt (after every
+// block), model.pt (the full network), exit_model.pt + exit.json (the early-exit model).
+#pragma once
+
+#include "triaccel/core/json.h"
+#include "triaccel/local/aux_head.h"
+#include "triaccel/models/model.h"
+#include "triaccel/train/options.h"
+#include "triaccel/train/trainer.h"
+
+namespace triaccel {
+
+constexpr const char* kExitModelFile = "exit_model.pt";
+constexpr const char* kExitJsonFile = "exit.json";
+
+// One training step's loss for block [first, end): every unit runs on its predecessor's *detached* output (no
+// gradient crosses a unit boundary) and is scored by its own head (heads[u]; the last unit of the model is its own
+// classifier); the local cross-entropies are summed. When loss_sum / correct ((end - first) float32 on the device)
+// are given, each unit's summed per-sample loss and correct predictions are added to them.
+at::Tensor neuroflux_block_loss(const Model& model, const std::vector<AuxHead>& heads, int64_t first, int64_t end,
+                                const at::Tensor& x, const at::Tensor& y, double label_smoothing,
+                                at::Tensor* loss_sum = nullptr, at::Tensor* correct = nullptr);
+
+// The exported exit: the fewest parameters among the exits whose held-out accuracy is within `tolerance` points
+// of the last exit's (the full network's). Exits in unit order; returns an index.
+int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<int64_t>& params, double tolerance);
+
+// Runs NeuroFlux training; returns the summary event's fields. Throws UserError for bad input (e.g. a budget
+// below the minimum the model needs). hooks.after_step is called after every optimizer step.
+Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks = {});
+
+}  // namespace triaccel

@@ -1,0 +1,410 @@
+// NeuroFlux on the CPU: the memory model against hand-computed bytes, the partitioner against brute force, gradient
+// isolation of local learning, and the runner end to end (blocks from the cache, exits, export, resume).
+#include "test_util.h"
+#include "triaccel/core/errors.h"
+#include "triaccel/core/io.h"
+#include "triaccel/local/activation_cache.h"
+#include "triaccel/local/aux_head.h"
+#include "triaccel/local/memory_profile.h"
+#include "triaccel/local/neuroflux.h"
+#include "triaccel/local/partitioner.h"
+#include "triaccel/models/model.h"
+#include "triaccel/train/telemetry.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <random>
+
+namespace triaccel {
+namespace {
+
+constexpr double kF32 = 4;
+
+std::shared_ptr<Model> small_cnn(int64_t in_channels = 1) {
+  torch::manual_seed(0);
+  ModelOptions mo;
+  mo.name = "small-cnn";
+  mo.in_channels = in_channels;
+  mo.image_size = 28;
+  return model_create(mo);
+}
+
+TEST(MemoryProfileTest, GraphBytesOfOneConvAreItsOutput) {
+  torch::manual_seed(0);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(3, 8, 3).padding(1).bias(false));
+  const at::Tensor out = conv(at::zeros({2, 3, 4, 4}));
+  double largest = 0;
+  // One autograd node (the convolution) whose output is (2, 8, 4, 4) float32; the weight's accumulator is skipped.
+  EXPECT_DOUBLE_EQ(autograd_graph_bytes(out, &largest), 2 * 8 * 4 * 4 * kF32);
+  EXPECT_DOUBLE_EQ(largest, 2 * 8 * 4 * 4 * kF32);
+  EXPECT_DOUBLE_EQ(autograd_graph_bytes(out.detach()), 0);
+}
+
+TEST(MemoryProfileTest, SmallCnnUnitsMatchHandComputedBytes) {
+  auto model = small_cnn();
+  const at::Tensor mean_before = model->named_buffers()["block1.1.running_mean"].clone();
+  const MemoryProfile p = memory_profile(*model, {1, 28, 28}, 10, ProfileSource::kModel, c10::Device(c10::kCPU));
+  ASSERT_EQ(p.units.size(), 4u);
+  // block1: conv 1→32 stride 2 → (32, 14, 14); conv, BN and ReLU each record one such tensor per sample.
+  const double block1_out = 32 * 14 * 14 * kF32;  // 25,088 bytes
+  EXPECT_EQ(p.units[0].out_shape, (std::vector<int64_t>{32, 14, 14}));
+  EXPECT_EQ(p.units[0].out_bytes, 25088);
+  EXPECT_EQ(p.units[0].in_bytes, 28 * 28 * 4);
+  EXPECT_DOUBLE_EQ(p.units[0].backprop_per_sample, 3 * block1_out);
+  EXPECT_DOUBLE_EQ(p.units[0].train.per_sample_bytes, 3 * block1_out + 2 * block1_out);  // + backward transients
+  // block2: 32→64 stride 2 → (64, 7, 7) = 12,544 bytes per tensor.
+  EXPECT_DOUBLE_EQ(p.units[1].backprop_per_sample, 3 * 64 * 7 * 7 * kF32);
+  EXPECT_EQ(p.units[0].params, 32 * 9 + 64);
+  // Heads: level 0 = 32 filters (conv 32·32·9 + BN 64 + fc 32·4·10 + 10), level 3 = no conv (fc 32·4·10 + 10).
+  ASSERT_EQ(p.units[0].head_params.size(), static_cast<size_t>(kAuxLevels));
+  EXPECT_EQ(p.units[0].head_params[0], 32 * 32 * 9 + 64 + 32 * 4 * 10 + 10);
+  EXPECT_EQ(p.units[0].head_params[1], 32 * 16 * 9 + 32 + 16 * 4 * 10 + 10);
+  EXPECT_EQ(p.units[0].head_params[3], 32 * 4 * 10 + 10);
+  EXPECT_TRUE(p.units[3].head_params.empty());  // the classifier has no head
+  // Fewer filters, less memory per sample.
+  for (int64_t l = 1; l < kAuxLevels; ++l) {
+    EXPECT_LT(p.units[0].head_train[l].per_sample_bytes, p.units[0].head_train[l - 1].per_sample_bytes);
+  }
+  // Backprop keeps every unit's graph: more per sample than any single unit's training.
+  double sum = 0;
+  for (const auto& u : p.units) sum += u.backprop_per_sample;
+  EXPECT_GE(p.backprop_per_sample, sum);
+  EXPECT_GE(p.backprop_fixed_bytes, 3 * kF32 * static_cast<double>(model->parameter_count()));
+  // Profiling left the BatchNorm statistics alone.
+  EXPECT_TRUE(model->named_buffers()["block1.1.running_mean"].equal(mean_before));
+  EXPECT_NEAR(static_cast<double>(p.backprop_max_batch(p.backprop_bytes(100) + 1)), 100, 0.5);
+}
+
+TEST(MemoryProfileCudaTest, MeasuredAgreesWithTheModelOnTheGpu) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  auto model = small_cnn();
+  const c10::Device cuda(c10::kCUDA, 0);
+  model->to(cuda);
+  const MemoryProfile modelled = memory_profile(*model, {1, 28, 28}, 10, ProfileSource::kModel, cuda);
+  const MemoryProfile measured = memory_profile(*model, {1, 28, 28}, 10, ProfileSource::kMeasured, cuda);
+  ASSERT_EQ(measured.source, ProfileSource::kMeasured);
+  for (size_t u = 0; u + 1 < measured.units.size(); ++u) {
+    // The allocator's peak per sample is the same order as the traced graph (cuDNN may keep a little more or less).
+    const double ratio = measured.units[u].train.per_sample_bytes / modelled.units[u].train.per_sample_bytes;
+    EXPECT_GT(ratio, 0.4) << measured.units[u].name;
+    EXPECT_LT(ratio, 2.5) << measured.units[u].name;
+  }
+  const double bp_ratio = measured.backprop_per_sample / modelled.backprop_per_sample;
+  EXPECT_GT(bp_ratio, 0.4);
+  EXPECT_LT(bp_ratio, 2.5);
+}
+
+// A made-up profile: units with given per-sample training bytes and parameter counts (heads cost 10 %, 5 %, ...).
+MemoryProfile fake_profile(const std::vector<double>& per_sample, const std::vector<int64_t>& params) {
+  MemoryProfile p;
+  for (size_t u = 0; u < per_sample.size(); ++u) {
+    UnitProfile up;
+    up.name = "u" + std::to_string(u);
+    up.params = params[u];
+    up.in_bytes = static_cast<int64_t>(per_sample[u] / 4);
+    up.out_bytes = static_cast<int64_t>(per_sample[u] / 4);
+    up.out_shape = {8, 4, 4};
+    up.train = Footprint{1000, per_sample[u]};
+    if (u + 1 < per_sample.size()) {
+      for (int64_t l = 0; l < kAuxLevels; ++l) {
+        up.head_params.push_back(1000 >> l);
+        up.head_train.push_back(Footprint{0, per_sample[u] * 0.4 / static_cast<double>(1 << l)});
+      }
+    }
+    p.units.push_back(up);
+  }
+  return p;
+}
+
+// Every split into consecutive blocks, each block costed by block_plan: the exhaustive reference.
+double brute_force_best(const MemoryProfile& p, const PartitionOptions& o, std::vector<int64_t>* best_batches) {
+  const auto n = static_cast<int64_t>(p.units.size());
+  double best = std::numeric_limits<double>::infinity();
+  for (int64_t mask = 0; mask < (int64_t{1} << (n - 1)); ++mask) {  // bit i set: a split after unit i
+    double t = 0;
+    std::vector<int64_t> batches;
+    int64_t first = 0;
+    bool ok = true;
+    for (int64_t i = 0; i < n && ok; ++i) {
+      if (i == n - 1 || (mask >> i & 1)) {
+        const BlockPlan bp = block_plan(p, o, first, i + 1);
+        ok = bp.batch > 0;
+        t += bp.time_s;
+        batches.push_back(bp.batch);
+        first = i + 1;
+      }
+    }
+    if (ok && t < best) {
+      best = t;
+      *best_batches = batches;
+    }
+  }
+  return best;
+}
+
+TEST(PartitionerTest, DynamicProgramMatchesBruteForce) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> bytes(2e4, 4e5);
+  int feasible = 0, multi_block = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int n = 2 + trial % 6;
+    std::vector<double> ps;
+    std::vector<int64_t> params;
+    for (int u = 0; u < n; ++u) {
+      ps.push_back(bytes(rng));
+      params.push_back(static_cast<int64_t>(bytes(rng)) * 10);
+    }
+    const MemoryProfile p = fake_profile(ps, params);
+    PartitionOptions o;
+    o.budget_bytes = std::uniform_real_distribution<double>(3e7, 4e8)(rng);
+    o.samples = 50000;
+    o.epochs = 1 + trial % 3;
+    o.max_batch = 1024;
+    std::vector<int64_t> brute_batches;
+    const double brute = brute_force_best(p, o, &brute_batches);
+    if (std::isinf(brute)) {
+      EXPECT_THROW(partition_plan(p, o), UserError);
+      continue;
+    }
+    ++feasible;
+    const Partition dp = partition_plan(p, o);
+    EXPECT_NEAR(dp.time_s, brute, 1e-9 * brute) << "trial " << trial;
+    double sum = 0;
+    int64_t expect_first = 0;
+    for (const auto& b : dp.blocks) {
+      EXPECT_EQ(b.first, expect_first);
+      expect_first = b.end;
+      EXPECT_LE(b.bytes, o.safety * o.budget_bytes);
+      EXPECT_GE(b.batch, o.min_batch);
+      sum += b.time_s;
+    }
+    EXPECT_EQ(expect_first, n);
+    EXPECT_NEAR(sum, dp.time_s, 1e-9 * sum);
+    multi_block += dp.blocks.size() > 1;
+  }
+  EXPECT_GT(feasible, 20);
+  EXPECT_GT(multi_block, 5);  // the cases exercise real splits, not just one block
+}
+
+TEST(PartitionerTest, BudgetBelowMinimumNamesTheMinimum) {
+  const MemoryProfile p = fake_profile({4e5, 2e5, 1e5}, {100000, 200000, 5000});
+  PartitionOptions o;
+  o.samples = 1000;
+  o.budget_bytes = 1e12;
+  const double need = partition_min_budget(p, o);
+  o.budget_bytes = need * 1.001;
+  EXPECT_NO_THROW(partition_plan(p, o));
+  o.budget_bytes = need * 0.99;
+  try {
+    partition_plan(p, o);
+    FAIL() << "expected a UserError";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("is below what NeuroFlux needs"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("at least"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PartitionerTest, TighterBudgetMeansSmallerBatchesAndFewerHeadFilters) {
+  const MemoryProfile p = fake_profile({4e5, 3e5, 2e5, 1e4}, {50000, 100000, 200000, 5000});
+  PartitionOptions o;
+  o.samples = 50000;
+  o.target_batch = 128;
+  o.max_batch = 4096;
+  int64_t prev_level = -1, prev_batch = std::numeric_limits<int64_t>::max();
+  for (double budget : {4e8, 1.2e8, 1e8, 3e7, 1.5e7}) {
+    o.budget_bytes = budget;
+    const BlockPlan bp = block_plan(p, o, 0, 1);
+    ASSERT_GT(bp.batch, 0) << budget;
+    EXPECT_GE(bp.head_level, prev_level) << budget;
+    EXPECT_LE(bp.batch, prev_batch) << budget;
+    prev_level = bp.head_level;
+    prev_batch = bp.batch;
+  }
+  EXPECT_GT(prev_level, 0);  // the tightest budget dropped filters
+}
+
+TEST(NeuroFluxTest, UnitGradientDoesNotDependOnLaterUnits) {
+  auto model = small_cnn();
+  torch::manual_seed(1);
+  std::vector<AuxHead> heads{AuxHead(std::vector<int64_t>{32, 14, 14}, 16, 10),
+                             AuxHead(std::vector<int64_t>{64, 7, 7}, 16, 10),
+                             AuxHead(std::vector<int64_t>{128, 7, 7}, 0, 10)};
+  const at::Tensor x = at::randn({8, 1, 28, 28});
+  const at::Tensor y = at::randint(0, 10, {8});
+  const auto grads = [&]() {
+    for (auto& p : model->parameters()) p.mutable_grad().reset();
+    for (auto& h : heads) h->zero_grad();
+    neuroflux_block_loss(*model, heads, 0, 4, x, y, 0.0).backward();
+    return std::make_pair(model->named_parameters()["block1.0.weight"].grad().clone(),
+                          model->named_parameters()["block2.0.weight"].grad().clone());
+  };
+  const auto [b1_before, b2_before] = grads();
+  {
+    const torch::NoGradGuard no_grad;
+    model->named_parameters()["block2.0.weight"].mul_(-3.0);  // change every later unit
+    model->named_parameters()["block3.0.weight"].add_(1.0);
+    model->named_parameters()["fc.weight"].mul_(5.0);
+  }
+  const auto [b1_after, b2_after] = grads();
+  EXPECT_TRUE(b1_after.equal(b1_before));  // exactly: nothing from later units reaches block1
+  EXPECT_GT(b1_before.abs().sum().item<double>(), 0);
+  EXPECT_FALSE(b2_after.equal(b2_before));  // while block2's own gradient did change
+}
+
+TEST(NeuroFluxTest, ExitIsTheSmallestWithinToleranceOfTheFullNetwork) {
+  // Exits of a local-learning small-cnn: a deep head can beat the full network's own classifier.
+  const std::vector<int64_t> params{1642, 21482, 98026, 94186};
+  EXPECT_EQ(exit_choose({75.2, 83.3, 86.6, 81.2}, params, 1.0), 1);
+  EXPECT_EQ(exit_choose({75.2, 83.3, 86.6, 81.2}, params, 0.0), 1);   // at least as accurate as the full network
+  EXPECT_EQ(exit_choose({75.2, 83.3, 86.6, 81.2}, params, 7.0), 0);   // a looser trade-off: the smallest
+  EXPECT_EQ(exit_choose({70.0, 80.0, 86.6, 81.2}, params, 1.0), 3);   // never a larger model for accuracy
+  EXPECT_EQ(exit_choose({70.0, 80.0, 86.6, 81.2}, params, 1.5), 1);
+}
+
+TEST(NeuroFluxTest, ActivationCacheRoundTripsInBf16) {
+  ActivationCache cache(6, {2, 3}, CachePlace::kHost, c10::Device(c10::kCPU));
+  const at::Tensor batch = at::arange(4 * 6, at::kFloat).reshape({4, 2, 3}) / 7.0;
+  cache.write(2, batch);
+  EXPECT_EQ(cache.bytes(), 6 * 6 * 2);
+  const at::Tensor back = cache.read(at::tensor({5, 2}, at::kLong));
+  EXPECT_EQ(back.scalar_type(), at::kFloat);
+  EXPECT_TRUE(back[0].equal(batch[3].to(at::kBFloat16).to(at::kFloat)));
+  EXPECT_TRUE(back[1].equal(batch[0].to(at::kBFloat16).to(at::kFloat)));
+  EXPECT_TRUE(cache.read_range(2, 1)[0].allclose(batch[0], 1e-2, 1e-2));
+  EXPECT_THROW(cache.write(4, batch), c10::Error);
+}
+
+class NeuroFluxRunTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    data_ = new test::TempDir("neuroflux_data");
+    test::mnist_like_write(data_->path(), 256, 64, 3);
+  }
+  static void TearDownTestSuite() { delete data_; }
+
+  static TrainOptions options(const std::string& out) {
+    TrainOptions o;
+    o.method = "neuroflux";
+    o.model = "small-cnn";
+    o.dataset = "mnist";
+    o.data_dir = data_->path();
+    o.epochs = 1;
+    o.batch_size = 32;
+    o.lr = 0.05;
+    o.device = "cpu";
+    o.progress = "off";
+    o.vram_budget = "8MB";  // forces several blocks for small-cnn on 28×28 (checked below)
+    o.nf_exit_tolerance = 100;  // any exit qualifies: the smallest one is exported
+    o.out = out;
+    return o;
+  }
+  static std::map<std::string, at::Tensor> load_state(const std::string& path) {
+    const std::string bytes = file_read_all(path);
+    const auto dict = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
+    std::map<std::string, at::Tensor> out;
+    for (const auto& kv : dict) out[kv.key().toStringRef()] = kv.value().toTensor();
+    return out;
+  }
+  static test::TempDir* data_;
+};
+test::TempDir* NeuroFluxRunTest::data_ = nullptr;
+
+TEST_F(NeuroFluxRunTest, TrainsBlockByBlockFromTheCacheAndExportsTheExit) {
+  test::TempDir out("neuroflux_run");
+  const Json summary = neuroflux_run(options(out.path()));
+  const auto events = events_read(out.file("events.jsonl"));
+  std::vector<Json> blocks;
+  Json plan, exit_event;
+  for (const auto& e : events) {
+    if (e["event"] == "block") blocks.push_back(e);
+    if (e["event"] == "plan") plan = e;
+    if (e["event"] == "exit") exit_event = e;
+  }
+  ASSERT_GE(blocks.size(), 2u) << plan.dump();
+  EXPECT_EQ(events.front()["event"], "config");
+  EXPECT_EQ(events.back()["event"], "summary");
+  EXPECT_EQ(blocks[0]["input"], "data");
+  int64_t units_seen = 0;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    if (b > 0) EXPECT_EQ(blocks[b]["input"], "cache");
+    EXPECT_EQ(blocks[b]["batch"], plan["blocks"][b]["batch"]);
+    EXPECT_EQ(blocks[b]["epochs"], 1);
+    units_seen += static_cast<int64_t>(blocks[b]["units"].size());
+  }
+  EXPECT_EQ(units_seen, 4);
+  // The exit: the smallest prefix (tolerance 100), with fewer parameters than the full network.
+  const Json& chosen = exit_event["chosen"];
+  EXPECT_EQ(chosen["unit"], "block1");
+  EXPECT_EQ(exit_event["exits"].size(), 4u);
+  EXPECT_LT(chosen["params"].get<int64_t>(), summary["params"].get<int64_t>());
+  EXPECT_GT(chosen["images_per_s"].get<double>(), 0);
+  const auto state = load_state(out.file(kExitModelFile));
+  int64_t params = 0;
+  for (const auto& [name, t] : state) {
+    EXPECT_TRUE(name.rfind("block1.", 0) == 0 || name.rfind("exit.", 0) == 0) << name;
+    if (name.find("running_") == std::string::npos && name.find("num_batches") == std::string::npos) params += t.numel();
+  }
+  EXPECT_EQ(params, chosen["params"].get<int64_t>());
+  EXPECT_TRUE(file_exists(out.file(kExitJsonFile)));
+  EXPECT_TRUE(file_exists(out.file("model.pt")));
+  // The local heads learned something on the (random-label) data's training split: loss is finite.
+  EXPECT_TRUE(std::isfinite(blocks.back()["local"].back()["train_loss"].get<double>()));
+}
+
+TEST_F(NeuroFluxRunTest, ResumeAtABlockBoundaryEndsWithTheSameWeights) {
+  test::TempDir a("neuroflux_a"), b("neuroflux_b");
+  neuroflux_run(options(a.path()));
+  TrainOptions first = options(b.path());
+  first.max_steps = 1;  // stops after the first block
+  const Json stop = neuroflux_run(first);
+  ASSERT_EQ(stop["reason"], "max_steps");
+  EXPECT_FALSE(file_exists(b.file("model.pt")));
+  TrainOptions resumed = options(b.path());
+  resumed.resume = b.path();
+  neuroflux_run(resumed);
+  const auto wa = load_state(a.file("model.pt"));
+  const auto wb = load_state(b.file("model.pt"));
+  ASSERT_EQ(wa.size(), wb.size());
+  for (const auto& [name, t] : wa) EXPECT_TRUE(t.equal(wb.at(name))) << name;
+  const auto ea = load_state(a.file(kExitModelFile));
+  const auto eb = load_state(b.file(kExitModelFile));
+  for (const auto& [name, t] : ea) EXPECT_TRUE(t.equal(eb.at(name))) << name;
+}
+
+TEST_F(NeuroFluxRunTest, RunsOnTheGpuWithinItsBudget) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  test::TempDir out("neuroflux_gpu");
+  TrainOptions o = options(out.path());
+  o.device = "cuda";
+  o.vram_budget = "200MB";
+  o.precision = PrecisionMode::kAmpBF16;
+  const Json summary = neuroflux_run(o);
+  EXPECT_LE(summary["peak_vram_gb"].get<double>(), 0.2);
+  EXPECT_GT(summary["peak_vram_gb"].get<double>(), 0.0);
+  Json plan;
+  for (const auto& e : events_read(out.file("events.jsonl"))) {
+    if (e["event"] == "plan") plan = e;
+  }
+  EXPECT_EQ(plan["profile"], "measured");
+  EXPECT_GT(plan["backprop_max_batch"].get<int64_t>(), 0);
+  EXPECT_TRUE(file_exists(out.file(kExitModelFile)));
+}
+
+TEST_F(NeuroFluxRunTest, ImpossibleBudgetIsOneClearError) {
+  test::TempDir out("neuroflux_tiny_budget");
+  TrainOptions o = options(out.path());
+  o.vram_budget = "100KB";
+  try {
+    neuroflux_run(o);
+    FAIL() << "expected a UserError";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("at least"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace triaccel
