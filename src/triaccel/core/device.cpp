@@ -70,6 +70,22 @@ void memory_cap_set(const c10::Device& device, int64_t bytes) {
 #endif
 }
 
+MemoryCapScope::MemoryCapScope(const c10::Device& device, int64_t bytes) : device_(device) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda()) {
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+    previous_fraction_ = c10::cuda::CUDACachingAllocator::getMemoryFraction(device.index());
+  }
+#endif
+  memory_cap_set(device, bytes);
+}
+
+MemoryCapScope::~MemoryCapScope() {
+#ifdef TRIACCEL_WITH_CUDA
+  if (device_.is_cuda()) c10::cuda::CUDACachingAllocator::setMemoryFraction(previous_fraction_, device_.index());
+#endif
+}
+
 std::string device_long_name(const c10::Device& device) {
 #ifdef TRIACCEL_WITH_CUDA
   if (device.is_cuda()) return at::cuda::getDeviceProperties(device.index())->name;

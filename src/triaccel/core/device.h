@@ -32,6 +32,20 @@ void memory_cache_release(const c10::Device& device);
 // A no-op on the CPU. Throws UserError when the device has less memory than `bytes`.
 void memory_cap_set(const c10::Device& device, int64_t bytes);
 
+// memory_cap_set for a scope: the allocator's previous cap comes back when the scope ends, so a run (or a test) with
+// a --vram-budget leaves later work in the same process uncapped.
+class MemoryCapScope {
+ public:
+  MemoryCapScope(const c10::Device& device, int64_t bytes);
+  ~MemoryCapScope();
+  MemoryCapScope(const MemoryCapScope&) = delete;
+  MemoryCapScope& operator=(const MemoryCapScope&) = delete;
+
+ private:
+  c10::Device device_;
+  double previous_fraction_ = 1.0;
+};
+
 // "NVIDIA H100 80GB HBM3" → "h100"; "cpu" on the CPU. Used for bench/results/<gpu>/.
 std::string device_short_name(const c10::Device& device);
 std::string device_long_name(const c10::Device& device);

@@ -382,9 +382,10 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   log_line(options, c10::str("triaccel: neuroflux ", options.model, " on ", options.dataset, " (", n_train, " train / ",
                              n_hold, " held out / ", data.test.size(), " test), ", plan.blocks.size(), " blocks, budget ",
                              budget / kGB, " GB, ", device_long_name(device)));
+  std::optional<MemoryCapScope> memory_cap;  // lifted again when the run ends
   if (device.is_cuda() && explicit_budget) {
     memory_cache_release(device);  // the profile's cached blocks, before the cap counts them
-    memory_cap_set(device, options.vram_budget_bytes());
+    memory_cap.emplace(device, options.vram_budget_bytes());
   }
   memory_stats_reset_peak(device);
 

@@ -426,6 +426,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   batch_rules.lr_rule = lr_batch_rule_parse(options.lr_batch_rule);
   const bool elastic = tri && options.ta_batch && budget > 0 && (device.is_cuda() || hooks.memory_signal);
   std::map<int64_t, int64_t> peak_at_batch;  // the highest window peak measured at each batch size (CUDA)
+  std::optional<MemoryCapScope> memory_cap;   // lifted again when the run ends
   if (budget > 0) {
     if (device.is_cuda()) {
       const MemoryStats m = memory_stats(device);
@@ -433,7 +434,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                            " is below this run's minimum: the resident dataset and the weights alone take ",
                            static_cast<double>(m.allocated_bytes) / kGB,
                            " GB before gradients, optimizer state and activations; raise the budget");
-      memory_cap_set(device, budget);
+      memory_cap.emplace(device, budget);
     } else if (!hooks.memory_signal) {
       printer.line("note: --vram-budget applies to CUDA devices; this run is on the CPU and ignores it");
     }
