@@ -366,7 +366,9 @@ TEST_P(FormatTest, CudaKernelMatchesTheCpuReference) {
     og.step(torch::full({1}, 1e-2, at::TensorOptions().device(at::kCUDA)), torch::zeros({1}, at::TensorOptions().device(at::kCUDA)));
   }
   og.step(torch::full({1}, 1e-2, at::TensorOptions().device(at::kCUDA)), torch::ones({1}, at::TensorOptions().device(at::kCUDA)));  // skipped
-  const double tol = f == StateFormat::kAdamW8 ? 1e-3 : 1e-5;
+  // bf16 and 8-bit states are rounded each step: one rounding that falls the other way on the GPU (fma) moves a
+  // moment by an ulp (2^-8 relative in bf16) and the parameter by ~1e-4 relative after 10 steps (H200: 7.6e-5).
+  const double tol = f == StateFormat::kAdamW8 ? 1e-3 : f == StateFormat::kAdamW16 ? 2e-4 : 1e-5;
   for (size_t i = 0; i < cpu.size(); ++i) {
     EXPECT_LT(max_rel_err(gpu[i].second.detach().cpu(), cpu[i].second.detach()), tol) << cpu[i].first;
   }

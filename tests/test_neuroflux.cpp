@@ -1,6 +1,7 @@
 // NeuroFlux on the CPU: the memory model against hand-computed bytes, the partitioner against brute force, gradient
 // isolation of local learning, and the runner end to end (blocks from the cache, exits, export, resume).
 #include "test_util.h"
+#include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/core/io.h"
 #include "triaccel/local/activation_cache.h"
@@ -380,10 +381,15 @@ TEST_F(NeuroFluxRunTest, RunsOnTheGpuWithinItsBudget) {
   test::TempDir out("neuroflux_gpu");
   TrainOptions o = options(out.path());
   o.device = "cuda";
-  o.vram_budget = "200MB";
+  // 200 MB on top of what earlier tests in this process still hold (the cap counts every allocation; on the H200
+  // 262 MB were held when this ran after the rest of the suite).
+  const c10::Device gpu(c10::kCUDA, 0);
+  memory_cache_release(gpu);
+  const int64_t budget = memory_stats(gpu).allocated_bytes + 200'000'000;
+  o.vram_budget = std::to_string(budget);
   o.precision = PrecisionMode::kAmpBF16;
   const Json summary = neuroflux_run(o);
-  EXPECT_LE(summary["peak_vram_gb"].get<double>(), 0.2);
+  EXPECT_LE(summary["peak_vram_gb"].get<double>() * 1e9, static_cast<double>(budget));
   EXPECT_GT(summary["peak_vram_gb"].get<double>(), 0.0);
   Json plan;
   for (const auto& e : events_read(out.file("events.jsonl"))) {
