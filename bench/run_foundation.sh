@@ -12,10 +12,7 @@ FINAL_OUT=${OUT:-out}
 OUT=/tmp/foundation_out   # everything lands here; $FINAL_OUT gets one archive + the tables (8 files come back)
 mkdir -p "$OUT" "$FINAL_OUT"
 ROOT=$(pwd)
-TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
-SITE=$(dirname "$(dirname "$TORCH_LIB")")
-NV_LIBS=$(ls -d "$SITE"/nvidia/*/lib "$SITE"/nvidia/cu13/lib 2>/dev/null | tr '\n' ':')
-export LD_LIBRARY_PATH="$TORCH_LIB:$NV_LIBS/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+source "$(dirname "$0")/device_env.sh"  # LD_LIBRARY_PATH for the carried binaries
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $GPU; torch: $(python3 -c 'import torch; print(torch.__version__)')"
 

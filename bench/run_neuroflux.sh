@@ -14,10 +14,7 @@ EPOCHS=${EPOCHS:-2}
 NF_EXIT_TOL=${NF_EXIT_TOL:-5}
 FINAL_OUT=${OUT:-out}
 mkdir -p "$FINAL_OUT/runs"
-TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
-SITE=$(dirname "$(dirname "$TORCH_LIB")")
-NV_LIBS=$(ls -d "$SITE"/nvidia/*/lib "$SITE"/nvidia/cu13/lib 2>/dev/null | tr '\n' ':')
-export LD_LIBRARY_PATH="$TORCH_LIB:$NV_LIBS/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+source "$(dirname "$0")/device_env.sh"  # LD_LIBRARY_PATH for the carried binaries
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $GPU"
 

@@ -8,10 +8,7 @@
 set -uo pipefail
 FINAL=${OUT:-out}
 mkdir -p "$FINAL"
-TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
-SITE=$(dirname "$(dirname "$TORCH_LIB")")
-NV_LIBS=$(ls -d "$SITE"/nvidia/*/lib "$SITE"/nvidia/cu13/lib 2>/dev/null | tr '\n' ':')
-export LD_LIBRARY_PATH="$TORCH_LIB:$NV_LIBS/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+source "$(dirname "$0")/device_env.sh"  # LD_LIBRARY_PATH for the carried binaries
 python3 .device/data/build_cifar10_bin.py /tmp/cifar10-bin >/dev/null 2>&1 || { echo "CIFAR conversion failed"; exit 1; }
 (CUDA_VISIBLE_DEVICES=0 BAOC_WORK=/tmp/baoc_r18 OUT=$FINAL/baoc_r18 bash bench/run_baoc.sh tests,bench,train \
   >"$FINAL/baoc_r18.log" 2>&1; echo "baoc r18: exit $?") &

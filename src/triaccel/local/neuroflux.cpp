@@ -191,13 +191,9 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   const c10::Device device = device_resolve(options.device);
   directory_prepare_writable(options.out, "--out");
 
-  std::optional<Checkpoint> ckpt;
   std::string ckpt_file;
-  if (!options.resume.empty()) {
-    ckpt_file = checkpoint_path(options.resume);
-    ckpt = checkpoint_read(ckpt_file);
-    TRIACCEL_CHECK_INPUT(ckpt->model_arch == options.model, "checkpoint ", ckpt_file, " holds model ",
-                         ckpt->model_arch, ", this run trains ", options.model);
+  std::optional<Checkpoint> ckpt = checkpoint_for_resume(options.resume, options.model, &ckpt_file);
+  if (ckpt) {
     TRIACCEL_CHECK_INPUT(ckpt->progress.contains("neuroflux"), "checkpoint ", ckpt_file,
                          " is not a NeuroFlux checkpoint");
   }

@@ -172,4 +172,13 @@ void named_tensors_load(const NamedTensors& live, const NamedTensors& stored, co
   }
 }
 
+std::optional<Checkpoint> checkpoint_for_resume(const std::string& resume, const std::string& model, std::string* file) {
+  if (resume.empty()) return std::nullopt;
+  *file = checkpoint_path(resume);
+  Checkpoint ckpt = checkpoint_read(*file);
+  TRIACCEL_CHECK_INPUT(ckpt.model_arch == model, "checkpoint ", *file, " holds model ", ckpt.model_arch,
+                       ", this run trains ", model);
+  return ckpt;
+}
+
 }  // namespace triaccel

@@ -11,6 +11,7 @@
 #include <ATen/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,6 +42,10 @@ Checkpoint checkpoint_read(const std::string& path);
 
 // A run folder → its checkpoint file; a file path stays as it is.
 std::string checkpoint_path(const std::string& dir_or_file);
+
+// --resume RESUME: the checkpoint it names (a run folder or a file), checked to hold `model`; nullopt when RESUME is
+// empty. `file` receives the checkpoint's path. UserError for a missing, corrupt or other-model checkpoint.
+std::optional<Checkpoint> checkpoint_for_resume(const std::string& resume, const std::string& model, std::string* file);
 
 // Copies `stored` into `live` by name; throws UserError naming the file and the first missing or mismatched
 // tensor (another model's checkpoint). `what` is "model", "optimizer", ... for the message.

@@ -238,14 +238,8 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   const c10::Device device = device_resolve(options.device);
   directory_prepare_writable(options.out, "--out");
 
-  std::optional<Checkpoint> ckpt;
   std::string ckpt_file;
-  if (!options.resume.empty()) {
-    ckpt_file = checkpoint_path(options.resume);
-    ckpt = checkpoint_read(ckpt_file);
-    TRIACCEL_CHECK_INPUT(ckpt->model_arch == options.model, "checkpoint ", ckpt_file, " holds model ",
-                         ckpt->model_arch, ", this run trains ", options.model);
-  }
+  const std::optional<Checkpoint> ckpt = checkpoint_for_resume(options.resume, options.model, &ckpt_file);
 
 #ifdef TRIACCEL_WITH_CUDA
   // All work on one non-default stream (graph capture needs one, and the legacy stream serializes everything).
