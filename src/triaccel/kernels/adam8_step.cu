@@ -4,6 +4,7 @@
 // absmax of m and of v, and each thread re-quantizes to the nearest map value (binary search over the midpoints,
 // ties to the lower code: the rule of quant8_encode). Nothing changes when *found_inf != 0.
 #include "triaccel/kernels/adam8_step.h"
+#include "triaccel/kernels/tensor_checks.h"
 
 #include "triaccel/optim/state_format.h"
 
@@ -103,20 +104,6 @@ __global__ void adam8_step_kernel(const __grid_constant__ Adam8LaunchArgs args, 
   }
 }
 
-void check_cuda(const at::Tensor& t, const char* what, const at::Device& device, at::ScalarType dtype) {
-  TORCH_CHECK(t.defined() && t.is_cuda() && t.device() == device, "adam8_step_cuda: ", what, " must be on ", device);
-  TORCH_CHECK(t.scalar_type() == dtype, "adam8_step_cuda: ", what, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_non_overlapping_and_dense(), "adam8_step_cuda: ", what, " must be dense");
-}
-
-bool same_dense_layout(const at::Tensor& a, const at::Tensor& b) {
-  if (a.sizes() != b.sizes()) return false;
-  for (int64_t d = 0; d < a.dim(); ++d) {
-    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -133,11 +120,11 @@ void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
               "adam8_step_cuda: list lengths differ");
   if (n == 0) return;
   const at::Device device = params[0].device();
-  check_cuda(lr, "lr", device, at::kFloat);
-  check_cuda(found_inf, "found_inf", device, at::kFloat);
-  check_cuda(counts, "counts", device, at::kDouble);
-  check_cuda(map_signed, "map_signed", device, at::kFloat);
-  check_cuda(map_unsigned, "map_unsigned", device, at::kFloat);
+  tensor_check_cuda("adam8_step_cuda", lr, "lr", device, at::kFloat);
+  tensor_check_cuda("adam8_step_cuda", found_inf, "found_inf", device, at::kFloat);
+  tensor_check_cuda("adam8_step_cuda", counts, "counts", device, at::kDouble);
+  tensor_check_cuda("adam8_step_cuda", map_signed, "map_signed", device, at::kFloat);
+  tensor_check_cuda("adam8_step_cuda", map_unsigned, "map_unsigned", device, at::kFloat);
   TORCH_CHECK(map_signed.numel() == 256 && map_unsigned.numel() == 256, "adam8_step_cuda: maps must have 256 values");
   TORCH_CHECK(counts.is_contiguous() && counts.dim() == 2 && counts.size(1) == 2, "adam8_step_cuda: counts must be (T, 2)");
   const c10::cuda::CUDAGuard guard(device);
@@ -155,15 +142,15 @@ void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
     args.block_start[0] = 0;
   };
   for (size_t i = 0; i < n; ++i) {
-    check_cuda(params[i], "param", device, at::kFloat);
-    check_cuda(grads[i], "grad", device, at::kFloat);
+    tensor_check_cuda("adam8_step_cuda", params[i], "param", device, at::kFloat);
+    tensor_check_cuda("adam8_step_cuda", grads[i], "grad", device, at::kFloat);
     TORCH_CHECK(same_dense_layout(params[i], grads[i]), "adam8_step_cuda: param and grad layouts differ (tensor ", i, ")");
     const int64_t numel = params[i].numel();
     const int64_t blocks = (numel + kQuantBlock - 1) / kQuantBlock;
-    check_cuda(m_codes[i], "m codes", device, at::kByte);
-    check_cuda(v_codes[i], "v codes", device, at::kByte);
-    check_cuda(m_absmax[i], "m absmax", device, at::kFloat);
-    check_cuda(v_absmax[i], "v absmax", device, at::kFloat);
+    tensor_check_cuda("adam8_step_cuda", m_codes[i], "m codes", device, at::kByte);
+    tensor_check_cuda("adam8_step_cuda", v_codes[i], "v codes", device, at::kByte);
+    tensor_check_cuda("adam8_step_cuda", m_absmax[i], "m absmax", device, at::kFloat);
+    tensor_check_cuda("adam8_step_cuda", v_absmax[i], "v absmax", device, at::kFloat);
     TORCH_CHECK(m_codes[i].numel() == numel && v_codes[i].numel() == numel && m_absmax[i].numel() == blocks &&
                     v_absmax[i].numel() == blocks,
                 "adam8_step_cuda: state sizes do not match tensor ", i);

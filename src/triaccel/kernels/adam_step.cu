@@ -9,6 +9,7 @@
 // bc1 = 1 − β1^count_m, bc2 = 1 − β2^count_v from the tensor's device-side step counts (advanced by the caller).
 // Nothing changes when *found_inf != 0. Tensor pointers travel by value, so a captured graph replays in place.
 #include "triaccel/kernels/adam_step.h"
+#include "triaccel/kernels/tensor_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -124,21 +125,6 @@ void launch_for(StateFormat f, const AdamLaunchArgs& args, const float* lr, cons
   }
 }
 
-// Same element → address map: equal sizes, and equal strides in every dimension of size > 1.
-bool same_dense_layout(const at::Tensor& a, const at::Tensor& b) {
-  if (a.sizes() != b.sizes()) return false;
-  for (int64_t d = 0; d < a.dim(); ++d) {
-    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
-  }
-  return true;
-}
-
-void check_cuda(const at::Tensor& t, const char* what, const at::Device& device, at::ScalarType dtype) {
-  TORCH_CHECK(t.defined() && t.is_cuda() && t.device() == device, "adam_step_cuda: ", what, " must be on ", device);
-  TORCH_CHECK(t.scalar_type() == dtype, "adam_step_cuda: ", what, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_non_overlapping_and_dense(), "adam_step_cuda: ", what, " must be dense");
-}
-
 }  // namespace
 
 void adam_step_cuda(StateFormat format, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -153,9 +139,9 @@ void adam_step_cuda(StateFormat format, const std::vector<at::Tensor>& params, c
               "adam_step_cuda: list lengths differ");
   if (n == 0) return;
   const at::Device device = params[0].device();
-  check_cuda(lr, "lr", device, at::kFloat);
-  check_cuda(found_inf, "found_inf", device, at::kFloat);
-  check_cuda(counts, "counts", device, at::kDouble);
+  tensor_check_cuda("adam_step_cuda", lr, "lr", device, at::kFloat);
+  tensor_check_cuda("adam_step_cuda", found_inf, "found_inf", device, at::kFloat);
+  tensor_check_cuda("adam_step_cuda", counts, "counts", device, at::kDouble);
   TORCH_CHECK(counts.is_contiguous() && counts.dim() == 2 && counts.size(1) == 2, "adam_step_cuda: counts must be (T, 2)");
   const bool has_m = state_format_has_m(format), has_v = state_format_has_v(format);
   const at::ScalarType state_dtype = format == StateFormat::kAdamW16 ? at::kBFloat16 : at::kFloat;
@@ -168,16 +154,16 @@ void adam_step_cuda(StateFormat format, const std::vector<at::Tensor>& params, c
     args.block_start[0] = 0;
   };
   for (size_t i = 0; i < n; ++i) {
-    check_cuda(params[i], "param", device, at::kFloat);
-    check_cuda(grads[i], "grad", device, at::kFloat);
+    tensor_check_cuda("adam_step_cuda", params[i], "param", device, at::kFloat);
+    tensor_check_cuda("adam_step_cuda", grads[i], "grad", device, at::kFloat);
     TORCH_CHECK(same_dense_layout(params[i], grads[i]),
                 "adam_step_cuda: param and grad must share a memory layout (tensor ", i, ")");
     if (has_m) {
-      check_cuda(ms[i], "m", device, state_dtype);
+      tensor_check_cuda("adam_step_cuda", ms[i], "m", device, state_dtype);
       TORCH_CHECK(same_dense_layout(ms[i], params[i]), "adam_step_cuda: m layout");
     }
     if (has_v) {
-      check_cuda(vs[i], "v", device, state_dtype);
+      tensor_check_cuda("adam_step_cuda", vs[i], "v", device, state_dtype);
       TORCH_CHECK(same_dense_layout(vs[i], params[i]), "adam_step_cuda: v layout");
     }
     TORCH_CHECK(count_rows[i] >= 0 && count_rows[i] < counts.size(0), "adam_step_cuda: bad count row");

@@ -6,6 +6,7 @@
 // Every launch returns at once when *found_inf != 0, so state and parameters stay unchanged on a skipped step.
 // Scratch (row/column sums, r_mean) comes from the caching allocator (the graph's pool inside a capture).
 #include "triaccel/kernels/factored_step.h"
+#include "triaccel/kernels/tensor_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -124,20 +125,6 @@ __global__ void factored_update_kernel(const __grid_constant__ FactoredLaunchArg
   }
 }
 
-void check_cuda(const at::Tensor& t, const char* what, const at::Device& device) {
-  TORCH_CHECK(t.defined() && t.is_cuda() && t.device() == device, "factored_step_cuda: ", what, " must be on ", device);
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "factored_step_cuda: ", what, " must be float32");
-  TORCH_CHECK(t.is_non_overlapping_and_dense(), "factored_step_cuda: ", what, " must be dense");
-}
-
-bool same_dense_layout(const at::Tensor& a, const at::Tensor& b) {
-  if (a.sizes() != b.sizes()) return false;
-  for (int64_t d = 0; d < a.dim(); ++d) {
-    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 void factored_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -151,8 +138,8 @@ void factored_step_cuda(const std::vector<at::Tensor>& params, const std::vector
               "factored_step_cuda: list lengths differ");
   if (n == 0) return;
   const at::Device device = params[0].device();
-  check_cuda(lr, "lr", device);
-  check_cuda(found_inf, "found_inf", device);
+  tensor_check_cuda("factored_step_cuda", lr, "lr", device, at::kFloat);
+  tensor_check_cuda("factored_step_cuda", found_inf, "found_inf", device, at::kFloat);
   TORCH_CHECK(counts.is_cuda() && counts.scalar_type() == at::kDouble && counts.is_contiguous() && counts.dim() == 2 &&
                   counts.size(1) == 2,
               "factored_step_cuda: counts must be (T, 2) float64 on the device");
@@ -178,10 +165,10 @@ void factored_step_cuda(const std::vector<at::Tensor>& params, const std::vector
     scratch.clear();
   };
   for (size_t i = 0; i < n; ++i) {
-    check_cuda(params[i], "param", device);
-    check_cuda(grads[i], "grad", device);
-    check_cuda(v_rows[i], "v_row", device);
-    check_cuda(v_cols[i], "v_col", device);
+    tensor_check_cuda("factored_step_cuda", params[i], "param", device, at::kFloat);
+    tensor_check_cuda("factored_step_cuda", grads[i], "grad", device, at::kFloat);
+    tensor_check_cuda("factored_step_cuda", v_rows[i], "v_row", device, at::kFloat);
+    tensor_check_cuda("factored_step_cuda", v_cols[i], "v_col", device, at::kFloat);
     TORCH_CHECK(same_dense_layout(params[i], grads[i]), "factored_step_cuda: param and grad layouts differ (tensor ", i, ")");
     const int64_t rows = v_rows[i].numel(), cols = v_cols[i].numel();
     TORCH_CHECK(rows * cols == params[i].numel() && params[i].dim() >= 2 && params[i].size(0) == rows &&

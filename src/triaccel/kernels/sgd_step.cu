@@ -4,6 +4,7 @@
 // skipped entirely when *found_inf != 0. The tensor list travels by value in the kernel's parameters, so a
 // captured CUDA graph replays with the same pointers (the caller keeps grads and buffers at fixed addresses).
 #include "triaccel/kernels/sgd_step.h"
+#include "triaccel/kernels/tensor_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -85,22 +86,6 @@ void sgd_step_launch(const SgdLaunchArgs& args, const float* lr, const float* fo
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Same element → address map: equal sizes, and equal strides in every dimension of size > 1 (a 1×1 conv weight
-// has different channels_last and contiguous strides but the same layout in memory).
-bool same_dense_layout(const at::Tensor& a, const at::Tensor& b) {
-  if (a.sizes() != b.sizes()) return false;
-  for (int64_t d = 0; d < a.dim(); ++d) {
-    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
-  }
-  return true;
-}
-
-void check_fp32_cuda(const at::Tensor& t, const char* what, const at::Device& device) {
-  TORCH_CHECK(t.is_cuda() && t.device() == device, "sgd_step_cuda: ", what, " must be on ", device);
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "sgd_step_cuda: ", what, " must be float32, got ", t.scalar_type());
-  TORCH_CHECK(t.is_non_overlapping_and_dense(), "sgd_step_cuda: ", what, " must be dense");
-}
-
 }  // namespace
 
 void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -112,8 +97,8 @@ void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::
               "sgd_step_cuda: list lengths differ");
   if (params.empty()) return;
   const at::Device device = params[0].device();
-  check_fp32_cuda(lr, "lr", device);
-  check_fp32_cuda(found_inf, "found_inf", device);
+  tensor_check_cuda("sgd_step_cuda", lr, "lr", device, at::kFloat);
+  tensor_check_cuda("sgd_step_cuda", found_inf, "found_inf", device, at::kFloat);
   TORCH_CHECK(lr.numel() == 1 && found_inf.numel() == 1, "sgd_step_cuda: lr and found_inf must be scalars");
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -125,9 +110,9 @@ void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::
     args.block_start[0] = 0;
   };
   for (size_t i = 0; i < params.size(); ++i) {
-    check_fp32_cuda(params[i], "param", device);
-    check_fp32_cuda(grads[i], "grad", device);
-    check_fp32_cuda(momenta[i], "momentum buffer", device);
+    tensor_check_cuda("sgd_step_cuda", params[i], "param", device, at::kFloat);
+    tensor_check_cuda("sgd_step_cuda", grads[i], "grad", device, at::kFloat);
+    tensor_check_cuda("sgd_step_cuda", momenta[i], "momentum buffer", device, at::kFloat);
     TORCH_CHECK(same_dense_layout(params[i], grads[i]) && same_dense_layout(params[i], momenta[i]),
                 "sgd_step_cuda: param, grad and momentum buffer must share a memory layout (tensor ", i, ")");
     const int64_t n = params[i].numel();
