@@ -2,6 +2,7 @@
 // numbers were taken from torchvision 0.26: resnet18 with the CIFAR stem 11,173,962 parameters / 122 entries,
 // efficientnet_b0 4,020,358 / 360), unit coverage and order, the unit-by-unit forward, and the export file.
 // Tolerances: forward comparisons run the same float32 CPU kernels in the same order, so they are exact.
+#include "test_util.h"
 #include "triaccel/models/model.h"
 
 #include "triaccel/core/errors.h"
@@ -300,8 +301,7 @@ TEST(Export, RoundTripRestoresIdenticalTensors) {
     ~FileRemover() { std::remove(path.c_str()); }
   } remover{path};
 
-  const std::string bytes = file_read_all(path);
-  const at::IValue loaded = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+  const at::IValue loaded = test::pickle_file_read(path);
   ASSERT_TRUE(loaded.isGenericDict());
   const auto dict = loaded.toGenericDict();
   const auto state = model_state(*model);

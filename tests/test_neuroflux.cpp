@@ -303,13 +303,6 @@ class NeuroFluxRunTest : public ::testing::Test {
     o.out = out;
     return o;
   }
-  static std::map<std::string, at::Tensor> load_state(const std::string& path) {
-    const std::string bytes = file_read_all(path);
-    const auto dict = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
-    std::map<std::string, at::Tensor> out;
-    for (const auto& kv : dict) out[kv.key().toStringRef()] = kv.value().toTensor();
-    return out;
-  }
   static test::TempDir* data_;
 };
 test::TempDir* NeuroFluxRunTest::data_ = nullptr;
@@ -343,7 +336,7 @@ TEST_F(NeuroFluxRunTest, TrainsBlockByBlockFromTheCacheAndExportsTheExit) {
   EXPECT_EQ(exit_event["exits"].size(), 4u);
   EXPECT_LT(chosen["params"].get<int64_t>(), summary["params"].get<int64_t>());
   EXPECT_GT(chosen["images_per_s"].get<double>(), 0);
-  const auto state = load_state(out.file(kExitModelFile));
+  const auto state = test::state_dict_read(out.file(kExitModelFile));
   int64_t params = 0;
   for (const auto& [name, t] : state) {
     EXPECT_TRUE(name.rfind("block1.", 0) == 0 || name.rfind("exit.", 0) == 0) << name;
@@ -367,12 +360,12 @@ TEST_F(NeuroFluxRunTest, ResumeAtABlockBoundaryEndsWithTheSameWeights) {
   TrainOptions resumed = options(b.path());
   resumed.resume = b.path();
   neuroflux_run(resumed);
-  const auto wa = load_state(a.file("model.pt"));
-  const auto wb = load_state(b.file("model.pt"));
+  const auto wa = test::state_dict_read(a.file("model.pt"));
+  const auto wb = test::state_dict_read(b.file("model.pt"));
   ASSERT_EQ(wa.size(), wb.size());
   for (const auto& [name, t] : wa) EXPECT_TRUE(t.equal(wb.at(name))) << name;
-  const auto ea = load_state(a.file(kExitModelFile));
-  const auto eb = load_state(b.file(kExitModelFile));
+  const auto ea = test::state_dict_read(a.file(kExitModelFile));
+  const auto eb = test::state_dict_read(b.file(kExitModelFile));
   for (const auto& [name, t] : ea) EXPECT_TRUE(t.equal(eb.at(name))) << name;
 }
 

@@ -49,13 +49,6 @@ class TrainerTest : public ::testing::Test {
     return o;
   }
 
-  static std::map<std::string, at::Tensor> load_state(const std::string& path) {
-    const std::string bytes = file_read_all(path);
-    const auto dict = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
-    std::map<std::string, at::Tensor> out;
-    for (const auto& kv : dict) out[kv.key().toStringRef()] = kv.value().toTensor();
-    return out;
-  }
 
   static test::TempDir* data_;
 };
@@ -99,8 +92,8 @@ TEST_F(TrainerTest, ResumeMidEpochIsBitExact) {
   again.resume = b.path();
   train_run(resume_options(again, {"resume"}));
 
-  const auto wa = load_state(a.file("model.pt"));
-  const auto wb = load_state(b.file("model.pt"));
+  const auto wa = test::state_dict_read(a.file("model.pt"));
+  const auto wb = test::state_dict_read(b.file("model.pt"));
   ASSERT_EQ(wa.size(), wb.size());
   for (const auto& [name, t] : wa) {
     ASSERT_TRUE(wb.count(name)) << name;
@@ -138,8 +131,8 @@ TEST_F(TrainerTest, ResumeMidEpochIsBitExactWithAdamWAndBaoc) {
     TrainOptions again = configure(options(b.path()));
     again.resume = b.path();
     train_run(resume_options(again, {"resume"}));
-    const auto wa = load_state(a.file("model.pt"));
-    const auto wb = load_state(b.file("model.pt"));
+    const auto wa = test::state_dict_read(a.file("model.pt"));
+    const auto wb = test::state_dict_read(b.file("model.pt"));
     for (const auto& [name, t] : wa) {
       EXPECT_TRUE(torch::equal(t, wb.at(name))) << optimizer << ": " << name << " differs after resume";
     }
@@ -339,32 +332,116 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
   EXPECT_EQ(resumed["steps"], 12);
 }
 
+#ifdef TRIACCEL_WITH_CUDA
+// Deterministic cuDNN, no TF32, no autotuning for the scope; the previous settings come back after.
+class DeterministicCudnn {
+ public:
+  DeterministicCudnn() {
+    ctx_.setDeterministicCuDNN(true);
+    ctx_.setBenchmarkCuDNN(false);
+    ctx_.setAllowTF32CuDNN(false);
+  }
+  ~DeterministicCudnn() {
+    ctx_.setDeterministicCuDNN(det_);
+    ctx_.setBenchmarkCuDNN(bench_);
+    ctx_.setAllowTF32CuDNN(tf32_);
+  }
+
+ private:
+  at::Context& ctx_ = at::globalContext();
+  bool det_ = ctx_.deterministicCuDNN(), bench_ = ctx_.benchmarkCuDNN(), tf32_ = ctx_.allowTF32CuDNN();
+};
+
+// ResNet-18 (CIFAR stem) from seed 0 on the GPU, conv weights channels_last, with its named parameters.
+std::shared_ptr<Model> resnet18_on_gpu(const c10::Device& cuda, std::vector<std::pair<std::string, at::Tensor>>* named) {
+  torch::manual_seed(0);
+  ModelOptions mo;
+  mo.name = "resnet18";
+  auto model = model_create(mo);
+  model->to(cuda);
+  for (auto& p : model->parameters()) {
+    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+  }
+  for (const auto& it : model->named_parameters()) named->emplace_back(it.key(), it.value());
+  return model;
+}
+
+// Six steps at batch 16: new (seeded) batches written into the same buffers, and lr = lr_unit · (i + 1) at step i.
+// Returns copies of the parameters afterwards.
+std::vector<at::Tensor> six_steps(TrainStep& step, Model& model, const c10::Device& cuda, double lr_unit) {
+  at::Tensor images = torch::empty({16, 3, 32, 32}, torch::TensorOptions().device(cuda))
+                          .contiguous(at::MemoryFormat::ChannelsLast);
+  at::Tensor labels = torch::empty({16}, torch::TensorOptions().dtype(torch::kLong).device(cuda));
+  for (int i = 0; i < 6; ++i) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + i);
+    images.copy_(at::randn({16, 3, 32, 32}, gen));
+    labels.copy_(torch::randint(0, 10, {16}, gen, torch::kLong));
+    step.run(images, labels, lr_unit * (i + 1));
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& p : model.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+// max over tensors of max|a − b| / max|b|.
+double worst_relative_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    worst = std::max(worst, ((a[i] - b[i]).abs().max() / b[i].abs().max().clamp_min(1e-12)).item<double>());
+  }
+  return worst;
+}
+#endif
+
 // On a GPU, with deterministic cuDNN and no TF32: six steps of ResNet-18 (1×1 downsample convs, channels_last)
 // where steps 3–6 replay a captured CUDA graph give the same weights as six eager steps, in every precision. The
 // batches and the learning rate change every step, so a graph replaying stale inputs or a baked-in lr fails.
+TEST(TrainStepCudaTest, GraphReplayMatchesEagerSteps) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const DeterministicCudnn deterministic;
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  const c10::Device cuda(c10::kCUDA, 0);
+  for (PrecisionMode precision : {PrecisionMode::kFP32, PrecisionMode::kAmpBF16, PrecisionMode::kAmpFP16}) {
+    auto train = [&](bool graphs, bool* captured) {
+      std::vector<std::pair<std::string, at::Tensor>> named;
+      const auto model = resnet18_on_gpu(cuda, &named);
+      Sgd sgd(named, SgdOptions{});
+      LossScalerOptions lso;
+      lso.enabled = precision == PrecisionMode::kAmpFP16;
+      LossScaler scaler(lso, cuda);
+      StepOptions so;
+      so.precision = precision;
+      so.cuda_graphs = graphs;
+      so.graph_batch_size = 16;
+      so.warmup_steps = 2;
+      TrainStep step(*model, sgd, scaler, so, cuda);
+      auto out = six_steps(step, *model, cuda, 0.02);
+      *captured = step.graph_captured();
+      return out;
+    };
+    bool captured_graph = false, captured_eager = true;
+    const auto with_graph = train(true, &captured_graph);
+    const auto eager = train(false, &captured_eager);
+    EXPECT_TRUE(captured_graph);
+    EXPECT_FALSE(captured_eager);
+    EXPECT_LT(worst_relative_difference(with_graph, eager), 1e-5) << precision_mode_name(precision);
+  }
+#endif
+}
+
 // BAOC inside the captured step: every state format (assigned round-robin over ResNet-18's tensors) and the
 // gradient-stream statistics replay from the graph exactly as they run eagerly.
 TEST(TrainStepCudaTest, BaocGraphReplayMatchesEagerSteps) {
   TRIACCEL_SKIP_WITHOUT_GPU();
 #ifdef TRIACCEL_WITH_CUDA
-  auto& ctx = at::globalContext();
-  const bool det = ctx.deterministicCuDNN(), bench = ctx.benchmarkCuDNN(), tf32 = ctx.allowTF32CuDNN();
-  ctx.setDeterministicCuDNN(true);
-  ctx.setBenchmarkCuDNN(false);
-  ctx.setAllowTF32CuDNN(false);
+  const DeterministicCudnn deterministic;
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
   const c10::Device cuda(c10::kCUDA, 0);
   auto train = [&](bool graphs, bool* captured, at::Tensor* stats) {
-    torch::manual_seed(0);
-    ModelOptions mo;
-    mo.name = "resnet18";
-    auto model = model_create(mo);
-    model->to(cuda);
-    for (auto& p : model->parameters()) {
-      if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
-    }
     std::vector<std::pair<std::string, at::Tensor>> named;
-    for (const auto& it : model->named_parameters()) named.emplace_back(it.key(), it.value());
+    const auto model = resnet18_on_gpu(cuda, &named);
     BaocOptimizer opt(named, BaocOptions{});
     std::vector<StateFormat> formats;
     for (size_t i = 0; i < named.size(); ++i) formats.push_back(state_formats_all()[i % state_formats_all().size()]);
@@ -376,20 +453,10 @@ TEST(TrainStepCudaTest, BaocGraphReplayMatchesEagerSteps) {
     so.graph_batch_size = 16;
     so.warmup_steps = 2;
     TrainStep step(*model, opt, scaler, so, cuda);
-    at::Tensor images = torch::empty({16, 3, 32, 32}, torch::TensorOptions().device(cuda))
-                            .contiguous(at::MemoryFormat::ChannelsLast);
-    at::Tensor labels = torch::empty({16}, torch::TensorOptions().dtype(torch::kLong).device(cuda));
-    for (int i = 0; i < 6; ++i) {
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + i);
-      images.copy_(at::randn({16, 3, 32, 32}, gen));
-      labels.copy_(torch::randint(0, 10, {16}, gen, torch::kLong));
-      step.run(images, labels, 1e-3 * (i + 1));
-    }
+    auto out = six_steps(step, *model, cuda, 1e-3);
     *captured = step.graph_captured();
     *stats = opt.stream_stats_take();
     EXPECT_EQ(opt.counts().cpu()[0][0].item<double>(), 6.0);
-    std::vector<at::Tensor> out;
-    for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
     return out;
   };
   bool captured_graph = false, captured_eager = true;
@@ -398,83 +465,9 @@ TEST(TrainStepCudaTest, BaocGraphReplayMatchesEagerSteps) {
   const auto eager = train(false, &captured_eager, &stats_eager);
   EXPECT_TRUE(captured_graph);
   EXPECT_FALSE(captured_eager);
-  ASSERT_EQ(with_graph.size(), eager.size());
-  double worst = 0;
-  for (size_t i = 0; i < eager.size(); ++i) {
-    worst = std::max(worst, ((with_graph[i] - eager[i]).abs().max() / eager[i].abs().max().clamp_min(1e-12))
-                                .item<double>());
-  }
-  EXPECT_LT(worst, 1e-5);
+  EXPECT_LT(worst_relative_difference(with_graph, eager), 1e-5);
   EXPECT_LT(((stats_graph - stats_eager).abs().max() / stats_eager.abs().max()).item<double>(), 1e-5);
   EXPECT_GT(stats_eager.select(1, kStreamSqCur).sum().item<double>(), 0);
-  ctx.setDeterministicCuDNN(det);
-  ctx.setBenchmarkCuDNN(bench);
-  ctx.setAllowTF32CuDNN(tf32);
-#endif
-}
-
-TEST(TrainStepCudaTest, GraphReplayMatchesEagerSteps) {
-  TRIACCEL_SKIP_WITHOUT_GPU();
-#ifdef TRIACCEL_WITH_CUDA
-  auto& ctx = at::globalContext();
-  const bool det = ctx.deterministicCuDNN(), bench = ctx.benchmarkCuDNN(), tf32 = ctx.allowTF32CuDNN();
-  ctx.setDeterministicCuDNN(true);
-  ctx.setBenchmarkCuDNN(false);
-  ctx.setAllowTF32CuDNN(false);
-  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
-  const c10::Device cuda(c10::kCUDA, 0);
-  for (PrecisionMode precision : {PrecisionMode::kFP32, PrecisionMode::kAmpBF16, PrecisionMode::kAmpFP16}) {
-    auto train = [&](bool graphs, bool* captured) {
-      torch::manual_seed(0);
-      ModelOptions mo;
-      mo.name = "resnet18";
-      auto model = model_create(mo);
-      model->to(cuda);
-      for (auto& p : model->parameters()) {
-        if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
-      }
-      std::vector<std::pair<std::string, at::Tensor>> named;
-      for (const auto& it : model->named_parameters()) named.emplace_back(it.key(), it.value());
-      Sgd sgd(named, SgdOptions{});
-      LossScalerOptions lso;
-      lso.enabled = precision == PrecisionMode::kAmpFP16;
-      LossScaler scaler(lso, cuda);
-      StepOptions so;
-      so.precision = precision;
-      so.cuda_graphs = graphs;
-      so.graph_batch_size = 16;
-      so.warmup_steps = 2;
-      TrainStep step(*model, sgd, scaler, so, cuda);
-      at::Tensor images = torch::empty({16, 3, 32, 32}, torch::TensorOptions().device(cuda))
-                              .contiguous(at::MemoryFormat::ChannelsLast);
-      at::Tensor labels = torch::empty({16}, torch::TensorOptions().dtype(torch::kLong).device(cuda));
-      for (int i = 0; i < 6; ++i) {
-        auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + i);
-        images.copy_(at::randn({16, 3, 32, 32}, gen));
-        labels.copy_(torch::randint(0, 10, {16}, gen, torch::kLong));
-        step.run(images, labels, 0.02 * (i + 1));
-      }
-      *captured = step.graph_captured();
-      std::vector<at::Tensor> out;
-      for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
-      return out;
-    };
-    bool captured_graph = false, captured_eager = true;
-    const auto with_graph = train(true, &captured_graph);
-    const auto eager = train(false, &captured_eager);
-    EXPECT_TRUE(captured_graph);
-    EXPECT_FALSE(captured_eager);
-    ASSERT_EQ(with_graph.size(), eager.size());
-    double worst = 0;
-    for (size_t i = 0; i < eager.size(); ++i) {
-      worst = std::max(worst, ((with_graph[i] - eager[i]).abs().max() / eager[i].abs().max().clamp_min(1e-12))
-                                  .item<double>());
-    }
-    EXPECT_LT(worst, 1e-5) << precision_mode_name(precision);
-  }
-  ctx.setDeterministicCuDNN(det);
-  ctx.setBenchmarkCuDNN(bench);
-  ctx.setAllowTF32CuDNN(tf32);
 #endif
 }
 

@@ -4,6 +4,7 @@
 // Tolerances: forward comparisons run the same float32 CPU kernels on the same inputs, so equality is exact;
 // the causality test allows 1e-6 for BLAS blocking that could differ with the sequence contents (it does not
 // here, but a broken mask changes earlier logits by ~1e-2).
+#include "test_util.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/core/io.h"
 #include "triaccel/models/model.h"
@@ -220,8 +221,7 @@ TEST(GptChar, ExportRoundTrip) {
     std::string path;
     ~FileRemover() { std::remove(path.c_str()); }
   } remover{path};
-  const std::string bytes = file_read_all(path);
-  const at::IValue loaded = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+  const at::IValue loaded = test::pickle_file_read(path);
   ASSERT_TRUE(loaded.isGenericDict());
   const auto dict = loaded.toGenericDict();
   const auto state = model_state(*model);

@@ -39,8 +39,14 @@ inline bool gpu_available() { return torch::cuda::is_available(); }
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <torch/serialize.h>
+
+#include "triaccel/core/io.h"
+
 #include <cstdint>
 #include <fstream>
+#include <map>
+#include <vector>
 
 namespace triaccel::test {
 
@@ -72,6 +78,19 @@ inline void mnist_like_write(const std::string& dir, int64_t n_train, int64_t n_
   };
   split("train", n_train);
   split("t10k", n_test);
+}
+
+// A file torch.save wrote (our model.pt / exit_model.pt), as the IValue PyTorch's torch.load would see.
+inline at::IValue pickle_file_read(const std::string& path) {
+  const std::string bytes = file_read_all(path);
+  return torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+}
+
+// A state_dict file as name → tensor.
+inline std::map<std::string, at::Tensor> state_dict_read(const std::string& path) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& kv : pickle_file_read(path).toGenericDict()) out[kv.key().toStringRef()] = kv.value().toTensor();
+  return out;
 }
 
 }  // namespace triaccel::test
