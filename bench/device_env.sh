@@ -4,3 +4,30 @@ TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(tor
 SITE=$(dirname "$(dirname "$TORCH_LIB")")
 NV_LIBS=$(ls -d "$SITE"/nvidia/*/lib "$SITE"/nvidia/cu13/lib 2>/dev/null | tr '\n' ':')
 export LD_LIBRARY_PATH="$TORCH_LIB:$NV_LIBS/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+
+# The binaries to run: BIN=.device/bin when the carried ones run here and include every file named (e.g.
+# bench_optim_step), else a fresh build in build-gpu (several minutes; logs in LOGDIR). Exits on a failed build.
+device_binaries() {
+  local logdir=$1 f
+  shift
+  BIN=.device/bin
+  local ok=1
+  "$BIN/triaccel" --help >/dev/null 2>&1 || ok=0
+  for f in "$@"; do [ -x "$BIN/$f" ] || ok=0; done
+  [ "$ok" = 1 ] && return 0
+  echo "carried binaries do not run here; building"
+  local prefix
+  prefix=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+    -DTRIACCEL_CUDA_ARCHITECTURES=90 >"$logdir/cmake.log" 2>&1 || { tail -30 "$logdir/cmake.log"; exit 1; }
+  cmake --build build-gpu -j 16 >"$logdir/build.log" 2>&1 || { grep -E "error|FAILED" "$logdir/build.log" | head -30; exit 1; }
+  BIN=build-gpu
+}
+
+# CIFAR-10 in the binary layout at /tmp/cifar10-bin (from the carried JPEG copy, once per machine); sets DATA.
+cifar10_bin() {
+  DATA=/tmp/cifar10-bin
+  if [ ! -f "$DATA/test_batch.bin" ]; then
+    python3 .device/data/build_cifar10_bin.py "$DATA" >/dev/null 2>&1 || { echo "CIFAR conversion failed"; exit 1; }
+  fi
+}

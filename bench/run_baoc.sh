@@ -27,15 +27,7 @@ source "$(dirname "$0")/device_env.sh"  # LD_LIBRARY_PATH for the carried binari
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $GPU; torch: $(python3 -c 'import torch; print(torch.__version__)')"
 
-BIN=.device/bin
-if ! "$BIN/triaccel_tests" --gtest_list_tests >/dev/null 2>&1 || [ ! -x "$BIN/bench_optim_step" ]; then
-  echo "carried binaries do not run here; building"
-  TORCH_PREFIX=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
-    -DTRIACCEL_CUDA_ARCHITECTURES=90 >"$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
-  cmake --build build-gpu -j 16 >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
-  BIN=build-gpu
-fi
+device_binaries "$OUT" triaccel_tests bench_optim_step
 echo "gpu: $GPU" > "$OUT/commands.txt"
 echo "host command: COMMIT=${COMMIT:-unknown} EPOCHS=$EPOCHS bash bench/run_baoc.sh $STAGES" >> "$OUT/commands.txt"
 
@@ -64,10 +56,7 @@ if [[ $STAGES == *bench* ]] || [ -f "$OUT/optim_step.json" ]; then
 fi
 
 if [[ $STAGES == *train* || $STAGES == *vit* ]]; then
-  DATA=/tmp/cifar10-bin
-  if [ ! -f "$DATA/test_batch.bin" ]; then
-    python3 .device/data/build_cifar10_bin.py "$DATA" >/dev/null 2>&1 || { echo "CIFAR conversion failed"; exit 1; }
-  fi
+  cifar10_bin
 fi
 
 if [[ $STAGES == *train* ]]; then  # ResNet-18, CIFAR-10

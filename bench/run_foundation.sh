@@ -16,15 +16,7 @@ source "$(dirname "$0")/device_env.sh"  # LD_LIBRARY_PATH for the carried binari
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $GPU; torch: $(python3 -c 'import torch; print(torch.__version__)')"
 
-BIN=.device/bin
-if ! "$BIN/triaccel_tests" --gtest_list_tests >/dev/null 2>&1; then
-  echo "carried binaries do not run here; building"
-  TORCH_PREFIX=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
-    -DTRIACCEL_CUDA_ARCHITECTURES=90 >"$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
-  cmake --build build-gpu -j 16 >"$OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
-  BIN=build-gpu
-fi
+device_binaries "$OUT" triaccel_tests bench_train_throughput
 cat > "$OUT/commands.txt" <<TXT
 gpu: $GPU
 host command: bash bench/run_foundation.sh $STAGES
@@ -46,10 +38,7 @@ if [[ $STAGES == *bench* ]]; then
 fi
 
 if [[ $STAGES == *accuracy* ]]; then
-  DATA=/tmp/cifar10-bin
-  if [ ! -f "$DATA/test_batch.bin" ]; then
-    python3 .device/data/build_cifar10_bin.py "$DATA" >/dev/null 2>&1 || { echo "CIFAR conversion failed"; exit 1; }
-  fi
+  cifar10_bin
   run() {  # name, then train flags
     local name=$1; shift
     echo "== $name: triaccel train $*" | tee -a "$OUT/commands.txt"

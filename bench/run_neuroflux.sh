@@ -18,19 +18,8 @@ source "$(dirname "$0")/device_env.sh"  # LD_LIBRARY_PATH for the carried binari
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $GPU"
 
-BIN=.device/bin
-if ! "$BIN/triaccel" --help >/dev/null 2>&1; then
-  echo "carried binaries do not run here; building"
-  TORCH_PREFIX=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
-    -DTRIACCEL_CUDA_ARCHITECTURES=90 -DTRIACCEL_BUILD_TESTS=OFF >"$FINAL_OUT/cmake.log" 2>&1 || { tail -30 "$FINAL_OUT/cmake.log"; exit 1; }
-  cmake --build build-gpu -j 16 --target triaccel_cli >"$FINAL_OUT/build.log" 2>&1 || { grep -E "error|FAILED" "$FINAL_OUT/build.log" | head -30; exit 1; }
-  BIN=build-gpu
-fi
-DATA=/tmp/cifar10-bin
-if [ ! -f "$DATA/test_batch.bin" ]; then
-  python3 .device/data/build_cifar10_bin.py "$DATA" >/dev/null 2>&1 || { echo "CIFAR conversion failed"; exit 1; }
-fi
+device_binaries "$FINAL_OUT"
+cifar10_bin
 
 COMMON=(--dataset cifar10 --data "$DATA" --epochs "$EPOCHS" --precision amp-bf16 --progress lines --log-every 100000)
 START=$SECONDS

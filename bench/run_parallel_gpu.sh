@@ -9,7 +9,7 @@ set -uo pipefail
 FINAL=${OUT:-out}
 mkdir -p "$FINAL"
 source "$(dirname "$0")/device_env.sh"  # LD_LIBRARY_PATH for the carried binaries
-python3 .device/data/build_cifar10_bin.py /tmp/cifar10-bin >/dev/null 2>&1 || { echo "CIFAR conversion failed"; exit 1; }
+cifar10_bin  # once, before the stages that need it start side by side
 (CUDA_VISIBLE_DEVICES=0 BAOC_WORK=/tmp/baoc_r18 OUT=$FINAL/baoc_r18 bash bench/run_baoc.sh tests,bench,train \
   >"$FINAL/baoc_r18.log" 2>&1; echo "baoc r18: exit $?") &
 (CUDA_VISIBLE_DEVICES=1 BAOC_WORK=/tmp/baoc_vit OUT=$FINAL/baoc_vit bash bench/run_baoc.sh vit >"$FINAL/baoc_vit.log" 2>&1;

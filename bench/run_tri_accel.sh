@@ -18,13 +18,9 @@ source "$(dirname "$0")/device_env.sh"  # LD_LIBRARY_PATH for the carried binari
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 NGPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 echo "gpu: $NGPU x $GPU; torch: $(python3 -c 'import torch; print(torch.__version__)')"
-BIN=.device/bin
-"$BIN/triaccel" --help >/dev/null 2>&1 || { echo "carried binaries do not run here"; exit 1; }
+device_binaries "$OUT" triaccel_tests
 
-DATA=/tmp/cifar10-bin
-if [ ! -f "$DATA/test_batch.bin" ]; then
-  python3 .device/data/build_cifar10_bin.py "$DATA" >/dev/null 2>&1 || { echo "CIFAR conversion failed"; exit 1; }
-fi
+cifar10_bin
 
 # The protocol's recipe for every method: SGD momentum 0.9 (nesterov), wd 5e-4, lr 0.075 at batch 96, label
 # smoothing 0.1, 5 warm-up epochs then cosine, 15 epochs in all.
