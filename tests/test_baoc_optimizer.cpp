@@ -206,8 +206,19 @@ TEST(Quant8Test, EncodeIsNearestPerBlockAbsmax) {
   const Quantized8 q = quant8_encode(x, map);
   ASSERT_EQ(q.absmax.numel(), 4);
   ASSERT_EQ(q.codes.numel(), 1000);
-  EXPECT_FLOAT_EQ(q.absmax[3].item<float>(), x.narrow(0, 768, 232).abs().max().item<float>());
-  const at::Tensor scale = q.absmax.repeat_interleave(256).narrow(0, 0, 1000);
+  // The scale is the block's absmax rounded UP to a bfloat16: never below it, less than one bf16 step (2^-7
+  // relative) above it, and a bfloat16 tensor.
+  ASSERT_EQ(q.absmax.scalar_type(), at::kBFloat16);
+  for (int64_t b = 0; b < 4; ++b) {
+    const float exact = x.narrow(0, 256 * b, b == 3 ? 232 : 256).abs().max().item<float>();
+    const float stored = q.absmax[b].item<float>();
+    EXPECT_GE(stored, exact) << "block " << b;
+    EXPECT_LT(stored, exact * (1.f + 1.f / 128.f)) << "block " << b;
+  }
+  EXPECT_EQ(quant8_absmax_round_up(torch::tensor({1.0f})).item<float>(), 1.0f);  // bf16 values stay
+  EXPECT_EQ(quant8_absmax_round_up(torch::tensor({1.0f + 1e-6f})).item<float>(), 1.0f + 1.f / 128.f);
+  EXPECT_EQ(quant8_absmax_round_up(torch::tensor({0.0f})).item<float>(), 0.0f);
+  const at::Tensor scale = q.absmax.to(at::kFloat).repeat_interleave(256).narrow(0, 0, 1000);
   const at::Tensor normalized = x / scale;
   // Brute-force nearest code.
   const at::Tensor nearest = (normalized.unsqueeze(1) - map.unsqueeze(0)).abs().argmin(1);
@@ -222,7 +233,7 @@ TEST(StateBytesTest, ExactBytesPerFormat) {
   const std::vector<int64_t> conv = {64, 3, 3, 3};  // 1728 elements, 7 blocks; factored as 64 × 27
   EXPECT_EQ(state_format_bytes(StateFormat::kAdamW32, conv), 13824);
   EXPECT_EQ(state_format_bytes(StateFormat::kAdamW16, conv), 6912);
-  EXPECT_EQ(state_format_bytes(StateFormat::kAdamW8, conv), 2 * 1728 + 2 * 4 * 7);
+  EXPECT_EQ(state_format_bytes(StateFormat::kAdamW8, conv), 2 * 1728 + 2 * 2 * 7);  // bf16 scales
   EXPECT_EQ(state_format_bytes(StateFormat::kFactored, conv), 4 * (64 + 27));
   EXPECT_EQ(state_format_bytes(StateFormat::kNoMomentum, conv), 6912);
   EXPECT_EQ(state_format_bytes(StateFormat::kSgdMomentum, conv), 6912);

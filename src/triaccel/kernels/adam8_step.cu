@@ -1,7 +1,8 @@
 // Fused multi-tensor AdamW with 8-bit block-wise states. One CUDA block of kQuantBlock (256) threads owns one
 // quantization block of one tensor (elements in memory order): each thread dequantizes its m (signed map) and v
 // (unsigned map), applies the AdamW update in fp32 (as kAdamW32 in kernels/adam_step.cu), the block reduces the new
-// absmax of m and of v, and each thread re-quantizes to the nearest map value (binary search over the midpoints,
+// absmax of m and of v (rounded up to the bfloat16 it is stored as, the rule of quant8_absmax_round_up), and each
+// thread re-quantizes to the nearest map value (binary search over the midpoints,
 // ties to the lower code: the rule of quant8_encode). Nothing changes when *found_inf != 0.
 #include "triaccel/kernels/adam8_step.h"
 #include "triaccel/kernels/tensor_checks.h"
@@ -11,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
 
 namespace triaccel {
 namespace {
@@ -24,8 +26,8 @@ struct Adam8LaunchArgs {
   const float* grad[kMaxTensors];
   uint8_t* m_codes[kMaxTensors];
   uint8_t* v_codes[kMaxTensors];
-  float* m_absmax[kMaxTensors];
-  float* v_absmax[kMaxTensors];
+  __nv_bfloat16* m_absmax[kMaxTensors];
+  __nv_bfloat16* v_absmax[kMaxTensors];
   const double* counts[kMaxTensors];
   int64_t numel[kMaxTensors];
   float weight_decay[kMaxTensors];
@@ -42,6 +44,11 @@ __device__ __forceinline__ float block_max(float x, float* scratch) {
   float r = scratch[0];
   for (int w = 1; w < kThreads / 32; ++w) r = fmaxf(r, scratch[w]);
   return r;
+}
+
+// A non-negative finite float rounded up to a bfloat16 (returned as the float it equals).
+__device__ __forceinline__ float round_up_to_bf16(float x) {
+  return __uint_as_float((__float_as_uint(x) + 0xFFFFu) & 0xFFFF0000u);
 }
 
 // The number of midpoints < x: the index of the nearest map value (ties to the lower one).
@@ -85,22 +92,22 @@ __global__ void adam8_step_kernel(const __grid_constant__ Adam8LaunchArgs args, 
   if (valid) {
     float pv = args.param[t][i] * (1.f - lr * args.weight_decay[t]);
     const float g = args.grad[t][i];
-    m = smap_s[args.m_codes[t][i]] * args.m_absmax[t][qb];
-    v = smap_u[args.v_codes[t][i]] * args.v_absmax[t][qb];
+    m = smap_s[args.m_codes[t][i]] * __bfloat162float(args.m_absmax[t][qb]);
+    v = smap_u[args.v_codes[t][i]] * __bfloat162float(args.v_absmax[t][qb]);
     m = h.beta1 * m + (1.f - h.beta1) * g;
     v = h.beta2 * v + (1.f - h.beta2) * g * g;
     pv -= (lr / bc[0]) * m / (sqrtf(v) / sqrtf(bc[1]) + h.eps);
     args.param[t][i] = pv;
   }
-  const float m_max = block_max(valid ? fabsf(m) : 0.f, scratch);
-  const float v_max = block_max(valid ? fabsf(v) : 0.f, scratch);
+  const float m_max = round_up_to_bf16(block_max(valid ? fabsf(m) : 0.f, scratch));
+  const float v_max = round_up_to_bf16(block_max(valid ? fabsf(v) : 0.f, scratch));
   if (valid) {
     args.m_codes[t][i] = static_cast<uint8_t>(nearest_code(smid_s, m_max > 0.f ? m / m_max : 0.f));
     args.v_codes[t][i] = static_cast<uint8_t>(nearest_code(smid_u, v_max > 0.f ? v / v_max : 0.f));
   }
   if (threadIdx.x == 0) {
-    args.m_absmax[t][qb] = m_max;
-    args.v_absmax[t][qb] = v_max;
+    args.m_absmax[t][qb] = __float2bfloat16_rz(m_max);  // exact: m_max is a bfloat16 value
+    args.v_absmax[t][qb] = __float2bfloat16_rz(v_max);
   }
 }
 
@@ -149,8 +156,8 @@ void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
     const int64_t blocks = (numel + kQuantBlock - 1) / kQuantBlock;
     tensor_check_cuda("adam8_step_cuda", m_codes[i], "m codes", device, at::kByte);
     tensor_check_cuda("adam8_step_cuda", v_codes[i], "v codes", device, at::kByte);
-    tensor_check_cuda("adam8_step_cuda", m_absmax[i], "m absmax", device, at::kFloat);
-    tensor_check_cuda("adam8_step_cuda", v_absmax[i], "v absmax", device, at::kFloat);
+    tensor_check_cuda("adam8_step_cuda", m_absmax[i], "m absmax", device, at::kBFloat16);
+    tensor_check_cuda("adam8_step_cuda", v_absmax[i], "v absmax", device, at::kBFloat16);
     TORCH_CHECK(m_codes[i].numel() == numel && v_codes[i].numel() == numel && m_absmax[i].numel() == blocks &&
                     v_absmax[i].numel() == blocks,
                 "adam8_step_cuda: state sizes do not match tensor ", i);
@@ -160,8 +167,8 @@ void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
     args.grad[k] = grads[i].data_ptr<float>();
     args.m_codes[k] = m_codes[i].data_ptr<uint8_t>();
     args.v_codes[k] = v_codes[i].data_ptr<uint8_t>();
-    args.m_absmax[k] = m_absmax[i].data_ptr<float>();
-    args.v_absmax[k] = v_absmax[i].data_ptr<float>();
+    args.m_absmax[k] = reinterpret_cast<__nv_bfloat16*>(m_absmax[i].data_ptr<at::BFloat16>());
+    args.v_absmax[k] = reinterpret_cast<__nv_bfloat16*>(v_absmax[i].data_ptr<at::BFloat16>());
     args.counts[k] = counts.data_ptr<double>() + 2 * count_rows[i];
     args.numel[k] = numel;
     args.weight_decay[k] = weight_decays[i];

@@ -34,13 +34,21 @@ at::Tensor quant8_midpoints(const at::Tensor& map) {
   return (map.narrow(0, 0, 255) + map.narrow(0, 1, 255)) * 0.5;
 }
 
+at::Tensor quant8_absmax_round_up(const at::Tensor& absmax) {
+  // A non-negative finite float32 rounds up to a bfloat16 by adding 0xFFFF to its bits and clearing the low 16
+  // (the kernel does the same in registers, so both paths store the same scale).
+  const at::Tensor bits = absmax.to(at::kFloat).contiguous().view(at::kInt);
+  const at::Tensor up = bits.add(0xFFFF).bitwise_and(static_cast<int64_t>(static_cast<int32_t>(0xFFFF0000u)));
+  return up.view(at::kFloat).to(at::kBFloat16);  // exact: the low 16 bits are zero
+}
+
 Quantized8 quant8_encode(const at::Tensor& x, const at::Tensor& map) {
   const int64_t n = x.numel();
   const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
   at::Tensor flat = x.contiguous().reshape({-1}).to(at::kFloat);
   flat = at::constant_pad_nd(flat, {0, blocks * kQuantBlock - n}).view({blocks, kQuantBlock});
-  const at::Tensor absmax = flat.abs().amax(1);  // (blocks)
-  const at::Tensor a = absmax.unsqueeze(1);
+  const at::Tensor absmax = quant8_absmax_round_up(flat.abs().amax(1));  // (blocks) bfloat16
+  const at::Tensor a = absmax.to(at::kFloat).unsqueeze(1);
   const at::Tensor normalized = at::where(a > 0, flat / a, at::zeros_like(flat));
   const at::Tensor mids = quant8_midpoints(map).to(x.device());
   const at::Tensor codes = at::bucketize(normalized, mids).to(at::kByte).reshape({-1}).narrow(0, 0, n);
@@ -50,7 +58,7 @@ Quantized8 quant8_encode(const at::Tensor& x, const at::Tensor& map) {
 at::Tensor quant8_decode(const Quantized8& q, const at::Tensor& map, at::IntArrayRef shape) {
   const int64_t n = q.codes.numel();
   const at::Tensor values = map.to(q.codes.device()).index_select(0, q.codes.to(at::kLong));
-  const at::Tensor scale = q.absmax.repeat_interleave(kQuantBlock).narrow(0, 0, n);
+  const at::Tensor scale = q.absmax.to(at::kFloat).repeat_interleave(kQuantBlock).narrow(0, 0, n);
   return (values * scale).reshape(shape);
 }
 

@@ -62,7 +62,7 @@ int64_t state_format_bytes(StateFormat f, const std::vector<int64_t>& shape) {
   switch (f) {
     case StateFormat::kAdamW32: return 8 * n;
     case StateFormat::kAdamW16: return 4 * n;
-    case StateFormat::kAdamW8: return 2 * n + 2 * 4 * blocks;  // codes of m and v + one fp32 absmax per block each
+    case StateFormat::kAdamW8: return 2 * n + 2 * 2 * blocks;  // codes of m and v + one bf16 absmax per block each
     case StateFormat::kFactored: {
       const auto [r, c] = state_format_factor_shape(shape);
       return r > 0 ? 4 * (r + c) : 4 * n;

@@ -517,10 +517,14 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
       }
       if (options.optimizer != "sgd" && progress.step == options.plan_warmup) {
         // AdamW and BAOC alike: the peak of the warm-up (fp32 AdamW state in both) is kept apart, and the summary's
-        // peak covers the steps after it, where BAOC runs its plan (docs/baoc.md).
+        // peak covers the steps after it, where BAOC runs its plan (docs/baoc.md). Both then run one step eagerly
+        // and capture a new graph (BAOC's plan drops its graph; AdamW's is dropped here), so the peak after the
+        // reset holds a whole step's activations for both: replays of a graph captured before the reset would
+        // allocate nothing and show only the static bytes.
         progress.peak_vram_warmup_gb = std::max(progress.peak_vram_gb,
                                                 static_cast<double>(memory_stats(device).peak_allocated_bytes) / kGB);
         progress.peak_vram_gb = 0;
+        step.invalidate_graph();
         memory_stats_reset_peak(device);
       }
       if (elastic && progress.step % options.ctrl_every == 0) {
