@@ -239,7 +239,7 @@ TEST(StateBytesTest, ExactBytesPerFormat) {
   EXPECT_EQ(state_format_bytes(StateFormat::kSgdMomentum, conv), 6912);
   EXPECT_EQ(state_format_bytes(StateFormat::kSgd, conv), 0);
   EXPECT_EQ(state_format_bytes(StateFormat::kFactored, {10}), 40);  // vectors keep a full v
-  EXPECT_EQ(state_format_bytes(StateFormat::kAdamW8, {10}), 20 + 8);
+  EXPECT_EQ(state_format_bytes(StateFormat::kAdamW8, {10}), 20 + 4);
 }
 
 TEST(StateBytesTest, BytesEqualTheAllocatedState) {

@@ -111,10 +111,18 @@ TEST(RiskTest, Monotonicity) {
   EXPECT_GT(risk_unit_format(StateFormat::kFactored, worse), risk_unit_format(StateFormat::kFactored, base));
   // Momentum-free formats are never less risky than their momentum counterparts on the same signals.
   EXPECT_GE(risk_unit_format(StateFormat::kSgd, base), risk_unit_format(StateFormat::kSgdMomentum, base));
-  // Weighting by size: a unit with twice the parameters carries twice the risk.
+  // Weighting: half by the share of parameters, half equal per unit. Of 1000 parameters in 5 units, a unit of 100
+  // weighs 0.5·0.1 + 0.5·0.2 = 0.15, one of 200 weighs 0.2; with unit_floor 0, by size only (0.1 and 0.2).
   UnitSignals big = base;
   big.params = 200;
-  EXPECT_NEAR(risk_weighted(StateFormat::kAdamW8, big, 1000), 2 * risk_weighted(StateFormat::kAdamW8, base, 1000), 1e-12);
+  const double r8 = risk_unit_format(StateFormat::kAdamW8, base);
+  ASSERT_GT(r8, 0);
+  EXPECT_NEAR(risk_weighted(StateFormat::kAdamW8, base, 1000, 5), 0.15 * r8, 1e-12);
+  EXPECT_NEAR(risk_weighted(StateFormat::kAdamW8, big, 1000, 5), 0.2 * r8, 1e-12);
+  RiskOptions by_size;
+  by_size.unit_floor = 0;
+  EXPECT_NEAR(risk_weighted(StateFormat::kAdamW8, big, 1000, 5, by_size),
+              2 * risk_weighted(StateFormat::kAdamW8, base, 1000, 5, by_size), 1e-12);
 }
 
 TEST(PlannerTest, BudgetsParse) {
@@ -161,7 +169,7 @@ TEST(PlannerTest, ChoosesTheLowRiskCheapFormatsAndSaysTheMinimumWhenTheBudgetIsT
     FAIL() << "expected a UserError";
   } catch (const UserError& e) {
     const std::string msg = e.what();
-    EXPECT_NE(msg.find("at least 4064 bytes"), std::string::npos) << msg;  // 2 × (2·1000 + 2·4·4 blocks)
+    EXPECT_NE(msg.find("at least 4032 bytes"), std::string::npos) << msg;  // 2 × (2·1000 + 2·2·4 blocks)
     EXPECT_NE(msg.find("--optim-memory-budget"), std::string::npos) << msg;
   }
 }

@@ -21,6 +21,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <cstdio>
 #include <filesystem>
 
 namespace triaccel {
@@ -155,32 +156,30 @@ TEST_F(TrainerTest, ResumeMidEpochIsBitExactWithAdamWAndBaoc) {
   }
 }
 
-// On a GPU with CUDA graphs: the peak after --plan-warmup holds a whole step for fp32 AdamW as for BAOC (both
-// re-capture after the reset). Before, AdamW replayed a graph captured in the warm-up, its window showed only the
-// static bytes, and BAOC, which holds less state, looked as if it needed more memory.
+// On a GPU with CUDA graphs: the peak after --plan-warmup holds a whole step for fp32 AdamW as for BAOC. The graph is
+// captured at step 4, before the reset at step 8; both then re-capture (BAOC's plan drops its graph, AdamW's is
+// dropped at the reset). Before, AdamW kept replaying the warm-up's graph, its window showed only the static bytes,
+// and BAOC, which holds less state, looked as if it needed more memory.
 TEST_F(TrainerTest, PeakAfterTheWarmUpHoldsAWholeStepForAdamWAndBaoc) {
   TRIACCEL_SKIP_WITHOUT_GPU();
-  std::map<std::string, Json> summary;
   for (const std::string optimizer : {"adamw", "baoc"}) {
     test::TempDir out("run_peak_" + optimizer);
     TrainOptions o = options(out.path());
     o.device = "cuda";
     o.optimizer = optimizer;
     o.lr = 2e-3;
-    o.plan_warmup = 3;
+    o.plan_warmup = 8;
     o.optim_memory_budget = "15%";
     train_run(o);
     const auto events = events_read(out.file("events.jsonl"));
-    summary[optimizer] = events.back();
+    const Json& summary = events.back();
     int64_t captures = 0;
     for (const auto& e : events) if (e["event"] == "epoch") captures = e["graph_captures"].get<int64_t>();
     EXPECT_GE(captures, 2) << optimizer << ": no capture after the warm-up";
+    const double after = summary["peak_vram_gb"].get<double>(), warmup = summary["peak_vram_warmup_gb"].get<double>();
+    std::printf("[ %s ] peak in the warm-up %.4f GB, after it %.4f GB\n", optimizer.c_str(), warmup, after);
+    EXPECT_GE(after, 0.5 * warmup) << optimizer << ": the peak after the warm-up shows only the static bytes";
   }
-  const double state_saved_gb = (summary["adamw"]["optim_state_bytes"].get<double>() -
-                                 summary["baoc"]["optim_state_bytes"].get<double>()) / 1e9;
-  ASSERT_GT(state_saved_gb, 0);
-  EXPECT_GE(summary["adamw"]["peak_vram_gb"].get<double>(), summary["baoc"]["peak_vram_gb"].get<double>())
-      << "BAOC holds " << state_saved_gb << " GB less optimizer state";
 }
 
 TEST_F(TrainerTest, ResumeRefusesAChangedIdentity) {

@@ -126,7 +126,8 @@ Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitS
     for (StateFormat f : o.formats) {
       UnitSignals s = signals[u];
       s.params = unit_params(units[u]);
-      options.push_back({risk_weighted(f, s, total_params, o.risk), unit_bytes(f, units[u]),
+      options.push_back({risk_weighted(f, s, total_params, static_cast<int64_t>(units.size()), o.risk),
+                         unit_bytes(f, units[u]),
                          o.time_model.seconds(f, s.params)});
     }
     problem.units.push_back(std::move(options));

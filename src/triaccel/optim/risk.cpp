@@ -25,9 +25,12 @@ double risk_unit_format(StateFormat f, const UnitSignals& s, const RiskOptions& 
   return 0;
 }
 
-double risk_weighted(StateFormat f, const UnitSignals& s, int64_t total_params, const RiskOptions& o) {
+double risk_weighted(StateFormat f, const UnitSignals& s, int64_t total_params, int64_t num_units,
+                     const RiskOptions& o) {
   const double share = total_params > 0 ? static_cast<double>(s.params) / static_cast<double>(total_params) : 0.0;
-  return share * risk_unit_format(f, s, o);
+  const double each = num_units > 0 ? 1.0 / static_cast<double>(num_units) : 0.0;
+  const double u = std::clamp(o.unit_floor, 0.0, 1.0);
+  return ((1 - u) * share + u * each) * risk_unit_format(f, s, o);
 }
 
 }  // namespace triaccel
