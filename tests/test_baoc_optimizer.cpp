@@ -239,6 +239,8 @@ TEST(StateBytesTest, ExactBytesPerFormat) {
   EXPECT_EQ(state_format_bytes(StateFormat::kSgdMomentum, conv), 6912);
   EXPECT_EQ(state_format_bytes(StateFormat::kSgd, conv), 0);
   EXPECT_EQ(state_format_bytes(StateFormat::kFactored, {10}), 40);  // vectors keep a full v
+  EXPECT_EQ(state_format_bytes(StateFormat::kFactored, {1, 256, 384}), 4 * (256 + 384));  // a position embedding
+  EXPECT_EQ(state_format_bytes(StateFormat::kFactored, {1, 8, 3, 3}), 4 * 72);  // 4-D with N = 1: full v
   EXPECT_EQ(state_format_bytes(StateFormat::kAdamW8, {10}), 20 + 4);
 }
 

@@ -125,6 +125,31 @@ TEST(RiskTest, Monotonicity) {
               2 * risk_weighted(StateFormat::kAdamW8, base, 1000, 5, by_size), 1e-12);
 }
 
+// The SGD formats' error and the factored format's error use one metric (the relative distance of the format's
+// update from AdamW's). After one step from zero state m̂ = g and v̂ = g², so AdamW's update is sign(g):
+// - g = outer(r, c): v̂ is exactly rank-1, the factorization is exact, a scalar per tensor is far off;
+// - |g| constant: a scalar is exact, and so is the factorization (a constant matrix is rank-1).
+TEST(SignalsTest, ScalarAndRankOneErrorsShareAMetric) {
+  auto signals_after_one_step = [](const at::Tensor& g) {
+    at::Tensor w = torch::zeros(g.sizes()).set_requires_grad(true);
+    BaocOptimizer opt({{"w", w}}, BaocOptions{0.9, 0.999, 1e-8, 0.0});
+    w.mutable_grad() = g.clone();
+    opt.step(torch::full({1}, 1e-3), torch::zeros({1}));
+    return baoc_signals(opt, torch::zeros({1, kStreamColumns}, torch::kDouble), {0}, 1, {}).at(0);
+  };
+  const at::Tensor rank1 = torch::outer(torch::linspace(1, 4, 16), torch::linspace(0.5, 2, 12));
+  const UnitSignals a = signals_after_one_step(rank1);
+  EXPECT_LT(a.factor_error, 1e-6);
+  EXPECT_GT(a.precond_error, 0.2);  // sign(g) vs g / rms(g)
+  torch::manual_seed(7);
+  const at::Tensor flat = 0.3 * torch::sign(torch::randn({16, 12}));
+  const UnitSignals b = signals_after_one_step(flat);
+  EXPECT_LT(b.precond_error, 1e-6);
+  EXPECT_LT(b.factor_error, 1e-6);
+  // On the rank-1 gradient the model now prefers factored to plain SGD (momentum loss equal for both).
+  EXPECT_LT(risk_unit_format(StateFormat::kFactored, a), risk_unit_format(StateFormat::kSgd, a));
+}
+
 TEST(PlannerTest, BudgetsParse) {
   EXPECT_EQ(optim_memory_budget_parse("15%", 1000), 150);
   EXPECT_EQ(optim_memory_budget_parse("200MB", 1000), 200000000);

@@ -12,7 +12,7 @@ double risk_momentum_loss(const UnitSignals& s) {
 
 double risk_unit_format(StateFormat f, const UnitSignals& s, const RiskOptions& o) {
   const double momentum = o.w_momentum * risk_momentum_loss(s);
-  const double precond = o.w_precond * std::clamp(s.precond_error, 0.0, 1.0);
+  const double precond = o.w_precond * std::max(0.0, s.precond_error);
   switch (f) {
     case StateFormat::kAdamW32: return 0;
     case StateFormat::kAdamW16: return o.w_quant * std::max(0.0, s.quant_error_bf16);

@@ -17,7 +17,7 @@ struct UnitSignals {
   double cos_momentum = 1;     // cos(g_t, m_t-1)
   double snr = 0;              // Σ m̂² / Σ (v̂ − m̂²)₊: signal-to-noise of the gradient, per element
   double log_v_spread = 0;     // std of ln v̂ over the unit's elements (scale anisotropy, reported)
-  double precond_error = 0;    // 1 − cos(u, m̂): how far one scalar preconditioner (SGD) turns the update
+  double precond_error = 0;    // ‖u − u_scalar‖ / ‖u‖, v̂ replaced by its mean per tensor (the SGD formats' k)
   double factor_error = 0;     // ‖u − u_rank1‖ / ‖u‖, v̂ replaced by its row/column factorization (matrices)
   double quant_error_bf16 = 0; // ‖u − u_bf16‖ / ‖u‖, m and v rounded to bfloat16
   double quant_error_8bit = 0; // ‖u − u_8bit‖ / ‖u‖, m and v through the 8-bit block-wise codec

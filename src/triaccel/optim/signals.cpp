@@ -13,7 +13,7 @@ namespace {
 struct UnitSums {
   double pair_dot = 0, pair_prev = 0, pair_cur = 0, mom_dot = 0, mom_sq = 0, mom_gg = 0;
   bool state = false;  // some tensor had exact state
-  double u_sq = 0, du_bf16 = 0, du_8bit = 0, du_factor = 0, u_dot_m = 0, m_sq = 0;
+  double u_sq = 0, du_bf16 = 0, du_8bit = 0, du_factor = 0, du_scalar = 0;
   double mh_sq = 0, noise = 0, logv = 0, logv_sq = 0, elems = 0;
 };
 
@@ -58,8 +58,9 @@ std::vector<UnitSignals> baoc_signals(const BaocOptimizer& opt, const at::Tensor
     const at::Tensor mh = m / bc1, vh = v / bc2;
     const at::Tensor u_exact = update_dir(mh, vh, eps);
     a.u_sq += sum_d(u_exact * u_exact);
-    a.u_dot_m += sum_d(u_exact * mh);
-    a.m_sq += sum_d(mh * mh);
+    // One scalar preconditioner per tensor, the SGD formats' k = 1 / (√mean(v̂) + ε): the same metric as the
+    // factorization's error below, so the two compare (a scalar is the constant rank-1 factorization).
+    a.du_scalar += sum_d((u_exact - mh / (std::sqrt(vh.mean().item<double>()) + eps)).pow(2));
     // bf16: both moments rounded.
     const at::Tensor m16 = m.to(at::kBFloat16).to(at::kDouble), v16 = v.to(at::kBFloat16).to(at::kDouble);
     a.du_bf16 += sum_d((u_exact - update_dir(m16 / bc1, v16 / bc2, eps)).pow(2));
@@ -96,7 +97,7 @@ std::vector<UnitSignals> baoc_signals(const BaocOptimizer& opt, const at::Tensor
       s.quant_error_bf16 = std::sqrt(a.du_bf16 / a.u_sq);
       s.quant_error_8bit = std::sqrt(a.du_8bit / a.u_sq);
       s.factor_error = std::sqrt(a.du_factor / a.u_sq);
-      s.precond_error = a.m_sq > 0 ? 1 - a.u_dot_m / std::sqrt(a.u_sq * a.m_sq) : 0;
+      s.precond_error = std::sqrt(a.du_scalar / a.u_sq);
       s.snr = a.noise > 0 ? a.mh_sq / a.noise : 0;
       const double mean = a.logv / a.elems;
       s.log_v_spread = std::sqrt(std::max(0.0, a.logv_sq / a.elems - mean * mean));

@@ -50,7 +50,13 @@ std::pair<int64_t, int64_t> state_format_factor_shape(const std::vector<int64_t>
   if (shape.size() < 2) return {0, 0};
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
-  const int64_t rows = shape[0];
+  // Leading size-1 dimensions are skipped (a position embedding (1, T, D) factors as T × D); rows is then the
+  // outermost dimension in memory for contiguous tensors. A 4-D tensor stored channels_last has N, H, W, C in
+  // memory, so one with N = 1 keeps a full v.
+  size_t d = 0;
+  while (d + 1 < shape.size() && shape[d] == 1) ++d;
+  if (shape.size() == 4 && d > 0) return {0, 0};
+  const int64_t rows = shape[d];
   if (rows <= 1 || n / rows <= 1) return {0, 0};
   return {rows, n / rows};
 }

@@ -35,7 +35,8 @@ bool state_format_has_v(StateFormat f);  // full or factored second moment
 // Exact optimizer-state bytes of one parameter tensor of this shape in format f (scales and factors included).
 int64_t state_format_bytes(StateFormat f, const std::vector<int64_t>& shape);
 
-// The (R, C) view a factored format uses for `shape`; {0, 0} when the tensor keeps a full v (dim < 2, R or C = 1).
+// The (R, C) view a factored format uses for `shape`: R = the first dimension after any leading 1s, C = the rest;
+// {0, 0} when the tensor keeps a full v (dim < 2, R or C = 1, or 4-D with a leading 1).
 std::pair<int64_t, int64_t> state_format_factor_shape(const std::vector<int64_t>& shape);
 
 }  // namespace triaccel
