@@ -6,7 +6,7 @@ set -euo pipefail
 
 TORCH_VERSION=2.11.0
 TORCHVISION_VERSION=0.26.0
-APT_PACKAGES=(cmake ninja-build g++ make zlib1g-dev nlohmann-json3-dev libcli11-dev libgtest-dev dataset-fashion-mnist)
+APT_PACKAGES=(cmake ninja-build g++ make zlib1g-dev nlohmann-json3-dev libcli11-dev libgtest-dev dataset-fashion-mnist chromium)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
