@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs whatever the build, the default job and the tests need and is missing: Debian packages (compilers'
-# header-only libraries, GoogleTest, zlib, Fashion-MNIST) and, from PyPI, torch==2.11.0 (LibTorch) with torchvision.
+# header-only libraries, GoogleTest, zlib, Fashion-MNIST, chromium for the headless report test) and, from PyPI,
+# torch==2.11.0 (LibTorch) with torchvision.
 # Idempotent: a second run installs nothing and takes a second.
 set -euo pipefail
 
