@@ -56,11 +56,16 @@
   }
   function linearScale(lo, hi, a, b, zero) {
     if (zero) { lo = Math.min(lo, 0); hi = Math.max(hi, 0); }
-    if (!(hi > lo)) { const d = Math.abs(lo) > 0 ? Math.abs(lo) * 0.1 : 1; lo -= d; hi += d; }
+    if (!(hi - lo > Math.max(Math.abs(lo), Math.abs(hi)) * 1e-9)) {  // one value (or none): widen around it
+      const d = Math.abs(lo) > 0 ? Math.abs(lo) * 0.1 : 1; lo -= d; hi += d;
+    }
     const step = niceStep(hi - lo, 5);
     lo = Math.floor(lo / step) * step; hi = Math.ceil(hi / step) * step;
     const ticks = [];
-    for (let t = lo; t <= hi + step * 1e-9; t += step) ticks.push(Math.abs(t) < step * 1e-9 ? 0 : t);
+    for (let k = 0; k <= 40 && lo + k * step <= hi + step * 1e-9; ++k) {
+      const t = lo + k * step;
+      ticks.push(Math.abs(t) < step * 1e-9 ? 0 : t);
+    }
     const f = (v) => a + (v - lo) / (hi - lo) * (b - a);
     f.ticks = ticks; f.label = (t) => fmt(t, step >= 1 ? 0 : Math.min(6, Math.ceil(-Math.log10(step))));
     return f;
@@ -373,7 +378,7 @@
 
   function drawCurvature() {
     const grid = section('Curvature', 'The largest Hessian eigenvalue per unit (the last probe of each), by power ' +
-                         'iteration on Hessian-vector products.');
+                         'iteration on Hessian-vector products; a unit never probed has no bar.');
     const list = withChart('curvature');
     if (!list.length) { noData(grid, 'lambda-max', 'curvature events'); return; }
     figure(grid, 'lambda-max', 'λ_max per unit', null, (fig) => {
