@@ -299,8 +299,8 @@ int main(int argc, char** argv) {
       for (const auto& run : r.runs) {
         for (const auto& p : run.problems) std::fprintf(stderr, "triaccel: warning: %s: %s\n", run.name.c_str(), p.c_str());
       }
-      std::printf("wrote %s and %s (%zu runs, %zu with problems shown in the page)\n", r.html_path.c_str(),
-                  r.csv_path.c_str(), r.runs.size(), with_problems);
+      std::printf("wrote %s and %s (%zu run%s, %zu with problems shown in the page)\n", r.html_path.c_str(),
+                  r.csv_path.c_str(), r.runs.size(), r.runs.size() == 1 ? "" : "s", with_problems);
     }
     return 0;
   } catch (const triaccel::UserError& e) {
