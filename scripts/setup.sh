@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs whatever the build, the default job and the tests need and is missing: Debian packages (compilers'
-# header-only libraries, GoogleTest, zlib, Fashion-MNIST) and, from PyPI, torch==2.11.0 (LibTorch) with torchvision.
+# header-only libraries, GoogleTest, zlib, Fashion-MNIST, chromium for the headless report test) and, from PyPI,
+# torch==2.11.0 (LibTorch) with torchvision.
 # Idempotent: a second run installs nothing and takes a second.
 set -euo pipefail
 
 TORCH_VERSION=2.11.0
 TORCHVISION_VERSION=0.26.0
-APT_PACKAGES=(cmake ninja-build g++ make zlib1g-dev nlohmann-json3-dev libcli11-dev libgtest-dev dataset-fashion-mnist)
+APT_PACKAGES=(cmake ninja-build g++ make zlib1g-dev nlohmann-json3-dev libcli11-dev libgtest-dev dataset-fashion-mnist chromium)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

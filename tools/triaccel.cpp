@@ -2,6 +2,8 @@
 //   train   train a model (TrainOptions; every option declared once below with its help text and default)
 //   plan    BAOC: a short fp32-AdamW warm-up (--plan-warmup steps) gathering statistics, then the per-unit optimizer
 //           state plan under --optim-memory-budget / --optim-time-budget (JSON with --json)
+//   report  RUN_DIR... -o report.html: one self-contained HTML page of charts and a side-by-side table of the runs,
+//           and that table as CSV beside it (docs/report.md)
 // main() catches every error and prints one line: "triaccel: error: <what and how to fix it>", exit 2 for bad
 // input, 1 for internal errors.
 #include "triaccel/core/errors.h"
@@ -9,6 +11,7 @@
 #include "triaccel/train/telemetry.h"
 #include "triaccel/data/dataset.h"
 #include "triaccel/models/model.h"
+#include "triaccel/report/report.h"
 #include "triaccel/train/options.h"
 #include "triaccel/train/trainer.h"
 
@@ -222,6 +225,17 @@ int main(int argc, char** argv) {
   plan_flags.declare(*plan);
   plan->add_flag("--json", plan_json, "print the plan as one JSON object on stdout");
 
+  triaccel::ReportOptions report_options;
+  CLI::App* report = app.add_subcommand(
+      "report", "one self-contained HTML page (no network) with the runs' charts and a side-by-side table (accuracy, "
+                "s/epoch, peak GB, efficiency score), and the table as CSV beside it");
+  report->add_option("RUN_DIR", report_options.runs,
+                     "run folders written by `triaccel train --out` (each holds events.jsonl), or events files; a "
+                     "missing or damaged one is named in the page");
+  report->add_option("-o,--output", report_options.html, "the HTML file to write")->capture_default_str();
+  report->add_option("--csv", report_options.csv, "the table's CSV file (default: the -o path with .csv)");
+  report->add_option("--title", report_options.title, "the page's title")->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -231,7 +245,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::string msg = e.what();
     std::fprintf(stderr, "triaccel: error: %s (see `triaccel %s--help`)\n", msg.c_str(),
-                 train->parsed() ? "train " : (plan->parsed() ? "plan " : ""));
+                 train->parsed() ? "train " : (plan->parsed() ? "plan " : (report->parsed() ? "report " : "")));
     return triaccel::kExitUserError;
   }
 
@@ -277,6 +291,16 @@ int main(int argc, char** argv) {
                     static_cast<long long>(found["adamw_fp32_bytes"].get<int64_t>()),
                     static_cast<long long>(found["budget_bytes"].get<int64_t>()), found["total_risk"].get<double>());
       }
+    }
+    if (report->parsed()) {
+      const triaccel::ReportResult r = triaccel::report_write(report_options);
+      size_t with_problems = 0;
+      for (const auto& run : r.runs) with_problems += run.problems.empty() ? 0 : 1;
+      for (const auto& run : r.runs) {
+        for (const auto& p : run.problems) std::fprintf(stderr, "triaccel: warning: %s: %s\n", run.name.c_str(), p.c_str());
+      }
+      std::printf("wrote %s and %s (%zu run%s, %zu with problems shown in the page)\n", r.html_path.c_str(),
+                  r.csv_path.c_str(), r.runs.size(), r.runs.size() == 1 ? "" : "s", with_problems);
     }
     return 0;
   } catch (const triaccel::UserError& e) {
