@@ -368,6 +368,9 @@ TEST_P(FormatTest, CudaKernelMatchesTheCpuReference) {
   const at::Tensor conv = torch::randn({32, 16, 3, 3});
   cpu.emplace_back("conv", conv.contiguous(at::MemoryFormat::ChannelsLast).set_requires_grad(true));  // same blocks
   gpu.emplace_back("conv", conv.cuda().contiguous(at::MemoryFormat::ChannelsLast).set_requires_grad(true));
+  const at::Tensor pos = torch::randn({1, 20, 24});  // a position embedding: factored as 20 × 24
+  cpu.emplace_back("pos", pos.clone().set_requires_grad(true));
+  gpu.emplace_back("pos", pos.cuda().set_requires_grad(true));
   BaocOptimizer oc(cpu, BaocOptions{}, f), og(gpu, BaocOptions{}, f);
   for (int step = 0; step < 10; ++step) {
     for (size_t i = 0; i < cpu.size(); ++i) {

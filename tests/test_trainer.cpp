@@ -177,8 +177,14 @@ TEST_F(TrainerTest, PeakAfterTheWarmUpHoldsAWholeStepForAdamWAndBaoc) {
     for (const auto& e : events) if (e["event"] == "epoch") captures = e["graph_captures"].get<int64_t>();
     EXPECT_GE(captures, 2) << optimizer << ": no capture after the warm-up";
     const double after = summary["peak_vram_gb"].get<double>(), warmup = summary["peak_vram_warmup_gb"].get<double>();
-    std::printf("[ %s ] peak in the warm-up %.4f GB, after it %.4f GB\n", optimizer.c_str(), warmup, after);
-    EXPECT_GE(after, 0.5 * warmup) << optimizer << ": the peak after the warm-up shows only the static bytes";
+    // Static bytes: weights, gradients and at most fp32 AdamW's two moments (16 B per parameter) and the resident
+    // dataset. One step's activations of the small CNN at batch 64 add more than 5 MB (its first conv's fp32 output
+    // alone is 64·32·28·28·4 B = 6.4 MB), which a window of replays of an older graph would not show.
+    const double static_gb = 16.0 * events.front()["params"].get<double>() / 1e9 +
+                             events.front()["dataset_resident_gb"].get<double>();
+    std::printf("[ %s ] peak in the warm-up %.4f GB, after it %.4f GB, static %.4f GB\n", optimizer.c_str(), warmup,
+                after, static_gb);
+    EXPECT_GT(after, static_gb + 0.005) << optimizer << ": the peak after the warm-up shows only the static bytes";
   }
 }
 

@@ -171,9 +171,11 @@ void factored_step_cuda(const std::vector<at::Tensor>& params, const std::vector
     tensor_check_cuda("factored_step_cuda", v_cols[i], "v_col", device, at::kFloat);
     TORCH_CHECK(same_dense_layout(params[i], grads[i]), "factored_step_cuda: param and grad layouts differ (tensor ", i, ")");
     const int64_t rows = v_rows[i].numel(), cols = v_cols[i].numel();
-    TORCH_CHECK(rows * cols == params[i].numel() && params[i].dim() >= 2 && params[i].size(0) == rows &&
-                    params[i].stride(0) == cols,
-                "factored_step_cuda: tensor ", i, " is not (size(0) outermost) × rest");
+    int64_t d = 0;  // the row dimension: the first after any leading 1s (state_format_factor_shape)
+    while (d + 1 < params[i].dim() && params[i].size(d) == 1) ++d;
+    TORCH_CHECK(rows * cols == params[i].numel() && params[i].dim() >= 2 && params[i].size(d) == rows &&
+                    params[i].stride(d) == cols,
+                "factored_step_cuda: tensor ", i, " is not (first non-1 dimension outermost) × rest");
     TORCH_CHECK(count_rows[i] >= 0 && count_rows[i] < counts.size(0), "factored_step_cuda: bad count row");
     const int64_t elem_blocks = (rows * cols + kChunk - 1) / kChunk;
     const int64_t col_blocks = (cols + kThreads - 1) / kThreads;

@@ -43,11 +43,15 @@ at::Tensor decode_like(const at::Tensor& codes, const at::Tensor& absmax, const 
   return out;
 }
 
-// A factored tensor as (rows, cols) in memory order: rows = size(0) (outermost in memory for contiguous and
-// channels_last tensors alike), columns in memory order within a row. The rank-1 factorization does not depend on the
-// order of the columns, so this equals the logical (size(0), rest) view up to a permutation of c.
+// A factored tensor as (rows, cols) in memory order: rows = the first dimension after any leading 1s
+// (state_format_factor_shape; outermost in memory for contiguous tensors, and size(0) of channels_last ones), columns
+// in memory order within a row. The rank-1 factorization does not depend on the order of the columns, so this equals
+// the logical (rows, rest) view up to a permutation of c.
 at::Tensor factored_view(const at::Tensor& x, int64_t rows, int64_t cols) {
-  TORCH_CHECK(x.dim() < 2 || x.stride(0) == cols || x.size(0) == 1, "factored state needs size(0) outermost in memory");
+  int64_t d = 0;
+  while (d + 1 < x.dim() && x.size(d) == 1) ++d;
+  TORCH_CHECK(x.dim() < 2 || (x.size(d) == rows && x.stride(d) == cols) || x.size(d) == 1,
+              "factored state needs its row dimension outermost in memory");
   return memory_flat(x).view({rows, cols});
 }
 
