@@ -568,7 +568,9 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
         continue;
       }
       retried_at_min = false;
-      if (step.last_step_skipped()) {
+      // Only under --inject-faults: reading found_inf is a host sync after every step. Without injected faults a
+      // non-finite step is skipped on the device as GradScaler does (counted in skipped_steps, samples not retried).
+      if (!faults.empty() && step.last_step_skipped()) {
         // An inf/NaN gradient or loss: parameters and optimizer state did not change (the optimizer's found_inf rule),
         // the buffers are put back, and the same samples are tried again — up to kSkipRetryLimit times in a row.
         step.skipped_step_restore();
