@@ -176,6 +176,10 @@ struct TrainFlags {
                                 ->capture_default_str());
     add("log_every", app.add_option("--log-every", o.log_every, "steps between progress lines")->capture_default_str());
     add("progress", app.add_option("--progress", o.progress, "auto|bar|lines|off")->capture_default_str());
+    add("inject_faults", app.add_option("--inject-faults", o.inject_faults,
+                                        "test faults: KIND@STEP[xN],... (KIND: oom, nan-grad, inf-grad, nan-loss) or "
+                                        "random:seed=S,oom=P,nan-grad=P,inf-grad=P,nan-loss=P,burst=N "
+                                        "(docs/reliability.md)"));
   }
 
   std::vector<std::string> explicit_keys() const {

@@ -7,11 +7,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 namespace triaccel {
 namespace fs = std::filesystem;
@@ -19,6 +22,18 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string errno_text() { return std::strerror(errno); }
+
+// Test-only hooks for the reliability tests (docs/reliability.md), read from the environment at each write:
+//   TRIACCEL_TEST_WRITE_DELAY_MS=N  pause N ms after the first half of the bytes (a kill then lands mid-write)
+//   TRIACCEL_TEST_WRITE_FAIL=ENOSPC the second half of the write fails with ENOSPC, as on a full disk
+int64_t test_write_delay_ms() {
+  const char* v = std::getenv("TRIACCEL_TEST_WRITE_DELAY_MS");
+  return v ? std::max<int64_t>(0, std::atoll(v)) : 0;
+}
+bool test_write_fails() {
+  const char* v = std::getenv("TRIACCEL_TEST_WRITE_FAIL");
+  return v && std::string(v) == "ENOSPC";
+}
 
 void fsync_directory(const fs::path& dir) {
   const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
@@ -36,9 +51,23 @@ void file_write_atomic(const std::string& path, const std::string& bytes) {
   TRIACCEL_CHECK_INPUT(fd >= 0, "cannot write ", tmp.string(), ": ", errno_text(),
                        "; choose a writable --out folder");
   size_t done = 0;
+  const size_t half = bytes.size() / 2;
+  const int64_t delay_ms = test_write_delay_ms();
+  const bool fail = test_write_fails();
   while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    // Two halves when a test hook is set, so that the pause or the failure falls inside the file.
+    const size_t end = (delay_ms > 0 || fail) && done < half ? half : bytes.size();
+    ssize_t n = 0;
+    if (fail && done >= half) {
+      errno = ENOSPC;
+      n = -1;
+    } else {
+      n = ::write(fd, bytes.data() + done, end - done);
+    }
     if (n < 0 && errno == EINTR) continue;
+    if (n > 0 && delay_ms > 0 && done < half && done + static_cast<size_t>(n) >= half) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    }
     if (n <= 0) {
       const std::string why = errno_text();
       ::close(fd);
@@ -60,6 +89,16 @@ void file_write_atomic(const std::string& path, const std::string& bytes) {
     throw UserError("cannot rename " + tmp.string() + " to " + path + ": " + why);
   }
   fsync_directory(target.parent_path());
+}
+
+void file_remove_stale_temps(const std::string& path) {
+  const fs::path target(path);
+  const std::string prefix = target.filename().string() + ".tmp.";
+  std::error_code ec;
+  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().filename().string().rfind(prefix, 0) == 0) fs::remove(it->path(), ec);
+  }
 }
 
 std::string file_read_all(const std::string& path) {

@@ -11,6 +11,10 @@ namespace triaccel {
 void file_write_atomic(const std::string& path, const std::string& bytes);
 
 // Reads a whole file; throws UserError naming the path when it is missing or unreadable.
+// Removes temporary files that file_write_atomic(path) left behind when its process was killed mid-write
+// (path + ".tmp." + pid). Call before the first write of a run; the target file itself is never touched.
+void file_remove_stale_temps(const std::string& path);
+
 std::string file_read_all(const std::string& path);
 
 bool file_exists(const std::string& path);

@@ -6,6 +6,8 @@
 // expected value in the UserError they throw.
 #pragma once
 
+#include "triaccel/data/cifar_format.h"
+
 #include <ATen/Tensor.h>
 
 #include <cstdint>
@@ -52,8 +54,6 @@ std::string text_decode(const at::Tensor& ids, const std::string& vocab);
 
 // What a named dataset holds (images or tokens), for checking it against the model.
 DatasetKind dataset_kind(const std::string& name);
-
-enum class CifarLabel { kCifar10, kCifar100Fine, kCifar100Coarse };
 
 // CIFAR binary layout. CIFAR-10 records: 1 label byte + 3072 planar RGB bytes; CIFAR-100 records: coarse label
 // byte, fine label byte, 3072 bytes. Files are concatenated in the order given.

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <torch/autograd.h>
+#include <torch/utils.h>
 #include <zlib.h>
 
 #include <filesystem>

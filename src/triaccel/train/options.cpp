@@ -7,6 +7,7 @@
 #include "triaccel/models/model.h"
 #include "triaccel/optim/baoc_driver.h"
 #include "triaccel/optim/planner.h"
+#include "triaccel/train/faults.h"
 
 #include <algorithm>
 #include <cmath>
@@ -108,6 +109,9 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(!out.empty(), "--out must name a folder");
   TRIACCEL_CHECK_INPUT(checkpoint_every >= 0, "--checkpoint-every must be >= 0, got ", checkpoint_every);
   TRIACCEL_CHECK_INPUT(log_every > 0, "--log-every must be > 0, got ", log_every);
+  const FaultPlan faults(inject_faults);  // throws naming the bad item
+  TRIACCEL_CHECK_INPUT(inject_faults.empty() || method != "neuroflux",
+                       "--inject-faults applies to --method backprop and tri-accel, not neuroflux");
   TRIACCEL_CHECK_INPUT(progress == "auto" || progress == "bar" || progress == "lines" || progress == "off",
                        "--progress must be auto, bar, lines or off, got '", progress, "'");
   validate_model_data();
@@ -208,7 +212,8 @@ Json TrainOptions::to_json() const {
               {"resume", resume},
               {"checkpoint_every", checkpoint_every},
               {"log_every", log_every},
-              {"progress", progress}};
+              {"progress", progress},
+              {"inject_faults", inject_faults}};
 }
 
 TrainOptions TrainOptions::from_json(const Json& j) {
@@ -284,6 +289,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("checkpoint_every", o.checkpoint_every);
   get("log_every", o.log_every);
   get("progress", o.progress);
+  if (j.contains("inject_faults")) get("inject_faults", o.inject_faults);  // absent in checkpoints before the flag
   return o;
 }
 

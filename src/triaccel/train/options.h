@@ -93,6 +93,9 @@ struct TrainOptions {
   int64_t checkpoint_every = 0;     // steps; 0: at the end of every epoch (and always when stopping)
   int64_t log_every = 50;           // steps between progress lines
   std::string progress = "auto";    // auto (bar on a terminal, lines otherwise) | bar | lines | off
+  // Fault injection for reliability tests (train/faults.h, docs/reliability.md): "" = none, else e.g.
+  // "oom@5,nan-grad@9,nan-loss@20x3" or "random:seed=1,oom=0.01,nan-grad=0.01,nan-loss=0.005,burst=3".
+  std::string inject_faults;
 
   void validate() const;
   void validate_model_data() const;  // the model reads what the dataset holds; image-only flags on text

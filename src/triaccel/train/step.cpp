@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
+
+#include <limits>
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
 #endif
@@ -45,6 +47,34 @@ TrainStep::TrainStep(Model& model, Optimizer& sgd, LossScaler& scaler, StepOptio
   correct_sum_ = at::zeros({1}, f32);
   last_loss_ = at::zeros({1}, f32);
   if (!device_.is_cuda()) options_.cuda_graphs = false;
+  for (const auto& b : model_.buffers()) {
+    buffers_.push_back(b);
+    buffers_before_.push_back(at::empty_like(b));
+  }
+  if (options_.fault_injection) {
+    loss_fault_ = at::ones({1}, f32);
+    grad_fault_ = at::zeros({1}, f32);
+  }
+}
+
+bool TrainStep::last_step_skipped() const { return scaler_.found_inf().item<float>() != 0; }
+
+void TrainStep::skipped_step_restore() {
+  const torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(buffers_before_[i]);
+}
+
+void TrainStep::set_fault(FaultKind kind) {
+  TORCH_CHECK(options_.fault_injection || kind == FaultKind::kNone,
+              "TrainStep::set_fault needs StepOptions::fault_injection");
+  TORCH_CHECK(kind != FaultKind::kOom, "TrainStep::set_fault: out of memory is raised by the caller");
+  if (kind == fault_ || !options_.fault_injection) return;
+  fault_ = kind;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  loss_fault_.fill_(kind == FaultKind::kNanLoss ? nan : 1.0);
+  grad_fault_.fill_(kind == FaultKind::kNanGrad   ? nan
+                    : kind == FaultKind::kInfGrad ? std::numeric_limits<double>::infinity()
+                                                  : 0.0);
 }
 
 TrainStep::~TrainStep() = default;
@@ -56,14 +86,26 @@ void TrainStep::metrics_reset() {
 
 void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
   grads_release();
+  {
+    const torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_before_[i].copy_(buffers_[i]);
+  }
   // (B, classes), or (B, T, V) for a language model: flattened to one prediction per label element.
   const at::Tensor logits = forward(images).flatten(0, -2);
   const at::Tensor targets = labels.flatten();
-  const at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), targets, {}, at::Reduction::Mean, -100,
-                                                 options_.label_smoothing);
+  at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), targets, {}, at::Reduction::Mean, -100,
+                                           options_.label_smoothing);
+  if (options_.fault_injection) loss = loss * loss_fault_;
   scaler_.scale(loss).backward();
   const torch::NoGradGuard no_grad;
   const std::vector<at::Tensor> grads = sgd_.grads();
+  if (options_.fault_injection) {
+    for (const auto& g : grads) {
+      if (!g.defined()) continue;
+      g.add_(grad_fault_);
+      break;
+    }
+  }
   scaler_.unscale_and_check(grads);
   if (grad_stats_enabled_) {
     // A skipped step (inf/NaN) contributes nothing: where() rather than a multiply, since NaN · 0 is NaN.
@@ -76,10 +118,14 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
   scaler_.update();
   const at::Tensor loss_detached = loss.detach().reshape({1});
   last_loss_.copy_(loss_detached);
-  loss_sum_.add_(loss_detached * static_cast<double>(labels.size(0)));
+  // A skipped step's samples are retried by the trainer: they count once, when their step is not skipped.
+  const at::Tensor ok = scaler_.found_inf().eq(0);
+  const at::Tensor zero = at::zeros({1}, loss_sum_.options());
+  loss_sum_.add_(at::where(ok, loss_detached.to(at::kFloat) * static_cast<double>(labels.size(0)), zero));
   // Per sample: a sample's share of correct predictions (its correct tokens / T; 0 or 1 for a classifier).
   const double labels_per_sample = static_cast<double>(targets.numel()) / static_cast<double>(labels.size(0));
-  correct_sum_.add_(logits.detach().argmax(1).eq(targets).sum().to(at::kFloat) / labels_per_sample);
+  correct_sum_.add_(
+      at::where(ok, logits.detach().argmax(1).eq(targets).sum().to(at::kFloat) / labels_per_sample, zero));
 }
 
 at::Tensor TrainStep::forward(const at::Tensor& images) {

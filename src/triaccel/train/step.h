@@ -11,6 +11,7 @@
 #include "triaccel/core/grad_stats.h"
 #include "triaccel/models/model.h"
 #include "triaccel/precision/policy.h"
+#include "triaccel/train/faults.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/options.h"
 #include "triaccel/train/optimizer.h"
@@ -29,6 +30,9 @@ struct StepOptions {
   int64_t graph_batch_size = 0;   // the batch size to capture (0: none)
   int64_t warmup_steps = 3;       // eager steps at graph_batch_size before capture
   double label_smoothing = 0.0;
+  // --inject-faults: the step multiplies its loss by a device factor and adds a device value to the first gradient
+  // (both neutral unless set_fault() arms them), so NaN/inf faults reach graph replays too. Off: neither op exists.
+  bool fault_injection = false;
 };
 
 // Sets autocast for the device from the precision mode for the scope's lifetime (and restores it after).
@@ -54,7 +58,17 @@ class TrainStep {
   // One optimizer step on (images, labels) at learning rate lr.
   void run(const at::Tensor& images, const at::Tensor& labels, double lr);
 
-  // Device accumulators since metrics_reset(): summed per-sample loss, correct predictions, samples.
+  // Whether the last run() skipped its update (an inf/NaN gradient or loss: parameters and optimizer state are
+  // unchanged). Reads one value from the device (a sync).
+  bool last_step_skipped() const;
+  // After a skipped step: puts the model's buffers (BatchNorm running statistics) back to their values before it,
+  // so a skipped step leaves no trace at all (its forward updated them, possibly with NaN).
+  void skipped_step_restore();
+  // Arms a NaN/inf fault (kNanGrad, kInfGrad, kNanLoss) for the following run() calls; kNone disarms. Needs
+  // StepOptions::fault_injection. kOom is the trainer's (it is raised before the step).
+  void set_fault(FaultKind kind);
+
+  // Device accumulators since metrics_reset() (skipped steps add nothing): summed per-sample loss, correct predictions, samples.
   const at::Tensor& loss_sum() const { return loss_sum_; }
   const at::Tensor& correct_sum() const { return correct_sum_; }
   const at::Tensor& last_loss() const { return last_loss_; }
@@ -96,6 +110,11 @@ class TrainStep {
   at::Tensor loss_sum_;     // (1) float32
   at::Tensor correct_sum_;  // (1) float32
   at::Tensor last_loss_;    // (1) float32
+  std::vector<at::Tensor> buffers_;          // the model's buffers (BatchNorm running statistics)
+  std::vector<at::Tensor> buffers_before_;   // their values before the current step, same shapes and dtypes
+  at::Tensor loss_fault_;   // (1) float32: 1, or NaN (fault injection only)
+  at::Tensor grad_fault_;   // (1) float32: 0, NaN or +inf (fault injection only)
+  FaultKind fault_ = FaultKind::kNone;
   int64_t eager_steps_at_graph_size_ = 0;
   int64_t graph_captures_ = 0;
   std::vector<Precision> unit_precisions_;

@@ -2,10 +2,32 @@
 
 #include "triaccel/core/errors.h"
 
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
 namespace triaccel {
 
+namespace {
+
+// A process killed while it wrote an event may leave a last line without its newline: appending after it would
+// glue two events into one invalid line. Cut the file back to its last complete line before appending.
+std::string drop_partial_last_line(const std::string& path) {
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  if (ec || size == 0) return path;
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (bytes.empty() || bytes.back() == '\n') return path;
+  const auto nl = bytes.rfind('\n');
+  std::filesystem::resize_file(path, nl == std::string::npos ? 0 : nl + 1, ec);
+  return path;
+}
+
+}  // namespace
+
 EventLog::EventLog(const std::string& path, bool append)
-    : path_(path), out_(path, append ? std::ios::app : std::ios::trunc) {
+    : path_(path), out_(append ? drop_partial_last_line(path) : path, append ? std::ios::app : std::ios::trunc) {
   TRIACCEL_CHECK_INPUT(out_.good(), "cannot write ", path, "; choose a writable --out folder");
 }
 

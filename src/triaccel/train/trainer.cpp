@@ -11,6 +11,7 @@
 #include "triaccel/optim/baoc_driver.h"
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/train/checkpoint.h"
+#include "triaccel/train/faults.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/schedule.h"
 #include "triaccel/train/sgd.h"
@@ -64,12 +65,24 @@ struct Progress {
   Json tri_accel;            // TriAccelDriver state (null for other methods)
   Json baoc;                 // BaocDriver state (null for other optimizers)
   double peak_vram_warmup_gb = -1;  // adamw/baoc: the peak up to step --plan-warmup (then the peak is reset)
+  // Faults (docs/reliability.md), over the whole run: out-of-memory retries, skipped (inf/NaN) attempts that were
+  // retried, samples dropped after kSkipRetryLimit skips in a row, and faults injected by --inject-faults.
+  int64_t oom_retries = 0;
+  int64_t skip_retries = 0;
+  int64_t dropped_samples = 0;
+  int64_t injected_faults = 0;
 
   Json to_json() const {
     return Json{{"step", step}, {"epoch", epoch}, {"epoch_offset", epoch_offset}, {"elapsed_s", elapsed_s},
                 {"epoch_train_s", epoch_train_s}, {"epoch_times", epoch_times}, {"peak_vram_gb", peak_vram_gb},
                 {"batch", batch}, {"last_epoch", last_epoch}, {"tri_accel", tri_accel}, {"baoc", baoc},
-                {"peak_vram_warmup_gb", peak_vram_warmup_gb}};
+                {"peak_vram_warmup_gb", peak_vram_warmup_gb}, {"oom_retries", oom_retries},
+                {"skip_retries", skip_retries}, {"dropped_samples", dropped_samples},
+                {"injected_faults", injected_faults}};
+  }
+  Json fault_counters() const {
+    return Json{{"oom_retries", oom_retries}, {"skip_retries", skip_retries}, {"dropped_samples", dropped_samples},
+                {"injected_faults", injected_faults}};
   }
   static Progress from_json(const Json& j, const std::string& path) {
     Progress p;
@@ -86,6 +99,10 @@ struct Progress {
       p.tri_accel = j.value("tri_accel", Json());
       p.baoc = j.value("baoc", Json());
       p.peak_vram_warmup_gb = j.value("peak_vram_warmup_gb", -1.0);
+      p.oom_retries = j.value("oom_retries", int64_t{0});  // absent in checkpoints before fault counters
+      p.skip_retries = j.value("skip_retries", int64_t{0});
+      p.dropped_samples = j.value("dropped_samples", int64_t{0});
+      p.injected_faults = j.value("injected_faults", int64_t{0});
     } catch (const Json::exception&) {
       throw UserError("checkpoint " + path + " has an unreadable progress record");
     }
@@ -119,6 +136,21 @@ void rng_restore(const NamedTensors& rng, const c10::Device& device) {
     }
 #endif
   }
+}
+
+// A skipped step's samples are retried; after this many skipped attempts in a row on the same samples they are
+// dropped (counted in dropped_samples, logged) so that a sample that always yields NaN cannot stall the run.
+constexpr int64_t kSkipRetryLimit = 8;
+
+// --inject-faults oom: raises the error where a real one comes from. On CUDA the caching allocator is asked for
+// 1 PiB, more than any GPU holds: its own out-of-memory path runs (cached blocks released, the error built and
+// thrown) and the trainer catches a genuine c10::OutOfMemoryError. On the CPU (whose allocator reports failure as a
+// plain c10::Error) the same error type is thrown directly.
+[[noreturn]] void fault_raise_oom(const c10::Device& device) {
+  if (device.is_cuda()) {
+    const at::Tensor huge = at::empty({int64_t{1} << 50}, at::TensorOptions().dtype(at::kByte).device(device));
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "injected out of memory (--inject-faults)");
 }
 
 double mean_of_last(const std::vector<double>& v, size_t n) {
@@ -237,6 +269,9 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   const double t_start = time_since_start_s();
   const c10::Device device = device_resolve(options.device);
   directory_prepare_writable(options.out, "--out");
+  // Temporary files of a process killed mid-write (the files they were to replace are intact).
+  file_remove_stale_temps((std::filesystem::path(options.out) / kCheckpointFile).string());
+  file_remove_stale_temps((std::filesystem::path(options.out) / "model.pt").string());
 
   std::string ckpt_file;
   const std::optional<Checkpoint> ckpt = checkpoint_for_resume(options.resume, options.model, &ckpt_file);
@@ -307,6 +342,22 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
     optimizer_owner = std::move(owned);
   }
   Optimizer& optimizer = *optimizer_owner;
+  if (!options.vram_budget.empty()) {
+    // The floor no batch size can go under, on any device: fp32 weights and gradients, the optimizer's state
+    // (SGD momentum 4 bytes per parameter; AdamW/BAOC start with fp32 AdamW, 8) and the resident datasets.
+    // Activations and workspaces come on top, so a budget just above it still fails later (on CUDA, with the
+    // measured figure below); this check names the number before anything runs.
+    const int64_t n = model->parameter_count();
+    const int64_t state = options.optimizer == "sgd" ? (options.momentum > 0 ? 4 : 0) : 8;
+    const int64_t weights = n * (4 + 4 + state);
+    const int64_t resident = train_loader.resident_bytes() + test_loader.resident_bytes();
+    const int64_t minimum = weights + resident;
+    TRIACCEL_CHECK_INPUT(options.vram_budget_bytes() >= minimum, "--vram-budget ", options.vram_budget,
+                         " is below this run's minimum of ", minimum, " bytes (", static_cast<double>(minimum) / 1e6,
+                         " MB: weights, gradients and ", options.optimizer, " state of ", n, " parameters take ",
+                         static_cast<double>(weights) / 1e6, " MB, the resident dataset ",
+                         static_cast<double>(resident) / 1e6, " MB; activations come on top); raise the budget");
+  }
   LossScalerOptions lso;
   const bool tri = options.method == "tri-accel";
   // Tri-Accel may put units in fp16 at any window: the loss scaler runs from the start.
@@ -370,6 +421,8 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   step_opts.cuda_graphs = options.cuda_graphs;
   step_opts.graph_batch_size = options.batch_size;
   step_opts.label_smoothing = options.label_smoothing;
+  const FaultPlan faults(options.inject_faults);
+  step_opts.fault_injection = !faults.empty();
   TrainStep step(*model, optimizer, scaler, step_opts, device);
   std::unique_ptr<TriAccelDriver> tri_accel;
   if (tri) {
@@ -454,6 +507,8 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   };
   double last_lr = schedule_lr(sched, schedule_position());
   bool retried_at_min = false;  // an out-of-memory retry at the minimum batch is allowed once in a row
+  int64_t attempt = 0;          // attempts at the current step (out-of-memory and skipped ones retry its samples)
+  int64_t skips_in_a_row = 0;   // skipped attempts at the current samples
   bool stopped = false;
   while (progress.epoch < options.epochs && !stopped) {
     train_loader.epoch_begin(progress.epoch);
@@ -472,11 +527,21 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
       const double lr = schedule_lr(sched, schedule_position()) *
                         lr_scale_for_batch(batch_rules.lr_rule, progress.batch, options.batch_size);
       last_lr = lr;
+      FaultKind fault = FaultKind::kNone;
       try {  // loading the batch allocates too (resize, augmentation): under a budget it can run out of memory
         train_loader.batch_into(progress.epoch_offset, count, images, labels);
         if (hooks.before_step) hooks.before_step(progress.step, count);
+        if (!faults.empty()) {
+          fault = faults.fault_at(progress.step, attempt);
+          if (fault != FaultKind::kNone) progress.injected_faults += 1;
+          if (fault == FaultKind::kOom) fault_raise_oom(device);
+          step.set_fault(fault);
+        }
+        attempt += 1;
         step.run(images, labels, lr);
       } catch (const c10::OutOfMemoryError&) {
+        attempt += fault == FaultKind::kOom ? 1 : 0;  // the injected error came before the increment
+        progress.oom_retries += 1;
         // Retry the same samples at a smaller batch: nothing is skipped or repeated. At the minimum batch, one retry
         // at the same size after releasing the cache and the graph (a transient peak: a re-capture, a probe), and
         // only a second failure in a row is the budget's fault (batch_after_oom throws then).
@@ -485,13 +550,15 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
           step.set_graph_batch_size(0);
           memory_cache_release(device);
           events.write("oom", progress.step, now(), Json{{"batch", progress.batch}, {"retry_batch", progress.batch},
-                                                         {"epoch", progress.epoch}, {"epoch_offset", progress.epoch_offset}});
+                                                         {"epoch", progress.epoch}, {"epoch_offset", progress.epoch_offset},
+                                                         {"injected", fault == FaultKind::kOom}});
           step.set_graph_batch_size(progress.batch);
           continue;
         }
         const int64_t smaller = batch_after_oom(batch_rules, progress.batch);
         events.write("oom", progress.step, now(), Json{{"batch", progress.batch}, {"retry_batch", smaller},
-                                                       {"epoch", progress.epoch}, {"epoch_offset", progress.epoch_offset}});
+                                                       {"epoch", progress.epoch}, {"epoch_offset", progress.epoch_offset},
+                                                       {"injected", fault == FaultKind::kOom}});
         // The elastic batch never grows back to a size that ran out of memory.
         batch_rules.max_batch = std::max(batch_rules.min_batch, std::min(batch_rules.max_batch, progress.batch - 1));
         batch_set(smaller);
@@ -501,6 +568,35 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
         continue;
       }
       retried_at_min = false;
+      // Only under --inject-faults: reading found_inf is a host sync after every step. Without injected faults a
+      // non-finite step is skipped on the device as GradScaler does (counted in skipped_steps, samples not retried).
+      if (!faults.empty() && step.last_step_skipped()) {
+        // An inf/NaN gradient or loss: parameters and optimizer state did not change (the optimizer's found_inf rule),
+        // the buffers are put back, and the same samples are tried again — up to kSkipRetryLimit times in a row.
+        step.skipped_step_restore();
+        skips_in_a_row += 1;
+        const bool drop = skips_in_a_row >= kSkipRetryLimit;
+        const bool injected = fault == FaultKind::kNanGrad || fault == FaultKind::kInfGrad || fault == FaultKind::kNanLoss;
+        std::string reason = fault_kind_name(fault);
+        if (!injected) reason = std::isfinite(step.last_loss().item<double>()) ? "non-finite-grad" : "non-finite-loss";
+        events.write("skip", progress.step, now(),
+                     Json{{"reason", reason}, {"injected", injected}, {"action", drop ? "drop" : "retry"},
+                          {"attempt", skips_in_a_row}, {"batch", count}, {"epoch", progress.epoch},
+                          {"epoch_offset", progress.epoch_offset}, {"loss_scale", scaler.scale_tensor().item<double>()}});
+        if (!drop) {
+          progress.skip_retries += 1;
+          continue;
+        }
+        printer.line(c10::str("warning: samples ", progress.epoch_offset, "..", progress.epoch_offset + count - 1,
+                              " of epoch ", progress.epoch + 1, " gave inf/NaN ", kSkipRetryLimit,
+                              " times in a row; dropped for this epoch"));
+        progress.dropped_samples += count;
+        progress.epoch_offset += count;
+        skips_in_a_row = 0;  // attempt keeps counting: the step count did not advance (--inject-faults xN spans it)
+        continue;
+      }
+      attempt = 0;
+      skips_in_a_row = 0;
       if (hooks.on_batch) hooks.on_batch(progress.epoch, progress.epoch_offset, count);
       progress.epoch_offset += count;
       progress.step += 1;
@@ -625,6 +721,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                {"peak_vram_gb", progress.peak_vram_gb},
                                {"eval_peak_vram_gb", eval_peak_gb},
                                {"skipped_steps", scaler.skipped_steps().item<double>()},
+                               {"faults", progress.fault_counters()},
                                {"loss_scale", scaler.scale_tensor().item<double>()},
                                {"cuda_graph", step.graph_captured()},
                                {"graph_captures", step.graph_captures()},
@@ -679,6 +776,10 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                {"epochs", options.epochs},
                {"steps", progress.step},
                {"skipped_steps", scaler.skipped_steps().item<double>()},
+               {"oom_retries", progress.oom_retries},
+               {"skip_retries", progress.skip_retries},
+               {"dropped_samples", progress.dropped_samples},
+               {"injected_faults", progress.injected_faults},
                {"total_s", now()},
                {"device", device_long_name(device)},
                {"model_path", model_path}};
