@@ -12,7 +12,8 @@
 #      the folder with input.txt): the same runs (quality = validation loss, lower is better)
 # Results: $OUT/optim_step.json, $OUT/baoc_acceptance.json (rows and the acceptance checks), the runs' events, and a
 # table printed last; copy them to bench/results/<gpu>/. Usage: COMMIT=<hash> bash bench/run_baoc.sh [stages],
-# stages ⊆ {tests,bench,train,vit,gpt} (default: all).
+# stages ⊆ {tests,bench,train,vit,gpt} (default: all). RISK_FLOORS="1 ..." adds BAOC runs at 25 % and 15 % under
+# those --optim-risk-floor values (named <workload>_baoc_25_f<floor>), each checked like the default ones.
 # Peak VRAM: every AdamW/BAOC run reports the allocator peak from step 50 on, after BAOC's fp32 warm-up and plan; the
 # warm-up's peak is reported apart (peak_vram_warmup_gb). The resident dataset is included.
 set -uo pipefail
@@ -56,6 +57,11 @@ workload() {
   run "${w}_adamw_fp32" "${ADAMW[@]}"
   run "${w}_baoc_25" "${BAOC[@]}" --optim-memory-budget 25%
   run "${w}_baoc_15" "${BAOC[@]}" --optim-memory-budget 15%
+  local f
+  for f in ${RISK_FLOORS:-}; do  # the same budgets under other --optim-risk-floor values (docs/baoc.md, Risk)
+    run "${w}_baoc_25_f$f" "${BAOC[@]}" --optim-memory-budget 25% --optim-risk-floor "$f"
+    run "${w}_baoc_15_f$f" "${BAOC[@]}" --optim-memory-budget 15% --optim-risk-floor "$f"
+  done
   uniform "$w"
 }
 uniform() {
@@ -129,17 +135,19 @@ for w in sorted({r["workload"] for r in rows.values()}):
             r["acc_delta_pp"] = r["test_acc"] - base["test_acc"]
             r["loss_ratio"] = r["test_loss"] / base["test_loss"]
             r["peak_vram_saving_gb"] = base["peak_vram_gb"] - r["peak_vram_gb"]
-    b25 = rows.get(f"{w}_baoc_25")
-    if b25:
+    for n25 in sorted(n for n in rows if n.startswith(f"{w}_baoc_25")):  # _baoc_25 and its _f<floor> variants
+        b25 = rows[n25]
         ok_quality = b25["loss_ratio"] <= 1.01 if w == "gpt" else b25["acc_delta_pp"] >= -0.3
         what = "val loss within 1 %" if w == "gpt" else "accuracy within 0.3 pp"
-        checks[f"{w}: BAOC 25 %: state <= 25 % of fp32 AdamW and {what}"] = b25["state_fraction"] <= 0.25 and ok_quality
-    b15 = rows.get(f"{w}_baoc_15")
+        checks[f"{n25}: state <= 25 % of fp32 AdamW and {what}"] = b25["state_fraction"] <= 0.25 and ok_quality
     fits = [r for n, r in rows.items() if n.startswith(f"{w}_uniform_") and r["state_fraction"] <= 0.15]
-    if b15 and fits:
+    for n15 in sorted(n for n in rows if n.startswith(f"{w}_baoc_15")):
+        b15 = rows[n15]
+        if not fits:
+            break
         better = (lambda a, b: a["test_loss"] < b["test_loss"]) if w == "gpt" else \
                  (lambda a, b: a["test_acc"] > b["test_acc"])
-        checks[f"{w}: BAOC 15 % beats every uniform format within 15 % (" + ", ".join(r["run"] for r in fits) + ")"] = \
+        checks[f"{n15}: beats every uniform format within 15 % (" + ", ".join(r["run"] for r in fits) + ")"] = \
             b15["state_fraction"] <= 0.15 and all(better(b15, r) for r in fits)
 json.dump({"bench": "baoc_acceptance", "gpu": gpu, "commit": commit,
            "command": f"bash bench/run_baoc.sh {stages}", "rows": list(rows.values()), "checks": checks},

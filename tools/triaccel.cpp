@@ -166,6 +166,10 @@ struct TrainFlags {
     add("replan_every", app.add_option("--replan-every", o.replan_every,
                                        "baoc: steps between re-plans (0: plan once)")
                             ->capture_default_str());
+    add("optim_risk_floor", app.add_option("--optim-risk-floor", o.optim_risk_floor,
+                                           "baoc: share of a unit's risk weight that is the same for every unit; the "
+                                           "rest is by its share of the parameters (docs/baoc.md)")
+                                ->capture_default_str());
     add("out", app.add_option("--out", o.out, "output folder (events.jsonl, checkpoint.pt, model.pt)")
                    ->capture_default_str());
     add("seed", app.add_option("--seed", o.seed, "random seed (initialization, data order, augmentation)")

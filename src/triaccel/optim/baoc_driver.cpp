@@ -55,6 +55,7 @@ BaocDriver::BaocDriver(const TrainOptions& options, const Model& model, BaocOpti
   planner_.memory_budget = options.optim_memory_budget;
   planner_.time_budget = options.optim_time_budget;
   planner_.formats = optim_formats_parse(options.optim_formats);
+  planner_.risk.unit_floor = options.optim_risk_floor;
   if (!options.optim_time_table.empty()) planner_.time_model = step_time_model_from_bench(options.optim_time_table);
   // Budgets that no plan can meet fail now, not after the warm-up (feasibility does not depend on the signals).
   plan_solve(plan_units_, std::vector<UnitSignals>(plan_units_.size()), planner_);

@@ -98,6 +98,8 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(plan_warmup >= 2, "--plan-warmup must be >= 2 steps (statistics compare successive gradients), got ",
                        plan_warmup);
   TRIACCEL_CHECK_INPUT(replan_every >= 0, "--replan-every must be >= 0 (0: plan once), got ", replan_every);
+  TRIACCEL_CHECK_INPUT(optim_risk_floor >= 0 && optim_risk_floor <= 1, "--optim-risk-floor must be in [0, 1], got ",
+                       optim_risk_floor);
   TRIACCEL_CHECK_INPUT(optimizer != "baoc" || method == "backprop", "--optimizer baoc needs --method backprop");
   if (optimizer == "baoc") {  // syntax now; feasibility once the model is known
     optim_memory_budget_parse(optim_memory_budget, 1);
@@ -207,6 +209,7 @@ Json TrainOptions::to_json() const {
               {"optim_time_table", optim_time_table},
               {"plan_warmup", plan_warmup},
               {"replan_every", replan_every},
+              {"optim_risk_floor", optim_risk_floor},
               {"out", out},
               {"seed", seed},
               {"resume", resume},
@@ -282,6 +285,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
     get("optim_time_table", o.optim_time_table);
     get("plan_warmup", o.plan_warmup);
     get("replan_every", o.replan_every);
+    if (j.contains("optim_risk_floor")) get("optim_risk_floor", o.optim_risk_floor);  // absent before the flag
   }
   get("out", o.out);
   get("seed", o.seed);
