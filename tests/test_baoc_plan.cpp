@@ -111,14 +111,19 @@ TEST(RiskTest, Monotonicity) {
   EXPECT_GT(risk_unit_format(StateFormat::kFactored, worse), risk_unit_format(StateFormat::kFactored, base));
   // Momentum-free formats are never less risky than their momentum counterparts on the same signals.
   EXPECT_GE(risk_unit_format(StateFormat::kSgd, base), risk_unit_format(StateFormat::kSgdMomentum, base));
-  // Weighting: half by the share of parameters, half equal per unit. Of 1000 parameters in 5 units, a unit of 100
-  // weighs 0.5·0.1 + 0.5·0.2 = 0.15, one of 200 weighs 0.2; with unit_floor 0, by size only (0.1 and 0.2).
+  // Weighting: by default every unit weighs the same (1 / units); unit_floor 0.5: half by the share of parameters,
+  // half equal. Of 1000 parameters in 5 units, a unit of 100 weighs 0.2 by default and 0.5·0.1 + 0.5·0.2 = 0.15
+  // at 0.5, one of 200 weighs 0.2 either way; with unit_floor 0, by size only (0.1 and 0.2).
   UnitSignals big = base;
   big.params = 200;
   const double r8 = risk_unit_format(StateFormat::kAdamW8, base);
   ASSERT_GT(r8, 0);
-  EXPECT_NEAR(risk_weighted(StateFormat::kAdamW8, base, 1000, 5), 0.15 * r8, 1e-12);
+  EXPECT_NEAR(risk_weighted(StateFormat::kAdamW8, base, 1000, 5), 0.2 * r8, 1e-12);
   EXPECT_NEAR(risk_weighted(StateFormat::kAdamW8, big, 1000, 5), 0.2 * r8, 1e-12);
+  RiskOptions half;
+  half.unit_floor = 0.5;
+  EXPECT_NEAR(risk_weighted(StateFormat::kAdamW8, base, 1000, 5, half), 0.15 * r8, 1e-12);
+  EXPECT_NEAR(risk_weighted(StateFormat::kAdamW8, big, 1000, 5, half), 0.2 * r8, 1e-12);
   RiskOptions by_size;
   by_size.unit_floor = 0;
   EXPECT_NEAR(risk_weighted(StateFormat::kAdamW8, big, 1000, 5, by_size),

@@ -28,7 +28,7 @@ struct RiskOptions {
   double w_factor = 1.0;    // weight of the factorization error
   double w_momentum = 1.0;  // weight of removing the first moment
   double w_precond = 1.0;   // weight of dropping per-element preconditioning
-  double unit_floor = 0.5;  // the part of a unit's weight that every unit gets whatever its size (see risk_weighted)
+  double unit_floor = 1.0;  // the part of a unit's weight that every unit gets whatever its size (see risk_weighted)
 };
 
 // The risk of removing the first moment: ((1 − cos_successive)/2 + (1 − cos_momentum)/2) / 2 / (1 + snr), in [0, 1].
@@ -37,10 +37,11 @@ double risk_momentum_loss(const UnitSignals& s);
 // The unit's risk in format f before weighting by its size: 0 for kAdamW32; see docs/baoc.md.
 double risk_unit_format(StateFormat f, const UnitSignals& s, const RiskOptions& o = {});
 
-// risk_unit_format × the unit's weight (1 − u)·params / total_params + u / num_units, u = o.unit_floor: half by
-// its share of the parameters, half the same for every unit. Size alone underrates small units that every sample
-// passes through (an embedding, a stem, a head): with weights by size only, the char-GPT's embedding (1 % of the
-// parameters) went to plain SGD at 25 % and its validation loss ended 6.8 % above fp32 AdamW's (docs/baoc.md).
+// risk_unit_format × the unit's weight (1 − u)·params / total_params + u / num_units, u = o.unit_floor (default 1:
+// every unit weighs the same, whatever its size). Size underrates small units that every sample passes through (an
+// embedding, a stem, a head): weighted by size only (u = 0) or half by size (u = 0.5), the char-GPT's embedding (1 %
+// of the parameters) went to plain SGD at 25 % and its validation loss ended 5.7–6.8 % above fp32 AdamW's; with
+// u = 1 the plan keeps it in fp32 and puts one block on factored instead (docs/baoc.md, Risk).
 double risk_weighted(StateFormat f, const UnitSignals& s, int64_t total_params, int64_t num_units,
                      const RiskOptions& o = {});
 

@@ -85,7 +85,7 @@ struct TrainOptions {
   std::string optim_time_table;             // baoc: bench_optim_step JSON with measured step times ("" = model)
   int64_t plan_warmup = 50;                 // baoc: steps of fp32 AdamW gathering statistics before the first plan
   int64_t replan_every = 0;                 // baoc: steps between re-plans (0: plan once)
-  double optim_risk_floor = 0.5;            // baoc: RiskOptions::unit_floor (the share of a unit's risk weight not by size)
+  double optim_risk_floor = 1.0;            // baoc: RiskOptions::unit_floor (the share of a unit's risk weight not by size)
 
   // Output and reproducibility.
   std::string out = "runs/latest";
