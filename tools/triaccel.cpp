@@ -81,6 +81,11 @@ struct TrainFlags {
     add("augment", app.add_option("--augment", o.augment,
                                   "auto|on|off: random crop (4-pixel padding) + horizontal flip; auto = on for CIFAR")
                        ->capture_default_str());
+    add("cutout", app.add_option("--cutout", o.cutout,
+                                 "training images: set one random N×N square per image (after crop and flip; "
+                                 "clipped at the borders) to the dataset mean, i.e. 0 after normalization; "
+                                 "0: off; at most the image side")
+                      ->capture_default_str());
     add("image_size", app.add_option("--image-size", o.image_size, "resize inputs to N×N (0: native size)")
                           ->capture_default_str());
     add("eval_batch_size", app.add_option("--eval-batch-size", o.eval_batch_size, "batch size for evaluation")

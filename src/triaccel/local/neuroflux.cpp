@@ -224,6 +224,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   LoaderOptions train_lo = plain_lo;
   train_lo.shuffle = true;
   train_lo.augment = options.augment_enabled();
+  train_lo.cutout = options.cutout;
   const auto make_input = [&](const Dataset& d) {
     SplitInput in;
     in.loader = std::make_unique<Loader>(d, data.mean, data.std, plain_lo, device);

@@ -72,6 +72,8 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(augment == "auto" || augment == "on" || augment == "off",
                        "--augment must be auto, on or off, got '", augment, "'");
   TRIACCEL_CHECK_INPUT(image_size >= 0 && image_size <= 1024, "--image-size must be in [0, 1024], got ", image_size);
+  // The upper bound (the image's side) is checked where the images are known (Loader).
+  TRIACCEL_CHECK_INPUT(cutout >= 0, "--cutout must be >= 0 (0: off), got ", cutout);
   TRIACCEL_CHECK_INPUT(ctrl_every > 0, "--ctrl-every must be > 0, got ", ctrl_every);
   TRIACCEL_CHECK_INPUT(curv_every > 0, "--curv-every must be > 0, got ", curv_every);
   TRIACCEL_CHECK_INPUT(curv_batch > 0, "--curv-batch must be > 0, got ", curv_batch);
@@ -136,6 +138,8 @@ void TrainOptions::validate_model_data() const {
   if (!text) return;
   TRIACCEL_CHECK_INPUT(augment != "on", "--augment on applies to images only; --dataset ", dataset,
                        " is text: drop the flag or use --augment off");
+  TRIACCEL_CHECK_INPUT(cutout == 0, "--cutout applies to images only; --dataset ", dataset,
+                       " is text: drop the flag");
   TRIACCEL_CHECK_INPUT(image_size == 0, "--image-size applies to images only; --dataset ", dataset,
                        " is text: drop the flag (use --block-size for the context length)");
   TRIACCEL_CHECK_INPUT(tta == "off", "--tta flip applies to images only; --dataset ", dataset,
@@ -175,6 +179,7 @@ Json TrainOptions::to_json() const {
               {"channels_last", channels_last},
               {"cuda_graphs", cuda_graphs},
               {"augment", augment},
+              {"cutout", cutout},
               {"image_size", image_size},
               {"eval_batch_size", eval_batch_size},
               {"tta", tta},
@@ -247,6 +252,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("channels_last", o.channels_last);
   get("cuda_graphs", o.cuda_graphs);
   get("augment", o.augment);
+  if (j.contains("cutout")) get("cutout", o.cutout);  // absent in checkpoints before the flag (it was off)
   get("image_size", o.image_size);
   get("eval_batch_size", o.eval_batch_size);
   get("tta", o.tta);

@@ -42,6 +42,7 @@ struct TrainOptions {
   bool channels_last = true;        // CUDA only
   bool cuda_graphs = true;          // CUDA only: capture the whole step where the batch shape is static
   std::string augment = "auto";     // auto (on for CIFAR) | on | off: random crop (pad 4) + horizontal flip
+  int64_t cutout = 0;               // side of one square per training image set to the mean (0: off; LoaderOptions)
   int64_t image_size = 0;           // 0: native; else resize inputs (e.g. 224 for EfficientNet-B0 as in the paper)
   int64_t eval_batch_size = 1000;
   std::string tta = "off";          // off | flip: also report accuracy on logits(x) + logits(flipped x)

@@ -49,7 +49,7 @@ constexpr double kGB = 1e9;
 // Keys that define what is being trained: a resumed run may not change them.
 const std::vector<std::string> kIdentityKeys = {"method", "model", "dataset", "batch_size", "lr", "momentum",
                                                 "nesterov", "weight_decay", "warmup_epochs", "label_smoothing",
-                                                "precision", "augment", "image_size", "seed", "block_size",
+                                                "precision", "augment", "cutout", "image_size", "seed", "block_size",
                                                 "optimizer", "adam_beta1", "adam_beta2", "adam_eps"};
 
 struct Progress {
@@ -295,12 +295,14 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   train_lo.batch_size = options.batch_size;
   train_lo.shuffle = true;
   train_lo.augment = options.augment_enabled();
+  train_lo.cutout = options.cutout;
   train_lo.image_size = options.image_size;
   train_lo.channels_last = device.is_cuda() && options.channels_last;
   train_lo.seed = options.seed;
   LoaderOptions test_lo = train_lo;
   test_lo.shuffle = false;
   test_lo.augment = false;
+  test_lo.cutout = 0;
   test_lo.batch_size = options.eval_batch_size;
   Loader train_loader(data.train, data.mean, data.std, train_lo, device);
   Loader test_loader(data.test, data.mean, data.std, test_lo, device);
