@@ -235,6 +235,20 @@ TEST_F(TrainerTest, ResumeMidEpochIsBitExactWithCutout) {
   EXPECT_TRUE(differs_from_plain) << "--cutout 10 trained the same weights as no cutout";
 }
 
+// --lr-decay linear reaches the trainer: 6 steps an epoch, 3 warm-up steps, 9 decay steps; the epoch event logs the
+// lr of the epoch's last step (step 5: 7/9 of the peak on the line, 0.883 of it on the cosine).
+TEST_F(TrainerTest, LinearDecayIsTheLoggedRate) {
+  test::TempDir out("run_linear");
+  TrainOptions o = options(out.path());
+  o.lr_decay = "linear";
+  train_run(o);
+  std::vector<Json> epochs;
+  for (const auto& e : events_read(out.file("events.jsonl"))) if (e["event"] == "epoch") epochs.push_back(e);
+  ASSERT_EQ(epochs.size(), 2u);
+  EXPECT_NEAR(epochs[0]["lr"].get<double>(), 0.05 * 7.0 / 9.0, 1e-12);
+  EXPECT_NEAR(epochs[1]["lr"].get<double>(), 0.05 * 1.0 / 9.0, 1e-12);  // step 11
+}
+
 TEST_F(TrainerTest, ResumeRefusesAChangedIdentity) {
   test::TempDir b("run_c");
   TrainOptions first = options(b.path());

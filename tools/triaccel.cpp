@@ -66,8 +66,12 @@ struct TrainFlags {
                                        "weight decay (not applied to norms and biases)")
                             ->capture_default_str());
     add("warmup_epochs", app.add_option("--warmup-epochs", o.warmup_epochs,
-                                        "linear warm-up in epochs, then cosine decay to 0 (-1: auto = min(1, 0.1 × epochs))")
+                                        "linear warm-up in epochs, then the --lr-decay to 0 (-1: auto = min(1, 0.1 × "
+                                        "epochs))")
                              ->capture_default_str());
+    add("lr_decay", app.add_option("--lr-decay", o.lr_decay,
+                                   "cosine|linear: the lr's decay from its peak (after the warm-up) to 0 at the end")
+                        ->capture_default_str());
     add("label_smoothing", app.add_option("--label-smoothing", o.label_smoothing, "label smoothing for the loss")
                                ->capture_default_str());
     add("precision", app.add_option("--precision", precision, "fp32|amp-bf16|amp-fp16 (fp16 uses dynamic loss scaling)")

@@ -53,6 +53,7 @@ expect bad_lr_rule 2 "--lr-batch-rule must be none, linear or sqrt, got 'cube'" 
 expect bad_curv_budget 2 "--curv-budget must be in [0, 1], got 2" -- train "${TINY[@]}" --method tri-accel --curv-budget 2
 expect bad_device 2 "--device must be auto, cpu or cuda" -- train "${TINY[@]}" --device tpu
 expect warmup_too_long 2 "--warmup-epochs must be -1 (auto) or in [0, --epochs = 1], got 3" -- train "${TINY[@]}" --warmup-epochs 3
+expect bad_lr_decay 2 "--lr-decay must be cosine or linear, got 'step'" -- train "${TINY[@]}" --lr-decay step
 expect cutout_negative 2 "--cutout must be >= 0 (0: off), got -1" -- train "${TINY[@]}" --cutout -1
 expect cutout_too_large 2 "--cutout 29 is larger than the 28×28 images of dataset mnist; use at most 28" -- train "${TINY[@]}" --cutout 29 --out "$WORK/o_cut"
 expect cutout_trains 0 "stopped at step 2" -- train "${TINY[@]}" --augment on --cutout 8 --max-steps 2 --out "$WORK/cut" --progress lines

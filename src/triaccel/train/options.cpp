@@ -8,6 +8,7 @@
 #include "triaccel/optim/baoc_driver.h"
 #include "triaccel/optim/planner.h"
 #include "triaccel/train/faults.h"
+#include "triaccel/train/schedule.h"
 
 #include <algorithm>
 #include <cmath>
@@ -65,6 +66,7 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(weight_decay >= 0, "--weight-decay must be >= 0, got ", weight_decay);
   TRIACCEL_CHECK_INPUT(warmup_epochs < 0 || warmup_epochs <= static_cast<double>(epochs),
                        "--warmup-epochs must be -1 (auto) or in [0, --epochs = ", epochs, "], got ", warmup_epochs);
+  lr_decay_parse(lr_decay);  // throws with the flag's name
   TRIACCEL_CHECK_INPUT(label_smoothing >= 0 && label_smoothing < 1, "--label-smoothing must be in [0, 1), got ",
                        label_smoothing);
   TRIACCEL_CHECK_INPUT(device == "auto" || device == "cpu" || device == "cuda",
@@ -173,6 +175,7 @@ Json TrainOptions::to_json() const {
               {"nesterov", nesterov},
               {"weight_decay", weight_decay},
               {"warmup_epochs", warmup_epochs},
+              {"lr_decay", lr_decay},
               {"label_smoothing", label_smoothing},
               {"precision", precision_mode_name(precision)},
               {"device", device},
@@ -245,6 +248,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("nesterov", o.nesterov);
   get("weight_decay", o.weight_decay);
   get("warmup_epochs", o.warmup_epochs);
+  if (j.contains("lr_decay")) get("lr_decay", o.lr_decay);  // absent in checkpoints before the flag (cosine)
   get("label_smoothing", o.label_smoothing);
   get("precision", precision);
   o.precision = precision_mode_parse(precision);

@@ -27,13 +27,14 @@ struct TrainOptions {
   int64_t epochs = 1;
   int64_t max_steps = 0;            // 0: no limit
 
-  // Optimization: SGD with momentum, linear warm-up then cosine decay.
+  // Optimization: SGD with momentum, linear warm-up then cosine (or linear) decay.
   int64_t batch_size = 128;
   double lr = 0.1;
   double momentum = 0.9;
   bool nesterov = true;
   double weight_decay = 5e-4;       // not applied to norms and biases
   double warmup_epochs = -1.0;      // < 0: auto = min(1, 0.1 × epochs)
+  std::string lr_decay = "cosine";  // after the warm-up, to 0 at the end: cosine | linear
   double label_smoothing = 0.0;
   PrecisionMode precision = PrecisionMode::kFP32;
 

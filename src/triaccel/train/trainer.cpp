@@ -48,7 +48,7 @@ constexpr double kGB = 1e9;
 
 // Keys that define what is being trained: a resumed run may not change them.
 const std::vector<std::string> kIdentityKeys = {"method", "model", "dataset", "batch_size", "lr", "momentum",
-                                                "nesterov", "weight_decay", "warmup_epochs", "label_smoothing",
+                                                "nesterov", "weight_decay", "warmup_epochs", "lr_decay", "label_smoothing",
                                                 "precision", "augment", "cutout", "image_size", "seed", "block_size",
                                                 "optimizer", "adam_beta1", "adam_beta2", "adam_eps"};
 
@@ -371,6 +371,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   const int64_t steps_per_epoch = train_loader.steps_per_epoch();
   ScheduleOptions sched;
   sched.base_lr = options.lr;
+  sched.decay = lr_decay_parse(options.lr_decay);
   sched.total_steps = steps_per_epoch * options.epochs;
   sched.warmup_steps = static_cast<int64_t>(std::llround(options.warmup_epochs_resolved() * static_cast<double>(steps_per_epoch)));
   sched.validate();
