@@ -4,8 +4,13 @@
 #   2. every unit test on the GPU (GPU tests skip on a CPU machine, so this is where they really run)
 #   3. throughput + peak VRAM: bench_train_throughput and the PyTorch eager reference, same GPU, same job
 #   4. accuracy: ResNet-18 on the CIFAR-10 copy (batch 96 fp32 and amp-fp16, 10 epochs; batch 512 amp-bf16, 30)
-# Results go to $OUT (copied by hand to bench/results/<gpu>/). Usage: bash bench/run_foundation.sh [stages]
-# where stages ⊆ {tests,bench,accuracy} (default: all). Set COMMIT=<hash> (the device copy has no .git).
+#   5. sweep (only when named): 8 recipes for the 93 % target, ResNet-18 batch 512 amp-bf16 30 epochs, flip TTA;
+#      about 50 s a run on an H100 (the 90.11 % run took 48.5 s end to end), 7 minutes with carried binaries.
+#      SWEEP_RUNS=<regex> runs the matching names only (to split it over two device calls when a build eats the time).
+# Results go to $OUT (copied by hand to bench/results/<gpu>/): foundation.tgz (everything: logs, events, tables) and
+# the JSON tables (accuracy.json, sweep.json, ...): at most 7 files, under the device's 8. Usage:
+# bash bench/run_foundation.sh [stages] where stages ⊆ {tests,bench,accuracy,sweep} (default: tests,bench,accuracy).
+# Set COMMIT=<hash> (the device copy has no .git).
 set -uo pipefail
 STAGES=${1:-tests,bench,accuracy}
 FINAL_OUT=${OUT:-out}
@@ -37,43 +42,91 @@ if [[ $STAGES == *bench* ]]; then
     --gpu "$GPU" --commit "${COMMIT:-unknown}" --command "bash bench/run_foundation.sh bench" --out "$OUT/train_throughput.json" | tee "$OUT/throughput_table.txt"
 fi
 
-if [[ $STAGES == *accuracy* ]]; then
-  cifar10_bin
-  run() {  # name, then train flags
-    local name=$1; shift
-    echo "== $name: triaccel train $*" | tee -a "$OUT/commands.txt"
-    "$BIN/triaccel" train --model resnet18 --dataset cifar10 --data "$DATA" --progress lines --log-every 100000 \
-      --out "/tmp/runs/$name" "$@" 2>&1 | tail -3
-    cp "/tmp/runs/$name/events.jsonl" "$OUT/$name.events.jsonl"
-  }
-  run b96_fp32 --batch-size 96 --lr 0.075 --epochs 10 --precision fp32 --label-smoothing 0.1
-  run b96_fp16 --batch-size 96 --lr 0.075 --epochs 10 --precision amp-fp16 --label-smoothing 0.1
-  run b512_bf16 --batch-size 512 --lr 0.4 --epochs 30 --warmup-epochs 2 --precision amp-bf16 --label-smoothing 0.1 --tta flip
-  run b512_bf16_wd1e-3 --batch-size 512 --lr 0.4 --weight-decay 1e-3 --epochs 30 --warmup-epochs 2 --precision amp-bf16 --label-smoothing 0.1 --tta flip
-  run b512_bf16_lr02 --batch-size 512 --lr 0.2 --epochs 30 --warmup-epochs 2 --precision amp-bf16 --label-smoothing 0.1 --tta flip
-  python3 - "$OUT" <<'PY'
+# r18 DIR NAME FLAGS...: one ResNet-18 CIFAR-10 run (from scratch), its events copied to DIR/NAME.events.jsonl.
+r18() {
+  local dir=$1 name=$2; shift 2
+  echo "== $name: triaccel train $*" | tee -a "$OUT/commands.txt"
+  rm -rf "/tmp/runs/$name"
+  "$BIN/triaccel" train --model resnet18 --dataset cifar10 --data "$DATA" --progress lines --log-every 100000 \
+    --out "/tmp/runs/$name" "$@" 2>&1 | tail -3
+  cp "/tmp/runs/$name/events.jsonl" "$dir/$name.events.jsonl"
+}
+# table DIR JSON BENCH: the summary row of every DIR/*.events.jsonl into JSON, and printed as a table.
+table() {
+  python3 - "$@" <<'PY'
 import json, sys, glob, os
-out = sys.argv[1]
+src, dst, bench = sys.argv[1:4]
 rows = []
-for f in sorted(glob.glob(f"{out}/*.events.jsonl")):
+for f in sorted(glob.glob(f"{src}/*.events.jsonl")):
     ev = [json.loads(l) for l in open(f)]
     s = ev[-1]
     if s["event"] != "summary":
         print(f"{f}: no summary"); continue
     cfg = ev[0]["options"] if ev[0]["event"] == "config" else {}
-    rows.append({"run": os.path.basename(f).split(".")[0], "batch": s["batch_size"], "precision": s["precision"],
+    rows.append({"run": os.path.basename(f).split(".events")[0], "batch": s["batch_size"], "precision": s["precision"],
                  "epochs": s["epochs"], "test_acc": round(s["test_acc"], 2),
-                 "test_acc_tta": s.get("test_acc_tta") and round(s["test_acc_tta"], 2), "weight_decay": cfg.get("weight_decay"), "epoch_s": round(s["epoch_s"], 3),
+                 "test_acc_tta": s.get("test_acc_tta") and round(s["test_acc_tta"], 2),
+                 "weight_decay": cfg.get("weight_decay"), "epoch_s": round(s["epoch_s"], 3),
                  "peak_vram_gb": round(s["peak_vram_gb"], 3), "eff_score": round(s["eff_score"], 2),
-                 "skipped_steps": s["skipped_steps"], "lr": cfg.get("lr"), "label_smoothing": cfg.get("label_smoothing")})
-json.dump({"bench": "resnet18_cifar10_accuracy", "rows": rows}, open(f"{out}/accuracy.json", "w"), indent=2)
-print(f"{'run':18s} {'acc %':>7s} {'tta %':>7s} {'s/epoch':>8s} {'peak GB':>8s} {'eff':>7s}")
+                 "skipped_steps": s["skipped_steps"], "lr": cfg.get("lr"), "label_smoothing": cfg.get("label_smoothing"),
+                 "warmup_epochs": cfg.get("warmup_epochs"), "lr_decay": cfg.get("lr_decay", "cosine"),
+                 "cutout": cfg.get("cutout", 0)})
+json.dump({"bench": bench, "rows": rows}, open(dst, "w"), indent=2)
+print(f"{'run':22s} {'lr':>5s} {'wd':>7s} {'ls':>4s} {'warm':>4s} {'decay':>6s} {'cut':>3s} {'acc %':>7s} {'tta %':>7s} "
+      f"{'s/epoch':>8s} {'peak GB':>8s} {'eff':>7s}")
 for r in rows:
-    print(f"{r['run']:18s} {r['test_acc']:7.2f} {r['test_acc_tta'] or 0:7.2f} {r['epoch_s']:8.3f} {r['peak_vram_gb']:8.3f} {r['eff_score']:7.2f}")
+    print(f"{r['run']:22s} {r['lr']:5g} {r['weight_decay']:7g} {r['label_smoothing']:4g} {r['warmup_epochs']:4g} "
+          f"{r['lr_decay']:>6s} {r['cutout']:3d} {r['test_acc']:7.2f} {r['test_acc_tta'] or 0:7.2f} {r['epoch_s']:8.3f} "
+          f"{r['peak_vram_gb']:8.3f} {r['eff_score']:7.2f}")
 PY
+}
+
+if [[ $STAGES == *accuracy* ]]; then
+  cifar10_bin
+  r18 "$OUT" b96_fp32 --batch-size 96 --lr 0.075 --epochs 10 --precision fp32 --label-smoothing 0.1
+  r18 "$OUT" b96_fp16 --batch-size 96 --lr 0.075 --epochs 10 --precision amp-fp16 --label-smoothing 0.1
+  r18 "$OUT" b512_bf16 --batch-size 512 --lr 0.4 --epochs 30 --warmup-epochs 2 --precision amp-bf16 --label-smoothing 0.1 --tta flip
+  r18 "$OUT" b512_bf16_wd1e-3 --batch-size 512 --lr 0.4 --weight-decay 1e-3 --epochs 30 --warmup-epochs 2 --precision amp-bf16 --label-smoothing 0.1 --tta flip
+  r18 "$OUT" b512_bf16_lr02 --batch-size 512 --lr 0.2 --epochs 30 --warmup-epochs 2 --precision amp-bf16 --label-smoothing 0.1 --tta flip
+  table "$OUT" "$OUT/accuracy.json" resnet18_cifar10_accuracy | tee "$OUT/accuracy_table.txt"
+fi
+
+# The accuracy sweep for the foundation's target: >= 93 % at batch 512, amp-bf16, 30 epochs. Best so far 90.11 %
+# (90.66 % with flip TTA) at a final train accuracy of 98.9 % (augmented): a 9-point generalization gap, so the levers
+# tried are regularizers. Every run: SGD nesterov 0.9 (the fast CIFAR recipes use it, and the 90.11 % run had it),
+# no weight decay on norms and biases, the same seed (0). Run-to-run spread at this size is a few tenths of a point:
+# differences under ~0.3 are not evidence. The recipes (flags below; all others as in s0_base):
+#   s0_base             the current best: lr 0.4, wd 5e-4, ls 0.1, 2 warm-up epochs, cosine. The control, same binary.
+#   s1_cut8             + cutout 8: the size the fast ResNet-9 CIFAR-10 recipes (24 epochs, batch 512) use.
+#   s2_cut12            + cutout 12: between those and DeVries & Taylor's 16; ResNet-18 has more capacity to tame.
+#   s3_cut16            + cutout 16: DeVries & Taylor's CIFAR-10 size for ResNet-18 (200 epochs; may be too strong
+#                       for 30).
+#   s4_cut8_wd1e-3      cutout 8 with wd 1e-3: wd 1e-3 alone was flat (90.05 %); does it pay with cutout on?
+#   s5_cut12_ls0.2      cutout 12 with label smoothing 0.2 (the ResNet-9 recipes' value) instead of 0.1.
+#   s6_cut12_lr0.8      cutout 12, lr 0.8 with 5 warm-up epochs: a larger step regularizes too (lr 0.2 lost 0.6 points).
+#   s7_cut12_ls0.2_lin  the ResNet-9 recipes' shape: cutout 12, ls 0.2, 5 warm-up epochs, then a linear decay to 0
+#                       (--lr-decay linear) instead of the cosine.
+if [[ $STAGES == *sweep* ]]; then
+  cifar10_bin
+  rm -rf "$OUT/sweep" && mkdir -p "$OUT/sweep"
+  SWEEP=(--batch-size 512 --epochs 30 --precision amp-bf16 --tta flip --momentum 0.9 --nesterov true)
+  sweep() {  # name, then the recipe's flags; SWEEP_RUNS (a regex) picks names
+    [[ $1 =~ ${SWEEP_RUNS:-.} ]] || return 0
+    r18 "$OUT/sweep" "$1" "${SWEEP[@]}" "${@:2}"
+  }
+  sweep s0_base --lr 0.4 --weight-decay 5e-4 --label-smoothing 0.1 --warmup-epochs 2 --lr-decay cosine --cutout 0
+  sweep s1_cut8 --lr 0.4 --weight-decay 5e-4 --label-smoothing 0.1 --warmup-epochs 2 --lr-decay cosine --cutout 8
+  sweep s2_cut12 --lr 0.4 --weight-decay 5e-4 --label-smoothing 0.1 --warmup-epochs 2 --lr-decay cosine --cutout 12
+  sweep s3_cut16 --lr 0.4 --weight-decay 5e-4 --label-smoothing 0.1 --warmup-epochs 2 --lr-decay cosine --cutout 16
+  sweep s4_cut8_wd1e-3 --lr 0.4 --weight-decay 1e-3 --label-smoothing 0.1 --warmup-epochs 2 --lr-decay cosine --cutout 8
+  sweep s5_cut12_ls0.2 --lr 0.4 --weight-decay 5e-4 --label-smoothing 0.2 --warmup-epochs 2 --lr-decay cosine --cutout 12
+  sweep s6_cut12_lr0.8 --lr 0.8 --weight-decay 5e-4 --label-smoothing 0.1 --warmup-epochs 5 --lr-decay cosine --cutout 12
+  sweep s7_cut12_ls0.2_lin --lr 0.4 --weight-decay 5e-4 --label-smoothing 0.2 --warmup-epochs 5 --lr-decay linear --cutout 12
+  table "$OUT/sweep" "$OUT/sweep.json" resnet18_cifar10_sweep | tee "$OUT/sweep_table.txt"
 fi
 tar czf "$FINAL_OUT/foundation.tgz" -C "$OUT" .
 cp "$OUT"/*.json "$FINAL_OUT"/ 2>/dev/null
 for s in "${summary[@]}"; do echo "$s"; done
 [ -f "$OUT/throughput_table.txt" ] && cat "$OUT/throughput_table.txt"
+[[ $STAGES == *sweep* ]] && [ -f "$OUT/sweep_table.txt" ] && cat "$OUT/sweep_table.txt"
 exit 0

@@ -188,6 +188,67 @@ TEST_F(TrainerTest, PeakAfterTheWarmUpHoldsAWholeStepForAdamWAndBaoc) {
   }
 }
 
+// Cutout (with crop and flip) on the 28×28 images: it changes what is trained, a resumed run still ends bit-exactly
+// where an uninterrupted one does (the squares are a function of seed and epoch), and --cutout may not change on
+// resume.
+TEST_F(TrainerTest, ResumeMidEpochIsBitExactWithCutout) {
+  test::TempDir plain("run_cut_plain"), a("run_cut_a"), b("run_cut_b");
+  auto configure = [](TrainOptions o) {
+    o.augment = "on";
+    o.cutout = 10;
+    return o;
+  };
+  TrainOptions no_cutout = configure(options(plain.path()));
+  no_cutout.cutout = 0;
+  train_run(no_cutout);
+  train_run(configure(options(a.path())));
+  TrainOptions first = configure(options(b.path()));
+  first.max_steps = 4;
+  train_run(first);
+  const auto config = events_read(b.file("events.jsonl")).front();
+  EXPECT_EQ(config["options"]["cutout"], 10) << config.dump();
+
+  TrainOptions changed = options(b.path());
+  changed.resume = b.path();
+  changed.cutout = 8;
+  try {
+    resume_options(changed, {"resume", "cutout"});
+    FAIL() << "expected UserError";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("--cutout 8 differs from the checkpoint's 10"), std::string::npos) << e.what();
+  }
+  TrainOptions again = options(b.path());
+  again.resume = b.path();
+  const TrainOptions resumed = resume_options(again, {"resume"});
+  EXPECT_EQ(resumed.cutout, 10);
+  train_run(resumed);
+
+  const auto wp = test::state_dict_read(plain.file("model.pt"));
+  const auto wa = test::state_dict_read(a.file("model.pt"));
+  const auto wb = test::state_dict_read(b.file("model.pt"));
+  bool differs_from_plain = false;
+  for (const auto& [name, t] : wa) {
+    ASSERT_TRUE(wb.count(name)) << name;
+    EXPECT_TRUE(torch::equal(t, wb.at(name))) << name << " differs after resume";
+    differs_from_plain = differs_from_plain || !torch::equal(t, wp.at(name));
+  }
+  EXPECT_TRUE(differs_from_plain) << "--cutout 10 trained the same weights as no cutout";
+}
+
+// --lr-decay linear reaches the trainer: 6 steps an epoch, 3 warm-up steps, 9 decay steps; the epoch event logs the
+// lr of the epoch's last step (step 5: 7/9 of the peak on the line, 0.883 of it on the cosine).
+TEST_F(TrainerTest, LinearDecayIsTheLoggedRate) {
+  test::TempDir out("run_linear");
+  TrainOptions o = options(out.path());
+  o.lr_decay = "linear";
+  train_run(o);
+  std::vector<Json> epochs;
+  for (const auto& e : events_read(out.file("events.jsonl"))) if (e["event"] == "epoch") epochs.push_back(e);
+  ASSERT_EQ(epochs.size(), 2u);
+  EXPECT_NEAR(epochs[0]["lr"].get<double>(), 0.05 * 7.0 / 9.0, 1e-12);
+  EXPECT_NEAR(epochs[1]["lr"].get<double>(), 0.05 * 1.0 / 9.0, 1e-12);  // step 11
+}
+
 TEST_F(TrainerTest, ResumeRefusesAChangedIdentity) {
   test::TempDir b("run_c");
   TrainOptions first = options(b.path());

@@ -66,8 +66,12 @@ struct TrainFlags {
                                        "weight decay (not applied to norms and biases)")
                             ->capture_default_str());
     add("warmup_epochs", app.add_option("--warmup-epochs", o.warmup_epochs,
-                                        "linear warm-up in epochs, then cosine decay to 0 (-1: auto = min(1, 0.1 × epochs))")
+                                        "linear warm-up in epochs, then the --lr-decay to 0 (-1: auto = min(1, 0.1 × "
+                                        "epochs))")
                              ->capture_default_str());
+    add("lr_decay", app.add_option("--lr-decay", o.lr_decay,
+                                   "cosine|linear: the lr's decay from its peak (after the warm-up) to 0 at the end")
+                        ->capture_default_str());
     add("label_smoothing", app.add_option("--label-smoothing", o.label_smoothing, "label smoothing for the loss")
                                ->capture_default_str());
     add("precision", app.add_option("--precision", precision, "fp32|amp-bf16|amp-fp16 (fp16 uses dynamic loss scaling)")
@@ -81,6 +85,11 @@ struct TrainFlags {
     add("augment", app.add_option("--augment", o.augment,
                                   "auto|on|off: random crop (4-pixel padding) + horizontal flip; auto = on for CIFAR")
                        ->capture_default_str());
+    add("cutout", app.add_option("--cutout", o.cutout,
+                                 "training images: set one random N×N square per image (after crop and flip; "
+                                 "clipped at the borders) to the dataset mean, i.e. 0 after normalization; "
+                                 "0: off; at most the image side")
+                      ->capture_default_str());
     add("image_size", app.add_option("--image-size", o.image_size, "resize inputs to N×N (0: native size)")
                           ->capture_default_str());
     add("eval_batch_size", app.add_option("--eval-batch-size", o.eval_batch_size, "batch size for evaluation")

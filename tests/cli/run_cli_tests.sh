@@ -53,6 +53,10 @@ expect bad_lr_rule 2 "--lr-batch-rule must be none, linear or sqrt, got 'cube'" 
 expect bad_curv_budget 2 "--curv-budget must be in [0, 1], got 2" -- train "${TINY[@]}" --method tri-accel --curv-budget 2
 expect bad_device 2 "--device must be auto, cpu or cuda" -- train "${TINY[@]}" --device tpu
 expect warmup_too_long 2 "--warmup-epochs must be -1 (auto) or in [0, --epochs = 1], got 3" -- train "${TINY[@]}" --warmup-epochs 3
+expect bad_lr_decay 2 "--lr-decay must be cosine or linear, got 'step'" -- train "${TINY[@]}" --lr-decay step
+expect cutout_negative 2 "--cutout must be >= 0 (0: off), got -1" -- train "${TINY[@]}" --cutout -1
+expect cutout_too_large 2 "--cutout 29 is larger than the 28×28 images of dataset mnist; use at most 28" -- train "${TINY[@]}" --cutout 29 --out "$WORK/o_cut"
+expect cutout_trains 0 "stopped at step 2" -- train "${TINY[@]}" --augment on --cutout 8 --max-steps 2 --out "$WORK/cut" --progress lines
 expect missing_cifar_dir 2 "build_cifar10_bin.py" -- train --dataset cifar10 --data "$WORK/nothing-here" --out "$WORK/o1"
 mkdir -p "$WORK/empty"
 expect missing_cifar_file 2 "data_batch_1.bin" -- train --dataset cifar10 --data "$WORK/empty" --out "$WORK/o1"
@@ -157,6 +161,7 @@ if [ -f "$WORK/gpt1/model.pt" ] && grep '"event":"epoch"' "$WORK/gpt1/events.jso
 expect gpt_on_images 2 "reads text but --dataset mnist holds images" -- train "${TINY[@]}" --model gpt-char
 expect resnet_on_text 2 "use --model gpt-char" -- train "${TEXT[@]}" --model resnet18
 expect augment_on_text 2 "--augment on applies to images only" -- train "${TEXT[@]}" --augment on
+expect cutout_on_text 2 "--cutout applies to images only" -- train "${TEXT[@]}" --cutout 4
 expect text_missing 2 "input.txt not found in $WORK/text-none; pass --data" -- train "${TEXT[@]}" --data "$WORK/text-none"
 expect text_empty 2 "is empty" -- train "${TEXT[@]}" --data "$WORK/text-empty" --out "$WORK/o3"
 expect text_too_short 2 "smaller --block-size" -- train "${TEXT[@]}" --block-size 200 --out "$WORK/o3"

@@ -9,11 +9,14 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
+
 namespace triaccel {
 
 void LoaderOptions::validate() const {
   TRIACCEL_CHECK_INPUT(batch_size > 0, "--batch-size must be > 0, got ", batch_size);
   TRIACCEL_CHECK_INPUT(pad >= 0, "augmentation pad must be >= 0, got ", pad);
+  TRIACCEL_CHECK_INPUT(cutout >= 0, "--cutout must be >= 0 (0: off), got ", cutout);
   TRIACCEL_CHECK_INPUT(image_size >= 0 && image_size <= 1024, "--image-size must be in [0, 1024], got ", image_size);
 }
 
@@ -34,6 +37,8 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
                 "Loader: token datasets must hold (N, T) int64 inputs and targets");
     TRIACCEL_CHECK_INPUT(!options_.augment, "--augment on applies to images only; dataset ", data.name,
                          " is text: use --augment off (or auto)");
+    TRIACCEL_CHECK_INPUT(options_.cutout == 0, "--cutout applies to images only; dataset ", data.name,
+                         " is text: drop the flag");
     TRIACCEL_CHECK_INPUT(data.size() > 0, "dataset ", data.name, " is empty");
     images_ = data.images.contiguous().to(device_);
     labels_ = data.labels.contiguous().to(device_);
@@ -46,6 +51,10 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
                   static_cast<int64_t>(std_.size()) == data.channels(),
               "Loader: need one mean and std per channel");
   TRIACCEL_CHECK_INPUT(data.size() > 0, "dataset ", data.name, " is empty");
+  TRIACCEL_CHECK_INPUT(options_.cutout <= std::min(data.images.size(2), data.images.size(3)), "--cutout ",
+                       options_.cutout, " is larger than the ", data.images.size(2), "×", data.images.size(3),
+                       " images of dataset ", data.name, "; use at most ",
+                       std::min(data.images.size(2), data.images.size(3)));
   images_ = data.images.contiguous().to(device_);
   labels_ = data.labels.to(at::kLong).to(device_);
   epoch_begin(0);
@@ -71,6 +80,14 @@ void Loader::epoch_begin(int64_t epoch) {
   } else {
     shift_ = at::Tensor();
     flip_ = at::Tensor();
+  }
+  // Drawn after the crops and flips, so that --cutout 0 leaves every earlier draw as it was.
+  if (options_.cutout > 0 && kind_ != DatasetKind::kTokens) {
+    const at::Tensor cy = at::randint(0, images_.size(2), {n}, gen, i64);
+    const at::Tensor cx = at::randint(0, images_.size(3), {n}, gen, i64);
+    cutout_ = at::stack({cy, cx}, 1).to(device_);
+  } else {
+    cutout_ = at::Tensor();
   }
 }
 
@@ -100,6 +117,7 @@ void Loader::batch_into(int64_t offset, int64_t count, at::Tensor& images, at::T
   }
   const at::Tensor shift = shift_.defined() ? shift_.narrow(0, offset, count) : at::Tensor();
   const at::Tensor flip = flip_.defined() ? flip_.narrow(0, offset, count) : at::Tensor();
+  const at::Tensor cutout = cutout_.defined() ? cutout_.narrow(0, offset, count) : at::Tensor();
   const bool resize = options_.image_size > 0 &&
                       (options_.image_size != images_.size(2) || options_.image_size != images_.size(3));
   at::Tensor native = resize ? at::empty({count, images_.size(1), images_.size(2), images_.size(3)},
@@ -108,11 +126,11 @@ void Loader::batch_into(int64_t offset, int64_t count, at::Tensor& images, at::T
   TORCH_CHECK(native.defined() && native.size(0) == count, "Loader::batch_into: output buffer has the wrong size");
 #ifdef TRIACCEL_WITH_CUDA
   if (device_.is_cuda()) {
-    augment_cuda(images_, index, shift, flip, options_.pad, mean_, std_, native);
+    augment_cuda(images_, index, shift, flip, options_.pad, cutout, options_.cutout, mean_, std_, native);
   } else
 #endif
   {
-    augment_reference(images_, index, shift, flip, options_.pad, mean_, std_, native);
+    augment_reference(images_, index, shift, flip, options_.pad, cutout, options_.cutout, mean_, std_, native);
   }
   if (resize) {
     images.copy_(at::upsample_bilinear2d(native, {options_.image_size, options_.image_size}, false));
@@ -132,30 +150,41 @@ int64_t Loader::resident_bytes() const {
 }
 
 void augment_reference(const at::Tensor& images, const at::Tensor& index, const at::Tensor& shift,
-                       const at::Tensor& flip, int64_t pad, const std::vector<float>& mean,
-                       const std::vector<float>& std, at::Tensor& out) {
+                       const at::Tensor& flip, int64_t pad, const at::Tensor& cutout, int64_t cutout_size,
+                       const std::vector<float>& mean, const std::vector<float>& std, at::Tensor& out) {
   const int64_t B = index.numel();
   const int64_t C = images.size(1), H = images.size(2), W = images.size(3);
   const at::Tensor m = at::tensor(mean, at::kFloat).view({1, C, 1, 1}).to(images.device());
   const at::Tensor s = at::tensor(std, at::kFloat).view({1, C, 1, 1}).to(images.device());
-  if (!shift.defined() && !flip.defined()) {  // no augmentation: gather and normalize
+  if (!shift.defined() && !flip.defined()) {  // no crop or flip: gather and normalize
     out.copy_((images.index_select(0, index).to(at::kFloat) / 255.0 - m) / s);
-    return;
+  } else {
+    // (B, C, H + 2·pad, W + 2·pad) float, zero borders.
+    const at::Tensor padded =
+        at::constant_pad_nd(images.index_select(0, index).to(at::kFloat), {pad, pad, pad, pad}, 0);
+    const at::Tensor shift_cpu = shift.defined() ? shift.cpu() : at::Tensor();
+    const at::Tensor flip_cpu = flip.defined() ? flip.cpu() : at::Tensor();
+    std::vector<at::Tensor> crops;
+    crops.reserve(B);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t dy = shift_cpu.defined() ? shift_cpu[b][0].item<int64_t>() : pad;
+      const int64_t dx = shift_cpu.defined() ? shift_cpu[b][1].item<int64_t>() : pad;
+      at::Tensor crop = padded[b].narrow(1, dy, H).narrow(2, dx, W);
+      if (flip_cpu.defined() && flip_cpu[b].item<uint8_t>() != 0) crop = crop.flip({2});
+      crops.push_back(crop);
+    }
+    out.copy_((at::stack(crops) / 255.0 - m) / s);
   }
-  // (B, C, H + 2·pad, W + 2·pad) float, zero borders.
-  const at::Tensor padded = at::constant_pad_nd(images.index_select(0, index).to(at::kFloat), {pad, pad, pad, pad}, 0);
-  const at::Tensor shift_cpu = shift.defined() ? shift.cpu() : at::Tensor();
-  const at::Tensor flip_cpu = flip.defined() ? flip.cpu() : at::Tensor();
-  std::vector<at::Tensor> crops;
-  crops.reserve(B);
+  if (!cutout.defined() || cutout_size == 0) return;
+  // Cutout, in output coordinates (after crop and flip): the clipped square is set to 0 (normalized).
+  const at::Tensor centres = cutout.cpu();
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t dy = shift_cpu.defined() ? shift_cpu[b][0].item<int64_t>() : pad;
-    const int64_t dx = shift_cpu.defined() ? shift_cpu[b][1].item<int64_t>() : pad;
-    at::Tensor crop = padded[b].narrow(1, dy, H).narrow(2, dx, W);
-    if (flip_cpu.defined() && flip_cpu[b].item<uint8_t>() != 0) crop = crop.flip({2});
-    crops.push_back(crop);
+    const int64_t y0 = centres[b][0].item<int64_t>() - cutout_size / 2;
+    const int64_t x0 = centres[b][1].item<int64_t>() - cutout_size / 2;
+    const int64_t y_lo = std::max<int64_t>(y0, 0), y_hi = std::min<int64_t>(y0 + cutout_size, H);
+    const int64_t x_lo = std::max<int64_t>(x0, 0), x_hi = std::min<int64_t>(x0 + cutout_size, W);
+    if (y_hi > y_lo && x_hi > x_lo) out[b].narrow(1, y_lo, y_hi - y_lo).narrow(2, x_lo, x_hi - x_lo).zero_();
   }
-  out.copy_((at::stack(crops) / 255.0 - m) / s);
 }
 
 }  // namespace triaccel

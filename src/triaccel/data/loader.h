@@ -1,7 +1,9 @@
 // A device-resident batch loader. The uint8 dataset is copied to the device once; each batch is gathered,
 // augmented and normalized there (kernels/augment.cu on CUDA, augment_reference on the CPU).
 // Determinism: the order and the augmentation of epoch e are a pure function of (seed, e), drawn on the CPU,
-// so a resumed run, a CPU run and a GPU run all see the same samples in the same order with the same crops.
+// so a resumed run, a CPU run and a GPU run all see the same samples in the same order with the same crops (and
+// cutout squares). The draws come from one generator in a fixed order: order, crop shifts, flips, cutout centres;
+// cutout's draws come last, so --cutout 0 leaves the order, crops and flips of earlier runs unchanged.
 // Any batch is addressed by its offset in the epoch's order, so batch sizes may change mid-epoch without
 // skipping or repeating a sample. Token datasets (DatasetKind::kTokens) pass through unchanged: inputs (count, T)
 // and targets (count, T) int64, same seeded order, no normalization or augmentation (augment must be off).
@@ -22,6 +24,12 @@ struct LoaderOptions {
   bool shuffle = true;
   bool augment = false;      // random crop with `pad` zero pixels on each side + horizontal flip
   int64_t pad = 4;
+  // Cutout (DeVries & Taylor 2017): after crop and flip, one cutout × cutout square per image at a uniformly random
+  // centre (cy, cx) ∈ [0, H) × [0, W) (output coordinates), covering rows [cy − cutout/2, cy − cutout/2 + cutout)
+  // and columns [cx − cutout/2, cx − cutout/2 + cutout) (integer division) clipped at the borders, is set to 0 in
+  // normalized space, i.e. to the channel's dataset mean (not to black, as the crop padding is). 0: off.
+  // Independent of `augment`; in native pixels (before an image_size resize); at most min(H, W) (Loader checks).
+  int64_t cutout = 0;
   int64_t image_size = 0;    // 0: native size; else bilinear resize to image_size × image_size
   bool channels_last = false;
   uint64_t seed = 0;
@@ -65,12 +73,13 @@ class Loader {
   at::Tensor order_;    // (N) int64 on device: this epoch's sample order
   at::Tensor shift_;    // (N, 2) int64 on device, or undefined
   at::Tensor flip_;     // (N) uint8 on device, or undefined
+  at::Tensor cutout_;   // (N, 2) int64 on device: cutout centres (cy, cx), or undefined
 };
 
 // The CPU reference of kernels/augment.cu (same arguments; tensors on the CPU).
 void augment_reference(const at::Tensor& images, const at::Tensor& index, const at::Tensor& shift,
-                       const at::Tensor& flip, int64_t pad, const std::vector<float>& mean,
-                       const std::vector<float>& std, at::Tensor& out);
+                       const at::Tensor& flip, int64_t pad, const at::Tensor& cutout, int64_t cutout_size,
+                       const std::vector<float>& mean, const std::vector<float>& std, at::Tensor& out);
 
 // Mixes a seed with an epoch (or any stream id) into an independent 64-bit seed (splitmix64).
 uint64_t seed_mix(uint64_t seed, uint64_t stream);

@@ -1,5 +1,6 @@
 // One thread per output element: out[b, c, y, x] = (src[idx[b], c, y + dy − pad, x' + dx − pad] / 255 − mean[c]) / std[c]
 // with x' = W − 1 − x when flipped, and 0 for source pixels outside the image (the zero padding, normalized).
+// Cutout: out = 0 (after normalization) where cy − s/2 ≤ y < cy − s/2 + s and cx − s/2 ≤ x < cx − s/2 + s.
 // Output strides are passed in, so NCHW and channels_last outputs are both written directly. Bytes: B·C·H·W
 // reads of uint8 (gathered, cached in L1/L2) and 4-byte writes: a few microseconds per batch on a modern GPU.
 #include "triaccel/kernels/augment.h"
@@ -16,6 +17,7 @@ constexpr int kThreads = 256;
 
 struct AugmentArgs {
   int64_t batch, channels, height, width, pad;
+  int64_t cutout_size;    // side of the cutout square (used when the cutout pointer is non-null)
   int64_t out_stride[4];  // b, c, y, x
   float scale[kMaxChannels];  // 1 / (255 · std)
   float bias[kMaxChannels];   // −mean / std
@@ -23,7 +25,7 @@ struct AugmentArgs {
 
 __global__ void augment_kernel(const uint8_t* __restrict__ images, const int64_t* __restrict__ index,
                                const int64_t* __restrict__ shift, const uint8_t* __restrict__ flip,
-                               float* __restrict__ out, const AugmentArgs a) {
+                               const int64_t* __restrict__ cutout, float* __restrict__ out, const AugmentArgs a) {
   const int64_t total = a.batch * a.channels * a.height * a.width;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -42,24 +44,30 @@ __global__ void augment_kernel(const uint8_t* __restrict__ images, const int64_t
     const int64_t n = index[b];
     v = static_cast<float>(images[((n * a.channels + c) * a.height + sy) * a.width + sx]);
   }
-  out[b * a.out_stride[0] + c * a.out_stride[1] + y * a.out_stride[2] + x * a.out_stride[3]] =
-      v * a.scale[c] + a.bias[c];
+  float normalized = v * a.scale[c] + a.bias[c];
+  if (cutout) {
+    const int64_t y0 = cutout[2 * b] - a.cutout_size / 2;
+    const int64_t x0 = cutout[2 * b + 1] - a.cutout_size / 2;
+    if (y >= y0 && y < y0 + a.cutout_size && x >= x0 && x < x0 + a.cutout_size) normalized = 0.f;
+  }
+  out[b * a.out_stride[0] + c * a.out_stride[1] + y * a.out_stride[2] + x * a.out_stride[3]] = normalized;
 }
 
 void augment_launch(const uint8_t* images, const int64_t* index, const int64_t* shift, const uint8_t* flip,
-                    float* out, const AugmentArgs& args, cudaStream_t stream) {
+                    const int64_t* cutout, float* out, const AugmentArgs& args, cudaStream_t stream) {
   const int64_t total = args.batch * args.channels * args.height * args.width;
   if (total == 0) return;
   const int64_t blocks = (total + kThreads - 1) / kThreads;
-  augment_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(images, index, shift, flip, out, args);
+  augment_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(images, index, shift, flip, cutout, out,
+                                                                            args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
 void augment_cuda(const at::Tensor& images, const at::Tensor& index, const at::Tensor& shift,
-                  const at::Tensor& flip, int64_t pad, const std::vector<float>& mean, const std::vector<float>& std,
-                  at::Tensor& out) {
+                  const at::Tensor& flip, int64_t pad, const at::Tensor& cutout, int64_t cutout_size,
+                  const std::vector<float>& mean, const std::vector<float>& std, at::Tensor& out) {
   TORCH_CHECK(images.is_cuda() && images.scalar_type() == at::kByte && images.dim() == 4 && images.is_contiguous(),
               "augment_cuda: images must be a contiguous (N, C, H, W) uint8 CUDA tensor");
   const int64_t B = index.numel();
@@ -73,6 +81,11 @@ void augment_cuda(const at::Tensor& images, const at::Tensor& index, const at::T
               "augment_cuda: shift must be contiguous (B, 2) int64 on the GPU");
   TORCH_CHECK(!flip.defined() || (flip.is_cuda() && flip.scalar_type() == at::kByte && flip.numel() == B),
               "augment_cuda: flip must be (B) uint8 on the GPU");
+  TORCH_CHECK(!cutout.defined() || (cutout.is_cuda() && cutout.scalar_type() == at::kLong && cutout.is_contiguous() &&
+                                    cutout.numel() == 2 * B),
+              "augment_cuda: cutout must be contiguous (B, 2) int64 on the GPU");
+  TORCH_CHECK(cutout_size >= 0 && cutout_size <= std::min(H, W), "augment_cuda: cutout size out of range: ",
+              cutout_size);
   TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kFloat && out.dim() == 4 && out.size(0) == B &&
                   out.size(1) == C && out.size(2) == H && out.size(3) == W && out.is_non_overlapping_and_dense(),
               "augment_cuda: out must be a dense (B, C, H, W) float32 CUDA tensor");
@@ -84,6 +97,7 @@ void augment_cuda(const at::Tensor& images, const at::Tensor& index, const at::T
   args.height = H;
   args.width = W;
   args.pad = pad;
+  args.cutout_size = cutout_size;
   for (int d = 0; d < 4; ++d) args.out_stride[d] = out.stride(d);
   for (int64_t c = 0; c < C; ++c) {
     args.scale[c] = 1.f / (255.f * std[c]);
@@ -92,7 +106,8 @@ void augment_cuda(const at::Tensor& images, const at::Tensor& index, const at::T
   const c10::cuda::CUDAGuard guard(images.device());
   augment_launch(images.data_ptr<uint8_t>(), index.data_ptr<int64_t>(),
                  shift.defined() ? shift.data_ptr<int64_t>() : nullptr,
-                 flip.defined() ? flip.data_ptr<uint8_t>() : nullptr, out.data_ptr<float>(), args,
+                 flip.defined() ? flip.data_ptr<uint8_t>() : nullptr,
+                 cutout.defined() && cutout_size > 0 ? cutout.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(), args,
                  at::cuda::getCurrentCUDAStream());
 }
 

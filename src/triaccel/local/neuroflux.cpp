@@ -224,6 +224,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   LoaderOptions train_lo = plain_lo;
   train_lo.shuffle = true;
   train_lo.augment = options.augment_enabled();
+  train_lo.cutout = options.cutout;
   const auto make_input = [&](const Dataset& d) {
     SplitInput in;
     in.loader = std::make_unique<Loader>(d, data.mean, data.std, plain_lo, device);
@@ -493,6 +494,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     const int64_t steps_per_epoch = (n_train + bp.batch - 1) / bp.batch;
     ScheduleOptions sched;
     sched.base_lr = options.lr * lr_scale_for_batch(lr_rule, bp.batch, options.batch_size);
+    sched.decay = lr_decay_parse(options.lr_decay);
     sched.total_steps = steps_per_epoch * options.epochs;
     sched.warmup_steps = static_cast<int64_t>(
         std::llround(options.warmup_epochs_resolved() * static_cast<double>(steps_per_epoch)));

@@ -8,6 +8,7 @@
 #include "triaccel/optim/baoc_driver.h"
 #include "triaccel/optim/planner.h"
 #include "triaccel/train/faults.h"
+#include "triaccel/train/schedule.h"
 
 #include <algorithm>
 #include <cmath>
@@ -65,6 +66,7 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(weight_decay >= 0, "--weight-decay must be >= 0, got ", weight_decay);
   TRIACCEL_CHECK_INPUT(warmup_epochs < 0 || warmup_epochs <= static_cast<double>(epochs),
                        "--warmup-epochs must be -1 (auto) or in [0, --epochs = ", epochs, "], got ", warmup_epochs);
+  lr_decay_parse(lr_decay);  // throws with the flag's name
   TRIACCEL_CHECK_INPUT(label_smoothing >= 0 && label_smoothing < 1, "--label-smoothing must be in [0, 1), got ",
                        label_smoothing);
   TRIACCEL_CHECK_INPUT(device == "auto" || device == "cpu" || device == "cuda",
@@ -72,6 +74,8 @@ void TrainOptions::validate() const {
   TRIACCEL_CHECK_INPUT(augment == "auto" || augment == "on" || augment == "off",
                        "--augment must be auto, on or off, got '", augment, "'");
   TRIACCEL_CHECK_INPUT(image_size >= 0 && image_size <= 1024, "--image-size must be in [0, 1024], got ", image_size);
+  // The upper bound (the image's side) is checked where the images are known (Loader).
+  TRIACCEL_CHECK_INPUT(cutout >= 0, "--cutout must be >= 0 (0: off), got ", cutout);
   TRIACCEL_CHECK_INPUT(ctrl_every > 0, "--ctrl-every must be > 0, got ", ctrl_every);
   TRIACCEL_CHECK_INPUT(curv_every > 0, "--curv-every must be > 0, got ", curv_every);
   TRIACCEL_CHECK_INPUT(curv_batch > 0, "--curv-batch must be > 0, got ", curv_batch);
@@ -138,6 +142,8 @@ void TrainOptions::validate_model_data() const {
   if (!text) return;
   TRIACCEL_CHECK_INPUT(augment != "on", "--augment on applies to images only; --dataset ", dataset,
                        " is text: drop the flag or use --augment off");
+  TRIACCEL_CHECK_INPUT(cutout == 0, "--cutout applies to images only; --dataset ", dataset,
+                       " is text: drop the flag");
   TRIACCEL_CHECK_INPUT(image_size == 0, "--image-size applies to images only; --dataset ", dataset,
                        " is text: drop the flag (use --block-size for the context length)");
   TRIACCEL_CHECK_INPUT(tta == "off", "--tta flip applies to images only; --dataset ", dataset,
@@ -171,12 +177,14 @@ Json TrainOptions::to_json() const {
               {"nesterov", nesterov},
               {"weight_decay", weight_decay},
               {"warmup_epochs", warmup_epochs},
+              {"lr_decay", lr_decay},
               {"label_smoothing", label_smoothing},
               {"precision", precision_mode_name(precision)},
               {"device", device},
               {"channels_last", channels_last},
               {"cuda_graphs", cuda_graphs},
               {"augment", augment},
+              {"cutout", cutout},
               {"image_size", image_size},
               {"eval_batch_size", eval_batch_size},
               {"tta", tta},
@@ -243,6 +251,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("nesterov", o.nesterov);
   get("weight_decay", o.weight_decay);
   get("warmup_epochs", o.warmup_epochs);
+  if (j.contains("lr_decay")) get("lr_decay", o.lr_decay);  // absent in checkpoints before the flag (cosine)
   get("label_smoothing", o.label_smoothing);
   get("precision", precision);
   o.precision = precision_mode_parse(precision);
@@ -250,6 +259,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
   get("channels_last", o.channels_last);
   get("cuda_graphs", o.cuda_graphs);
   get("augment", o.augment);
+  if (j.contains("cutout")) get("cutout", o.cutout);  // absent in checkpoints before the flag (it was off)
   get("image_size", o.image_size);
   get("eval_batch_size", o.eval_batch_size);
   get("tta", o.tta);

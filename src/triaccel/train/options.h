@@ -27,13 +27,14 @@ struct TrainOptions {
   int64_t epochs = 1;
   int64_t max_steps = 0;            // 0: no limit
 
-  // Optimization: SGD with momentum, linear warm-up then cosine decay.
+  // Optimization: SGD with momentum, linear warm-up then cosine (or linear) decay.
   int64_t batch_size = 128;
   double lr = 0.1;
   double momentum = 0.9;
   bool nesterov = true;
   double weight_decay = 5e-4;       // not applied to norms and biases
   double warmup_epochs = -1.0;      // < 0: auto = min(1, 0.1 × epochs)
+  std::string lr_decay = "cosine";  // after the warm-up, to 0 at the end: cosine | linear
   double label_smoothing = 0.0;
   PrecisionMode precision = PrecisionMode::kFP32;
 
@@ -42,6 +43,7 @@ struct TrainOptions {
   bool channels_last = true;        // CUDA only
   bool cuda_graphs = true;          // CUDA only: capture the whole step where the batch shape is static
   std::string augment = "auto";     // auto (on for CIFAR) | on | off: random crop (pad 4) + horizontal flip
+  int64_t cutout = 0;               // side of one square per training image set to the mean (0: off; LoaderOptions)
   int64_t image_size = 0;           // 0: native; else resize inputs (e.g. 224 for EfficientNet-B0 as in the paper)
   int64_t eval_batch_size = 1000;
   std::string tta = "off";          // off | flip: also report accuracy on logits(x) + logits(flipped x)

@@ -7,6 +7,12 @@
 
 namespace triaccel {
 
+LrDecay lr_decay_parse(const std::string& name) {
+  if (name == "cosine") return LrDecay::kCosine;
+  if (name == "linear") return LrDecay::kLinear;
+  throw UserError("--lr-decay must be cosine or linear, got '" + name + "'");
+}
+
 void ScheduleOptions::validate() const {
   TRIACCEL_CHECK_INPUT(base_lr > 0 && std::isfinite(base_lr), "--lr must be a positive number, got ", base_lr);
   TRIACCEL_CHECK_INPUT(total_steps > 0, "schedule: total_steps must be > 0, got ", total_steps);
@@ -23,8 +29,8 @@ double schedule_lr(const ScheduleOptions& o, double step) {
   const int64_t decay_steps = o.total_steps - o.warmup_steps;
   if (decay_steps <= 0) return o.base_lr;
   const double t = std::min(1.0, (step - warmup) / static_cast<double>(decay_steps));
-  const double cosine = 0.5 * (1.0 + std::cos(M_PI * t));
-  return o.base_lr * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * cosine);
+  const double shape = o.decay == LrDecay::kLinear ? 1.0 - t : 0.5 * (1.0 + std::cos(M_PI * t));
+  return o.base_lr * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * shape);
 }
 
 }  // namespace triaccel

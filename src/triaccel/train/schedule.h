@@ -1,16 +1,21 @@
-// Learning-rate schedule: linear warm-up from lr/warmup_steps to lr over warmup_steps, then cosine decay to
-// min_lr_ratio·lr at total_steps. A pure function of the step, so a resumed run gets the same rate.
+// Learning-rate schedule: linear warm-up from lr/warmup_steps to lr over warmup_steps, then cosine (or linear) decay
+// to min_lr_ratio·lr at total_steps. A pure function of the step, so a resumed run gets the same rate.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace triaccel {
+
+enum class LrDecay { kCosine, kLinear };
+LrDecay lr_decay_parse(const std::string& name);  // "cosine" | "linear"; UserError naming --lr-decay otherwise
 
 struct ScheduleOptions {
   double base_lr = 0.1;
   int64_t warmup_steps = 0;
   int64_t total_steps = 1;
   double min_lr_ratio = 0.0;
+  LrDecay decay = LrDecay::kCosine;  // after the warm-up: half a cosine, or a straight line
 
   void validate() const;
 };

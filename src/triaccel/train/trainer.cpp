@@ -48,8 +48,8 @@ constexpr double kGB = 1e9;
 
 // Keys that define what is being trained: a resumed run may not change them.
 const std::vector<std::string> kIdentityKeys = {"method", "model", "dataset", "batch_size", "lr", "momentum",
-                                                "nesterov", "weight_decay", "warmup_epochs", "label_smoothing",
-                                                "precision", "augment", "image_size", "seed", "block_size",
+                                                "nesterov", "weight_decay", "warmup_epochs", "lr_decay", "label_smoothing",
+                                                "precision", "augment", "cutout", "image_size", "seed", "block_size",
                                                 "optimizer", "adam_beta1", "adam_beta2", "adam_eps"};
 
 struct Progress {
@@ -295,12 +295,14 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   train_lo.batch_size = options.batch_size;
   train_lo.shuffle = true;
   train_lo.augment = options.augment_enabled();
+  train_lo.cutout = options.cutout;
   train_lo.image_size = options.image_size;
   train_lo.channels_last = device.is_cuda() && options.channels_last;
   train_lo.seed = options.seed;
   LoaderOptions test_lo = train_lo;
   test_lo.shuffle = false;
   test_lo.augment = false;
+  test_lo.cutout = 0;
   test_lo.batch_size = options.eval_batch_size;
   Loader train_loader(data.train, data.mean, data.std, train_lo, device);
   Loader test_loader(data.test, data.mean, data.std, test_lo, device);
@@ -369,6 +371,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
   const int64_t steps_per_epoch = train_loader.steps_per_epoch();
   ScheduleOptions sched;
   sched.base_lr = options.lr;
+  sched.decay = lr_decay_parse(options.lr_decay);
   sched.total_steps = steps_per_epoch * options.epochs;
   sched.warmup_steps = static_cast<int64_t>(std::llround(options.warmup_epochs_resolved() * static_cast<double>(steps_per_epoch)));
   sched.validate();
