@@ -204,6 +204,34 @@ TEST(PlannerTest, ChoosesTheLowRiskCheapFormatsAndSaysTheMinimumWhenTheBudgetIsT
   }
 }
 
+TEST(PlannerTest, LookupUnitsKeepPerElementMoments) {
+  // Unit A is stable (momentum-free formats cost nothing) and quantizes badly: as a plain unit it goes factored;
+  // as a lookup unit (an embedding table) only fp32 / bf16 / 8-bit are offered, and 8-bit is what fits.
+  std::vector<PlanUnitInput> units = {{"A", {{100, 10}}}, {"B", {{100, 10}}}};
+  UnitSignals a, b;
+  a.quant_error_8bit = 0.5;
+  a.cos_successive = a.cos_momentum = 1;
+  a.factor_error = 0.01;
+  b.quant_error_8bit = 0.01;
+  b.cos_successive = b.cos_momentum = -0.5;
+  b.precond_error = 0.5;
+  b.factor_error = 0.01;
+  PlannerOptions o;
+  o.memory_budget = "30%";  // 4800 bytes: both 8-bit (2 × 2016) fit, bf16 (4000) + anything does not
+  EXPECT_EQ(plan_solve(units, {a, b}, o).units[0].format, StateFormat::kFactored);
+  units[0].lookup = true;
+  const Plan plan = plan_solve(units, {a, b}, o);
+  EXPECT_EQ(plan.units[0].format, StateFormat::kAdamW8);
+  EXPECT_EQ(plan.units[1].format, StateFormat::kAdamW8);
+  EXPECT_TRUE(plan_to_json(plan)["units"][0]["lookup"].get<bool>());
+  // A menu without per-element formats is honoured (a uniform run stays uniform).
+  o.formats = {StateFormat::kSgd};
+  EXPECT_EQ(plan_solve(units, {a, b}, o).units[0].format, StateFormat::kSgd);
+  EXPECT_EQ(plan_unit_menu(units[0], state_formats_all()),
+            (std::vector<StateFormat>{StateFormat::kAdamW32, StateFormat::kAdamW16, StateFormat::kAdamW8}));
+  EXPECT_EQ(plan_unit_menu(units[1], state_formats_all()), state_formats_all());
+}
+
 TEST(PlannerTest, MeasuredStepTimesDecideUnderATimeBudget) {
   test::TempDir dir("optim_time_table");
   // A bench_optim_step result in which 8-bit is the slowest format (per 1000 elements, CUDA-graph medians).

@@ -3,6 +3,8 @@
 #include "triaccel/core/errors.h"
 #include "triaccel/optim/signals.h"
 
+#include <torch/nn/modules/embedding.h>
+
 #include <algorithm>
 #include <sstream>
 
@@ -47,7 +49,13 @@ BaocDriver::BaocDriver(const TrainOptions& options, const Model& model, BaocOpti
   unit_of_tensor_ = baoc_unit_of_tensor(model, optimizer.params());
   for (const auto& u : model.units()) {
     unit_names_.push_back(u.name);
-    plan_units_.push_back(PlanUnitInput{u.name, {}});
+    PlanUnitInput in{u.name, {}};
+    for (const auto& m : u.modules) {
+      for (const auto& sub : m->modules(/*include_self=*/true)) {
+        if (sub->as<torch::nn::EmbeddingImpl>() != nullptr) in.lookup = true;
+      }
+    }
+    plan_units_.push_back(std::move(in));
   }
   for (size_t i = 0; i < optimizer.params().size(); ++i) {
     plan_units_[static_cast<size_t>(unit_of_tensor_[i])].shapes.push_back(optimizer.params()[i].sizes().vec());

@@ -105,6 +105,15 @@ double optim_time_budget_parse(const std::string& text, double adamw_fp32_second
   return factor * adamw_fp32_seconds;
 }
 
+std::vector<StateFormat> plan_unit_menu(const PlanUnitInput& unit, const std::vector<StateFormat>& menu) {
+  if (!unit.lookup) return menu;
+  std::vector<StateFormat> kept;
+  for (StateFormat f : menu) {
+    if (f == StateFormat::kAdamW32 || f == StateFormat::kAdamW16 || f == StateFormat::kAdamW8) kept.push_back(f);
+  }
+  return kept.empty() ? menu : kept;
+}
+
 Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitSignals>& signals,
                 const PlannerOptions& o) {
   TORCH_CHECK(signals.size() == units.size(), "plan_solve: ", signals.size(), " signals for ", units.size(), " units");
@@ -121,9 +130,11 @@ Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitS
   AllocationProblem problem;
   problem.memory_budget = plan.budget_bytes;
   problem.time_budget = plan.budget_time_s;
+  std::vector<std::vector<StateFormat>> menus;
   for (size_t u = 0; u < units.size(); ++u) {
+    menus.push_back(plan_unit_menu(units[u], o.formats));
     std::vector<AllocationOption> options;
-    for (StateFormat f : o.formats) {
+    for (StateFormat f : menus.back()) {
       UnitSignals s = signals[u];
       s.params = unit_params(units[u]);
       options.push_back({risk_weighted(f, s, total_params, static_cast<int64_t>(units.size()), o.risk),
@@ -144,10 +155,11 @@ Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitS
   TRIACCEL_CHECK_INPUT(r.feasible, "no plan fits --optim-memory-budget ", o.memory_budget, " and --optim-time-budget ",
                        o.time_budget, " together: raise one of them");
   for (size_t u = 0; u < units.size(); ++u) {
-    const StateFormat f = o.formats[static_cast<size_t>(r.choice[u])];
+    const StateFormat f = menus[u][static_cast<size_t>(r.choice[u])];
     const AllocationOption& opt = problem.units[u][static_cast<size_t>(r.choice[u])];
     UnitPlan up;
     up.name = units[u].name;
+    up.lookup = units[u].lookup;
     up.format = f;
     up.params = unit_params(units[u]);
     up.bytes = opt.bytes;
@@ -170,6 +182,7 @@ Json plan_to_json(const Plan& plan) {
     const UnitSignals& s = u.signals;
     units.push_back(Json{{"unit", u.name},
                          {"format", state_format_name(u.format)},
+                         {"lookup", u.lookup},
                          {"params", u.params},
                          {"bytes", u.bytes},
                          {"risk", u.risk},

@@ -37,7 +37,15 @@ StepTimeModel step_time_model_from_bench(const std::string& path);
 struct PlanUnitInput {
   std::string name;
   std::vector<std::vector<int64_t>> shapes;  // the unit's parameter tensors
+  // The unit holds an embedding table (rows looked up by token id). Such a unit is offered only the formats that
+  // keep per-element AdamW moments (fp32, bf16, 8-bit) when the menu has any: rows of rare tokens get rare, small
+  // gradients that a scalar (SGD) or row/column (factored) second moment starves (docs/baoc.md, Lookup units).
+  bool lookup = false;
 };
+
+// The formats of `menu` a unit may use: for a lookup unit, those with per-element AdamW moments if the menu has any
+// (else the whole menu: an explicit uniform menu such as --optim-formats sgd stays uniform).
+std::vector<StateFormat> plan_unit_menu(const PlanUnitInput& unit, const std::vector<StateFormat>& menu);
 
 struct PlannerOptions {
   std::string memory_budget = "25%";
@@ -49,6 +57,7 @@ struct PlannerOptions {
 
 struct UnitPlan {
   std::string name;
+  bool lookup = false;  // PlanUnitInput::lookup
   StateFormat format = StateFormat::kAdamW32;
   int64_t params = 0;
   int64_t bytes = 0;
