@@ -212,6 +212,7 @@ TEST(PlannerTest, LookupUnitsKeepPerElementMoments) {
   a.quant_error_8bit = 0.5;
   a.cos_successive = a.cos_momentum = 1;
   a.factor_error = 0.01;
+  a.precond_error = 0.5;  // plain SGD would turn its update a lot
   b.quant_error_8bit = 0.01;
   b.cos_successive = b.cos_momentum = -0.5;
   b.precond_error = 0.5;
