@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes the seed corpora of the fuzz targets (nothing binary is committed): small valid inputs and a few broken
-ones per target. Usage: make_seeds.py OUT_DIR  (creates OUT_DIR/{idx,cifar}; fuzz_checkpoint writes its own seed)."""
+ones per target. Usage: make_seeds.py OUT_DIR  (creates OUT_DIR/{idx,cifar,text}; fuzz_checkpoint writes its own
+seed)."""
 import gzip
 import os
 import random
@@ -40,3 +41,10 @@ for kind, label_bytes, classes in ((0, 1, 10), (1, 2, 100)):
     save("cifar", f"kind{kind}", bytes([kind]) + recs)
     save("cifar", f"kind{kind}_truncated", bytes([kind]) + recs[:-100])
 save("cifar", "bad_label", bytes([0, 10]) + bytes(3072))
+
+# Text (fuzz_text): first byte picks the block size (1 + byte % 64), the rest is input.txt.
+line = b"First Citizen:\nBefore we proceed any further, hear me speak.\n"
+save("text", "valid", bytes([7]) + line * 5)
+save("text", "too_short", bytes([63]) + line)
+save("text", "nul", bytes([3]) + line * 2 + b"\0" + line)
+save("text", "binary", bytes([1]) + bytes(range(256)))
