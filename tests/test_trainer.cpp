@@ -27,33 +27,7 @@
 namespace triaccel {
 namespace {
 
-class TrainerTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    data_ = new test::TempDir("trainer_data");
-    test::mnist_like_write(data_->path(), 384, 128, 1);
-  }
-  static void TearDownTestSuite() { delete data_; }
-
-  TrainOptions options(const std::string& out) const {
-    TrainOptions o;
-    o.model = "small-cnn";
-    o.dataset = "mnist";
-    o.data_dir = data_->path();
-    o.epochs = 2;
-    o.batch_size = 64;  // 6 steps per epoch
-    o.lr = 0.05;
-    o.warmup_epochs = 0.5;
-    o.device = "cpu";
-    o.progress = "off";
-    o.out = out;
-    return o;
-  }
-
-
-  static test::TempDir* data_;
-};
-test::TempDir* TrainerTest::data_ = nullptr;
+class TrainerTest : public test::TinyMnistTest {};
 
 TEST_F(TrainerTest, EventsLayoutAndLearning) {
   test::TempDir out("run");
