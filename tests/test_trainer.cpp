@@ -158,6 +158,8 @@ TEST_F(TrainerTest, PeakAfterTheWarmUpHoldsAWholeStepForAdamWAndBaoc) {
                              events.front()["dataset_resident_gb"].get<double>();
     std::printf("[ %s ] peak in the warm-up %.4f GB, after it %.4f GB, static %.4f GB\n", optimizer.c_str(), warmup,
                 after, static_gb);
+    // Unverified: this assertion has not been shown to fail with the fix of 5540a98 (AdamW re-captures its graph
+    // after --plan-warmup) removed; that needs a GPU run, none was made when this note was written (2026-11-21).
     EXPECT_GT(after, static_gb + 0.005) << optimizer << ": the peak after the warm-up shows only the static bytes";
   }
 }
