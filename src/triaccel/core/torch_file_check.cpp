@@ -84,28 +84,40 @@ std::string zip_name_key(std::string name) {
 void torch_zip_check(const std::string& b) {
   const uint64_t n = b.size();
   const uint64_t end = zip_end_record(b);
+  // torch.save writes no archive comment and nothing after the end record. Bytes after it would make miniz search
+  // for the record further back: in a file of 4 to 8 KiB whose record is more than 4 KiB from the end, its search
+  // computes a negative offset and reads before the buffer (fuzz_checkpoint, docs/reliability.md).
+  TRIACCEL_CHECK_INPUT(end == n - kZipEndRecord, "the zip end record is followed by ", n - kZipEndRecord - end,
+                       " bytes; torch.save writes nothing after it");
   uint64_t entries = le_read(b, end + 10, 2, "zip end record");
   uint64_t dir_size = le_read(b, end + 12, 4, "zip end record");
   uint64_t dir_offset = le_read(b, end + 16, 4, "zip end record");
-  // torch.save always writes a zip64 end record; miniz then takes its values. Both must describe the same
-  // directory (a 32-bit field may be saturated), so this check and miniz read the same entries.
+  uint64_t dir_must_end = end;  // the directory ends where the end records begin
+  // With a zip64 locator before the end record (torch.save always writes one), miniz reads the zip64 end record
+  // just before the locator and takes all its values. Here it must be there, the locator must point to it, and
+  // its values must agree with the end record's (a 32-bit field may be saturated), so that this check and miniz
+  // read the same directory.
   if (end >= kZip64Locator && le_read(b, end - kZip64Locator, 4, "zip64 locator") == kZip64LocatorSig) {
-    const uint64_t at = le_read(b, end - kZip64Locator + 8, 8, "zip64 locator");
-    if (n >= kZip64EndRecord && at <= n - kZip64EndRecord && le_read(b, at, 4, "zip64 end record") == kZip64EndSig) {
-      const uint64_t entries64 = le_read(b, at + 32, 8, "zip64 end record");
-      const uint64_t size64 = le_read(b, at + 40, 8, "zip64 end record");
-      const uint64_t offset64 = le_read(b, at + 48, 8, "zip64 end record");
-      TRIACCEL_CHECK_INPUT((entries == kSaturated16 || entries == entries64) &&
-                               (dir_size == kSaturated32 || dir_size == size64) &&
-                               (dir_offset == kSaturated32 || dir_offset == offset64),
-                           "the zip64 end record disagrees with the end record");
-      entries = entries64;
-      dir_size = size64;
-      dir_offset = offset64;
-    }
+    TRIACCEL_CHECK_INPUT(end >= kZip64Locator + kZip64EndRecord, "zip64 locator without room for its end record");
+    const uint64_t at = end - kZip64Locator - kZip64EndRecord;
+    TRIACCEL_CHECK_INPUT(le_read(b, at, 4, "zip64 end record") == kZip64EndSig &&
+                             le_read(b, end - kZip64Locator + 8, 8, "zip64 locator") == at,
+                         "the zip64 end record is not where its locator points, just before it");
+    const uint64_t entries64 = le_read(b, at + 32, 8, "zip64 end record");
+    const uint64_t size64 = le_read(b, at + 40, 8, "zip64 end record");
+    const uint64_t offset64 = le_read(b, at + 48, 8, "zip64 end record");
+    TRIACCEL_CHECK_INPUT((entries == kSaturated16 || entries == entries64) &&
+                             (dir_size == kSaturated32 || dir_size == size64) &&
+                             (dir_offset == kSaturated32 || dir_offset == offset64),
+                         "the zip64 end record disagrees with the end record");
+    entries = entries64;
+    dir_size = size64;
+    dir_offset = offset64;
+    dir_must_end = at;
   }
-  TRIACCEL_CHECK_INPUT(dir_offset <= n && dir_size <= n - dir_offset, "zip central directory (offset ", dir_offset,
-                       ", ", dir_size, " bytes) lies outside the file");
+  TRIACCEL_CHECK_INPUT(dir_offset <= n && dir_size <= n - dir_offset && dir_offset + dir_size == dir_must_end,
+                       "zip central directory (offset ", dir_offset, ", ", dir_size,
+                       " bytes) does not end where the end records begin (offset ", dir_must_end, ")");
   TRIACCEL_CHECK_INPUT(entries <= dir_size / kZipCentralHeader, "zip central directory of ", dir_size,
                        " bytes cannot hold ", entries, " entries");
   const uint64_t dir_end = dir_offset + dir_size;
