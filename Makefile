@@ -7,7 +7,7 @@ RUN_ARGS ?=
 
 ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
-FUZZ_SECONDS ?= 20
+FUZZ_SECONDS ?= 12
 # The unit tests under ASan + UBSan: our code instrumented (LibTorch, pip's build, is not), CPU only, every UBSan
 # finding fatal. -fno-sanitize=vptr: the vptr check needs RTTI of LibTorch's classes from the uninstrumented library.
 SAN_FLAGS = -O1 -g1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all -fno-sanitize=vptr

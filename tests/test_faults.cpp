@@ -150,29 +150,8 @@ TEST(FaultStepTest, SkippedStepChangesNothingAndBacksOffTheScale) {
   EXPECT_EQ(scaler.growth_tracker().item<int>(), 1);
 }
 
-class FaultTrainerTest : public ::testing::Test {
+class FaultTrainerTest : public test::TinyMnistTest {
  protected:
-  static void SetUpTestSuite() {
-    data_ = new test::TempDir("fault_data");
-    test::mnist_like_write(data_->path(), 384, 128, 1);
-  }
-  static void TearDownTestSuite() { delete data_; }
-
-  TrainOptions options(const std::string& out) const {
-    TrainOptions o;
-    o.model = "small-cnn";
-    o.dataset = "mnist";
-    o.data_dir = data_->path();
-    o.epochs = 2;
-    o.batch_size = 64;  // 6 steps per epoch
-    o.lr = 0.05;
-    o.warmup_epochs = 0.5;
-    o.device = "cpu";
-    o.progress = "off";
-    o.out = out;
-    return o;
-  }
-
   using Spans = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
   static void expect_every_sample_once(const Spans& spans, int64_t n) {
     for (const auto& epoch : spans) {
@@ -184,10 +163,7 @@ class FaultTrainerTest : public ::testing::Test {
       EXPECT_EQ(next, n);
     }
   }
-
-  static test::TempDir* data_;
 };
-test::TempDir* FaultTrainerTest::data_ = nullptr;
 
 // The NaN/inf faults through the trainer: every faulted attempt is skipped and logged as a skip event, the
 // same samples are retried, and since a skipped attempt leaves no trace (weights, momentum, BatchNorm statistics,

@@ -27,33 +27,7 @@
 namespace triaccel {
 namespace {
 
-class TrainerTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    data_ = new test::TempDir("trainer_data");
-    test::mnist_like_write(data_->path(), 384, 128, 1);
-  }
-  static void TearDownTestSuite() { delete data_; }
-
-  TrainOptions options(const std::string& out) const {
-    TrainOptions o;
-    o.model = "small-cnn";
-    o.dataset = "mnist";
-    o.data_dir = data_->path();
-    o.epochs = 2;
-    o.batch_size = 64;  // 6 steps per epoch
-    o.lr = 0.05;
-    o.warmup_epochs = 0.5;
-    o.device = "cpu";
-    o.progress = "off";
-    o.out = out;
-    return o;
-  }
-
-
-  static test::TempDir* data_;
-};
-test::TempDir* TrainerTest::data_ = nullptr;
+class TrainerTest : public test::TinyMnistTest {};
 
 TEST_F(TrainerTest, EventsLayoutAndLearning) {
   test::TempDir out("run");
@@ -184,6 +158,8 @@ TEST_F(TrainerTest, PeakAfterTheWarmUpHoldsAWholeStepForAdamWAndBaoc) {
                              events.front()["dataset_resident_gb"].get<double>();
     std::printf("[ %s ] peak in the warm-up %.4f GB, after it %.4f GB, static %.4f GB\n", optimizer.c_str(), warmup,
                 after, static_gb);
+    // Unverified: this assertion has not been shown to fail with the fix of 5540a98 (AdamW re-captures its graph
+    // after --plan-warmup) removed; that needs a GPU run, none was made when this note was written (2026-11-21).
     EXPECT_GT(after, static_gb + 0.005) << optimizer << ": the peak after the warm-up shows only the static bytes";
   }
 }

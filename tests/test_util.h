@@ -1,4 +1,5 @@
-// Shared helpers for the unit tests: scratch folders and GPU detection.
+// Shared helpers for the unit tests: scratch folders, GPU detection, tiny datasets and the fixture of the short
+// CPU training runs (TinyMnistTest).
 #pragma once
 
 #include <torch/cuda.h>
@@ -39,9 +40,11 @@ inline bool gpu_available() { return torch::cuda::is_available(); }
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <gtest/gtest.h>
 #include <torch/serialize.h>
 
 #include "triaccel/core/io.h"
+#include "triaccel/train/options.h"
 
 #include <cstdint>
 #include <fstream>
@@ -79,6 +82,38 @@ inline void mnist_like_write(const std::string& dir, int64_t n_train, int64_t n_
   split("train", n_train);
   split("t10k", n_test);
 }
+
+// A test suite's fixture: a tiny MNIST-layout dataset (384 training, 128 test images) written once per suite, and
+// the options of a short CPU run on it (small-cnn, 2 epochs of 6 steps at batch 64). The trainer and fault tests
+// derive from it.
+class TinyMnistTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    data_ = new TempDir("tiny_mnist");
+    mnist_like_write(data_->path(), 384, 128, 1);
+  }
+  static void TearDownTestSuite() {
+    delete data_;
+    data_ = nullptr;
+  }
+
+  static TrainOptions options(const std::string& out) {
+    TrainOptions o;
+    o.model = "small-cnn";
+    o.dataset = "mnist";
+    o.data_dir = data_->path();
+    o.epochs = 2;
+    o.batch_size = 64;  // 6 steps per epoch
+    o.lr = 0.05;
+    o.warmup_epochs = 0.5;
+    o.device = "cpu";
+    o.progress = "off";
+    o.out = out;
+    return o;
+  }
+
+  static inline TempDir* data_ = nullptr;
+};
 
 // A file torch.save wrote (our model.pt / exit_model.pt), as the IValue PyTorch's torch.load would see.
 inline at::IValue pickle_file_read(const std::string& path) {

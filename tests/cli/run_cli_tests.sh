@@ -8,22 +8,8 @@ trap 'rm -rf "$WORK"' EXIT
 passed=0
 failed=0
 
-# expect NAME EXIT_CODE PHRASE -- ARGS...
-expect() {
-  local name=$1 code=$2 phrase=$3
-  shift 4
-  local out rc
-  out=$("$CLI" "$@" 2>&1)
-  rc=$?
-  local lines
-  lines=$(printf '%s\n' "$out" | grep -c 'triaccel: error' || true)
-  if [ "$rc" -eq "$code" ] && printf '%s' "$out" | grep -qF -- "$phrase" && { [ "$code" -eq 0 ] || [ "$lines" -eq 1 ]; }; then
-    passed=$((passed + 1))
-  else
-    failed=$((failed + 1))
-    echo "FAIL $name: exit $rc (want $code), output: $out (want phrase: $phrase)"
-  fi
-}
+# expect NAME EXIT_CODE PHRASE -- ARGS... (tests/lib/expect.sh): an error is exactly one "triaccel: error" line.
+source "$(dirname "$0")/../lib/expect.sh"
 
 # A tiny MNIST-layout dataset (IDX) for the cases that need data.
 python3 - "$WORK/mnist" <<'PY'

@@ -12,23 +12,10 @@ trap 'rm -rf "$WORK"' EXIT
 passed=0
 failed=0
 
-# expect NAME EXIT_CODE PHRASE -- ARGS...   (exit 2 cases: exactly one line, and it starts with "triaccel: error: ")
-expect() {
-  local name=$1 code=$2 phrase=$3
-  shift 4
-  local out rc
-  out=$("$CLI" "$@" 2>&1)
-  rc=$?
-  local err_lines
-  err_lines=$(printf '%s\n' "$out" | grep -c '^triaccel: error: ' || true)
-  if [ "$rc" -eq "$code" ] && printf '%s' "$out" | grep -qF -- "$phrase" &&
-     { [ "$code" -eq 0 ] || { [ "$err_lines" -eq 1 ] && [ "$(printf '%s\n' "$out" | grep -c .)" -eq 1 ]; }; }; then
-    passed=$((passed + 1))
-  else
-    failed=$((failed + 1))
-    echo "FAIL $name: exit $rc (want $code), output: $out (want phrase: $phrase)"
-  fi
-}
+# expect NAME EXIT_CODE PHRASE -- ARGS... (tests/lib/expect.sh); strict: an error is the only line of the output,
+# and it starts with "triaccel: error: ".
+EXPECT_STRICT=1
+source "$(dirname "$0")/../lib/expect.sh"
 check() {  # check NAME COMMAND...: a condition that must hold
   local name=$1
   shift

@@ -14,7 +14,9 @@ namespace triaccel {
 // value: tensors (any device; saved as they are), dicts with string keys, lists, strings, ints, doubles, bools.
 std::string torch_save_bytes(const c10::IValue& value);
 
-// The inverse; throws c10::Error for bytes that are not such a file.
+// The inverse; throws (UserError from the structure checks of torch_file_check.h, c10::Error from LibTorch) for
+// bytes that are not such a file. What it allocates grows with the file's size, never with a size written in the
+// file, and every tensor it returns views a record of the file.
 c10::IValue torch_load_bytes(const std::string& bytes);
 
 }  // namespace triaccel

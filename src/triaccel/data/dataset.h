@@ -7,6 +7,7 @@
 #pragma once
 
 #include "triaccel/data/cifar_format.h"
+#include "triaccel/data/text_format.h"
 
 #include <ATen/Tensor.h>
 
@@ -48,7 +49,6 @@ constexpr int64_t kTextBlockSize = 256;  // tokens per sample of a text dataset 
 // characters at a split's end are dropped. Throws UserError for an empty or binary file, or a file too short for
 // one window per split.
 DatasetSplits text_read(const std::string& path, const std::string& name, int64_t block_size);
-std::string text_vocab(const std::string& text);  // sorted distinct bytes
 at::Tensor text_encode(const std::string& text, const std::string& vocab);  // (len) int64; throws on unknown bytes
 std::string text_decode(const at::Tensor& ids, const std::string& vocab);
 

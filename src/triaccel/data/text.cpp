@@ -2,11 +2,12 @@
 // whole file (65 characters for tinyshakespeare); the split is the usual one (first 90 % train, last 10 %
 // validation). Invariants: samples are windows of block_size + 1 characters at stride block_size, inputs
 // (N, T) int64 = window[0 .. T), targets (N, T) int64 = window[1 .. T]; inputs of different samples never
-// overlap; every id is in [0, vocab size). The file is checked (non-empty, text, long enough) before it is used.
+// overlap; every id is in [0, vocab size). The file is checked (non-empty, text, long enough) before it is used
+// (text_format.cpp, without LibTorch, so that fuzz/fuzz_text.cpp can fuzz it).
 #include "triaccel/data/dataset.h"
+#include "triaccel/data/text_format.h"
 
 #include "triaccel/core/errors.h"
-#include "triaccel/core/io.h"
 
 #include <ATen/ATen.h>
 
@@ -16,26 +17,14 @@ namespace triaccel {
 
 namespace {
 
-constexpr double kTrainShare = 0.9;
-
 // Splits ids (len) into (N, T) inputs and targets, windows of T + 1 at stride T.
 void text_windows(const at::Tensor& ids, int64_t block_size, at::Tensor& inputs, at::Tensor& targets) {
-  const int64_t n = (ids.numel() - 1) / block_size;
+  const int64_t n = text_window_count(ids.numel(), block_size);
   inputs = ids.narrow(0, 0, n * block_size).view({n, block_size}).clone();
   targets = ids.narrow(0, 1, n * block_size).view({n, block_size}).clone();
 }
 
 }  // namespace
-
-std::string text_vocab(const std::string& text) {
-  std::array<bool, 256> present{};
-  for (const char c : text) present[static_cast<unsigned char>(c)] = true;
-  std::string vocab;
-  for (int b = 0; b < 256; ++b) {
-    if (present[b]) vocab.push_back(static_cast<char>(b));
-  }
-  return vocab;
-}
 
 at::Tensor text_encode(const std::string& text, const std::string& vocab) {
   std::array<int64_t, 256> id;
@@ -66,30 +55,18 @@ std::string text_decode(const at::Tensor& ids_in, const std::string& vocab) {
 }
 
 DatasetSplits text_read(const std::string& path, const std::string& name, int64_t block_size) {
-  TRIACCEL_CHECK_INPUT(block_size >= 1, "--block-size must be >= 1, got ", block_size);
-  const std::string text = file_read_all(path);
-  TRIACCEL_CHECK_INPUT(!text.empty(), name, ": ", path, " is empty; expected a plain-text corpus (input.txt)");
-  const size_t nul = text.find('\0');
-  TRIACCEL_CHECK_INPUT(nul == std::string::npos, name, ": ", path, " has a NUL byte at offset ", nul,
-                       ", so it is not plain text; expected a plain-text corpus (input.txt)");
-  const int64_t len = static_cast<int64_t>(text.size());
-  const int64_t train_len = static_cast<int64_t>(static_cast<double>(len) * kTrainShare);
-  const int64_t val_len = len - train_len;
-  TRIACCEL_CHECK_INPUT(train_len >= block_size + 1 && val_len >= block_size + 1, name, ": ", path, " has ", len,
-                       " characters, too few for one window of ", block_size + 1,
-                       " in each split (90 % train / 10 % validation); use a longer file or a smaller --block-size");
-
+  const TextCorpus corpus = text_load(path, name, block_size);
   DatasetSplits out;
-  const std::string vocab = text_vocab(text);
-  const at::Tensor ids = text_encode(text, vocab);  // (len) int64
+  const std::string& vocab = corpus.vocab;
+  const at::Tensor ids = text_encode(corpus.text, vocab);  // (len) int64
   for (Dataset* split : {&out.train, &out.test}) {
     split->name = name;
     split->kind = DatasetKind::kTokens;
     split->num_classes = static_cast<int64_t>(vocab.size());
     split->vocab = vocab;
   }
-  text_windows(ids.narrow(0, 0, train_len), block_size, out.train.images, out.train.labels);
-  text_windows(ids.narrow(0, train_len, val_len), block_size, out.test.images, out.test.labels);
+  text_windows(ids.narrow(0, 0, corpus.train_len), block_size, out.train.images, out.train.labels);
+  text_windows(ids.narrow(0, corpus.train_len, corpus.val_len), block_size, out.test.images, out.test.labels);
   return out;
 }
 

@@ -125,6 +125,11 @@ Checkpoint checkpoint_read(const std::string& path) {
     NamedTensors out;
     for (const auto& kv : v.toGenericDict()) {
       if (!kv.key().isString() || !kv.value().isTensor()) fail(std::string("entry '") + key + "' holds a non-tensor");
+      // checkpoint_write stores contiguous tensors; a strided view could claim far more elements than its record
+      // holds (a stride of 0), which the checksum below would materialize.
+      if (!kv.value().toTensor().is_contiguous()) {
+        fail(std::string("tensor '") + kv.key().toStringRef() + "' of entry '" + key + "' is not contiguous");
+      }
       out.emplace_back(kv.key().toStringRef(), kv.value().toTensor());
     }
     return out;
