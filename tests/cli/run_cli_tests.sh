@@ -118,6 +118,7 @@ expect bad_memory_budget 2 "--optim-memory-budget must be a percentage" -- plan 
 expect bad_time_budget 2 "--optim-time-budget must be none or a multiple" -- plan "${TINY[@]}" --optim-time-budget fast --out "$WORK/p0"
 expect bad_format 2 "--optim-formats: unknown optimizer-state format 'fp4'" -- plan "${TINY[@]}" --optim-formats adamw-fp32,fp4 --out "$WORK/p0"
 expect budget_too_small 2 "raise it to at least" -- plan "${TINY[@]}" --optim-formats adamw-fp32,adamw-8bit --optim-memory-budget 10% --out "$WORK/p0"
+expect bad_risk_floor 2 "--optim-risk-floor must be in [0, 1], got 2" -- plan "${TINY[@]}" --optim-risk-floor 2 --out "$WORK/p0"
 expect missing_time_table 2 "--optim-time-table $WORK/none.json: no such file" -- plan "${TINY[@]}" --optim-time-table "$WORK/none.json" --out "$WORK/p0"
 expect warmup_too_long 2 "raise --epochs or lower --plan-warmup" -- plan "${TINY[@]}" --plan-warmup 10 --out "$WORK/p1"
 expect plan_json 0 '"adamw_fp32_bytes"' -- plan "${TINY[@]}" --plan-warmup 3 --optim-memory-budget 15% --json --out "$WORK/p2"
