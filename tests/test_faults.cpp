@@ -150,20 +150,7 @@ TEST(FaultStepTest, SkippedStepChangesNothingAndBacksOffTheScale) {
   EXPECT_EQ(scaler.growth_tracker().item<int>(), 1);
 }
 
-class FaultTrainerTest : public test::TinyMnistTest {
- protected:
-  using Spans = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
-  static void expect_every_sample_once(const Spans& spans, int64_t n) {
-    for (const auto& epoch : spans) {
-      int64_t next = 0;
-      for (const auto& [offset, count] : epoch) {
-        EXPECT_EQ(offset, next);  // contiguous: no gap (a lost batch), no overlap (a repeated one)
-        next = offset + count;
-      }
-      EXPECT_EQ(next, n);
-    }
-  }
-};
+class FaultTrainerTest : public test::TinyMnistTest {};
 
 // The NaN/inf faults through the trainer: every faulted attempt is skipped and logged as a skip event, the
 // same samples are retried, and since a skipped attempt leaves no trace (weights, momentum, BatchNorm statistics,
@@ -176,7 +163,7 @@ TEST_F(FaultTrainerTest, NanFaultsAreSkippedRetriedAndLeaveNoTrace) {
   o.inject_faults = "nan-grad@2,inf-grad@4,nan-loss@7x3";
   Spans spans(2);
   TrainHooks hooks;
-  hooks.on_batch = [&](int64_t epoch, int64_t offset, int64_t count) { spans[epoch].emplace_back(offset, count); };
+  record_batches(hooks, spans);
   const Json summary = train_run(o, hooks);
   expect_every_sample_once(spans, 384);
   EXPECT_EQ(summary["steps"], clean_summary["steps"]);
@@ -210,7 +197,7 @@ TEST_F(FaultTrainerTest, InjectedOutOfMemoryRetriesAtHalfTheBatch) {
   o.inject_faults = "oom@2";
   Spans spans(2);
   TrainHooks hooks;
-  hooks.on_batch = [&](int64_t epoch, int64_t offset, int64_t count) { spans[epoch].emplace_back(offset, count); };
+  record_batches(hooks, spans);
   const Json summary = train_run(o, hooks);
   expect_every_sample_once(spans, 384);
   EXPECT_EQ(spans[0][2], (std::pair<int64_t, int64_t>{128, 32}));
@@ -237,7 +224,7 @@ TEST_F(FaultTrainerTest, ABatchThatKeepsFailingIsDroppedAndCounted) {
   o.inject_faults = "nan-loss@1x8";
   Spans spans(1);
   TrainHooks hooks;
-  hooks.on_batch = [&](int64_t epoch, int64_t offset, int64_t count) { spans[epoch].emplace_back(offset, count); };
+  record_batches(hooks, spans);
   const Json summary = train_run(o, hooks);
   EXPECT_EQ(summary["dropped_samples"], 64);
   EXPECT_EQ(summary["skip_retries"], 7);

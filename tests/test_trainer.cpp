@@ -255,18 +255,11 @@ TEST_F(TrainerTest, OutOfMemoryRetriesTheSameSamplesAtASmallerBatch) {
       throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__}, "injected out of memory");
     }
   };
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> spans(2);
-  hooks.on_batch = [&](int64_t epoch, int64_t offset, int64_t count) { spans[epoch].emplace_back(offset, count); };
+  Spans spans(2);
+  record_batches(hooks, spans);
   const Json summary = train_run(o, hooks);
   EXPECT_EQ(injected, 1);
-  for (const auto& epoch : spans) {
-    int64_t next = 0;
-    for (const auto& [offset, count] : epoch) {
-      EXPECT_EQ(offset, next);  // contiguous: no gap (skipped samples), no overlap (repeated ones)
-      next = offset + count;
-    }
-    EXPECT_EQ(next, 384);
-  }
+  expect_every_sample_once(spans, 384);
   EXPECT_EQ(spans[0][2], (std::pair<int64_t, int64_t>{128, 32}));  // the failed step's samples, retried at 32
   EXPECT_EQ(summary["steps"], 2 + (384 - 128) / 32 + 384 / 32);
   int oom_events = 0;
@@ -300,17 +293,10 @@ TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
     m.peak_bytes = m.static_bytes + static_cast<int64_t>(per_sample * static_cast<double>(batch));
     return m;
   };
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> spans(2);
-  hooks.on_batch = [&](int64_t epoch, int64_t offset, int64_t count) { spans[epoch].emplace_back(offset, count); };
+  Spans spans(2);
+  record_batches(hooks, spans);
   const Json summary = train_run(o, hooks);
-  for (const auto& epoch : spans) {
-    int64_t next = 0;
-    for (const auto& [offset, count] : epoch) {
-      EXPECT_EQ(offset, next);
-      next = offset + count;
-    }
-    EXPECT_EQ(next, 384);
-  }
+  expect_every_sample_once(spans, 384);
   std::vector<int64_t> batches;
   std::vector<std::string> reasons;
   Json last_epoch;

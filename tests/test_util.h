@@ -45,10 +45,12 @@ inline bool gpu_available() { return torch::cuda::is_available(); }
 
 #include "triaccel/core/io.h"
 #include "triaccel/train/options.h"
+#include "triaccel/train/trainer.h"
 
 #include <cstdint>
 #include <fstream>
 #include <map>
+#include <utility>
 #include <vector>
 
 namespace triaccel::test {
@@ -110,6 +112,25 @@ class TinyMnistTest : public ::testing::Test {
     o.progress = "off";
     o.out = out;
     return o;
+  }
+
+  // Per epoch, the (offset, count) of every batch the trainer reported through TrainHooks::on_batch.
+  using Spans = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
+  static void record_batches(TrainHooks& hooks, Spans& spans) {
+    hooks.on_batch = [&spans](int64_t epoch, int64_t offset, int64_t count) {
+      spans[static_cast<size_t>(epoch)].emplace_back(offset, count);
+    };
+  }
+  // Every epoch's batches tile [0, n): no gap (a lost batch) and no overlap (a repeated one).
+  static void expect_every_sample_once(const Spans& spans, int64_t n) {
+    for (const auto& epoch : spans) {
+      int64_t next = 0;
+      for (const auto& [offset, count] : epoch) {
+        EXPECT_EQ(offset, next);
+        next = offset + count;
+      }
+      EXPECT_EQ(next, n);
+    }
   }
 
   static inline TempDir* data_ = nullptr;
