@@ -38,6 +38,7 @@ MemoryStats memory_stats(const c10::Device& device) {
     s.reserved_bytes = st.reserved_bytes[agg].current;
     s.peak_reserved_bytes = st.reserved_bytes[agg].peak;
     s.device_total_bytes = static_cast<int64_t>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
+    s.alloc_retries = st.num_alloc_retries;
   }
 #endif
   return s;

@@ -18,6 +18,9 @@ struct MemoryStats {
   int64_t reserved_bytes = 0;        // held by the caching allocator
   int64_t peak_reserved_bytes = 0;   // since the last memory_stats_reset_peak
   int64_t device_total_bytes = 0;    // the card's capacity
+  // cudaMalloc retries after the allocator freed its whole cache (a sign of working near --vram-budget: each one
+  // synchronizes the device), since the process started.
+  int64_t alloc_retries = 0;
 };
 
 // All zero on the CPU.

@@ -466,6 +466,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     const uint64_t block_seed = seed_mix(options.seed, kBlockStream + b);
     torch::manual_seed(block_seed);
     memory_stats_reset_peak(device);
+    const int64_t retries_before = memory_stats(device).alloc_retries;
 
     std::vector<std::pair<std::string, at::Tensor>> named;
     std::vector<at::Tensor> params;
@@ -568,7 +569,8 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
       epoch_times.push_back(time_since_start_s() - t_epoch);
       log_line(options, c10::str("block ", b + 1, "/", plan.blocks.size(), " epoch ", epoch + 1, "/", options.epochs,
                                  ": local loss ", loss_sum[n_block - 1].item<double>() / static_cast<double>(n_train),
-                                 ", ", epoch_times.back(), " s"));
+                                 ", ", epoch_times.back(), " s, ", memory_stats(device).alloc_retries - retries_before,
+                                 " allocator retries"));
     }
     train_aug.reset();
     const Json input_place = train_in.cache ? Json(cache_place_name(train_in.cache->place())) : Json(nullptr);
@@ -597,7 +599,8 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
                       {"input", b == 0 ? "data" : "cache"},
                       {"input_cache_place", input_place},
                       {"output_cache_place", last ? Json(nullptr) : Json(cache_place_name(place))},
-                      {"peak_vram_gb", block_peak_gb}, {"predicted_gb", bp.bytes / kGB}, {"local", local}});
+                      {"peak_vram_gb", block_peak_gb}, {"predicted_gb", bp.bytes / kGB},
+                      {"alloc_retries", mem.alloc_retries - retries_before}, {"local", local}});
     blocks_done = static_cast<int64_t>(b) + 1;
 
     // Checkpoint at the block boundary: weights of every unit and head, the plan and the progress.

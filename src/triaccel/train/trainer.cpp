@@ -723,6 +723,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                {"batch", progress.batch},
                                {"peak_vram_gb", progress.peak_vram_gb},
                                {"eval_peak_vram_gb", eval_peak_gb},
+                               {"alloc_retries", memory_stats(device).alloc_retries},  // since the start (core/device.h)
                                {"skipped_steps", scaler.skipped_steps().item<double>()},
                                {"faults", progress.fault_counters()},
                                {"loss_scale", scaler.scale_tensor().item<double>()},
