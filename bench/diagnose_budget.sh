@@ -13,7 +13,10 @@ cifar10_bin
 BUDGET=${BUDGET:-0.5GB}
 MODEL=${MODEL:-resnet18}
 T_NF=${T_NF:-150}
-(cd bench && python3 profile_kernels.py --out "$FINAL_OUT/profile_kernels.json" 2>&1 | tail -32) || true
+if [ -n "${PROFILE:-}" ]; then
+  (cd bench && python3 profile_kernels.py --out "$FINAL_OUT/profile_kernels.json" 2>&1 | tail -32) || true
+fi
+(cd bench && python3 check_bn_bf16.py --out "$FINAL_OUT/check_bn_bf16.json" 2>&1 | tail -8) || true
 COMMON=(--dataset cifar10 --data "$DATA" --epochs 1 --precision amp-bf16 --progress lines --log-every 100000
         --model "$MODEL" --vram-budget "$BUDGET")
 show_nf() {
@@ -27,8 +30,10 @@ for l in open(sys.argv[1]):
     elif e["event"] == "block":
         print(f"block {e['block']}: batch {e['batch']}->{e['final_batch']} train {e['train_s']:.2f}s cache {e['cache_s']:.2f}s "
               f"peak {e['peak_vram_gb']:.3f}/{e['predicted_gb']:.3f} GB retries {e.get('alloc_retries')} in {e['input_cache_place']} out {e['output_cache_place']}")
-    elif e["event"] in ("oom", "summary"):
-        print(e["event"], {k: e[k] for k in list(e)[:14] if k not in ("event",)})
+    elif e["event"] == "oom":
+        print("oom", {k: e.get(k) for k in ("block", "batch", "retry_batch")})
+    elif e["event"] == "summary":
+        print("summary", {k: e.get(k) for k in ("test_acc", "train_s", "peak_vram_gb", "block_batches")})
 PY
 }
 for v in ${VARIANTS:-default expandable}; do
@@ -44,11 +49,15 @@ for v in ${VARIANTS:-default expandable}; do
   echo "== $v: backprop $MODEL $BUDGET batch $batch"
   timeout 120 "$BIN/triaccel" train "${COMMON[@]}" --batch-size "$batch" --lr "$lr" --out "$FINAL_OUT/runs/bp_$v" 2>&1 | grep -E "^(epoch|done)" | tail -3
   python3 -c "
-import json,sys
+import collections, json, sys
+ooms = collections.Counter()
 for l in open(sys.argv[1]):
-    e=json.loads(l)
-    if e['event'] in ('epoch','oom'): print(e['event'], {k:e.get(k) for k in ('epoch_s','images_per_s','peak_vram_gb','alloc_retries','cuda_graph','graph_captures','batch','phase')})
+    e = json.loads(l)
+    if e['event'] == 'oom': ooms[(e.get('phase', 'train'), e['batch'])] += 1
+    if e['event'] == 'epoch': print('epoch', {k: e.get(k) for k in ('epoch_s', 'images_per_s', 'peak_vram_gb', 'alloc_retries', 'cuda_graph', 'graph_captures', 'batch')})
+print('oom events by (phase, batch):', dict(ooms))
 " "$FINAL_OUT/runs/bp_$v/events.jsonl"
 done
 unset PYTORCH_ALLOC_CONF
-tar czf "$FINAL_OUT/runs.tgz" -C "$FINAL_OUT" runs && rm -rf "$FINAL_OUT/runs"
+for d in "$FINAL_OUT"/runs/*; do gzip -c "$d/events.jsonl" > "$FINAL_OUT/$(basename "$d").events.jsonl.gz"; done
+rm -rf "$FINAL_OUT/runs"
