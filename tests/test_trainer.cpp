@@ -487,6 +487,43 @@ TEST(TrainStepCudaTest, GraphReplayMatchesEagerSteps) {
 #endif
 }
 
+// A capture that runs out of memory (the graph's private pool beside the eager steps' blocks, under a --vram-budget)
+// is not the batch's fault: that step and every later one at the size run eagerly, with the same weights as an
+// all-eager run, and the capture is not tried again (it would fail every time, one out-of-memory error per step).
+TEST(TrainStepCudaTest, CaptureOutOfMemoryRunsTheStepEagerly) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const DeterministicCudnn deterministic;
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  const c10::Device cuda(c10::kCUDA, 0);
+  int capture_attempts = 0;
+  auto train = [&](bool graphs) {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    const auto model = resnet18_on_gpu(cuda, &named);
+    Sgd sgd(named, SgdOptions{});
+    LossScaler scaler(LossScalerOptions{}, cuda);
+    StepOptions so;
+    so.precision = PrecisionMode::kAmpBF16;
+    so.cuda_graphs = graphs;
+    so.graph_batch_size = 16;
+    so.warmup_steps = 2;
+    so.during_capture = [&capture_attempts]() {
+      ++capture_attempts;
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "test: no room for the graph's pool");
+    };
+    TrainStep step(*model, sgd, scaler, so, cuda);
+    auto out = six_steps(step, *model, cuda, 0.02);
+    EXPECT_FALSE(step.graph_captured());
+    EXPECT_EQ(step.graph_capture_ooms(), graphs ? 1 : 0);
+    return out;
+  };
+  const auto with_failed_graph = train(true);
+  EXPECT_EQ(capture_attempts, 1);  // steps 4-6 did not try again
+  const auto eager = train(false);
+  EXPECT_LT(worst_relative_difference(with_failed_graph, eager), 1e-5);
+#endif
+}
+
 // BAOC inside the captured step: every state format (assigned round-robin over ResNet-18's tensors) and the
 // gradient-stream statistics replay from the graph exactly as they run eagerly.
 TEST(TrainStepCudaTest, BaocGraphReplayMatchesEagerSteps) {

@@ -7,6 +7,7 @@
 #include <limits>
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
 namespace triaccel {
@@ -207,9 +208,13 @@ void TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
   // The caller's buffers become the graph's static inputs (no copy); later batches are written into them.
   graph_->images = images;
   graph_->labels = labels;
+  // The eager steps' cached blocks go back first: the graph's private pool cannot reuse them, and under a
+  // --vram-budget the two together would not fit (nothing can be freed while a capture is under way).
+  c10::cuda::CUDACachingAllocator::emptyCache();
   // Capture records the work without running it; the caller replays right after, which performs this step.
   graph_->graph.capture_begin();
   try {
+    if (options_.during_capture) options_.during_capture();
     body(graph_->images, graph_->labels);
   } catch (...) {
     // A failed capture (out of memory, say) leaves no half-made graph behind, and the stream leaves capture mode
@@ -229,7 +234,7 @@ void TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
 void TrainStep::run(const at::Tensor& images, const at::Tensor& labels, double lr) {
   lr_.fill_(lr);
   const int64_t batch = images.size(0);
-  const bool graph_size = options_.cuda_graphs && batch == options_.graph_batch_size;
+  const bool graph_size = options_.cuda_graphs && batch == options_.graph_batch_size && batch != graph_refused_batch_;
   if (!graph_size) {
     body(images, labels);
     return;
@@ -240,7 +245,20 @@ void TrainStep::run(const at::Tensor& images, const at::Tensor& labels, double l
       body(images, labels);
       return;
     }
-    capture(images, labels);
+    try {
+      capture(images, labels);
+    } catch (const c10::OutOfMemoryError&) {
+      // No room for the graph's pool: this batch size runs eagerly from now on, starting with this step (the
+      // capture ran nothing). Only an eager step that runs out of memory is the batch's fault (the trainer's).
+      graph_refused_batch_ = batch;
+      ++graph_capture_ooms_;
+#ifdef TRIACCEL_WITH_CUDA
+      c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+      grads_release();
+      body(images, labels);
+      return;
+    }
   } else {
     // The trainer passes views of one buffer (new Tensor objects, same memory): compare storage, not identity.
     if (images.data_ptr() != graph_->images.data_ptr()) graph_->images.copy_(images);

@@ -19,6 +19,7 @@
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -29,6 +30,8 @@ struct StepOptions {
   bool cuda_graphs = true;
   int64_t graph_batch_size = 0;   // the batch size to capture (0: none)
   int64_t warmup_steps = 3;       // eager steps at graph_batch_size before capture
+  // Tests only: called inside the capture, after capture_begin (e.g. to raise an out-of-memory error there).
+  std::function<void()> during_capture;
   double label_smoothing = 0.0;
   // --inject-faults: the step multiplies its loss by a device factor and adds a device value to the first gradient
   // (both neutral unless set_fault() arms them), so NaN/inf faults reach graph replays too. Off: neither op exists.
@@ -75,6 +78,9 @@ class TrainStep {
   void metrics_reset();
   bool graph_captured() const { return graph_ != nullptr; }
   int64_t graph_captures() const { return graph_captures_; }
+  // Captures that ran out of memory (the graph's private pool did not fit, e.g. under a --vram-budget). The batch
+  // size whose capture failed then runs eagerly (the failed step too: a capture runs nothing), never re-tried.
+  int64_t graph_capture_ooms() const { return graph_capture_ooms_; }
 
   // Tri-Accel: per-unit precision for the forward (empty: the uniform precision mode). A change drops the captured
   // graph (it is re-captured after one eager step).
@@ -117,6 +123,8 @@ class TrainStep {
   FaultKind fault_ = FaultKind::kNone;
   int64_t eager_steps_at_graph_size_ = 0;
   int64_t graph_captures_ = 0;
+  int64_t graph_capture_ooms_ = 0;
+  int64_t graph_refused_batch_ = 0;  // the batch size whose capture ran out of memory (0: none)
   std::vector<Precision> unit_precisions_;
   bool grad_stats_enabled_ = false;
   GradStatsLayout grad_stats_layout_;
