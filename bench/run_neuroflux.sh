@@ -35,6 +35,25 @@ for model in $MODELS; do
       "${COMMON[@]}" --out "$nf" 2>&1 | grep -E "^(block|done|triaccel)" | tail -20
     batch=$(python3 -c "import json,sys; ev=[json.loads(l) for l in open(sys.argv[1])]; print([e for e in ev if e['event']=='plan'][0]['backprop_max_batch'])" "$nf/events.jsonl" 2>/dev/null)
     if [ -z "$batch" ] || [ "$batch" -lt 2 ]; then echo "no backprop batch fits $budget for $model"; continue; fi
+    # The profile's backprop batch is a prediction (it misses cuDNN workspaces, the loss, fragmentation): backprop
+    # runs at the largest batch, from it down by 20 % steps, whose 40-step trial under the budget had no
+    # out-of-memory retry, so it is not measured at a batch its own out-of-memory handling shrinks mid-epoch.
+    : > "$FINAL_OUT/runs/${tag}_search.txt"
+    while :; do
+      trial="$FINAL_OUT/runs/${tag}_trial"
+      rm -rf "$trial"
+      "$BIN/triaccel" train --method backprop --model "$model" --vram-budget "$budget" --batch-size "$batch" \
+        "${COMMON[@]}" --max-steps 40 --out "$trial" >/dev/null 2>&1
+      ooms=$(grep -c '"event":"oom"' "$trial/events.jsonl" 2>/dev/null)
+      echo "$batch ${ooms:-fail}" >> "$FINAL_OUT/runs/${tag}_search.txt"
+      [ "${ooms:-1}" = 0 ] && break
+      next=$(( batch * 4 / 5 / 8 * 8 ))
+      if [ "$next" -lt 8 ]; then batch=0; break; fi
+      batch=$next
+    done
+    rm -rf "$FINAL_OUT/runs/${tag}_trial"
+    echo "backprop batch search (batch, oom events in 40 steps): $(tr '\n' ' ' < "$FINAL_OUT/runs/${tag}_search.txt")"
+    if [ "$batch" -lt 8 ]; then echo "no backprop batch runs under $budget for $model"; continue; fi
     echo "== $tag backprop at batch $batch"
     # lr follows the batch by the sqrt rule from the default 0.1 at 128 (the same rule NeuroFlux's blocks use)
     lr=$(python3 -c "print(0.1 * ($batch / 128) ** 0.5)")
@@ -66,8 +85,19 @@ for model in models.split():
         if bp and bp[-1]["event"] == "summary":
             s = bp[-1]
             train_s = sum(e["epoch_s"] for e in bp if e["event"] == "epoch")
+            ep = [e for e in bp if e["event"] == "epoch"]
             row["backprop"] = {"batch": s["batch_size"], "test_acc": s["test_acc"], "train_s": train_s,
-                               "epoch_s": s["epoch_s"], "peak_vram_gb": s["peak_vram_gb"], "params": s["params"]}
+                               "epoch_s": s["epoch_s"], "peak_vram_gb": s["peak_vram_gb"], "params": s["params"],
+                               "oom_events": sum(1 for e in bp if e["event"] == "oom"),
+                               "cuda_graph": ep[-1].get("cuda_graph"), "graph_capture_ooms": ep[-1].get("graph_capture_ooms"),
+                               "final_batch": ep[-1].get("batch")}
+            search = f"{out}/runs/{tag}_search.txt"
+            if os.path.exists(search):
+                row["backprop"]["batch_search"] = [[int(a) for a in l.split()] for l in open(search) if l.split()[1:] and l.split()[1].isdigit()]
+        if nf and nf[-1]["event"] == "summary":
+            row["neuroflux"]["cache_s"] = sum(e["cache_s"] for e in nf if e["event"] == "block")
+            row["neuroflux"]["block_train_s"] = sum(e["train_s"] for e in nf if e["event"] == "block")
+            row["neuroflux"]["alloc_retries"] = sum(e.get("alloc_retries", 0) for e in nf if e["event"] == "block")
         if "neuroflux" in row and "backprop" in row:
             b = parse_gb(budget)
             row["speedup"] = row["backprop"]["train_s"] / max(row["neuroflux"]["train_s"], 1e-9)

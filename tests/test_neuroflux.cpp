@@ -279,6 +279,21 @@ TEST(NeuroFluxTest, ActivationCacheRoundTripsInBf16) {
   EXPECT_THROW(cache.write(4, batch), c10::Error);
 }
 
+// A channels_last cache keeps each row in (H, W, C) order: a channels_last batch goes in as one plain copy and comes
+// back channels_last with the same values, whatever the layout of the batch written.
+TEST(NeuroFluxTest, ChannelsLastActivationCacheRoundTrips) {
+  ActivationCache cache(5, {3, 2, 4}, CachePlace::kHost, c10::Device(c10::kCPU), /*channels_last=*/true);
+  const at::Tensor batch = (at::arange(4 * 24, at::kFloat).reshape({4, 3, 2, 4}) / 8.0);
+  cache.write(0, batch.contiguous(at::MemoryFormat::ChannelsLast).narrow(0, 0, 2));
+  cache.write(2, batch.narrow(0, 2, 2));  // an NCHW batch is permuted on the way in
+  const at::Tensor back = cache.read(at::tensor({3, 0, 1}, at::kLong));
+  EXPECT_TRUE(back.is_contiguous(at::MemoryFormat::ChannelsLast));
+  EXPECT_TRUE(back[0].equal(batch[3]));
+  EXPECT_TRUE(back[1].equal(batch[0]));
+  EXPECT_TRUE(back[2].equal(batch[1]));
+  EXPECT_TRUE(cache.read_range(1, 3).equal(batch.narrow(0, 1, 3)));
+}
+
 class NeuroFluxRunTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {

@@ -3,6 +3,9 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
+#include <numeric>
+
 namespace triaccel {
 
 std::string cache_place_name(CachePlace place) { return place == CachePlace::kDevice ? "device" : "host"; }
@@ -14,41 +17,52 @@ int64_t ActivationCache::bytes_for(int64_t samples, const std::vector<int64_t>& 
 }
 
 ActivationCache::ActivationCache(int64_t samples, const std::vector<int64_t>& sample_shape, CachePlace place,
-                                 const c10::Device& device)
-    : place_(place), device_(device) {
-  std::vector<int64_t> shape{samples};
-  shape.insert(shape.end(), sample_shape.begin(), sample_shape.end());
+                                 const c10::Device& device, bool channels_last)
+    : place_(place), device_(device), sample_shape_(sample_shape), channels_last_(channels_last && sample_shape.size() == 3) {
+  const int64_t row = std::accumulate(sample_shape.begin(), sample_shape.end(), int64_t{1}, std::multiplies<>());
   auto opts = at::TensorOptions().dtype(at::kBFloat16);
   if (place == CachePlace::kDevice) {
-    data_ = at::empty(shape, opts.device(device));
+    data_ = at::empty({samples, row}, opts.device(device));
   } else {
-    data_ = at::empty(shape, opts.device(at::kCPU).pinned_memory(device.is_cuda()));
+    data_ = at::empty({samples, row}, opts.device(at::kCPU).pinned_memory(device.is_cuda()));
   }
 }
 
 void ActivationCache::write(int64_t offset, const at::Tensor& batch) {
   TORCH_CHECK(offset >= 0 && offset + batch.size(0) <= size(), "cache write [", offset, ", ",
               offset + batch.size(0), ") is outside the cache of ", size(), " rows");
-  data_.narrow(0, offset, batch.size(0)).copy_(batch.detach().to(at::kBFloat16));
+  at::Tensor b = batch.detach().to(at::kBFloat16);
+  // Rows in the cache's order: (H, W, C) for a channels_last cache (a no-op for a channels_last batch), on the device.
+  b = channels_last_ ? b.permute({0, 2, 3, 1}).contiguous() : b.contiguous();
+  data_.narrow(0, offset, b.size(0)).copy_(b.view({b.size(0), data_.size(1)}));
+}
+
+at::Tensor ActivationCache::unpack(const at::Tensor& rows) const {
+  const int64_t n = rows.size(0);
+  const at::Tensor x = rows.to(at::kFloat);
+  if (!channels_last_) {
+    std::vector<int64_t> shape{n};
+    shape.insert(shape.end(), sample_shape_.begin(), sample_shape_.end());
+    return x.view(shape);
+  }
+  return x.view({n, sample_shape_[1], sample_shape_[2], sample_shape_[0]}).permute({0, 3, 1, 2});
 }
 
 at::Tensor ActivationCache::read(const at::Tensor& index) const {
-  if (place_ == CachePlace::kDevice) return data_.index_select(0, index.to(device_)).to(at::kFloat);
+  if (place_ == CachePlace::kDevice) return unpack(data_.index_select(0, index.to(device_)));
   // Gathered on the host into a pinned staging buffer, then one synchronous copy (so the buffer is free on return).
   const int64_t count = index.size(0);
-  if (!device_.is_cuda()) return data_.index_select(0, index).to(at::kFloat);
+  if (!device_.is_cuda()) return unpack(data_.index_select(0, index));
   if (!staging_.defined() || staging_.size(0) < count) {
-    std::vector<int64_t> shape(data_.sizes().begin(), data_.sizes().end());
-    shape[0] = count;
-    staging_ = at::empty(shape, data_.options().pinned_memory(true));
+    staging_ = at::empty({count, data_.size(1)}, data_.options().pinned_memory(true));
   }
   at::Tensor rows = staging_.narrow(0, 0, count);
   at::index_select_out(rows, data_, 0, index);
-  return rows.to(device_, /*non_blocking=*/false).to(at::kFloat);
+  return unpack(rows.to(device_, /*non_blocking=*/false));
 }
 
 at::Tensor ActivationCache::read_range(int64_t offset, int64_t count) const {
-  return data_.narrow(0, offset, count).to(device_).to(at::kFloat);
+  return unpack(data_.narrow(0, offset, count).to(device_));
 }
 
 }  // namespace triaccel

@@ -18,15 +18,18 @@ std::string cache_place_name(CachePlace place);  // "device" | "host"
 
 class ActivationCache {
  public:
-  // samples × sample_shape bf16 elements, uninitialized. `device` is where batches are read to.
+  // samples × sample_shape bf16 elements, uninitialized. `device` is where batches are read to. With
+  // `channels_last` (a (C, H, W) sample shape), a row holds its sample in (H, W, C) order: channels_last batches are
+  // written with one plain copy (a device-to-host copy that must permute runs on the host, several times slower)
+  // and read back as channels_last batches.
   ActivationCache(int64_t samples, const std::vector<int64_t>& sample_shape, CachePlace place,
-                  const c10::Device& device);
+                  const c10::Device& device, bool channels_last = false);
 
   // Rows [offset, offset + batch.size(0)) from a float batch on `device` (converted to bf16).
   void write(int64_t offset, const at::Tensor& batch);
-  // Rows `index` ((count) int64, on the CPU) as a float32 batch on `device`.
+  // Rows `index` ((count) int64, on the CPU) as a float32 batch on `device` (channels_last when the cache is).
   at::Tensor read(const at::Tensor& index) const;
-  // Rows [offset, offset + count) as a float32 batch on `device`.
+  // Rows [offset, offset + count) as a float32 batch on `device` (channels_last when the cache is).
   at::Tensor read_range(int64_t offset, int64_t count) const;
 
   int64_t size() const { return data_.size(0); }
@@ -35,10 +38,15 @@ class ActivationCache {
   static int64_t bytes_for(int64_t samples, const std::vector<int64_t>& sample_shape);
 
  private:
+  // (count, row) bf16 rows → (count, sample_shape...) float32 on device_, in the cache's layout.
+  at::Tensor unpack(const at::Tensor& rows) const;
+
   CachePlace place_;
   c10::Device device_;
-  at::Tensor data_;             // (N, ...) bf16, on device_ or on the host (pinned when device_ is CUDA)
-  mutable at::Tensor staging_;  // (batch, ...) bf16 pinned: host rows gathered for one read (CUDA only)
+  std::vector<int64_t> sample_shape_;
+  bool channels_last_ = false;
+  at::Tensor data_;             // (N, row elements) bf16, on device_ or on the host (pinned when device_ is CUDA)
+  mutable at::Tensor staging_;  // (batch, row elements) bf16 pinned: host rows gathered for one read (CUDA only)
 };
 
 }  // namespace triaccel

@@ -420,7 +420,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
       if (last && s == 2) break;  // the last block writes no cache, and exits are not scored on the training split
       const int64_t n = in.size();
       std::unique_ptr<ActivationCache> out;
-      if (!last) out = std::make_unique<ActivationCache>(n, out_shape, place, device);
+      if (!last) out = std::make_unique<ActivationCache>(n, out_shape, place, device, plain_lo.channels_last);
       at::Tensor correct = at::zeros({bp.end - bp.first}, at::TensorOptions().dtype(at::kFloat).device(device));
       for (int64_t offset = 0; offset < n; offset += bp.batch) {
         const int64_t count = std::min(bp.batch, n - offset);
