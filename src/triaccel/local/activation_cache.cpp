@@ -2,6 +2,7 @@
 #include "triaccel/local/activation_cache.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <functional>
 #include <numeric>
@@ -34,7 +35,8 @@ void ActivationCache::write(int64_t offset, const at::Tensor& batch) {
   at::Tensor b = batch.detach().to(at::kBFloat16);
   // Rows in the cache's order: (H, W, C) for a channels_last cache (a no-op for a channels_last batch), on the device.
   b = channels_last_ ? b.permute({0, 2, 3, 1}).contiguous() : b.contiguous();
-  data_.narrow(0, offset, b.size(0)).copy_(b.view({b.size(0), data_.size(1)}));
+  // Into pinned host memory without waiting (the caller synchronizes before the rows are read on the host).
+  data_.narrow(0, offset, b.size(0)).copy_(b.view({b.size(0), data_.size(1)}), /*non_blocking=*/true);
 }
 
 at::Tensor ActivationCache::unpack(const at::Tensor& rows) const {
@@ -50,19 +52,26 @@ at::Tensor ActivationCache::unpack(const at::Tensor& rows) const {
 
 at::Tensor ActivationCache::read(const at::Tensor& index) const {
   if (place_ == CachePlace::kDevice) return unpack(data_.index_select(0, index.to(device_)));
-  // Gathered on the host into a pinned staging buffer, then one synchronous copy (so the buffer is free on return).
   const int64_t count = index.size(0);
-  if (!device_.is_cuda()) return unpack(data_.index_select(0, index));
-  if (!staging_.defined() || staging_.size(0) < count) {
-    staging_ = at::empty({count, data_.size(1)}, data_.options().pinned_memory(true));
+  if (!device_.is_cuda()) return unpack(data_.index_select(0, index.cpu()));
+  // Gathered on the host into the older of two pinned buffers (once its last copy is done), copied without waiting.
+  Staging& s = staging_[next_staging_];
+  next_staging_ = 1 - next_staging_;
+  if (s.copied) s.copied->synchronize();
+  if (!s.rows.defined() || s.rows.size(0) < count) {
+    s.rows = at::empty({count, data_.size(1)}, data_.options().pinned_memory(true));
   }
-  at::Tensor rows = staging_.narrow(0, 0, count);
-  at::index_select_out(rows, data_, 0, index);
-  return unpack(rows.to(device_, /*non_blocking=*/false));
+  at::Tensor rows = s.rows.narrow(0, 0, count);
+  at::index_select_out(rows, data_, 0, index.cpu());
+  const at::Tensor on_device = rows.to(device_, /*non_blocking=*/true);
+  if (!s.copied) s.copied.emplace(device_.type());
+  s.copied->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+  return unpack(on_device);
 }
 
 at::Tensor ActivationCache::read_range(int64_t offset, int64_t count) const {
-  return unpack(data_.narrow(0, offset, count).to(device_));
+  // The cache outlives the copy, so it need not wait (pinned host rows; a no-op for a device cache).
+  return unpack(data_.narrow(0, offset, count).to(device_, /*non_blocking=*/true));
 }
 
 }  // namespace triaccel

@@ -6,8 +6,11 @@
 
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/Event.h>
 
+#include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,7 +30,10 @@ class ActivationCache {
 
   // Rows [offset, offset + batch.size(0)) from a float batch on `device` (converted to bf16).
   void write(int64_t offset, const at::Tensor& batch);
-  // Rows `index` ((count) int64, on the CPU) as a float32 batch on `device` (channels_last when the cache is).
+  // Rows `index` ((count) int64) as a float32 batch on `device` (channels_last when the cache is). Pass the index
+  // on the CPU for a host cache and on `device` for a device cache (else it is moved, a synchronizing copy). A host
+  // cache on CUDA gathers into one of two pinned buffers and copies without waiting: the GPU may still be training on
+  // the previous batch while the next one is gathered (a buffer is reused once its copy has finished).
   at::Tensor read(const at::Tensor& index) const;
   // Rows [offset, offset + count) as a float32 batch on `device` (channels_last when the cache is).
   at::Tensor read_range(int64_t offset, int64_t count) const;
@@ -46,7 +52,12 @@ class ActivationCache {
   std::vector<int64_t> sample_shape_;
   bool channels_last_ = false;
   at::Tensor data_;             // (N, row elements) bf16, on device_ or on the host (pinned when device_ is CUDA)
-  mutable at::Tensor staging_;  // (batch, row elements) bf16 pinned: host rows gathered for one read (CUDA only)
+  struct Staging {
+    at::Tensor rows;                  // (batch, row elements) bf16 pinned: host rows gathered for one read
+    std::optional<c10::Event> copied;  // recorded after its copy to the device was queued
+  };
+  mutable std::array<Staging, 2> staging_;  // alternating reads (CUDA host caches only)
+  mutable size_t next_staging_ = 0;
 };
 
 }  // namespace triaccel

@@ -508,11 +508,12 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     int64_t batch = bp.batch;  // smaller than planned only after an out-of-memory retry
     for (int64_t epoch = 0; epoch < options.epochs; ++epoch) {
       const uint64_t epoch_seed = seed_mix(block_seed, static_cast<uint64_t>(epoch));
-      at::Tensor order, flip;
+      at::Tensor order, order_dev, flip;
       if (train_aug) {
         train_aug->epoch_begin(epoch);
       } else {
         order = permutation(n_train, epoch_seed);
+        order_dev = order.to(device);  // once per epoch: a per-step copy of the index would wait for the GPU
         if (train_lo.augment && train_in.cache && profile.units[static_cast<size_t>(bp.first)].in_shape.size() == 3) {
           // Cached feature maps get the horizontal flip (crops do not survive the cache; docs/neuroflux.md).
           at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed_mix(epoch_seed, 1));
@@ -529,9 +530,10 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
         if (train_aug) {
           std::tie(x, y) = train_aug->batch(offset, count);
         } else {
-          const at::Tensor index = order.narrow(0, offset, count);
-          x = SplitInput::layout(train_in.cache->read(index), plain_lo.channels_last);  // (count, C, H, W) float32
-          const at::Tensor index_dev = index.to(device);
+          const at::Tensor index_dev = order_dev.narrow(0, offset, count);
+          const bool host = train_in.cache->place() == CachePlace::kHost;
+          x = SplitInput::layout(train_in.cache->read(host ? order.narrow(0, offset, count) : index_dev),
+                                 plain_lo.channels_last);  // (count, C, H, W) float32
           y = train_in.labels.index_select(0, index_dev);
           if (flip.defined()) x = at::where(flip.index_select(0, index_dev).view({-1, 1, 1, 1}), x.flip({3}), x);
         }
