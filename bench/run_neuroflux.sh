@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # NeuroFlux vs backprop under GPU-memory budgets, side by side in one call on the device machine (docs/neuroflux.md).
-# For every model × budget: NeuroFlux runs first (its `plan` event holds the largest batch backprop fits under the
-# same budget, from the measured memory profile), then backprop at that batch, same epochs, same budget.
+# For every model × budget: NeuroFlux runs first (its `plan` event predicts the largest batch backprop fits under the
+# same budget, from the measured memory profile); backprop then runs at the largest batch, from that prediction down,
+# whose 40-step trial under the budget had no out-of-memory retry — same epochs, same budget.
 # Writes $OUT/neuroflux_budgets.json ({"bench","gpu","command","commit","rows"}; copy it to bench/results/<gpu>/),
-# the runs' events under $OUT/runs/, and prints a table last.
+# $OUT/neuroflux_events.tgz (every run's events and the batch searches), and prints a table last.
 # Usage: bash bench/run_neuroflux.sh       env: MODELS ("resnet18 small-cnn"), BUDGETS ("0.5GB 1GB"), EPOCHS (2),
 #        NF_EXIT_TOL (5: accuracy points the exported exit may lose against NeuroFlux's full network),
 #        DEADLINE (420 s: no new pair after it), COMMIT (the device copy has no .git)
@@ -115,3 +116,5 @@ for r in rows:
           f"{f(n,'test_acc','%7.2f')} {f(n,'train_s','%7.1f')} {f(n,'peak_vram_gb','%6.3f')} {f(r,'speedup','%7.2f')} "
           f"{n.get('exit_unit','-'):>9s} {f(n,'exit_test_acc','%8.2f')} {f(n,'exit_params_ratio','%7.1f')}")
 PY
+# The runs' events and backprop batch searches in one archive (model files stay behind: the device returns 8 files).
+(cd "$FINAL_OUT" && tar czf neuroflux_events.tgz runs/*/events.jsonl runs/*_search.txt 2>/dev/null && rm -rf runs)
