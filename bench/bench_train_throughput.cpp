@@ -8,6 +8,7 @@
 #include "triaccel/core/grad_stats.h"
 #include "triaccel/core/io.h"
 #include "triaccel/core/json.h"
+#include "triaccel/models/batch_norm.h"
 #include "triaccel/models/model.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/options.h"
@@ -118,6 +119,7 @@ Json bench_one(const Config& cfg, int warmup, int steps, int repeats, const c10:
               {"peak_allocated_gb", static_cast<double>(mem.peak_allocated_bytes) / 1e9},
               {"graph_captured", step.graph_captured()},
               {"grad_stats", cfg.grad_stats},
+              {"bn_kernel", triaccel::batch_norm_kernel_enabled()},
               {"final_loss_finite", std::isfinite(loss)}};
 }
 
@@ -139,6 +141,9 @@ int main(int argc, char** argv) {
   app.add_option("--channels-last", channels_last, "channels_last layout")->capture_default_str();
   app.add_option("--cuda-graphs", cuda_graphs, "capture the step in a CUDA graph")->capture_default_str();
   app.add_option("--out", out, "write the rows as JSON here");
+  std::string bn_kernel = "on";
+  app.add_option("--bn-kernel", bn_kernel, "on|off: our fused bf16 BatchNorm(+ReLU) kernel (models/batch_norm.h); off "
+                 "runs LibTorch's BatchNorm, for A/B runs")->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   app.add_option("--grad-stats", grad_stats, "off|on|both: Tri-Accel's fused per-unit gradient statistics in the step "
                  "(both: each configuration without, then with)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -147,6 +152,7 @@ int main(int argc, char** argv) {
     const c10::Device device(c10::kCUDA, 0);
     const c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromPool(false, 0));
     at::globalContext().setBenchmarkCuDNN(true);
+    triaccel::batch_norm_kernel_set_enabled(bn_kernel == "on");
     Json rows = Json::array();
     for (const auto& b : split(batches)) {
       for (const auto& p : split(precisions)) {

@@ -37,6 +37,8 @@ fi
 
 if [[ $STAGES == *bench* ]]; then
   "$BIN/bench_train_throughput" --out "$OUT/ours.json" 2>&1 | tee "$OUT/bench.log"
+  # A/B: the bf16 rows again with LibTorch's own BatchNorm (our fused kernel off; docs/foundation.md)
+  "$BIN/bench_train_throughput" --precisions amp-bf16 --bn-kernel off --out "$OUT/ours_native_bn.json" 2>&1 | tee -a "$OUT/bench.log"
   python3 bench/pytorch_reference.py --out "$OUT/pytorch.json" 2>&1 | tee -a "$OUT/bench.log"
   python3 bench/merge_results.py --ours "$OUT/ours.json" --pytorch "$OUT/pytorch.json" --bench train_throughput \
     --gpu "$GPU" --commit "${COMMIT:-unknown}" --command "bash bench/run_foundation.sh bench" --out "$OUT/train_throughput.json" | tee "$OUT/throughput_table.txt"

@@ -1,6 +1,7 @@
 // NeuroFlux auxiliary heads; see aux_head.h. Initialization as the models' (kaiming-normal convs, BN 1/0).
 #include "triaccel/local/aux_head.h"
 
+#include "triaccel/models/batch_norm.h"
 #include "triaccel/models/model.h"
 
 #include <torch/nn/functional/pooling.h>
@@ -39,7 +40,7 @@ AuxHeadImpl::AuxHeadImpl(const std::vector<int64_t>& unit_out_shape, int64_t fil
 at::Tensor AuxHeadImpl::forward(const at::Tensor& x) {
   if (flat_input_) return fc_(x);
   at::Tensor h = x;                                  // (N, C, H, W)
-  if (filters_ > 0) h = torch::relu(bn_(conv_(h)));  // (N, k, H, W)
+  if (filters_ > 0) h = batch_norm_forward(bn_, conv_(h), /*relu=*/true);  // (N, k, H, W)
   h = torch::adaptive_avg_pool2d(h, {kAuxPool, kAuxPool}).flatten(1);  // (N, k·4)
   return fc_(h);
 }

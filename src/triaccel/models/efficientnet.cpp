@@ -5,6 +5,7 @@
 // the model (any input of at least 1x1 works; the data loader resizes), stochastic depth is active only in
 // training mode with a probability > 0. Units: "features.0", each MBConv block "features.S.I", "features.8",
 // "classifier"; every parameter is in exactly one of them.
+#include "triaccel/models/batch_norm.h"
 #include "triaccel/models/model.h"
 
 #include <torch/nn/init.h>
@@ -46,7 +47,7 @@ class ConvNormActImpl : public torch::nn::Module {
 
   // (N, in, H, W) → (N, out, ceil(H / stride), ceil(W / stride))
   at::Tensor forward(const at::Tensor& x) {
-    at::Tensor h = bn_(conv_(x));
+    at::Tensor h = batch_norm_forward(bn_, conv_(x), /*relu=*/false);  // SiLU stays a separate op
     return activation_ == Activation::SiLU ? torch::silu(h) : h;
   }
 

@@ -4,6 +4,7 @@
 // order (so model_state matches state_dict() entry for entry); initialization follows torchvision (convs
 // kaiming-normal fan-out, BatchNorm weight 1 / bias 0, Linear default); units are "stem", "layer1.0" ...
 // "layer4.1", "fc", and each parameter is in exactly one of them.
+#include "triaccel/models/batch_norm.h"
 #include "triaccel/models/model.h"
 
 #include <torch/nn/init.h>
@@ -36,7 +37,7 @@ class DownsampleImpl : public torch::nn::Module {
       : conv_(register_module("0", conv_make(in, out, 1, stride))),
         bn_(register_module("1", batch_norm_make(out))) {}
 
-  at::Tensor forward(const at::Tensor& x) { return bn_(conv_(x)); }
+  at::Tensor forward(const at::Tensor& x) { return batch_norm_forward(bn_, conv_(x), /*relu=*/false); }
 
  private:
   torch::nn::Conv2d conv_;
@@ -57,8 +58,8 @@ class BasicBlockImpl : public torch::nn::Module {
 
   // (N, in, H, W) → (N, out, H / stride, W / stride)
   at::Tensor forward(const at::Tensor& x) {
-    at::Tensor h = torch::relu(bn1_(conv1_(x)));
-    h = bn2_(conv2_(h));
+    at::Tensor h = batch_norm_forward(bn1_, conv1_(x), /*relu=*/true);
+    h = batch_norm_forward(bn2_, conv2_(h), /*relu=*/false);
     const at::Tensor identity = downsample_ ? downsample_(x) : x;
     return torch::relu(h + identity);
   }
@@ -80,7 +81,7 @@ class ResNet18 final : public Model {
     unit_add("stem", {conv1, bn1}, [conv1, bn1, in_channels](const at::Tensor& x) {
       TORCH_CHECK(x.dim() == 4 && x.size(1) == in_channels, "resnet18 expects input (N, ", in_channels,
                   ", H, W), got ", x.sizes());
-      return torch::relu(bn1->forward(conv1->forward(x)));  // (N, 64, H, W)
+      return batch_norm_forward(bn1, conv1->forward(x), /*relu=*/true);  // (N, 64, H, W)
     });
 
     // (layer name, output channels, stride of its first block); two BasicBlocks per layer.

@@ -3,6 +3,7 @@
 // (94,762 for 3 channels). Invariants: modules are named "block1.0" (conv) / "block1.1" (bn) ... "fc",
 // units are "block1", "block2", "block3", "fc" and every parameter is in exactly one of them; initialization
 // as in torchvision's ResNet (kaiming-normal fan-out convs, BatchNorm 1 / 0, Linear default).
+#include "triaccel/models/batch_norm.h"
 #include "triaccel/models/model.h"
 
 #include <torch/nn/init.h>
@@ -24,7 +25,7 @@ class ConvBlockImpl : public torch::nn::Module {
   }
 
   // (N, in, H, W) → (N, out, ceil(H / stride), ceil(W / stride))
-  at::Tensor forward(const at::Tensor& x) { return torch::relu(bn_(conv_(x))); }
+  at::Tensor forward(const at::Tensor& x) { return batch_norm_forward(bn_, conv_(x), /*relu=*/true); }
 
  private:
   torch::nn::Conv2d conv_;

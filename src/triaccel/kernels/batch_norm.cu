@@ -1,0 +1,666 @@
+// Training-mode BatchNorm2d (+ optional fused ReLU) on bf16 channels_last activations; kernels/batch_norm.h has the
+// contract, ATen's batch_norm in float64 is the spec (tests/test_batch_norm.cpp).
+//
+// Layout: a channels_last (N, C, H, W) tensor is a row-major (M, C) matrix with M = N·H·W. Every heavy kernel uses
+// one tiling (Tiling): blockIdx.x picks a tile of up to 64 channels, blockIdx.y a block of `chunk` consecutive rows;
+// inside a block a thread owns kVec consecutive channels (kVec = 8: one 16-byte load; kVec = 1 when C is not a
+// multiple of 8 or a pointer is misaligned) and walks the rows row_lane, row_lane + row_lanes, … of its row block.
+// A thread's channels never change, so it keeps their per-channel constants in registers. The grid is sized to
+// about kBlocksPerSm blocks per SM for every shape (fewer only when there are fewer rows than threads).
+//
+// Forward:  stats (per-block mean / M2 of each channel → partial (C, G)) → stats_combine (one block per channel:
+//           Chan's parallel-variance merge in a fixed order; running stats; scale = w·invstd, shift = b − mean·scale)
+//           → transform (y = fmaf(x, scale, shift), optional ReLU, bf16).
+// Backward: backward_reduce (per-block Σg and Σg·(x − mean), g = dy masked by y > 0 under ReLU → partial (C, G))
+//           → backward_combine (fixed-order sums; dw, db and the three dx coefficients)
+//           → backward_elemt (dx = k1·g + kx·(x − mean) + k0, bf16).
+// Within a thread the variance uses sums of x − x₀ (x₀: the thread's first value of the channel), which keeps
+// float32 sums of squares free of cancellation when |mean| ≫ std; threads, blocks and the grid are merged with
+// Chan's formula. Every reduction has a fixed shape and order and there are no atomics: bit-reproducible.
+// The ReLU mask is recomputed in the backward from x and the saved scale / shift through the same function that
+// produced y (bn_output), so it equals y > 0 exactly and y need not be kept or read again.
+//
+// Bytes (ResNet-18/CIFAR, b512: 314 M activations in the 20 BN layers, 628 MB bf16): forward reads x twice and
+// writes y once (1.9 GB), backward reads x and dy twice and writes dx once (3.1 GB); small layers are re-read from
+// L2. Scratch: partial (C, G) float2, at most ~8·SMs·C·8 bytes, allocated on the current stream.
+#include "triaccel/kernels/batch_norm.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace triaccel {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxTileChannels = 64;
+constexpr int kBlocksPerSm = 4;
+constexpr int kUnroll = 4;  // rows loaded before any is used: 4 × 16 bytes in flight per thread
+constexpr int kCombineThreads = 128;
+
+// Grid geometry shared by the kernels of one call (see the top of the file).
+struct Tiling {
+  int64_t rows;       // M = N·H·W
+  int64_t chunk;      // rows per row block (a multiple of row_lanes, except when clamped by rows)
+  int channels;       // C
+  int tile_channels;  // channels per block: min(C, 64)
+  int lanes;          // threads per row: tile_channels / kVec
+  int row_lanes;      // rows a block touches at once: kThreads / lanes
+  int tiles;          // gridDim.x = ceil(C / tile_channels)
+  int row_blocks;     // gridDim.y = G = ceil(M / chunk)
+};
+
+// Where a thread works: its first channel, its row lane, and its rows [begin, end) with stride row_lanes.
+struct Place {
+  int c0;
+  int row_lane;
+  bool active;  // owns channels (c0 < C) and a row lane (< row_lanes)
+  int64_t begin;
+  int64_t end;
+};
+
+template <int kVec>
+__device__ __forceinline__ Place place_make(const Tiling& t) {
+  Place p;
+  const int lane = static_cast<int>(threadIdx.x) % t.lanes;
+  p.row_lane = static_cast<int>(threadIdx.x) / t.lanes;
+  p.c0 = static_cast<int>(blockIdx.x) * t.tile_channels + lane * kVec;
+  p.active = p.row_lane < t.row_lanes && p.c0 < t.channels;
+  const int64_t block_begin = static_cast<int64_t>(blockIdx.y) * t.chunk;
+  p.begin = block_begin + p.row_lane;
+  p.end = min(block_begin + t.chunk, t.rows);
+  return p;
+}
+
+// Rows in row block j (the combine kernels recompute the per-block counts from the geometry).
+__device__ __forceinline__ int64_t row_block_count(const Tiling& t, int64_t j) {
+  return min(t.chunk, t.rows - j * t.chunk);
+}
+
+template <int kVec>
+__device__ __forceinline__ void vec_load(const uint16_t* __restrict__ p, float (&v)[kVec]) {
+  if constexpr (kVec == 8) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // little-endian: element 2k is the low half of word k
+      v[2 * k] = __uint_as_float(w[k] << 16);
+      v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+  } else {
+    v[0] = __uint_as_float(static_cast<uint32_t>(__ldg(p)) << 16);
+  }
+}
+
+__device__ __forceinline__ uint32_t bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+
+template <int kVec>
+__device__ __forceinline__ void vec_store(uint16_t* __restrict__ p, const float (&v)[kVec]) {
+  if constexpr (kVec == 8) {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = bf16_bits(v[2 * k]) | (bf16_bits(v[2 * k + 1]) << 16);
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+    *p = static_cast<uint16_t>(bf16_bits(v[0]));
+  }
+}
+
+// y before bf16 rounding. The ReLU keeps NaN (as torch.relu does) and maps negatives to +0. The one definition
+// used by the forward and by the backward's mask.
+template <bool kRelu>
+__device__ __forceinline__ float bn_output(float x, float scale, float shift) {
+  const float v = fmaf(x, scale, shift);
+  return kRelu ? (v < 0.f ? 0.f : v) : v;
+}
+
+// The backward's ReLU mask: y (as stored, bf16) > 0.
+__device__ __forceinline__ bool relu_passes(float x, float scale, float shift) {
+  return __uint_as_float(bf16_bits(bn_output<true>(x, scale, shift)) << 16) > 0.f;
+}
+
+// Chan et al.'s merge of (mean, M2, n) with (mean_b, M2_b, n_b); n_b = 0 leaves a unchanged.
+__device__ __forceinline__ void chan_merge(float& mean, float& m2, float& n, float mean_b, float m2_b, float n_b) {
+  if (n_b == 0.f) return;
+  if (n == 0.f) {
+    mean = mean_b;
+    m2 = m2_b;
+    n = n_b;
+    return;
+  }
+  const float total = n + n_b;
+  const float delta = mean_b - mean;
+  const float frac = n_b / total;
+  mean = fmaf(delta, frac, mean);
+  m2 = m2 + m2_b + delta * delta * n * frac;
+  n = total;
+}
+
+// Largest power of two < row_lanes, as the first stride of the row-lane tree (0 when row_lanes == 1).
+__device__ __forceinline__ int tree_first_stride(int row_lanes) {
+  int s = 1;
+  while (s < row_lanes) s <<= 1;
+  return s >> 1;
+}
+
+// ---- forward ----
+
+// partial: (C, G) float2 [mean, M2] of each channel over the block's rows.
+template <int kVec>
+__global__ void __launch_bounds__(kThreads) bn_stats_kernel(const uint16_t* __restrict__ x, const Tiling t,
+                                                            float2* __restrict__ partial) {
+  const Place p = place_make<kVec>(t);
+  const int64_t step = t.row_lanes;
+  float shift[kVec], sum[kVec], sum_sq[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) shift[k] = sum[k] = sum_sq[k] = 0.f;
+  int count = 0;
+  if (p.active && p.begin < p.end) {
+    vec_load<kVec>(x + p.begin * t.channels + p.c0, shift);  // contributes x − x₀ = 0
+    count = 1;
+    int64_t m = p.begin + step;
+    for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
+      float v[kUnroll][kVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) vec_load<kVec>(x + (m + u * step) * t.channels + p.c0, v[u]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const float d = v[u][k] - shift[k];
+          sum[k] += d;
+          sum_sq[k] = fmaf(d, d, sum_sq[k]);
+        }
+      }
+      count += kUnroll;
+    }
+    for (; m < p.end; m += step) {
+      float v[kVec];
+      vec_load<kVec>(x + m * t.channels + p.c0, v);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float d = v[k] - shift[k];
+        sum[k] += d;
+        sum_sq[k] = fmaf(d, d, sum_sq[k]);
+      }
+      ++count;
+    }
+  }
+
+  // [k][thread] layout: consecutive threads hit consecutive banks.
+  __shared__ float sh_mean[kVec * kThreads];
+  __shared__ float sh_m2[kVec * kThreads];
+  __shared__ float sh_n[kThreads];
+  const int tid = static_cast<int>(threadIdx.x);
+  const float n = static_cast<float>(count);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    const float mean_shifted = count > 0 ? sum[k] / n : 0.f;
+    sh_mean[k * kThreads + tid] = shift[k] + mean_shifted;
+    sh_m2[k * kThreads + tid] = count > 0 ? fmaxf(fmaf(-sum[k], mean_shifted, sum_sq[k]), 0.f) : 0.f;
+  }
+  sh_n[tid] = n;
+  __syncthreads();
+  for (int s = tree_first_stride(t.row_lanes); s > 0; s >>= 1) {
+    if (p.active && p.row_lane < s && p.row_lane + s < t.row_lanes) {
+      const int other = tid + s * t.lanes;
+      float n_self = sh_n[tid];
+      const float n_other = sh_n[other];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        float mean = sh_mean[k * kThreads + tid], m2 = sh_m2[k * kThreads + tid], n_k = n_self;
+        chan_merge(mean, m2, n_k, sh_mean[k * kThreads + other], sh_m2[k * kThreads + other], n_other);
+        sh_mean[k * kThreads + tid] = mean;
+        sh_m2[k * kThreads + tid] = m2;
+      }
+      sh_n[tid] = n_self + n_other;
+    }
+    __syncthreads();
+  }
+  if (p.active && p.row_lane == 0) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      partial[static_cast<int64_t>(p.c0 + k) * t.row_blocks + blockIdx.y] =
+          make_float2(sh_mean[k * kThreads + tid], sh_m2[k * kThreads + tid]);
+    }
+  }
+}
+
+// One block per channel: merges the G partials in a fixed order, updates the running stats, writes stats (4, C).
+__global__ void __launch_bounds__(kCombineThreads)
+    bn_stats_combine_kernel(const float2* __restrict__ partial, const Tiling t, const float* __restrict__ weight,
+                            const float* __restrict__ bias, float* __restrict__ running_mean,
+                            float* __restrict__ running_var, float* __restrict__ stats, float momentum, float eps) {
+  const int c = static_cast<int>(blockIdx.x);
+  const int tid = static_cast<int>(threadIdx.x);
+  float mean = 0.f, m2 = 0.f, n = 0.f;
+  for (int j = tid; j < t.row_blocks; j += kCombineThreads) {
+    const float2 pj = partial[static_cast<int64_t>(c) * t.row_blocks + j];
+    chan_merge(mean, m2, n, pj.x, pj.y, static_cast<float>(row_block_count(t, j)));
+  }
+  __shared__ float sh_mean[kCombineThreads], sh_m2[kCombineThreads], sh_n[kCombineThreads];
+  sh_mean[tid] = mean;
+  sh_m2[tid] = m2;
+  sh_n[tid] = n;
+  __syncthreads();
+  for (int s = kCombineThreads / 2; s > 0; s >>= 1) {
+    if (tid < s) {
+      chan_merge(mean, m2, n, sh_mean[tid + s], sh_m2[tid + s], sh_n[tid + s]);
+      sh_mean[tid] = mean;
+      sh_m2[tid] = m2;
+      sh_n[tid] = n;
+    }
+    __syncthreads();
+  }
+  if (tid != 0) return;
+  const double rows = static_cast<double>(t.rows);
+  const float var = m2 / static_cast<float>(rows);                 // biased: normalizes this batch
+  const float var_unbiased = m2 / static_cast<float>(rows - 1.0);  // what running_var tracks (torch)
+  const float invstd = 1.f / sqrtf(var + eps);
+  running_mean[c] = (1.f - momentum) * running_mean[c] + momentum * mean;
+  running_var[c] = (1.f - momentum) * running_var[c] + momentum * var_unbiased;
+  const float scale = weight[c] * invstd;
+  const int64_t C = t.channels;
+  stats[kBatchNormMean * C + c] = mean;
+  stats[kBatchNormInvstd * C + c] = invstd;
+  stats[kBatchNormScale * C + c] = scale;
+  stats[kBatchNormShift * C + c] = fmaf(-mean, scale, bias[c]);
+}
+
+template <int kVec, bool kRelu>
+__global__ void __launch_bounds__(kThreads) bn_transform_kernel(const uint16_t* __restrict__ x,
+                                                                uint16_t* __restrict__ y, const Tiling t,
+                                                                const float* __restrict__ stats) {
+  const Place p = place_make<kVec>(t);
+  if (!p.active) return;
+  const int64_t C = t.channels;
+  float scale[kVec], shift[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    scale[k] = stats[kBatchNormScale * C + p.c0 + k];
+    shift[k] = stats[kBatchNormShift * C + p.c0 + k];
+  }
+  const int64_t step = t.row_lanes;
+  int64_t m = p.begin;
+  for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
+    float v[kUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) vec_load<kVec>(x + (m + u * step) * C + p.c0, v[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) v[u][k] = bn_output<kRelu>(v[u][k], scale[k], shift[k]);
+      vec_store<kVec>(y + (m + u * step) * C + p.c0, v[u]);
+    }
+  }
+  for (; m < p.end; m += step) {
+    float v[kVec];
+    vec_load<kVec>(x + m * C + p.c0, v);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v[k] = bn_output<kRelu>(v[k], scale[k], shift[k]);
+    vec_store<kVec>(y + m * C + p.c0, v);
+  }
+}
+
+// ---- backward ----
+
+// g = dy, or 0 where the fused ReLU's output was not > 0.
+template <int kVec, bool kRelu>
+__device__ __forceinline__ void masked_grad(float (&g)[kVec], const float (&xv)[kVec], const float (&scale)[kVec],
+                                            const float (&shift)[kVec]) {
+  if constexpr (kRelu) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) g[k] = relu_passes(xv[k], scale[k], shift[k]) ? g[k] : 0.f;
+  }
+}
+
+// partial: (C, G) float2 [Σg, Σg·(x − mean)] of each channel over the block's rows.
+template <int kVec, bool kRelu>
+__global__ void __launch_bounds__(kThreads)
+    bn_backward_reduce_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x, const Tiling t,
+                              const float* __restrict__ stats, float2* __restrict__ partial) {
+  const Place p = place_make<kVec>(t);
+  const int64_t C = t.channels;
+  float mean[kVec], scale[kVec], shift[kVec], sum_g[kVec], sum_gx[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) mean[k] = scale[k] = shift[k] = sum_g[k] = sum_gx[k] = 0.f;
+  if (p.active) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      mean[k] = stats[kBatchNormMean * C + p.c0 + k];
+      if (kRelu) {
+        scale[k] = stats[kBatchNormScale * C + p.c0 + k];
+        shift[k] = stats[kBatchNormShift * C + p.c0 + k];
+      }
+    }
+    const int64_t step = t.row_lanes;
+    int64_t m = p.begin;
+    for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
+      float g[kUnroll][kVec], xv[kUnroll][kVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        vec_load<kVec>(dy + (m + u * step) * C + p.c0, g[u]);
+        vec_load<kVec>(x + (m + u * step) * C + p.c0, xv[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        masked_grad<kVec, kRelu>(g[u], xv[u], scale, shift);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          sum_g[k] += g[u][k];
+          sum_gx[k] = fmaf(g[u][k], xv[u][k] - mean[k], sum_gx[k]);
+        }
+      }
+    }
+    for (; m < p.end; m += step) {
+      float g[kVec], xv[kVec];
+      vec_load<kVec>(dy + m * C + p.c0, g);
+      vec_load<kVec>(x + m * C + p.c0, xv);
+      masked_grad<kVec, kRelu>(g, xv, scale, shift);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        sum_g[k] += g[k];
+        sum_gx[k] = fmaf(g[k], xv[k] - mean[k], sum_gx[k]);
+      }
+    }
+  }
+
+  __shared__ float sh_g[kVec * kThreads];
+  __shared__ float sh_gx[kVec * kThreads];
+  const int tid = static_cast<int>(threadIdx.x);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    sh_g[k * kThreads + tid] = sum_g[k];
+    sh_gx[k * kThreads + tid] = sum_gx[k];
+  }
+  __syncthreads();
+  for (int s = tree_first_stride(t.row_lanes); s > 0; s >>= 1) {
+    if (p.active && p.row_lane < s && p.row_lane + s < t.row_lanes) {
+      const int other = tid + s * t.lanes;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        sh_g[k * kThreads + tid] += sh_g[k * kThreads + other];
+        sh_gx[k * kThreads + tid] += sh_gx[k * kThreads + other];
+      }
+    }
+    __syncthreads();
+  }
+  if (p.active && p.row_lane == 0) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      partial[static_cast<int64_t>(p.c0 + k) * t.row_blocks + blockIdx.y] =
+          make_float2(sh_g[k * kThreads + tid], sh_gx[k * kThreads + tid]);
+    }
+  }
+}
+
+// One block per channel: fixed-order sums of the partials → dweight, dbias and coef (3, C) [k1, kx, k0] with
+// dx = k1·g + kx·(x − mean) + k0 = w·invstd·(g − Σg/M − x̂·Σ(g·x̂)/M).
+__global__ void __launch_bounds__(kCombineThreads)
+    bn_backward_combine_kernel(const float2* __restrict__ partial, const Tiling t, const float* __restrict__ weight,
+                               const float* __restrict__ stats, float* __restrict__ dweight,
+                               float* __restrict__ dbias, float* __restrict__ coef) {
+  const int c = static_cast<int>(blockIdx.x);
+  const int tid = static_cast<int>(threadIdx.x);
+  float sum_g = 0.f, sum_gx = 0.f;
+  for (int j = tid; j < t.row_blocks; j += kCombineThreads) {
+    const float2 pj = partial[static_cast<int64_t>(c) * t.row_blocks + j];
+    sum_g += pj.x;
+    sum_gx += pj.y;
+  }
+  __shared__ float sh_g[kCombineThreads], sh_gx[kCombineThreads];
+  sh_g[tid] = sum_g;
+  sh_gx[tid] = sum_gx;
+  __syncthreads();
+  for (int s = kCombineThreads / 2; s > 0; s >>= 1) {
+    if (tid < s) {
+      sh_g[tid] += sh_g[tid + s];
+      sh_gx[tid] += sh_gx[tid + s];
+    }
+    __syncthreads();
+  }
+  if (tid != 0) return;
+  const int64_t C = t.channels;
+  const float inv_rows = static_cast<float>(1.0 / static_cast<double>(t.rows));
+  const float invstd = stats[kBatchNormInvstd * C + c];
+  const float sum_g_xhat = sh_gx[0] * invstd;
+  const float k1 = weight[c] * invstd;
+  dweight[c] = sum_g_xhat;
+  dbias[c] = sh_g[0];
+  coef[0 * C + c] = k1;
+  coef[1 * C + c] = -k1 * invstd * sum_g_xhat * inv_rows;
+  coef[2 * C + c] = -k1 * sh_g[0] * inv_rows;
+}
+
+template <int kVec, bool kRelu>
+__global__ void __launch_bounds__(kThreads)
+    bn_backward_elemt_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x,
+                             uint16_t* __restrict__ dx, const Tiling t, const float* __restrict__ stats,
+                             const float* __restrict__ coef) {
+  const Place p = place_make<kVec>(t);
+  if (!p.active) return;
+  const int64_t C = t.channels;
+  float mean[kVec], scale[kVec], shift[kVec], k1[kVec], kx[kVec], k0[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    mean[k] = stats[kBatchNormMean * C + p.c0 + k];
+    scale[k] = kRelu ? stats[kBatchNormScale * C + p.c0 + k] : 0.f;
+    shift[k] = kRelu ? stats[kBatchNormShift * C + p.c0 + k] : 0.f;
+    k1[k] = coef[0 * C + p.c0 + k];
+    kx[k] = coef[1 * C + p.c0 + k];
+    k0[k] = coef[2 * C + p.c0 + k];
+  }
+  const int64_t step = t.row_lanes;
+  int64_t m = p.begin;
+  for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
+    float g[kUnroll][kVec], xv[kUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      vec_load<kVec>(dy + (m + u * step) * C + p.c0, g[u]);
+      vec_load<kVec>(x + (m + u * step) * C + p.c0, xv[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      masked_grad<kVec, kRelu>(g[u], xv[u], scale, shift);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) g[u][k] = fmaf(k1[k], g[u][k], fmaf(kx[k], xv[u][k] - mean[k], k0[k]));
+      vec_store<kVec>(dx + (m + u * step) * C + p.c0, g[u]);
+    }
+  }
+  for (; m < p.end; m += step) {
+    float g[kVec], xv[kVec];
+    vec_load<kVec>(dy + m * C + p.c0, g);
+    vec_load<kVec>(x + m * C + p.c0, xv);
+    masked_grad<kVec, kRelu>(g, xv, scale, shift);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) g[k] = fmaf(k1[k], g[k], fmaf(kx[k], xv[k] - mean[k], k0[k]));
+    vec_store<kVec>(dx + m * C + p.c0, g);
+  }
+}
+
+// ---- launchers (raw pointers, explicit stream) ----
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// vec: 8 when C % 8 == 0 and every pointer the kernels touch is 16-byte aligned, else 1.
+Tiling tiling_make(int64_t rows, int64_t channels, int vec, int sms) {
+  Tiling t{};
+  t.rows = rows;
+  t.channels = static_cast<int>(channels);
+  t.tile_channels = static_cast<int>(std::min<int64_t>(channels, kMaxTileChannels));
+  t.lanes = (t.tile_channels + vec - 1) / vec;
+  t.row_lanes = kThreads / t.lanes;
+  t.tiles = static_cast<int>((channels + t.tile_channels - 1) / t.tile_channels);
+  const int64_t target_blocks = static_cast<int64_t>(sms) * kBlocksPerSm;
+  const int64_t max_row_blocks = (rows + t.row_lanes - 1) / t.row_lanes;  // ≥ 1 row per row lane
+  const int64_t want = std::clamp<int64_t>((target_blocks + t.tiles - 1) / t.tiles, 1, max_row_blocks);
+  int64_t chunk = (rows + want - 1) / want;
+  chunk = (chunk + t.row_lanes - 1) / t.row_lanes * t.row_lanes;  // whole rounds of row lanes
+  t.chunk = chunk;
+  t.row_blocks = static_cast<int>((rows + chunk - 1) / chunk);
+  return t;
+}
+
+template <bool kRelu>
+void transform_launch(int vec, const uint16_t* x, uint16_t* y, const Tiling& t, const float* stats,
+                      cudaStream_t stream) {
+  const dim3 grid(t.tiles, t.row_blocks);
+  if (vec == 8) {
+    bn_transform_kernel<8, kRelu><<<grid, kThreads, 0, stream>>>(x, y, t, stats);
+  } else {
+    bn_transform_kernel<1, kRelu><<<grid, kThreads, 0, stream>>>(x, y, t, stats);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void forward_launch(int vec, bool relu, const uint16_t* x, uint16_t* y, const Tiling& t, float2* partial,
+                    const float* weight, const float* bias, float* running_mean, float* running_var, float* stats,
+                    float momentum, float eps, cudaStream_t stream) {
+  const dim3 grid(t.tiles, t.row_blocks);
+  if (vec == 8) {
+    bn_stats_kernel<8><<<grid, kThreads, 0, stream>>>(x, t, partial);
+  } else {
+    bn_stats_kernel<1><<<grid, kThreads, 0, stream>>>(x, t, partial);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  bn_stats_combine_kernel<<<t.channels, kCombineThreads, 0, stream>>>(partial, t, weight, bias, running_mean,
+                                                                       running_var, stats, momentum, eps);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (relu) {
+    transform_launch<true>(vec, x, y, t, stats, stream);
+  } else {
+    transform_launch<false>(vec, x, y, t, stats, stream);
+  }
+}
+
+template <int kVec, bool kRelu>
+void backward_launch_typed(const uint16_t* dy, const uint16_t* x, uint16_t* dx, const Tiling& t, float2* partial,
+                           const float* weight, const float* stats, float* dweight, float* dbias, float* coef,
+                           cudaStream_t stream) {
+  const dim3 grid(t.tiles, t.row_blocks);
+  bn_backward_reduce_kernel<kVec, kRelu><<<grid, kThreads, 0, stream>>>(dy, x, t, stats, partial);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  bn_backward_combine_kernel<<<t.channels, kCombineThreads, 0, stream>>>(partial, t, weight, stats, dweight, dbias,
+                                                                          coef);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  bn_backward_elemt_kernel<kVec, kRelu><<<grid, kThreads, 0, stream>>>(dy, x, dx, t, stats, coef);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void backward_launch(int vec, bool relu, const uint16_t* dy, const uint16_t* x, uint16_t* dx, const Tiling& t,
+                     float2* partial, const float* weight, const float* stats, float* dweight, float* dbias,
+                     float* coef, cudaStream_t stream) {
+  if (vec == 8) {
+    if (relu) {
+      backward_launch_typed<8, true>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
+    } else {
+      backward_launch_typed<8, false>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
+    }
+  } else if (relu) {
+    backward_launch_typed<1, true>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
+  } else {
+    backward_launch_typed<1, false>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
+  }
+}
+
+// ---- checks shared by the entries ----
+
+void check_activation(const char* op, const char* what, const at::Tensor& t) {
+  TORCH_CHECK(t.defined() && t.is_cuda(), op, ": ", what, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": ", what, " must be bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 4, op, ": ", what, " must be 4-D (N, C, H, W), got ", t.sizes());
+}
+
+void check_channel_vector(const char* op, const char* what, const at::Tensor& t, const at::Tensor& x) {
+  TORCH_CHECK(t.defined() && t.is_cuda() && t.device() == x.device(), op, ": ", what, " must be on ", x.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", what, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(1) && t.is_contiguous(), op, ": ", what,
+              " must be a contiguous (", x.size(1), ") vector, got ", t.sizes());
+}
+
+int64_t rows_of(const char* op, const at::Tensor& x) {
+  const int64_t rows = x.size(0) * x.size(2) * x.size(3);
+  TORCH_CHECK(rows >= 2, op, ": expected more than 1 value per channel in training, got input ", x.sizes());
+  TORCH_CHECK(x.size(1) >= 1 && x.size(1) < (int64_t{1} << 30), op, ": bad channel count ", x.size(1));
+  return rows;
+}
+
+int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+const uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+uint16_t* bf16_data_mut(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> batch_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                           const at::Tensor& bias, const at::Tensor& running_mean,
+                                                           const at::Tensor& running_var, double momentum,
+                                                           double eps, bool relu) {
+  constexpr const char* kOp = "batch_norm_forward_cuda";
+  check_activation(kOp, "x", x);
+  TORCH_CHECK(x.is_contiguous(at::MemoryFormat::ChannelsLast), kOp, ": x must be channels_last-contiguous");
+  check_channel_vector(kOp, "weight", weight, x);
+  check_channel_vector(kOp, "bias", bias, x);
+  check_channel_vector(kOp, "running_mean", running_mean, x);
+  check_channel_vector(kOp, "running_var", running_var, x);
+  TORCH_CHECK(momentum >= 0 && momentum <= 1, kOp, ": momentum must be in [0, 1], got ", momentum);
+  TORCH_CHECK(eps > 0, kOp, ": eps must be > 0, got ", eps);
+  const int64_t rows = rows_of(kOp, x);
+  const int64_t channels = x.size(1);
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::ChannelsLast);          // (N, C, H, W) bf16
+  at::Tensor stats = at::empty({4, channels}, weight.options());             // (4, C) float32
+  const int vec = channels % 8 == 0 && aligned16(x.data_ptr()) && aligned16(y.data_ptr()) ? 8 : 1;
+  const Tiling t = tiling_make(rows, channels, vec, sm_count());
+  at::Tensor partial = at::empty({channels, t.row_blocks, 2}, weight.options());  // (C, G) float2
+  forward_launch(vec, relu, bf16_data(x), bf16_data_mut(y), t, reinterpret_cast<float2*>(partial.data_ptr<float>()),
+                 weight.data_ptr<float>(), bias.data_ptr<float>(), running_mean.data_ptr<float>(),
+                 running_var.data_ptr<float>(), stats.data_ptr<float>(), static_cast<float>(momentum),
+                 static_cast<float>(eps), stream);
+  return {y, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(const at::Tensor& dy, const at::Tensor& x,
+                                                                        const at::Tensor& weight,
+                                                                        const at::Tensor& stats, bool relu) {
+  constexpr const char* kOp = "batch_norm_backward_cuda";
+  check_activation(kOp, "x", x);
+  TORCH_CHECK(x.is_contiguous(at::MemoryFormat::ChannelsLast), kOp, ": x must be channels_last-contiguous");
+  check_activation(kOp, "dy", dy);
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.device() == x.device(), kOp, ": dy ", dy.sizes(), " on ", dy.device(),
+              " must match x ", x.sizes(), " on ", x.device());
+  check_channel_vector(kOp, "weight", weight, x);
+  const int64_t channels = x.size(1);
+  TORCH_CHECK(stats.defined() && stats.is_cuda() && stats.device() == x.device() &&
+                  stats.scalar_type() == at::kFloat && stats.is_contiguous() &&
+                  stats.sizes() == at::IntArrayRef({4, channels}),
+              kOp, ": stats must be the contiguous (4, ", channels, ") float32 tensor of the forward");
+  const int64_t rows = rows_of(kOp, x);
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor dy_cl = dy.contiguous(at::MemoryFormat::ChannelsLast);  // no copy when it already is
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::ChannelsLast);      // (N, C, H, W) bf16
+  at::Tensor dweight = at::empty({channels}, weight.options());
+  at::Tensor dbias = at::empty({channels}, weight.options());
+  at::Tensor coef = at::empty({3, channels}, weight.options());  // (3, C) [k1, kx, k0]
+  const int vec = channels % 8 == 0 && aligned16(x.data_ptr()) && aligned16(dy_cl.data_ptr()) &&
+                          aligned16(dx.data_ptr())
+                      ? 8
+                      : 1;
+  const Tiling t = tiling_make(rows, channels, vec, sm_count());
+  at::Tensor partial = at::empty({channels, t.row_blocks, 2}, weight.options());  // (C, G) float2
+  backward_launch(vec, relu, bf16_data(dy_cl), bf16_data(x), bf16_data_mut(dx), t,
+                  reinterpret_cast<float2*>(partial.data_ptr<float>()), weight.data_ptr<float>(),
+                  stats.data_ptr<float>(), dweight.data_ptr<float>(), dbias.data_ptr<float>(),
+                  coef.data_ptr<float>(), stream);
+  return {dx, dweight, dbias};
+}
+
+}  // namespace triaccel

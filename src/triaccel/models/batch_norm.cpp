@@ -1,0 +1,98 @@
+// The dispatch between the fused BatchNorm kernel and BatchNorm2d::forward, and the autograd Function around the
+// kernel (models/batch_norm.h). The Function saves x, weight and the (4, C) batch statistics; the backward
+// recomputes the ReLU mask from them, so the output y is not kept.
+#include "triaccel/models/batch_norm.h"
+
+#ifdef TRIACCEL_WITH_CUDA
+#include "triaccel/kernels/batch_norm.h"
+#endif
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <atomic>
+
+namespace triaccel {
+
+namespace {
+
+std::atomic<bool> g_kernel_enabled{true};
+
+#ifdef TRIACCEL_WITH_CUDA
+// Inputs: x (N, C, H, W) bf16 channels_last, weight, bias, running_mean, running_var (C) float32; the running stats
+// are updated in place. Output: y (N, C, H, W) bf16 channels_last.
+class BatchNormFunction : public torch::autograd::Function<BatchNormFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, const at::Tensor& running_mean, const at::Tensor& running_var,
+                            double momentum, double eps, bool relu) {
+    auto [y, stats] = batch_norm_forward_cuda(x, weight, bias, running_mean, running_var, momentum, eps, relu);
+    ctx->save_for_backward({x, weight, stats});
+    ctx->saved_data["relu"] = relu;
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "the fused BatchNorm kernel is not twice differentiable (backward with create_graph=true); switch "
+                "it off with batch_norm_kernel_set_enabled(false) or run this part in fp32");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& dy = grad_outputs[0];
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& stats = saved[2];
+    auto [dx, dweight, dbias] =
+        batch_norm_backward_cuda(dy.to(at::kBFloat16), x, weight, stats, ctx->saved_data["relu"].toBool());
+    // One entry per forward argument: x, weight, bias, running_mean, running_var, momentum, eps, relu.
+    return {dx, dweight, dbias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+#endif
+
+bool on_device_float(const at::Tensor& t, const at::Tensor& x) {
+  return t.defined() && t.device() == x.device() && t.scalar_type() == at::kFloat;
+}
+
+}  // namespace
+
+void batch_norm_kernel_set_enabled(bool enabled) { g_kernel_enabled.store(enabled); }
+
+bool batch_norm_kernel_enabled() { return g_kernel_enabled.load(); }
+
+bool batch_norm_kernel_applies(const torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x) {
+#ifdef TRIACCEL_WITH_CUDA
+  const auto& options = bn.options;
+  if (!batch_norm_kernel_enabled() || !bn.is_training() || !options.track_running_stats() || !options.affine() ||
+      !options.momentum().has_value()) {
+    return false;
+  }
+  if (!x.defined() || !x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.dim() != 4 ||
+      x.size(1) != options.num_features() || x.size(0) * x.size(2) * x.size(3) < 2 ||
+      !x.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    return false;
+  }
+  return on_device_float(bn.weight, x) && on_device_float(bn.bias, x) && on_device_float(bn.running_mean, x) &&
+         on_device_float(bn.running_var, x) && bn.weight.is_contiguous() && bn.bias.is_contiguous() &&
+         bn.running_mean.is_contiguous() && bn.running_var.is_contiguous();
+#else
+  return false;
+#endif
+}
+
+at::Tensor batch_norm_forward(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (batch_norm_kernel_applies(bn, x)) {
+    if (bn.num_batches_tracked.defined()) {  // as BatchNorm2d::forward in training
+      at::NoGradGuard no_grad;
+      bn.num_batches_tracked.add_(1);
+    }
+    return BatchNormFunction::apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                    *bn.options.momentum(), bn.options.eps(), relu);
+  }
+#endif
+  at::Tensor y = bn.forward(x);
+  return relu ? torch::relu(y) : y;
+}
+
+}  // namespace triaccel

@@ -1,0 +1,30 @@
+// BatchNorm2d (+ optional ReLU) for the models: one call that runs our fused CUDA kernel (kernels/batch_norm.cu)
+// where it applies and the module's own forward everywhere else. Both paths do what BatchNorm2d::forward does to
+// the module's state (running stats updated, num_batches_tracked incremented), so state dicts stay identical.
+//
+// The kernel path is first-order only: its backward is not differentiable, and a backward with create_graph = true
+// through it throws (the curvature probe runs in fp32 with autocast off and always takes the module path).
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <torch/nn/modules/batchnorm.h>
+
+namespace triaccel {
+
+// Process-wide switch for A/B runs (default on). Off: every call takes the module path.
+void batch_norm_kernel_set_enabled(bool enabled);
+bool batch_norm_kernel_enabled();
+
+// True when batch_norm_forward(bn, x, ·) runs the kernel: the kernel is compiled in and enabled; bn is training,
+// tracks running stats, is affine, has a fixed momentum; its weight, bias, running_mean and running_var are
+// float32 on x's device; x is a 4-D CUDA bfloat16 channels_last-contiguous tensor with C = num_features and
+// N·H·W ≥ 2. (The module path handles everything else, including its own errors for bad shapes.)
+bool batch_norm_kernel_applies(const torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x);
+
+// bn(x), then ReLU when relu is true. (N, C, H, W) → (N, C, H, W), same dtype and memory format as x.
+at::Tensor batch_norm_forward(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu);
+inline at::Tensor batch_norm_forward(const torch::nn::BatchNorm2d& bn, const at::Tensor& x, bool relu) {
+  return batch_norm_forward(*bn.ptr(), x, relu);
+}
+
+}  // namespace triaccel

@@ -1,0 +1,452 @@
+// BatchNorm: the fused CUDA kernel (kernels/batch_norm.cu) against its spec, ATen's batch_norm in float64 on the
+// same bf16 values, and the dispatch (models/batch_norm.h) that chooses between it and BatchNorm2d::forward.
+//
+// Tolerances, kernel vs float64 reference (statistics are float32 in the kernel; bf16 outputs are rounded once):
+//  - y, dx (bf16): |got − ref| ≤ 2⁻⁸·|ref| + 1e-3·max|ref|. One round-to-nearest bf16 is ≤ 2⁻⁹ relative; float32
+//    error in mean / invstd / the dx coefficients is ~1e-6 of the terms. A wrong formula, a missing ReLU or a
+//    missing ReLU mask in the backward is off by O(max|ref|) on many elements.
+//  - dweight, dbias (float32 sums over M = N·H·W terms): |got − ref| ≤ 1e-4·Σ|terms| + 1e-6 (Σ|g·x̂|, Σ|g|).
+//  - running_mean / running_var: |got − ref| ≤ 1e-5·|ref| + 1e-6. At M = 16 (shape 16×24×1×1) the biased and
+//    unbiased variances differ by 1/15, i.e. momentum·var/15 ≈ 1e-2·var in running_var: far outside it; a swapped
+//    momentum (0.9 instead of 0.1) is off by ~80 % of the update.
+// The ReLU reference backward masks dy by the kernel's own y > 0: elements with y within rounding of 0 would
+// otherwise be decided differently by a float64 reference, and the kernel's contract is exactly y > 0.
+#include "test_util.h"
+#include "triaccel/models/batch_norm.h"
+#include "triaccel/models/model.h"
+
+#ifdef TRIACCEL_WITH_CUDA
+#include "triaccel/kernels/batch_norm.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace triaccel {
+namespace {
+
+constexpr double kMomentum = 0.1;
+constexpr double kEps = 1e-5;
+
+// Restores the process-wide kernel switch when a test ends (tests flip it).
+class KernelSwitchScope {
+ public:
+  explicit KernelSwitchScope(bool enabled) : previous_(batch_norm_kernel_enabled()) {
+    batch_norm_kernel_set_enabled(enabled);
+  }
+  ~KernelSwitchScope() { batch_norm_kernel_set_enabled(previous_); }
+
+ private:
+  bool previous_;
+};
+
+torch::nn::BatchNorm2d bn_make(int64_t channels) {
+  torch::nn::BatchNorm2d bn(torch::nn::BatchNorm2dOptions(channels).eps(kEps).momentum(kMomentum));
+  torch::NoGradGuard no_grad;
+  bn->weight.copy_(1 + 0.5 * torch::randn({channels}));
+  bn->bias.copy_(torch::randn({channels}));
+  bn->running_mean.copy_(0.1 * torch::randn({channels}));
+  bn->running_var.copy_(0.5 + torch::rand({channels}));
+  return bn;
+}
+
+// A second module with bn's parameters and buffers (deep copies).
+torch::nn::BatchNorm2d bn_clone(const torch::nn::BatchNorm2d& bn) {
+  return std::dynamic_pointer_cast<torch::nn::BatchNorm2dImpl>(bn->clone());
+}
+
+int64_t batches_tracked(const torch::nn::BatchNorm2d& bn) { return bn->num_batches_tracked.item<int64_t>(); }
+
+TEST(BatchNormDispatchTest, SwitchDefaultsOnAndToggles) {
+  EXPECT_TRUE(batch_norm_kernel_enabled());
+  {
+    const KernelSwitchScope off(false);
+    EXPECT_FALSE(batch_norm_kernel_enabled());
+  }
+  EXPECT_TRUE(batch_norm_kernel_enabled());
+}
+
+// On the CPU the module runs: same output, running stats and counter as BatchNorm2d (+ relu), for fp32 and bf16.
+TEST(BatchNormDispatchTest, CpuFallsBackToModuleAndCountsBatches) {
+  torch::manual_seed(0);
+  for (const bool relu : {false, true}) {
+    auto bn = bn_make(6);
+    auto reference = bn_clone(bn);
+    const at::Tensor x = (2 + 3 * torch::randn({4, 6, 5, 5})).contiguous(at::MemoryFormat::ChannelsLast);
+    EXPECT_FALSE(batch_norm_kernel_applies(*bn, x));
+    const at::Tensor y = batch_norm_forward(bn, x, relu);
+    const at::Tensor y_ref = relu ? torch::relu(reference->forward(x)) : reference->forward(x);
+    EXPECT_TRUE(torch::equal(y, y_ref)) << "relu " << relu;
+    EXPECT_TRUE(torch::equal(bn->running_mean, reference->running_mean));
+    EXPECT_TRUE(torch::equal(bn->running_var, reference->running_var));
+    EXPECT_EQ(batches_tracked(bn), 1);
+    if (relu) {
+      EXPECT_EQ(y.min().item<float>(), 0.f);  // the ReLU was applied
+    } else {
+      EXPECT_LT(y.min().item<float>(), 0.f);
+    }
+
+    batch_norm_forward(bn, x.to(at::kBFloat16), relu);  // bf16 on the CPU: still the module
+    EXPECT_EQ(batches_tracked(bn), 2);
+  }
+}
+
+// Eval mode uses the running stats and leaves every buffer alone, as BatchNorm2d does.
+TEST(BatchNormDispatchTest, EvalUsesRunningStatsAndCountsNothing) {
+  torch::manual_seed(1);
+  auto bn = bn_make(3);
+  bn->eval();
+  const at::Tensor running_var = bn->running_var.clone();
+  const at::Tensor x = torch::randn({2, 3, 4, 4});
+  const at::Tensor y = batch_norm_forward(bn, x, /*relu=*/false);
+  const at::Tensor expected = (x - bn->running_mean.view({1, 3, 1, 1})) /
+                                  torch::sqrt(bn->running_var.view({1, 3, 1, 1}) + kEps) *
+                                  bn->weight.view({1, 3, 1, 1}) +
+                              bn->bias.view({1, 3, 1, 1});
+  EXPECT_TRUE(torch::allclose(y, expected, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::equal(bn->running_var, running_var));
+  EXPECT_EQ(batches_tracked(bn), 0);
+}
+
+// Every BatchNorm of the CNNs goes through the dispatch: one training forward counts one batch in each.
+TEST(BatchNormModelTest, TrainingForwardCountsOneBatchInEveryBatchNorm) {
+  torch::manual_seed(2);
+  for (const std::string name : {"resnet18", "small-cnn", "efficientnet-b0"}) {
+    ModelOptions options;
+    options.name = name;
+    auto model = model_create(options);
+    model->train();
+    model->forward(torch::randn({2, 3, 32, 32}));
+    int bns = 0;
+    for (const auto& module : model->modules(/*include_self=*/false)) {
+      if (auto* bn = module->as<torch::nn::BatchNorm2dImpl>()) {
+        ++bns;
+        EXPECT_EQ(bn->num_batches_tracked.item<int64_t>(), 1) << name;
+      }
+    }
+    EXPECT_GT(bns, 0) << name;
+  }
+}
+
+#ifdef TRIACCEL_WITH_CUDA
+
+const auto kCuda = torch::TensorOptions().device(torch::kCUDA);
+
+struct BnCase {
+  at::Tensor x;       // (N, C, H, W) bf16 channels_last, CUDA
+  at::Tensor dy;      // same
+  at::Tensor weight;  // (C) float32
+  at::Tensor bias;
+  at::Tensor running_mean;
+  at::Tensor running_var;
+};
+
+// x has mean 3 and std 2 per element (|mean| > std exercises the variance's centering).
+BnCase case_make(std::vector<int64_t> shape) {
+  const int64_t c = shape[1];
+  BnCase k;
+  k.x = (3 + 2 * torch::randn(shape, kCuda)).to(at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+  k.dy = torch::randn(shape, kCuda).to(at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+  k.weight = 1 + 0.5 * torch::randn({c}, kCuda);
+  k.bias = torch::randn({c}, kCuda);
+  k.running_mean = 0.1 * torch::randn({c}, kCuda);
+  k.running_var = 0.5 + torch::rand({c}, kCuda);
+  return k;
+}
+
+struct BnResult {
+  at::Tensor y, dx, dweight, dbias, running_mean, running_var;
+};
+
+// Runs the kernels on fresh copies of the running stats.
+BnResult kernel_run(const BnCase& k, const at::Tensor& x, bool relu) {
+  BnResult r;
+  r.running_mean = k.running_mean.clone();
+  r.running_var = k.running_var.clone();
+  auto [y, stats] =
+      batch_norm_forward_cuda(x, k.weight, k.bias, r.running_mean, r.running_var, kMomentum, kEps, relu);
+  auto [dx, dweight, dbias] = batch_norm_backward_cuda(k.dy, x, k.weight, stats, relu);
+  r.y = y;
+  r.dx = dx;
+  r.dweight = dweight;
+  r.dbias = dbias;
+  return r;
+}
+
+void expect_close(const at::Tensor& got, const at::Tensor& ref, const at::Tensor& tol, const std::string& what) {
+  const at::Tensor err = (got.to(at::kDouble) - ref).abs();
+  const at::Tensor excess = err - tol;
+  const int64_t bad = (excess > 0).sum().item<int64_t>();
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.numel() << " outside tolerance, worst excess "
+                    << excess.max().item<double>() << ", max |err| " << err.max().item<double>();
+  EXPECT_TRUE(at::isfinite(got).all().item<bool>()) << what;
+}
+
+// Compares r (the kernel's results for case k, input x) with ATen's batch_norm in float64.
+void expect_matches_reference(const BnCase& k, const at::Tensor& x, bool relu, const BnResult& r,
+                              const std::string& what) {
+  const at::Tensor x64 = x.to(at::kDouble).requires_grad_(true);
+  const at::Tensor w64 = k.weight.to(at::kDouble).requires_grad_(true);
+  const at::Tensor b64 = k.bias.to(at::kDouble).requires_grad_(true);
+  const at::Tensor rm64 = k.running_mean.to(at::kDouble);
+  const at::Tensor rv64 = k.running_var.to(at::kDouble);
+  const at::Tensor pre = at::batch_norm(x64, w64, b64, rm64, rv64, /*training=*/true, kMomentum, kEps,
+                                        /*cudnn_enabled=*/false);
+  const at::Tensor y_ref = relu ? at::relu(pre) : pre;
+  at::Tensor g = k.dy.to(at::kDouble);
+  if (relu) g = g * (r.y > 0).to(at::kDouble);  // the kernel's mask: its own y > 0
+  const auto grads = torch::autograd::grad({pre}, {x64, w64, b64}, {g});
+
+  const double y_max = y_ref.abs().max().item<double>();
+  expect_close(r.y, y_ref.detach(), y_ref.detach().abs() / 256 + 1e-3 * y_max, what + " y");
+  const double dx_max = grads[0].abs().max().item<double>();
+  expect_close(r.dx, grads[0], grads[0].abs() / 256 + 1e-3 * dx_max, what + " dx");
+
+  const std::vector<int64_t> reduce_dims = {0, 2, 3};
+  const at::Tensor x_plain = x64.detach();
+  const at::Tensor xhat = (x_plain - x_plain.mean(reduce_dims, /*keepdim=*/true)) /
+                          torch::sqrt(x_plain.var(reduce_dims, /*unbiased=*/false, /*keepdim=*/true) + kEps);
+  const at::Tensor dw_scale = (g * xhat).abs().sum(reduce_dims);
+  const at::Tensor db_scale = g.abs().sum(reduce_dims);
+  expect_close(r.dweight, grads[1], 1e-4 * dw_scale + 1e-6, what + " dweight");
+  expect_close(r.dbias, grads[2], 1e-4 * db_scale + 1e-6, what + " dbias");
+  expect_close(r.running_mean, rm64, 1e-5 * rm64.abs() + 1e-6, what + " running_mean");
+  expect_close(r.running_var, rv64, 1e-5 * rv64.abs() + 1e-6, what + " running_var");
+
+  EXPECT_EQ(r.y.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(r.y.is_contiguous(at::MemoryFormat::ChannelsLast));
+  EXPECT_TRUE(r.dx.is_contiguous(at::MemoryFormat::ChannelsLast));
+  if (relu) {  // enough masked elements that a missing mask shows
+    EXPECT_GT((r.y == 0).sum().item<int64_t>(), r.y.numel() / 10) << what;
+  }
+}
+
+std::string shape_name(const at::Tensor& x, bool relu) {
+  std::string s;
+  for (const int64_t d : x.sizes()) s += (s.empty() ? "" : "x") + std::to_string(d);
+  return s + (relu ? " relu" : "");
+}
+
+// Shapes: vectorized C (64, 512, 24 with H·W = 1, 200 with a partial channel tile), odd C (1, 3, 10, 100), tiny
+// M, and one with many row blocks.
+TEST(BatchNormCudaTest, MatchesFloat64Reference) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(3);
+  const std::vector<std::vector<int64_t>> shapes = {{4, 64, 8, 8},  {2, 512, 4, 4}, {16, 24, 1, 1},
+                                                    {3, 200, 2, 3}, {2, 1, 1, 2},   {3, 3, 5, 7},
+                                                    {5, 10, 3, 3},  {2, 100, 3, 3}, {64, 64, 16, 16}};
+  for (const auto& shape : shapes) {
+    const BnCase k = case_make(shape);
+    for (const bool relu : {false, true}) {
+      const BnResult r = kernel_run(k, k.x, relu);
+      expect_matches_reference(k, k.x, relu, r, shape_name(k.x, relu));
+    }
+  }
+}
+
+// x at an address that is not 16-byte aligned (C % 8 == 0 otherwise vectorizes): the scalar path, same answers.
+TEST(BatchNormCudaTest, MisalignedInputMatchesReference) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(4);
+  const BnCase k = case_make({4, 32, 6, 6});
+  const int64_t n = k.x.numel();
+  at::Tensor buffer = torch::empty({n + 1}, kCuda.dtype(at::kBFloat16));
+  at::Tensor x = buffer.narrow(0, 1, n).view({4, 6, 6, 32}).permute({0, 3, 1, 2});  // NHWC storage, offset 2 bytes
+  x.copy_(k.x);
+  ASSERT_TRUE(x.is_contiguous(at::MemoryFormat::ChannelsLast));
+  ASSERT_NE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16, 0u);
+  for (const bool relu : {false, true}) {
+    expect_matches_reference(k, x, relu, kernel_run(k, x, relu), "misaligned" + std::string(relu ? " relu" : ""));
+  }
+}
+
+// Two runs on the same inputs give the same bits (no atomics, fixed reduction order).
+TEST(BatchNormCudaTest, BitReproducible) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(5);
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{128, 64, 16, 16}, {32, 10, 9, 9}}) {
+    const BnCase k = case_make(shape);
+    const BnResult a = kernel_run(k, k.x, true);
+    const BnResult b = kernel_run(k, k.x, true);
+    EXPECT_TRUE(torch::equal(a.y, b.y));
+    EXPECT_TRUE(torch::equal(a.dx, b.dx));
+    EXPECT_TRUE(torch::equal(a.dweight, b.dweight));
+    EXPECT_TRUE(torch::equal(a.dbias, b.dbias));
+    EXPECT_TRUE(torch::equal(a.running_mean, b.running_mean));
+    EXPECT_TRUE(torch::equal(a.running_var, b.running_var));
+  }
+}
+
+// Forward and backward captured in a CUDA graph, replayed on new input values: the same bits as eager calls.
+TEST(BatchNormCudaTest, CapturedInCudaGraphMatchesEager) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(6);
+  const BnCase k = case_make({16, 64, 8, 8});
+  const at::Tensor running_mean = k.running_mean.clone();
+  const at::Tensor running_var = k.running_var.clone();
+  torch::cuda::synchronize();  // inputs were made on the default stream
+  at::Tensor y, dx, dweight;
+  {
+    const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+    kernel_run(k, k.x, true);  // warm-up outside the capture (on copies of the running stats)
+    torch::cuda::synchronize();
+    at::cuda::CUDAGraph graph;
+    graph.capture_begin();
+    auto [y_c, stats] =
+        batch_norm_forward_cuda(k.x, k.weight, k.bias, running_mean, running_var, kMomentum, kEps, true);
+    auto [dx_c, dweight_c, dbias_c] = batch_norm_backward_cuda(k.dy, k.x, k.weight, stats, true);
+    graph.capture_end();
+    y = y_c;
+    dx = dx_c;
+    dweight = dweight_c;
+    k.x.mul_(-1.5).add_(0.5);  // in place: new values at the captured addresses
+    k.dy.mul_(2);
+    graph.replay();
+    torch::cuda::synchronize();
+  }
+  const BnResult eager = kernel_run(k, k.x, true);  // from the same initial running stats
+  EXPECT_TRUE(torch::equal(y, eager.y));
+  EXPECT_TRUE(torch::equal(dx, eager.dx));
+  EXPECT_TRUE(torch::equal(dweight, eager.dweight));
+  EXPECT_TRUE(torch::equal(running_mean, eager.running_mean));
+  EXPECT_TRUE(torch::equal(running_var, eager.running_var));
+}
+
+// The dispatch: the kernel for bf16 channels_last CUDA input in training, the module otherwise; the counter moves
+// on both paths; the kernel path agrees with the module path.
+TEST(BatchNormCudaTest, DispatchChoosesKernelOnlyWhereItApplies) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(7);
+  auto bn = bn_make(16);
+  bn->to(torch::kCUDA);
+  auto module_path = bn_clone(bn);
+  const at::Tensor x = (1 + torch::randn({8, 16, 5, 5}, kCuda)).to(at::kBFloat16);
+  const at::Tensor x_cl = x.contiguous(at::MemoryFormat::ChannelsLast);
+
+  EXPECT_TRUE(batch_norm_kernel_applies(*bn, x_cl));
+  EXPECT_FALSE(batch_norm_kernel_applies(*bn, x));                     // NCHW
+  EXPECT_FALSE(batch_norm_kernel_applies(*bn, x_cl.to(at::kFloat)));  // fp32
+  EXPECT_FALSE(batch_norm_kernel_applies(*bn, x_cl.narrow(0, 0, 1).narrow(2, 0, 1).narrow(3, 0, 1)));  // M = 1
+
+  const at::Tensor y = batch_norm_forward(bn, x_cl.clone().requires_grad_(true), true);
+  ASSERT_TRUE(y.grad_fn());
+  EXPECT_NE(y.grad_fn()->name().find("BatchNormFunction"), std::string::npos) << y.grad_fn()->name();
+  EXPECT_EQ(batches_tracked(bn), 1);
+  const at::Tensor y_module = torch::relu(module_path->forward(x_cl));
+  EXPECT_TRUE(torch::allclose(y.to(at::kFloat), y_module.to(at::kFloat), 1e-2, 1e-2));
+  EXPECT_TRUE(torch::allclose(bn->running_mean, module_path->running_mean, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(bn->running_var, module_path->running_var, 1e-5, 1e-6));
+
+  for (const at::Tensor& other : {x, x_cl.to(at::kFloat)}) {  // module path, counted too
+    const at::Tensor y_other = batch_norm_forward(bn, other.clone().requires_grad_(true), true);
+    EXPECT_EQ(y_other.grad_fn()->name().find("BatchNormFunction"), std::string::npos);
+  }
+  EXPECT_EQ(batches_tracked(bn), 3);
+  {
+    const KernelSwitchScope off(false);
+    EXPECT_FALSE(batch_norm_kernel_applies(*bn, x_cl));
+    const at::Tensor y_off = batch_norm_forward(bn, x_cl.clone().requires_grad_(true), true);
+    EXPECT_EQ(y_off.grad_fn()->name().find("BatchNormFunction"), std::string::npos);
+  }
+  EXPECT_EQ(batches_tracked(bn), 4);
+  bn->eval();
+  EXPECT_FALSE(batch_norm_kernel_applies(*bn, x_cl));
+}
+
+// Through autograd: gradients of x, weight and bias match the module's; create_graph through the kernel throws.
+TEST(BatchNormCudaTest, AutogradMatchesModuleAndRefusesDoubleBackward) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(8);
+  auto bn = bn_make(32);
+  bn->to(torch::kCUDA);
+  auto module_path = bn_clone(bn);
+  const at::Tensor x = (torch::randn({8, 32, 6, 6}, kCuda)).to(at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor dy = torch::randn({8, 32, 6, 6}, kCuda).to(at::kBFloat16);
+
+  const at::Tensor x_a = x.clone().requires_grad_(true);
+  batch_norm_forward(bn, x_a, true).backward(dy);
+  const at::Tensor x_b = x.clone().requires_grad_(true);
+  torch::relu(module_path->forward(x_b)).backward(dy);
+  EXPECT_TRUE(torch::allclose(x_a.grad().to(at::kFloat), x_b.grad().to(at::kFloat), 2e-2, 2e-2));
+  EXPECT_TRUE(torch::allclose(bn->weight.grad(), module_path->weight.grad(), 1e-2, 1e-2));
+  EXPECT_TRUE(torch::allclose(bn->bias.grad(), module_path->bias.grad(), 1e-2, 1e-2));
+
+  const at::Tensor x_c = x.clone().requires_grad_(true);
+  const at::Tensor loss = batch_norm_forward(bn, x_c, false).to(at::kFloat).square().sum();
+  EXPECT_THROW(torch::autograd::grad({loss}, {x_c}, {}, /*retain_graph=*/true, /*create_graph=*/true), c10::Error);
+}
+
+// A ResNet-18 step under bf16 autocast in channels_last, with the kernel and with the module (ATen), each compared
+// with the same step in fp32: the kernel's gradients must be about as close to fp32 as ATen's bf16 gradients are
+// (bf16 rounding compounds through 20 layers, so the bound is relative to ATen's own bf16 error). State names and
+// num_batches_tracked equal the module path's.
+TEST(BatchNormModelTest, ResNetBf16StepAsCloseToFp32AsModulePath) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  ModelOptions options;
+  options.name = "resnet18";
+  const at::Tensor x = torch::randn({32, 3, 32, 32}, kCuda).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor labels = torch::randint(0, 10, {32}, kCuda.dtype(at::kLong));
+  struct Run {
+    bool kernel;
+    bool bf16;
+    std::shared_ptr<Model> model;
+    double loss = 0;
+    at::Tensor grads;  // all parameter gradients, flattened, float32
+  };
+  std::vector<Run> runs = {{true, true, nullptr}, {false, true, nullptr}, {false, false, nullptr}};
+  for (Run& run : runs) {
+    torch::manual_seed(9);
+    run.model = model_create(options);
+    run.model->to(torch::kCUDA);
+    for (auto& p : run.model->parameters()) {
+      if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+    }
+    run.model->train();
+    const KernelSwitchScope kernel(run.kernel);
+    at::autocast::set_autocast_enabled(at::kCUDA, run.bf16);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    const at::Tensor loss = torch::cross_entropy_loss(run.model->forward(x).to(at::kFloat), labels);
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+    loss.backward();
+    run.loss = loss.item<double>();
+    std::vector<at::Tensor> flat;
+    for (const auto& p : run.model->parameters()) flat.push_back(p.grad().to(at::kFloat).flatten());
+    run.grads = torch::cat(flat);
+  }
+  const Run& fused = runs[0];
+  const Run& plain = runs[1];
+  const Run& fp32 = runs[2];
+  const auto rel_err = [&](const Run& r) {
+    return (r.grads - fp32.grads).norm().item<double>() / fp32.grads.norm().item<double>();
+  };
+  const double err_fused = rel_err(fused), err_plain = rel_err(plain);
+  std::cout << "[ resnet18 bf16 ] gradient error vs fp32 (relative L2): kernel " << err_fused << ", ATen "
+            << err_plain << "\n";
+  EXPECT_LT(err_fused, 1.5 * err_plain + 0.01) << "module-path bf16 error " << err_plain;
+  EXPECT_NEAR(fused.loss, fp32.loss, 2 * std::abs(plain.loss - fp32.loss) + 1e-3 * std::abs(fp32.loss));
+
+  const auto fused_state = model_state(*fused.model);
+  const auto plain_state = model_state(*plain.model);
+  ASSERT_EQ(fused_state.size(), plain_state.size());
+  for (size_t i = 0; i < fused_state.size(); ++i) {
+    EXPECT_EQ(fused_state[i].first, plain_state[i].first);
+    if (fused_state[i].first.find("num_batches_tracked") != std::string::npos) {
+      EXPECT_TRUE(torch::equal(fused_state[i].second, plain_state[i].second)) << fused_state[i].first;
+    }
+  }
+}
+
+#endif  // TRIACCEL_WITH_CUDA
+
+}  // namespace
+}  // namespace triaccel
