@@ -294,6 +294,24 @@ TEST(NeuroFluxTest, ChannelsLastActivationCacheRoundTrips) {
   EXPECT_TRUE(cache.read_range(1, 3).equal(batch.narrow(0, 1, 3)));
 }
 
+// A host cache on CUDA: rows go down through two pinned staging buffers without waiting and come back through them.
+// Five writes (more than the two buffers) and reads right after: every row is there, in the channels_last layout.
+TEST(NeuroFluxTest, StagedHostCacheOnTheGpuKeepsEveryRow) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  const c10::Device cuda(c10::kCUDA, 0);
+  ActivationCache cache(10, {3, 2, 2}, CachePlace::kHost, cuda, /*channels_last=*/true);
+  const at::Tensor all = at::arange(10 * 12, at::kFloat).reshape({10, 3, 2, 2}) / 4.0;  // exact in bf16
+  for (int64_t offset = 0; offset < 10; offset += 2) {
+    cache.write(offset, all.narrow(0, offset, 2).to(cuda).contiguous(at::MemoryFormat::ChannelsLast));
+  }
+  const at::Tensor picked = cache.read(at::tensor({9, 0, 4}, at::kLong));
+  EXPECT_TRUE(picked.is_cuda());
+  EXPECT_TRUE(picked.cpu().equal(all.index_select(0, at::tensor({9, 0, 4}, at::kLong))));
+  EXPECT_TRUE(cache.read_range(3, 7).cpu().equal(all.narrow(0, 3, 7)));
+  cache.write(0, at::zeros({1, 3, 2, 2}, at::TensorOptions().device(cuda)));  // a rewrite is seen too
+  EXPECT_EQ(cache.read_range(0, 2).cpu().abs().sum().item<double>(), all[1].abs().sum().item<double>());
+}
+
 class NeuroFluxRunTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {

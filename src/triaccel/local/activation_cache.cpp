@@ -19,13 +19,45 @@ int64_t ActivationCache::bytes_for(int64_t samples, const std::vector<int64_t>& 
 
 ActivationCache::ActivationCache(int64_t samples, const std::vector<int64_t>& sample_shape, CachePlace place,
                                  const c10::Device& device, bool channels_last)
-    : place_(place), device_(device), sample_shape_(sample_shape), channels_last_(channels_last && sample_shape.size() == 3) {
+    : place_(place),
+      device_(device),
+      sample_shape_(sample_shape),
+      channels_last_(channels_last && sample_shape.size() == 3),
+      staged_(place == CachePlace::kHost && device.is_cuda()) {
   const int64_t row = std::accumulate(sample_shape.begin(), sample_shape.end(), int64_t{1}, std::multiplies<>());
-  auto opts = at::TensorOptions().dtype(at::kBFloat16);
-  if (place == CachePlace::kDevice) {
-    data_ = at::empty({samples, row}, opts.device(device));
-  } else {
-    data_ = at::empty({samples, row}, opts.device(at::kCPU).pinned_memory(device.is_cuda()));
+  const auto opts = at::TensorOptions().dtype(at::kBFloat16);
+  data_ = at::empty({samples, row}, place == CachePlace::kDevice ? opts.device(device) : opts.device(at::kCPU));
+}
+
+ActivationCache::Staging& ActivationCache::staging_take(int64_t count) const {
+  Staging& s = staging_[next_staging_];
+  next_staging_ = 1 - next_staging_;
+  if (s.done) s.done->synchronize();
+  store(s);
+  if (!s.rows.defined() || s.rows.size(0) < count) {
+    s.rows = at::empty({count, data_.size(1)}, data_.options().pinned_memory(true));
+  }
+  return s;
+}
+
+void ActivationCache::staging_release(Staging& s) const {
+  if (!s.done) s.done.emplace(device_.type());
+  s.done->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+}
+
+void ActivationCache::store(Staging& s) const {
+  if (s.write_count == 0) return;
+  data_.narrow(0, s.write_offset, s.write_count).copy_(s.rows.narrow(0, 0, s.write_count));
+  s.write_count = 0;
+}
+
+void ActivationCache::flush() const {
+  // The older buffer first (its write came first), so a row written twice keeps its last value.
+  for (int k = 0; k < 2; ++k) {
+    Staging& s = staging_[(next_staging_ + static_cast<size_t>(k)) % 2];
+    if (s.write_count == 0) continue;
+    s.done->synchronize();
+    store(s);
   }
 }
 
@@ -35,8 +67,17 @@ void ActivationCache::write(int64_t offset, const at::Tensor& batch) {
   at::Tensor b = batch.detach().to(at::kBFloat16);
   // Rows in the cache's order: (H, W, C) for a channels_last cache (a no-op for a channels_last batch), on the device.
   b = channels_last_ ? b.permute({0, 2, 3, 1}).contiguous() : b.contiguous();
-  // Into pinned host memory without waiting (the caller synchronizes before the rows are read on the host).
-  data_.narrow(0, offset, b.size(0)).copy_(b.view({b.size(0), data_.size(1)}), /*non_blocking=*/true);
+  const int64_t count = b.size(0);
+  b = b.view({count, data_.size(1)});
+  if (!staged_) {
+    data_.narrow(0, offset, count).copy_(b);
+    return;
+  }
+  Staging& s = staging_take(count);
+  s.rows.narrow(0, 0, count).copy_(b, /*non_blocking=*/true);
+  staging_release(s);
+  s.write_offset = offset;
+  s.write_count = count;
 }
 
 at::Tensor ActivationCache::unpack(const at::Tensor& rows) const {
@@ -52,26 +93,26 @@ at::Tensor ActivationCache::unpack(const at::Tensor& rows) const {
 
 at::Tensor ActivationCache::read(const at::Tensor& index) const {
   if (place_ == CachePlace::kDevice) return unpack(data_.index_select(0, index.to(device_)));
+  if (!staged_) return unpack(data_.index_select(0, index.cpu()));
+  flush();
   const int64_t count = index.size(0);
-  if (!device_.is_cuda()) return unpack(data_.index_select(0, index.cpu()));
-  // Gathered on the host into the older of two pinned buffers (once its last copy is done), copied without waiting.
-  Staging& s = staging_[next_staging_];
-  next_staging_ = 1 - next_staging_;
-  if (s.copied) s.copied->synchronize();
-  if (!s.rows.defined() || s.rows.size(0) < count) {
-    s.rows = at::empty({count, data_.size(1)}, data_.options().pinned_memory(true));
-  }
+  Staging& s = staging_take(count);
   at::Tensor rows = s.rows.narrow(0, 0, count);
   at::index_select_out(rows, data_, 0, index.cpu());
   const at::Tensor on_device = rows.to(device_, /*non_blocking=*/true);
-  if (!s.copied) s.copied.emplace(device_.type());
-  s.copied->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+  staging_release(s);
   return unpack(on_device);
 }
 
 at::Tensor ActivationCache::read_range(int64_t offset, int64_t count) const {
-  // The cache outlives the copy, so it need not wait (pinned host rows; a no-op for a device cache).
-  return unpack(data_.narrow(0, offset, count).to(device_, /*non_blocking=*/true));
+  if (!staged_) return unpack(data_.narrow(0, offset, count).to(device_));
+  flush();
+  Staging& s = staging_take(count);
+  at::Tensor rows = s.rows.narrow(0, 0, count);
+  rows.copy_(data_.narrow(0, offset, count));
+  const at::Tensor on_device = rows.to(device_, /*non_blocking=*/true);
+  staging_release(s);
+  return unpack(on_device);
 }
 
 }  // namespace triaccel

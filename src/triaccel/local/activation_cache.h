@@ -25,18 +25,22 @@ class ActivationCache {
   // `channels_last` (a (C, H, W) sample shape), a row holds its sample in (H, W, C) order: channels_last batches are
   // written with one plain copy (a device-to-host copy that must permute runs on the host, several times slower)
   // and read back as channels_last batches.
+  // A host cache is plain (pageable) memory: pinning gigabytes costs more than it saves (cudaHostAlloc took ~5 s per
+  // 8 GB cache on the H100 machine, most of a cache pass). Rows cross to and from the GPU through two small pinned
+  // staging buffers, without waiting: the host copies or gathers batch i+1 while the GPU works on batch i.
   ActivationCache(int64_t samples, const std::vector<int64_t>& sample_shape, CachePlace place,
                   const c10::Device& device, bool channels_last = false);
 
-  // Rows [offset, offset + batch.size(0)) from a float batch on `device` (converted to bf16).
+  // Rows [offset, offset + batch.size(0)) from a float batch on `device` (converted to bf16). A host cache on CUDA
+  // may finish the copy later: read, read_range and flush see every row written.
   void write(int64_t offset, const at::Tensor& batch);
   // Rows `index` ((count) int64) as a float32 batch on `device` (channels_last when the cache is). Pass the index
-  // on the CPU for a host cache and on `device` for a device cache (else it is moved, a synchronizing copy). A host
-  // cache on CUDA gathers into one of two pinned buffers and copies without waiting: the GPU may still be training on
-  // the previous batch while the next one is gathered (a buffer is reused once its copy has finished).
+  // on the CPU for a host cache and on `device` for a device cache (else it is moved, a synchronizing copy).
   at::Tensor read(const at::Tensor& index) const;
   // Rows [offset, offset + count) as a float32 batch on `device` (channels_last when the cache is).
   at::Tensor read_range(int64_t offset, int64_t count) const;
+  // Waits for the writes still on their way to the host and stores them.
+  void flush() const;
 
   int64_t size() const { return data_.size(0); }
   CachePlace place() const { return place_; }
@@ -44,19 +48,26 @@ class ActivationCache {
   static int64_t bytes_for(int64_t samples, const std::vector<int64_t>& sample_shape);
 
  private:
+  struct Staging {
+    at::Tensor rows;                   // (batch, row elements) bf16, pinned
+    std::optional<c10::Event> done;    // recorded after its copy (to or from the device) was queued
+    int64_t write_offset = 0;          // a write waiting in `rows`: its first row in data_ ...
+    int64_t write_count = 0;           // ... and its row count (0: none)
+  };
   // (count, row) bf16 rows → (count, sample_shape...) float32 on device_, in the cache's layout.
   at::Tensor unpack(const at::Tensor& rows) const;
+  // The older staging buffer, free: its last copy has finished and a write waiting in it is stored.
+  Staging& staging_take(int64_t count) const;
+  void staging_release(Staging& s) const;  // records `done` on the current stream
+  void store(Staging& s) const;            // a finished write from s.rows into data_
 
   CachePlace place_;
   c10::Device device_;
   std::vector<int64_t> sample_shape_;
   bool channels_last_ = false;
-  at::Tensor data_;             // (N, row elements) bf16, on device_ or on the host (pinned when device_ is CUDA)
-  struct Staging {
-    at::Tensor rows;                  // (batch, row elements) bf16 pinned: host rows gathered for one read
-    std::optional<c10::Event> copied;  // recorded after its copy to the device was queued
-  };
-  mutable std::array<Staging, 2> staging_;  // alternating reads (CUDA host caches only)
+  bool staged_ = false;         // a host cache on CUDA: transfers go through staging_
+  at::Tensor data_;             // (N, row elements) bf16, on device_ or in host memory
+  mutable std::array<Staging, 2> staging_;  // used alternately
   mutable size_t next_staging_ = 0;
 };
 

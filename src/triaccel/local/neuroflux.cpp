@@ -440,6 +440,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
         }
       }
       if (out) {
+        out->flush();
         in.loader.reset();
         in.cache = std::move(out);
       }
