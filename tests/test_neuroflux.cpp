@@ -426,6 +426,44 @@ TEST_F(NeuroFluxRunTest, RunsOnTheGpuWithinItsBudget) {
   EXPECT_TRUE(file_exists(out.file(kExitModelFile)));
 }
 
+// The block loop's CUDA graph: steps at the planned batch replay a captured graph (new batches copied into its
+// static inputs, the lr read on the device) and train the same as eager steps — a graph replaying stale inputs or a
+// baked-in lr would end with other local losses. Deterministic cuDNN; a budget, so cuDNN uses its heuristics.
+TEST_F(NeuroFluxRunTest, GraphStepsTrainAsEagerStepsOnTheGpu) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  const test::DeterministicCudnn deterministic;
+  const c10::Device gpu(c10::kCUDA, 0);
+  auto run = [&](bool graphs, std::vector<Json>* blocks) {
+    test::TempDir out(graphs ? "neuroflux_graph" : "neuroflux_eager");
+    TrainOptions o = options(out.path());
+    o.device = "cuda";
+    o.precision = PrecisionMode::kAmpBF16;
+    o.epochs = 2;
+    o.nf_max_batch = 16;  // ~14 steps a block-epoch: warm-up, capture, replays and a short last batch
+    o.cuda_graphs = graphs;
+    memory_cache_release(gpu);
+    o.vram_budget = std::to_string(memory_stats(gpu).allocated_bytes + 400'000'000);
+    neuroflux_run(o);
+    for (const auto& e : events_read(out.file("events.jsonl"))) {
+      if (e["event"] == "block") blocks->push_back(e);
+    }
+  };
+  std::vector<Json> with_graph, eager;
+  run(true, &with_graph);
+  run(false, &eager);
+  ASSERT_EQ(with_graph.size(), eager.size());
+  for (size_t b = 0; b < eager.size(); ++b) {
+    EXPECT_TRUE(with_graph[b]["cuda_graph"].get<bool>()) << "block " << b;
+    EXPECT_FALSE(eager[b]["cuda_graph"].get<bool>());
+    const auto& lg = with_graph[b]["local"];
+    const auto& le = eager[b]["local"];
+    for (size_t u = 0; u < le.size(); ++u) {
+      const double a = lg[u]["train_loss"].get<double>(), e = le[u]["train_loss"].get<double>();
+      EXPECT_NEAR(a, e, 1e-4 * std::abs(e)) << "block " << b << " unit " << u;
+    }
+  }
+}
+
 TEST_F(NeuroFluxRunTest, ImpossibleBudgetIsOneClearError) {
   test::TempDir out("neuroflux_tiny_budget");
   TrainOptions o = options(out.path());

@@ -389,24 +389,7 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
 }
 
 #ifdef TRIACCEL_WITH_CUDA
-// Deterministic cuDNN, no TF32, no autotuning for the scope; the previous settings come back after.
-class DeterministicCudnn {
- public:
-  DeterministicCudnn() {
-    ctx_.setDeterministicCuDNN(true);
-    ctx_.setBenchmarkCuDNN(false);
-    ctx_.setAllowTF32CuDNN(false);
-  }
-  ~DeterministicCudnn() {
-    ctx_.setDeterministicCuDNN(det_);
-    ctx_.setBenchmarkCuDNN(bench_);
-    ctx_.setAllowTF32CuDNN(tf32_);
-  }
-
- private:
-  at::Context& ctx_ = at::globalContext();
-  bool det_ = ctx_.deterministicCuDNN(), bench_ = ctx_.benchmarkCuDNN(), tf32_ = ctx_.allowTF32CuDNN();
-};
+using test::DeterministicCudnn;
 
 // ResNet-18 (CIFAR stem) from seed 0 on the GPU, conv weights channels_last, with its named parameters.
 std::shared_ptr<Model> resnet18_on_gpu(const c10::Device& cuda, std::vector<std::pair<std::string, at::Tensor>>* named) {

@@ -149,4 +149,25 @@ inline std::map<std::string, at::Tensor> state_dict_read(const std::string& path
   return out;
 }
 
+// Deterministic cuDNN, no TF32, no autotuning for the scope; the previous settings come back after.
+class DeterministicCudnn {
+ public:
+  DeterministicCudnn() {
+    ctx_.setDeterministicCuDNN(true);
+    ctx_.setBenchmarkCuDNN(false);
+    ctx_.setAllowTF32CuDNN(false);
+  }
+  ~DeterministicCudnn() {
+    ctx_.setDeterministicCuDNN(det_);
+    ctx_.setBenchmarkCuDNN(bench_);
+    ctx_.setAllowTF32CuDNN(tf32_);
+  }
+  DeterministicCudnn(const DeterministicCudnn&) = delete;
+  DeterministicCudnn& operator=(const DeterministicCudnn&) = delete;
+
+ private:
+  at::Context& ctx_ = at::globalContext();
+  bool det_ = ctx_.deterministicCuDNN(), bench_ = ctx_.benchmarkCuDNN(), tf32_ = ctx_.allowTF32CuDNN();
+};
+
 }  // namespace triaccel::test

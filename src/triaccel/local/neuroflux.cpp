@@ -27,6 +27,8 @@
 #include <torch/autograd.h>
 #include <torch/utils.h>
 #ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -182,6 +184,76 @@ int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<in
   }
   return chosen;
 }
+
+// A NeuroFlux block's training step in a CUDA graph: eager for kWarmup steps at the planned batch, then captured
+// (the caller's first batch becomes the static input) and replayed; other shapes run eagerly. A capture that runs
+// out of memory leaves the block eager (that step runs eagerly: a capture runs nothing); refuse() drops the graph for
+// good (an eager out-of-memory retry changes the batch).
+struct BlockGraph {
+  static constexpr int kWarmup = 3;
+  bool enabled = false;
+  int warm = 0;
+  int64_t capture_ooms = 0;
+#ifdef TRIACCEL_WITH_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+#endif
+  at::Tensor x, y;  // static inputs of the graph
+
+  bool captured() const {
+#ifdef TRIACCEL_WITH_CUDA
+    return graph != nullptr;
+#else
+    return false;
+#endif
+  }
+  void refuse() {
+    enabled = false;
+#ifdef TRIACCEL_WITH_CUDA
+    graph.reset();
+#endif
+  }
+  void run(const std::function<void(const at::Tensor&, const at::Tensor&)>& body, const at::Tensor& xb,
+           const at::Tensor& yb, bool planned_batch) {
+#ifdef TRIACCEL_WITH_CUDA
+    if (enabled && planned_batch) {
+      if (graph) {
+        x.copy_(xb);
+        y.copy_(yb);
+        graph->replay();
+        return;
+      }
+      if (warm >= kWarmup) {
+        c10::cuda::CUDACachingAllocator::emptyCache();  // the graph's pool cannot reuse the eager steps' blocks
+        x = xb;
+        y = yb;
+        graph = std::make_unique<at::cuda::CUDAGraph>();
+        try {
+          graph->capture_begin();
+          try {
+            body(x, y);
+          } catch (...) {
+            try {
+              graph->capture_end();
+            } catch (...) {
+            }
+            throw;
+          }
+          graph->capture_end();
+          graph->replay();  // the capture ran nothing: this performs the step
+          return;
+        } catch (const c10::OutOfMemoryError&) {
+          ++capture_ooms;
+          refuse();
+          c10::cuda::CUDACachingAllocator::emptyCache();
+        }
+      } else {
+        ++warm;
+      }
+    }
+#endif
+    body(xb, yb);
+  }
+};
 
 Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   options.validate();
@@ -507,6 +579,25 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     std::vector<double> epoch_times;
     int64_t block_step = 0;
     int64_t batch = bp.batch;  // smaller than planned only after an out-of-memory retry
+
+    // One training step of the block on (x, y): local losses, one backward, the fused SGD step (lr read on the
+    // device). On CUDA, steps at the planned batch are captured once in a CUDA graph after kGraphWarmup eager ones
+    // and replayed (static input buffers; the epoch's short last batch runs eagerly), as the trainer's step does.
+    const auto body = [&](const at::Tensor& xb, const at::Tensor& yb) {
+      for (const auto& p : params) {
+        if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
+      }
+      at::Tensor loss;
+      {
+        const AutocastScope autocast(device, options.precision);
+        loss = neuroflux_block_loss(*model, heads, bp.first, bp.end, xb, yb, options.label_smoothing, &loss_sum,
+                                    &correct);
+      }
+      loss.backward();
+      sgd.step(lr, found_inf);
+    };
+    BlockGraph graph;
+    graph.enabled = device.is_cuda() && options.cuda_graphs;
     for (int64_t epoch = 0; epoch < options.epochs; ++epoch) {
       const uint64_t epoch_seed = seed_mix(block_seed, static_cast<uint64_t>(epoch));
       at::Tensor order, order_dev, flip;
@@ -538,31 +629,22 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
           y = train_in.labels.index_select(0, index_dev);
           if (flip.defined()) x = at::where(flip.index_select(0, index_dev).view({-1, 1, 1, 1}), x.flip({3}), x);
         }
-        for (const auto& p : params) {
-          if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
-        }
+        // The schedule follows the data position (on the planned batch's step grid), the lr the batch actually used.
+        const int64_t position = (epoch * n_train + offset) / bp.batch;
+        lr.fill_(schedule_lr(sched, position) * lr_scale_for_batch(lr_rule, batch, bp.batch));
         try {
-          at::Tensor loss;
-          {
-            const AutocastScope autocast(device, options.precision);
-            loss = neuroflux_block_loss(*model, heads, bp.first, bp.end, x, y, options.label_smoothing, &loss_sum,
-                                        &correct);
-          }
-          loss.backward();
+          graph.run(body, x, y, count == bp.batch);
         } catch (const c10::OutOfMemoryError&) {
-          // The plan was off (fragmentation, workspaces): the same samples again at half the batch.
+          // The plan was off (fragmentation, workspaces): the same samples again at half the batch, eagerly.
           TRIACCEL_CHECK_INPUT(batch > 2, "out of memory in NeuroFlux block ", b, " at batch 2; raise --vram-budget");
           x = at::Tensor();
           y = at::Tensor();
+          graph.refuse();
           memory_cache_release(device);
           events.write("oom", step, now(), Json{{"block", b}, {"batch", batch}, {"retry_batch", batch / 2}});
           batch /= 2;
           continue;
         }
-        // The schedule follows the data position (on the planned batch's step grid), the lr the batch actually used.
-        const int64_t position = (epoch * n_train + offset) / bp.batch;
-        lr.fill_(schedule_lr(sched, position) * lr_scale_for_batch(lr_rule, batch, bp.batch));
-        sgd.step(lr, found_inf);
         offset += count;
         ++block_step;
         ++step;
@@ -603,7 +685,8 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
                       {"input_cache_place", input_place},
                       {"output_cache_place", last ? Json(nullptr) : Json(cache_place_name(place))},
                       {"peak_vram_gb", block_peak_gb}, {"predicted_gb", bp.bytes / kGB},
-                      {"alloc_retries", mem.alloc_retries - retries_before}, {"local", local}});
+                      {"alloc_retries", mem.alloc_retries - retries_before}, {"cuda_graph", graph.captured()},
+                      {"graph_capture_ooms", graph.capture_ooms}, {"local", local}});
     blocks_done = static_cast<int64_t>(b) + 1;
 
     // Checkpoint at the block boundary: weights of every unit and head, the plan and the progress.
