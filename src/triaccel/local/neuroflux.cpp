@@ -188,7 +188,8 @@ int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<in
 // A NeuroFlux block's training step in a CUDA graph: eager for kWarmup steps at the planned batch, then captured
 // (the caller's first batch becomes the static input) and replayed; other shapes run eagerly. A capture that runs
 // out of memory leaves the block eager (that step runs eagerly: a capture runs nothing); refuse() drops the graph for
-// good (an eager out-of-memory retry changes the batch).
+// good (an eager out-of-memory retry changes the batch); drop() frees it to be captured again (an eager step that
+// did not fit beside its pool).
 struct BlockGraph {
   static constexpr int kWarmup = 3;
   bool enabled = false;
@@ -208,9 +209,15 @@ struct BlockGraph {
   }
   void refuse() {
     enabled = false;
+    drop();
+  }
+  void drop() {  // frees the graph and its pool; steps at the planned batch warm up and capture again
 #ifdef TRIACCEL_WITH_CUDA
     graph.reset();
 #endif
+    x = at::Tensor();
+    y = at::Tensor();
+    warm = 0;
   }
   void run(const std::function<void(const at::Tensor&, const at::Tensor&)>& body, const at::Tensor& xb,
            const at::Tensor& yb, bool planned_batch) {
@@ -635,10 +642,19 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
         try {
           graph.run(body, x, y, count == bp.batch);
         } catch (const c10::OutOfMemoryError&) {
-          // The plan was off (fragmentation, workspaces): the same samples again at half the batch, eagerly.
-          TRIACCEL_CHECK_INPUT(batch > 2, "out of memory in NeuroFlux block ", b, " at batch 2; raise --vram-budget");
           x = at::Tensor();
           y = at::Tensor();
+          if (graph.captured()) {
+            // An eager step (the epoch's short last batch) beside the graph's pool: drop the graph (it is captured
+            // again after the warm-up) and retry the same samples at the same batch.
+            graph.drop();
+            memory_cache_release(device);
+            events.write("oom", step, now(), Json{{"block", b}, {"batch", count}, {"retry_batch", count},
+                                                  {"reason", "beside the CUDA graph's pool"}});
+            continue;
+          }
+          // The plan was off (fragmentation, workspaces): the same samples again at half the batch, eagerly.
+          TRIACCEL_CHECK_INPUT(batch > 2, "out of memory in NeuroFlux block ", b, " at batch 2; raise --vram-budget");
           graph.refuse();
           memory_cache_release(device);
           events.write("oom", step, now(), Json{{"block", b}, {"batch", batch}, {"retry_batch", batch / 2}});
