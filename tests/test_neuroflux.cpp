@@ -312,6 +312,26 @@ TEST(NeuroFluxTest, StagedHostCacheOnTheGpuKeepsEveryRow) {
   EXPECT_EQ(cache.read_range(0, 2).cpu().abs().sum().item<double>(), all[1].abs().sum().item<double>());
 }
 
+// A freed host cache's memory is reused by the next one that fits (no fresh pages to fault in), the new cache holds
+// what it is given, and host_pool_release frees what is kept.
+TEST(NeuroFluxTest, HostCacheMemoryIsReused) {
+  ActivationCache::host_pool_release();
+  const c10::Device cpu(c10::kCPU);
+  {
+    ActivationCache big(8, {4, 2, 2}, CachePlace::kHost, cpu);
+    big.write(0, at::ones({8, 4, 2, 2}));
+    EXPECT_EQ(ActivationCache::host_pool_bytes(), 0);
+  }
+  EXPECT_EQ(ActivationCache::host_pool_bytes(), 8 * 16 * 2);  // kept
+  ActivationCache small(3, {2, 2, 2}, CachePlace::kHost, cpu);
+  EXPECT_EQ(ActivationCache::host_pool_bytes(), 0);  // taken by the smaller cache
+  const at::Tensor batch = at::arange(3 * 8, at::kFloat).reshape({3, 2, 2, 2});
+  small.write(0, batch);
+  EXPECT_TRUE(small.read(at::tensor({2, 0}, at::kLong)).equal(batch.index_select(0, at::tensor({2, 0}, at::kLong))));
+  ActivationCache::host_pool_release();
+  EXPECT_EQ(ActivationCache::host_pool_bytes(), 0);
+}
+
 class NeuroFluxRunTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {

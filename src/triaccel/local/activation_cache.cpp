@@ -4,7 +4,9 @@
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <algorithm>
 #include <functional>
+#include <mutex>
 #include <numeric>
 
 namespace triaccel {
@@ -17,6 +19,61 @@ int64_t ActivationCache::bytes_for(int64_t samples, const std::vector<int64_t>& 
   return n;
 }
 
+namespace {
+
+// Flat bf16 host buffers of freed host caches, reused by later ones (NeuroFlux runs one thread; the mutex keeps the
+// pool safe anyway).
+std::mutex host_pool_mutex;
+std::vector<at::Tensor> host_pool;
+constexpr size_t kHostPoolKeep = 2;
+
+at::Tensor host_rows_take(int64_t samples, int64_t row) {
+  const int64_t n = samples * row;
+  {
+    const std::lock_guard<std::mutex> lock(host_pool_mutex);
+    auto best = host_pool.end();
+    for (auto it = host_pool.begin(); it != host_pool.end(); ++it) {
+      if (it->numel() >= n && (best == host_pool.end() || it->numel() < best->numel())) best = it;
+    }
+    if (best != host_pool.end()) {
+      at::Tensor buf = *best;
+      host_pool.erase(best);
+      return buf.narrow(0, 0, n).view({samples, row});
+    }
+  }
+  return at::empty({samples, row}, at::TensorOptions().dtype(at::kBFloat16));
+}
+
+void host_rows_give(const at::Tensor& rows) {
+  // The whole underlying buffer goes back (rows may be a view of a larger pooled one).
+  const int64_t capacity = static_cast<int64_t>(rows.storage().nbytes() / 2);
+  const at::Tensor flat = at::empty({0}, rows.options()).set_(rows.storage(), 0, {capacity}, {1});
+  const std::lock_guard<std::mutex> lock(host_pool_mutex);
+  host_pool.push_back(flat);
+  if (host_pool.size() > kHostPoolKeep) {  // keep the largest buffers
+    std::sort(host_pool.begin(), host_pool.end(), [](const at::Tensor& a, const at::Tensor& b) { return a.numel() > b.numel(); });
+    host_pool.resize(kHostPoolKeep);
+  }
+}
+
+}  // namespace
+
+void ActivationCache::host_pool_release() {
+  const std::lock_guard<std::mutex> lock(host_pool_mutex);
+  host_pool.clear();
+}
+
+int64_t ActivationCache::host_pool_bytes() {
+  const std::lock_guard<std::mutex> lock(host_pool_mutex);
+  int64_t bytes = 0;
+  for (const auto& t : host_pool) bytes += t.numel() * 2;
+  return bytes;
+}
+
+ActivationCache::~ActivationCache() {
+  if (place_ == CachePlace::kHost && data_.defined()) host_rows_give(data_);
+}
+
 ActivationCache::ActivationCache(int64_t samples, const std::vector<int64_t>& sample_shape, CachePlace place,
                                  const c10::Device& device, bool channels_last)
     : place_(place),
@@ -25,8 +82,8 @@ ActivationCache::ActivationCache(int64_t samples, const std::vector<int64_t>& sa
       channels_last_(channels_last && sample_shape.size() == 3),
       staged_(place == CachePlace::kHost && device.is_cuda()) {
   const int64_t row = std::accumulate(sample_shape.begin(), sample_shape.end(), int64_t{1}, std::multiplies<>());
-  const auto opts = at::TensorOptions().dtype(at::kBFloat16);
-  data_ = at::empty({samples, row}, place == CachePlace::kDevice ? opts.device(device) : opts.device(at::kCPU));
+  data_ = place == CachePlace::kDevice ? at::empty({samples, row}, at::TensorOptions().dtype(at::kBFloat16).device(device))
+                                       : host_rows_take(samples, row);
 }
 
 ActivationCache::Staging& ActivationCache::staging_take(int64_t count) const {

@@ -30,6 +30,14 @@ class ActivationCache {
   // staging buffers, without waiting: the host copies or gathers batch i+1 while the GPU works on batch i.
   ActivationCache(int64_t samples, const std::vector<int64_t>& sample_shape, CachePlace place,
                   const c10::Device& device, bool channels_last = false);
+  ~ActivationCache();
+  ActivationCache(const ActivationCache&) = delete;
+  ActivationCache& operator=(const ActivationCache&) = delete;
+
+  // Host memory of freed host caches is kept (at most two buffers) for the next cache: a fresh multi-GB buffer pays
+  // its page faults on first touch, inside the cache pass. Frees what is kept (call when the run ends).
+  static void host_pool_release();
+  static int64_t host_pool_bytes();  // kept now
 
   // Rows [offset, offset + batch.size(0)) from a float batch on `device` (converted to bf16). A host cache on CUDA
   // may finish the copy later: read, read_range and flush see every row written.

@@ -266,6 +266,10 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   options.validate();
   TRIACCEL_CHECK_INPUT(options.precision != PrecisionMode::kAmpFP16,
                        "--method neuroflux supports --precision fp32 or amp-bf16, got amp-fp16");
+  // Declared first, so destroyed last: after the caches have given their host memory back to the pool, it is freed.
+  struct HostPoolRelease {
+    ~HostPoolRelease() { ActivationCache::host_pool_release(); }
+  } host_pool_release;
   const double t_start = time_since_start_s();
   const c10::Device device = device_resolve(options.device);
   directory_prepare_writable(options.out, "--out");
