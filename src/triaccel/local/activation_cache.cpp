@@ -148,28 +148,25 @@ at::Tensor ActivationCache::unpack(const at::Tensor& rows) const {
   return x.view({n, sample_shape_[1], sample_shape_[2], sample_shape_[0]}).permute({0, 3, 1, 2});
 }
 
-at::Tensor ActivationCache::read(const at::Tensor& index) const {
-  if (place_ == CachePlace::kDevice) return unpack(data_.index_select(0, index.to(device_)));
-  if (!staged_) return unpack(data_.index_select(0, index.cpu()));
+at::Tensor ActivationCache::staged_read(int64_t count, const std::function<void(at::Tensor&)>& fill) const {
   flush();
-  const int64_t count = index.size(0);
   Staging& s = staging_take(count);
   at::Tensor rows = s.rows.narrow(0, 0, count);
-  at::index_select_out(rows, data_, 0, index.cpu());
+  fill(rows);
   const at::Tensor on_device = rows.to(device_, /*non_blocking=*/true);
   staging_release(s);
   return unpack(on_device);
 }
 
+at::Tensor ActivationCache::read(const at::Tensor& index) const {
+  if (place_ == CachePlace::kDevice) return unpack(data_.index_select(0, index.to(device_)));
+  if (!staged_) return unpack(data_.index_select(0, index.cpu()));
+  return staged_read(index.size(0), [&](at::Tensor& rows) { at::index_select_out(rows, data_, 0, index.cpu()); });
+}
+
 at::Tensor ActivationCache::read_range(int64_t offset, int64_t count) const {
   if (!staged_) return unpack(data_.narrow(0, offset, count).to(device_));
-  flush();
-  Staging& s = staging_take(count);
-  at::Tensor rows = s.rows.narrow(0, 0, count);
-  rows.copy_(data_.narrow(0, offset, count));
-  const at::Tensor on_device = rows.to(device_, /*non_blocking=*/true);
-  staging_release(s);
-  return unpack(on_device);
+  return staged_read(count, [&](at::Tensor& rows) { rows.copy_(data_.narrow(0, offset, count)); });
 }
 
 }  // namespace triaccel

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -68,6 +69,8 @@ class ActivationCache {
   Staging& staging_take(int64_t count) const;
   void staging_release(Staging& s) const;  // records `done` on the current stream
   void store(Staging& s) const;            // a finished write from s.rows into data_
+  // Host rows put into a staging buffer by `fill` ((count, row) bf16), copied to device_ without waiting.
+  at::Tensor staged_read(int64_t count, const std::function<void(at::Tensor&)>& fill) const;
 
   CachePlace place_;
   c10::Device device_;

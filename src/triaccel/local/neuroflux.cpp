@@ -27,8 +27,6 @@
 #include <torch/autograd.h>
 #include <torch/utils.h>
 #ifdef TRIACCEL_WITH_CUDA
-#include <ATen/cuda/CUDAGraph.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -230,29 +228,15 @@ struct BlockGraph {
         return;
       }
       if (warm >= kWarmup) {
-        c10::cuda::CUDACachingAllocator::emptyCache();  // the graph's pool cannot reuse the eager steps' blocks
         x = xb;
         y = yb;
-        graph = std::make_unique<at::cuda::CUDAGraph>();
-        try {
-          graph->capture_begin();
-          try {
-            body(x, y);
-          } catch (...) {
-            try {
-              graph->capture_end();
-            } catch (...) {
-            }
-            throw;
-          }
-          graph->capture_end();
+        graph = step_graph_capture([this, &body]() { body(x, y); });
+        if (graph) {
           graph->replay();  // the capture ran nothing: this performs the step
           return;
-        } catch (const c10::OutOfMemoryError&) {
-          ++capture_ooms;
-          refuse();
-          c10::cuda::CUDACachingAllocator::emptyCache();
         }
+        ++capture_ooms;
+        refuse();
       } else {
         ++warm;
       }

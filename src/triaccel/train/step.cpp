@@ -34,7 +34,7 @@ AutocastScope::~AutocastScope() {
 
 struct TrainStep::Graph {
 #ifdef TRIACCEL_WITH_CUDA
-  at::cuda::CUDAGraph graph;
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
 #endif
   at::Tensor images;  // static input buffers, (B, C, H, W) float32 and (B) int64
   at::Tensor labels;
@@ -202,32 +202,52 @@ void TrainStep::grads_release() {
   for (const auto& p : sgd_.params()) p.mutable_grad() = at::Tensor();
 }
 
-void TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
 #ifdef TRIACCEL_WITH_CUDA
-  graph_ = std::make_unique<Graph>();
-  // The caller's buffers become the graph's static inputs (no copy); later batches are written into them.
-  graph_->images = images;
-  graph_->labels = labels;
-  // The eager steps' cached blocks go back first: the graph's private pool cannot reuse them, and under a
-  // --vram-budget the two together would not fit (nothing can be freed while a capture is under way).
+std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body) {
   c10::cuda::CUDACachingAllocator::emptyCache();
-  // Capture records the work without running it; the caller replays right after, which performs this step.
-  graph_->graph.capture_begin();
-  try {
-    if (options_.during_capture) options_.during_capture();
-    body(graph_->images, graph_->labels);
-  } catch (...) {
-    // A failed capture (out of memory, say) leaves no half-made graph behind, and the stream leaves capture mode
-    // (ending an invalidated capture throws too; that error says nothing new).
+  auto graph = std::make_unique<at::cuda::CUDAGraph>();
+  // Ends a failed capture so the stream leaves capture mode (ending an invalidated capture throws too; that error
+  // says nothing new).
+  const auto end_failed = [&graph]() {
     try {
-      graph_->graph.capture_end();
+      graph->capture_end();
     } catch (...) {
     }
-    graph_.reset();
-    throw;
+  };
+  try {
+    graph->capture_begin();
+    try {
+      body();
+    } catch (...) {
+      end_failed();
+      throw;
+    }
+  } catch (const c10::OutOfMemoryError&) {
+    graph.reset();
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    return nullptr;
   }
-  graph_->graph.capture_end();
+  graph->capture_end();
+  return graph;
+}
+#endif
+
+bool TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
+#ifdef TRIACCEL_WITH_CUDA
+  auto g = std::make_unique<Graph>();
+  // The caller's buffers become the graph's static inputs (no copy); later batches are written into them.
+  g->images = images;
+  g->labels = labels;
+  g->graph = step_graph_capture([&]() {
+    if (options_.during_capture) options_.during_capture();
+    body(g->images, g->labels);
+  });
+  if (!g->graph) return false;
+  graph_ = std::move(g);
   ++graph_captures_;
+  return true;
+#else
+  return false;
 #endif
 }
 
@@ -245,16 +265,11 @@ void TrainStep::run(const at::Tensor& images, const at::Tensor& labels, double l
       body(images, labels);
       return;
     }
-    try {
-      capture(images, labels);
-    } catch (const c10::OutOfMemoryError&) {
+    if (!capture(images, labels)) {
       // No room for the graph's pool: this batch size runs eagerly from now on, starting with this step (the
       // capture ran nothing). Only an eager step that runs out of memory is the batch's fault (the trainer's).
       graph_refused_batch_ = batch;
       ++graph_capture_ooms_;
-#ifdef TRIACCEL_WITH_CUDA
-      c10::cuda::CUDACachingAllocator::emptyCache();
-#endif
       grads_release();
       body(images, labels);
       return;
@@ -266,7 +281,7 @@ void TrainStep::run(const at::Tensor& images, const at::Tensor& labels, double l
     grads_release();  // frees gradients an eager step (a shorter last batch) may have left
   }
 #ifdef TRIACCEL_WITH_CUDA
-  graph_->graph.replay();
+  graph_->graph->replay();
 #endif
 }
 

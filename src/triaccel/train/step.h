@@ -18,12 +18,25 @@
 
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#endif
 
 #include <functional>
 #include <memory>
 #include <vector>
 
 namespace triaccel {
+
+#ifdef TRIACCEL_WITH_CUDA
+// One training step captured in a new CUDA graph on the current stream (TrainStep here, NeuroFlux's block loop).
+// The eager steps' cached blocks go back to the device first: the graph's private pool cannot reuse them, and under
+// a --vram-budget the two together may not fit (nothing can be freed while a capture is under way). The capture runs
+// nothing: replay the graph to perform the step. Returns nullptr when the capture ran out of memory — the graph and
+// its pool are freed and the caller runs the step eagerly; other errors propagate. Either way the stream leaves
+// capture mode and no half-made graph is left behind.
+std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body);
+#endif
 
 struct StepOptions {
   PrecisionMode precision = PrecisionMode::kFP32;
@@ -103,7 +116,7 @@ class TrainStep {
 
  private:
   void body(const at::Tensor& images, const at::Tensor& labels);
-  void capture(const at::Tensor& images, const at::Tensor& labels);
+  bool capture(const at::Tensor& images, const at::Tensor& labels);  // false: out of memory, nothing captured
   void grads_release();
   at::Tensor forward(const at::Tensor& images);
 
