@@ -14,6 +14,10 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Sleep.h>
+#endif
 
 #include <cmath>
 #include <limits>
@@ -312,6 +316,30 @@ TEST(NeuroFluxTest, StagedHostCacheOnTheGpuKeepsEveryRow) {
   EXPECT_EQ(cache.read_range(0, 2).cpu().abs().sum().item<double>(), all[1].abs().sum().item<double>());
 }
 
+// The copies run on their own streams: a write's copy must wait for its batch, which the caller's stream computes after
+// a long spin here (a copy that did not wait would store the batch's memory before the multiply wrote it); a read on
+// a busy caller's stream arrives whole. The block event's transfer counters add up.
+TEST(NeuroFluxTest, StagedCopiesWaitForTheCallersStream) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device cuda(c10::kCUDA, 0);
+  ActivationCache cache(64, {4, 8, 8}, CachePlace::kHost, cuda, /*channels_last=*/true);
+  const at::Tensor all = at::arange(64 * 256, at::kFloat).reshape({64, 4, 8, 8}).remainder(251) / 2.0;  // exact in bf16
+  const at::Tensor on_gpu = all.to(cuda);
+  for (int64_t offset = 0; offset < 64; offset += 16) {
+    at::cuda::sleep(50 * 1000 * 1000);  // ~20-50 ms of spinning on the caller's stream
+    cache.write(offset, on_gpu.narrow(0, offset, 16).mul(1.0).contiguous(at::MemoryFormat::ChannelsLast));
+  }
+  at::cuda::sleep(50 * 1000 * 1000);
+  const at::Tensor back = cache.read_range(0, 64).mul(1.0);
+  EXPECT_TRUE(back.cpu().equal(all));
+  const ActivationCache::IoStats& io = cache.io_stats();
+  EXPECT_EQ(io.bytes_to_host, 64 * 256 * 2);
+  EXPECT_EQ(io.bytes_to_device, 64 * 256 * 2);
+  EXPECT_GE(io.wait_s, 0.0);
+#endif
+}
+
 // A freed host cache's memory is reused by the next one that fits (no fresh pages to fault in), the new cache holds
 // what it is given, and host_pool_release frees what is kept.
 TEST(NeuroFluxTest, HostCacheMemoryIsReused) {
@@ -328,6 +356,33 @@ TEST(NeuroFluxTest, HostCacheMemoryIsReused) {
   const at::Tensor batch = at::arange(3 * 8, at::kFloat).reshape({3, 2, 2, 2});
   small.write(0, batch);
   EXPECT_TRUE(small.read(at::tensor({2, 0}, at::kLong)).equal(batch.index_select(0, at::tensor({2, 0}, at::kLong))));
+  ActivationCache::host_pool_release();
+  EXPECT_EQ(ActivationCache::host_pool_bytes(), 0);
+}
+
+// One cache per split: all three freed buffers are kept (with two, a pass's third new cache found none and faulted
+// its pages in again), and a cache big enough to be mapped with huge pages (≥ 2 MB) round-trips and is reused.
+TEST(NeuroFluxTest, HostPoolKeepsOneBufferPerSplit) {
+  ActivationCache::host_pool_release();
+  const c10::Device cpu(c10::kCPU);
+  const std::vector<int64_t> row{16, 8, 8};  // 1024 bf16 = 2 KB a row
+  {
+    ActivationCache train(1100, row, CachePlace::kHost, cpu, /*channels_last=*/true);  // 2.2 MB: mapped
+    ActivationCache hold(100, row, CachePlace::kHost, cpu, true);
+    ActivationCache test(200, row, CachePlace::kHost, cpu, true);
+    const at::Tensor batch = at::arange(1100 * 1024, at::kFloat).reshape({1100, 16, 8, 8}).remainder(97);
+    train.write(0, batch);
+    EXPECT_TRUE(train.read(at::tensor({1099, 3}, at::kLong)).equal(batch.index_select(0, at::tensor({1099, 3}, at::kLong))));
+    EXPECT_TRUE(train.read_range(500, 600).equal(batch.narrow(0, 500, 600)));
+  }
+  EXPECT_EQ(ActivationCache::host_pool_bytes(), (1100 + 100 + 200) * 2048);
+  {
+    ActivationCache again(1000, row, CachePlace::kHost, cpu, true);  // takes the mapped buffer
+    EXPECT_EQ(ActivationCache::host_pool_bytes(), 300 * 2048);
+    const at::Tensor ones = at::ones({1000, 16, 8, 8});
+    again.write(0, ones);
+    EXPECT_EQ(again.read_range(0, 1000).sum().item<double>(), 1000.0 * 1024);
+  }
   ActivationCache::host_pool_release();
   EXPECT_EQ(ActivationCache::host_pool_bytes(), 0);
 }

@@ -2,12 +2,18 @@
 #include "triaccel/local/activation_cache.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <mutex>
 #include <numeric>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 namespace triaccel {
 
@@ -22,10 +28,35 @@ int64_t ActivationCache::bytes_for(int64_t samples, const std::vector<int64_t>& 
 namespace {
 
 // Flat bf16 host buffers of freed host caches, reused by later ones (NeuroFlux runs one thread; the mutex keeps the
-// pool safe anyway).
+// pool safe anyway). Three: NeuroFlux's pass writes one cache per split (training, held-out, test) while the previous
+// block's three are freed one by one; with fewer, the training split's new cache found no buffer and paid its first
+// touch again every pass.
 std::mutex host_pool_mutex;
 std::vector<at::Tensor> host_pool;
-constexpr size_t kHostPoolKeep = 2;
+constexpr size_t kHostPoolKeep = 3;
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// (samples, row) bf16 host memory. On Linux large buffers are mapped with transparent huge pages requested: a
+// multi-GB cache is first touched inside a cache pass, and 2 MB pages fault in 512 times fewer than 4 KB ones.
+at::Tensor host_rows_alloc(int64_t samples, int64_t row) {
+  const auto options = at::TensorOptions().dtype(at::kBFloat16);
+#ifdef __linux__
+  constexpr int64_t kHuge = int64_t{1} << 21;
+  const int64_t bytes = samples * row * 2;
+  if (bytes >= kHuge) {
+    const auto length = static_cast<size_t>((bytes + kHuge - 1) / kHuge * kHuge);
+    void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED) {
+      madvise(p, length, MADV_HUGEPAGE);  // advice only: without THP the pages are 4 KB
+      return at::from_blob(p, {samples, row}, [length](void* q) { munmap(q, length); }, options);
+    }
+  }
+#endif
+  return at::empty({samples, row}, options);
+}
 
 at::Tensor host_rows_take(int64_t samples, int64_t row) {
   const int64_t n = samples * row;
@@ -41,7 +72,7 @@ at::Tensor host_rows_take(int64_t samples, int64_t row) {
       return buf.narrow(0, 0, n).view({samples, row});
     }
   }
-  return at::empty({samples, row}, at::TensorOptions().dtype(at::kBFloat16));
+  return host_rows_alloc(samples, row);
 }
 
 void host_rows_give(const at::Tensor& rows) {
@@ -84,12 +115,28 @@ ActivationCache::ActivationCache(int64_t samples, const std::vector<int64_t>& sa
   const int64_t row = std::accumulate(sample_shape.begin(), sample_shape.end(), int64_t{1}, std::multiplies<>());
   data_ = place == CachePlace::kDevice ? at::empty({samples, row}, at::TensorOptions().dtype(at::kBFloat16).device(device))
                                        : host_rows_take(samples, row);
+  if (staged_) {
+    // Two streams of the pool that are not the caller's (on the caller's stream a copy would wait for its work).
+    const c10::impl::VirtualGuardImpl impl(device_.type());
+    const c10::Stream current = impl.getStream(device_);
+    const auto other = [&]() {
+      c10::Stream s = impl.getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+      for (int tries = 0; s == current && tries < 4; ++tries) s = impl.getStreamFromGlobalPool(device_, false);
+      return s;
+    };
+    to_device_stream_ = other();
+    to_host_stream_ = other();
+  }
 }
 
 ActivationCache::Staging& ActivationCache::staging_take(int64_t count) const {
   Staging& s = staging_[next_staging_];
   next_staging_ = 1 - next_staging_;
-  if (s.done) s.done->synchronize();
+  if (s.done) {
+    const auto t0 = std::chrono::steady_clock::now();
+    s.done->synchronize();
+    io_.wait_s += seconds_since(t0);
+  }
   store(s);
   if (!s.rows.defined() || s.rows.size(0) < count) {
     s.rows = at::empty({count, data_.size(1)}, data_.options().pinned_memory(true));
@@ -97,14 +144,17 @@ ActivationCache::Staging& ActivationCache::staging_take(int64_t count) const {
   return s;
 }
 
-void ActivationCache::staging_release(Staging& s) const {
+void ActivationCache::staging_release(Staging& s, const c10::Stream& stream) const {
   if (!s.done) s.done.emplace(device_.type());
-  s.done->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+  s.done->record(stream);
 }
 
 void ActivationCache::store(Staging& s) const {
   if (s.write_count == 0) return;
+  const auto t0 = std::chrono::steady_clock::now();
   data_.narrow(0, s.write_offset, s.write_count).copy_(s.rows.narrow(0, 0, s.write_count));
+  io_.host_copy_s += seconds_since(t0);
+  io_.bytes_to_host += s.write_count * data_.size(1) * 2;
   s.write_count = 0;
 }
 
@@ -113,7 +163,9 @@ void ActivationCache::flush() const {
   for (int k = 0; k < 2; ++k) {
     Staging& s = staging_[(next_staging_ + static_cast<size_t>(k)) % 2];
     if (s.write_count == 0) continue;
+    const auto t0 = std::chrono::steady_clock::now();
     s.done->synchronize();
+    io_.wait_s += seconds_since(t0);
     store(s);
   }
 }
@@ -131,8 +183,18 @@ void ActivationCache::write(int64_t offset, const at::Tensor& batch) {
     return;
   }
   Staging& s = staging_take(count);
-  s.rows.narrow(0, 0, count).copy_(b, /*non_blocking=*/true);
-  staging_release(s);
+  // The copy stream waits for the batch, copies it down without holding up the caller's stream, and the batch's
+  // memory is not reused before that copy has read it.
+  const c10::Stream compute = c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
+  if (!batch_ready_) batch_ready_.emplace(device_.type());
+  batch_ready_->record(compute);
+  batch_ready_->block(*to_host_stream_);
+  {
+    const c10::StreamGuard guard(*to_host_stream_);
+    s.rows.narrow(0, 0, count).copy_(b, /*non_blocking=*/true);
+  }
+  b.record_stream(*to_host_stream_);
+  staging_release(s, *to_host_stream_);
   s.write_offset = offset;
   s.write_count = count;
 }
@@ -152,9 +214,21 @@ at::Tensor ActivationCache::staged_read(int64_t count, const std::function<void(
   flush();
   Staging& s = staging_take(count);
   at::Tensor rows = s.rows.narrow(0, 0, count);
+  const auto t0 = std::chrono::steady_clock::now();
   fill(rows);
-  const at::Tensor on_device = rows.to(device_, /*non_blocking=*/true);
-  staging_release(s);
+  io_.host_copy_s += seconds_since(t0);
+  io_.bytes_to_device += count * data_.size(1) * 2;
+  // Allocated on and copied by the copy stream; the caller's stream waits for the copy (an event, not the host), and
+  // the memory is not reused before the caller's stream is done with it.
+  const c10::Stream compute = c10::impl::VirtualGuardImpl(device_.type()).getStream(device_);
+  at::Tensor on_device;
+  {
+    const c10::StreamGuard guard(*to_device_stream_);
+    on_device = rows.to(device_, /*non_blocking=*/true);
+  }
+  staging_release(s, *to_device_stream_);
+  s.done->block(compute);
+  on_device.record_stream(compute);
   return unpack(on_device);
 }
 

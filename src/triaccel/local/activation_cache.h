@@ -1,12 +1,13 @@
 // NeuroFlux activation cache: one block's outputs for a whole split, stored in bf16, so the next block trains on
-// them and earlier blocks never run again. Lives on the GPU when it fits the budget, else in pinned host memory
-// (plain host memory on a CPU-only run) and is gathered there and copied to the GPU batch by batch.
+// them and earlier blocks never run again. Lives on the GPU when it fits the budget, else in host memory, gathered
+// there and copied to the GPU batch by batch.
 // Invariant: row i holds sample i of the split in the order it was written; labels are kept by the caller.
 #pragma once
 
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 
 #include <array>
 #include <cstdint>
@@ -29,6 +30,8 @@ class ActivationCache {
   // A host cache is plain (pageable) memory: pinning gigabytes costs more than it saves (cudaHostAlloc took ~5 s per
   // 8 GB cache on the H100 machine, most of a cache pass). Rows cross to and from the GPU through two small pinned
   // staging buffers, without waiting: the host copies or gathers batch i+1 while the GPU works on batch i.
+  // On CUDA the copies run on their own streams (one per direction), so a batch's transfer overlaps the GPU's work
+  // on the previous batch instead of queuing behind it; the caller's stream waits for a read's copy by an event.
   ActivationCache(int64_t samples, const std::vector<int64_t>& sample_shape, CachePlace place,
                   const c10::Device& device, bool channels_last = false);
   ~ActivationCache();
@@ -56,6 +59,16 @@ class ActivationCache {
   int64_t bytes() const { return data_.numel() * 2; }
   static int64_t bytes_for(int64_t samples, const std::vector<int64_t>& sample_shape);
 
+  // Where a host cache's transfers spent host time (for the `block` event): copying rows between the cache and the
+  // staging buffers, and waiting for a staging buffer's previous copy to finish.
+  struct IoStats {
+    double host_copy_s = 0;
+    double wait_s = 0;
+    int64_t bytes_to_device = 0;
+    int64_t bytes_to_host = 0;
+  };
+  const IoStats& io_stats() const { return io_; }
+
  private:
   struct Staging {
     at::Tensor rows;                   // (batch, row elements) bf16, pinned
@@ -67,7 +80,7 @@ class ActivationCache {
   at::Tensor unpack(const at::Tensor& rows) const;
   // The older staging buffer, free: its last copy has finished and a write waiting in it is stored.
   Staging& staging_take(int64_t count) const;
-  void staging_release(Staging& s) const;  // records `done` on the current stream
+  void staging_release(Staging& s, const c10::Stream& stream) const;  // records `done` on `stream`
   void store(Staging& s) const;            // a finished write from s.rows into data_
   // Host rows put into a staging buffer by `fill` ((count, row) bf16), copied to device_ without waiting.
   at::Tensor staged_read(int64_t count, const std::function<void(at::Tensor&)>& fill) const;
@@ -80,6 +93,9 @@ class ActivationCache {
   at::Tensor data_;             // (N, row elements) bf16, on device_ or in host memory
   mutable std::array<Staging, 2> staging_;  // used alternately
   mutable size_t next_staging_ = 0;
+  std::optional<c10::Stream> to_device_stream_, to_host_stream_;  // staged: the copy streams
+  mutable std::optional<c10::Event> batch_ready_;  // a write's batch computed on the caller's stream
+  mutable IoStats io_;
 };
 
 }  // namespace triaccel
