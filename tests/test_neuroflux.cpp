@@ -312,6 +312,8 @@ TEST(NeuroFluxTest, StagedHostCacheOnTheGpuKeepsEveryRow) {
   EXPECT_TRUE(picked.is_cuda());
   EXPECT_TRUE(picked.cpu().equal(all.index_select(0, at::tensor({9, 0, 4}, at::kLong))));
   EXPECT_TRUE(cache.read_range(3, 7).cpu().equal(all.narrow(0, 3, 7)));
+  EXPECT_THROW(cache.read(at::tensor({3, 10}, at::kLong)), c10::Error);  // a row past the end
+  EXPECT_THROW(cache.read_range(8, 3), c10::Error);
   cache.write(0, at::zeros({1, 3, 2, 2}, at::TensorOptions().device(cuda)));  // a rewrite is seen too
   EXPECT_EQ(cache.read_range(0, 2).cpu().abs().sum().item<double>(), all[1].abs().sum().item<double>());
 }
