@@ -52,6 +52,19 @@ def main():
     def gather():
         torch.index_select(cache, 0, idx[next(it) % len(idx)], out=pinned)
 
+    try:
+        out["cpu"] = [l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")][0]
+    except (OSError, IndexError):
+        out["cpu"] = None
+    # One thread: libc's memcpy (ctypes.memmove) against ATen's copy_ on the same 16 MB.
+    import ctypes
+    src, dst = cache[: a.batch], torch.empty(a.batch, row, dtype=torch.bfloat16)
+    dst.fill_(0)
+    torch.set_num_threads(1)
+    out["memcpy_1thread_gb_s"] = rate(batch_bytes, lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), batch_bytes), a.iters)
+    out["aten_copy_1thread_gb_s"] = rate(batch_bytes, lambda: dst.copy_(src), a.iters)
+    torch.set_num_threads(out["threads"])
+    out["aten_copy_gb_s"] = rate(batch_bytes, lambda: dst.copy_(src), a.iters)
     out["gather_gb_s"] = rate(batch_bytes, gather, a.iters)
     torch.set_num_threads(1)
     out["gather_1thread_gb_s"] = rate(batch_bytes, gather, a.iters)

@@ -193,6 +193,7 @@ struct BlockGraph {
   bool enabled = false;
   int warm = 0;
   int64_t capture_ooms = 0;
+  std::string capture_error;  // the first capture that failed by an error (not out of memory): its first line
 #ifdef TRIACCEL_WITH_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph;
 #endif
@@ -230,12 +231,17 @@ struct BlockGraph {
       if (warm >= kWarmup) {
         x = xb;
         y = yb;
-        graph = step_graph_capture([this, &body]() { body(x, y); });
+        std::string error;
+        graph = step_graph_capture([this, &body]() { body(x, y); }, &error);
         if (graph) {
           graph->replay();  // the capture ran nothing: this performs the step
           return;
         }
-        ++capture_ooms;
+        if (error.empty()) {
+          ++capture_ooms;
+        } else if (capture_error.empty()) {
+          capture_error = error;
+        }
         refuse();
       } else {
         ++warm;
@@ -502,16 +508,30 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
       std::unique_ptr<ActivationCache> out;
       if (!last) out = std::make_unique<ActivationCache>(n, out_shape, place, device, plain_lo.channels_last);
       at::Tensor correct = at::zeros({bp.end - bp.first}, at::TensorOptions().dtype(at::kFloat).device(device));
-      for (int64_t offset = 0; offset < n; offset += bp.batch) {
-        const int64_t count = std::min(bp.batch, n - offset);
-        const at::Tensor labels = in.labels.narrow(0, offset, count);
-        const AutocastScope autocast(device, options.precision);
-        at::Tensor h = in.rows(offset, count, plain_lo.channels_last);
-        for (int64_t u = bp.first; u < bp.end; ++u) {
-          h = units[static_cast<size_t>(u)].forward(h);
-          if (accs[s]) correct[u - bp.first].add_(logits_of(u, h).argmax(1).eq(labels).sum().to(at::kFloat));
+      int64_t pass_batch = bp.batch;  // halved when a batch of the pass runs out of memory (it is then redone)
+      for (int64_t offset = 0; offset < n;) {
+        const int64_t count = std::min(pass_batch, n - offset);
+        try {
+          const at::Tensor labels = in.labels.narrow(0, offset, count);
+          const AutocastScope autocast(device, options.precision);
+          at::Tensor h = in.rows(offset, count, plain_lo.channels_last);
+          std::vector<at::Tensor> hits;
+          for (int64_t u = bp.first; u < bp.end; ++u) {
+            h = units[static_cast<size_t>(u)].forward(h);
+            if (accs[s]) hits.push_back(logits_of(u, h).argmax(1).eq(labels).sum().to(at::kFloat));
+          }
+          if (out) out->write(offset, h);
+          for (size_t k = 0; k < hits.size(); ++k) correct[static_cast<int64_t>(k)].add_(hits[k]);
+        } catch (const c10::OutOfMemoryError&) {
+          TRIACCEL_CHECK_INPUT(pass_batch > 2, "out of memory in NeuroFlux block ", b,
+                               "'s cache pass at batch 2; raise --vram-budget");
+          memory_cache_release(device);
+          events.write("oom", step, now(), Json{{"block", b}, {"pass", true}, {"batch", pass_batch},
+                                                {"retry_batch", pass_batch / 2}});
+          pass_batch /= 2;
+          continue;
         }
-        if (out) out->write(offset, h);
+        offset += count;
       }
       if (accs[s] && n > 0) {
         const at::Tensor c = correct.cpu();
@@ -631,20 +651,20 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
       for (int64_t offset = 0; offset < n_train;) {
         const int64_t count = std::min(batch, n_train - offset);
         at::Tensor x, y;
-        if (train_aug) {
-          std::tie(x, y) = train_aug->batch(offset, count);
-        } else {
-          const at::Tensor index_dev = order_dev.narrow(0, offset, count);
-          const bool host = train_in.cache->place() == CachePlace::kHost;
-          x = SplitInput::layout(train_in.cache->read(host ? order.narrow(0, offset, count) : index_dev),
-                                 plain_lo.channels_last);  // (count, C, H, W) float32
-          y = train_in.labels.index_select(0, index_dev);
-          if (flip.defined()) x = at::where(flip.index_select(0, index_dev).view({-1, 1, 1, 1}), x.flip({3}), x);
-        }
         // The schedule follows the data position (on the planned batch's step grid), the lr the batch actually used.
         const int64_t position = (epoch * n_train + offset) / bp.batch;
         lr.fill_(schedule_lr(sched, position) * lr_scale_for_batch(lr_rule, batch, bp.batch));
         try {
+          if (train_aug) {
+            std::tie(x, y) = train_aug->batch(offset, count);
+          } else {
+            const at::Tensor index_dev = order_dev.narrow(0, offset, count);
+            const bool host = train_in.cache->place() == CachePlace::kHost;
+            x = SplitInput::layout(train_in.cache->read(host ? order.narrow(0, offset, count) : index_dev),
+                                   plain_lo.channels_last);  // (count, C, H, W) float32
+            y = train_in.labels.index_select(0, index_dev);
+            if (flip.defined()) x = at::where(flip.index_select(0, index_dev).view({-1, 1, 1, 1}), x.flip({3}), x);
+          }
           graph.run(body, x, y, count == bp.batch);
         } catch (const c10::OutOfMemoryError&) {
           x = at::Tensor();
@@ -682,6 +702,11 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     const Json input_place = train_in.cache ? Json(cache_place_name(train_in.cache->place())) : Json(nullptr);
     const double train_s = std::accumulate(epoch_times.begin(), epoch_times.end(), 0.0);
     if (train_in.cache) io_add(train_io, train_in.cache->io_stats(), 1.0);
+    // The graph's pool goes back before the cache pass, which needs the room (a 0.45 GB ResNet-18 run ran out of
+    // memory in its first pass beside it).
+    const bool cuda_graph_at_end = graph.captured();
+    graph.drop();
+    memory_cache_release(device);
     const auto [cache_s, place] = advance(b);
     const MemoryStats mem = memory_stats(device);
     const double block_peak_gb = static_cast<double>(mem.peak_allocated_bytes) / kGB;
@@ -707,8 +732,10 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
                       {"input_cache_place", input_place},
                       {"output_cache_place", last ? Json(nullptr) : Json(cache_place_name(place))},
                       {"peak_vram_gb", block_peak_gb}, {"predicted_gb", bp.bytes / kGB},
-                      {"alloc_retries", mem.alloc_retries - retries_before}, {"cuda_graph", graph.captured()},
-                      {"graph_capture_ooms", graph.capture_ooms}, {"train_io", io_json(train_io)},
+                      {"alloc_retries", mem.alloc_retries - retries_before}, {"cuda_graph", cuda_graph_at_end},
+                      {"graph_capture_ooms", graph.capture_ooms},
+                      {"graph_capture_error", graph.capture_error.empty() ? Json(nullptr) : Json(graph.capture_error)},
+                      {"train_io", io_json(train_io)},
                       {"cache_io", io_json(pass_io)}, {"local", local}});
     blocks_done = static_cast<int64_t>(b) + 1;
 

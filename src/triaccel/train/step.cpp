@@ -8,6 +8,7 @@
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime_api.h>
 #endif
 
 namespace triaccel {
@@ -203,7 +204,7 @@ void TrainStep::grads_release() {
 }
 
 #ifdef TRIACCEL_WITH_CUDA
-std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body) {
+std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body, std::string* error) {
   c10::cuda::CUDACachingAllocator::emptyCache();
   auto graph = std::make_unique<at::cuda::CUDAGraph>();
   // Ends a failed capture so the stream leaves capture mode (ending an invalidated capture throws too; that error
@@ -226,8 +227,30 @@ std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void
     graph.reset();
     c10::cuda::CUDACachingAllocator::emptyCache();
     return nullptr;
+  } catch (const c10::Error& e) {
+    // Not an out-of-memory error: an operation the capture refused (its error may surface only at a later call).
+    // Run eagerly: a step that cannot run at all raises its error again there.
+    (void)cudaGetLastError();
+    if (error) {
+      const std::string what = e.what_without_backtrace();
+      *error = what.substr(0, what.find('\n'));
+    }
+    graph.reset();
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    return nullptr;
   }
-  graph->capture_end();
+  try {
+    graph->capture_end();
+  } catch (const c10::Error& e) {
+    (void)cudaGetLastError();
+    if (error) {
+      const std::string what = e.what_without_backtrace();
+      *error = what.substr(0, what.find('\n'));
+    }
+    graph.reset();
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    return nullptr;
+  }
   return graph;
 }
 #endif
@@ -238,10 +261,15 @@ bool TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
   // The caller's buffers become the graph's static inputs (no copy); later batches are written into them.
   g->images = images;
   g->labels = labels;
-  g->graph = step_graph_capture([&]() {
-    if (options_.during_capture) options_.during_capture();
-    body(g->images, g->labels);
-  });
+  std::string error;
+  g->graph = step_graph_capture(
+      [&]() {
+        if (options_.during_capture) options_.during_capture();
+        body(g->images, g->labels);
+      },
+      &error);
+  last_capture_error_ = !error.empty();
+  if (last_capture_error_ && graph_capture_error_.empty()) graph_capture_error_ = error;
   if (!g->graph) return false;
   graph_ = std::move(g);
   ++graph_captures_;
@@ -269,7 +297,7 @@ void TrainStep::run(const at::Tensor& images, const at::Tensor& labels, double l
       // No room for the graph's pool: this batch size runs eagerly from now on, starting with this step (the
       // capture ran nothing). Only an eager step that runs out of memory is the batch's fault (the trainer's).
       graph_refused_batch_ = batch;
-      ++graph_capture_ooms_;
+      if (!last_capture_error_) ++graph_capture_ooms_;
       grads_release();
       body(images, labels);
       return;

@@ -23,6 +23,7 @@
 #endif
 
 #include <functional>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -32,10 +33,12 @@ namespace triaccel {
 // One training step captured in a new CUDA graph on the current stream (TrainStep here, NeuroFlux's block loop).
 // The eager steps' cached blocks go back to the device first: the graph's private pool cannot reuse them, and under
 // a --vram-budget the two together may not fit (nothing can be freed while a capture is under way). The capture runs
-// nothing: replay the graph to perform the step. Returns nullptr when the capture ran out of memory — the graph and
-// its pool are freed and the caller runs the step eagerly; other errors propagate. Either way the stream leaves
-// capture mode and no half-made graph is left behind.
-std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body);
+// nothing: replay the graph to perform the step. Returns nullptr when the capture failed — the graph and its pool
+// are freed and the caller runs the step eagerly (where a real fault raises its error again). An out-of-memory
+// capture leaves `error` empty; any other failure (an operation a capture does not allow) sets it to the error's
+// first line. Either way the stream leaves capture mode, the CUDA error state is cleared and no half-made graph is
+// left behind.
+std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body, std::string* error = nullptr);
 #endif
 
 struct StepOptions {
@@ -94,6 +97,9 @@ class TrainStep {
   // Captures that ran out of memory (the graph's private pool did not fit, e.g. under a --vram-budget). The batch
   // size whose capture failed then runs eagerly (the failed step too: a capture runs nothing), never re-tried.
   int64_t graph_capture_ooms() const { return graph_capture_ooms_; }
+  // The first capture that failed for another reason (its error's first line; empty: none). Its batch size runs
+  // eagerly as after an out-of-memory capture.
+  const std::string& graph_capture_error() const { return graph_capture_error_; }
 
   // Tri-Accel: per-unit precision for the forward (empty: the uniform precision mode). A change drops the captured
   // graph (it is re-captured after one eager step).
@@ -137,6 +143,8 @@ class TrainStep {
   int64_t eager_steps_at_graph_size_ = 0;
   int64_t graph_captures_ = 0;
   int64_t graph_capture_ooms_ = 0;
+  std::string graph_capture_error_;
+  bool last_capture_error_ = false;  // the last failed capture failed by an error, not out of memory
   int64_t graph_refused_batch_ = 0;  // the batch size whose capture ran out of memory (0: none)
   std::vector<Precision> unit_precisions_;
   bool grad_stats_enabled_ = false;

@@ -730,6 +730,8 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
                                {"cuda_graph", step.graph_captured()},
                                {"graph_captures", step.graph_captures()},
                                {"graph_capture_ooms", step.graph_capture_ooms()},
+                               {"graph_capture_error", step.graph_capture_error().empty()
+                                                           ? Json(nullptr) : Json(step.graph_capture_error())},
                                {"probe_s_total", tri_accel ? Json(tri_accel->probe_seconds()) : Json(nullptr)}};
     events.write("epoch", progress.step, now(), progress.last_epoch);
     printer.line(c10::str("epoch ", progress.epoch + 1, "/", options.epochs, ": train loss ",
