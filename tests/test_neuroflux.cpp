@@ -3,6 +3,7 @@
 #include "test_util.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
+#include "triaccel/core/host_workers.h"
 #include "triaccel/core/io.h"
 #include "triaccel/local/activation_cache.h"
 #include "triaccel/local/aux_head.h"
@@ -19,10 +20,16 @@
 #include <ATen/cuda/Sleep.h>
 #endif
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <random>
+#include <set>
+#include <thread>
 
 namespace triaccel {
 namespace {
@@ -340,6 +347,28 @@ TEST(NeuroFluxTest, StagedCopiesWaitForTheCallersStream) {
   EXPECT_EQ(io.bytes_to_device, 64 * 256 * 2);
   EXPECT_GE(io.wait_s, 0.0);
 #endif
+}
+
+// The host workers behind the cache's gathers: every part runs exactly once, on several threads when there are
+// several, run after run (the pool is reused), and nothing runs for zero parts.
+TEST(NeuroFluxTest, HostWorkersRunEveryPartOnce) {
+  EXPECT_EQ(host_parallel_threads(), std::clamp(at::get_num_threads(), 1, 32));
+  for (int run = 0; run < 3; ++run) {
+    std::vector<std::atomic<int>> hits(1000);
+    std::mutex m;
+    std::set<std::thread::id> threads;
+    host_parallel(1000, [&](int64_t part) {
+      hits[static_cast<size_t>(part)].fetch_add(1);
+      if (part % 10 == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));  // let the others take parts
+      const std::lock_guard<std::mutex> lock(m);
+      threads.insert(std::this_thread::get_id());
+    });
+    for (const auto& h : hits) ASSERT_EQ(h.load(), 1);
+    if (host_parallel_threads() > 1) EXPECT_GT(threads.size(), 1u);
+  }
+  int calls = 0;
+  host_parallel(0, [&](int64_t) { ++calls; });
+  EXPECT_EQ(calls, 0);
 }
 
 // A freed host cache's memory is reused by the next one that fits (no fresh pages to fault in), the new cache holds

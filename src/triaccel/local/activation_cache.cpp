@@ -1,11 +1,11 @@
 // NeuroFlux activation cache; see activation_cache.h.
 #include "triaccel/local/activation_cache.h"
 
+#include "triaccel/core/host_workers.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>
@@ -41,13 +41,12 @@ std::mutex host_pool_mutex;
 std::vector<at::Tensor> host_pool;
 constexpr size_t kHostPoolKeep = 3;
 
-// Host row copies, split over ATen's intra-op threads in pieces of about 1 MB, each copied by copy_bytes.
-// Measured on the H100 machine (16 threads; bench/probe_host_transfer.py, NeuroFlux's train_io/cache_io):
-// ATen's index_select gathered 128 KB bf16 rows at 10.7 GB/s (6.3 with one thread); the same split with libc
-// memcpy per piece was slower still (8.3 GB/s gathers, 2.7 GB/s contiguous stores against ATen copy_'s 15).
-// TRIACCEL_HOST_COPY=aten switches back to ATen's index_select / copy_ (a diagnostic for that A/B).
-// dst row i ← src row index[i] (src row first + i without an index).
-bool host_copy_aten() {
+// The host gather: dst row i ← src row index[i], split over the host workers (core/host_workers.h) in pieces of
+// about 1 MB. Measured on the H100 machine (16 threads; bench/probe_host_transfer.py): ATen's index_select gathered
+// 128 KB bf16 rows at 8.7 GB/s (7.7 with one thread), while one thread's memcpy moves 11.6 GB/s and ATen's copy_ of
+// a contiguous range 167 GB/s with all threads — so contiguous ranges use copy_, and gathers this.
+// TRIACCEL_HOST_COPY=aten gathers with index_select instead (a diagnostic, for that A/B).
+bool host_gather_aten() {
   static const bool aten = [] {
     const char* v = std::getenv("TRIACCEL_HOST_COPY");
     return v != nullptr && std::string(v) == "aten";
@@ -55,29 +54,13 @@ bool host_copy_aten() {
   return aten;
 }
 
-// Plain 64-byte moves the compiler emits inline (vector loads and stores), not a call to libc's memcpy, whose
-// large-copy strategy was the slow part above.
-__attribute__((optimize("no-tree-loop-distribute-patterns"))) void copy_bytes(std::byte* d, const std::byte* s,
-                                                                               int64_t n) {
-  int64_t k = 0;
-  for (; k + 64 <= n; k += 64) __builtin_memcpy(d + k, s + k, 64);
-  for (; k < n; ++k) d[k] = s[k];
-}
-
-void copy_rows(std::byte* dst, const std::byte* src, int64_t n, int64_t row_bytes, const int64_t* index, int64_t first) {
+void gather_rows(std::byte* dst, const std::byte* src, int64_t n, int64_t row_bytes, const int64_t* index) {
   const int64_t piece = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(row_bytes, 1));
-  if (index) {
-    at::parallel_for(0, n, piece, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) copy_bytes(dst + i * row_bytes, src + index[i] * row_bytes, row_bytes);
-    });
-    return;
-  }
-  // One contiguous range: split by bytes, so a few large rows still use every thread.
-  const int64_t bytes = n * row_bytes, chunk = int64_t{1} << 20;
-  const std::byte* from = src + first * row_bytes;
-  at::parallel_for(0, (bytes + chunk - 1) / chunk, 1, [&](int64_t b, int64_t e) {
-    const int64_t lo = b * chunk, hi = std::min(bytes, e * chunk);
-    copy_bytes(dst + lo, from + lo, hi - lo);
+  host_parallel((n + piece - 1) / piece, [&](int64_t part) {
+    const int64_t end = std::min(n, (part + 1) * piece);
+    for (int64_t i = part * piece; i < end; ++i) {
+      std::memcpy(dst + i * row_bytes, src + index[i] * row_bytes, static_cast<size_t>(row_bytes));
+    }
   });
 }
 
@@ -198,13 +181,7 @@ void ActivationCache::staging_release(Staging& s, const c10::Stream& stream) con
 void ActivationCache::store(Staging& s) const {
   if (s.write_count == 0) return;
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t row_bytes = data_.size(1) * 2;
-  if (host_copy_aten()) {
-    data_.narrow(0, s.write_offset, s.write_count).copy_(s.rows.narrow(0, 0, s.write_count));
-  } else {
-    copy_rows(static_cast<std::byte*>(data_.data_ptr()) + s.write_offset * row_bytes,
-              static_cast<const std::byte*>(s.rows.const_data_ptr()), s.write_count, row_bytes, nullptr, 0);
-  }
+  data_.narrow(0, s.write_offset, s.write_count).copy_(s.rows.narrow(0, 0, s.write_count));
   io_.host_copy_s += seconds_since(t0);
   io_.bytes_to_host += s.write_count * data_.size(1) * 2;
   s.write_count = 0;
@@ -293,12 +270,12 @@ at::Tensor ActivationCache::read(const at::Tensor& index) const {
     TORCH_CHECK(p[i] >= 0 && p[i] < size(), "cache read of row ", p[i], " outside the cache of ", size(), " rows");
   }
   return staged_read(idx.numel(), [&](at::Tensor& rows) {
-    if (host_copy_aten()) {
+    if (host_gather_aten()) {
       at::index_select_out(rows, data_, 0, idx);
       return;
     }
-    copy_rows(static_cast<std::byte*>(rows.data_ptr()), static_cast<const std::byte*>(data_.const_data_ptr()),
-              idx.numel(), data_.size(1) * 2, p, 0);
+    gather_rows(static_cast<std::byte*>(rows.data_ptr()), static_cast<const std::byte*>(data_.const_data_ptr()),
+                idx.numel(), data_.size(1) * 2, p);
   });
 }
 
@@ -306,14 +283,7 @@ at::Tensor ActivationCache::read_range(int64_t offset, int64_t count) const {
   if (!staged_) return unpack(data_.narrow(0, offset, count).to(device_));
   TORCH_CHECK(offset >= 0 && count >= 0 && offset + count <= size(), "cache read [", offset, ", ", offset + count,
               ") is outside the cache of ", size(), " rows");
-  return staged_read(count, [&](at::Tensor& rows) {
-    if (host_copy_aten()) {
-      rows.copy_(data_.narrow(0, offset, count));
-      return;
-    }
-    copy_rows(static_cast<std::byte*>(rows.data_ptr()), static_cast<const std::byte*>(data_.const_data_ptr()), count,
-              data_.size(1) * 2, nullptr, offset);
-  });
+  return staged_read(count, [&](at::Tensor& rows) { rows.copy_(data_.narrow(0, offset, count)); });
 }
 
 }  // namespace triaccel

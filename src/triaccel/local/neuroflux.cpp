@@ -705,6 +705,11 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     // The graph's pool goes back before the cache pass, which needs the room (a 0.45 GB ResNet-18 run ran out of
     // memory in its first pass beside it).
     const bool cuda_graph_at_end = graph.captured();
+    // The block's gradients were allocated in the graph's pool: while they live, its segments cannot be freed (an
+    // EfficientNet-B0 run at 0.5 GB ran out of memory in a later pass at batch 2 with the finished blocks' pools held).
+    for (const auto& p : params) {
+      if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
+    }
     graph.drop();
     memory_cache_release(device);
     const auto [cache_s, place] = advance(b);
