@@ -349,6 +349,24 @@ TEST(NeuroFluxTest, StagedCopiesWaitForTheCallersStream) {
 #endif
 }
 
+// Prefilled host buffers (faulted in on background threads) are in the pool once the prefill is done, and the next
+// caches take them instead of fresh memory.
+TEST(NeuroFluxTest, HostPoolPrefillServesTheNextCaches) {
+  ActivationCache::host_pool_release();
+  const c10::Device cpu(c10::kCPU);
+  ActivationCache::host_pool_prefill({100 * 1024, 1100 * 1024});  // one of them big enough for huge pages
+  EXPECT_EQ(ActivationCache::host_pool_bytes(), 1200 * 1024 * 2);
+  {
+    ActivationCache train(1100, {16, 8, 8}, CachePlace::kHost, cpu, true);
+    EXPECT_EQ(ActivationCache::host_pool_bytes(), 100 * 1024 * 2);
+    ActivationCache hold(90, {16, 8, 8}, CachePlace::kHost, cpu, true);
+    EXPECT_EQ(ActivationCache::host_pool_bytes(), 0);
+    train.write(1000, at::full({100, 16, 8, 8}, 3.0));
+    EXPECT_EQ(train.read_range(1000, 100).sum().item<double>(), 3.0 * 100 * 1024);
+  }
+  ActivationCache::host_pool_release();
+}
+
 // The host workers behind the cache's gathers: every part runs exactly once, on several threads when there are
 // several, run after run (the pool is reused), and nothing runs for zero parts.
 TEST(NeuroFluxTest, HostWorkersRunEveryPartOnce) {

@@ -17,6 +17,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #ifdef TRIACCEL_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -502,6 +503,49 @@ TEST(TrainStepCudaTest, CaptureOutOfMemoryRunsTheStepEagerly) {
   };
   const auto with_failed_graph = train(true);
   EXPECT_EQ(capture_attempts, 1);  // steps 4-6 did not try again
+  const auto eager = train(false);
+  EXPECT_LT(worst_relative_difference(with_failed_graph, eager), 1e-5);
+#endif
+}
+
+// A capture that fails by an error (here a synchronizing read, which a capture refuses, after 64 MB were allocated
+// in the graph's pool): the step runs eagerly, the error is named, no out-of-memory is counted, and the graph's pool
+// is given back — after the run, emptying the cache returns the device to where it started (a leaked pool keeps its
+// 64 MB reserved).
+TEST(TrainStepCudaTest, CaptureErrorRunsTheStepEagerlyAndFreesThePool) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const DeterministicCudnn deterministic;
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  const c10::Device cuda(c10::kCUDA, 0);
+  const auto reserved = []() {
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(0).reserved_bytes[0].current;
+  };
+  const int64_t before = reserved();
+  auto train = [&](bool graphs) {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    const auto model = resnet18_on_gpu(cuda, &named);
+    Sgd sgd(named, SgdOptions{});
+    LossScaler scaler(LossScalerOptions{}, cuda);
+    StepOptions so;
+    so.precision = PrecisionMode::kAmpBF16;
+    so.cuda_graphs = graphs;
+    so.graph_batch_size = 16;
+    so.warmup_steps = 2;
+    so.during_capture = [&cuda]() {
+      const at::Tensor in_pool = at::ones({16 << 20}, at::TensorOptions().device(cuda));
+      (void)in_pool.sum().item<float>();  // not allowed while capturing
+    };
+    TrainStep step(*model, sgd, scaler, so, cuda);
+    auto out = six_steps(step, *model, cuda, 0.02);
+    EXPECT_FALSE(step.graph_captured());
+    EXPECT_EQ(step.graph_capture_ooms(), 0);
+    EXPECT_EQ(step.graph_capture_error().empty(), !graphs);
+    return out;
+  };
+  const auto with_failed_graph = train(true);
+  EXPECT_LE(reserved(), before + (4 << 20));
   const auto eager = train(false);
   EXPECT_LT(worst_relative_difference(with_failed_graph, eager), 1e-5);
 #endif

@@ -14,7 +14,9 @@
 #include <cstring>
 #include <string>
 #include <functional>
+#include <future>
 #include <mutex>
+#include <thread>
 #include <numeric>
 
 #ifdef __linux__
@@ -87,8 +89,17 @@ at::Tensor host_rows_alloc(int64_t samples, int64_t row) {
   return at::empty({samples, row}, options);
 }
 
+// The prefill under way (host_pool_prefill); waited for before the pool is looked at.
+std::mutex prefill_mutex;
+std::future<void> prefill;
+void prefill_wait() {
+  const std::lock_guard<std::mutex> lock(prefill_mutex);
+  if (prefill.valid()) prefill.get();
+}
+
 at::Tensor host_rows_take(int64_t samples, int64_t row) {
   const int64_t n = samples * row;
+  prefill_wait();
   {
     const std::lock_guard<std::mutex> lock(host_pool_mutex);
     auto best = host_pool.end();
@@ -119,11 +130,38 @@ void host_rows_give(const at::Tensor& rows) {
 }  // namespace
 
 void ActivationCache::host_pool_release() {
+  prefill_wait();
   const std::lock_guard<std::mutex> lock(host_pool_mutex);
   host_pool.clear();
 }
 
+void ActivationCache::host_pool_prefill(const std::vector<int64_t>& numels) {
+  prefill_wait();
+  const std::lock_guard<std::mutex> lock(prefill_mutex);
+  prefill = std::async(std::launch::async, [numels]() {
+    std::vector<at::Tensor> bufs;
+    for (int64_t n : numels) bufs.push_back(host_rows_alloc(n, 1).view({n}));
+    // One write per 4 KB page, the pages split over a few threads (the kernel zeroes each page it faults in).
+    constexpr int kThreads = 8;
+    constexpr int64_t kPage = 4096;
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&bufs, t]() {
+        for (const auto& b : bufs) {
+          auto* p = static_cast<volatile char*>(b.data_ptr());
+          const int64_t pages = (b.numel() * 2 + kPage - 1) / kPage;
+          for (int64_t i = pages * t / kThreads; i < pages * (t + 1) / kThreads; ++i) p[i * kPage] = 0;
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    const std::lock_guard<std::mutex> pool_lock(host_pool_mutex);
+    for (auto& b : bufs) host_pool.push_back(b);
+  });
+}
+
 int64_t ActivationCache::host_pool_bytes() {
+  prefill_wait();
   const std::lock_guard<std::mutex> lock(host_pool_mutex);
   int64_t bytes = 0;
   for (const auto& t : host_pool) bytes += t.numel() * 2;

@@ -458,6 +458,18 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     memory_cap.emplace(device, options.vram_budget_bytes());
   }
   memory_stats_reset_peak(device);
+  // The first two cache passes' host caches are faulted in on background threads while block 0 trains (a cache
+  // whose splits together exceed the budget cannot go to the GPU; ActivationCache::host_pool_prefill).
+  if (device.is_cuda() && blocks_done == 0 && plan.blocks.size() > 1) {
+    std::vector<int64_t> numels;
+    for (size_t b = 0; b < std::min<size_t>(2, plan.blocks.size() - 1); ++b) {
+      const std::vector<int64_t>& shape = profile.units[static_cast<size_t>(plan.blocks[b].end - 1)].out_shape;
+      const int64_t n_all = n_train + n_hold + data.test.size();
+      if (static_cast<double>(ActivationCache::bytes_for(n_all, shape)) <= budget) continue;
+      for (const int64_t n : {n_hold, data.test.size(), n_train}) numels.push_back(ActivationCache::bytes_for(n, shape) / 2);
+    }
+    if (!numels.empty()) ActivationCache::host_pool_prefill(numels);
+  }
 
   // Per-unit exit accuracies on the held-out and test splits, filled as blocks finish.
   std::vector<double> hold_acc(static_cast<size_t>(n_units), 0), test_acc(static_cast<size_t>(n_units), 0);

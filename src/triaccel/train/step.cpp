@@ -8,6 +8,7 @@
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
 #endif
 
@@ -207,48 +208,58 @@ void TrainStep::grads_release() {
 std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body, std::string* error) {
   c10::cuda::CUDACachingAllocator::emptyCache();
   auto graph = std::make_unique<at::cuda::CUDAGraph>();
-  // Ends a failed capture so the stream leaves capture mode (ending an invalidated capture throws too; that error
-  // says nothing new).
-  const auto end_failed = [&graph]() {
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  const auto note = [error](const c10::Error& e) {
+    if (!error) return;
+    const std::string what = e.what_without_backtrace();
+    *error = what.substr(0, what.find('\n'));
+  };
+  // Gives up a failed capture. When capture_end itself failed (an invalidated capture), ATen has not handed the
+  // stream's allocations back from the graph's pool, and CUDAGraph::reset releases only pools of captures that
+  // ended: both are done here, else every later allocation on this stream goes to a pool that is never freed (an
+  // EfficientNet-B0 run at 0.5 GB then ran out of memory at any batch, two blocks after a failed capture).
+  const auto abandon = [&](bool ended) {
+    if (!ended) {
+      (void)cudaGetLastError();
+      try {
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, graph->pool());
+      } catch (const c10::Error&) {  // already handed back
+      }
+      try {
+        c10::cuda::CUDACachingAllocator::releasePool(device, graph->pool());
+      } catch (const c10::Error&) {
+      }
+    }
+    graph.reset();
+    c10::cuda::CUDACachingAllocator::emptyCache();
+  };
+  const auto end = [&]() {  // true when the capture ended (the stream left capture mode and the pool was handed back)
     try {
       graph->capture_end();
-    } catch (...) {
+      return true;
+    } catch (const c10::Error& e) {
+      note(e);
+      return false;
     }
   };
+  graph->capture_begin();
   try {
-    graph->capture_begin();
-    try {
-      body();
-    } catch (...) {
-      end_failed();
-      throw;
-    }
+    body();
   } catch (const c10::OutOfMemoryError&) {
-    graph.reset();
-    c10::cuda::CUDACachingAllocator::emptyCache();
+    abandon(end());
+    if (error) error->clear();  // out of memory: not an error to report
     return nullptr;
   } catch (const c10::Error& e) {
-    // Not an out-of-memory error: an operation the capture refused (its error may surface only at a later call).
-    // Run eagerly: a step that cannot run at all raises its error again there.
-    (void)cudaGetLastError();
-    if (error) {
-      const std::string what = e.what_without_backtrace();
-      *error = what.substr(0, what.find('\n'));
-    }
-    graph.reset();
-    c10::cuda::CUDACachingAllocator::emptyCache();
+    // An operation the capture refused (its error may surface only at a later call). Run eagerly: a step that
+    // cannot run at all raises its error again there.
+    note(e);
+    std::string first = error ? *error : std::string();
+    abandon(end());
+    if (error) *error = first;
     return nullptr;
   }
-  try {
-    graph->capture_end();
-  } catch (const c10::Error& e) {
-    (void)cudaGetLastError();
-    if (error) {
-      const std::string what = e.what_without_backtrace();
-      *error = what.substr(0, what.find('\n'));
-    }
-    graph.reset();
-    c10::cuda::CUDACachingAllocator::emptyCache();
+  if (!end()) {
+    abandon(false);
     return nullptr;
   }
   return graph;
