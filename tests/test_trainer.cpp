@@ -510,8 +510,8 @@ TEST(TrainStepCudaTest, CaptureOutOfMemoryRunsTheStepEagerly) {
 
 // A capture that fails by an error (here a synchronizing read, which a capture refuses, after 64 MB were allocated
 // in the graph's pool): the step runs eagerly, the error is named, no out-of-memory is counted, and the graph's pool
-// is given back — after the run, emptying the cache returns the device to where it started (a leaked pool keeps its
-// 64 MB reserved).
+// is given back — after the run, emptying the cache leaves no more reserved than after the same eager run (a leaked
+// pool keeps its 64 MB).
 TEST(TrainStepCudaTest, CaptureErrorRunsTheStepEagerlyAndFreesThePool) {
   TRIACCEL_SKIP_WITHOUT_GPU();
 #ifdef TRIACCEL_WITH_CUDA
@@ -522,7 +522,6 @@ TEST(TrainStepCudaTest, CaptureErrorRunsTheStepEagerlyAndFreesThePool) {
     c10::cuda::CUDACachingAllocator::emptyCache();
     return c10::cuda::CUDACachingAllocator::getDeviceStats(0).reserved_bytes[0].current;
   };
-  const int64_t before = reserved();
   auto train = [&](bool graphs) {
     std::vector<std::pair<std::string, at::Tensor>> named;
     const auto model = resnet18_on_gpu(cuda, &named);
@@ -544,9 +543,10 @@ TEST(TrainStepCudaTest, CaptureErrorRunsTheStepEagerlyAndFreesThePool) {
     EXPECT_EQ(step.graph_capture_error().empty(), !graphs);
     return out;
   };
+  const auto eager = train(false);  // first: library workspaces (cuBLAS, cuDNN) stay reserved after it
+  const int64_t after_eager = reserved();
   const auto with_failed_graph = train(true);
-  EXPECT_LE(reserved(), before + (4 << 20));
-  const auto eager = train(false);
+  EXPECT_LT(reserved() - after_eager, int64_t{32} << 20);  // the failed capture's 64 MB went back
   EXPECT_LT(worst_relative_difference(with_failed_graph, eager), 1e-5);
 #endif
 }

@@ -214,21 +214,27 @@ std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void
     const std::string what = e.what_without_backtrace();
     *error = what.substr(0, what.find('\n'));
   };
-  // Gives up a failed capture. When capture_end itself failed (an invalidated capture), ATen has not handed the
-  // stream's allocations back from the graph's pool, and CUDAGraph::reset releases only pools of captures that
-  // ended: both are done here, else every later allocation on this stream goes to a pool that is never freed (an
-  // EfficientNet-B0 run at 0.5 GB then ran out of memory at any batch, two blocks after a failed capture).
+  // Gives up a failed capture. When capture_end itself failed (an invalidated capture), ATen 2.11 has not ended the
+  // allocator's routing to the graph's pool, and CUDAGraph::reset releases only pools of captures that ended: both are
+  // done here. Else the allocator counts a capture under way for good (it then defers frees and stops processing
+  // events) and the pool is never freed: an EfficientNet-B0 run at 0.5 GB ran out of memory at any batch two blocks
+  // after a failed capture, and a later capture in the same process failed. The pool's id is ours
+  // (CUDAGraph::pool() refuses to name it before a capture ended).
+  const at::cuda::MempoolId_t pool = at::cuda::graph_pool_handle();
   const auto abandon = [&](bool ended) {
     if (!ended) {
       (void)cudaGetLastError();
-      try {
-        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, graph->pool());
+      try {  // capture_end threw before handing the stream back: the allocator still counts a capture under way
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
       } catch (const c10::Error&) {  // already handed back
       }
+      bool capture_ended = true;
       try {
-        c10::cuda::CUDACachingAllocator::releasePool(device, graph->pool());
+        (void)graph->pool();  // throws unless the capture ended, in which case CUDAGraph::reset releases the pool
       } catch (const c10::Error&) {
+        capture_ended = false;
       }
+      if (!capture_ended) c10::cuda::CUDACachingAllocator::releasePool(device, pool);
     }
     graph.reset();
     c10::cuda::CUDACachingAllocator::emptyCache();
@@ -242,7 +248,7 @@ std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void
       return false;
     }
   };
-  graph->capture_begin();
+  graph->capture_begin(pool);
   try {
     body();
   } catch (const c10::OutOfMemoryError&) {
