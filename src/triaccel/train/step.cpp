@@ -5,7 +5,9 @@
 #include <torch/autograd.h>
 
 #include <limits>
+#include <mutex>
 #ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -235,6 +237,14 @@ std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void
         capture_ended = false;
       }
       if (!capture_ended) c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+      // The default CUDA generator stays in capture mode too (its capture epilogue never ran): the next random op
+      // outside a capture failed ("Offset increment outside graph capture", EfficientNet-B0's dropout). It gets a
+      // fresh state with the same seed and offset.
+      at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device);
+      const std::lock_guard<std::mutex> lock(gen.mutex());
+      auto* impl = at::check_generator<at::CUDAGeneratorImpl>(gen);
+      impl->graphsafe_set_state(c10::make_intrusive<at::CUDAGeneratorImpl>(
+          device, c10::make_intrusive<at::CUDAGeneratorState>(impl->current_seed(), impl->philox_offset_per_thread())));
     }
     graph.reset();
     c10::cuda::CUDACachingAllocator::emptyCache();
