@@ -12,14 +12,18 @@ import time
 import torch
 
 
-def rate(nbytes, fn, iters):
+def seconds_per_call(fn, iters):
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     torch.cuda.synchronize()
-    return nbytes * iters / (time.perf_counter() - t0) / 1e9
+    return (time.perf_counter() - t0) / iters
+
+
+def rate(nbytes, fn, iters):
+    return nbytes / seconds_per_call(fn, iters) / 1e9
 
 
 def main():
@@ -86,13 +90,7 @@ def main():
     m = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 
     def timed(fn, iters=50):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / iters * 1e3
+        return seconds_per_call(fn, iters) * 1e3
 
     out["matmul_ms"] = timed(lambda: m @ m)
     out["copy_ms"] = timed(lambda: dev.copy_(pinned, non_blocking=True))
