@@ -6,6 +6,7 @@
 
 #include <limits>
 #include <mutex>
+#include <optional>
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -211,10 +212,9 @@ std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void
   c10::cuda::CUDACachingAllocator::emptyCache();
   auto graph = std::make_unique<at::cuda::CUDAGraph>();
   const c10::DeviceIndex device = c10::cuda::current_device();
-  const auto note = [error](const c10::Error& e) {
-    if (!error) return;
+  const auto first_line = [](const c10::Error& e) {
     const std::string what = e.what_without_backtrace();
-    *error = what.substr(0, what.find('\n'));
+    return what.substr(0, what.find('\n'));
   };
   // Gives up a failed capture. When capture_end itself failed (an invalidated capture), ATen 2.11 has not ended the
   // allocator's routing to the graph's pool, and CUDAGraph::reset releases only pools of captures that ended: both are
@@ -249,32 +249,31 @@ std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void
     graph.reset();
     c10::cuda::CUDACachingAllocator::emptyCache();
   };
-  const auto end = [&]() {  // true when the capture ended (the stream left capture mode and the pool was handed back)
+  // Ends the capture: nullopt when it ended (the stream left capture mode and the pool was handed back), else the
+  // first line of capture_end's error.
+  const auto end = [&]() -> std::optional<std::string> {
     try {
       graph->capture_end();
-      return true;
+      return std::nullopt;
     } catch (const c10::Error& e) {
-      note(e);
-      return false;
+      return first_line(e);
     }
   };
   graph->capture_begin(pool);
   try {
     body();
   } catch (const c10::OutOfMemoryError&) {
-    abandon(end());
-    if (error) error->clear();  // out of memory: not an error to report
+    abandon(!end().has_value());  // out of memory: not an error to report
     return nullptr;
   } catch (const c10::Error& e) {
     // An operation the capture refused (its error may surface only at a later call). Run eagerly: a step that
     // cannot run at all raises its error again there.
-    note(e);
-    std::string first = error ? *error : std::string();
-    abandon(end());
-    if (error) *error = first;
+    if (error) *error = first_line(e);
+    abandon(!end().has_value());
     return nullptr;
   }
-  if (!end()) {
+  if (const auto end_error = end()) {
+    if (error) *error = *end_error;
     abandon(false);
     return nullptr;
   }
