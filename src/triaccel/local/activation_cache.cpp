@@ -10,14 +10,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <functional>
 #include <future>
 #include <mutex>
-#include <thread>
 #include <numeric>
+#include <thread>
 
 #ifdef __linux__
 #include <sys/mman.h>
@@ -47,15 +45,6 @@ constexpr size_t kHostPoolKeep = 3;
 // about 1 MB. Measured on the H100 machine (16 threads; bench/probe_host_transfer.py): ATen's index_select gathered
 // 128 KB bf16 rows at 8.7 GB/s (7.7 with one thread), while one thread's memcpy moves 11.6 GB/s and ATen's copy_ of
 // a contiguous range 167 GB/s with all threads — so contiguous ranges use copy_, and gathers this.
-// TRIACCEL_HOST_COPY=aten gathers with index_select instead (a diagnostic, for that A/B).
-bool host_gather_aten() {
-  static const bool aten = [] {
-    const char* v = std::getenv("TRIACCEL_HOST_COPY");
-    return v != nullptr && std::string(v) == "aten";
-  }();
-  return aten;
-}
-
 void gather_rows(std::byte* dst, const std::byte* src, int64_t n, int64_t row_bytes, const int64_t* index) {
   const int64_t piece = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(row_bytes, 1));
   host_parallel((n + piece - 1) / piece, [&](int64_t part) {
@@ -141,7 +130,8 @@ void ActivationCache::host_pool_prefill(const std::vector<int64_t>& numels) {
   prefill = std::async(std::launch::async, [numels]() {
     std::vector<at::Tensor> bufs;
     for (int64_t n : numels) bufs.push_back(host_rows_alloc(n, 1).view({n}));
-    // One write per 4 KB page, the pages split over a few threads (the kernel zeroes each page it faults in).
+    // One write per 4 KB page, the pages split over a few threads of its own (the kernel zeroes each page it faults
+    // in); not the host workers, which serve one caller at a time: the block's gathers would wait for the prefill.
     constexpr int kThreads = 8;
     constexpr int64_t kPage = 4096;
     std::vector<std::thread> threads;
@@ -166,6 +156,19 @@ int64_t ActivationCache::host_pool_bytes() {
   int64_t bytes = 0;
   for (const auto& t : host_pool) bytes += t.numel() * 2;
   return bytes;
+}
+
+ActivationCache::IoStats& ActivationCache::IoStats::operator+=(const IoStats& o) {
+  host_copy_s += o.host_copy_s;
+  wait_s += o.wait_s;
+  bytes_to_device += o.bytes_to_device;
+  bytes_to_host += o.bytes_to_host;
+  return *this;
+}
+
+ActivationCache::IoStats ActivationCache::IoStats::operator-(const IoStats& o) const {
+  return IoStats{host_copy_s - o.host_copy_s, wait_s - o.wait_s, bytes_to_device - o.bytes_to_device,
+                 bytes_to_host - o.bytes_to_host};
 }
 
 ActivationCache::~ActivationCache() {
@@ -199,11 +202,7 @@ ActivationCache::ActivationCache(int64_t samples, const std::vector<int64_t>& sa
 ActivationCache::Staging& ActivationCache::staging_take(int64_t count) const {
   Staging& s = staging_[next_staging_];
   next_staging_ = 1 - next_staging_;
-  if (s.done) {
-    const auto t0 = std::chrono::steady_clock::now();
-    s.done->synchronize();
-    io_.wait_s += seconds_since(t0);
-  }
+  if (s.done) wait(s);
   store(s);
   if (!s.rows.defined() || s.rows.size(0) < count) {
     s.rows = at::empty({count, data_.size(1)}, data_.options().pinned_memory(true));
@@ -214,6 +213,12 @@ ActivationCache::Staging& ActivationCache::staging_take(int64_t count) const {
 void ActivationCache::staging_release(Staging& s, const c10::Stream& stream) const {
   if (!s.done) s.done.emplace(device_.type());
   s.done->record(stream);
+}
+
+void ActivationCache::wait(Staging& s) const {
+  const auto t0 = std::chrono::steady_clock::now();
+  s.done->synchronize();
+  io_.wait_s += seconds_since(t0);
 }
 
 void ActivationCache::store(Staging& s) const {
@@ -230,9 +235,7 @@ void ActivationCache::flush() const {
   for (int k = 0; k < 2; ++k) {
     Staging& s = staging_[(next_staging_ + static_cast<size_t>(k)) % 2];
     if (s.write_count == 0) continue;
-    const auto t0 = std::chrono::steady_clock::now();
-    s.done->synchronize();
-    io_.wait_s += seconds_since(t0);
+    wait(s);
     store(s);
   }
 }
@@ -308,10 +311,6 @@ at::Tensor ActivationCache::read(const at::Tensor& index) const {
     TORCH_CHECK(p[i] >= 0 && p[i] < size(), "cache read of row ", p[i], " outside the cache of ", size(), " rows");
   }
   return staged_read(idx.numel(), [&](at::Tensor& rows) {
-    if (host_gather_aten()) {
-      at::index_select_out(rows, data_, 0, idx);
-      return;
-    }
     gather_rows(static_cast<std::byte*>(rows.data_ptr()), static_cast<const std::byte*>(data_.const_data_ptr()),
                 idx.numel(), data_.size(1) * 2, p);
   });

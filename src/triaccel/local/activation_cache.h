@@ -70,6 +70,8 @@ class ActivationCache {
     double wait_s = 0;
     int64_t bytes_to_device = 0;
     int64_t bytes_to_host = 0;
+    IoStats& operator+=(const IoStats& o);
+    IoStats operator-(const IoStats& o) const;  // what was added since o (an earlier reading of the same cache)
   };
   const IoStats& io_stats() const { return io_; }
 
@@ -86,6 +88,7 @@ class ActivationCache {
   Staging& staging_take(int64_t count) const;
   void staging_release(Staging& s, const c10::Stream& stream) const;  // records `done` on `stream`
   void store(Staging& s) const;            // a finished write from s.rows into data_
+  void wait(Staging& s) const;             // for s's last copy (counted in io_.wait_s)
   // Host rows put into a staging buffer by `fill` ((count, row) bf16), copied to device_ without waiting.
   at::Tensor staged_read(int64_t count, const std::function<void(at::Tensor&)>& fill) const;
 

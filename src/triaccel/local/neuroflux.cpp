@@ -480,12 +480,6 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   // Runs block b's units (eval, no grad) over every split's input: exit accuracies of its units; when the block is
   // not the last, its outputs become the next block's input caches. Returns the seconds spent.
   ActivationCache::IoStats pass_io;  // host caches' transfers in the last advance
-  const auto io_add = [](ActivationCache::IoStats& to, const ActivationCache::IoStats& a, double sign) {
-    to.host_copy_s += sign * a.host_copy_s;
-    to.wait_s += sign * a.wait_s;
-    to.bytes_to_device += static_cast<int64_t>(sign) * a.bytes_to_device;
-    to.bytes_to_host += static_cast<int64_t>(sign) * a.bytes_to_host;
-  };
   const auto io_json = [](const ActivationCache::IoStats& a) {
     return Json{{"host_copy_s", a.host_copy_s}, {"wait_s", a.wait_s}, {"gb_to_device", static_cast<double>(a.bytes_to_device) / kGB},
                 {"gb_to_host", static_cast<double>(a.bytes_to_host) / kGB}};
@@ -516,7 +510,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
       SplitInput& in = *inputs[s];
       if (last && s == 2) break;  // the last block writes no cache, and exits are not scored on the training split
       const int64_t n = in.size();
-      if (in.cache) io_add(pass_io, in.cache->io_stats(), -1.0);
+      const ActivationCache::IoStats in_before = in.cache ? in.cache->io_stats() : ActivationCache::IoStats{};
       std::unique_ptr<ActivationCache> out;
       if (!last) out = std::make_unique<ActivationCache>(n, out_shape, place, device, plain_lo.channels_last);
       at::Tensor correct = at::zeros({bp.end - bp.first}, at::TensorOptions().dtype(at::kFloat).device(device));
@@ -551,10 +545,10 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
           (*accs[s])[static_cast<size_t>(u)] = 100.0 * c[u - bp.first].item<double>() / static_cast<double>(n);
         }
       }
-      if (in.cache) io_add(pass_io, in.cache->io_stats(), 1.0);
+      if (in.cache) pass_io += in.cache->io_stats() - in_before;
       if (out) {
         out->flush();
-        io_add(pass_io, out->io_stats(), 1.0);
+        pass_io += out->io_stats();
         in.loader.reset();
         in.cache = std::move(out);
       }
@@ -640,8 +634,9 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     };
     BlockGraph graph;
     graph.enabled = device.is_cuda() && options.cuda_graphs;
-    ActivationCache::IoStats train_io;  // the input cache's transfers while the block trains
-    if (train_in.cache) io_add(train_io, train_in.cache->io_stats(), -1.0);
+    // The input cache's transfers while the block trains: its counters now, subtracted when it has trained.
+    const ActivationCache::IoStats train_before =
+        train_in.cache ? train_in.cache->io_stats() : ActivationCache::IoStats{};
     for (int64_t epoch = 0; epoch < options.epochs; ++epoch) {
       const uint64_t epoch_seed = seed_mix(block_seed, static_cast<uint64_t>(epoch));
       at::Tensor order, order_dev, flip;
@@ -713,7 +708,8 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     train_aug.reset();
     const Json input_place = train_in.cache ? Json(cache_place_name(train_in.cache->place())) : Json(nullptr);
     const double train_s = std::accumulate(epoch_times.begin(), epoch_times.end(), 0.0);
-    if (train_in.cache) io_add(train_io, train_in.cache->io_stats(), 1.0);
+    const ActivationCache::IoStats train_io =
+        train_in.cache ? train_in.cache->io_stats() - train_before : ActivationCache::IoStats{};
     // The graph's pool goes back before the cache pass, which needs the room (a 0.45 GB ResNet-18 run ran out of
     // memory in its first pass beside it).
     const bool cuda_graph_at_end = graph.captured();
