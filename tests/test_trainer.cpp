@@ -432,6 +432,33 @@ double worst_relative_difference(const std::vector<at::Tensor>& a, const std::ve
   }
   return worst;
 }
+
+// Six steps (six_steps, lr unit 0.02) of a fresh ResNet-18 with SGD under `so`, capturing at batch 16 after 2 eager
+// steps when `graphs`; the loss scaler on for amp-fp16. The weights after, and what the step says of its graph.
+struct SgdSteps {
+  std::vector<at::Tensor> weights;
+  bool captured = false;
+  int64_t capture_ooms = 0;
+  std::string capture_error;
+};
+SgdSteps six_sgd_steps(const c10::Device& cuda, StepOptions so, bool graphs) {
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  const auto model = resnet18_on_gpu(cuda, &named);
+  Sgd sgd(named, SgdOptions{});
+  LossScalerOptions lso;
+  lso.enabled = so.precision == PrecisionMode::kAmpFP16;
+  LossScaler scaler(lso, cuda);
+  so.cuda_graphs = graphs;
+  so.graph_batch_size = 16;
+  so.warmup_steps = 2;
+  TrainStep step(*model, sgd, scaler, so, cuda);
+  SgdSteps out;
+  out.weights = six_steps(step, *model, cuda, 0.02);
+  out.captured = step.graph_captured();
+  out.capture_ooms = step.graph_capture_ooms();
+  out.capture_error = step.graph_capture_error();
+  return out;
+}
 #endif
 
 // On a GPU, with deterministic cuDNN and no TF32: six steps of ResNet-18 (1×1 downsample convs, channels_last)
@@ -444,29 +471,13 @@ TEST(TrainStepCudaTest, GraphReplayMatchesEagerSteps) {
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
   const c10::Device cuda(c10::kCUDA, 0);
   for (PrecisionMode precision : {PrecisionMode::kFP32, PrecisionMode::kAmpBF16, PrecisionMode::kAmpFP16}) {
-    auto train = [&](bool graphs, bool* captured) {
-      std::vector<std::pair<std::string, at::Tensor>> named;
-      const auto model = resnet18_on_gpu(cuda, &named);
-      Sgd sgd(named, SgdOptions{});
-      LossScalerOptions lso;
-      lso.enabled = precision == PrecisionMode::kAmpFP16;
-      LossScaler scaler(lso, cuda);
-      StepOptions so;
-      so.precision = precision;
-      so.cuda_graphs = graphs;
-      so.graph_batch_size = 16;
-      so.warmup_steps = 2;
-      TrainStep step(*model, sgd, scaler, so, cuda);
-      auto out = six_steps(step, *model, cuda, 0.02);
-      *captured = step.graph_captured();
-      return out;
-    };
-    bool captured_graph = false, captured_eager = true;
-    const auto with_graph = train(true, &captured_graph);
-    const auto eager = train(false, &captured_eager);
-    EXPECT_TRUE(captured_graph);
-    EXPECT_FALSE(captured_eager);
-    EXPECT_LT(worst_relative_difference(with_graph, eager), 1e-5) << precision_mode_name(precision);
+    StepOptions so;
+    so.precision = precision;
+    const SgdSteps with_graph = six_sgd_steps(cuda, so, true);
+    const SgdSteps eager = six_sgd_steps(cuda, so, false);
+    EXPECT_TRUE(with_graph.captured);
+    EXPECT_FALSE(eager.captured);
+    EXPECT_LT(worst_relative_difference(with_graph.weights, eager.weights), 1e-5) << precision_mode_name(precision);
   }
 #endif
 }
@@ -481,30 +492,19 @@ TEST(TrainStepCudaTest, CaptureOutOfMemoryRunsTheStepEagerly) {
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
   const c10::Device cuda(c10::kCUDA, 0);
   int capture_attempts = 0;
-  auto train = [&](bool graphs) {
-    std::vector<std::pair<std::string, at::Tensor>> named;
-    const auto model = resnet18_on_gpu(cuda, &named);
-    Sgd sgd(named, SgdOptions{});
-    LossScaler scaler(LossScalerOptions{}, cuda);
-    StepOptions so;
-    so.precision = PrecisionMode::kAmpBF16;
-    so.cuda_graphs = graphs;
-    so.graph_batch_size = 16;
-    so.warmup_steps = 2;
-    so.during_capture = [&capture_attempts]() {
-      ++capture_attempts;
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "test: no room for the graph's pool");
-    };
-    TrainStep step(*model, sgd, scaler, so, cuda);
-    auto out = six_steps(step, *model, cuda, 0.02);
-    EXPECT_FALSE(step.graph_captured());
-    EXPECT_EQ(step.graph_capture_ooms(), graphs ? 1 : 0);
-    return out;
+  StepOptions so;
+  so.precision = PrecisionMode::kAmpBF16;
+  so.during_capture = [&capture_attempts]() {
+    ++capture_attempts;
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "test: no room for the graph's pool");
   };
-  const auto with_failed_graph = train(true);
+  const SgdSteps with_failed_graph = six_sgd_steps(cuda, so, true);
   EXPECT_EQ(capture_attempts, 1);  // steps 4-6 did not try again
-  const auto eager = train(false);
-  EXPECT_LT(worst_relative_difference(with_failed_graph, eager), 1e-5);
+  const SgdSteps eager = six_sgd_steps(cuda, so, false);
+  for (const SgdSteps* run : {&with_failed_graph, &eager}) EXPECT_FALSE(run->captured);
+  EXPECT_EQ(with_failed_graph.capture_ooms, 1);
+  EXPECT_EQ(eager.capture_ooms, 0);
+  EXPECT_LT(worst_relative_difference(with_failed_graph.weights, eager.weights), 1e-5);
 #endif
 }
 
@@ -521,48 +521,31 @@ TEST(TrainStepCudaTest, CaptureErrorRunsTheStepEagerlyAndFreesThePool) {
     c10::cuda::CUDACachingAllocator::emptyCache();
     return c10::cuda::CUDACachingAllocator::getDeviceStats(0).reserved_bytes[0].current;
   };
-  auto train = [&](bool graphs) {
-    std::vector<std::pair<std::string, at::Tensor>> named;
-    const auto model = resnet18_on_gpu(cuda, &named);
-    Sgd sgd(named, SgdOptions{});
-    LossScaler scaler(LossScalerOptions{}, cuda);
-    StepOptions so;
-    so.precision = PrecisionMode::kAmpBF16;
-    so.cuda_graphs = graphs;
-    so.graph_batch_size = 16;
-    so.warmup_steps = 2;
-    so.during_capture = [&cuda]() {
-      const at::Tensor in_pool = at::ones({16 << 20}, at::TensorOptions().device(cuda));
-      (void)in_pool.sum().item<float>();  // not allowed while capturing
-    };
-    TrainStep step(*model, sgd, scaler, so, cuda);
-    auto out = six_steps(step, *model, cuda, 0.02);
-    EXPECT_FALSE(step.graph_captured());
-    EXPECT_EQ(step.graph_capture_ooms(), 0);
-    EXPECT_EQ(step.graph_capture_error().empty(), !graphs);
-    return out;
+  StepOptions so;
+  so.precision = PrecisionMode::kAmpBF16;
+  so.during_capture = [&cuda]() {
+    const at::Tensor in_pool = at::ones({16 << 20}, at::TensorOptions().device(cuda));
+    (void)in_pool.sum().item<float>();  // not allowed while capturing
   };
-  const auto eager = train(false);  // first: library workspaces (cuBLAS, cuDNN) stay reserved after it
+  const SgdSteps eager = six_sgd_steps(cuda, so, false);  // first: library workspaces (cuBLAS, cuDNN) stay reserved
   const int64_t after_eager = reserved();
-  const auto with_failed_graph = train(true);
+  const SgdSteps with_failed_graph = six_sgd_steps(cuda, so, true);
+  for (const SgdSteps* run : {&with_failed_graph, &eager}) {
+    EXPECT_FALSE(run->captured);
+    EXPECT_EQ(run->capture_ooms, 0);
+  }
+  EXPECT_FALSE(with_failed_graph.capture_error.empty());
+  EXPECT_TRUE(eager.capture_error.empty());
   // Without ending the allocator's routing and releasing the pool, 184 MB stayed reserved here (H100) and the next
   // capture in the process failed; what the failed capture itself allocated in the pool (64 MB) still stays.
   EXPECT_LT(reserved() - after_eager, int64_t{128} << 20);
-  EXPECT_LT(worst_relative_difference(with_failed_graph, eager), 1e-5);
+  EXPECT_LT(worst_relative_difference(with_failed_graph.weights, eager.weights), 1e-5);
   // The CUDA generator left capture mode: a random op outside a capture works.
   EXPECT_NO_THROW(at::randn({16}, at::TensorOptions().device(cuda)).sum().item<float>());
   // The process can capture again.
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  const auto model = resnet18_on_gpu(cuda, &named);
-  Sgd sgd(named, SgdOptions{});
-  LossScaler scaler(LossScalerOptions{}, cuda);
-  StepOptions so;
-  so.precision = PrecisionMode::kAmpBF16;
-  so.graph_batch_size = 16;
-  so.warmup_steps = 2;
-  TrainStep step(*model, sgd, scaler, so, cuda);
-  six_steps(step, *model, cuda, 0.02);
-  EXPECT_TRUE(step.graph_captured());
+  StepOptions plain;
+  plain.precision = PrecisionMode::kAmpBF16;
+  EXPECT_TRUE(six_sgd_steps(cuda, plain, true).captured);
 #endif
 }
 
