@@ -120,6 +120,7 @@ Json bench_one(const Config& cfg, int warmup, int steps, int repeats, const c10:
               {"graph_captured", step.graph_captured()},
               {"grad_stats", cfg.grad_stats},
               {"bn_kernel", triaccel::batch_norm_kernel_enabled()},
+              {"cudnn_autotune", at::globalContext().benchmarkCuDNN()},
               {"final_loss_finite", std::isfinite(loss)}};
 }
 
@@ -146,12 +147,15 @@ int main(int argc, char** argv) {
                  "runs LibTorch's BatchNorm, for A/B runs")->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   app.add_option("--grad-stats", grad_stats, "off|on|both: Tri-Accel's fused per-unit gradient statistics in the step "
                  "(both: each configuration without, then with)")->capture_default_str();
+  bool cudnn_autotune = true;
+  app.add_option("--cudnn-autotune", cudnn_autotune, "cuDNN autotuning (false: heuristics, as the trainer uses under "
+                 "a --vram-budget by default)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     TRIACCEL_CHECK_INPUT(torch::cuda::is_available(), "bench_train_throughput needs a CUDA GPU");
     const c10::Device device(c10::kCUDA, 0);
     const c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromPool(false, 0));
-    at::globalContext().setBenchmarkCuDNN(true);
+    at::globalContext().setBenchmarkCuDNN(cudnn_autotune);
     triaccel::batch_norm_kernel_set_enabled(bn_kernel == "on");
     Json rows = Json::array();
     for (const auto& b : split(batches)) {

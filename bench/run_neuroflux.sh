@@ -8,7 +8,8 @@
 # Usage: bash bench/run_neuroflux.sh       env: MODELS ("resnet18 small-cnn"), BUDGETS ("0.5GB 1GB"), PAIRS (model:budget
 #        pairs, e.g. "resnet18:0.5GB efficientnet-b0:0.4GB", run in that order instead of MODELS × BUDGETS), EPOCHS (2),
 #        NF_EXIT_TOL (5: accuracy points the exported exit may lose against NeuroFlux's full network),
-#        DEADLINE (420 s: no new pair after it), COMMIT (the device copy has no .git)
+#        DEADLINE (420 s: no new pair after it), COMMIT (the device copy has no .git),
+#        EXTRA (flags given to both methods' runs, e.g. "--cudnn-autotune on")
 set -uo pipefail
 MODELS=${MODELS:-resnet18 small-cnn}
 BUDGETS=${BUDGETS:-0.5GB 1GB}
@@ -23,7 +24,7 @@ echo "gpu: $GPU"
 device_binaries "$FINAL_OUT"
 cifar10_bin
 
-COMMON=(--dataset cifar10 --data "$DATA" --epochs "$EPOCHS" --precision amp-bf16 --progress lines --log-every 100000)
+COMMON=(--dataset cifar10 --data "$DATA" --epochs "$EPOCHS" --precision amp-bf16 --progress lines --log-every 100000 ${EXTRA:-})
 START=$SECONDS
 DEADLINE=${DEADLINE:-420}   # seconds: no new pair starts after this (the device call is limited to ~8 min)
 if [ -z "${PAIRS:-}" ]; then
@@ -67,9 +68,9 @@ for pair in $PAIRS; do
     "${COMMON[@]}" --out "$bp" 2>&1 | grep -E "^(epoch|done|triaccel)" | tail -5
 done
 
-python3 - "$FINAL_OUT" "$GPU" "${COMMIT:-unknown}" "$PAIRS" "$EPOCHS" "$NF_EXIT_TOL" <<'PY'
+python3 - "$FINAL_OUT" "$GPU" "${COMMIT:-unknown}" "$PAIRS" "$EPOCHS" "$NF_EXIT_TOL" "${EXTRA:-}" <<'PY'
 import json, os, sys
-out, gpu, commit, pairs, epochs, tol = sys.argv[1:7]
+out, gpu, commit, pairs, epochs, tol, extra = sys.argv[1:8]
 def events(path):
     p = os.path.join(path, "events.jsonl")
     return [json.loads(l) for l in open(p)] if os.path.exists(p) else []
@@ -109,7 +110,7 @@ for pair in pairs.split():
         row["both_within_budget"] = row["backprop"]["peak_vram_gb"] <= b and row["neuroflux"]["peak_vram_gb"] <= b
     rows.append(row)
 doc = {"bench": "neuroflux_budgets", "gpu": gpu, "commit": commit,
-       "command": f"PAIRS='{pairs.strip()}' EPOCHS={epochs} NF_EXIT_TOL={tol} bash bench/run_neuroflux.sh",
+       "command": f"PAIRS='{pairs.strip()}' EPOCHS={epochs} NF_EXIT_TOL={tol} EXTRA='{extra}' bash bench/run_neuroflux.sh",
        "rows": rows}
 json.dump(doc, open(f"{out}/neuroflux_budgets.json", "w"), indent=2)
 print(f"{'model':15s} {'budget':6s} {'bp batch':>8s} {'bp acc':>7s} {'bp s':>7s} {'bp GB':>6s} {'nf acc':>7s} {'nf s':>7s} {'nf GB':>6s} {'speedup':>7s} {'exit':>9s} {'exit acc':>8s} {'x fewer':>7s}")

@@ -484,6 +484,10 @@ TEST_F(NeuroFluxRunTest, TrainsBlockByBlockFromTheCacheAndExportsTheExit) {
     if (b > 0) EXPECT_EQ(blocks[b]["input"], "cache");
     EXPECT_EQ(blocks[b]["batch"], plan["blocks"][b]["batch"]);
     EXPECT_EQ(blocks[b]["epochs"], 1);
+    // 231 training rows (256 minus 25 held out) are no multiple of any planned batch here: the last is filled.
+    EXPECT_EQ(blocks[b]["short_steps"], 0) << blocks[b].dump();
+    const int64_t batch = blocks[b]["batch"].get<int64_t>();
+    EXPECT_EQ(blocks[b]["steps"], (231 + batch - 1) / batch);
     units_seen += static_cast<int64_t>(blocks[b]["units"].size());
   }
   EXPECT_EQ(units_seen, 4);
@@ -504,6 +508,30 @@ TEST_F(NeuroFluxRunTest, TrainsBlockByBlockFromTheCacheAndExportsTheExit) {
   EXPECT_TRUE(file_exists(out.file("model.pt")));
   // The local heads learned something on the (random-label) data's training split: loss is finite.
   EXPECT_TRUE(std::isfinite(blocks.back()["local"].back()["train_loss"].get<double>()));
+}
+
+TEST(NeuroFluxTest, ShortBatchesAreWidenedToThePlannedOne) {
+  // Training: only the epoch's short last batch at the planned size is filled, from the epoch's first rows.
+  EXPECT_EQ(epoch_fill(224, 7, 231, 32, 32), 25);
+  EXPECT_EQ(epoch_fill(0, 32, 231, 32, 32), 0);   // a full batch
+  EXPECT_EQ(epoch_fill(224, 7, 231, 16, 32), 0);  // after an out-of-memory retry: eager, short
+  EXPECT_EQ(epoch_fill(0, 7, 7, 32, 32), 0);      // an epoch smaller than the batch
+  // Cache pass: for every split size and batch, each row is scored exactly once and every window has `batch` rows
+  // whenever the split has that many.
+  for (const int64_t n : {1, 7, 31, 32, 33, 100, 231}) {
+    for (const int64_t batch : {1, 8, 32, 64}) {
+      std::vector<int> scored(static_cast<size_t>(n), 0);
+      for (int64_t offset = 0; offset < n;) {
+        const int64_t count = std::min(batch, n - offset);
+        const int64_t skip = pass_skip(offset, count, n, batch);
+        ASSERT_GE(offset - skip, 0);
+        EXPECT_EQ(count + skip, std::min(batch, n)) << "n " << n << " batch " << batch << " offset " << offset;
+        for (int64_t r = offset; r < offset + count; ++r) ++scored[static_cast<size_t>(r)];
+        offset += count;
+      }
+      for (int64_t r = 0; r < n; ++r) EXPECT_EQ(scored[static_cast<size_t>(r)], 1) << "row " << r;
+    }
+  }
 }
 
 TEST_F(NeuroFluxRunTest, ResumeAtABlockBoundaryEndsWithTheSameWeights) {

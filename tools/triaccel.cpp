@@ -148,6 +148,11 @@ struct TrainFlags {
                                         "how the lr follows a batch change (elastic batch, out-of-memory retry): "
                                         "none|linear|sqrt")
                              ->capture_default_str());
+    add("cudnn_autotune", app.add_option("--cudnn-autotune", o.cudnn_autotune,
+                                         "cuDNN algorithms: on (autotune each shape), off (heuristics), auto (on "
+                                         "without --vram-budget, off under one: autotuning's workspace tries fill a "
+                                         "budget, though the cap still holds)")
+                              ->capture_default_str());
     add("optimizer", app.add_option("--optimizer", o.optimizer,
                                     "sgd|adamw|baoc: SGD with momentum; AdamW (fp32 states); BAOC (AdamW warm-up, then "
                                     "per-unit state formats under the budgets). adamw/baoc default to --lr 1e-3 and "

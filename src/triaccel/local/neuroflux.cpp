@@ -171,6 +171,16 @@ at::Tensor neuroflux_block_loss(const Model& model, const std::vector<AuxHead>& 
   return loss;
 }
 
+int64_t epoch_fill(int64_t offset, int64_t count, int64_t n, int64_t batch, int64_t planned) {
+  TORCH_CHECK(offset >= 0 && count > 0 && offset + count <= n && count <= batch, "epoch_fill: bad rows");
+  return batch == planned && count < batch && offset + count == n && n >= batch ? batch - count : 0;
+}
+
+int64_t pass_skip(int64_t offset, int64_t count, int64_t n, int64_t batch) {
+  TORCH_CHECK(offset >= 0 && count > 0 && offset + count <= n && count <= batch, "pass_skip: bad rows");
+  return count < batch && offset + count == n && n >= batch ? batch - count : 0;
+}
+
 int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<int64_t>& params, double tolerance) {
   TORCH_CHECK(!holdout_acc.empty() && holdout_acc.size() == params.size(), "exit_choose: mismatched exits");
   const double reference = holdout_acc.back();
@@ -274,8 +284,9 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
   std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
   if (device.is_cuda()) {
     stream_guard.emplace(c10::cuda::getStreamFromPool(false, device.index()));
-    // As the trainer: cuDNN autotuning's workspace tries would fill a --vram-budget, so heuristics under a budget.
-    at::globalContext().setBenchmarkCuDNN(options.vram_budget.empty());
+    // As the trainer: cuDNN autotuning's workspace tries would fill a --vram-budget, so heuristics under a budget
+    // unless --cudnn-autotune on.
+    at::globalContext().setBenchmarkCuDNN(options.cudnn_autotune_enabled());
   }
 #endif
   torch::manual_seed(options.seed);
@@ -517,16 +528,20 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
       int64_t pass_batch = bp.batch;  // halved when a batch of the pass runs out of memory (it is then redone)
       for (int64_t offset = 0; offset < n;) {
         const int64_t count = std::min(pass_batch, n - offset);
+        // A short last batch runs as the window of pass_batch rows that ends the split (the rows before `offset` are
+        // computed again, neither scored nor written twice): every batch then has the training step's shape, whose
+        // cuDNN plans exist. A new shape costs plan building in every convolution (docs/neuroflux.md).
+        const int64_t skip = pass_skip(offset, count, n, pass_batch);
         try {
           const at::Tensor labels = in.labels.narrow(0, offset, count);
           const AutocastScope autocast(device, options.precision);
-          at::Tensor h = in.rows(offset, count, plain_lo.channels_last);
+          at::Tensor h = in.rows(offset - skip, count + skip, plain_lo.channels_last);
           std::vector<at::Tensor> hits;
           for (int64_t u = bp.first; u < bp.end; ++u) {
             h = units[static_cast<size_t>(u)].forward(h);
-            if (accs[s]) hits.push_back(logits_of(u, h).argmax(1).eq(labels).sum().to(at::kFloat));
+            if (accs[s]) hits.push_back(logits_of(u, h).narrow(0, skip, count).argmax(1).eq(labels).sum().to(at::kFloat));
           }
-          if (out) out->write(offset, h);
+          if (out) out->write(offset, h.narrow(0, skip, count));
           for (size_t k = 0; k < hits.size(); ++k) correct[static_cast<int64_t>(k)].add_(hits[k]);
         } catch (const c10::OutOfMemoryError&) {
           TRIACCEL_CHECK_INPUT(pass_batch > 2, "out of memory in NeuroFlux block ", b,
@@ -614,11 +629,16 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     at::Tensor loss_sum = at::zeros({n_block}, f32), correct = at::zeros({n_block}, f32);
     std::vector<double> epoch_times;
     int64_t block_step = 0;
+    int64_t short_steps = 0;  // steps below the planned batch (only after an out-of-memory retry)
     int64_t batch = bp.batch;  // smaller than planned only after an out-of-memory retry
 
     // One training step of the block on (x, y): local losses, one backward, the fused SGD step (lr read on the
     // device). On CUDA, steps at the planned batch are captured once in a CUDA graph after kGraphWarmup eager ones
-    // and replayed (static input buffers; the epoch's short last batch runs eagerly), as the trainer's step does.
+    // and replayed (static input buffers), as the trainer's step does. The epoch's short last batch is filled up to
+    // the planned batch with the epoch's first samples (they train twice that epoch, and count twice in the local
+    // loss and accuracy): every step has one shape, so it replays the graph, and cuDNN builds plans for no second
+    // shape (on EfficientNet-B0 that building cost seconds per block; docs/neuroflux.md). Only after an
+    // out-of-memory retry (a batch below the planned one) do steps run eagerly with a short last batch.
     const auto body = [&](const at::Tensor& xb, const at::Tensor& yb) {
       for (const auto& p : params) {
         if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
@@ -657,6 +677,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
       const double t_epoch = time_since_start_s();
       for (int64_t offset = 0; offset < n_train;) {
         const int64_t count = std::min(batch, n_train - offset);
+        const int64_t fill = epoch_fill(offset, count, n_train, batch, bp.batch);
         at::Tensor x, y;
         // The schedule follows the data position (on the planned batch's step grid), the lr the batch actually used.
         const int64_t position = (epoch * n_train + offset) / bp.batch;
@@ -664,15 +685,24 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
         try {
           if (train_aug) {
             std::tie(x, y) = train_aug->batch(offset, count);
+            if (fill > 0) {
+              const auto [x0, y0] = train_aug->batch(0, fill);
+              x = at::cat({x, x0});
+              y = at::cat({y, y0});
+            }
           } else {
-            const at::Tensor index_dev = order_dev.narrow(0, offset, count);
+            const auto rows_of = [&](const at::Tensor& idx) {
+              return fill > 0 ? at::cat({idx.narrow(0, offset, count), idx.narrow(0, 0, fill)}) : idx.narrow(0, offset, count);
+            };
+            const at::Tensor index_dev = rows_of(order_dev);
             const bool host = train_in.cache->place() == CachePlace::kHost;
-            x = SplitInput::layout(train_in.cache->read(host ? order.narrow(0, offset, count) : index_dev),
-                                   plain_lo.channels_last);  // (count, C, H, W) float32
+            x = SplitInput::layout(train_in.cache->read(host ? rows_of(order) : index_dev),
+                                   plain_lo.channels_last);  // (count + fill, C, H, W) float32
             y = train_in.labels.index_select(0, index_dev);
             if (flip.defined()) x = at::where(flip.index_select(0, index_dev).view({-1, 1, 1, 1}), x.flip({3}), x);
           }
-          graph.run(body, x, y, count == bp.batch);
+          graph.run(body, x, y, count + fill == bp.batch);
+          if (count + fill < bp.batch) ++short_steps;
         } catch (const c10::OutOfMemoryError&) {
           x = at::Tensor();
           y = at::Tensor();
@@ -739,7 +769,8 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     const bool last = b + 1 == plan.blocks.size();
     events.write("block", step, now(),
                  Json{{"block", b}, {"units", names}, {"batch", bp.batch}, {"final_batch", batch}, {"head_level", bp.head_level},
-                      {"epochs", options.epochs}, {"steps", block_step}, {"train_s", train_s},
+                      {"epochs", options.epochs}, {"steps", block_step},
+                      {"short_steps", short_steps}, {"train_s", train_s},
                       {"epoch_s", train_s / static_cast<double>(options.epochs)}, {"cache_s", cache_s},
                       {"input", b == 0 ? "data" : "cache"},
                       {"input_cache_place", input_place},

@@ -30,6 +30,16 @@ at::Tensor neuroflux_block_loss(const Model& model, const std::vector<AuxHead>& 
 // of the last exit's (the full network's). Exits in unit order; returns an index.
 int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<int64_t>& params, double tolerance);
 
+// One shape per block: a new batch size costs cuDNN plan building in every convolution of the block (seconds per
+// block on EfficientNet-B0 with heuristics), so short batches are widened to the planned one.
+// A training step at rows [offset, offset + count) of an epoch of n rows, at `batch` (planned: `planned`): how many
+// of the epoch's first rows fill it up to the planned batch (0 unless it is the short last one at the planned batch).
+int64_t epoch_fill(int64_t offset, int64_t count, int64_t n, int64_t batch, int64_t planned);
+// A cache-pass batch of `count` rows at `offset` of a split of n rows, at batch `batch`: the rows that run are
+// [offset - skip, offset + count) — the short last batch becomes the window of `batch` rows ending at n — and only
+// [offset, offset + count) are scored and written.
+int64_t pass_skip(int64_t offset, int64_t count, int64_t n, int64_t batch);
+
 // Runs NeuroFlux training; returns the summary event's fields. Throws UserError for bad input (e.g. a budget
 // below the minimum the model needs). hooks.after_step is called after every optimizer step.
 Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks = {});

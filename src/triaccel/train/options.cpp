@@ -86,6 +86,8 @@ void TrainOptions::validate() const {
                        ") must not exceed --tau-high (", tau_high, ")");
   vram_budget_bytes();                 // throws with the flag's name
   lr_batch_rule_parse(lr_batch_rule);  // throws with the flag's name
+  TRIACCEL_CHECK_INPUT(cudnn_autotune == "auto" || cudnn_autotune == "on" || cudnn_autotune == "off",
+                       "--cudnn-autotune must be auto, on or off, got '", cudnn_autotune, "'");
   TRIACCEL_CHECK_INPUT(nf_max_batch >= 2, "--nf-max-batch must be >= 2, got ", nf_max_batch);
   TRIACCEL_CHECK_INPUT(nf_holdout >= 0, "--nf-holdout must be >= 0, got ", nf_holdout);
   TRIACCEL_CHECK_INPUT(nf_exit_tolerance >= 0 && nf_exit_tolerance <= 100,
@@ -158,6 +160,10 @@ int64_t TrainOptions::vram_budget_bytes() const {
   return vram_budget.empty() ? 0 : bytes_parse(vram_budget, "--vram-budget");
 }
 
+bool TrainOptions::cudnn_autotune_enabled() const {
+  return cudnn_autotune == "auto" ? vram_budget.empty() : cudnn_autotune == "on";
+}
+
 bool TrainOptions::augment_enabled() const {
   if (augment == "auto") return dataset == "cifar10" || dataset == "cifar100";
   return augment == "on";
@@ -207,6 +213,7 @@ Json TrainOptions::to_json() const {
               {"nf_exit_tolerance", nf_exit_tolerance},
               {"nf_profile", nf_profile},
               {"lr_batch_rule", lr_batch_rule},
+              {"cudnn_autotune", cudnn_autotune},
               {"optimizer", optimizer},
               {"adam_beta1", adam_beta1},
               {"adam_beta2", adam_beta2},
@@ -284,6 +291,7 @@ TrainOptions TrainOptions::from_json(const Json& j) {
     get("nf_profile", o.nf_profile);
   }
   get("lr_batch_rule", o.lr_batch_rule);
+  if (j.contains("cudnn_autotune")) get("cudnn_autotune", o.cudnn_autotune);  // absent before the flag (auto)
   if (j.contains("optimizer")) {  // absent in checkpoints from before --optimizer (they used SGD)
     get("optimizer", o.optimizer);
     get("adam_beta1", o.adam_beta1);

@@ -283,7 +283,7 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
     stream_guard.emplace(c10::cuda::getStreamFromPool(false, device.index()));
     // cuDNN autotuning tries algorithms with workspaces of gigabytes; under a --vram-budget those tries fill the
     // budget (the elastic batch then reads them as the step's need) and can run out of memory: heuristics instead.
-    at::globalContext().setBenchmarkCuDNN(options.vram_budget.empty());
+    at::globalContext().setBenchmarkCuDNN(options.cudnn_autotune_enabled());
   }
 #endif
 
