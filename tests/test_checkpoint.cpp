@@ -28,14 +28,7 @@ Checkpoint sample_checkpoint() {
   return c;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UserError& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using test::error_of;
 
 TEST(CheckpointTest, RoundTripKeepsEveryTensorAndField) {
   test::TempDir dir("ckpt");

@@ -510,6 +510,21 @@ TEST_F(NeuroFluxRunTest, TrainsBlockByBlockFromTheCacheAndExportsTheExit) {
   EXPECT_TRUE(std::isfinite(blocks.back()["local"].back()["train_loss"].get<double>()));
 }
 
+TEST(NeuroFluxTest, CudnnAutotuneIsOffUnderABudgetUnlessAsked) {
+  TrainOptions o;
+  EXPECT_TRUE(o.cudnn_autotune_enabled());  // auto, no budget
+  o.vram_budget = "0.5GB";
+  EXPECT_FALSE(o.cudnn_autotune_enabled());
+  o.cudnn_autotune = "on";
+  EXPECT_TRUE(o.cudnn_autotune_enabled());
+  o.vram_budget.clear();
+  o.cudnn_autotune = "off";
+  EXPECT_FALSE(o.cudnn_autotune_enabled());
+  EXPECT_EQ(TrainOptions::from_json(o.to_json()).cudnn_autotune, "off");
+  o.cudnn_autotune = "yes";
+  EXPECT_NE(test::error_of([&] { o.validate(); }).find("--cudnn-autotune"), std::string::npos);
+}
+
 TEST(NeuroFluxTest, ShortBatchesAreWidenedToThePlannedOne) {
   // Training: only the epoch's short last batch at the planned size is filled, from the epoch's first rows.
   EXPECT_EQ(epoch_fill(224, 7, 231, 32, 32), 25);

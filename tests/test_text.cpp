@@ -47,14 +47,7 @@ std::string text_sample(int64_t n) {
   return text;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UserError& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 TEST(Text, VocabularyIsSortedDistinctBytesAndRoundTrips) {
   const std::string text = "hello, world!\nHELLO";

@@ -43,12 +43,14 @@ inline bool gpu_available() { return torch::cuda::is_available(); }
 #include <gtest/gtest.h>
 #include <torch/serialize.h>
 
+#include "triaccel/core/errors.h"
 #include "triaccel/core/io.h"
 #include "triaccel/train/options.h"
 #include "triaccel/train/trainer.h"
 
 #include <cstdint>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <utility>
 #include <vector>
@@ -169,5 +171,15 @@ class DeterministicCudnn {
   at::Context& ctx_ = at::globalContext();
   bool det_ = ctx_.deterministicCuDNN(), bench_ = ctx_.benchmarkCuDNN(), tf32_ = ctx_.allowTF32CuDNN();
 };
+
+// The message of the UserError that f throws, or "<no error>".
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
 
 }  // namespace triaccel::test
