@@ -549,6 +549,37 @@ TEST(TrainStepCudaTest, CaptureErrorRunsTheStepEagerlyAndFreesThePool) {
 #endif
 }
 
+// Relaxed capture mode (NeuroFlux's retry after a capture error): a call global mode refuses inside the capture
+// (here a raw cudaMalloc) fails the global capture and is allowed in relaxed mode, whose graph then replays the work.
+TEST(TrainStepCudaTest, RelaxedCaptureAllowsWhatGlobalModeRefuses) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  const auto opts = at::TensorOptions().device(c10::Device(c10::kCUDA, 0));
+  const at::Tensor x = at::arange(1024, opts.dtype(at::kFloat));
+  at::Tensor y = at::zeros({1024}, opts.dtype(at::kFloat));
+  std::vector<void*> raw;
+  const auto body = [&]() {
+    void* p = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&p, 1 << 20));
+    raw.push_back(p);
+    y.copy_(x * 2 + 1);
+  };
+  std::string error;
+  EXPECT_EQ(step_graph_capture(body, &error, /*relaxed=*/false), nullptr);
+  EXPECT_FALSE(error.empty());
+  error.clear();
+  const auto graph = step_graph_capture(body, &error, /*relaxed=*/true);
+  ASSERT_NE(graph, nullptr) << error;
+  EXPECT_EQ(y.sum().item<double>(), 0.0);  // the capture ran nothing
+  graph->replay();
+  EXPECT_TRUE(y.equal(x * 2 + 1));
+  for (void* p : raw) {
+    if (p) C10_CUDA_CHECK(cudaFree(p));
+  }
+#endif
+}
+
 // BAOC inside the captured step: every state format (assigned round-robin over ResNet-18's tensors) and the
 // gradient-stream statistics replay from the graph exactly as they run eagerly.
 TEST(TrainStepCudaTest, BaocGraphReplayMatchesEagerSteps) {

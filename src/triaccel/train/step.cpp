@@ -208,7 +208,8 @@ void TrainStep::grads_release() {
 }
 
 #ifdef TRIACCEL_WITH_CUDA
-std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body, std::string* error) {
+std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body, std::string* error,
+                                                        bool relaxed) {
   c10::cuda::CUDACachingAllocator::emptyCache();
   auto graph = std::make_unique<at::cuda::CUDAGraph>();
   const c10::DeviceIndex device = c10::cuda::current_device();
@@ -259,7 +260,7 @@ std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void
       return first_line(e);
     }
   };
-  graph->capture_begin(pool);
+  graph->capture_begin(pool, relaxed ? cudaStreamCaptureModeRelaxed : cudaStreamCaptureModeGlobal);
   try {
     body();
   } catch (const c10::OutOfMemoryError&) {

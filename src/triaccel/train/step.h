@@ -37,8 +37,10 @@ namespace triaccel {
 // are freed and the caller runs the step eagerly (where a real fault raises its error again). An out-of-memory
 // capture leaves `error` empty; any other failure (an operation a capture does not allow) sets it to the error's
 // first line. Either way the stream leaves capture mode, the CUDA error state is cleared and no half-made graph is
-// left behind.
-std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body, std::string* error = nullptr);
+// left behind. `relaxed` captures in cudaStreamCaptureModeRelaxed: calls that global mode refuses during a capture
+// (from any thread: a cudaFree, an event synchronize) are then allowed and simply not recorded.
+std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body, std::string* error = nullptr,
+                                                        bool relaxed = false);
 #endif
 
 struct StepOptions {
