@@ -241,6 +241,35 @@ TEST(CurvatureProbeTest, WarmStartFromThePreviousProbeConvergesInFewerProducts) 
   EXPECT_LT(warm_products * 2, cold_products) << "cold " << cold_products << ", warm " << warm_products;
 }
 
+// Probing only later units runs the earlier ones without a graph: the probed units' eigenvalues are those of a probe
+// of every unit (a unit's Hessian block does not depend on the units before it), and the skipped units are marked.
+TEST(CurvatureProbeTest, ProbingLateUnitsAloneGivesTheSameEigenvalues) {
+  const SingleThreadScope single_thread;
+  auto model = small_cnn_make();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(13);
+  const at::Tensor images = at::randn({8, 1, 28, 28}, gen);           // (8, 1, 28, 28)
+  const at::Tensor labels = at::randint(0, 10, {8}, gen, at::kLong);  // (8)
+  CurvatureOptions options;
+  options.top_k = 2;
+  options.max_iters = 10;
+  options.batch = 8;
+  const auto all = curvature_probe(*model, images, labels, options);
+  ASSERT_GE(all.size(), 3u);
+  const std::vector<size_t> late{all.size() - 2, all.size() - 1};
+  const auto some = curvature_probe(*model, images, labels, options, nullptr, nullptr, &late);
+  ASSERT_EQ(some.size(), all.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    const bool probed = i >= late.front();
+    EXPECT_EQ(some[i].probed, probed) << all[i].unit;
+    if (!probed) continue;
+    ASSERT_EQ(some[i].eigenvalues.size(), all[i].eigenvalues.size()) << all[i].unit;
+    for (size_t k = 0; k < all[i].eigenvalues.size(); ++k) {
+      EXPECT_NEAR(some[i].eigenvalues[k], all[i].eigenvalues[k], 1e-4 * std::abs(all[i].eigenvalues[k]) + 1e-7)
+          << all[i].unit << " eigenvalue " << k;
+    }
+  }
+}
+
 TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
   const SingleThreadScope single_thread;
   auto model = small_cnn_make();

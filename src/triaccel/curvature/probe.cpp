@@ -114,18 +114,31 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
     const int64_t n = std::min(options.batch, images.size(0));
     const at::Tensor x = images.narrow(0, 0, n);                  // (n, C, H, W)
     const at::Tensor y = labels.narrow(0, 0, n).to(at::kLong);    // (n)
-    at::Tensor logits = model.forward(x);                         // (n, classes)
+    const auto& units = model.units();
+    const auto selected = [&](size_t i) {
+      return only_units == nullptr || std::find(only_units->begin(), only_units->end(), i) != only_units->end();
+    };
+    // A unit's Hessian block depends only on the units from it on (its input is a constant for its parameters), so
+    // the units before the first probed one run without a graph: their activations, the largest ones (full
+    // resolution), are not kept for the double backward. Exact; when only late units are probed (the round-robin
+    // starts at the output) the probe needs a fraction of the memory of a whole-network graph, which set
+    // Tri-Accel's peak above AMP's (0.73-0.82 vs 0.62 GB, ResNet-18, H100).
+    size_t first = 0;
+    while (first < units.size() && !selected(first)) ++first;
+    at::Tensor h = x;
+    {
+      const at::NoGradGuard no_graph;
+      for (size_t i = 0; i < first; ++i) h = units[i].forward(h);
+    }
+    for (size_t i = first; i < units.size(); ++i) h = units[i].forward(h);
+    at::Tensor logits = h;                                        // (n, classes)
     if (at::isReducedFloatingType(logits.scalar_type())) logits = logits.to(at::kFloat);
     const at::Tensor loss = at::cross_entropy_loss(logits, y);   // scalar
 
-    const auto& units = model.units();
     // First-order gradients of every unit's parameters in one backward pass (with their graph); each unit's
     // operator then takes its slice, instead of one create-graph backward per unit.
     std::vector<std::vector<at::Tensor>> unit_params(units.size());
     std::vector<at::Tensor> all_params;
-    const auto selected = [&](size_t i) {
-      return only_units == nullptr || std::find(only_units->begin(), only_units->end(), i) != only_units->end();
-    };
     for (size_t i = 0; i < units.size(); ++i) {
       if (!selected(i)) continue;
       for (const auto& p : units[i].parameters()) {
