@@ -213,19 +213,30 @@ std::shared_ptr<Model> small_cnn_make() {
   return model_create(options);
 }
 
+// A batch of 8 random 28×28 images and labels drawn from `seed`, and probe options for it (top-2, batch 8).
+struct ProbeBatch {
+  at::Tensor images;  // (8, 1, 28, 28)
+  at::Tensor labels;  // (8)
+  CurvatureOptions options;
+};
+ProbeBatch probe_batch(uint64_t seed, int max_iters) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  ProbeBatch b;
+  b.images = at::randn({8, 1, 28, 28}, gen);
+  b.labels = at::randint(0, 10, {8}, gen, at::kLong);
+  b.options.top_k = 2;
+  b.options.max_iters = max_iters;
+  b.options.batch = 8;
+  return b;
+}
+
 // Warm starts: a second probe of the same model and batch, started from the first probe's eigenvectors, needs far
 // fewer Hessian-vector products for the same eigenvalues.
 TEST(CurvatureProbeTest, WarmStartFromThePreviousProbeConvergesInFewerProducts) {
   const SingleThreadScope single_thread;
   auto model = small_cnn_make();
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
-  const at::Tensor images = at::randn({8, 1, 28, 28}, gen);           // (8, 1, 28, 28)
-  const at::Tensor labels = at::randint(0, 10, {8}, gen, at::kLong);  // (8)
-  CurvatureOptions options;
-  options.top_k = 2;
-  options.max_iters = 30;
+  auto [images, labels, options] = probe_batch(11, 30);
   options.tol = 1e-4;
-  options.batch = 8;
   std::vector<std::vector<at::Tensor>> warm;
   const auto cold = curvature_probe(*model, images, labels, options, nullptr, &warm);
   ASSERT_EQ(warm.size(), cold.size());
@@ -246,13 +257,7 @@ TEST(CurvatureProbeTest, WarmStartFromThePreviousProbeConvergesInFewerProducts) 
 TEST(CurvatureProbeTest, ProbingLateUnitsAloneGivesTheSameEigenvalues) {
   const SingleThreadScope single_thread;
   auto model = small_cnn_make();
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(13);
-  const at::Tensor images = at::randn({8, 1, 28, 28}, gen);           // (8, 1, 28, 28)
-  const at::Tensor labels = at::randint(0, 10, {8}, gen, at::kLong);  // (8)
-  CurvatureOptions options;
-  options.top_k = 2;
-  options.max_iters = 10;
-  options.batch = 8;
+  const auto [images, labels, options] = probe_batch(13, 10);
   const auto all = curvature_probe(*model, images, labels, options);
   ASSERT_GE(all.size(), 3u);
   const std::vector<size_t> late{all.size() - 2, all.size() - 1};
