@@ -121,8 +121,7 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
     // A unit's Hessian block depends only on the units from it on (its input is a constant for its parameters), so
     // the units before the first probed one run without a graph: their activations, the largest ones (full
     // resolution), are not kept for the double backward. Exact; when only late units are probed (the round-robin
-    // starts at the output) the probe needs a fraction of the memory of a whole-network graph, which set
-    // Tri-Accel's peak above AMP's (0.73-0.82 vs 0.62 GB, ResNet-18, H100).
+    // starts at the output) the probe needs a fraction of a whole-network graph's memory and backward work.
     size_t first = 0;
     while (first < units.size() && !selected(first)) ++first;
     at::Tensor h = x;
