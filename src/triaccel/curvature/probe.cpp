@@ -6,6 +6,7 @@
 
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
+#include "triaccel/core/io.h"
 #include "triaccel/curvature/hvp.h"
 
 #include <ATen/ATen.h>
@@ -16,17 +17,12 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <mutex>
 
 namespace triaccel {
 
 namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 // Everything a train-mode forward may change, captured on construction and written back by restore():
 // buffers, the train/eval mode, autocast on the device, and the default generator of the CPU and the device.
@@ -102,7 +98,7 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
   TORCH_CHECK(labels.dim() == 1 && labels.size(0) == images.size(0), "curvature_probe: labels must be (",
               images.size(0), "), got ", labels.sizes());
   TORCH_CHECK(images.size(0) >= 1, "curvature_probe: empty batch");
-  const auto start = std::chrono::steady_clock::now();
+  const double start = time_since_start_s();
   const c10::Device device = images.device();
 
   std::vector<UnitCurvature> result;
@@ -153,7 +149,7 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
                                                    /*create_graph=*/true, /*allow_unused=*/true);
     size_t next_grad = 0;
     for (size_t i = 0; i < units.size(); ++i) {
-      const auto unit_start = std::chrono::steady_clock::now();
+      const double unit_start = time_since_start_s();
       UnitCurvature entry;
       entry.unit = units[i].name;
       if (!selected(i)) {
@@ -181,13 +177,13 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
         entry.iterations = eigen.iterations;
         entry.converged = eigen.converged;
       }
-      entry.seconds = seconds_since(unit_start);
+      entry.seconds = time_since_start_s() - unit_start;
       result.push_back(std::move(entry));
     }
     state.restore();
   }
   device_synchronize(device);
-  if (wall_seconds != nullptr) *wall_seconds = seconds_since(start);
+  if (wall_seconds != nullptr) *wall_seconds = time_since_start_s() - start;
   return result;
 }
 

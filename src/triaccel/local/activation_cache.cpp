@@ -2,13 +2,13 @@
 #include "triaccel/local/activation_cache.h"
 
 #include "triaccel/core/host_workers.h"
+#include "triaccel/core/io.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <functional>
@@ -53,10 +53,6 @@ void gather_rows(std::byte* dst, const std::byte* src, int64_t n, int64_t row_by
       std::memcpy(dst + i * row_bytes, src + index[i] * row_bytes, static_cast<size_t>(row_bytes));
     }
   });
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // (samples, row) bf16 host memory. On Linux large buffers are mapped with transparent huge pages requested: a
@@ -216,16 +212,16 @@ void ActivationCache::staging_release(Staging& s, const c10::Stream& stream) con
 }
 
 void ActivationCache::wait(Staging& s) const {
-  const auto t0 = std::chrono::steady_clock::now();
+  const double t0 = time_since_start_s();
   s.done->synchronize();
-  io_.wait_s += seconds_since(t0);
+  io_.wait_s += time_since_start_s() - t0;
 }
 
 void ActivationCache::store(Staging& s) const {
   if (s.write_count == 0) return;
-  const auto t0 = std::chrono::steady_clock::now();
+  const double t0 = time_since_start_s();
   data_.narrow(0, s.write_offset, s.write_count).copy_(s.rows.narrow(0, 0, s.write_count));
-  io_.host_copy_s += seconds_since(t0);
+  io_.host_copy_s += time_since_start_s() - t0;
   io_.bytes_to_host += s.write_count * data_.size(1) * 2;
   s.write_count = 0;
 }
@@ -284,9 +280,9 @@ at::Tensor ActivationCache::staged_read(int64_t count, const std::function<void(
   flush();
   Staging& s = staging_take(count);
   at::Tensor rows = s.rows.narrow(0, 0, count);
-  const auto t0 = std::chrono::steady_clock::now();
+  const double t0 = time_since_start_s();
   fill(rows);
-  io_.host_copy_s += seconds_since(t0);
+  io_.host_copy_s += time_since_start_s() - t0;
   io_.bytes_to_device += count * data_.size(1) * 2;
   // Allocated on and copied by the copy stream; the caller's stream waits for the copy (an event, not the host), and
   // the memory is not reused before the caller's stream is done with it.
