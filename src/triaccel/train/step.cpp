@@ -295,9 +295,14 @@ bool TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
         body(g->images, g->labels);
       },
       &error);
-  last_capture_error_ = !error.empty();
-  if (last_capture_error_ && graph_capture_error_.empty()) graph_capture_error_ = error;
-  if (!g->graph) return false;
+  if (!g->graph) {
+    if (error.empty()) {
+      ++graph_capture_ooms_;
+    } else if (graph_capture_error_.empty()) {
+      graph_capture_error_ = error;
+    }
+    return false;
+  }
   graph_ = std::move(g);
   ++graph_captures_;
   return true;
@@ -321,10 +326,10 @@ void TrainStep::run(const at::Tensor& images, const at::Tensor& labels, double l
       return;
     }
     if (!capture(images, labels)) {
-      // No room for the graph's pool: this batch size runs eagerly from now on, starting with this step (the
-      // capture ran nothing). Only an eager step that runs out of memory is the batch's fault (the trainer's).
+      // No room for the graph's pool, or an operation the capture refused: this batch size runs eagerly from now on,
+      // starting with this step (the capture ran nothing). Only an eager step that runs out of memory is the batch's
+      // fault (the trainer's).
       graph_refused_batch_ = batch;
-      if (!last_capture_error_) ++graph_capture_ooms_;
       grads_release();
       body(images, labels);
       return;

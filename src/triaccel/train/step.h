@@ -124,7 +124,8 @@ class TrainStep {
 
  private:
   void body(const at::Tensor& images, const at::Tensor& labels);
-  bool capture(const at::Tensor& images, const at::Tensor& labels);  // false: out of memory, nothing captured
+  // false: nothing captured (out of memory: counted in graph_capture_ooms_; an error: kept in graph_capture_error_)
+  bool capture(const at::Tensor& images, const at::Tensor& labels);
   void grads_release();
   at::Tensor forward(const at::Tensor& images);
 
@@ -146,7 +147,6 @@ class TrainStep {
   int64_t graph_captures_ = 0;
   int64_t graph_capture_ooms_ = 0;
   std::string graph_capture_error_;
-  bool last_capture_error_ = false;  // the last failed capture failed by an error, not out of memory
   int64_t graph_refused_batch_ = 0;  // the batch size whose capture ran out of memory (0: none)
   std::vector<Precision> unit_precisions_;
   bool grad_stats_enabled_ = false;
