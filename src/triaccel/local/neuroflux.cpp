@@ -171,14 +171,15 @@ at::Tensor neuroflux_block_loss(const Model& model, const std::vector<AuxHead>& 
   return loss;
 }
 
-int64_t epoch_fill(int64_t offset, int64_t count, int64_t n, int64_t batch, int64_t planned) {
-  TORCH_CHECK(offset >= 0 && count > 0 && offset + count <= n && count <= batch, "epoch_fill: bad rows");
-  return batch == planned && count < batch && offset + count == n && n >= batch ? batch - count : 0;
+int64_t pass_skip(int64_t offset, int64_t count, int64_t n, int64_t batch) {
+  TORCH_CHECK(offset >= 0 && count > 0 && offset + count <= n && count <= batch, "short batch: bad rows");
+  return count < batch && offset + count == n && n >= batch ? batch - count : 0;
 }
 
-int64_t pass_skip(int64_t offset, int64_t count, int64_t n, int64_t batch) {
-  TORCH_CHECK(offset >= 0 && count > 0 && offset + count <= n && count <= batch, "pass_skip: bad rows");
-  return count < batch && offset + count == n && n >= batch ? batch - count : 0;
+int64_t epoch_fill(int64_t offset, int64_t count, int64_t n, int64_t batch, int64_t planned) {
+  // The same widening as a pass's (rows from the epoch's start instead of before the batch), at the planned batch only.
+  const int64_t rows = pass_skip(offset, count, n, batch);
+  return batch == planned ? rows : 0;
 }
 
 int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<int64_t>& params, double tolerance) {
@@ -647,10 +648,13 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     // loss and accuracy): every step has one shape, so it replays the graph, and cuDNN builds plans for no second
     // shape (on EfficientNet-B0 that building cost seconds per block; docs/neuroflux.md). Only after an
     // out-of-memory retry (a batch below the planned one) do steps run eagerly with a short last batch.
-    const auto body = [&](const at::Tensor& xb, const at::Tensor& yb) {
+    const auto grads_release = [&params]() {
       for (const auto& p : params) {
         if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
       }
+    };
+    const auto body = [&](const at::Tensor& xb, const at::Tensor& yb) {
+      grads_release();
       at::Tensor loss;
       {
         const AutocastScope autocast(device, options.precision);
@@ -753,9 +757,7 @@ Json neuroflux_run(const TrainOptions& options, const TrainHooks& hooks) {
     const bool cuda_graph_at_end = graph.captured();
     // The block's gradients were allocated in the graph's pool: while they live, its segments cannot be freed (an
     // EfficientNet-B0 run at 0.5 GB ran out of memory in a later pass at batch 2 with the finished blocks' pools held).
-    for (const auto& p : params) {
-      if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
-    }
+    grads_release();
     graph.drop();
     memory_cache_release(device);
     const auto [cache_s, place] = advance(b);
