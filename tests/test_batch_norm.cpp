@@ -1,9 +1,10 @@
 // BatchNorm: the fused CUDA kernel (kernels/batch_norm.cu) against its spec, ATen's batch_norm in float64 on the
-// same bf16 values, and the dispatch (models/batch_norm.h) that chooses between it and BatchNorm2d::forward.
+// same bf16 or fp16 values, and the dispatch (models/batch_norm.h) that chooses between it and BatchNorm2d::forward.
 //
-// Tolerances, kernel vs float64 reference (statistics are float32 in the kernel; bf16 outputs are rounded once):
-//  - y, dx (bf16): |got − ref| ≤ 2⁻⁸·|ref| + 1e-3·max|ref|. One round-to-nearest bf16 is ≤ 2⁻⁹ relative; float32
-//    error in mean / invstd / the dx coefficients is ~1e-6 of the terms. A wrong formula, a missing ReLU or a
+// Tolerances, kernel vs float64 reference (statistics are float32 in the kernel; 16-bit outputs are rounded once):
+//  - y, dx: |got − ref| ≤ 2·u·|ref| + 1e-3·max|ref| (bf16) or + 1e-4·max|ref| (fp16), u the unit roundoff (bf16
+//    2⁻⁹, fp16 2⁻¹¹). One round-to-nearest is ≤ u relative; float32 error in mean / invstd / the dx coefficients is
+//    ~1e-6 of the terms. fp16 outputs rounded as bf16 would be off by up to 2⁻⁹, outside the fp16 bound. A wrong formula, a missing ReLU or a
 //    missing ReLU mask in the backward is off by O(max|ref|) on many elements.
 //  - dweight, dbias (float32 sums over M = N·H·W terms): |got − ref| ≤ 1e-4·Σ|terms| + 1e-6 (Σ|g·x̂|, Σ|g|).
 //  - running_mean / running_var: |got − ref| ≤ 1e-5·|ref| + 1e-6. At M = 16 (shape 16×24×1×1) the biased and
@@ -142,7 +143,7 @@ TEST(BatchNormModelTest, TrainingForwardCountsOneBatchInEveryBatchNorm) {
 const auto kCuda = torch::TensorOptions().device(torch::kCUDA);
 
 struct BnCase {
-  at::Tensor x;       // (N, C, H, W) bf16 channels_last, CUDA
+  at::Tensor x;       // (N, C, H, W) bf16 or fp16 channels_last, CUDA
   at::Tensor dy;      // same
   at::Tensor weight;  // (C) float32
   at::Tensor bias;
@@ -151,11 +152,11 @@ struct BnCase {
 };
 
 // x has mean 3 and std 2 per element (|mean| > std exercises the variance's centering).
-BnCase case_make(std::vector<int64_t> shape) {
+BnCase case_make(std::vector<int64_t> shape, at::ScalarType dtype = at::kBFloat16) {
   const int64_t c = shape[1];
   BnCase k;
-  k.x = (3 + 2 * torch::randn(shape, kCuda)).to(at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
-  k.dy = torch::randn(shape, kCuda).to(at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+  k.x = (3 + 2 * torch::randn(shape, kCuda)).to(dtype).contiguous(at::MemoryFormat::ChannelsLast);
+  k.dy = torch::randn(shape, kCuda).to(dtype).contiguous(at::MemoryFormat::ChannelsLast);
   k.weight = 1 + 0.5 * torch::randn({c}, kCuda);
   k.bias = torch::randn({c}, kCuda);
   k.running_mean = 0.1 * torch::randn({c}, kCuda);
@@ -206,10 +207,13 @@ void expect_matches_reference(const BnCase& k, const at::Tensor& x, bool relu, c
   if (relu) g = g * (r.y > 0).to(at::kDouble);  // the kernel's mask: its own y > 0
   const auto grads = torch::autograd::grad({pre}, {x64, w64, b64}, {g});
 
+  const bool half = x.scalar_type() == at::kHalf;
+  const double rel = half ? 2.0 / 2048 : 2.0 / 512;  // 2·u
+  const double floor = half ? 1e-4 : 1e-3;
   const double y_max = y_ref.abs().max().item<double>();
-  expect_close(r.y, y_ref.detach(), y_ref.detach().abs() / 256 + 1e-3 * y_max, what + " y");
+  expect_close(r.y, y_ref.detach(), rel * y_ref.detach().abs() + floor * y_max, what + " y");
   const double dx_max = grads[0].abs().max().item<double>();
-  expect_close(r.dx, grads[0], grads[0].abs() / 256 + 1e-3 * dx_max, what + " dx");
+  expect_close(r.dx, grads[0], rel * grads[0].abs() + floor * dx_max, what + " dx");
 
   const std::vector<int64_t> reduce_dims = {0, 2, 3};
   const at::Tensor x_plain = x64.detach();
@@ -222,7 +226,8 @@ void expect_matches_reference(const BnCase& k, const at::Tensor& x, bool relu, c
   expect_close(r.running_mean, rm64, 1e-5 * rm64.abs() + 1e-6, what + " running_mean");
   expect_close(r.running_var, rv64, 1e-5 * rv64.abs() + 1e-6, what + " running_var");
 
-  EXPECT_EQ(r.y.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(r.y.scalar_type(), x.scalar_type());
+  EXPECT_EQ(r.dx.scalar_type(), x.scalar_type());
   EXPECT_TRUE(r.y.is_contiguous(at::MemoryFormat::ChannelsLast));
   EXPECT_TRUE(r.dx.is_contiguous(at::MemoryFormat::ChannelsLast));
   if (relu) {  // enough masked elements that a missing mask shows
@@ -231,24 +236,26 @@ void expect_matches_reference(const BnCase& k, const at::Tensor& x, bool relu, c
 }
 
 std::string shape_name(const at::Tensor& x, bool relu) {
-  std::string s;
-  for (const int64_t d : x.sizes()) s += (s.empty() ? "" : "x") + std::to_string(d);
+  std::string s = x.scalar_type() == at::kHalf ? "fp16 " : "bf16 ";
+  for (const int64_t d : x.sizes()) s += (s.back() == ' ' ? "" : "x") + std::to_string(d);
   return s + (relu ? " relu" : "");
 }
 
 // Shapes: vectorized C (64, 512, 24 with H·W = 1, 200 with a partial channel tile), odd C (1, 3, 10, 100), tiny
-// M, and one with many row blocks.
+// M, and one with many row blocks; in bf16 and in fp16.
 TEST(BatchNormCudaTest, MatchesFloat64Reference) {
   TRIACCEL_SKIP_WITHOUT_GPU();
   torch::manual_seed(3);
   const std::vector<std::vector<int64_t>> shapes = {{4, 64, 8, 8},  {2, 512, 4, 4}, {16, 24, 1, 1},
                                                     {3, 200, 2, 3}, {2, 1, 1, 2},   {3, 3, 5, 7},
                                                     {5, 10, 3, 3},  {2, 100, 3, 3}, {64, 64, 16, 16}};
-  for (const auto& shape : shapes) {
-    const BnCase k = case_make(shape);
-    for (const bool relu : {false, true}) {
-      const BnResult r = kernel_run(k, k.x, relu);
-      expect_matches_reference(k, k.x, relu, r, shape_name(k.x, relu));
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    for (const auto& shape : shapes) {
+      const BnCase k = case_make(shape, dtype);
+      for (const bool relu : {false, true}) {
+        const BnResult r = kernel_run(k, k.x, relu);
+        expect_matches_reference(k, k.x, relu, r, shape_name(k.x, relu));
+      }
     }
   }
 }
@@ -257,15 +264,17 @@ TEST(BatchNormCudaTest, MatchesFloat64Reference) {
 TEST(BatchNormCudaTest, MisalignedInputMatchesReference) {
   TRIACCEL_SKIP_WITHOUT_GPU();
   torch::manual_seed(4);
-  const BnCase k = case_make({4, 32, 6, 6});
-  const int64_t n = k.x.numel();
-  at::Tensor buffer = torch::empty({n + 1}, kCuda.dtype(at::kBFloat16));
-  at::Tensor x = buffer.narrow(0, 1, n).view({4, 6, 6, 32}).permute({0, 3, 1, 2});  // NHWC storage, offset 2 bytes
-  x.copy_(k.x);
-  ASSERT_TRUE(x.is_contiguous(at::MemoryFormat::ChannelsLast));
-  ASSERT_NE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16, 0u);
-  for (const bool relu : {false, true}) {
-    expect_matches_reference(k, x, relu, kernel_run(k, x, relu), "misaligned" + std::string(relu ? " relu" : ""));
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    const BnCase k = case_make({4, 32, 6, 6}, dtype);
+    const int64_t n = k.x.numel();
+    at::Tensor buffer = torch::empty({n + 1}, kCuda.dtype(dtype));
+    at::Tensor x = buffer.narrow(0, 1, n).view({4, 6, 6, 32}).permute({0, 3, 1, 2});  // NHWC storage, offset 2 bytes
+    x.copy_(k.x);
+    ASSERT_TRUE(x.is_contiguous(at::MemoryFormat::ChannelsLast));
+    ASSERT_NE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16, 0u);
+    for (const bool relu : {false, true}) {
+      expect_matches_reference(k, x, relu, kernel_run(k, x, relu), "misaligned " + shape_name(x, relu));
+    }
   }
 }
 
@@ -335,6 +344,8 @@ TEST(BatchNormCudaTest, DispatchChoosesKernelOnlyWhereItApplies) {
   EXPECT_TRUE(batch_norm_kernel_applies(*bn, x_cl));
   EXPECT_FALSE(batch_norm_kernel_applies(*bn, x));                     // NCHW
   EXPECT_FALSE(batch_norm_kernel_applies(*bn, x_cl.to(at::kFloat)));  // fp32
+  EXPECT_TRUE(batch_norm_kernel_applies(*bn, x_cl.to(at::kHalf)));    // fp16: the kernel too
+  EXPECT_FALSE(batch_norm_kernel_applies(*bn, x.to(at::kHalf)));       // fp16 NCHW
   EXPECT_FALSE(batch_norm_kernel_applies(*bn, x_cl.narrow(0, 0, 1).narrow(2, 0, 1).narrow(3, 0, 1)));  // M = 1
 
   const at::Tensor y = batch_norm_forward(bn, x_cl.clone().requires_grad_(true), true);
@@ -385,11 +396,11 @@ TEST(BatchNormCudaTest, AutogradMatchesModuleAndRefusesDoubleBackward) {
   EXPECT_THROW(torch::autograd::grad({loss}, {x_c}, {}, /*retain_graph=*/true, /*create_graph=*/true), c10::Error);
 }
 
-// A ResNet-18 step under bf16 autocast in channels_last, with the kernel and with the module (ATen), each compared
-// with the same step in fp32: the kernel's gradients must be about as close to fp32 as ATen's bf16 gradients are
-// (bf16 rounding compounds through 20 layers, so the bound is relative to ATen's own bf16 error). State names and
-// num_batches_tracked equal the module path's.
-TEST(BatchNormModelTest, ResNetBf16StepAsCloseToFp32AsModulePath) {
+// A ResNet-18 step under bf16 (then fp16) autocast in channels_last, with the kernel and with the module (ATen),
+// each compared with the same step in fp32: the kernel's gradients must be about as close to fp32 as ATen's 16-bit
+// gradients are (rounding compounds through 20 layers, so the bound is relative to ATen's own error). State names
+// and num_batches_tracked equal the module path's.
+TEST(BatchNormModelTest, Resnet16BitStepAsCloseToFp32AsModulePath) {
   TRIACCEL_SKIP_WITHOUT_GPU();
   ModelOptions options;
   options.name = "resnet18";
@@ -397,13 +408,12 @@ TEST(BatchNormModelTest, ResNetBf16StepAsCloseToFp32AsModulePath) {
   const at::Tensor labels = torch::randint(0, 10, {32}, kCuda.dtype(at::kLong));
   struct Run {
     bool kernel;
-    bool bf16;
+    at::ScalarType dtype;  // autocast dtype; kFloat: no autocast
     std::shared_ptr<Model> model;
     double loss = 0;
     at::Tensor grads;  // all parameter gradients, flattened, float32
   };
-  std::vector<Run> runs = {{true, true, nullptr}, {false, true, nullptr}, {false, false, nullptr}};
-  for (Run& run : runs) {
+  const auto run_step = [&](Run& run) {
     torch::manual_seed(9);
     run.model = model_create(options);
     run.model->to(torch::kCUDA);
@@ -412,8 +422,8 @@ TEST(BatchNormModelTest, ResNetBf16StepAsCloseToFp32AsModulePath) {
     }
     run.model->train();
     const KernelSwitchScope kernel(run.kernel);
-    at::autocast::set_autocast_enabled(at::kCUDA, run.bf16);
-    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCUDA, run.dtype != at::kFloat);
+    at::autocast::set_autocast_dtype(at::kCUDA, run.dtype == at::kFloat ? at::kBFloat16 : run.dtype);
     const at::Tensor loss = torch::cross_entropy_loss(run.model->forward(x).to(at::kFloat), labels);
     at::autocast::set_autocast_enabled(at::kCUDA, false);
     at::autocast::clear_cache();
@@ -422,26 +432,32 @@ TEST(BatchNormModelTest, ResNetBf16StepAsCloseToFp32AsModulePath) {
     std::vector<at::Tensor> flat;
     for (const auto& p : run.model->parameters()) flat.push_back(p.grad().to(at::kFloat).flatten());
     run.grads = torch::cat(flat);
-  }
-  const Run& fused = runs[0];
-  const Run& plain = runs[1];
-  const Run& fp32 = runs[2];
+  };
+  Run fp32{false, at::kFloat, nullptr};
+  run_step(fp32);
   const auto rel_err = [&](const Run& r) {
     return (r.grads - fp32.grads).norm().item<double>() / fp32.grads.norm().item<double>();
   };
-  const double err_fused = rel_err(fused), err_plain = rel_err(plain);
-  std::cout << "[ resnet18 bf16 ] gradient error vs fp32 (relative L2): kernel " << err_fused << ", ATen "
-            << err_plain << "\n";
-  EXPECT_LT(err_fused, 1.5 * err_plain + 0.01) << "module-path bf16 error " << err_plain;
-  EXPECT_NEAR(fused.loss, fp32.loss, 2 * std::abs(plain.loss - fp32.loss) + 1e-3 * std::abs(fp32.loss));
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    const std::string name = dtype == at::kHalf ? "fp16" : "bf16";
+    Run fused{true, dtype, nullptr};
+    Run plain{false, dtype, nullptr};
+    run_step(fused);
+    run_step(plain);
+    const double err_fused = rel_err(fused), err_plain = rel_err(plain);
+    std::cout << "[ resnet18 " << name << " ] gradient error vs fp32 (relative L2): kernel " << err_fused
+              << ", ATen " << err_plain << "\n";
+    EXPECT_LT(err_fused, 1.5 * err_plain + 0.01) << name << " module-path error " << err_plain;
+    EXPECT_NEAR(fused.loss, fp32.loss, 2 * std::abs(plain.loss - fp32.loss) + 1e-3 * std::abs(fp32.loss)) << name;
 
-  const auto fused_state = model_state(*fused.model);
-  const auto plain_state = model_state(*plain.model);
-  ASSERT_EQ(fused_state.size(), plain_state.size());
-  for (size_t i = 0; i < fused_state.size(); ++i) {
-    EXPECT_EQ(fused_state[i].first, plain_state[i].first);
-    if (fused_state[i].first.find("num_batches_tracked") != std::string::npos) {
-      EXPECT_TRUE(torch::equal(fused_state[i].second, plain_state[i].second)) << fused_state[i].first;
+    const auto fused_state = model_state(*fused.model);
+    const auto plain_state = model_state(*plain.model);
+    ASSERT_EQ(fused_state.size(), plain_state.size());
+    for (size_t i = 0; i < fused_state.size(); ++i) {
+      EXPECT_EQ(fused_state[i].first, plain_state[i].first);
+      if (fused_state[i].first.find("num_batches_tracked") != std::string::npos) {
+        EXPECT_TRUE(torch::equal(fused_state[i].second, plain_state[i].second)) << fused_state[i].first;
+      }
     }
   }
 }

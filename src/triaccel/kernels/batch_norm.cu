@@ -1,5 +1,7 @@
-// Training-mode BatchNorm2d (+ optional fused ReLU) on bf16 channels_last activations; kernels/batch_norm.h has the
-// contract, ATen's batch_norm in float64 is the spec (tests/test_batch_norm.cpp).
+// Training-mode BatchNorm2d (+ optional fused ReLU) on bf16 or fp16 channels_last activations; kernels/batch_norm.h
+// has the contract, ATen's batch_norm in float64 is the spec (tests/test_batch_norm.cpp). Everything below is
+// written once over an element format E (Bf16Format, HalfFormat): activations are decoded to float32 on load and
+// rounded to nearest on store; statistics and coefficients are float32 whatever E is.
 //
 // Layout: a channels_last (N, C, H, W) tensor is a row-major (M, C) matrix with M = N·H·W. Every heavy kernel uses
 // one tiling (Tiling): blockIdx.x picks a tile of up to 64 channels, blockIdx.y a block of `chunk` consecutive rows;
@@ -10,10 +12,10 @@
 //
 // Forward:  stats (per-block mean / M2 of each channel → partial (C, G)) → stats_combine (one block per channel:
 //           Chan's parallel-variance merge in a fixed order; running stats; scale = w·invstd, shift = b − mean·scale)
-//           → transform (y = fmaf(x, scale, shift), optional ReLU, bf16).
+//           → transform (y = fmaf(x, scale, shift), optional ReLU, stored as E).
 // Backward: backward_reduce (per-block Σg and Σg·(x − mean), g = dy masked by y > 0 under ReLU → partial (C, G))
 //           → backward_combine (fixed-order sums; dw, db and the three dx coefficients)
-//           → backward_elemt (dx = k1·g + kx·(x − mean) + k0, bf16).
+//           → backward_elemt (dx = k1·g + kx·(x − mean) + k0, stored as E).
 // Within a thread the variance uses sums of x − x₀ (x₀: the thread's first value of the channel), which keeps
 // float32 sums of squares free of cancellation when |mean| ≫ std; threads, blocks and the grid are merged with
 // Chan's formula. Every reduction has a fixed shape and order and there are no atomics: bit-reproducible.
@@ -29,6 +31,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -81,46 +84,57 @@ __device__ __forceinline__ int64_t row_block_count(const Tiling& t, int64_t j) {
   return min(t.chunk, t.rows - j * t.chunk);
 }
 
-template <int kVec>
+// Element formats: how a 16-bit activation is stored, decoded to and encoded from float32 (round to nearest).
+struct Bf16Format {
+  static __device__ __forceinline__ float decode(uint32_t bits) { return __uint_as_float(bits << 16); }
+  static __device__ __forceinline__ uint32_t encode(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+};
+struct HalfFormat {
+  static __device__ __forceinline__ float decode(uint32_t bits) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  }
+  static __device__ __forceinline__ uint32_t encode(float v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+
+template <class E, int kVec>
 __device__ __forceinline__ void vec_load(const uint16_t* __restrict__ p, float (&v)[kVec]) {
   if constexpr (kVec == 8) {
     const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {  // little-endian: element 2k is the low half of word k
-      v[2 * k] = __uint_as_float(w[k] << 16);
-      v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+      v[2 * k] = E::decode(w[k] & 0xffffu);
+      v[2 * k + 1] = E::decode(w[k] >> 16);
     }
   } else {
-    v[0] = __uint_as_float(static_cast<uint32_t>(__ldg(p)) << 16);
+    v[0] = E::decode(static_cast<uint32_t>(__ldg(p)));
   }
 }
 
-__device__ __forceinline__ uint32_t bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-
-template <int kVec>
+template <class E, int kVec>
 __device__ __forceinline__ void vec_store(uint16_t* __restrict__ p, const float (&v)[kVec]) {
   if constexpr (kVec == 8) {
     uint32_t w[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = bf16_bits(v[2 * k]) | (bf16_bits(v[2 * k + 1]) << 16);
+    for (int k = 0; k < 4; ++k) w[k] = E::encode(v[2 * k]) | (E::encode(v[2 * k + 1]) << 16);
     *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
   } else {
-    *p = static_cast<uint16_t>(bf16_bits(v[0]));
+    *p = static_cast<uint16_t>(E::encode(v[0]));
   }
 }
 
-// y before bf16 rounding. The ReLU keeps NaN (as torch.relu does) and maps negatives to +0. The one definition
-// used by the forward and by the backward's mask.
+// y before rounding to the storage format. The ReLU keeps NaN (as torch.relu does) and maps negatives to +0. The
+// one definition used by the forward and by the backward's mask.
 template <bool kRelu>
 __device__ __forceinline__ float bn_output(float x, float scale, float shift) {
   const float v = fmaf(x, scale, shift);
   return kRelu ? (v < 0.f ? 0.f : v) : v;
 }
 
-// The backward's ReLU mask: y (as stored, bf16) > 0.
+// The backward's ReLU mask: y (as stored) > 0.
+template <class E>
 __device__ __forceinline__ bool relu_passes(float x, float scale, float shift) {
-  return __uint_as_float(bf16_bits(bn_output<true>(x, scale, shift)) << 16) > 0.f;
+  return E::decode(E::encode(bn_output<true>(x, scale, shift))) > 0.f;
 }
 
 // Chan et al.'s merge of (mean, M2, n) with (mean_b, M2_b, n_b); n_b = 0 leaves a unchanged.
@@ -150,7 +164,7 @@ __device__ __forceinline__ int tree_first_stride(int row_lanes) {
 // ---- forward ----
 
 // partial: (C, G) float2 [mean, M2] of each channel over the block's rows.
-template <int kVec>
+template <class E, int kVec>
 __global__ void __launch_bounds__(kThreads) bn_stats_kernel(const uint16_t* __restrict__ x, const Tiling t,
                                                             float2* __restrict__ partial) {
   const Place p = place_make<kVec>(t);
@@ -160,13 +174,13 @@ __global__ void __launch_bounds__(kThreads) bn_stats_kernel(const uint16_t* __re
   for (int k = 0; k < kVec; ++k) shift[k] = sum[k] = sum_sq[k] = 0.f;
   int count = 0;
   if (p.active && p.begin < p.end) {
-    vec_load<kVec>(x + p.begin * t.channels + p.c0, shift);  // contributes x − x₀ = 0
+    vec_load<E, kVec>(x + p.begin * t.channels + p.c0, shift);  // contributes x − x₀ = 0
     count = 1;
     int64_t m = p.begin + step;
     for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
       float v[kUnroll][kVec];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) vec_load<kVec>(x + (m + u * step) * t.channels + p.c0, v[u]);
+      for (int u = 0; u < kUnroll; ++u) vec_load<E, kVec>(x + (m + u * step) * t.channels + p.c0, v[u]);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
@@ -180,7 +194,7 @@ __global__ void __launch_bounds__(kThreads) bn_stats_kernel(const uint16_t* __re
     }
     for (; m < p.end; m += step) {
       float v[kVec];
-      vec_load<kVec>(x + m * t.channels + p.c0, v);
+      vec_load<E, kVec>(x + m * t.channels + p.c0, v);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         const float d = v[k] - shift[k];
@@ -271,7 +285,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   stats[kBatchNormShift * C + c] = fmaf(-mean, scale, bias[c]);
 }
 
-template <int kVec, bool kRelu>
+template <class E, int kVec, bool kRelu>
 __global__ void __launch_bounds__(kThreads) bn_transform_kernel(const uint16_t* __restrict__ x,
                                                                 uint16_t* __restrict__ y, const Tiling t,
                                                                 const float* __restrict__ stats) {
@@ -289,37 +303,37 @@ __global__ void __launch_bounds__(kThreads) bn_transform_kernel(const uint16_t* 
   for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
     float v[kUnroll][kVec];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) vec_load<kVec>(x + (m + u * step) * C + p.c0, v[u]);
+    for (int u = 0; u < kUnroll; ++u) vec_load<E, kVec>(x + (m + u * step) * C + p.c0, v[u]);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) v[u][k] = bn_output<kRelu>(v[u][k], scale[k], shift[k]);
-      vec_store<kVec>(y + (m + u * step) * C + p.c0, v[u]);
+      vec_store<E, kVec>(y + (m + u * step) * C + p.c0, v[u]);
     }
   }
   for (; m < p.end; m += step) {
     float v[kVec];
-    vec_load<kVec>(x + m * C + p.c0, v);
+    vec_load<E, kVec>(x + m * C + p.c0, v);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) v[k] = bn_output<kRelu>(v[k], scale[k], shift[k]);
-    vec_store<kVec>(y + m * C + p.c0, v);
+    vec_store<E, kVec>(y + m * C + p.c0, v);
   }
 }
 
 // ---- backward ----
 
 // g = dy, or 0 where the fused ReLU's output was not > 0.
-template <int kVec, bool kRelu>
+template <class E, int kVec, bool kRelu>
 __device__ __forceinline__ void masked_grad(float (&g)[kVec], const float (&xv)[kVec], const float (&scale)[kVec],
                                             const float (&shift)[kVec]) {
   if constexpr (kRelu) {
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) g[k] = relu_passes(xv[k], scale[k], shift[k]) ? g[k] : 0.f;
+    for (int k = 0; k < kVec; ++k) g[k] = relu_passes<E>(xv[k], scale[k], shift[k]) ? g[k] : 0.f;
   }
 }
 
 // partial: (C, G) float2 [Σg, Σg·(x − mean)] of each channel over the block's rows.
-template <int kVec, bool kRelu>
+template <class E, int kVec, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
     bn_backward_reduce_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x, const Tiling t,
                               const float* __restrict__ stats, float2* __restrict__ partial) {
@@ -343,12 +357,12 @@ __global__ void __launch_bounds__(kThreads)
       float g[kUnroll][kVec], xv[kUnroll][kVec];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        vec_load<kVec>(dy + (m + u * step) * C + p.c0, g[u]);
-        vec_load<kVec>(x + (m + u * step) * C + p.c0, xv[u]);
+        vec_load<E, kVec>(dy + (m + u * step) * C + p.c0, g[u]);
+        vec_load<E, kVec>(x + (m + u * step) * C + p.c0, xv[u]);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        masked_grad<kVec, kRelu>(g[u], xv[u], scale, shift);
+        masked_grad<E, kVec, kRelu>(g[u], xv[u], scale, shift);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           sum_g[k] += g[u][k];
@@ -358,9 +372,9 @@ __global__ void __launch_bounds__(kThreads)
     }
     for (; m < p.end; m += step) {
       float g[kVec], xv[kVec];
-      vec_load<kVec>(dy + m * C + p.c0, g);
-      vec_load<kVec>(x + m * C + p.c0, xv);
-      masked_grad<kVec, kRelu>(g, xv, scale, shift);
+      vec_load<E, kVec>(dy + m * C + p.c0, g);
+      vec_load<E, kVec>(x + m * C + p.c0, xv);
+      masked_grad<E, kVec, kRelu>(g, xv, scale, shift);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         sum_g[k] += g[k];
@@ -436,7 +450,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   coef[2 * C + c] = -k1 * sh_g[0] * inv_rows;
 }
 
-template <int kVec, bool kRelu>
+template <class E, int kVec, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
     bn_backward_elemt_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x,
                              uint16_t* __restrict__ dx, const Tiling t, const float* __restrict__ stats,
@@ -460,25 +474,25 @@ __global__ void __launch_bounds__(kThreads)
     float g[kUnroll][kVec], xv[kUnroll][kVec];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      vec_load<kVec>(dy + (m + u * step) * C + p.c0, g[u]);
-      vec_load<kVec>(x + (m + u * step) * C + p.c0, xv[u]);
+      vec_load<E, kVec>(dy + (m + u * step) * C + p.c0, g[u]);
+      vec_load<E, kVec>(x + (m + u * step) * C + p.c0, xv[u]);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      masked_grad<kVec, kRelu>(g[u], xv[u], scale, shift);
+      masked_grad<E, kVec, kRelu>(g[u], xv[u], scale, shift);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) g[u][k] = fmaf(k1[k], g[u][k], fmaf(kx[k], xv[u][k] - mean[k], k0[k]));
-      vec_store<kVec>(dx + (m + u * step) * C + p.c0, g[u]);
+      vec_store<E, kVec>(dx + (m + u * step) * C + p.c0, g[u]);
     }
   }
   for (; m < p.end; m += step) {
     float g[kVec], xv[kVec];
-    vec_load<kVec>(dy + m * C + p.c0, g);
-    vec_load<kVec>(x + m * C + p.c0, xv);
-    masked_grad<kVec, kRelu>(g, xv, scale, shift);
+    vec_load<E, kVec>(dy + m * C + p.c0, g);
+    vec_load<E, kVec>(x + m * C + p.c0, xv);
+    masked_grad<E, kVec, kRelu>(g, xv, scale, shift);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) g[k] = fmaf(k1[k], g[k], fmaf(kx[k], xv[k] - mean[k], k0[k]));
-    vec_store<kVec>(dx + m * C + p.c0, g);
+    vec_store<E, kVec>(dx + m * C + p.c0, g);
   }
 }
 
@@ -505,65 +519,67 @@ Tiling tiling_make(int64_t rows, int64_t channels, int vec, int sms) {
   return t;
 }
 
-template <bool kRelu>
+template <class E, bool kRelu>
 void transform_launch(int vec, const uint16_t* x, uint16_t* y, const Tiling& t, const float* stats,
                       cudaStream_t stream) {
   const dim3 grid(t.tiles, t.row_blocks);
   if (vec == 8) {
-    bn_transform_kernel<8, kRelu><<<grid, kThreads, 0, stream>>>(x, y, t, stats);
+    bn_transform_kernel<E, 8, kRelu><<<grid, kThreads, 0, stream>>>(x, y, t, stats);
   } else {
-    bn_transform_kernel<1, kRelu><<<grid, kThreads, 0, stream>>>(x, y, t, stats);
+    bn_transform_kernel<E, 1, kRelu><<<grid, kThreads, 0, stream>>>(x, y, t, stats);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <class E>
 void forward_launch(int vec, bool relu, const uint16_t* x, uint16_t* y, const Tiling& t, float2* partial,
                     const float* weight, const float* bias, float* running_mean, float* running_var, float* stats,
                     float momentum, float eps, cudaStream_t stream) {
   const dim3 grid(t.tiles, t.row_blocks);
   if (vec == 8) {
-    bn_stats_kernel<8><<<grid, kThreads, 0, stream>>>(x, t, partial);
+    bn_stats_kernel<E, 8><<<grid, kThreads, 0, stream>>>(x, t, partial);
   } else {
-    bn_stats_kernel<1><<<grid, kThreads, 0, stream>>>(x, t, partial);
+    bn_stats_kernel<E, 1><<<grid, kThreads, 0, stream>>>(x, t, partial);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   bn_stats_combine_kernel<<<t.channels, kCombineThreads, 0, stream>>>(partial, t, weight, bias, running_mean,
                                                                        running_var, stats, momentum, eps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (relu) {
-    transform_launch<true>(vec, x, y, t, stats, stream);
+    transform_launch<E, true>(vec, x, y, t, stats, stream);
   } else {
-    transform_launch<false>(vec, x, y, t, stats, stream);
+    transform_launch<E, false>(vec, x, y, t, stats, stream);
   }
 }
 
-template <int kVec, bool kRelu>
+template <class E, int kVec, bool kRelu>
 void backward_launch_typed(const uint16_t* dy, const uint16_t* x, uint16_t* dx, const Tiling& t, float2* partial,
                            const float* weight, const float* stats, float* dweight, float* dbias, float* coef,
                            cudaStream_t stream) {
   const dim3 grid(t.tiles, t.row_blocks);
-  bn_backward_reduce_kernel<kVec, kRelu><<<grid, kThreads, 0, stream>>>(dy, x, t, stats, partial);
+  bn_backward_reduce_kernel<E, kVec, kRelu><<<grid, kThreads, 0, stream>>>(dy, x, t, stats, partial);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   bn_backward_combine_kernel<<<t.channels, kCombineThreads, 0, stream>>>(partial, t, weight, stats, dweight, dbias,
                                                                           coef);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  bn_backward_elemt_kernel<kVec, kRelu><<<grid, kThreads, 0, stream>>>(dy, x, dx, t, stats, coef);
+  bn_backward_elemt_kernel<E, kVec, kRelu><<<grid, kThreads, 0, stream>>>(dy, x, dx, t, stats, coef);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <class E>
 void backward_launch(int vec, bool relu, const uint16_t* dy, const uint16_t* x, uint16_t* dx, const Tiling& t,
                      float2* partial, const float* weight, const float* stats, float* dweight, float* dbias,
                      float* coef, cudaStream_t stream) {
   if (vec == 8) {
     if (relu) {
-      backward_launch_typed<8, true>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
+      backward_launch_typed<E, 8, true>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
     } else {
-      backward_launch_typed<8, false>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
+      backward_launch_typed<E, 8, false>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
     }
   } else if (relu) {
-    backward_launch_typed<1, true>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
+    backward_launch_typed<E, 1, true>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
   } else {
-    backward_launch_typed<1, false>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
+    backward_launch_typed<E, 1, false>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
   }
 }
 
@@ -571,7 +587,8 @@ void backward_launch(int vec, bool relu, const uint16_t* dy, const uint16_t* x, 
 
 void check_activation(const char* op, const char* what, const at::Tensor& t) {
   TORCH_CHECK(t.defined() && t.is_cuda(), op, ": ", what, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": ", what, " must be bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op, ": ", what,
+              " must be bfloat16 or float16, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 4, op, ": ", what, " must be 4-D (N, C, H, W), got ", t.sizes());
 }
 
@@ -591,8 +608,8 @@ int64_t rows_of(const char* op, const at::Tensor& x) {
 
 int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
-const uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
-uint16_t* bf16_data_mut(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+const uint16_t* bits_data(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+uint16_t* bits_data_mut(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
 }  // namespace
 
@@ -614,15 +631,16 @@ std::tuple<at::Tensor, at::Tensor> batch_norm_forward_cuda(const at::Tensor& x, 
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::ChannelsLast);          // (N, C, H, W) bf16
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::ChannelsLast);          // (N, C, H, W), x's dtype
   at::Tensor stats = at::empty({4, channels}, weight.options());             // (4, C) float32
   const int vec = channels % 8 == 0 && aligned16(x.data_ptr()) && aligned16(y.data_ptr()) ? 8 : 1;
   const Tiling t = tiling_make(rows, channels, vec, sm_count());
   at::Tensor partial = at::empty({channels, t.row_blocks, 2}, weight.options());  // (C, G) float2
-  forward_launch(vec, relu, bf16_data(x), bf16_data_mut(y), t, reinterpret_cast<float2*>(partial.data_ptr<float>()),
-                 weight.data_ptr<float>(), bias.data_ptr<float>(), running_mean.data_ptr<float>(),
-                 running_var.data_ptr<float>(), stats.data_ptr<float>(), static_cast<float>(momentum),
-                 static_cast<float>(eps), stream);
+  const auto launch = x.scalar_type() == at::kHalf ? forward_launch<HalfFormat> : forward_launch<Bf16Format>;
+  launch(vec, relu, bits_data(x), bits_data_mut(y), t, reinterpret_cast<float2*>(partial.data_ptr<float>()),
+         weight.data_ptr<float>(), bias.data_ptr<float>(), running_mean.data_ptr<float>(),
+         running_var.data_ptr<float>(), stats.data_ptr<float>(), static_cast<float>(momentum),
+         static_cast<float>(eps), stream);
   return {y, stats};
 }
 
@@ -633,8 +651,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(const at
   check_activation(kOp, "x", x);
   TORCH_CHECK(x.is_contiguous(at::MemoryFormat::ChannelsLast), kOp, ": x must be channels_last-contiguous");
   check_activation(kOp, "dy", dy);
-  TORCH_CHECK(dy.sizes() == x.sizes() && dy.device() == x.device(), kOp, ": dy ", dy.sizes(), " on ", dy.device(),
-              " must match x ", x.sizes(), " on ", x.device());
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.device() == x.device() && dy.scalar_type() == x.scalar_type(), kOp,
+              ": dy ", dy.sizes(), " ", dy.scalar_type(), " on ", dy.device(), " must match x ", x.sizes(), " ",
+              x.scalar_type(), " on ", x.device());
   check_channel_vector(kOp, "weight", weight, x);
   const int64_t channels = x.size(1);
   TORCH_CHECK(stats.defined() && stats.is_cuda() && stats.device() == x.device() &&
@@ -646,7 +665,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(const at
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor dy_cl = dy.contiguous(at::MemoryFormat::ChannelsLast);  // no copy when it already is
-  at::Tensor dx = at::empty_like(x, at::MemoryFormat::ChannelsLast);      // (N, C, H, W) bf16
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::ChannelsLast);      // (N, C, H, W), x's dtype
   at::Tensor dweight = at::empty({channels}, weight.options());
   at::Tensor dbias = at::empty({channels}, weight.options());
   at::Tensor coef = at::empty({3, channels}, weight.options());  // (3, C) [k1, kx, k0]
@@ -656,10 +675,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(const at
                       : 1;
   const Tiling t = tiling_make(rows, channels, vec, sm_count());
   at::Tensor partial = at::empty({channels, t.row_blocks, 2}, weight.options());  // (C, G) float2
-  backward_launch(vec, relu, bf16_data(dy_cl), bf16_data(x), bf16_data_mut(dx), t,
-                  reinterpret_cast<float2*>(partial.data_ptr<float>()), weight.data_ptr<float>(),
-                  stats.data_ptr<float>(), dweight.data_ptr<float>(), dbias.data_ptr<float>(),
-                  coef.data_ptr<float>(), stream);
+  const auto launch = x.scalar_type() == at::kHalf ? backward_launch<HalfFormat> : backward_launch<Bf16Format>;
+  launch(vec, relu, bits_data(dy_cl), bits_data(x), bits_data_mut(dx), t,
+         reinterpret_cast<float2*>(partial.data_ptr<float>()), weight.data_ptr<float>(), stats.data_ptr<float>(),
+         dweight.data_ptr<float>(), dbias.data_ptr<float>(), coef.data_ptr<float>(), stream);
   return {dx, dweight, dbias};
 }
 

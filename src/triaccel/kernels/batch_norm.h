@@ -1,8 +1,9 @@
-// Training-mode BatchNorm2d for CUDA on bf16 channels_last activations with float32 parameters, optionally fused
-// with the ReLU that follows it. PyTorch 2.11 runs this case (bf16 input, fp32 weight) with ATen's native
+// Training-mode BatchNorm2d for CUDA on bf16 or fp16 channels_last activations with float32 parameters, optionally
+// fused with the ReLU that follows it. PyTorch 2.11 runs the bf16 case (bf16 input, fp32 weight) with ATen's native
 // channels-last kernels, since cuDNN's BN refuses mixed dtypes; these kernels are the faster replacement
-// (docs/foundation.md, "BatchNorm kernel"). The spec is ATen's batch_norm in float64 on the same bf16 values
-// (tests/test_batch_norm.cpp).
+// (docs/foundation.md, "BatchNorm kernel"). fp16 takes the same kernels (Tri-Accel's fp16 units, AMP fp16), so the
+// two 16-bit formats keep the same saved tensors and the same memory. The spec is ATen's batch_norm in float64 on
+// the same 16-bit values (tests/test_batch_norm.cpp).
 //
 // Invariants: per-channel statistics are reduced in float32 in two stages (per-block partials into a scratch
 // tensor, then a fixed-order combine), with no atomics, so results are bit-identical run to run on one device;
@@ -23,19 +24,20 @@ enum BatchNormStatsRow : int64_t {
   kBatchNormShift = 3,   // bias − mean · scale   (so y = x · scale + shift, computed as one fmaf)
 };
 
-// x: (N, C, H, W) bfloat16, CUDA, channels_last-contiguous, N·H·W ≥ 2. weight, bias, running_mean, running_var:
-// (C) float32, contiguous, on x's device. running_mean / running_var are updated in place as
+// x: (N, C, H, W) bfloat16 or float16, CUDA, channels_last-contiguous, N·H·W ≥ 2. weight, bias, running_mean,
+// running_var: (C) float32, contiguous, on x's device. running_mean / running_var are updated in place as
 // torch.nn.BatchNorm2d does in training: r ← (1 − momentum)·r + momentum·s, with the unbiased variance for
-// running_var. Returns (y, stats): y = x̂·weight + bias (then max(·, 0) when relu), (N, C, H, W) bfloat16
-// channels_last; stats (4, C) float32 as above. Runs on the current stream of x's device.
+// running_var. Returns (y, stats): y = x̂·weight + bias (then max(·, 0) when relu), (N, C, H, W) channels_last in
+// x's dtype; stats (4, C) float32 as above. Runs on the current stream of x's device.
 std::tuple<at::Tensor, at::Tensor> batch_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight,
                                                            const at::Tensor& bias, const at::Tensor& running_mean,
                                                            const at::Tensor& running_var, double momentum,
                                                            double eps, bool relu);
 
-// dy: (N, C, H, W) bfloat16 CUDA (any layout; made channels_last-contiguous here); x, weight and stats as given to
-// and returned by batch_norm_forward_cuda, relu as there (the ReLU mask y > 0 is recomputed from x and stats
-// exactly as the forward computed y). Returns (dx bfloat16 channels_last, dweight (C) float32, dbias (C) float32).
+// dy: (N, C, H, W) CUDA in x's dtype (any layout; made channels_last-contiguous here); x, weight and stats as given
+// to and returned by batch_norm_forward_cuda, relu as there (the ReLU mask y > 0 is recomputed from x and stats
+// exactly as the forward computed y). Returns (dx channels_last in x's dtype, dweight (C) float32, dbias (C)
+// float32).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(const at::Tensor& dy, const at::Tensor& x,
                                                                         const at::Tensor& weight,
                                                                         const at::Tensor& stats, bool relu);

@@ -19,8 +19,8 @@ namespace {
 std::atomic<bool> g_kernel_enabled{true};
 
 #ifdef TRIACCEL_WITH_CUDA
-// Inputs: x (N, C, H, W) bf16 channels_last, weight, bias, running_mean, running_var (C) float32; the running stats
-// are updated in place. Output: y (N, C, H, W) bf16 channels_last.
+// Inputs: x (N, C, H, W) bf16 or fp16 channels_last, weight, bias, running_mean, running_var (C) float32; the running
+// stats are updated in place. Output: y (N, C, H, W) channels_last in x's dtype.
 class BatchNormFunction : public torch::autograd::Function<BatchNormFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -43,7 +43,7 @@ class BatchNormFunction : public torch::autograd::Function<BatchNormFunction> {
     const at::Tensor& weight = saved[1];
     const at::Tensor& stats = saved[2];
     auto [dx, dweight, dbias] =
-        batch_norm_backward_cuda(dy.to(at::kBFloat16), x, weight, stats, ctx->saved_data["relu"].toBool());
+        batch_norm_backward_cuda(dy.to(x.scalar_type()), x, weight, stats, ctx->saved_data["relu"].toBool());
     // One entry per forward argument: x, weight, bias, running_mean, running_var, momentum, eps, relu.
     return {dx, dweight, dbias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -67,7 +67,8 @@ bool batch_norm_kernel_applies(const torch::nn::BatchNorm2dImpl& bn, const at::T
       !options.momentum().has_value()) {
     return false;
   }
-  if (!x.defined() || !x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.dim() != 4 ||
+  const bool sixteen_bit = x.defined() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
+  if (!sixteen_bit || !x.is_cuda() || x.dim() != 4 ||
       x.size(1) != options.num_features() || x.size(0) * x.size(2) * x.size(3) < 2 ||
       !x.is_contiguous(at::MemoryFormat::ChannelsLast)) {
     return false;

@@ -17,7 +17,7 @@ bool batch_norm_kernel_enabled();
 
 // True when batch_norm_forward(bn, x, ·) runs the kernel: the kernel is compiled in and enabled; bn is training,
 // tracks running stats, is affine, has a fixed momentum; its weight, bias, running_mean and running_var are
-// float32 on x's device; x is a 4-D CUDA bfloat16 channels_last-contiguous tensor with C = num_features and
+// float32 on x's device; x is a 4-D CUDA bfloat16 or float16 channels_last-contiguous tensor with C = num_features and
 // N·H·W ≥ 2. (The module path handles everything else, including its own errors for bad shapes.)
 bool batch_norm_kernel_applies(const torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x);
 
