@@ -461,6 +461,45 @@ SgdSteps six_sgd_steps(const c10::Device& cuda, StepOptions so, bool graphs) {
 }
 #endif
 
+// Per-unit precision: every unit receives its input in its own dtype, whatever its neighbours run at. Without the
+// cast at a unit's entry, ResNet-18's residual adds promote: an fp32 stem keeps layer1 in fp32 (layer1.1 would
+// receive fp32), and a bf16 block output added to an fp16 identity is fp32 too. On the CPU fp16 applies as bf16, so
+// the mixes here are fp32 / bf16; the CUDA run of the same function adds fp16.
+TEST(UnitPrecisionForwardTest, EveryUnitRunsOnInputInItsOwnDtype) {
+  torch::manual_seed(3);
+  ModelOptions options;
+  options.name = "resnet18";
+  auto model = model_create(options);
+  model->train();
+  const size_t n = model->units().size();
+  const auto run = [&](const std::vector<Precision>& precisions, const c10::Device& device) {
+    std::vector<at::ScalarType> seen(n, at::kDouble);
+    const at::Tensor x = torch::randn({2, 3, 32, 32}, torch::TensorOptions().device(device));
+    const at::Tensor logits =
+        unit_precision_forward(*model, x, precisions, device, [&](size_t i, const at::Tensor& in) { seen[i] = in.scalar_type(); });
+    EXPECT_EQ(logits.sizes(), at::IntArrayRef({2, 10}));
+    for (size_t i = 0; i < n; ++i) {
+      const at::ScalarType want = precisions[i] == Precision::kFP32   ? at::kFloat
+                                  : precisions[i] == Precision::kBF16 ? at::kBFloat16
+                                                                      : at::kHalf;
+      EXPECT_EQ(seen[i], want) << model->units()[i].name;
+    }
+  };
+  std::vector<Precision> fp32_stem(n, Precision::kBF16);
+  fp32_stem[0] = Precision::kFP32;
+  run(fp32_stem, c10::Device(c10::kCPU));
+  std::vector<Precision> fp32_middle(n, Precision::kBF16);
+  fp32_middle[3] = Precision::kFP32;
+  run(fp32_middle, c10::Device(c10::kCPU));
+  if (test::gpu_available()) {
+    model->to(torch::kCUDA);
+    std::vector<Precision> mixed(n, Precision::kBF16);
+    mixed[0] = Precision::kFP32;
+    for (size_t i = n / 2; i + 1 < n; ++i) mixed[i] = Precision::kFP16;
+    run(mixed, c10::Device(c10::kCUDA));
+  }
+}
+
 // On a GPU, with deterministic cuDNN and no TF32: six steps of ResNet-18 (1×1 downsample convs, channels_last)
 // where steps 3–6 replay a captured CUDA graph give the same weights as six eager steps, in every precision. The
 // batches and the learning rate change every step, so a graph replaying stale inputs or a baked-in lr fails.
@@ -566,10 +605,10 @@ TEST(TrainStepCudaTest, RelaxedCaptureAllowsWhatGlobalModeRefuses) {
     y.copy_(x * 2 + 1);
   };
   std::string error;
-  EXPECT_EQ(step_graph_capture(body, &error, /*relaxed=*/false), nullptr);
+  EXPECT_EQ(cuda_graph_capture(body, &error, /*relaxed=*/false), nullptr);
   EXPECT_FALSE(error.empty());
   error.clear();
-  const auto graph = step_graph_capture(body, &error, /*relaxed=*/true);
+  const auto graph = cuda_graph_capture(body, &error, /*relaxed=*/true);
   ASSERT_NE(graph, nullptr) << error;
   EXPECT_EQ(y.sum().item<double>(), 0.0);  // the capture ran nothing
   graph->replay();

@@ -205,7 +205,7 @@ struct BlockGraph {
   int warm = 0;
   int64_t capture_ooms = 0;
   std::string capture_error;  // the first capture that failed by an error (not out of memory): its first line
-  bool relaxed = false;       // after such an error the block captures in relaxed mode (step_graph_capture)
+  bool relaxed = false;       // after such an error the block captures in relaxed mode (cuda_graph_capture)
 #ifdef TRIACCEL_WITH_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph;
 #endif
@@ -244,7 +244,7 @@ struct BlockGraph {
         x = xb;
         y = yb;
         std::string error;
-        graph = step_graph_capture([this, &body]() { body(x, y); }, &error, relaxed);
+        graph = cuda_graph_capture([this, &body]() { body(x, y); }, &error, relaxed);
         if (graph) {
           graph->replay();  // the capture ran nothing: this performs the step
           return;

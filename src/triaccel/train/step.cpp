@@ -5,14 +5,8 @@
 #include <torch/autograd.h>
 
 #include <limits>
-#include <mutex>
-#include <optional>
 #ifdef TRIACCEL_WITH_CUDA
-#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <cuda_runtime_api.h>
 #endif
 
 namespace triaccel {
@@ -139,16 +133,27 @@ at::Tensor TrainStep::forward(const at::Tensor& images) {
     const AutocastScope autocast(device_, options_.precision);
     return model_.forward(images);
   }
-  // Per-unit precision: autocast switched at each unit's forward; fp32 units run without autocast on fp32 input.
+  std::vector<Precision> applied;
+  for (Precision p : unit_precisions_) applied.push_back(precision_applied(p));
+  return unit_precision_forward(model_, images, applied, device_);
+}
+
+at::Tensor unit_precision_forward(Model& model, const at::Tensor& images, const std::vector<Precision>& precisions,
+                                  const c10::Device& device,
+                                  const std::function<void(size_t, const at::Tensor&)>& unit_input) {
+  const auto& units = model.units();
+  TORCH_CHECK(precisions.size() == units.size(), "unit_precision_forward: ", precisions.size(), " precisions for ",
+              units.size(), " units");
   at::Tensor x = images;
-  const auto& units = model_.units();
   for (size_t i = 0; i < units.size(); ++i) {
-    const Precision p = precision_applied(unit_precisions_[i]);
+    const Precision p = precisions[i];
+    const at::ScalarType dtype = p == Precision::kFP32 ? at::kFloat : p == Precision::kBF16 ? at::kBFloat16 : at::kHalf;
+    if (x.is_floating_point() && x.scalar_type() != dtype) x = x.to(dtype);
+    if (unit_input) unit_input(i, x);
     if (p == Precision::kFP32) {
-      if (x.is_floating_point() && x.scalar_type() != at::kFloat) x = x.to(at::kFloat);
       x = units[i].forward(x);
     } else {
-      const AutocastScope autocast(device_, p == Precision::kBF16 ? PrecisionMode::kAmpBF16 : PrecisionMode::kAmpFP16);
+      const AutocastScope autocast(device, p == Precision::kBF16 ? PrecisionMode::kAmpBF16 : PrecisionMode::kAmpFP16);
       x = units[i].forward(x);
     }
   }
@@ -207,81 +212,6 @@ void TrainStep::grads_release() {
   for (const auto& p : sgd_.params()) p.mutable_grad() = at::Tensor();
 }
 
-#ifdef TRIACCEL_WITH_CUDA
-std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body, std::string* error,
-                                                        bool relaxed) {
-  c10::cuda::CUDACachingAllocator::emptyCache();
-  auto graph = std::make_unique<at::cuda::CUDAGraph>();
-  const c10::DeviceIndex device = c10::cuda::current_device();
-  const auto first_line = [](const c10::Error& e) {
-    const std::string what = e.what_without_backtrace();
-    return what.substr(0, what.find('\n'));
-  };
-  // Gives up a failed capture. When capture_end itself failed (an invalidated capture), ATen 2.11 has not ended the
-  // allocator's routing to the graph's pool, and CUDAGraph::reset releases only pools of captures that ended: both are
-  // done here. Else the allocator counts a capture under way for good (it then defers frees and stops processing
-  // events) and the pool is never freed: an EfficientNet-B0 run at 0.5 GB ran out of memory at any batch two blocks
-  // after a failed capture, and a later capture in the same process failed. The pool's id is ours
-  // (CUDAGraph::pool() refuses to name it before a capture ended).
-  const at::cuda::MempoolId_t pool = at::cuda::graph_pool_handle();
-  const auto abandon = [&](bool ended) {
-    if (!ended) {
-      (void)cudaGetLastError();
-      try {  // capture_end threw before handing the stream back: the allocator still counts a capture under way
-        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
-      } catch (const c10::Error&) {  // already handed back
-      }
-      bool capture_ended = true;
-      try {
-        (void)graph->pool();  // throws unless the capture ended, in which case CUDAGraph::reset releases the pool
-      } catch (const c10::Error&) {
-        capture_ended = false;
-      }
-      if (!capture_ended) c10::cuda::CUDACachingAllocator::releasePool(device, pool);
-      // The default CUDA generator stays in capture mode too (its capture epilogue never ran): the next random op
-      // outside a capture failed ("Offset increment outside graph capture", EfficientNet-B0's dropout). It gets a
-      // fresh state with the same seed and offset.
-      at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device);
-      const std::lock_guard<std::mutex> lock(gen.mutex());
-      auto* impl = at::check_generator<at::CUDAGeneratorImpl>(gen);
-      impl->graphsafe_set_state(c10::make_intrusive<at::CUDAGeneratorImpl>(
-          device, c10::make_intrusive<at::CUDAGeneratorState>(impl->current_seed(), impl->philox_offset_per_thread())));
-    }
-    graph.reset();
-    c10::cuda::CUDACachingAllocator::emptyCache();
-  };
-  // Ends the capture: nullopt when it ended (the stream left capture mode and the pool was handed back), else the
-  // first line of capture_end's error.
-  const auto end = [&]() -> std::optional<std::string> {
-    try {
-      graph->capture_end();
-      return std::nullopt;
-    } catch (const c10::Error& e) {
-      return first_line(e);
-    }
-  };
-  graph->capture_begin(pool, relaxed ? cudaStreamCaptureModeRelaxed : cudaStreamCaptureModeGlobal);
-  try {
-    body();
-  } catch (const c10::OutOfMemoryError&) {
-    abandon(!end().has_value());  // out of memory: not an error to report
-    return nullptr;
-  } catch (const c10::Error& e) {
-    // An operation the capture refused (its error may surface only at a later call). Run eagerly: a step that
-    // cannot run at all raises its error again there.
-    if (error) *error = first_line(e);
-    abandon(!end().has_value());
-    return nullptr;
-  }
-  if (const auto end_error = end()) {
-    if (error) *error = *end_error;
-    abandon(false);
-    return nullptr;
-  }
-  return graph;
-}
-#endif
-
 bool TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
 #ifdef TRIACCEL_WITH_CUDA
   auto g = std::make_unique<Graph>();
@@ -289,7 +219,7 @@ bool TrainStep::capture(const at::Tensor& images, const at::Tensor& labels) {
   g->images = images;
   g->labels = labels;
   std::string error;
-  g->graph = step_graph_capture(
+  g->graph = cuda_graph_capture(
       [&]() {
         if (options_.during_capture) options_.during_capture();
         body(g->images, g->labels);

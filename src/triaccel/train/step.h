@@ -8,6 +8,7 @@
 // input: pass the same tensors every step (the trainer and the benchmark do) to avoid a copy.
 #pragma once
 
+#include "triaccel/core/cuda_graph.h"
 #include "triaccel/core/grad_stats.h"
 #include "triaccel/models/model.h"
 #include "triaccel/precision/policy.h"
@@ -28,20 +29,6 @@
 #include <vector>
 
 namespace triaccel {
-
-#ifdef TRIACCEL_WITH_CUDA
-// One training step captured in a new CUDA graph on the current stream (TrainStep here, NeuroFlux's block loop).
-// The eager steps' cached blocks go back to the device first: the graph's private pool cannot reuse them, and under
-// a --vram-budget the two together may not fit (nothing can be freed while a capture is under way). The capture runs
-// nothing: replay the graph to perform the step. Returns nullptr when the capture failed — the graph and its pool
-// are freed and the caller runs the step eagerly (where a real fault raises its error again). An out-of-memory
-// capture leaves `error` empty; any other failure (an operation a capture does not allow) sets it to the error's
-// first line. Either way the stream leaves capture mode, the CUDA error state is cleared and no half-made graph is
-// left behind. `relaxed` captures in cudaStreamCaptureModeRelaxed: calls that global mode refuses during a capture
-// (from any thread: a cudaFree, an event synchronize) are then allowed and simply not recorded.
-std::unique_ptr<at::cuda::CUDAGraph> step_graph_capture(const std::function<void()>& body, std::string* error = nullptr,
-                                                        bool relaxed = false);
-#endif
 
 struct StepOptions {
   PrecisionMode precision = PrecisionMode::kFP32;
@@ -70,6 +57,16 @@ class AutocastScope {
   at::ScalarType prev_dtype_;
   bool active_;
 };
+
+// The forward of a model whose units run at their own precisions (Tri-Accel; precisions as applied on the device).
+// Each unit's input is cast to the unit's dtype at its entry, and 16-bit units run under autocast in that dtype. The
+// cast matters for the ops autocast leaves alone: a residual add of a bf16 block output and an fp32 (or fp16)
+// identity promotes to fp32, and the fp32 stream then runs on through every later unit of the stage (ResNet-18
+// peaked at 0.73 GB with an fp32 stem and 0.82 GB with fp16 after bf16 units, against 0.62 GB in bf16 throughout,
+// on the H100 before this cast). `unit_input` (tests) sees each unit's input after the cast.
+at::Tensor unit_precision_forward(Model& model, const at::Tensor& images, const std::vector<Precision>& precisions,
+                                  const c10::Device& device,
+                                  const std::function<void(size_t, const at::Tensor&)>& unit_input = {});
 
 class TrainStep {
  public:

@@ -1,0 +1,91 @@
+// CUDA graph capture that always leaves the process in a usable state (core/cuda_graph.h).
+#include "triaccel/core/cuda_graph.h"
+
+#ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <optional>
+#endif
+
+namespace triaccel {
+
+#ifdef TRIACCEL_WITH_CUDA
+std::unique_ptr<at::cuda::CUDAGraph> cuda_graph_capture(const std::function<void()>& body, std::string* error,
+                                                        bool relaxed) {
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  auto graph = std::make_unique<at::cuda::CUDAGraph>();
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  const auto first_line = [](const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    return what.substr(0, what.find('\n'));
+  };
+  // Gives up a failed capture. When capture_end itself failed (an invalidated capture), ATen 2.11 has not ended the
+  // allocator's routing to the graph's pool, and CUDAGraph::reset releases only pools of captures that ended: both are
+  // done here. Else the allocator counts a capture under way for good (it then defers frees and stops processing
+  // events) and the pool is never freed: an EfficientNet-B0 run at 0.5 GB ran out of memory at any batch two blocks
+  // after a failed capture, and a later capture in the same process failed. The pool's id is ours
+  // (CUDAGraph::pool() refuses to name it before a capture ended).
+  const at::cuda::MempoolId_t pool = at::cuda::graph_pool_handle();
+  const auto abandon = [&](bool ended) {
+    if (!ended) {
+      (void)cudaGetLastError();
+      try {  // capture_end threw before handing the stream back: the allocator still counts a capture under way
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
+      } catch (const c10::Error&) {  // already handed back
+      }
+      bool capture_ended = true;
+      try {
+        (void)graph->pool();  // throws unless the capture ended, in which case CUDAGraph::reset releases the pool
+      } catch (const c10::Error&) {
+        capture_ended = false;
+      }
+      if (!capture_ended) c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+      // The default CUDA generator stays in capture mode too (its capture epilogue never ran): the next random op
+      // outside a capture failed ("Offset increment outside graph capture", EfficientNet-B0's dropout). It gets a
+      // fresh state with the same seed and offset.
+      at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device);
+      const std::lock_guard<std::mutex> lock(gen.mutex());
+      auto* impl = at::check_generator<at::CUDAGeneratorImpl>(gen);
+      impl->graphsafe_set_state(c10::make_intrusive<at::CUDAGeneratorImpl>(
+          device, c10::make_intrusive<at::CUDAGeneratorState>(impl->current_seed(), impl->philox_offset_per_thread())));
+    }
+    graph.reset();
+    c10::cuda::CUDACachingAllocator::emptyCache();
+  };
+  // Ends the capture: nullopt when it ended (the stream left capture mode and the pool was handed back), else the
+  // first line of capture_end's error.
+  const auto end = [&]() -> std::optional<std::string> {
+    try {
+      graph->capture_end();
+      return std::nullopt;
+    } catch (const c10::Error& e) {
+      return first_line(e);
+    }
+  };
+  graph->capture_begin(pool, relaxed ? cudaStreamCaptureModeRelaxed : cudaStreamCaptureModeGlobal);
+  try {
+    body();
+  } catch (const c10::OutOfMemoryError&) {
+    abandon(!end().has_value());  // out of memory: not an error to report
+    return nullptr;
+  } catch (const c10::Error& e) {
+    // An operation the capture refused (its error may surface only at a later call). Run eagerly: a step that
+    // cannot run at all raises its error again there.
+    if (error) *error = first_line(e);
+    abandon(!end().has_value());
+    return nullptr;
+  }
+  if (const auto end_error = end()) {
+    if (error) *error = *end_error;
+    abandon(false);
+    return nullptr;
+  }
+  return graph;
+}
+#endif
+
+}  // namespace triaccel

@@ -1,0 +1,30 @@
+// CUDA graph capture that always leaves the process in a usable state: on success a graph to replay; on failure
+// nothing captured, nothing reserved, the stream out of capture mode and the CUDA error state clear.
+#pragma once
+
+#ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#endif
+
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace triaccel {
+
+#ifdef TRIACCEL_WITH_CUDA
+// `body` captured in a new CUDA graph on the current stream (a training step: TrainStep, NeuroFlux's block loop; a
+// Hessian-vector product: curvature/hvp.h). The eager calls' cached blocks go back to the device first: the graph's
+// private pool cannot reuse them, and under a --vram-budget the two together may not fit (nothing can be freed
+// while a capture is under way). The capture runs nothing: replay the graph to run the body. Returns nullptr when
+// the capture failed — the graph and its pool are freed and the caller runs the body eagerly (where a real fault
+// raises its error again). An out-of-memory capture leaves `error` empty; any other failure (an operation a capture
+// does not allow) sets it to the error's first line. Either way the stream leaves capture mode, the CUDA error
+// state is cleared and no half-made graph is left behind. `relaxed` captures in cudaStreamCaptureModeRelaxed: calls
+// that global mode refuses during a capture (from any thread: a cudaFree, an event synchronize) are then allowed
+// and simply not recorded.
+std::unique_ptr<at::cuda::CUDAGraph> cuda_graph_capture(const std::function<void()>& body,
+                                                        std::string* error = nullptr, bool relaxed = false);
+#endif
+
+}  // namespace triaccel
