@@ -5,6 +5,7 @@
 // and HVP columns equal the double-loop Hessian up to rounding (1e-10). Power iteration is run to tol 1e-12 with
 // enough steps that the Rayleigh quotient error, which falls as (λ_{j+1}/λ_j)^{2t}, is far below the 1e-4 (MLP)
 // and 1e-8 (diagonal) relative tolerances.
+#include "test_util.h"
 #include "triaccel/curvature/hvp.h"
 #include "triaccel/curvature/probe.h"
 
@@ -12,6 +13,10 @@
 #include "triaccel/models/model.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/torch.h>
@@ -333,6 +338,53 @@ TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
   std::printf("[ small-cnn ] probe of %zu units (batch 8, k 3, 4 iters): %.3f s; fc λ_max %.4g\n", probed.size(),
               wall, probed.back().lambda_max);
 }
+
+#ifdef TRIACCEL_WITH_CUDA
+// On the GPU each unit's products after the first replay a CUDA graph: the eigenvalues and product counts equal
+// the eager probe's (same kernels on the same saved tensors), every unit with parameters reports graphed, and on
+// the default stream (where a capture is not allowed) the probe stays eager. A graph that replayed stale inputs
+// (v not copied in) or read a freed output would give different eigenvalues; one never captured fails `graphed`.
+TEST(CurvatureProbeTest, CudaGraphedProductsGiveTheEagerEigenvalues) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(21);
+  ModelOptions model_options;
+  model_options.name = "resnet18";
+  auto model = model_create(model_options);
+  model->to(torch::kCUDA);
+  const at::Tensor images = torch::randn({16, 3, 32, 32}, torch::kCUDA);
+  const at::Tensor labels = torch::randint(0, 10, {16}, torch::TensorOptions().device(torch::kCUDA).dtype(at::kLong));
+  CurvatureOptions options;
+  options.top_k = 2;
+  options.max_iters = 6;
+  options.tol = 0.0;  // every eigenvalue takes all its products: the counts must match exactly
+  options.batch = 16;
+  const std::vector<size_t> late{model->units().size() - 3, model->units().size() - 2, model->units().size() - 1};
+  torch::cuda::synchronize();
+  std::vector<UnitCurvature> eager, graphed, default_stream;
+  {
+    const c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());
+    options.cuda_graphs = false;
+    eager = curvature_probe(*model, images, labels, options, nullptr, nullptr, &late);
+    options.cuda_graphs = true;
+    graphed = curvature_probe(*model, images, labels, options, nullptr, nullptr, &late);
+    torch::cuda::synchronize();
+  }
+  default_stream = curvature_probe(*model, images, labels, options, nullptr, nullptr, &late);
+  for (const size_t u : late) {
+    EXPECT_FALSE(eager[u].graphed) << eager[u].unit;
+    EXPECT_TRUE(graphed[u].graphed) << graphed[u].unit;
+    EXPECT_FALSE(default_stream[u].graphed) << default_stream[u].unit;
+    EXPECT_EQ(graphed[u].iterations, eager[u].iterations) << eager[u].unit;
+    ASSERT_EQ(graphed[u].eigenvalues.size(), eager[u].eigenvalues.size()) << eager[u].unit;
+    for (size_t k = 0; k < eager[u].eigenvalues.size(); ++k) {
+      EXPECT_NEAR(graphed[u].eigenvalues[k], eager[u].eigenvalues[k], 1e-4 * std::abs(eager[u].eigenvalues[k]) + 1e-6)
+          << eager[u].unit << " eigenvalue " << k;
+    }
+    std::printf("[ resnet18 %s ] λ eager %.6g graphed %.6g (%d products)\n", eager[u].unit.c_str(),
+                eager[u].lambda_max, graphed[u].lambda_max, graphed[u].iterations);
+  }
+}
+#endif
 
 void expect_user_error(const CurvatureOptions& options, const std::string& message) {
   try {

@@ -518,6 +518,12 @@ TEST(NeuroFluxTest, CudnnAutotuneIsOffUnderABudgetUnlessAsked) {
   o.cudnn_autotune = "on";
   EXPECT_TRUE(o.cudnn_autotune_enabled());
   o.vram_budget.clear();
+  o.cudnn_autotune = "auto";
+  o.method = "tri-accel";  // precision changes would re-tune: heuristics unless asked
+  EXPECT_FALSE(o.cudnn_autotune_enabled());
+  o.cudnn_autotune = "on";
+  EXPECT_TRUE(o.cudnn_autotune_enabled());
+  o.method = "backprop";
   o.cudnn_autotune = "off";
   EXPECT_FALSE(o.cudnn_autotune_enabled());
   EXPECT_EQ(TrainOptions::from_json(o.to_json()).cudnn_autotune, "off");

@@ -151,7 +151,8 @@ struct TrainFlags {
     add("cudnn_autotune", app.add_option("--cudnn-autotune", o.cudnn_autotune,
                                          "cuDNN algorithms: on (autotune each shape), off (heuristics), auto (on "
                                          "without --vram-budget, off under one: autotuning's workspace tries fill a "
-                                         "budget, though the cap still holds)")
+                                         "budget, though the cap still holds; off for tri-accel, whose precision "
+                                         "changes would re-tune every new dtype mix)")
                               ->capture_default_str());
     add("optimizer", app.add_option("--optimizer", o.optimizer,
                                     "sgd|adamw|baoc: SGD with momentum; AdamW (fp32 states); BAOC (AdamW warm-up, then "

@@ -3,10 +3,15 @@
 // Σ_i g_i·v_i through the graph that create_graph kept; both backwards retain the loss's graph.
 #include "triaccel/curvature/hvp.h"
 
+#include "triaccel/core/cuda_graph.h"
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -83,9 +88,40 @@ at::TensorOptions HvpOperator::flat_options() const {
   return params_.front().options().requires_grad(false);
 }
 
+struct HvpOperator::Graph {
+#ifdef TRIACCEL_WITH_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+#endif
+  at::Tensor input;   // (n): the captured product reads v here
+  at::Tensor output;  // (n): and writes H·v here (in the graph's pool)
+};
+
 at::Tensor HvpOperator::apply_flat(const at::Tensor& v) const {
   TORCH_CHECK(v.dim() == 1 && v.numel() == numel_, "HvpOperator::apply_flat: expected a vector of ", numel_,
               " elements, got shape ", v.sizes());
+#ifdef TRIACCEL_WITH_CUDA
+  if (graph_) {
+    graph_->input.copy_(v);
+    graph_->graph->replay();
+    return graph_->output.clone();  // the next replay overwrites the output
+  }
+  at::Tensor hv = apply_flat_eager(v);
+  const bool capturable = numel_ > 0 && v.is_cuda() && params_.front().is_cuda() &&
+                          c10::cuda::getCurrentCUDAStream() != c10::cuda::getDefaultCUDAStream();
+  if (graph_wanted_ && !graph_tried_ && capturable) {
+    graph_tried_ = true;
+    auto g = std::make_shared<Graph>();
+    g->input = v.detach().clone();
+    g->graph = cuda_graph_capture([&]() { g->output = apply_flat_eager(g->input); });
+    if (g->graph) graph_ = std::move(g);
+  }
+  return hv;
+#else
+  return apply_flat_eager(v);
+#endif
+}
+
+at::Tensor HvpOperator::apply_flat_eager(const at::Tensor& v) const {
   std::vector<at::Tensor> pieces;
   pieces.reserve(params_.size());
   int64_t offset = 0;

@@ -13,6 +13,7 @@
 #include <ATen/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace triaccel {
@@ -39,6 +40,14 @@ class HvpOperator {
   // n = numel() and the layout is the parameters' elements concatenated in order.
   at::Tensor apply_flat(const at::Tensor& v) const;
 
+  // CUDA: after the first apply_flat (eager, which also makes cuBLAS/cuDNN set up their handles and workspaces), the
+  // product is captured once in a CUDA graph on a fixed input vector, and every later apply_flat copies v in and
+  // replays it: the same kernels on the same saved tensors, without autograd's per-node host work (a product on a
+  // b_curv = 32 batch is launch-bound). Needs a non-default current stream (the trainer's); where the capture is
+  // refused or fails the operator stays eager. The graph and its memory pool live as long as the operator.
+  void graph_after_first_product(bool enabled) { graph_wanted_ = enabled; }
+  bool graphed() const { return graph_ != nullptr; }
+
   int64_t numel() const { return numel_; }
   const std::vector<at::Tensor>& params() const { return params_; }
   at::TensorOptions flat_options() const;
@@ -47,6 +56,13 @@ class HvpOperator {
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> grads_;  // g_i with a graph to θ; undefined where g_i does not depend on the group
   int64_t numel_ = 0;
+  at::Tensor apply_flat_eager(const at::Tensor& v) const;
+  // A cache of the same computation, made on first use (hence mutable): the captured product, its fixed input and
+  // output vectors.
+  struct Graph;
+  bool graph_wanted_ = false;
+  mutable bool graph_tried_ = false;
+  mutable std::shared_ptr<Graph> graph_;
 };
 
 struct EigenResult {

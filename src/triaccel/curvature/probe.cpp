@@ -164,7 +164,8 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
       if (params.empty()) {
         entry.converged = true;
       } else {
-        const HvpOperator op(params, std::move(grads));  // this unit's slice of the shared first-order gradients
+        HvpOperator op(params, std::move(grads));  // this unit's slice of the shared first-order gradients
+        op.graph_after_first_product(options.cuda_graphs);
         const bool warm = warm_start != nullptr && warm_start->size() == units.size();
         const EigenResult eigen = power_iteration_topk(op, options.top_k, options.max_iters, options.tol,
                                                        options.seed + i, warm ? (*warm_start)[i] : std::vector<at::Tensor>{});
@@ -176,6 +177,7 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
         entry.lambda_max = *std::max_element(eigen.eigenvalues.begin(), eigen.eigenvalues.end());
         entry.iterations = eigen.iterations;
         entry.converged = eigen.converged;
+        entry.graphed = op.graphed();
       }
       entry.seconds = time_since_start_s() - unit_start;
       result.push_back(std::move(entry));

@@ -29,6 +29,7 @@ struct CurvatureOptions {
   int64_t batch = 32;          // --curv-batch: samples the probe uses (paper: b_curv = 32)
   int64_t every_steps = 200;   // --curv-every: training steps between probes (paper: T_curv = 200)
   uint64_t seed = 0;           // --curv-seed: start vectors of the power iteration
+  bool cuda_graphs = true;     // --cuda-graphs: each unit's products replay a CUDA graph after the first (hvp.h)
 
   // Throws UserError naming the flag and the bad value.
   void validate() const;
@@ -41,6 +42,7 @@ struct UnitCurvature {
   int iterations = 0;                // Hessian-vector products taken for this unit
   bool converged = false;            // every eigenvalue met options.tol within options.max_iters
   double seconds = 0.0;              // wall time of this unit's gradients and power iteration
+  bool graphed = false;              // its products after the first replayed a CUDA graph
   bool probed = true;                // false: not in `only_units` this call (the other fields are empty)
 };
 

@@ -161,7 +161,7 @@ int64_t TrainOptions::vram_budget_bytes() const {
 }
 
 bool TrainOptions::cudnn_autotune_enabled() const {
-  return cudnn_autotune == "auto" ? vram_budget.empty() : cudnn_autotune == "on";
+  return cudnn_autotune == "auto" ? vram_budget.empty() && method != "tri-accel" : cudnn_autotune == "on";
 }
 
 bool TrainOptions::augment_enabled() const {

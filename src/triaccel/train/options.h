@@ -75,8 +75,10 @@ struct TrainOptions {
   // Out of memory: the step is retried on the same samples at a smaller batch; the lr follows the batch.
   std::string lr_batch_rule = "sqrt"; // none | linear | sqrt
   // cuDNN algorithm choice: on = autotune (benchmark every shape once), off = heuristics, auto = on without a
-  // --vram-budget, off under one (autotuning's workspace tries fill a budget). On the H100 heuristics made
-  // EfficientNet-B0's depthwise convolutions several times slower (bench/probe_depthwise.py).
+  // --vram-budget, off under one (autotuning's workspace tries fill a budget), and off for tri-accel (every precision
+  // change re-tunes each new dtype mix: 1-16 s and up to 0.07 GB of trial workspace above the run's peak each time on
+  // the H100, with the same steady speed, docs/tri-accel.md). On the H100 heuristics made EfficientNet-B0's depthwise
+  // convolutions on 2x2 maps several times slower (bench/probe_depthwise.py).
   std::string cudnn_autotune = "auto"; // auto | on | off
 
   // Optimizer (docs/baoc.md): sgd (SGD with momentum, above) | adamw (AdamW, fp32 states) | baoc (AdamW warm-up,
@@ -108,7 +110,7 @@ struct TrainOptions {
   void validate_model_data() const;  // the model reads what the dataset holds; image-only flags on text
   bool augment_enabled() const;       // resolves "auto" from the dataset
   int64_t vram_budget_bytes() const;  // 0 when no budget
-  bool cudnn_autotune_enabled() const;  // resolves "auto": on without a --vram-budget
+  bool cudnn_autotune_enabled() const;  // resolves "auto": on without a --vram-budget, except for tri-accel
   double warmup_epochs_resolved() const;
   Json to_json() const;
   static TrainOptions from_json(const Json& json);  // UserError naming a missing or mistyped key

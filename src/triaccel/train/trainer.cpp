@@ -670,12 +670,14 @@ Json train_run(const TrainOptions& options, const TrainHooks& hooks) {
       if (options.checkpoint_every > 0 && progress.step % options.checkpoint_every == 0 && !last_in_epoch) {
         device_synchronize(device);
         progress.epoch_train_s += time_since_start_s() - t_epoch;
+        if (tri_accel) tri_accel->clock_pause();
         save_checkpoint();
         t_epoch = time_since_start_s();
       }
     }
     device_synchronize(device);
     progress.epoch_train_s += time_since_start_s() - t_epoch;
+    if (tri_accel) tri_accel->clock_pause();
     if (stopped && progress.epoch_offset < train_loader.size()) break;  // mid-epoch stop
 
     // Epoch done: evaluate and log. Train metrics cover this session's part of the epoch.

@@ -35,6 +35,10 @@ class TriAccelDriver {
   // Runs whatever is due after optimizer step `step` (1-based count); returns (event name, fields) to log.
   std::vector<std::pair<std::string, Json>> after_step(int64_t step);
 
+  // The trainer stops training between the steps it is about to run (evaluation, a checkpoint): that time earns no
+  // probe credit, since the probe's share is of training time.
+  void clock_pause() { last_call_s_ = -1; }
+
   double probe_seconds() const { return probe_seconds_; }
   int64_t probes() const { return probes_; }
 
