@@ -121,7 +121,7 @@ void TriAccelDriver::probe(int64_t step, std::vector<std::pair<std::string, Json
   std::vector<double> pending(n_units, -1.0);
   Json probed = Json::array();
   Json eigen = Json::array();
-  Json unit_s = Json::array();  // per unit: its gradients and power iteration (the rest of probe_s: the forward)
+  Json unit_s = Json::array();  // per unit: its power iteration (the rest of probe_s: forward, first-order gradients)
   int64_t products = 0;
   int64_t graphed = 0;
   for (size_t u = 0; u < n_units; ++u) {
