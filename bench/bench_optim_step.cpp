@@ -8,9 +8,9 @@
 #include "triaccel/core/errors.h"
 #include "triaccel/core/io.h"
 #include "triaccel/core/json.h"
-#include "triaccel/models/model.h"
+#include "triaccel/models/registry.h"
 #include "triaccel/optim/baoc_optimizer.h"
-#include "triaccel/train/sgd.h"
+#include "triaccel/optim/sgd.h"
 
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
   app.add_option("--repeats", repeats, "repeats (the median is reported)")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
-    const c10::Device device = triaccel::device_resolve("cuda");
+    const c10::Device device = triaccel::device_resolve(triaccel::DeviceKind::kCuda);
     const c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromPool(false, device.index()));
     const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
     const at::Tensor lr = at::full({1}, 1e-3, f32), no_inf = at::zeros({1}, f32);

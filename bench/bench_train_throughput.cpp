@@ -1,18 +1,18 @@
 // Training-step throughput and peak VRAM of triaccel's step (TrainStep: autocast, fused SGD, loss scaler, CUDA
 // graph) on synthetic GPU-resident input, for each batch size × precision. The PyTorch eager reference
 // (bench/pytorch_reference.py) measures the same protocol; bench/run_foundation.sh runs both in one job.
-// Protocol (DESIGN.md): warm up, synchronize, time `steps` steps with CUDA events, repeat, report the median
+// Protocol (docs/measuring.md): warm up, synchronize, time `steps` steps with CUDA events, repeat, report the median
 // images/s; peak VRAM = the allocator's peak allocated bytes from model creation to the end of the timed steps.
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
-#include "triaccel/core/grad_stats.h"
+#include "triaccel/train/grad_stats.h"
 #include "triaccel/core/io.h"
 #include "triaccel/core/json.h"
 #include "triaccel/models/batch_norm.h"
-#include "triaccel/models/model.h"
+#include "triaccel/models/registry.h"
 #include "triaccel/train/loss_scaler.h"
-#include "triaccel/train/options.h"
-#include "triaccel/train/sgd.h"
+#include "triaccel/train/precision.h"
+#include "triaccel/optim/sgd.h"
 #include "triaccel/train/step.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -109,7 +109,7 @@ Json bench_one(const Config& cfg, int warmup, int steps, int repeats, const c10:
   const double loss = step.last_loss().item<double>();
   return Json{{"model", cfg.model},
               {"batch", cfg.batch},
-              {"precision", triaccel::precision_mode_name(cfg.precision)},
+              {"precision", triaccel::enum_name(cfg.precision)},
               {"channels_last", cfg.channels_last},
               {"cuda_graphs", cfg.cuda_graphs},
               {"image_size", cfg.image_size},
@@ -117,7 +117,7 @@ Json bench_one(const Config& cfg, int warmup, int steps, int repeats, const c10:
               {"images_per_s_min", rates.front()},
               {"images_per_s_max", rates.back()},
               {"peak_allocated_gb", static_cast<double>(mem.peak_allocated_bytes) / 1e9},
-              {"graph_captured", step.graph_captured()},
+              {"graph_captured", step.graph().captured()},
               {"grad_stats", cfg.grad_stats},
               {"bn_kernel", triaccel::batch_norm_kernel_enabled()},
               {"cudnn_autotune", at::globalContext().benchmarkCuDNN()},
@@ -164,7 +164,7 @@ int main(int argc, char** argv) {
         if (grad_stats != "on") stats_modes.push_back(false);
         if (grad_stats != "off") stats_modes.push_back(true);
         for (const bool gs : stats_modes) {
-          const Config cfg{model, std::stoll(b), triaccel::precision_mode_parse(p), channels_last, cuda_graphs,
+          const Config cfg{model, std::stoll(b), triaccel::enum_parse<triaccel::PrecisionMode>(p, "precision"), channels_last, cuda_graphs,
                            image_size, gs};
           Json row = bench_one(cfg, warmup, steps, repeats, device);
           std::printf("triaccel %-16s batch %4lld %-9s %s%9.0f img/s  peak %.3f GB\n", model.c_str(),

@@ -124,7 +124,7 @@ for f in sorted(glob.glob(f"{out}/*.events.jsonl")):
     name = os.path.basename(f).split(".")[0]
     if s["event"] != "summary":
         print(f"{name}: no summary"); continue
-    plans = [e for e in ev if e["event"] == "plan"]
+    plans = [e for e in ev if e["event"] in ("optim_plan", "plan")]
     rows[name] = {"run": name, "workload": name.split("_")[0], "test_acc": s["test_acc"], "test_loss": s["test_loss"],
                   "epoch_s": s["epoch_s"], "peak_vram_gb": s["peak_vram_gb"],
                   "peak_vram_warmup_gb": s.get("peak_vram_warmup_gb"), "peak_vram_from_step": s.get("peak_vram_from_step"),

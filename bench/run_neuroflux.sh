@@ -40,7 +40,7 @@ for pair in $PAIRS; do
   echo "== $tag neuroflux"
   "$BIN/triaccel" train --method neuroflux --model "$model" --vram-budget "$budget" --nf-exit-tolerance "$NF_EXIT_TOL" \
     "${COMMON[@]}" --out "$nf" 2>&1 | grep -E "^(block|done|triaccel)" | tail -20
-  batch=$(python3 -c "import json,sys; ev=[json.loads(l) for l in open(sys.argv[1])]; print([e for e in ev if e['event']=='plan'][0]['backprop_max_batch'])" "$nf/events.jsonl" 2>/dev/null)
+  batch=$(python3 -c "import json,sys; ev=[json.loads(l) for l in open(sys.argv[1])]; print([e for e in ev if e['event'] in ('block_plan', 'plan')][0]['backprop_max_batch'])" "$nf/events.jsonl" 2>/dev/null)
   if [ -z "$batch" ] || [ "$batch" -lt 2 ]; then echo "no backprop batch fits $budget for $model"; continue; fi
   # The profile's backprop batch is a prediction (it misses cuDNN workspaces, the loss, fragmentation): backprop
   # runs at the largest batch, from it down by 20 % steps, whose 40-step trial under the budget had no

@@ -5,7 +5,7 @@
 #include "triaccel/core/io.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/allocation.h"
-#include "triaccel/optim/baoc_driver.h"
+#include "triaccel/control/baoc_controller.h"
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/optim/planner.h"
 #include "triaccel/optim/risk.h"
@@ -200,7 +200,7 @@ TEST(PlannerTest, ChoosesTheLowRiskCheapFormatsAndSaysTheMinimumWhenTheBudgetIsT
   } catch (const UserError& e) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("at least 4032 bytes"), std::string::npos) << msg;  // 2 × (2·1000 + 2·2·4 blocks)
-    EXPECT_NE(msg.find("--optim-memory-budget"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("optim_memory_budget 10% (1600 bytes) is below the cheapest plan"), std::string::npos) << msg;
   }
 }
 
@@ -299,12 +299,11 @@ TEST(SignalsTest, SmallCnnPlanAtFifteenPercentFitsAndMixesFormats) {
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (const auto& item : model->named_parameters()) named.emplace_back(item.key(), item.value());
   BaocOptimizer opt(named, BaocOptions{});
-  TrainOptions to;
-  to.optimizer = "baoc";
-  to.optim_memory_budget = "15%";
+  BaocControllerOptions to;
+  to.memory_budget = "15%";
   to.plan_warmup = 6;
   int invalidations = 0;
-  BaocDriver driver(to, *model, opt, [&]() { ++invalidations; }, 1);
+  BaocController controller(to, *model, opt, [&]() { ++invalidations; }, 1);
   EXPECT_TRUE(opt.stream_stats_enabled());
   const at::Tensor x = torch::randn({32, 1, 28, 28});
   const at::Tensor y = torch::randint(0, 10, {32});
@@ -313,8 +312,10 @@ TEST(SignalsTest, SmallCnnPlanAtFifteenPercentFitsAndMixesFormats) {
     for (auto& p : opt.params()) p.mutable_grad() = at::Tensor();
     at::cross_entropy_loss(model->forward(x), y).backward();
     opt.step(torch::full({1}, 1e-3), torch::zeros({1}));
-    for (const auto& [name, fields] : driver.after_step(step)) {
-      if (name == "plan") plan = fields;
+    StepContext ctx;
+    ctx.step = step;
+    for (const Event& e : controller.after_step(ctx)) {
+      if (std::string(e.name) == event::kOptimPlan) plan = e.fields;
     }
   }
   ASSERT_FALSE(plan.is_null());

@@ -1,7 +1,7 @@
 // BatchController on made-up memory signals: the paper's grow/shrink rule, the growth guard, buckets, OOM back-off,
 // the lr rule.
 #include "triaccel/core/errors.h"
-#include "triaccel/memory/batch_controller.h"
+#include "triaccel/control/batch_controller.h"
 
 #include <gtest/gtest.h>
 
@@ -62,7 +62,7 @@ TEST(BatchControllerTest, OomHalvesUntilTheMinimumThenSaysWhatIsNeeded) {
     batch_after_oom(o, 16);
     FAIL();
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("--vram-budget is below what this model needs"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("the vram_budget is below what this model needs"), std::string::npos);
   }
 }
 
@@ -70,8 +70,8 @@ TEST(BatchControllerTest, LearningRateFollowsTheBatch) {
   EXPECT_DOUBLE_EQ(lr_scale_for_batch(LrBatchRule::kLinear, 192, 96), 2.0);
   EXPECT_DOUBLE_EQ(lr_scale_for_batch(LrBatchRule::kSqrt, 384, 96), 2.0);
   EXPECT_DOUBLE_EQ(lr_scale_for_batch(LrBatchRule::kNone, 384, 96), 1.0);
-  EXPECT_EQ(lr_batch_rule_parse("sqrt"), LrBatchRule::kSqrt);
-  EXPECT_THROW(lr_batch_rule_parse("cubic"), UserError);
+  EXPECT_EQ(enum_parse<LrBatchRule>("sqrt", "lr_batch_rule"), LrBatchRule::kSqrt);
+  EXPECT_THROW(enum_parse<LrBatchRule>("cubic", "lr_batch_rule"), UserError);
 }
 
 }  // namespace

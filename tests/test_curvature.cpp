@@ -6,8 +6,8 @@
 // enough steps that the Rayleigh quotient error, which falls as (λ_{j+1}/λ_j)^{2t}, is far below the 1e-4 (MLP)
 // and 1e-8 (diagonal) relative tolerances.
 #include "test_util.h"
-#include "triaccel/curvature/hvp.h"
-#include "triaccel/curvature/probe.h"
+#include "triaccel/control/hvp.h"
+#include "triaccel/control/curvature_probe.h"
 
 #include "triaccel/core/errors.h"
 #include "triaccel/models/model.h"
@@ -404,22 +404,22 @@ TEST(CurvatureOptionsTest, ValidateNamesTheFlag) {
 
   CurvatureOptions bad = options;
   bad.top_k = 0;
-  expect_user_error(bad, "--curv-top-k must be >= 1, got 0");
+  expect_user_error(bad, "curv_top_k must be >= 1, got 0");
   bad = options;
   bad.max_iters = -2;
-  expect_user_error(bad, "--curv-max-iters must be >= 1, got -2");
+  expect_user_error(bad, "curv_max_iters must be >= 1, got -2");
   bad = options;
   bad.tol = -0.5;
-  expect_user_error(bad, "--curv-tol must be a number >= 0, got -0.5");
+  expect_user_error(bad, "curvature probe: tol must be a number >= 0, got -0.5");
   bad = options;
   bad.tol = std::nan("");
   EXPECT_THROW(bad.validate(), UserError);
   bad = options;
   bad.batch = 0;
-  expect_user_error(bad, "--curv-batch must be >= 1, got 0");
+  expect_user_error(bad, "curv_batch must be >= 1, got 0");
   bad = options;
   bad.every_steps = 0;
-  expect_user_error(bad, "--curv-every must be >= 1, got 0");
+  expect_user_error(bad, "curv_every must be >= 1, got 0");
 
   // The probe validates too, before touching the model.
   auto model = small_cnn_make();

@@ -8,10 +8,10 @@
 #include "triaccel/models/model.h"
 #include "triaccel/train/faults.h"
 #include "triaccel/train/loss_scaler.h"
-#include "triaccel/train/sgd.h"
+#include "triaccel/optim/sgd.h"
 #include "triaccel/train/step.h"
-#include "triaccel/train/telemetry.h"
-#include "triaccel/train/trainer.h"
+#include "triaccel/core/events.h"
+#include "triaccel/methods/backprop.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -157,14 +157,14 @@ class FaultTrainerTest : public test::TinyMnistTest {};
 // RNG, data order), the run ends with exactly the weights of the fault-free run.
 TEST_F(FaultTrainerTest, NanFaultsAreSkippedRetriedAndLeaveNoTrace) {
   test::TempDir clean("faults_clean");
-  const Json clean_summary = train_run(options(clean.path()));
+  const Json clean_summary = api::run(options(clean.path()));
   test::TempDir faulty("faults_nan");
-  TrainOptions o = options(faulty.path());
-  o.inject_faults = "nan-grad@2,inf-grad@4,nan-loss@7x3";
+  Config o = options(faulty.path());
+  o.set("inject_faults", "nan-grad@2,inf-grad@4,nan-loss@7x3");
   Spans spans(2);
-  TrainHooks hooks;
+  RunHooks hooks;
   record_batches(hooks, spans);
-  const Json summary = train_run(o, hooks);
+  const Json summary = api::run(o, hooks);
   expect_every_sample_once(spans, 384);
   EXPECT_EQ(summary["steps"], clean_summary["steps"]);
   EXPECT_EQ(summary["skipped_steps"], 5.0);
@@ -193,12 +193,12 @@ TEST_F(FaultTrainerTest, NanFaultsAreSkippedRetriedAndLeaveNoTrace) {
 // an oom event marked injected, the counter in the summary.
 TEST_F(FaultTrainerTest, InjectedOutOfMemoryRetriesAtHalfTheBatch) {
   test::TempDir out("faults_oom");
-  TrainOptions o = options(out.path());
-  o.inject_faults = "oom@2";
+  Config o = options(out.path());
+  o.set("inject_faults", "oom@2");
   Spans spans(2);
-  TrainHooks hooks;
+  RunHooks hooks;
   record_batches(hooks, spans);
-  const Json summary = train_run(o, hooks);
+  const Json summary = api::run(o, hooks);
   expect_every_sample_once(spans, 384);
   EXPECT_EQ(spans[0][2], (std::pair<int64_t, int64_t>{128, 32}));
   EXPECT_EQ(summary["oom_retries"], 1);
@@ -219,13 +219,13 @@ TEST_F(FaultTrainerTest, InjectedOutOfMemoryRetriesAtHalfTheBatch) {
 // the second batch is dropped and the next batch, attempt 8 at the same step count, trains.
 TEST_F(FaultTrainerTest, ABatchThatKeepsFailingIsDroppedAndCounted) {
   test::TempDir out("faults_drop");
-  TrainOptions o = options(out.path());
-  o.epochs = 1;
-  o.inject_faults = "nan-loss@1x8";
+  Config o = options(out.path());
+  o.set("epochs", "1");
+  o.set("inject_faults", "nan-loss@1x8");
   Spans spans(1);
-  TrainHooks hooks;
+  RunHooks hooks;
   record_batches(hooks, spans);
-  const Json summary = train_run(o, hooks);
+  const Json summary = api::run(o, hooks);
   EXPECT_EQ(summary["dropped_samples"], 64);
   EXPECT_EQ(summary["skip_retries"], 7);
   EXPECT_EQ(summary["skipped_steps"], 8.0);

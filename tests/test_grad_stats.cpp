@@ -8,7 +8,7 @@
 // E[g²] − E[g]², where g² is rounded to float32 in the kernel: a 1-element unit gives var ≈ 1e-9, not 0), so rms
 // is their natural scale. For the test data (|mean| ≤ std) that is still ≤ 2e-5 relative to the variance.
 #include "test_util.h"
-#include "triaccel/core/grad_stats.h"
+#include "triaccel/train/grad_stats.h"
 
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>

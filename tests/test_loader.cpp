@@ -192,7 +192,7 @@ TEST(LoaderTest, CutoutOutOfRangeIsRefused) {
     Loader too_large(d, {0.f}, {1.f}, o, torch::kCPU);
     FAIL() << "expected UserError";
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("--cutout 5 is larger than the 4×4 images"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cutout 5 is larger than the 4×4 images"), std::string::npos) << e.what();
   }
   o.cutout = -1;
   EXPECT_THROW(o.validate(), UserError);

@@ -240,7 +240,7 @@ TEST(Model, BeforeUnitCalledOncePerUnitInOrder) {
     std::vector<size_t> calls;
     torch::NoGradGuard no_grad;
     model->eval();
-    const at::Tensor input = model_input(name) == ModelInput::kTokens ? torch::zeros({1, 8}, torch::kLong)
+    const at::Tensor input = model_entry(name).input == ModelInput::kTokens ? torch::zeros({1, 8}, torch::kLong)
                                                                        : torch::randn({1, 3, 32, 32});
     model->forward(input, [&calls](size_t i) { calls.push_back(i); });
     ASSERT_EQ(calls.size(), model->units().size()) << name;
@@ -267,21 +267,21 @@ TEST(Model, ValidateNamesTheBadValue) {
   ModelOptions options;
   options.num_classes = 0;
   try {
-    options.validate();
+    options.validate(false);
     FAIL() << "validate accepted num_classes = 0";
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("num_classes must be >= 1, got 0"), std::string::npos) << e.what();
   }
   options = ModelOptions();
   options.stochastic_depth = 1.5;
-  EXPECT_THROW(options.validate(), UserError);
+  EXPECT_THROW(options.validate(false), UserError);
   options = ModelOptions();
   options.dropout = -0.1;
-  EXPECT_THROW(options.validate(), UserError);
+  EXPECT_THROW(options.validate(false), UserError);
   options = ModelOptions();
   options.in_channels = 0;
-  EXPECT_THROW(options.validate(), UserError);
-  EXPECT_NO_THROW(ModelOptions().validate());
+  EXPECT_THROW(options.validate(false), UserError);
+  EXPECT_NO_THROW(ModelOptions().validate(false));
 }
 
 TEST(Export, RoundTripRestoresIdenticalTensors) {

@@ -5,13 +5,13 @@
 #include "triaccel/core/errors.h"
 #include "triaccel/core/host_workers.h"
 #include "triaccel/core/io.h"
-#include "triaccel/local/activation_cache.h"
-#include "triaccel/local/aux_head.h"
-#include "triaccel/local/memory_profile.h"
-#include "triaccel/local/neuroflux.h"
-#include "triaccel/local/partitioner.h"
+#include "triaccel/methods/activation_cache.h"
+#include "triaccel/models/aux_head.h"
+#include "triaccel/control/memory_profile.h"
+#include "triaccel/methods/neuroflux.h"
+#include "triaccel/control/partitioner.h"
 #include "triaccel/models/model.h"
-#include "triaccel/train/telemetry.h"
+#include "triaccel/core/events.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -444,20 +444,20 @@ class NeuroFluxRunTest : public ::testing::Test {
   }
   static void TearDownTestSuite() { delete data_; }
 
-  static TrainOptions options(const std::string& out) {
-    TrainOptions o;
-    o.method = "neuroflux";
-    o.model = "small-cnn";
-    o.dataset = "mnist";
-    o.data_dir = data_->path();
-    o.epochs = 1;
-    o.batch_size = 32;
-    o.lr = 0.05;
-    o.device = "cpu";
-    o.progress = "off";
-    o.vram_budget = "8MB";  // forces several blocks for small-cnn on 28×28 (checked below)
-    o.nf_exit_tolerance = 100;  // any exit qualifies: the smallest one is exported
-    o.out = out;
+  static Config options(const std::string& out) {
+    Config o;
+    o.set("method", "neuroflux");
+    o.set("model", "small-cnn");
+    o.set("dataset", "mnist");
+    o.set("data_dir", data_->path());
+    o.set("epochs", "1");
+    o.set("batch_size", "32");
+    o.set("lr", "0.05");
+    o.set("device", "cpu");
+    o.set("progress", "off");
+    o.set("vram_budget", "8MB");  // forces several blocks for small-cnn on 28×28 (checked below)
+    o.set("nf_exit_tolerance", "100");  // any exit qualifies: the smallest one is exported
+    o.set("out", out);
     return o;
   }
   static test::TempDir* data_;
@@ -466,13 +466,13 @@ test::TempDir* NeuroFluxRunTest::data_ = nullptr;
 
 TEST_F(NeuroFluxRunTest, TrainsBlockByBlockFromTheCacheAndExportsTheExit) {
   test::TempDir out("neuroflux_run");
-  const Json summary = neuroflux_run(options(out.path()));
+  const Json summary = api::run(options(out.path()));
   const auto events = events_read(out.file("events.jsonl"));
   std::vector<Json> blocks;
   Json plan, exit_event;
   for (const auto& e : events) {
     if (e["event"] == "block") blocks.push_back(e);
-    if (e["event"] == "plan") plan = e;
+    if (e["event"] == event::kBlockPlan) plan = e;
     if (e["event"] == "exit") exit_event = e;
   }
   ASSERT_GE(blocks.size(), 2u) << plan.dump();
@@ -511,24 +511,25 @@ TEST_F(NeuroFluxRunTest, TrainsBlockByBlockFromTheCacheAndExportsTheExit) {
 }
 
 TEST(NeuroFluxTest, CudnnAutotuneIsOffUnderABudgetUnlessAsked) {
-  TrainOptions o;
-  EXPECT_TRUE(o.cudnn_autotune_enabled());  // auto, no budget
-  o.vram_budget = "0.5GB";
-  EXPECT_FALSE(o.cudnn_autotune_enabled());
-  o.cudnn_autotune = "on";
-  EXPECT_TRUE(o.cudnn_autotune_enabled());
-  o.vram_budget.clear();
-  o.cudnn_autotune = "auto";
-  o.method = "tri-accel";  // precision changes would re-tune: heuristics unless asked
-  EXPECT_FALSE(o.cudnn_autotune_enabled());
-  o.cudnn_autotune = "on";
-  EXPECT_TRUE(o.cudnn_autotune_enabled());
-  o.method = "backprop";
-  o.cudnn_autotune = "off";
-  EXPECT_FALSE(o.cudnn_autotune_enabled());
-  EXPECT_EQ(TrainOptions::from_json(o.to_json()).cudnn_autotune, "off");
-  o.cudnn_autotune = "yes";
-  EXPECT_NE(test::error_of([&] { o.validate(); }).find("--cudnn-autotune"), std::string::npos);
+  Config o;
+  const ExecutionConfig& e = o.execution;
+  EXPECT_TRUE(e.cudnn_autotune_enabled());  // auto, no budget
+  o.set("vram_budget", "0.5GB");
+  EXPECT_FALSE(e.cudnn_autotune_enabled());
+  o.set("cudnn_autotune", "on");
+  EXPECT_TRUE(e.cudnn_autotune_enabled());
+  o.execution.vram_budget.clear();
+  o.set("cudnn_autotune", "auto");
+  o.set("method", "tri-accel");  // precision changes would re-tune: heuristics unless asked
+  EXPECT_FALSE(e.cudnn_autotune_enabled());
+  o.set("cudnn_autotune", "on");
+  EXPECT_TRUE(e.cudnn_autotune_enabled());
+  o.set("method", "backprop");
+  o.set("cudnn_autotune", "off");
+  EXPECT_FALSE(e.cudnn_autotune_enabled());
+  EXPECT_EQ(Config::from_json(o.to_json()).execution.cudnn_autotune, Toggle::kOff);
+  EXPECT_EQ(test::error_of([&] { o.set("cudnn_autotune", "yes"); }),
+            "cudnn_autotune must be auto, on or off, got 'yes'");
 }
 
 TEST(NeuroFluxTest, ShortBatchesAreWidenedToThePlannedOne) {
@@ -557,15 +558,15 @@ TEST(NeuroFluxTest, ShortBatchesAreWidenedToThePlannedOne) {
 
 TEST_F(NeuroFluxRunTest, ResumeAtABlockBoundaryEndsWithTheSameWeights) {
   test::TempDir a("neuroflux_a"), b("neuroflux_b");
-  neuroflux_run(options(a.path()));
-  TrainOptions first = options(b.path());
-  first.max_steps = 1;  // stops after the first block
-  const Json stop = neuroflux_run(first);
+  api::run(options(a.path()));
+  Config first = options(b.path());
+  first.set("max_steps", "1");  // stops after the first block
+  const Json stop = api::run(first);
   ASSERT_EQ(stop["reason"], "max_steps");
   EXPECT_FALSE(file_exists(b.file("model.pt")));
-  TrainOptions resumed = options(b.path());
-  resumed.resume = b.path();
-  neuroflux_run(resumed);
+  Config resumed = options(b.path());
+  resumed.set("resume", b.path());
+  api::run(resumed);
   const auto wa = test::state_dict_read(a.file("model.pt"));
   const auto wb = test::state_dict_read(b.file("model.pt"));
   ASSERT_EQ(wa.size(), wb.size());
@@ -578,21 +579,21 @@ TEST_F(NeuroFluxRunTest, ResumeAtABlockBoundaryEndsWithTheSameWeights) {
 TEST_F(NeuroFluxRunTest, RunsOnTheGpuWithinItsBudget) {
   TRIACCEL_SKIP_WITHOUT_GPU();
   test::TempDir out("neuroflux_gpu");
-  TrainOptions o = options(out.path());
-  o.device = "cuda";
+  Config o = options(out.path());
+  o.set("device", "cuda");
   // 200 MB on top of what earlier tests in this process still hold (the cap counts every allocation; on the H200
   // 262 MB were held when this ran after the rest of the suite).
   const c10::Device gpu(c10::kCUDA, 0);
   memory_cache_release(gpu);
   const int64_t budget = memory_stats(gpu).allocated_bytes + 200'000'000;
-  o.vram_budget = std::to_string(budget);
-  o.precision = PrecisionMode::kAmpBF16;
-  const Json summary = neuroflux_run(o);
+  o.set("vram_budget", std::to_string(budget));
+  o.set("precision", "amp-bf16");
+  const Json summary = api::run(o);
   EXPECT_LE(summary["peak_vram_gb"].get<double>() * 1e9, static_cast<double>(budget));
   EXPECT_GT(summary["peak_vram_gb"].get<double>(), 0.0);
   Json plan;
   for (const auto& e : events_read(out.file("events.jsonl"))) {
-    if (e["event"] == "plan") plan = e;
+    if (e["event"] == event::kBlockPlan) plan = e;
   }
   EXPECT_EQ(plan["profile"], "measured");
   EXPECT_GT(plan["backprop_max_batch"].get<int64_t>(), 0);
@@ -608,15 +609,15 @@ TEST_F(NeuroFluxRunTest, GraphStepsTrainAsEagerStepsOnTheGpu) {
   const c10::Device gpu(c10::kCUDA, 0);
   auto run = [&](bool graphs, std::vector<Json>* blocks) {
     test::TempDir out(graphs ? "neuroflux_graph" : "neuroflux_eager");
-    TrainOptions o = options(out.path());
-    o.device = "cuda";
-    o.precision = PrecisionMode::kAmpBF16;
-    o.epochs = 2;
-    o.nf_max_batch = 16;  // ~14 steps a block-epoch: warm-up, capture, replays and a short last batch
-    o.cuda_graphs = graphs;
+    Config o = options(out.path());
+    o.set("device", "cuda");
+    o.set("precision", "amp-bf16");
+    o.set("epochs", "2");
+    o.set("nf_max_batch", "16");  // ~14 steps a block-epoch: warm-up, capture, replays and a short last batch
+    o.set("cuda_graphs", graphs ? "true" : "false");
     memory_cache_release(gpu);
-    o.vram_budget = std::to_string(memory_stats(gpu).allocated_bytes + 400'000'000);
-    neuroflux_run(o);
+    o.set("vram_budget", std::to_string(memory_stats(gpu).allocated_bytes + 400'000'000));
+    api::run(o);
     for (const auto& e : events_read(out.file("events.jsonl"))) {
       if (e["event"] == "block") blocks->push_back(e);
     }
@@ -639,10 +640,10 @@ TEST_F(NeuroFluxRunTest, GraphStepsTrainAsEagerStepsOnTheGpu) {
 
 TEST_F(NeuroFluxRunTest, ImpossibleBudgetIsOneClearError) {
   test::TempDir out("neuroflux_tiny_budget");
-  TrainOptions o = options(out.path());
-  o.vram_budget = "100KB";
+  Config o = options(out.path());
+  o.set("vram_budget", "100KB");
   try {
-    neuroflux_run(o);
+    api::run(o);
     FAIL() << "expected a UserError";
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("at least"), std::string::npos) << e.what();

@@ -1,7 +1,7 @@
 // PrecisionPolicy on made-up signals: the variance rule, self-calibrated thresholds, hysteresis, dwell, curvature
 // promotion. Each expectation is a decision a wrong controller would get wrong.
 #include "triaccel/core/errors.h"
-#include "triaccel/precision/policy.h"
+#include "triaccel/control/precision_policy.h"
 
 #include <gtest/gtest.h>
 
@@ -108,7 +108,7 @@ TEST(PrecisionPolicyTest, ValidateNamesTheFlag) {
     o.validate();
     FAIL();
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("--tau-low"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("tau_low (5) must not exceed tau_high (1)"), std::string::npos);
   }
   EXPECT_DOUBLE_EQ(quantile({4, 1, 3, 2}, 0.5), 2.5);
 }

@@ -194,8 +194,9 @@ TEST(Report, ChartSeries) {
   text += line(event("batch", 50, 1.0, Json{{"batch", 128}, {"peak_gb", 0.5}, {"budget_gb", 1.0}}));
   text += line(event("batch", 100, 2.0, Json{{"batch", 96}, {"peak_gb", 0.9}, {"budget_gb", 1.0}}));
   text += line(event("batch", 150, 3.0, Json{{"batch", 112}, {"peak_gb", 0.7}, {"budget_gb", 1.0}}));
-  text += line(event("plan", 200, 3.5, Json{{"units", {{{"unit", "stem"}, {"format", "adamw-fp32"}, {"bytes", 800},
-                                                        {"risk", 0.0}}}}}));
+  // A plan under the event's current name, then one under the name runs wrote before it (both are read).
+  text += line(event("optim_plan", 200, 3.5, Json{{"units", {{{"unit", "stem"}, {"format", "adamw-fp32"}, {"bytes", 800},
+                                                              {"risk", 0.0}}}}}));
   text += line(event("plan", 400, 3.8, Json{{"units", {{{"unit", "stem"}, {"format", "adamw-8bit"}, {"bytes", 200},
                                                         {"risk", 0.01}}}},
                                             {"total_bytes", 200}, {"budget_bytes", 300}}));
@@ -221,8 +222,8 @@ TEST(Report, ChartSeries) {
 TEST(Report, NeuroFluxSeries) {
   TempDir dir("report_nf");
   std::string text = line(config("neuroflux"));
-  // NeuroFlux's own plan (blocks, no per-unit formats) is not a BAOC plan.
-  text += line(event("plan", 0, 0.6, Json{{"method", "neuroflux"}, {"budget_gb", 0.008},
+  // NeuroFlux's own plan (blocks, no per-unit formats) is not a BAOC plan, under its current name or the older one.
+  text += line(event("block_plan", 0, 0.6, Json{{"method", "neuroflux"}, {"budget_gb", 0.008},
                                           {"units", {{{"unit", "conv1"}, {"params", 10}}}}}));
   text += line(event("block", 10, 2.0,
                      Json{{"block", 0}, {"final_batch", 64}, {"peak_vram_gb", 0.004},

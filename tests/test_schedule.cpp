@@ -38,13 +38,15 @@ TEST(ScheduleTest, WarmupThenLinear) {
   EXPECT_DOUBLE_EQ(schedule_lr(m, 0), 1.0);
   EXPECT_NEAR(schedule_lr(m, 5), 0.55, 1e-12);
   EXPECT_NEAR(schedule_lr(m, 10), 0.1, 1e-12);
-  EXPECT_EQ(lr_decay_parse("linear"), LrDecay::kLinear);
-  EXPECT_EQ(lr_decay_parse("cosine"), LrDecay::kCosine);
+  EXPECT_EQ(enum_parse<LrDecay>("linear", "lr_decay"), LrDecay::kLinear);
+  EXPECT_EQ(enum_parse<LrDecay>("cosine", "lr_decay"), LrDecay::kCosine);
   try {
-    lr_decay_parse("step");
+    enum_parse<LrDecay>("step", "lr_decay");
     FAIL() << "expected UserError";
   } catch (const UserError& e) {
-    EXPECT_EQ(std::string(e.what()), "--lr-decay must be cosine or linear, got 'step'");
+    EXPECT_EQ(std::string(e.what()), "lr_decay must be cosine or linear, got 'step'");
+    // A front end spells the option its own way (the CLI: its flag).
+    EXPECT_EQ(e.message([](const std::string& key) { return "--" + key; }), "--lr_decay must be cosine or linear, got 'step'");
   }
 }
 
@@ -54,7 +56,7 @@ TEST(ScheduleTest, ValidateNamesTheProblem) {
     o.validate();
     FAIL() << "expected UserError";
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("--warmup-epochs"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("lower warmup_epochs"), std::string::npos);
   }
 }
 

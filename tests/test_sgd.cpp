@@ -2,7 +2,7 @@
 // the CUDA kernel against the reference (GPU only). Tolerances: float32 rounding only (FMA vs separate ops),
 // so 1e-6 relative after 50 steps.
 #include "test_util.h"
-#include "triaccel/train/sgd.h"
+#include "triaccel/optim/sgd.h"
 #ifdef TRIACCEL_WITH_CUDA
 #include "triaccel/kernels/sgd_step.h"
 #endif

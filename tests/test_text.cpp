@@ -1,5 +1,5 @@
 // Tests for the text dataset (data/text.cpp), the loader's token pass-through, the loss/accuracy flattening of
-// TrainStep and the trainer, and the model/dataset checks of TrainOptions. Every text file is written by the test.
+// TrainStep and the trainer, and the model/dataset checks of Config. Every text file is written by the test.
 // The learning test trains a tiny GPT on a repetitive text and requires the validation cross-entropy to fall below
 // the text's unigram entropy, which a model that ignores the context (or does not train) cannot reach.
 #include "test_util.h"
@@ -10,10 +10,10 @@
 #include "triaccel/data/loader.h"
 #include "triaccel/models/model.h"
 #include "triaccel/train/loss_scaler.h"
-#include "triaccel/train/options.h"
-#include "triaccel/train/sgd.h"
+#include "triaccel/run/config.h"
+#include "triaccel/optim/sgd.h"
 #include "triaccel/train/step.h"
-#include "triaccel/train/trainer.h"
+#include "triaccel/methods/backprop.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -86,7 +86,10 @@ TEST(Text, ErrorsNameTheFileAndTheFix) {
   test::TempDir dir("text_errors");
   std::string msg = error_of([&] { dataset_load("tinyshakespeare", dir.path(), 8); });
   EXPECT_NE(msg.find("input.txt"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("--data"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("data_dir"), std::string::npos) << msg;
+  // No default folder outside the repository: without one the error says what to pass.
+  msg = error_of([&] { dataset_load("tinyshakespeare", "", 8); });
+  EXPECT_NE(msg.find("tinyshakespeare has no standard location: pass data_dir"), std::string::npos) << msg;
 
   text_write(dir.file("input.txt"), "");
   msg = error_of([&] { dataset_load("tinyshakespeare", dir.path(), 8); });
@@ -98,7 +101,7 @@ TEST(Text, ErrorsNameTheFileAndTheFix) {
 
   text_write(dir.file("input.txt"), text_sample(50));  // 5 validation characters < one window of 9
   msg = error_of([&] { dataset_load("tinyshakespeare", dir.path(), 8); });
-  EXPECT_NE(msg.find("--block-size"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("block_size"), std::string::npos) << msg;
   EXPECT_NO_THROW(dataset_load("tinyshakespeare", dir.path(), 4));  // 45 / 5 characters: enough for block 4
 }
 
@@ -148,28 +151,28 @@ TEST(Text, LoaderPassesTokensThroughAndVisitsEveryWindowOnce) {
 }
 
 TEST(Text, OptionsRejectModelDatasetMismatches) {
-  TrainOptions o;
-  o.model = "gpt-char";
-  o.dataset = "fashion-mnist";
+  Config o;
+  o.set("model", "gpt-char");
+  o.set("dataset", "fashion-mnist");
   std::string msg = error_of([&] { o.validate(); });
   EXPECT_NE(msg.find("reads text"), std::string::npos) << msg;
-  o.model = "resnet18";
-  o.dataset = "tinyshakespeare";
+  o.set("model", "resnet18");
+  o.set("dataset", "tinyshakespeare");
   msg = error_of([&] { o.validate(); });
-  EXPECT_NE(msg.find("use --model gpt-char"), std::string::npos) << msg;
-  o.model = "gpt-char";
+  EXPECT_NE(msg.find("use model gpt-char"), std::string::npos) << msg;
+  o.set("model", "gpt-char");
   EXPECT_NO_THROW(o.validate());
-  o.augment = "on";
-  EXPECT_NE(error_of([&] { o.validate(); }).find("--augment on"), std::string::npos);
-  o.augment = "auto";
-  o.tta = "flip";
-  EXPECT_NE(error_of([&] { o.validate(); }).find("--tta"), std::string::npos);
-  o.tta = "off";
-  o.method = "tri-accel";
-  EXPECT_NE(error_of([&] { o.validate(); }).find("use --method backprop"), std::string::npos);
-  o.method = "backprop";
-  o.block_size = 0;
-  EXPECT_NE(error_of([&] { o.validate(); }).find("--block-size"), std::string::npos);
+  o.set("augment", "on");
+  EXPECT_NE(error_of([&] { o.validate(); }).find("augment on applies to images only"), std::string::npos);
+  o.set("augment", "auto");
+  o.set("tta", "flip");
+  EXPECT_NE(error_of([&] { o.validate(); }).find("tta flip applies to images only"), std::string::npos);
+  o.set("tta", "off");
+  o.set("method", "tri-accel");
+  EXPECT_NE(error_of([&] { o.validate(); }).find("use method backprop"), std::string::npos);
+  o.set("method", "backprop");
+  o.set("block_size", "0");
+  EXPECT_NE(error_of([&] { o.validate(); }).find("block_size must be in [1, 8192], got 0"), std::string::npos);
 }
 
 // Mean cross-entropy (nats per character) of the model on every window of a split.
@@ -242,17 +245,17 @@ TEST(Text, TrainRunReportsTokenMetrics) {
   test::TempDir dir("text_run");
   text_write(dir.file("input.txt"), text_sample(1000));
   test::TempDir out("text_run_out");
-  TrainOptions o;
-  o.model = "gpt-char";
-  o.dataset = "tinyshakespeare";
-  o.data_dir = dir.path();
-  o.block_size = 8;
-  o.batch_size = 64;
-  o.lr = 0.05;
-  o.device = "cpu";
-  o.progress = "off";
-  o.out = out.path();
-  const Json summary = train_run(o);
+  Config o;
+  o.set("model", "gpt-char");
+  o.set("dataset", "tinyshakespeare");
+  o.set("data_dir", dir.path());
+  o.set("block_size", "8");
+  o.set("batch_size", "64");
+  o.set("lr", "0.05");
+  o.set("device", "cpu");
+  o.set("progress", "off");
+  o.set("out", out.path());
+  const Json summary = api::run(o);
   EXPECT_EQ(summary.at("model"), "gpt-char");
   EXPECT_EQ(summary.at("params").get<int64_t>(), 10795776 - 256 * 384 + 8 * 384 - 2 * 384 * (65 - 27));
   const double acc = summary.at("test_acc").get<double>();

@@ -2,15 +2,16 @@
 // learning, and bit-exact resume (a run stopped mid-epoch and resumed ends with exactly the weights, and the same
 // per-epoch losses, as an uninterrupted run).
 #include "test_util.h"
+#include "triaccel/core/clock.h"
+#include "triaccel/core/cuda_graph.h"
 #include "triaccel/core/errors.h"
+#include "triaccel/core/events.h"
 #include "triaccel/core/io.h"
-#include "triaccel/train/telemetry.h"
-#include "triaccel/models/model.h"
-#include "triaccel/train/checkpoint.h"
+#include "triaccel/models/registry.h"
 #include "triaccel/optim/baoc_optimizer.h"
-#include "triaccel/train/sgd.h"
+#include "triaccel/optim/sgd.h"
+#include "triaccel/train/checkpoint.h"
 #include "triaccel/train/step.h"
-#include "triaccel/train/trainer.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -22,6 +23,8 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <zlib.h>
+
 #include <cstdio>
 #include <filesystem>
 
@@ -32,7 +35,7 @@ class TrainerTest : public test::TinyMnistTest {};
 
 TEST_F(TrainerTest, EventsLayoutAndLearning) {
   test::TempDir out("run");
-  const Json summary = train_run(options(out.path()));
+  const Json summary = api::run(options(out.path()));
   const auto events = events_read(out.file("events.jsonl"));
   ASSERT_GE(events.size(), 4u);
   EXPECT_EQ(events.front()["event"], "config");
@@ -56,17 +59,17 @@ TEST_F(TrainerTest, EventsLayoutAndLearning) {
 
 TEST_F(TrainerTest, ResumeMidEpochIsBitExact) {
   test::TempDir a("run_a"), b("run_b");
-  train_run(options(a.path()));
+  api::run(options(a.path()));
 
-  TrainOptions first = options(b.path());
-  first.max_steps = 4;  // stops inside epoch 1 (6 steps per epoch)
-  const Json stop = train_run(first);
+  Config first = options(b.path());
+  first.set("max_steps", "4");  // stops inside epoch 1 (6 steps per epoch)
+  const Json stop = api::run(first);
   EXPECT_EQ(stop["reason"], "max_steps");
   EXPECT_FALSE(std::filesystem::exists(b.file("model.pt")));
 
-  TrainOptions again = options(b.path());
-  again.resume = b.path();
-  train_run(resume_options(again, {"resume"}));
+  Config again = options(b.path());
+  again.set("resume", b.path());
+  api::run(again);
 
   const auto wa = test::state_dict_read(a.file("model.pt"));
   const auto wb = test::state_dict_read(b.file("model.pt"));
@@ -91,30 +94,30 @@ TEST_F(TrainerTest, ResumeMidEpochIsBitExact) {
 TEST_F(TrainerTest, ResumeMidEpochIsBitExactWithAdamWAndBaoc) {
   for (const std::string optimizer : {"adamw", "baoc"}) {
     test::TempDir a("run_opt_a"), b("run_opt_b");
-    auto configure = [&](TrainOptions o) {
-      o.optimizer = optimizer;
-      o.lr = 2e-3;
-      o.weight_decay = 0.01;
-      o.plan_warmup = 2;
-      o.replan_every = 3;
-      o.optim_memory_budget = "20%";
+    auto configure = [&](Config o) {
+      o.set("optimizer", optimizer);
+      o.set("lr", "2e-3");
+      o.set("weight_decay", "0.01");
+      o.set("plan_warmup", "2");
+      o.set("replan_every", "3");
+      o.set("optim_memory_budget", "20%");
       return o;
     };
-    train_run(configure(options(a.path())));
-    TrainOptions first = configure(options(b.path()));
-    first.max_steps = 4;
-    train_run(first);
-    TrainOptions again = configure(options(b.path()));
-    again.resume = b.path();
-    train_run(resume_options(again, {"resume"}));
+    api::run(configure(options(a.path())));
+    Config first = configure(options(b.path()));
+    first.set("max_steps", "4");
+    api::run(first);
+    Config again = configure(options(b.path()));
+    again.set("resume", b.path());
+    api::run(again);
     const auto wa = test::state_dict_read(a.file("model.pt"));
     const auto wb = test::state_dict_read(b.file("model.pt"));
     for (const auto& [name, t] : wa) {
       EXPECT_TRUE(torch::equal(t, wb.at(name))) << optimizer << ": " << name << " differs after resume";
     }
     std::vector<Json> pa, pb;
-    for (const auto& e : events_read(a.file("events.jsonl"))) if (e["event"] == "plan") pa.push_back(e);
-    for (const auto& e : events_read(b.file("events.jsonl"))) if (e["event"] == "plan") pb.push_back(e);
+    for (const auto& e : events_read(a.file("events.jsonl"))) if (e["event"] == event::kOptimPlan) pa.push_back(e);
+    for (const auto& e : events_read(b.file("events.jsonl"))) if (e["event"] == event::kOptimPlan) pb.push_back(e);
     if (optimizer == "baoc") {
       ASSERT_EQ(pa.size(), 4u);  // steps 2, 5, 8, 11
       ASSERT_EQ(pb.size(), 4u);
@@ -139,13 +142,13 @@ TEST_F(TrainerTest, PeakAfterTheWarmUpHoldsAWholeStepForAdamWAndBaoc) {
   TRIACCEL_SKIP_WITHOUT_GPU();
   for (const std::string optimizer : {"adamw", "baoc"}) {
     test::TempDir out("run_peak_" + optimizer);
-    TrainOptions o = options(out.path());
-    o.device = "cuda";
-    o.optimizer = optimizer;
-    o.lr = 2e-3;
-    o.plan_warmup = 8;
-    o.optim_memory_budget = "15%";
-    train_run(o);
+    Config o = options(out.path());
+    o.set("device", "cuda");
+    o.set("optimizer", optimizer);
+    o.set("lr", "2e-3");
+    o.set("plan_warmup", "8");
+    o.set("optim_memory_budget", "15%");
+    api::run(o);
     const auto events = events_read(out.file("events.jsonl"));
     const Json& summary = events.back();
     int64_t captures = 0;
@@ -170,35 +173,35 @@ TEST_F(TrainerTest, PeakAfterTheWarmUpHoldsAWholeStepForAdamWAndBaoc) {
 // resume.
 TEST_F(TrainerTest, ResumeMidEpochIsBitExactWithCutout) {
   test::TempDir plain("run_cut_plain"), a("run_cut_a"), b("run_cut_b");
-  auto configure = [](TrainOptions o) {
-    o.augment = "on";
-    o.cutout = 10;
+  auto configure = [](Config o) {
+    o.set("augment", "on");
+    o.set("cutout", "10");
     return o;
   };
-  TrainOptions no_cutout = configure(options(plain.path()));
-  no_cutout.cutout = 0;
-  train_run(no_cutout);
-  train_run(configure(options(a.path())));
-  TrainOptions first = configure(options(b.path()));
-  first.max_steps = 4;
-  train_run(first);
+  Config no_cutout = configure(options(plain.path()));
+  no_cutout.set("cutout", "0");
+  api::run(no_cutout);
+  api::run(configure(options(a.path())));
+  Config first = configure(options(b.path()));
+  first.set("max_steps", "4");
+  api::run(first);
   const auto config = events_read(b.file("events.jsonl")).front();
   EXPECT_EQ(config["options"]["cutout"], 10) << config.dump();
 
-  TrainOptions changed = options(b.path());
-  changed.resume = b.path();
-  changed.cutout = 8;
+  Config changed = options(b.path());
+  changed.set("resume", b.path());
+  changed.set("cutout", "8");
   try {
-    resume_options(changed, {"resume", "cutout"});
+    config_for_run(changed);
     FAIL() << "expected UserError";
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("--cutout 8 differs from the checkpoint's 10"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cutout 8 differs from the checkpoint's 10"), std::string::npos) << e.what();
   }
-  TrainOptions again = options(b.path());
-  again.resume = b.path();
-  const TrainOptions resumed = resume_options(again, {"resume"});
-  EXPECT_EQ(resumed.cutout, 10);
-  train_run(resumed);
+  Config again = options(b.path());
+  again.set("resume", b.path());
+  const Config resumed = config_for_run(again);
+  EXPECT_EQ(resumed.data.cutout, 10);
+  api::run(resumed);
 
   const auto wp = test::state_dict_read(plain.file("model.pt"));
   const auto wa = test::state_dict_read(a.file("model.pt"));
@@ -216,9 +219,9 @@ TEST_F(TrainerTest, ResumeMidEpochIsBitExactWithCutout) {
 // lr of the epoch's last step (step 5: 7/9 of the peak on the line, 0.883 of it on the cosine).
 TEST_F(TrainerTest, LinearDecayIsTheLoggedRate) {
   test::TempDir out("run_linear");
-  TrainOptions o = options(out.path());
-  o.lr_decay = "linear";
-  train_run(o);
+  Config o = options(out.path());
+  o.set("lr_decay", "linear");
+  api::run(o);
   std::vector<Json> epochs;
   for (const auto& e : events_read(out.file("events.jsonl"))) if (e["event"] == "epoch") epochs.push_back(e);
   ASSERT_EQ(epochs.size(), 2u);
@@ -228,17 +231,17 @@ TEST_F(TrainerTest, LinearDecayIsTheLoggedRate) {
 
 TEST_F(TrainerTest, ResumeRefusesAChangedIdentity) {
   test::TempDir b("run_c");
-  TrainOptions first = options(b.path());
-  first.max_steps = 2;
-  train_run(first);
-  TrainOptions again = options(b.path());
-  again.resume = b.path();
-  again.model = "resnet18";
+  Config first = options(b.path());
+  first.set("max_steps", "2");
+  api::run(first);
+  Config again = options(b.path());
+  again.set("resume", b.path());
+  again.set("model", "resnet18");
   try {
-    resume_options(again, {"resume", "model"});
+    config_for_run(again);
     FAIL() << "expected UserError";
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("--model \"resnet18\" differs from the checkpoint's \"small-cnn\""),
+    EXPECT_NE(std::string(e.what()).find("model \"resnet18\" differs from the checkpoint's \"small-cnn\""),
               std::string::npos)
         << e.what();
   }
@@ -248,8 +251,8 @@ TEST_F(TrainerTest, ResumeRefusesAChangedIdentity) {
 // continues at that batch, and every sample of every epoch is trained exactly once.
 TEST_F(TrainerTest, OutOfMemoryRetriesTheSameSamplesAtASmallerBatch) {
   test::TempDir out("run_oom");
-  TrainOptions o = options(out.path());  // 384 samples, batch 64, 2 epochs
-  TrainHooks hooks;
+  Config o = options(out.path());  // 384 samples, batch 64, 2 epochs
+  RunHooks hooks;
   int injected = 0;
   hooks.before_step = [&](int64_t step, int64_t batch) {
     if (step == 2 && batch == 64 && injected++ == 0) {
@@ -258,7 +261,7 @@ TEST_F(TrainerTest, OutOfMemoryRetriesTheSameSamplesAtASmallerBatch) {
   };
   Spans spans(2);
   record_batches(hooks, spans);
-  const Json summary = train_run(o, hooks);
+  const Json summary = api::run(o, hooks);
   EXPECT_EQ(injected, 1);
   expect_every_sample_once(spans, 384);
   EXPECT_EQ(spans[0][2], (std::pair<int64_t, int64_t>{128, 32}));  // the failed step's samples, retried at 32
@@ -280,13 +283,13 @@ TEST_F(TrainerTest, OutOfMemoryRetriesTheSameSamplesAtASmallerBatch) {
 // (position in units of the initial batch), so it ends at the end of the last epoch.
 TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
   test::TempDir out("run_elastic");
-  TrainOptions o = options(out.path());  // 384 samples, batch 64, 2 epochs
-  o.method = "tri-accel";
-  o.ta_precision = false;
-  o.ta_curvature = false;
-  o.ctrl_every = 1;
-  o.vram_budget = "1GB";
-  TrainHooks hooks;
+  Config o = options(out.path());  // 384 samples, batch 64, 2 epochs
+  o.set("method", "tri-accel");
+  o.set("ta_precision", "false");
+  o.set("ta_curvature", "false");
+  o.set("ctrl_every", "1");
+  o.set("vram_budget", "1GB");
+  RunHooks hooks;
   hooks.memory_signal = [](int64_t step, int64_t batch) {
     const double per_sample = step >= 6 ? 8e6 : 5e6;  // at step 6 the model "needs" more memory per sample
     MemorySignal m;
@@ -296,7 +299,7 @@ TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
   };
   Spans spans(2);
   record_batches(hooks, spans);
-  const Json summary = train_run(o, hooks);
+  const Json summary = api::run(o, hooks);
   expect_every_sample_once(spans, 384);
   std::vector<int64_t> batches;
   std::vector<std::string> reasons;
@@ -320,18 +323,22 @@ TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
 }
 
 // The Tri-Accel loop on the CPU: probes and precision windows happen on schedule, thresholds calibrate, the
-// decisions reach the events, and a resumed run restores the controllers' state.
+// decisions reach the events, and a resumed run restores the controllers' state. Time comes from a clock that
+// advances 1 ms per reading, so the time-budgeted probe schedule depends on the work done, not on the machine's load.
 TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
   test::TempDir out("run_tri");
-  TrainOptions o = options(out.path());
-  o.method = "tri-accel";
-  o.ctrl_every = 2;
-  o.curv_every = 4;
-  o.curv_batch = 16;
-  o.curv_top_k = 2;
-  o.curv_max_iters = 3;
-  o.curv_budget = 0;  // fixed schedule: 12 steps → windows at 2, 4, …, 12; probes at 2 (first window), 6, 10
-  const Json summary = train_run(o);
+  FixedStepClock clock(1e-3);
+  RunHooks hooks;
+  hooks.clock = &clock;
+  Config o = options(out.path());
+  o.set("method", "tri-accel");
+  o.set("ctrl_every", "2");
+  o.set("curv_every", "4");
+  o.set("curv_batch", "16");
+  o.set("curv_top_k", "2");
+  o.set("curv_max_iters", "3");
+  o.set("curv_budget", "0");  // fixed schedule: 12 steps → windows at 2, 4, …, 12; probes at 2 (first window), 6, 10
+  const Json summary = api::run(o, hooks);
   int precision_events = 0, curvature_events = 0;
   Json last_precision;
   for (const auto& e : events_read(out.file("events.jsonl"))) {
@@ -357,15 +364,15 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
 
   // With a time budget the probes are spaced out: at most 1 % of training time → fewer probes.
   test::TempDir budget_dir("run_tri_budget");
-  TrainOptions budgeted = o;
-  budgeted.out = budget_dir.path();
-  budgeted.curv_budget = 0.01;
-  train_run(budgeted);
+  Config budgeted = o;
+  budgeted.set("out", budget_dir.path());
+  budgeted.set("curv_budget", "0.01");
+  api::run(budgeted, hooks);
   int budgeted_probes = 0;
   for (const auto& e : events_read(budget_dir.file("events.jsonl"))) {
     if (e["event"] != "curvature") continue;
     ++budgeted_probes;
-    EXPECT_GE(e["next_probe_step"].get<int64_t>(), e["step"].get<int64_t>() + o.curv_every);
+    EXPECT_GE(e["next_probe_step"].get<int64_t>(), e["step"].get<int64_t>() + o.tri_accel.curv_every);
     // The first budgeted round probes one unit, from the output end, to learn the cost; the others stay unknown.
     EXPECT_EQ(e["probed"], Json::array({"fc"}));
     EXPECT_TRUE(e["lambda_max"][0].is_null());
@@ -375,18 +382,44 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
 
   // Stop mid-run and resume: the controllers' state comes back from the checkpoint.
   test::TempDir b("run_tri_b");
-  TrainOptions first = o;
-  first.out = b.path();
-  first.max_steps = 7;
-  train_run(first);
+  Config first = o;
+  first.set("out", b.path());
+  first.set("max_steps", "7");
+  api::run(first, hooks);
   const Checkpoint ckpt = checkpoint_read(b.file("checkpoint.pt"));
   ASSERT_FALSE(ckpt.progress["tri_accel"].is_null());
   EXPECT_EQ(ckpt.progress["tri_accel"]["windows"], 3);
-  TrainOptions again = o;
-  again.out = b.path();
-  again.resume = b.path();
-  const Json resumed = train_run(resume_options(again, {"resume"}));
+  Config again = o;
+  again.set("out", b.path());
+  again.set("resume", b.path());
+  const Json resumed = api::run(again, hooks);
   EXPECT_EQ(resumed["steps"], 12);
+}
+
+// Checkpoints written before the layered redesign (fe31ff2, tests/fixtures/checkpoint_fe31ff2/) still resume, and
+// the resumed run ends with exactly the weights that binary's own resume ended with (CRC32 of every tensor's bytes,
+// recorded by it): one SGD checkpoint at step 5 and one Tri-Accel checkpoint (fixed probe schedule) at step 7, on
+// the same tiny dataset this fixture writes. A change in the step's arithmetic, the data order, the schedule, the
+// controllers' state or the checkpoint's reading shows up as a different CRC.
+TEST_F(TrainerTest, CheckpointsOfTheFormerLayoutResumeToTheSameWeights) {
+  for (const std::string kind : {"sgd", "tri_accel"}) {
+    const std::string fixture = std::string(TRIACCEL_SOURCE_DIR) + "/tests/fixtures/checkpoint_fe31ff2/" + kind;
+    const Json expected = Json::parse(file_read_all(fixture + "/expected.json"));
+    test::TempDir run("legacy_" + kind);
+    std::filesystem::copy_file(fixture + "/checkpoint.pt", run.file("checkpoint.pt"));
+    const Config resume = test::config_of({{"resume", run.path()}, {"data_dir", data_->path()}, {"progress", "off"}});
+    const Json summary = api::run(resume);
+    EXPECT_EQ(summary["steps"], expected["steps"]) << kind;
+    EXPECT_EQ(summary["test_acc"], expected["test_acc"]) << kind;
+    const auto weights = test::state_dict_read(run.file("model.pt"));
+    ASSERT_EQ(weights.size(), expected["model_crc32"].size()) << kind;
+    for (const auto& [name, crc] : expected["model_crc32"].items()) {
+      ASSERT_TRUE(weights.count(name)) << kind << ": " << name;
+      const at::Tensor t = weights.at(name).contiguous();
+      const auto got = crc32(0L, static_cast<const Bytef*>(t.data_ptr()), static_cast<uInt>(t.nbytes()));
+      EXPECT_EQ(got, crc.get<uint64_t>()) << kind << ": " << name << " differs from the former binary's resume";
+    }
+  }
 }
 
 #ifdef TRIACCEL_WITH_CUDA
@@ -454,9 +487,9 @@ SgdSteps six_sgd_steps(const c10::Device& cuda, StepOptions so, bool graphs) {
   TrainStep step(*model, sgd, scaler, so, cuda);
   SgdSteps out;
   out.weights = six_steps(step, *model, cuda, 0.02);
-  out.captured = step.graph_captured();
-  out.capture_ooms = step.graph_capture_ooms();
-  out.capture_error = step.graph_capture_error();
+  out.captured = step.graph().captured();
+  out.capture_ooms = step.graph().capture_ooms();
+  out.capture_error = step.graph().capture_error();
   return out;
 }
 #endif
@@ -516,7 +549,7 @@ TEST(TrainStepCudaTest, GraphReplayMatchesEagerSteps) {
     const SgdSteps eager = six_sgd_steps(cuda, so, false);
     EXPECT_TRUE(with_graph.captured);
     EXPECT_FALSE(eager.captured);
-    EXPECT_LT(worst_relative_difference(with_graph.weights, eager.weights), 1e-5) << precision_mode_name(precision);
+    EXPECT_LT(worst_relative_difference(with_graph.weights, eager.weights), 1e-5) << enum_name(precision);
   }
 #endif
 }
@@ -642,7 +675,7 @@ TEST(TrainStepCudaTest, BaocGraphReplayMatchesEagerSteps) {
     so.warmup_steps = 2;
     TrainStep step(*model, opt, scaler, so, cuda);
     auto out = six_steps(step, *model, cuda, 1e-3);
-    *captured = step.graph_captured();
+    *captured = step.graph().captured();
     *stats = opt.stream_stats_take();
     EXPECT_EQ(opt.counts().cpu()[0][0].item<double>(), 6.0);
     return out;

@@ -43,14 +43,17 @@ inline bool gpu_available() { return torch::cuda::is_available(); }
 #include <gtest/gtest.h>
 #include <torch/serialize.h>
 
+#include "triaccel/api/api.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/core/io.h"
-#include "triaccel/train/options.h"
-#include "triaccel/train/trainer.h"
+#include "triaccel/run/config.h"
+#include "triaccel/models/registry.h"
+#include "triaccel/run/session.h"
 
 #include <cstdint>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <utility>
 #include <vector>
@@ -87,9 +90,16 @@ inline void mnist_like_write(const std::string& dir, int64_t n_train, int64_t n_
   split("t10k", n_test);
 }
 
+// A configuration from (key, text) pairs, each set as a user would set it (Config::set: the key counts as given).
+inline Config config_of(std::initializer_list<std::pair<const char*, std::string>> options) {
+  Config c;
+  for (const auto& [key, text] : options) c.set(key, text);
+  return c;
+}
+
 // A test suite's fixture: a tiny MNIST-layout dataset (384 training, 128 test images) written once per suite, and
-// the options of a short CPU run on it (small-cnn, 2 epochs of 6 steps at batch 64). The trainer and fault tests
-// derive from it.
+// the configuration of a short CPU run on it (small-cnn, 2 epochs of 6 steps at batch 64). The trainer and fault
+// tests derive from it.
 class TinyMnistTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -101,24 +111,22 @@ class TinyMnistTest : public ::testing::Test {
     data_ = nullptr;
   }
 
-  static TrainOptions options(const std::string& out) {
-    TrainOptions o;
-    o.model = "small-cnn";
-    o.dataset = "mnist";
-    o.data_dir = data_->path();
-    o.epochs = 2;
-    o.batch_size = 64;  // 6 steps per epoch
-    o.lr = 0.05;
-    o.warmup_epochs = 0.5;
-    o.device = "cpu";
-    o.progress = "off";
-    o.out = out;
-    return o;
+  static Config options(const std::string& out) {
+    return config_of({{"model", "small-cnn"},
+                      {"dataset", "mnist"},
+                      {"data_dir", data_->path()},
+                      {"epochs", "2"},
+                      {"batch_size", "64"},  // 6 steps per epoch
+                      {"lr", "0.05"},
+                      {"warmup_epochs", "0.5"},
+                      {"device", "cpu"},
+                      {"progress", "off"},
+                      {"out", out}});
   }
 
-  // Per epoch, the (offset, count) of every batch the trainer reported through TrainHooks::on_batch.
+  // Per epoch, the (offset, count) of every batch the trainer reported through RunHooks::on_batch.
   using Spans = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
-  static void record_batches(TrainHooks& hooks, Spans& spans) {
+  static void record_batches(RunHooks& hooks, Spans& spans) {
     hooks.on_batch = [&spans](int64_t epoch, int64_t offset, int64_t count) {
       spans[static_cast<size_t>(epoch)].emplace_back(offset, count);
     };

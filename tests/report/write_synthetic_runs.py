@@ -70,14 +70,14 @@ plan_units = [{"unit": u, "format": f, "params": 1000 * (i + 1), "bytes": b, "ri
                                                    [8000, 4000, 4000, 0, 900, 24000],
                                                    [0.0, 1e-4, 2e-4, 0.01, 0.003, 0.0005]))]
 baoc = [config("backprop", "amp-bf16")] + epochs(3, 2.0, 9.0, 1.2)
-baoc.insert(2, ev("plan", 50, 6.0, units=plan_units, total_bytes=40900, budget_bytes=45000, adamw_fp32_bytes=160000,
+baoc.insert(2, ev("optim_plan", 50, 6.0, units=plan_units, total_bytes=40900, budget_bytes=45000, adamw_fp32_bytes=160000,
                   total_risk=0.0137, plan=1))
 baoc.append(summary("backprop", 80.5, 9.0, 1.25, precision="amp-bf16"))
 write("baoc", baoc)
 
 nf_units = ["conv1", "conv2", "conv3", "fc"]
 nf = [config("neuroflux"),
-      ev("plan", 0, 0.6, method="neuroflux", budget_gb=0.008, blocks=[{"units": nf_units[:2]}, {"units": nf_units[2:]}],
+      ev("block_plan", 0, 0.6, method="neuroflux", budget_gb=0.008, blocks=[{"units": nf_units[:2]}, {"units": nf_units[2:]}],
          units=[{"unit": u, "params": 100} for u in nf_units])]
 for b, units in enumerate([nf_units[:2], nf_units[2:]]):
     nf.append(ev("block", 10 * (b + 1), 3.0 + 4 * b, block=b, units=units, batch=64, final_batch=64 // (b + 1),

@@ -9,8 +9,8 @@
 
 namespace triaccel {
 
-int64_t bytes_parse(const std::string& text, const std::string& flag) {
-  const std::string hint = flag + " must be a size like 2GB, 512MB or 3GiB, got '" + text + "'";
+int64_t bytes_parse(const std::string& text, const std::string& key) {
+  const std::string hint = option_ref(key) + " must be a size like 2GB, 512MB or 3GiB, got '" + text + "'";
   TRIACCEL_CHECK_INPUT(!text.empty(), hint);
   const char* begin = text.c_str();
   char* end = nullptr;

@@ -14,15 +14,17 @@
 
 namespace triaccel {
 
-c10::Device device_resolve(const std::string& spec) {
-  if (spec == "cpu") return c10::Device(c10::kCPU);
-  if (spec == "auto") return torch::cuda::is_available() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
-  if (spec == "cuda") {
-    TRIACCEL_CHECK_INPUT(torch::cuda::is_available(),
-                         "--device cuda: no CUDA GPU is visible; use --device cpu or --device auto");
-    return c10::Device(c10::kCUDA, 0);
+c10::Device device_resolve(DeviceKind kind) {
+  switch (kind) {
+    case DeviceKind::kCpu: return c10::Device(c10::kCPU);
+    case DeviceKind::kAuto:
+      return torch::cuda::is_available() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+    case DeviceKind::kCuda:
+      TRIACCEL_CHECK_INPUT(torch::cuda::is_available(), option_ref("device"),
+                           " cuda: no CUDA GPU is visible; use cpu or auto");
+      return c10::Device(c10::kCUDA, 0);
   }
-  throw UserError("--device must be auto, cpu or cuda, got '" + spec + "'");
+  return c10::Device(c10::kCPU);
 }
 
 MemoryStats memory_stats(const c10::Device& device) {
@@ -64,7 +66,7 @@ void memory_cap_set(const c10::Device& device, int64_t bytes) {
   if (device.is_cuda()) {
     at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
     const auto total = static_cast<double>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
-    TRIACCEL_CHECK_INPUT(static_cast<double>(bytes) <= total, "--vram-budget ", static_cast<double>(bytes) / 1e9,
+    TRIACCEL_CHECK_INPUT(static_cast<double>(bytes) <= total, option_ref("vram_budget"), " ", static_cast<double>(bytes) / 1e9,
                          " GB is more than this GPU has (", total / 1e9, " GB); lower it or drop the flag");
     c10::cuda::CUDACachingAllocator::setMemoryFraction(static_cast<double>(bytes) / total, device.index());
   }

@@ -1,6 +1,8 @@
 // Device resolution and memory statistics from the CUDA caching allocator.
-// Peak VRAM follows DESIGN.md: the allocator's allocated_bytes peak since the last reset, in GB (1e9 bytes).
+// Peak VRAM as docs/measuring.md defines it: the allocator's allocated_bytes peak since the last reset, in GB (1e9 bytes).
 #pragma once
+
+#include "triaccel/core/enum_names.h"
 
 #include <c10/core/Device.h>
 
@@ -9,8 +11,17 @@
 
 namespace triaccel {
 
-// "auto" → cuda when a GPU is visible, else cpu; "cpu"; "cuda" (error if no GPU).
-c10::Device device_resolve(const std::string& spec);
+// The `device` option.
+enum class DeviceKind { kAuto, kCpu, kCuda };
+
+template <>
+struct EnumNames<DeviceKind> {
+  static constexpr EnumName<DeviceKind> kNames[] = {
+      {DeviceKind::kAuto, "auto"}, {DeviceKind::kCpu, "cpu"}, {DeviceKind::kCuda, "cuda"}};
+};
+
+// auto → cuda when a GPU is visible, else cpu; cpu; cuda (UserError if no GPU is visible).
+c10::Device device_resolve(DeviceKind kind);
 
 struct MemoryStats {
   int64_t allocated_bytes = 0;       // now

@@ -49,7 +49,7 @@ void file_write_atomic(const std::string& path, const std::string& bytes) {
   const fs::path tmp = target.string() + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TRIACCEL_CHECK_INPUT(fd >= 0, "cannot write ", tmp.string(), ": ", errno_text(),
-                       "; choose a writable --out folder");
+                       "; choose a writable " + option_ref("out") + " folder");
   size_t done = 0;
   const size_t half = bytes.size() / 2;
   const int64_t delay_ms = test_write_delay_ms();
@@ -117,13 +117,13 @@ bool file_exists(const std::string& path) {
   return fs::exists(path, ec);
 }
 
-void directory_prepare_writable(const std::string& dir, const std::string& flag_name) {
+void directory_prepare_writable(const std::string& dir, const std::string& key) {
   std::error_code ec;
   fs::create_directories(dir, ec);
-  TRIACCEL_CHECK_INPUT(fs::is_directory(dir, ec), flag_name, " ", dir,
+  TRIACCEL_CHECK_INPUT(fs::is_directory(dir, ec), option_ref(key), " ", dir,
                        ": cannot create the folder (", ec ? ec.message() : "not a folder",
                        "); choose a writable path");
-  TRIACCEL_CHECK_INPUT(::access(dir.c_str(), W_OK) == 0, flag_name, " ", dir,
+  TRIACCEL_CHECK_INPUT(::access(dir.c_str(), W_OK) == 0, option_ref(key), " ", dir,
                        ": folder is not writable; choose a writable path");
 }
 

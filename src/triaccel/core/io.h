@@ -19,9 +19,9 @@ std::string file_read_all(const std::string& path);
 
 bool file_exists(const std::string& path);
 
-// Creates the folder (and parents) and checks that a file can be written in it; flag_name is the option
+// Creates the folder (and parents) and checks that a file can be written in it; key is the option
 // the user set (for the error message).
-void directory_prepare_writable(const std::string& dir, const std::string& flag_name);
+void directory_prepare_writable(const std::string& dir, const std::string& key);
 
 // Seconds since the first call in this process (steady clock).
 double time_since_start_s();

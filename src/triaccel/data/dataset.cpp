@@ -16,8 +16,6 @@ namespace triaccel {
 namespace {
 
 constexpr const char* kFashionMnistDefaultDir = "/usr/share/datasets/fashion-mnist";
-constexpr const char* kCifar10BuildScript = "../shared/data/cifar10/build_cifar10_bin.py";
-constexpr const char* kTinyShakespeareDefaultDir = "../shared/data/tinyshakespeare";
 
 bool dataset_is_file(const std::string& path) {
   struct stat info {};
@@ -84,8 +82,9 @@ std::string dataset_find_idx(const std::string& name, const std::string& dir, co
 }
 
 DatasetSplits dataset_load_cifar10(const std::string& dir) {
-  const std::string hint = c10::str("build the binary files with: python3 ", kCifar10BuildScript, " ",
-                                    dir.empty() ? "DIR" : dir, ", then pass --data with that folder");
+  const std::string hint = str_cat("unpack CIFAR-10's binary version (cifar-10-binary.tar.gz), or build its files from an "
+                                   "image copy with build_cifar10_bin.py (README, Data), into ",
+                                   dir.empty() ? "DIR" : dir, ", then pass ", option_ref("data_dir"), " with that folder");
   TRIACCEL_CHECK_INPUT(!dir.empty(), "cifar10: no data folder given; ", hint);
   std::vector<std::string> names;
   for (int k = 1; k <= 5; ++k) names.push_back(c10::str("data_batch_", k, ".bin"));
@@ -101,7 +100,7 @@ DatasetSplits dataset_load_cifar10(const std::string& dir) {
 
 DatasetSplits dataset_load_cifar100(const std::string& dir) {
   const std::string hint =
-      "pass --data with the folder of the CIFAR-100 binary version (train.bin, test.bin, from cifar-100-binary.tar.gz)";
+      "pass " + option_ref("data_dir") + " with the folder of the CIFAR-100 binary version (train.bin, test.bin, from cifar-100-binary.tar.gz)";
   TRIACCEL_CHECK_INPUT(!dir.empty(), "cifar100: no data folder given; ", hint);
   const std::vector<std::string> paths =
       dataset_find_files("cifar100", dir, "cifar-100-binary", {"train.bin", "test.bin"}, hint);
@@ -114,7 +113,7 @@ DatasetSplits dataset_load_cifar100(const std::string& dir) {
 DatasetSplits dataset_load_idx(const std::string& name, const std::string& dir_arg) {
   const std::string files_text = "{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]";
   std::string dir = dir_arg;
-  std::string hint = c10::str("pass --data with the folder that holds ", files_text);
+  std::string hint = c10::str("pass " + option_ref("data_dir") + " with the folder that holds ", files_text);
   if (dir.empty()) {
     TRIACCEL_CHECK_INPUT(name == "fashion-mnist", name, ": no data folder given and ", name,
                          " has no default location; ", hint);
@@ -136,10 +135,12 @@ DatasetSplits dataset_load_idx(const std::string& name, const std::string& dir_a
 }
 
 DatasetSplits dataset_load_text(const std::string& name, const std::string& dir_arg, int64_t block_size) {
-  const std::string dir = dir_arg.empty() ? kTinyShakespeareDefaultDir : dir_arg;
+  TRIACCEL_CHECK_INPUT(!dir_arg.empty(), name, " has no standard location: pass ", option_ref("data_dir"),
+                       " with the folder that holds input.txt (the plain-text corpus)");
+  const std::string& dir = dir_arg;
   const std::string path = dataset_join(dir, "input.txt");
   TRIACCEL_CHECK_INPUT(dataset_is_file(path), name, ": input.txt not found in ", dir,
-                       "; pass --data with the folder that holds input.txt (the plain-text corpus)");
+                       "; pass " + option_ref("data_dir") + " with the folder that holds input.txt (the plain-text corpus)");
   return text_read(path, name, block_size);
 }
 

@@ -68,8 +68,8 @@ Dataset idx_read(const std::string& images_path, const std::string& labels_path,
 //   cifar100: train.bin, test.bin (also inside cifar-100-binary/)
 //   mnist, fashion-mnist: {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]
 //   tinyshakespeare: input.txt (text_read, windows of block_size + 1 characters)
-// An empty dir means the default location: fashion-mnist → /usr/share/datasets/fashion-mnist, tinyshakespeare →
-// ../shared/data/tinyshakespeare (relative to the current directory).
+// An empty dir means the standard location where a dataset has one: fashion-mnist → /usr/share/datasets/fashion-mnist
+// (Debian's dataset-fashion-mnist); the others need a folder.
 // Unknown names or missing files throw UserError naming what was expected and where.
 DatasetSplits dataset_load(const std::string& name, const std::string& dir, int64_t block_size = kTextBlockSize);
 

@@ -14,10 +14,10 @@
 namespace triaccel {
 
 void LoaderOptions::validate() const {
-  TRIACCEL_CHECK_INPUT(batch_size > 0, "--batch-size must be > 0, got ", batch_size);
+  TRIACCEL_CHECK_INPUT(batch_size > 0, option_ref("batch_size") + " must be > 0, got ", batch_size);
   TRIACCEL_CHECK_INPUT(pad >= 0, "augmentation pad must be >= 0, got ", pad);
-  TRIACCEL_CHECK_INPUT(cutout >= 0, "--cutout must be >= 0 (0: off), got ", cutout);
-  TRIACCEL_CHECK_INPUT(image_size >= 0 && image_size <= 1024, "--image-size must be in [0, 1024], got ", image_size);
+  TRIACCEL_CHECK_INPUT(cutout >= 0, option_ref("cutout") + " must be >= 0 (0: off), got ", cutout);
+  TRIACCEL_CHECK_INPUT(image_size >= 0 && image_size <= 1024, option_ref("image_size") + " must be in [0, 1024], got ", image_size);
 }
 
 uint64_t seed_mix(uint64_t seed, uint64_t stream) {
@@ -35,9 +35,9 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
     TORCH_CHECK(data.images.defined() && data.images.dim() == 2 && data.images.scalar_type() == at::kLong &&
                     data.labels.sizes() == data.images.sizes(),
                 "Loader: token datasets must hold (N, T) int64 inputs and targets");
-    TRIACCEL_CHECK_INPUT(!options_.augment, "--augment on applies to images only; dataset ", data.name,
-                         " is text: use --augment off (or auto)");
-    TRIACCEL_CHECK_INPUT(options_.cutout == 0, "--cutout applies to images only; dataset ", data.name,
+    TRIACCEL_CHECK_INPUT(!options_.augment, option_ref("augment") + " on applies to images only; dataset ", data.name,
+                         " is text: use " + option_ref("augment") + " off (or auto)");
+    TRIACCEL_CHECK_INPUT(options_.cutout == 0, option_ref("cutout") + " applies to images only; dataset ", data.name,
                          " is text: drop the flag");
     TRIACCEL_CHECK_INPUT(data.size() > 0, "dataset ", data.name, " is empty");
     images_ = data.images.contiguous().to(device_);
@@ -51,7 +51,7 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
                   static_cast<int64_t>(std_.size()) == data.channels(),
               "Loader: need one mean and std per channel");
   TRIACCEL_CHECK_INPUT(data.size() > 0, "dataset ", data.name, " is empty");
-  TRIACCEL_CHECK_INPUT(options_.cutout <= std::min(data.images.size(2), data.images.size(3)), "--cutout ",
+  TRIACCEL_CHECK_INPUT(options_.cutout <= std::min(data.images.size(2), data.images.size(3)), option_ref("cutout") + " ",
                        options_.cutout, " is larger than the ", data.images.size(2), "×", data.images.size(3),
                        " images of dataset ", data.name, "; use at most ",
                        std::min(data.images.size(2), data.images.size(3)));

@@ -25,7 +25,7 @@ std::string text_vocab(const std::string& text) {
 }
 
 TextCorpus text_load(const std::string& path, const std::string& name, int64_t block_size) {
-  TRIACCEL_CHECK_INPUT(block_size >= 1, "--block-size must be >= 1, got ", block_size);
+  TRIACCEL_CHECK_INPUT(block_size >= 1, option_ref("block_size") + " must be >= 1, got ", block_size);
   TextCorpus out;
   out.text = file_read_all(path);
   const std::string& text = out.text;
@@ -38,7 +38,7 @@ TextCorpus text_load(const std::string& path, const std::string& name, int64_t b
   out.val_len = len - out.train_len;
   TRIACCEL_CHECK_INPUT(out.train_len >= block_size + 1 && out.val_len >= block_size + 1, name, ": ", path, " has ",
                        len, " characters, too few for one window of ", block_size + 1,
-                       " in each split (90 % train / 10 % validation); use a longer file or a smaller --block-size");
+                       " in each split (90 % train / 10 % validation); use a longer file or a smaller " + option_ref("block_size"));
   out.vocab = text_vocab(text);
   return out;
 }

@@ -1,13 +1,13 @@
-// Fused multi-tensor AdamW with 8-bit block-wise states. One CUDA block of kQuantBlock (256) threads owns one
-// quantization block of one tensor (elements in memory order): each thread dequantizes its m (signed map) and v
-// (unsigned map), applies the AdamW update in fp32 (as kAdamW32 in kernels/adam_step.cu), the block reduces the new
-// absmax of m and of v (rounded up to the bfloat16 it is stored as, the rule of quant8_absmax_round_up), and each
-// thread re-quantizes to the nearest map value (binary search over the midpoints,
-// ties to the lower code: the rule of quant8_encode). Nothing changes when *found_inf != 0.
+// Fused multi-tensor AdamW with 8-bit block-wise states; one launch updates one TensorPack of tensors
+// (multi_tensor_apply.cuh). One CUDA block of kQuantBlock (256) threads owns one quantization block of one tensor
+// (elements in memory order): each thread dequantizes its m (signed map) and v (unsigned map), applies the AdamW
+// update in fp32 (as kAdamW in kernels/adam_step.cu), the block reduces the new absmax of m and of v (rounded up to
+// the bfloat16 it is stored as, the rule of quant8_absmax_round_up), and each thread re-quantizes to the nearest
+// map value (binary search over the midpoints, ties to the lower code: the rule of quant8_encode). Nothing changes
+// when *found_inf != 0.
 #include "triaccel/kernels/adam8_step.h"
+#include "triaccel/kernels/multi_tensor_apply.cuh"
 #include "triaccel/kernels/tensor_checks.h"
-
-#include "triaccel/optim/state_format.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -17,23 +17,22 @@
 namespace triaccel {
 namespace {
 
-constexpr int kMaxTensors = 40;
 constexpr int kThreads = static_cast<int>(kQuantBlock);
+constexpr int kBlockLimit = 1 << 30;  // blocks per launch
 
-struct Adam8LaunchArgs {
-  int num_tensors;
-  float* param[kMaxTensors];
-  const float* grad[kMaxTensors];
-  uint8_t* m_codes[kMaxTensors];
-  uint8_t* v_codes[kMaxTensors];
-  __nv_bfloat16* m_absmax[kMaxTensors];
-  __nv_bfloat16* v_absmax[kMaxTensors];
-  const double* counts[kMaxTensors];
-  int64_t numel[kMaxTensors];
-  float weight_decay[kMaxTensors];
-  float lr_scale[kMaxTensors];
-  int block_start[kMaxTensors + 1];
+struct Adam8Record {
+  float* param;
+  const float* grad;
+  uint8_t* m_codes;         // (numel)
+  uint8_t* v_codes;         // (numel)
+  __nv_bfloat16* m_absmax;  // (ceil(numel / kQuantBlock))
+  __nv_bfloat16* v_absmax;  // (ceil(numel / kQuantBlock))
+  const double* counts;     // (count_m, count_v) of the tensor
+  int64_t numel;
+  float weight_decay;
+  float lr_scale;
 };
+using Adam8Pack = TensorPack<Adam8Record, 1>;  // one phase: one block per quantization block
 
 __device__ __forceinline__ float block_max(float x, float* scratch) {
   for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
@@ -65,7 +64,7 @@ __device__ __forceinline__ int nearest_code(const float* mids, float x) {
   return lo;
 }
 
-__global__ void adam8_step_kernel(const __grid_constant__ Adam8LaunchArgs args, const float* __restrict__ map_s,
+__global__ void adam8_step_kernel(const __grid_constant__ Adam8Pack pack, const float* __restrict__ map_s,
                                   const float* __restrict__ map_u, const float* __restrict__ lr_ptr,
                                   const float* __restrict__ found_inf_ptr, AdamStepHyper h) {
   if (*found_inf_ptr != 0.f) return;
@@ -77,38 +76,46 @@ __global__ void adam8_step_kernel(const __grid_constant__ Adam8LaunchArgs args, 
     smid_s[threadIdx.x] = (smap_s[threadIdx.x] + smap_s[threadIdx.x + 1]) * 0.5f;
     smid_u[threadIdx.x] = (smap_u[threadIdx.x] + smap_u[threadIdx.x + 1]) * 0.5f;
   }
-  int t = 0;
-  while (t + 1 < args.num_tensors && args.block_start[t + 1] <= static_cast<int>(blockIdx.x)) ++t;
+  const int t = tensor_pack_find(pack.block_start[0], pack.count);
+  const Adam8Record& rec = pack.rec[t];
   if (threadIdx.x == 0) {
-    bc[0] = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), args.counts[t][0]));
-    bc[1] = static_cast<float>(1.0 - pow(static_cast<double>(h.beta2), args.counts[t][1]));
+    bc[0] = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), rec.counts[0]));
+    bc[1] = static_cast<float>(1.0 - pow(static_cast<double>(h.beta2), rec.counts[1]));
   }
   __syncthreads();
-  const int64_t qb = static_cast<int64_t>(blockIdx.x) - args.block_start[t];
+  const int64_t qb = static_cast<int64_t>(blockIdx.x) - pack.block_start[0][t];
   const int64_t i = qb * kQuantBlock + threadIdx.x;
-  const bool valid = i < args.numel[t];
-  const float lr = *lr_ptr * args.lr_scale[t];
+  const bool valid = i < rec.numel;
+  const float lr = *lr_ptr * rec.lr_scale;
   float m = 0.f, v = 0.f;
   if (valid) {
-    float pv = args.param[t][i] * (1.f - lr * args.weight_decay[t]);
-    const float g = args.grad[t][i];
-    m = smap_s[args.m_codes[t][i]] * __bfloat162float(args.m_absmax[t][qb]);
-    v = smap_u[args.v_codes[t][i]] * __bfloat162float(args.v_absmax[t][qb]);
+    float pv = rec.param[i] * (1.f - lr * rec.weight_decay);
+    const float g = rec.grad[i];
+    m = smap_s[rec.m_codes[i]] * __bfloat162float(rec.m_absmax[qb]);
+    v = smap_u[rec.v_codes[i]] * __bfloat162float(rec.v_absmax[qb]);
     m = h.beta1 * m + (1.f - h.beta1) * g;
     v = h.beta2 * v + (1.f - h.beta2) * g * g;
     pv -= (lr / bc[0]) * m / (sqrtf(v) / sqrtf(bc[1]) + h.eps);
-    args.param[t][i] = pv;
+    rec.param[i] = pv;
   }
   const float m_max = round_up_to_bf16(block_max(valid ? fabsf(m) : 0.f, scratch));
   const float v_max = round_up_to_bf16(block_max(valid ? fabsf(v) : 0.f, scratch));
   if (valid) {
-    args.m_codes[t][i] = static_cast<uint8_t>(nearest_code(smid_s, m_max > 0.f ? m / m_max : 0.f));
-    args.v_codes[t][i] = static_cast<uint8_t>(nearest_code(smid_u, v_max > 0.f ? v / v_max : 0.f));
+    rec.m_codes[i] = static_cast<uint8_t>(nearest_code(smid_s, m_max > 0.f ? m / m_max : 0.f));
+    rec.v_codes[i] = static_cast<uint8_t>(nearest_code(smid_u, v_max > 0.f ? v / v_max : 0.f));
   }
   if (threadIdx.x == 0) {
-    args.m_absmax[t][qb] = __float2bfloat16_rz(m_max);  // exact: m_max is a bfloat16 value
-    args.v_absmax[t][qb] = __float2bfloat16_rz(v_max);
+    rec.m_absmax[qb] = __float2bfloat16_rz(m_max);  // exact: m_max is a bfloat16 value
+    rec.v_absmax[qb] = __float2bfloat16_rz(v_max);
   }
+}
+
+void adam8_step_launch(const Adam8Pack& pack, const float* map_s, const float* map_u, const float* lr,
+                       const float* found_inf, const AdamStepHyper& h, cudaStream_t stream) {
+  const int blocks = pack.block_start[0][pack.count];
+  if (blocks == 0) return;
+  adam8_step_kernel<<<blocks, kThreads, 0, stream>>>(pack, map_s, map_u, lr, found_inf, h);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -136,18 +143,13 @@ void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
   TORCH_CHECK(counts.is_contiguous() && counts.dim() == 2 && counts.size(1) == 2, "adam8_step_cuda: counts must be (T, 2)");
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  Adam8LaunchArgs args{};
-  auto flush = [&]() {
-    const int blocks = args.block_start[args.num_tensors];
-    if (blocks > 0) {
-      adam8_step_kernel<<<blocks, kThreads, 0, stream>>>(args, map_signed.data_ptr<float>(),
-                                                          map_unsigned.data_ptr<float>(), lr.data_ptr<float>(),
-                                                          found_inf.data_ptr<float>(), hyper);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    args.num_tensors = 0;
-    args.block_start[0] = 0;
-  };
+  const float* map_s_ptr = map_signed.data_ptr<float>();
+  const float* map_u_ptr = map_unsigned.data_ptr<float>();
+  const float* lr_ptr = lr.data_ptr<float>();
+  const float* found_inf_ptr = found_inf.data_ptr<float>();
+  auto packer = make_tensor_packer<Adam8Record, 1>("adam8_step_cuda", kBlockLimit, [&](const Adam8Pack& pack) {
+    adam8_step_launch(pack, map_s_ptr, map_u_ptr, lr_ptr, found_inf_ptr, hyper, stream);
+  });
   for (size_t i = 0; i < n; ++i) {
     tensor_check_cuda("adam8_step_cuda", params[i], "param", device, at::kFloat);
     tensor_check_cuda("adam8_step_cuda", grads[i], "grad", device, at::kFloat);
@@ -161,23 +163,21 @@ void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
     TORCH_CHECK(m_codes[i].numel() == numel && v_codes[i].numel() == numel && m_absmax[i].numel() == blocks &&
                     v_absmax[i].numel() == blocks,
                 "adam8_step_cuda: state sizes do not match tensor ", i);
-    TORCH_CHECK(blocks < (1 << 30), "adam8_step_cuda: tensor too large");
-    const int k = args.num_tensors;
-    args.param[k] = params[i].data_ptr<float>();
-    args.grad[k] = grads[i].data_ptr<float>();
-    args.m_codes[k] = m_codes[i].data_ptr<uint8_t>();
-    args.v_codes[k] = v_codes[i].data_ptr<uint8_t>();
-    args.m_absmax[k] = reinterpret_cast<__nv_bfloat16*>(m_absmax[i].data_ptr<at::BFloat16>());
-    args.v_absmax[k] = reinterpret_cast<__nv_bfloat16*>(v_absmax[i].data_ptr<at::BFloat16>());
-    args.counts[k] = counts.data_ptr<double>() + 2 * count_rows[i];
-    args.numel[k] = numel;
-    args.weight_decay[k] = weight_decays[i];
-    args.lr_scale[k] = lr_scales[i];
-    args.block_start[k + 1] = args.block_start[k] + static_cast<int>(blocks);
-    args.num_tensors = k + 1;
-    if (args.num_tensors == kMaxTensors || args.block_start[args.num_tensors] > (1 << 30)) flush();
+    TORCH_CHECK(count_rows[i] >= 0 && count_rows[i] < counts.size(0), "adam8_step_cuda: bad count row");
+    Adam8Record rec;
+    rec.param = params[i].data_ptr<float>();
+    rec.grad = grads[i].data_ptr<float>();
+    rec.m_codes = m_codes[i].data_ptr<uint8_t>();
+    rec.v_codes = v_codes[i].data_ptr<uint8_t>();
+    rec.m_absmax = reinterpret_cast<__nv_bfloat16*>(m_absmax[i].data_ptr<at::BFloat16>());
+    rec.v_absmax = reinterpret_cast<__nv_bfloat16*>(v_absmax[i].data_ptr<at::BFloat16>());
+    rec.counts = counts.data_ptr<double>() + 2 * count_rows[i];
+    rec.numel = numel;
+    rec.weight_decay = weight_decays[i];
+    rec.lr_scale = lr_scales[i];
+    packer.add(rec, {blocks});
   }
-  if (args.num_tensors > 0) flush();
+  packer.finish();
 }
 
 }  // namespace triaccel

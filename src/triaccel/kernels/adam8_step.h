@@ -13,8 +13,11 @@
 
 namespace triaccel {
 
-// params, grads: float32 contiguous; m_codes, v_codes: (numel) uint8; m_absmax, v_absmax: (ceil(numel/256))
-// float32; map_signed, map_unsigned: (256) float32 on the device.
+constexpr int64_t kQuantBlock = 256;  // elements per absmax block of the 8-bit states (one CUDA block each)
+
+// params, grads: float32 contiguous; m_codes, v_codes: (numel) uint8; m_absmax, v_absmax:
+// (ceil(numel / kQuantBlock)) bfloat16; map_signed, map_unsigned: (256) float32 on the device. counts: (T, 2)
+// float64 contiguous; count_rows[i] is tensor i's row.
 void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                      const std::vector<at::Tensor>& m_codes, const std::vector<at::Tensor>& v_codes,
                      const std::vector<at::Tensor>& m_absmax, const std::vector<at::Tensor>& v_absmax,

@@ -1,10 +1,10 @@
-// Fused multi-tensor step for the element-wise BAOC formats (optim/state_format.h): kAdamW32, kAdamW16,
-// kNoMomentum, kSgdMomentum, kSgd. One call updates every tensor of one format (one launch per 48 tensors).
-// lr, found_inf and the per-tensor step counts are read on the device (no host sync; capturable in a CUDA graph).
-// The reference for the math is baoc_tensor_step_reference (optim/baoc_optimizer.h).
+// Fused multi-tensor step for the element-wise update rules (kernels/update_rule.h): kAdamW, kAdamWBf16,
+// kNoMomentum, kSgdMomentum, kSgd. One call updates every tensor of one rule (one launch per TensorPack of tensors,
+// kernels/multi_tensor_apply.cuh). lr, found_inf and the per-tensor step counts are read on the device (no host
+// sync; capturable in a CUDA graph). The reference for the math is baoc_tensor_step_reference.
 #pragma once
 
-#include "triaccel/optim/state_format.h"
+#include "triaccel/kernels/update_rule.h"
 
 #include <ATen/Tensor.h>
 
@@ -20,9 +20,9 @@ struct AdamStepHyper {
 };
 
 // params, grads: float32, dense, same layout. ms / vs: the state of each tensor (float32, or bfloat16 for
-// kAdamW16; undefined where the format has none), same layout as the param. counts: (T, 2) float64 contiguous;
-// count_rows[i] is tensor i's row. sgd_scales: k of the SGD formats (ignored otherwise).
-void adam_step_cuda(StateFormat format, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+// kAdamWBf16; undefined where the rule has none), same layout as the param. counts: (T, 2) float64 contiguous;
+// count_rows[i] is tensor i's row. sgd_scales: k of the SGD rules (ignored otherwise).
+void adam_step_cuda(UpdateRule rule, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                     const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs,
                     const std::vector<float>& weight_decays, const std::vector<float>& lr_scales,
                     const std::vector<float>& sgd_scales, const at::Tensor& counts,

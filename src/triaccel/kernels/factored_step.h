@@ -1,8 +1,9 @@
 // Fused multi-tensor step for factored second moments (kFactored on tensors of dim ≥ 2, optim/state_format.h):
-// four launches per group of up to 24 tensors, whatever their number of rows — row sums of g², column sums of g²,
-// the EMA of r and c with mean(r), and the element-wise update. Rows are size(0) (outermost in memory), columns in
-// memory order within a row (the layout the CPU reference uses). lr, found_inf and step counts are read on the
-// device; nothing changes when found_inf != 0. The reference for the math is baoc_tensor_step_reference.
+// four launches per pack of tensors (as many as the byte budget of kernels/multi_tensor_apply.cuh allows), whatever
+// their number of rows — row sums of g², column sums of g², the EMA of r and c with mean(r), and the element-wise
+// update. Rows are the first dimension after any leading 1s (outermost in memory), columns in memory order within a
+// row (the layout the CPU reference uses). lr, found_inf and step counts are read on the device; nothing changes
+// when found_inf != 0. The reference for the math is baoc_tensor_step_reference.
 #pragma once
 
 #include "triaccel/kernels/adam_step.h"

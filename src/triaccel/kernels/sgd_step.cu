@@ -1,9 +1,10 @@
-// Fused multi-tensor SGD: one launch updates up to kMaxTensors tensors (more launches for larger lists).
-// Per element, with g the gradient, p the parameter, m the momentum buffer (all fp32):
+// Fused multi-tensor SGD: one launch updates one TensorPack of tensors (multi_tensor_apply.cuh; more launches for
+// longer lists). Per element, with g the gradient, p the parameter, m the momentum buffer (all fp32):
 //   d = g + wd·p;  m = μ·m + d;  d = nesterov ? d + μ·m : m;  p = p − lr·s·d   (s: the tensor's lr scale)
 // skipped entirely when *found_inf != 0. The tensor list travels by value in the kernel's parameters, so a
 // captured CUDA graph replays with the same pointers (the caller keeps grads and buffers at fixed addresses).
 #include "triaccel/kernels/sgd_step.h"
+#include "triaccel/kernels/multi_tensor_apply.cuh"
 #include "triaccel/kernels/tensor_checks.h"
 
 #include <ATen/ATen.h>
@@ -13,21 +14,20 @@
 namespace triaccel {
 namespace {
 
-constexpr int kMaxTensors = 64;
 constexpr int kThreads = 256;
 constexpr int kElemsPerThread = 8;
 constexpr int64_t kChunk = kThreads * kElemsPerThread;  // elements per block
+constexpr int kBlockLimit = 1 << 30;                    // blocks per launch
 
-struct SgdLaunchArgs {
-  int num_tensors;
-  float* param[kMaxTensors];
-  const float* grad[kMaxTensors];
-  float* mom[kMaxTensors];
-  int64_t numel[kMaxTensors];
-  float weight_decay[kMaxTensors];
-  float lr_scale[kMaxTensors];       // per-tensor multiplier of *lr (Tri-Accel curvature scaling; 1 otherwise)
-  int block_start[kMaxTensors + 1];  // prefix sum of blocks per tensor
+struct SgdRecord {
+  float* param;
+  const float* grad;
+  float* mom;
+  int64_t numel;
+  float weight_decay;
+  float lr_scale;  // multiplier of *lr (Tri-Accel curvature scaling; 1 otherwise)
 };
+using SgdPack = TensorPack<SgdRecord, 1>;  // one phase: ceil(numel / kChunk) blocks per tensor
 
 __device__ __forceinline__ void sgd_update(float& p, float g, float& m, float wd, float lr, float mu,
                                            bool nesterov) {
@@ -37,19 +37,18 @@ __device__ __forceinline__ void sgd_update(float& p, float g, float& m, float wd
   p = p - lr * d;
 }
 
-__global__ void sgd_step_kernel(const __grid_constant__ SgdLaunchArgs args, const float* __restrict__ lr_ptr,
+__global__ void sgd_step_kernel(const __grid_constant__ SgdPack pack, const float* __restrict__ lr_ptr,
                                 const float* __restrict__ found_inf_ptr, float mu, bool nesterov) {
   if (*found_inf_ptr != 0.f) return;
-  // Find this block's tensor (lists are short: a linear scan beats the divergence of anything smarter).
-  int t = 0;
-  while (t + 1 < args.num_tensors && args.block_start[t + 1] <= static_cast<int>(blockIdx.x)) ++t;
-  const int64_t n = args.numel[t];
-  const int64_t base = (static_cast<int64_t>(blockIdx.x) - args.block_start[t]) * kChunk;
-  float* p = args.param[t];
-  const float* g = args.grad[t];
-  float* m = args.mom[t];
-  const float wd = args.weight_decay[t];
-  const float lr = *lr_ptr * args.lr_scale[t];
+  const int t = tensor_pack_find(pack.block_start[0], pack.count);
+  const SgdRecord& rec = pack.rec[t];
+  const int64_t n = rec.numel;
+  const int64_t base = (static_cast<int64_t>(blockIdx.x) - pack.block_start[0][t]) * kChunk;
+  float* p = rec.param;
+  const float* g = rec.grad;
+  float* m = rec.mom;
+  const float wd = rec.weight_decay;
+  const float lr = *lr_ptr * rec.lr_scale;
   const bool aligned = ((reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(g) |
                          reinterpret_cast<uintptr_t>(m)) & 15) == 0;
   if (aligned && base + kChunk <= n) {
@@ -78,11 +77,11 @@ __global__ void sgd_step_kernel(const __grid_constant__ SgdLaunchArgs args, cons
   }
 }
 
-void sgd_step_launch(const SgdLaunchArgs& args, const float* lr, const float* found_inf, float mu,
-                     bool nesterov, cudaStream_t stream) {
-  const int blocks = args.block_start[args.num_tensors];
+void sgd_step_launch(const SgdPack& pack, const float* lr, const float* found_inf, float mu, bool nesterov,
+                     cudaStream_t stream) {
+  const int blocks = pack.block_start[0][pack.count];
   if (blocks == 0) return;
-  sgd_step_kernel<<<blocks, kThreads, 0, stream>>>(args, lr, found_inf, mu, nesterov);
+  sgd_step_kernel<<<blocks, kThreads, 0, stream>>>(pack, lr, found_inf, mu, nesterov);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -103,33 +102,27 @@ void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
-  SgdLaunchArgs args{};
-  auto flush = [&]() {
-    sgd_step_launch(args, lr.data_ptr<float>(), found_inf.data_ptr<float>(), momentum, nesterov, stream);
-    args.num_tensors = 0;
-    args.block_start[0] = 0;
-  };
+  const float* lr_ptr = lr.data_ptr<float>();
+  const float* found_inf_ptr = found_inf.data_ptr<float>();
+  auto packer = make_tensor_packer<SgdRecord, 1>("sgd_step_cuda", kBlockLimit, [&](const SgdPack& pack) {
+    sgd_step_launch(pack, lr_ptr, found_inf_ptr, momentum, nesterov, stream);
+  });
   for (size_t i = 0; i < params.size(); ++i) {
     tensor_check_cuda("sgd_step_cuda", params[i], "param", device, at::kFloat);
     tensor_check_cuda("sgd_step_cuda", grads[i], "grad", device, at::kFloat);
     tensor_check_cuda("sgd_step_cuda", momenta[i], "momentum buffer", device, at::kFloat);
     TORCH_CHECK(same_dense_layout(params[i], grads[i]) && same_dense_layout(params[i], momenta[i]),
                 "sgd_step_cuda: param, grad and momentum buffer must share a memory layout (tensor ", i, ")");
-    const int64_t n = params[i].numel();
-    const int64_t blocks = (n + kChunk - 1) / kChunk;
-    TORCH_CHECK(blocks < (1 << 30), "sgd_step_cuda: tensor too large");
-    const int k = args.num_tensors;
-    args.param[k] = params[i].data_ptr<float>();
-    args.grad[k] = grads[i].data_ptr<float>();
-    args.mom[k] = momenta[i].data_ptr<float>();
-    args.numel[k] = n;
-    args.weight_decay[k] = weight_decays[i];
-    args.lr_scale[k] = lr_scales[i];
-    args.block_start[k + 1] = args.block_start[k] + static_cast<int>(blocks);
-    args.num_tensors = k + 1;
-    if (args.num_tensors == kMaxTensors || args.block_start[args.num_tensors] > (1 << 30)) flush();
+    SgdRecord rec;
+    rec.param = params[i].data_ptr<float>();
+    rec.grad = grads[i].data_ptr<float>();
+    rec.mom = momenta[i].data_ptr<float>();
+    rec.numel = params[i].numel();
+    rec.weight_decay = weight_decays[i];
+    rec.lr_scale = lr_scales[i];
+    packer.add(rec, {(rec.numel + kChunk - 1) / kChunk});
   }
-  if (args.num_tensors > 0) flush();
+  packer.finish();
 }
 
 }  // namespace triaccel

@@ -1,6 +1,6 @@
 // Fused multi-tensor SGD step (momentum, nesterov, per-tensor weight decay) for CUDA.
 // lr and found_inf are read on the device, so the step needs no host sync and can live inside a CUDA graph.
-// The reference for the math is sgd_step_reference (train/sgd.h).
+// The reference for the math is sgd_step_reference.
 #pragma once
 
 #include <ATen/Tensor.h>

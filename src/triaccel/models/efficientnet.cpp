@@ -219,7 +219,6 @@ class EfficientNetB0 final : public Model {
 }  // namespace
 
 std::shared_ptr<Model> efficientnet_b0_create(const ModelOptions& options) {
-  options.validate();
   return std::make_shared<EfficientNetB0>(options);
 }
 

@@ -64,7 +64,6 @@ class GptChar final : public Model {
 }  // namespace
 
 std::shared_ptr<Model> gpt_char_create(const ModelOptions& options) {
-  options.validate();
   return std::make_shared<GptChar>(options);
 }
 

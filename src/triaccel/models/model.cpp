@@ -1,5 +1,5 @@
-// The architecture-independent half of models/: units, options, the unit-by-unit forward, the builder registry
-// and the torchvision-ordered state. Invariants: units run in registration order and their composition is the
+// The architecture-independent half of models/: units, options, the unit-by-unit forward and the
+// torchvision-ordered state (the builders by name: models/registry.cpp). Invariants: units run in registration order and their composition is the
 // model's forward; model_state lists entries in the order torchvision's state_dict() would (each module in
 // pre-order, its own parameters first, then its own buffers).
 #include "triaccel/models/model.h"
@@ -11,22 +11,10 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>
 
+#include <unordered_map>
 #include <utility>
 
 namespace triaccel {
-
-namespace {
-
-std::string names_joined(const std::vector<std::string>& names) {
-  std::string joined;
-  for (const auto& name : names) {
-    if (!joined.empty()) joined += ", ";
-    joined += name;
-  }
-  return joined;
-}
-
-}  // namespace
 
 std::vector<at::Tensor> Unit::parameters() const {
   std::vector<at::Tensor> result;
@@ -42,15 +30,10 @@ int64_t Unit::parameter_count() const {
   return count;
 }
 
-void ModelOptions::validate() const {
-  const auto& names = model_names();
-  bool known = false;
-  for (const auto& known_name : names) known = known || known_name == name;
-  TRIACCEL_CHECK_INPUT(known, "unknown model '", name, "'; known models: ", names_joined(names));
+void ModelOptions::validate(bool reads_tokens) const {
   TRIACCEL_CHECK_INPUT(num_classes >= 1, "num_classes must be >= 1, got ", num_classes);
   TRIACCEL_CHECK_INPUT(in_channels >= 1, "in_channels must be >= 1, got ", in_channels);
-  TRIACCEL_CHECK_INPUT(image_size >= 1 || model_input(name) == ModelInput::kTokens, "image_size must be >= 1, got ",
-                       image_size);
+  TRIACCEL_CHECK_INPUT(image_size >= 1 || reads_tokens, "image_size must be >= 1, got ", image_size);
   TRIACCEL_CHECK_INPUT(stochastic_depth >= 0.0 && stochastic_depth < 1.0,
                        "stochastic_depth must be in [0, 1), got ", stochastic_depth);
   TRIACCEL_CHECK_INPUT(dropout >= 0.0 && dropout < 1.0, "dropout must be in [0, 1), got ", dropout);
@@ -81,23 +64,19 @@ void Model::unit_add(std::string name, std::vector<std::shared_ptr<torch::nn::Mo
   units_.push_back(Unit{std::move(name), std::move(modules), std::move(forward)});
 }
 
-std::shared_ptr<Model> model_create(const ModelOptions& options) {
-  options.validate();
-  if (options.name == "resnet18") return resnet18_create(options);
-  if (options.name == "efficientnet-b0") return efficientnet_b0_create(options);
-  if (options.name == "small-cnn") return small_cnn_create(options);
-  if (options.name == "vit-tiny") return vit_tiny_create(options);
-  if (options.name == "gpt-char") return gpt_char_create(options);
-  throw UserError(c10::str("unknown model '", options.name, "'; known models: ", names_joined(model_names())));
-}
-
-const std::vector<std::string>& model_names() {
-  static const std::vector<std::string> kNames = {"resnet18", "efficientnet-b0", "small-cnn", "vit-tiny", "gpt-char"};
-  return kNames;
-}
-
-ModelInput model_input(const std::string& name) {
-  return name == "gpt-char" ? ModelInput::kTokens : ModelInput::kImage;
+std::vector<int64_t> model_unit_of_params(const Model& model, const std::vector<at::Tensor>& params) {
+  std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+  const auto& units = model.units();
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (const auto& p : units[u].parameters()) owner[p.unsafeGetTensorImpl()] = static_cast<int64_t>(u);
+  }
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto it = owner.find(params[i].unsafeGetTensorImpl());
+    TORCH_CHECK(it != owner.end(), "tensor ", i, " of ", params.size(), " belongs to no unit of the model");
+    out.push_back(it->second);
+  }
+  return out;
 }
 
 std::vector<std::pair<std::string, at::Tensor>> model_state(const Model& model) {

@@ -1,4 +1,4 @@
-// Models as ordered, named units (DESIGN.md "The grain: units").
+// Models as ordered, named units (docs/architecture.md, "Units").
 // A Model is a torch::nn::Module whose parameter and buffer names equal torchvision's for the same
 // architecture (so model.pt loads into torchvision), and whose forward is the composition of its units in order:
 // forward(x) = units[n-1](... units[0](x)). Every parameter belongs to exactly one unit.
@@ -37,7 +37,8 @@ struct ModelOptions {
   int64_t gpt_heads = 6;
   int64_t gpt_embed = 384;
 
-  void validate() const;
+  // reads_tokens: the model reads token ids (no image size).
+  void validate(bool reads_tokens) const;
 };
 
 class Model : public torch::nn::Module {
@@ -62,22 +63,9 @@ class Model : public torch::nn::Module {
   std::vector<Unit> units_;
 };
 
-// Builds the named model with fresh initialization (uses the global torch RNG; seed it first).
-// Throws UserError for unknown names, listing the known ones.
-std::shared_ptr<Model> model_create(const ModelOptions& options);
-
-const std::vector<std::string>& model_names();
-
-// What a model reads: images (N, C, H, W) float, or tokens (B, T) int64 (gpt-char).
-enum class ModelInput { kImage, kTokens };
-ModelInput model_input(const std::string& name);
-
-// Each architecture's builder (models/<arch>.cpp).
-std::shared_ptr<Model> resnet18_create(const ModelOptions& options);
-std::shared_ptr<Model> efficientnet_b0_create(const ModelOptions& options);
-std::shared_ptr<Model> small_cnn_create(const ModelOptions& options);
-std::shared_ptr<Model> vit_tiny_create(const ModelOptions& options);
-std::shared_ptr<Model> gpt_char_create(const ModelOptions& options);
+// The unit of each tensor of `params` (matched to the model's units by identity); an internal error for a tensor
+// that belongs to no unit.
+std::vector<int64_t> model_unit_of_params(const Model& model, const std::vector<at::Tensor>& params);
 
 // torchvision's ResNet initialization: kaiming-normal (fan-out, relu) for every Conv2d, BatchNorm weight 1 and
 // bias 0; other modules keep their defaults. Uses the global torch RNG.

@@ -115,7 +115,6 @@ class ResNet18 final : public Model {
 }  // namespace
 
 std::shared_ptr<Model> resnet18_create(const ModelOptions& options) {
-  options.validate();
   return std::make_shared<ResNet18>(options);
 }
 

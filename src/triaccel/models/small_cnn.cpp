@@ -61,7 +61,6 @@ class SmallCnn final : public Model {
 }  // namespace
 
 std::shared_ptr<Model> small_cnn_create(const ModelOptions& options) {
-  options.validate();
   return std::make_shared<SmallCnn>(options);
 }
 

@@ -43,7 +43,7 @@ class VitTiny final : public Model {
     const int64_t in_channels = options.in_channels;
     const int64_t size = options.image_size;
     TRIACCEL_CHECK_INPUT(size % kPatch == 0, "vit-tiny needs an image size divisible by the patch size ", kPatch,
-                         ", got ", size, "; pass --image-size with a multiple of ", kPatch);
+                         ", got ", size, "; pass " + option_ref("image_size") + " with a multiple of ", kPatch);
     const int64_t patches = (size / kPatch) * (size / kPatch);
 
     auto cls_token = register_parameter("cls_token", at::zeros({1, 1, kDim}));
@@ -85,7 +85,6 @@ class VitTiny final : public Model {
 }  // namespace
 
 std::shared_ptr<Model> vit_tiny_create(const ModelOptions& options) {
-  options.validate();
   return std::make_shared<VitTiny>(options);
 }
 

@@ -2,7 +2,7 @@
 
 #include "triaccel/core/errors.h"
 #include "triaccel/optim/quant8.h"
-#include "triaccel/train/checkpoint.h"
+#include "triaccel/core/named_tensors.h"
 #ifdef TRIACCEL_WITH_CUDA
 #include "triaccel/kernels/adam8_step.h"
 #include "triaccel/kernels/adam_step.h"
@@ -64,6 +64,21 @@ at::Tensor factored_expand(const at::Tensor& r, const at::Tensor& c, const at::T
 
 double bias_correction(double beta, double count) { return 1.0 - std::pow(beta, count); }
 
+#ifdef TRIACCEL_WITH_CUDA
+// The element-wise kernel's rule for a format it serves (kernels/update_rule.h).
+UpdateRule update_rule_of(StateFormat f) {
+  switch (f) {
+    case StateFormat::kAdamW32: return UpdateRule::kAdamW;
+    case StateFormat::kAdamW16: return UpdateRule::kAdamWBf16;
+    case StateFormat::kNoMomentum: return UpdateRule::kNoMomentum;
+    case StateFormat::kSgdMomentum: return UpdateRule::kSgdMomentum;
+    case StateFormat::kSgd: return UpdateRule::kSgd;
+    default: TORCH_CHECK(false, "BaocOptimizer: format ", state_format_name(f), " has no element-wise rule");
+  }
+  return UpdateRule::kAdamW;
+}
+#endif
+
 // The factored / no-momentum update (CPU reference) with every scalar as a tensor, masked by ok.
 // lr_eff, bc2: float32 scalars; ok: bool scalar.
 void second_moment_only_step(BaocTensorState& s, const at::Tensor& p, const at::Tensor& g, const at::Tensor& lr_eff,
@@ -92,37 +107,24 @@ void second_moment_only_step(BaocTensorState& s, const at::Tensor& p, const at::
 }  // namespace
 
 void BaocOptions::validate() const {
-  TRIACCEL_CHECK_INPUT(beta1 >= 0 && beta1 < 1, "--adam-beta1 must be in [0, 1), got ", beta1);
-  TRIACCEL_CHECK_INPUT(beta2 > 0 && beta2 < 1, "--adam-beta2 must be in (0, 1), got ", beta2);
-  TRIACCEL_CHECK_INPUT(eps > 0, "--adam-eps must be > 0, got ", eps);
-  TRIACCEL_CHECK_INPUT(weight_decay >= 0, "--weight-decay must be >= 0, got ", weight_decay);
+  TRIACCEL_CHECK_INPUT(beta1 >= 0 && beta1 < 1, option_ref("adam_beta1"), " must be in [0, 1), got ", beta1);
+  TRIACCEL_CHECK_INPUT(beta2 > 0 && beta2 < 1, option_ref("adam_beta2"), " must be in (0, 1), got ", beta2);
+  TRIACCEL_CHECK_INPUT(eps > 0, option_ref("adam_eps"), " must be > 0, got ", eps);
+  TRIACCEL_CHECK_INPUT(weight_decay >= 0, option_ref("weight_decay"), " must be >= 0, got ", weight_decay);
 }
 
 BaocOptimizer::BaocOptimizer(const std::vector<std::pair<std::string, at::Tensor>>& named_params,
                              BaocOptions options, StateFormat initial)
-    : options_(options) {
+    : Optimizer(named_params, options.weight_decay, "BaocOptimizer"), options_(options) {
   options_.validate();
-  for (const auto& [name, p] : named_params) {
-    TORCH_CHECK(p.scalar_type() == at::kFloat, "BaocOptimizer: parameter ", name, " must be float32");
-    names_.push_back(name);
-    params_.push_back(p);
-    weight_decays_.push_back(p.dim() <= 1 ? 0.f : static_cast<float>(options_.weight_decay));
-    lr_scales_.push_back(1.f);
-    pending_formats_.push_back(initial);
-  }
-  const at::Device device = params_.empty() ? at::Device(at::kCPU) : params_[0].device();
+  pending_formats_.assign(params().size(), initial);
+  const at::Device device = params().empty() ? at::Device(at::kCPU) : params()[0].device();
   map_signed_ = quant8_map(true).to(device);
   map_unsigned_ = quant8_map(false).to(device);
   mids_signed_ = quant8_midpoints(map_signed_);
   mids_unsigned_ = quant8_midpoints(map_unsigned_);
-  counts_ = at::zeros({static_cast<int64_t>(params_.size()), 2}, at::TensorOptions().dtype(at::kDouble).device(device));
+  counts_ = at::zeros({static_cast<int64_t>(params().size()), 2}, at::TensorOptions().dtype(at::kDouble).device(device));
   stats_have_prev_ = at::zeros({1}, counts_.options());
-}
-
-void BaocOptimizer::set_lr_scales(std::vector<float> scales) {
-  TORCH_CHECK(scales.size() == params_.size(), "BaocOptimizer::set_lr_scales: ", scales.size(), " scales for ",
-              params_.size(), " parameters");
-  lr_scales_ = std::move(scales);
 }
 
 std::vector<StateFormat> BaocOptimizer::formats() const {
@@ -135,12 +137,12 @@ std::vector<StateFormat> BaocOptimizer::formats() const {
 int64_t BaocOptimizer::state_bytes() const {
   const auto f = formats();
   int64_t total = 0;
-  for (size_t i = 0; i < params_.size(); ++i) total += state_format_bytes(f[i], params_[i].sizes().vec());
+  for (size_t i = 0; i < params().size(); ++i) total += state_format_bytes(f[i], params()[i].sizes().vec());
   return total;
 }
 
 BaocTensorState BaocOptimizer::state_make(size_t i, StateFormat f, const at::Tensor& m32, const at::Tensor& v32) const {
-  const at::Tensor& p = params_[i];
+  const at::Tensor& p = params()[i];
   const auto f32 = p.options().dtype(at::kFloat);
   BaocTensorState s;
   s.format = f;
@@ -191,7 +193,7 @@ void BaocOptimizer::state_init() {
   if (initialized_) return;
   const torch::NoGradGuard no_grad;
   states_.clear();
-  for (size_t i = 0; i < params_.size(); ++i) states_.push_back(state_make(i, pending_formats_[i], {}, {}));
+  for (size_t i = 0; i < params().size(); ++i) states_.push_back(state_make(i, pending_formats_[i], {}, {}));
   initialized_ = true;
 }
 
@@ -202,7 +204,7 @@ at::Tensor BaocOptimizer::m_float(size_t i) const {
     case StateFormat::kAdamW32:
     case StateFormat::kSgdMomentum: return s.m;
     case StateFormat::kAdamW16: return s.m.to(at::kFloat);
-    case StateFormat::kAdamW8: return decode_like(s.m, s.m_absmax, params_[i], map_signed_);
+    case StateFormat::kAdamW8: return decode_like(s.m, s.m_absmax, params()[i], map_signed_);
     default: return {};
   }
 }
@@ -214,16 +216,16 @@ at::Tensor BaocOptimizer::v_float(size_t i) const {
     case StateFormat::kAdamW32:
     case StateFormat::kNoMomentum: return s.v;
     case StateFormat::kAdamW16: return s.v.to(at::kFloat);
-    case StateFormat::kAdamW8: return decode_like(s.v, s.v_absmax, params_[i], map_unsigned_);
+    case StateFormat::kAdamW8: return decode_like(s.v, s.v_absmax, params()[i], map_unsigned_);
     case StateFormat::kFactored:
-      if (s.v_row.defined()) return factored_expand(s.v_row, s.v_col, params_[i]);
+      if (s.v_row.defined()) return factored_expand(s.v_row, s.v_col, params()[i]);
       return s.v;
     default: return {};
   }
 }
 
 void BaocOptimizer::formats_set(const std::vector<StateFormat>& formats) {
-  TORCH_CHECK(formats.size() == params_.size(), "formats_set: ", formats.size(), " formats for ", params_.size(),
+  TORCH_CHECK(formats.size() == params().size(), "formats_set: ", formats.size(), " formats for ", params().size(),
               " tensors");
   if (!initialized_) {
     pending_formats_ = formats;
@@ -231,7 +233,7 @@ void BaocOptimizer::formats_set(const std::vector<StateFormat>& formats) {
   }
   const torch::NoGradGuard no_grad;
   const at::Tensor counts_cpu = counts_.cpu();
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i = 0; i < params().size(); ++i) {
     const StateFormat from = states_[i].format, to = formats[i];
     if (from == to) continue;
     const at::Tensor m32 = state_format_has_m(to) ? m_float(i) : at::Tensor();
@@ -252,35 +254,32 @@ void BaocOptimizer::formats_set(const std::vector<StateFormat>& formats) {
 }
 
 void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
-  const std::vector<at::Tensor> g = grads();
-  for (size_t i = 0; i < g.size(); ++i) {
-    TORCH_CHECK(g[i].defined(), "BaocOptimizer::step: parameter ", names_[i], " has no gradient");
-  }
+  const std::vector<at::Tensor> g = grads_required();
   state_init();
   const torch::NoGradGuard no_grad;
   if (stats_on_) stream_stats_add(g, found_inf);
 #ifdef TRIACCEL_WITH_CUDA
-  if (!params_.empty() && params_[0].is_cuda()) {
+  if (!params().empty() && params()[0].is_cuda()) {
     const at::Tensor ok = found_inf.reshape({}).eq(0);
     counts_.add_(ok.to(at::kDouble));
     const AdamStepHyper hyper{static_cast<float>(options_.beta1), static_cast<float>(options_.beta2),
                               static_cast<float>(options_.eps)};
     std::map<StateFormat, std::vector<size_t>> groups;
-    for (size_t i = 0; i < params_.size(); ++i) groups[states_[i].format].push_back(i);
+    for (size_t i = 0; i < params().size(); ++i) groups[states_[i].format].push_back(i);
     for (const auto& [format, idx] : groups) {
       std::vector<at::Tensor> ps, gs, ms, vs, mas, vas;
       std::vector<float> wds, scales, ks;
       std::vector<int64_t> rows;
       for (size_t i : idx) {
         const BaocTensorState& s = states_[i];
-        ps.push_back(params_[i]);
+        ps.push_back(params()[i]);
         gs.push_back(g[i]);
         ms.push_back(s.m);
         vs.push_back(s.v);
         mas.push_back(s.m_absmax);
         vas.push_back(s.v_absmax);
-        wds.push_back(weight_decays_[i]);
-        scales.push_back(lr_scales_[i]);
+        wds.push_back(weight_decays()[i]);
+        scales.push_back(lr_scales()[i]);
         ks.push_back(s.sgd_scale);
         rows.push_back(static_cast<int64_t>(i));
       }
@@ -303,9 +302,9 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
           }
         }
         factored_step_cuda(fp, fg, fr, fc, fwd, fsc, counts_, frow, lr, found_inf, hyper);
-        adam_step_cuda(StateFormat::kNoMomentum, np, ng, nm, nv, nwd, nsc, nk, counts_, nrow, lr, found_inf, hyper);
+        adam_step_cuda(UpdateRule::kNoMomentum, np, ng, nm, nv, nwd, nsc, nk, counts_, nrow, lr, found_inf, hyper);
       } else {
-        adam_step_cuda(format, ps, gs, ms, vs, wds, scales, ks, counts_, rows, lr, found_inf, hyper);
+        adam_step_cuda(update_rule_of(format), ps, gs, ms, vs, wds, scales, ks, counts_, rows, lr, found_inf, hyper);
       }
     }
     return;
@@ -316,9 +315,9 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
   counts_.add_(1.0);
   const at::Tensor counts_cpu = counts_.cpu();
   const double lr_value = lr.item<double>();
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i = 0; i < params().size(); ++i) {
     const auto row = static_cast<int64_t>(i);
-    baoc_tensor_step_reference(states_[i], params_[i], g[i], lr_value * lr_scales_[i], weight_decays_[i],
+    baoc_tensor_step_reference(states_[i], params()[i], g[i], lr_value * lr_scales()[i], weight_decays()[i],
                                counts_cpu[row][0].item<double>(), counts_cpu[row][1].item<double>(), options_,
                                map_signed_, map_unsigned_);
   }
@@ -392,8 +391,8 @@ void BaocOptimizer::stream_stats_enable(bool on) {
   stats_have_prev_.zero_();
   if (on) {
     const auto f64 = counts_.options();
-    if (!stats_sum_.defined()) stats_sum_ = at::zeros({static_cast<int64_t>(params_.size()), kStreamColumns}, f64);
-    for (const auto& p : params_) stats_prev_.push_back(at::zeros_like(p, p.options().dtype(at::kFloat)));
+    if (!stats_sum_.defined()) stats_sum_ = at::zeros({static_cast<int64_t>(params().size()), kStreamColumns}, f64);
+    for (const auto& p : params()) stats_prev_.push_back(at::zeros_like(p, p.options().dtype(at::kFloat)));
   }
 }
 
@@ -404,8 +403,8 @@ void BaocOptimizer::stream_stats_add(const std::vector<at::Tensor>& grads, const
   std::vector<at::Tensor> rows;
   // No host branches on the window's progress: the previous gradient starts at zero (its terms add nothing) and
   // have_prev, a device flag, masks |g_t|² of the window's first step, so a captured graph replays correctly.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor g = like_param(grads[i], params_[i]);
+  for (size_t i = 0; i < params().size(); ++i) {
+    const at::Tensor g = like_param(grads[i], params()[i]);
     const at::Tensor gg = (g * g).sum().to(at::kDouble);
     const at::Tensor pair_dot = (g * stats_prev_[i]).sum().to(at::kDouble);
     const at::Tensor pair_prev = (stats_prev_[i] * stats_prev_[i]).sum().to(at::kDouble);
@@ -423,7 +422,7 @@ void BaocOptimizer::stream_stats_add(const std::vector<at::Tensor>& grads, const
 }
 
 at::Tensor BaocOptimizer::stream_stats_take() {
-  if (!stats_sum_.defined()) return at::zeros({static_cast<int64_t>(params_.size()), kStreamColumns}, at::kDouble);
+  if (!stats_sum_.defined()) return at::zeros({static_cast<int64_t>(params().size()), kStreamColumns}, at::kDouble);
   const at::Tensor out = stats_sum_.cpu().clone();
   stats_sum_.zero_();
   return out;
@@ -442,12 +441,12 @@ Optimizer::NamedTensors BaocOptimizer::state_tensors() {
   out.emplace_back("baoc.sgd_scales", at::tensor(scales, at::kFloat));
   out.emplace_back("baoc.counts", counts_);
   // The statistics window in progress (so a resume inside it stays exact).
-  if (!stats_sum_.defined()) stats_sum_ = at::zeros({static_cast<int64_t>(params_.size()), kStreamColumns}, counts_.options());
+  if (!stats_sum_.defined()) stats_sum_ = at::zeros({static_cast<int64_t>(params().size()), kStreamColumns}, counts_.options());
   out.emplace_back("baoc.stream_sums", stats_sum_);
   if (!stats_have_prev_.defined()) stats_have_prev_ = at::zeros({1}, counts_.options());
   out.emplace_back("baoc.stream_have_prev", stats_have_prev_);
   if (stats_on_) {
-    for (size_t i = 0; i < params_.size(); ++i) out.emplace_back(names_[i] + ".g_prev", stats_prev_[i]);
+    for (size_t i = 0; i < params().size(); ++i) out.emplace_back(names()[i] + ".g_prev", stats_prev_[i]);
   }
   for (size_t i = 0; i < states_.size(); ++i) {
     const BaocTensorState& s = states_[i];
@@ -455,7 +454,7 @@ Optimizer::NamedTensors BaocOptimizer::state_tensors() {
                                                                 {".m_absmax", &s.m_absmax}, {".v_absmax", &s.v_absmax},
                                                                 {".v_row", &s.v_row},   {".v_col", &s.v_col}};
     for (const auto& [suffix, t] : fields) {
-      if (t->defined()) out.emplace_back(names_[i] + suffix, *t);
+      if (t->defined()) out.emplace_back(names()[i] + suffix, *t);
     }
   }
   return out;
@@ -467,12 +466,12 @@ void BaocOptimizer::state_load(const NamedTensors& stored, const std::string& pa
       if (n == name) return t;
     }
     throw UserError("checkpoint " + path + " lacks optimizer tensor '" + name +
-                    "' (written by another --optimizer? resume with the one it was trained with)");
+                    "' (written by another " + option_ref("optimizer") + "? resume with the one it was trained with)");
   };
   const at::Tensor codes = find("baoc.formats").to(at::kLong).contiguous();
   const at::Tensor scales = find("baoc.sgd_scales").to(at::kFloat).contiguous();
-  TRIACCEL_CHECK_INPUT(codes.numel() == static_cast<int64_t>(params_.size()), "checkpoint ", path, " holds ",
-                       codes.numel(), " optimizer formats, this run has ", params_.size(), " parameters");
+  TRIACCEL_CHECK_INPUT(codes.numel() == static_cast<int64_t>(params().size()), "checkpoint ", path, " holds ",
+                       codes.numel(), " optimizer formats, this run has ", params().size(), " parameters");
   std::vector<StateFormat> formats;
   for (int64_t i = 0; i < codes.numel(); ++i) {
     const int64_t c = codes[i].item<int64_t>();
@@ -485,7 +484,7 @@ void BaocOptimizer::state_load(const NamedTensors& stored, const std::string& pa
   state_init();
   for (size_t i = 0; i < states_.size(); ++i) states_[i].sgd_scale = scales[static_cast<int64_t>(i)].item<float>();
   bool window_open = false;
-  for (const auto& [n, t] : stored) window_open = window_open || (!names_.empty() && n == names_[0] + ".g_prev");
+  for (const auto& [n, t] : stored) window_open = window_open || (!names().empty() && n == names()[0] + ".g_prev");
   stream_stats_enable(window_open);
   named_tensors_load(state_tensors(), stored, "optimizer", path);
 }

@@ -14,7 +14,7 @@
 #pragma once
 
 #include "triaccel/optim/state_format.h"
-#include "triaccel/train/optimizer.h"
+#include "triaccel/optim/optimizer.h"
 
 #include <ATen/Tensor.h>
 
@@ -55,21 +55,16 @@ constexpr int64_t kStreamSqMom = 4;    // Σ |m_t-1|²           same steps
 constexpr int64_t kStreamSqGradM = 5;  // Σ |g_t|²             same steps
 constexpr int64_t kStreamColumns = 6;
 
-class BaocOptimizer : public Optimizer {
+class BaocOptimizer final : public Optimizer {
  public:
   BaocOptimizer(const std::vector<std::pair<std::string, at::Tensor>>& named_params, BaocOptions options,
                 StateFormat initial = StateFormat::kAdamW32);
 
   void step(const at::Tensor& lr, const at::Tensor& found_inf) override;
-  const std::vector<std::string>& names() const override { return names_; }
-  const std::vector<at::Tensor>& params() const override { return params_; }
-  void set_lr_scales(std::vector<float> scales) override;
-  const std::vector<float>& lr_scales() const override { return lr_scales_; }
   NamedTensors state_tensors() override;
   void state_load(const NamedTensors& stored, const std::string& path) override;
 
   const BaocOptions& options() const { return options_; }
-  const std::vector<float>& weight_decays() const { return weight_decays_; }
   std::vector<StateFormat> formats() const;
   const BaocTensorState& state(size_t i) const { return states_[i]; }
   // (T, 2) float64 on the device: per tensor, steps taken by its first and its second moment.
@@ -80,7 +75,7 @@ class BaocOptimizer : public Optimizer {
   // Converts every tensor whose format changes, keeping its moments (see the invariants above).
   void formats_set(const std::vector<StateFormat>& formats);
   // Exact bytes of the current formats' state (state_format_bytes summed).
-  int64_t state_bytes() const;
+  int64_t state_bytes() const override;
 
   // A tensor's moments as float32 in the parameter's shape, decoded from its format (a factored v is
   // reconstructed as r cᵀ / mean(r)); undefined if the format has none or the state is not initialized.
@@ -104,10 +99,6 @@ class BaocOptimizer : public Optimizer {
   void stream_stats_add(const std::vector<at::Tensor>& grads, const at::Tensor& found_inf);
 
   BaocOptions options_;
-  std::vector<std::string> names_;
-  std::vector<at::Tensor> params_;
-  std::vector<float> weight_decays_;
-  std::vector<float> lr_scales_;
   std::vector<StateFormat> pending_formats_;  // formats before the state exists
   std::vector<BaocTensorState> states_;
   bool initialized_ = false;

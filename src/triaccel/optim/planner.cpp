@@ -54,17 +54,17 @@ double StepTimeModel::seconds(StateFormat f, int64_t elements) const {
 }
 
 StepTimeModel step_time_model_from_bench(const std::string& path) {
-  TRIACCEL_CHECK_INPUT(file_exists(path), "--optim-time-table ", path, ": no such file (write it with bench_optim_step --out)");
+  TRIACCEL_CHECK_INPUT(file_exists(path), option_ref("optim_time_table") + " ", path, ": no such file (write it with bench_optim_step --out)");
   Json j;
   try {
     j = Json::parse(file_read_all(path));
   } catch (const Json::exception&) {
-    throw UserError("--optim-time-table " + path + " is not JSON (a bench_optim_step result)");
+    throw UserError(option_ref("optim_time_table") + " " + path + " is not JSON (a bench_optim_step result)");
   }
   TRIACCEL_CHECK_INPUT(j.value("bench", "") == "optim_step" && j.contains("params") && j.contains("rows"),
-                       "--optim-time-table ", path, " is not a bench_optim_step result");
+                       option_ref("optim_time_table") + " ", path, " is not a bench_optim_step result");
   const double params = j["params"].get<double>();
-  TRIACCEL_CHECK_INPUT(params > 0, "--optim-time-table ", path, " has no parameter count");
+  TRIACCEL_CHECK_INPUT(params > 0, option_ref("optim_time_table") + " ", path, " has no parameter count");
   StepTimeModel model;
   model.source = path;
   for (StateFormat f : state_formats_all()) {
@@ -75,23 +75,23 @@ StepTimeModel step_time_model_from_bench(const std::string& path) {
         found = true;
       }
     }
-    TRIACCEL_CHECK_INPUT(found, "--optim-time-table ", path, " has no time for format ", state_format_name(f));
+    TRIACCEL_CHECK_INPUT(found, option_ref("optim_time_table") + " ", path, " has no time for format ", state_format_name(f));
   }
   return model;
 }
 
 int64_t optim_memory_budget_parse(const std::string& text, int64_t adamw_fp32_bytes) {
-  TRIACCEL_CHECK_INPUT(!text.empty(), "--optim-memory-budget needs a value like 15% or 200MB");
+  TRIACCEL_CHECK_INPUT(!text.empty(), option_ref("optim_memory_budget") + " needs a value like 15% or 200MB");
   if (text.back() == '%') {
     char* end = nullptr;
     const std::string number = text.substr(0, text.size() - 1);
     const double pct = std::strtod(number.c_str(), &end);
     TRIACCEL_CHECK_INPUT(!number.empty() && end == number.c_str() + number.size() && pct >= 0 && pct <= 100,
-                         "--optim-memory-budget must be a percentage in [0, 100] like 15% or a size like 200MB, got '",
+                         option_ref("optim_memory_budget") + " must be a percentage in [0, 100] like 15% or a size like 200MB, got '",
                          text, "'");
     return static_cast<int64_t>(std::floor(pct / 100.0 * static_cast<double>(adamw_fp32_bytes)));
   }
-  return bytes_parse(text, "--optim-memory-budget");
+  return bytes_parse(text, "optim_memory_budget");
 }
 
 double optim_time_budget_parse(const std::string& text, double adamw_fp32_seconds) {
@@ -100,7 +100,7 @@ double optim_time_budget_parse(const std::string& text, double adamw_fp32_second
   const std::string number = text.back() == 'x' ? text.substr(0, text.size() - 1) : std::string();
   const double factor = std::strtod(number.c_str(), &end);
   TRIACCEL_CHECK_INPUT(!number.empty() && end == number.c_str() + number.size() && factor > 0 && std::isfinite(factor),
-                       "--optim-time-budget must be none or a multiple of fp32 AdamW's step time like 1.1x, got '",
+                       option_ref("optim_time_budget") + " must be none or a multiple of fp32 AdamW's step time like 1.1x, got '",
                        text, "'");
   return factor * adamw_fp32_seconds;
 }
@@ -117,7 +117,7 @@ std::vector<StateFormat> plan_unit_menu(const PlanUnitInput& unit, const std::ve
 Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitSignals>& signals,
                 const PlannerOptions& o) {
   TORCH_CHECK(signals.size() == units.size(), "plan_solve: ", signals.size(), " signals for ", units.size(), " units");
-  TRIACCEL_CHECK_INPUT(!o.formats.empty(), "--optim-formats must name at least one format");
+  TRIACCEL_CHECK_INPUT(!o.formats.empty(), option_ref("optim_formats") + " must name at least one format");
   Plan plan;
   int64_t total_params = 0;
   for (const auto& u : units) {
@@ -145,14 +145,14 @@ Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitS
   }
   const AllocationResult r = allocation_solve(problem);
   const double pct = 100.0 / static_cast<double>(std::max<int64_t>(plan.adamw_fp32_bytes, 1));
-  TRIACCEL_CHECK_INPUT(r.min_bytes <= plan.budget_bytes, "--optim-memory-budget ", o.memory_budget, " (",
+  TRIACCEL_CHECK_INPUT(r.min_bytes <= plan.budget_bytes, option_ref("optim_memory_budget") + " ", o.memory_budget, " (",
                        plan.budget_bytes, " bytes) is below the cheapest plan with these formats: raise it to at least ",
                        r.min_bytes, " bytes (", r.min_bytes * pct, "% of fp32 AdamW's ", plan.adamw_fp32_bytes,
-                       " bytes) or allow cheaper --optim-formats");
-  TRIACCEL_CHECK_INPUT(plan.budget_time_s < 0 || r.min_time <= plan.budget_time_s, "--optim-time-budget ",
+                       " bytes) or allow cheaper " + option_ref("optim_formats"));
+  TRIACCEL_CHECK_INPUT(plan.budget_time_s < 0 || r.min_time <= plan.budget_time_s, option_ref("optim_time_budget") + " ",
                        o.time_budget, " is below the fastest plan (", r.min_time / plan.adamw_fp32_time_s,
                        "x of fp32 AdamW's step time): raise it or use none");
-  TRIACCEL_CHECK_INPUT(r.feasible, "no plan fits --optim-memory-budget ", o.memory_budget, " and --optim-time-budget ",
+  TRIACCEL_CHECK_INPUT(r.feasible, "no plan fits " + option_ref("optim_memory_budget") + " ", o.memory_budget, " and " + option_ref("optim_time_budget") + " ",
                        o.time_budget, " together: raise one of them");
   for (size_t u = 0; u < units.size(); ++u) {
     const StateFormat f = menus[u][static_cast<size_t>(r.choice[u])];

@@ -15,6 +15,8 @@
 // the AdamW learning-rate scale, with one scalar preconditioner per tensor instead of one per element.
 #pragma once
 
+#include "triaccel/kernels/adam8_step.h"  // kQuantBlock: elements per absmax block of kAdamW8
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -24,7 +26,6 @@ namespace triaccel {
 enum class StateFormat : int { kAdamW32 = 0, kAdamW16, kAdamW8, kFactored, kNoMomentum, kSgdMomentum, kSgd };
 
 constexpr int kStateFormatCount = 7;
-constexpr int64_t kQuantBlock = 256;  // elements per absmax block of kAdamW8
 
 const std::vector<StateFormat>& state_formats_all();
 std::string state_format_name(StateFormat f);  // "adamw-fp32", "adamw-bf16", "adamw-8bit", "factored", ...

@@ -1,12 +1,14 @@
 #include "triaccel/report/run_model.h"
 
+#include "triaccel/core/events.h"
+
 #include <algorithm>
 #include <map>
 
 namespace triaccel {
 namespace {
 
-constexpr size_t kEpochsInMean = 5;  // DESIGN.md: epoch_s is the mean of the last 5 epochs (or of all if fewer)
+constexpr size_t kEpochsInMean = 5;  // docs/measuring.md: epoch_s is the mean of the last 5 epochs (or of all if fewer)
 
 std::optional<double> number(const Json& j, const char* key) {
   if (!j.is_object() || !j.contains(key) || !j[key].is_number()) return std::nullopt;
@@ -25,10 +27,11 @@ Json value_or_null(const Json& j, const char* key) {
 
 Json optional_json(const std::optional<double>& v) { return v ? Json(*v) : Json(nullptr); }
 
-std::vector<const Json*> of_kind(const std::vector<Json>& events, const char* kind) {
+std::vector<const Json*> of_kind(const std::vector<Json>& events, const char* kind,
+                                 const char* legacy_kind = nullptr) {
   std::vector<const Json*> out;
   for (const auto& e : events) {
-    if (e["event"] == kind) out.push_back(&e);
+    if (e["event"] == kind || (legacy_kind != nullptr && e["event"] == legacy_kind)) out.push_back(&e);
   }
   return out;
 }
@@ -43,17 +46,17 @@ std::vector<std::string> strings(const Json& j) {
 void table_row_fill(const RunModel& model, const std::vector<Json>& events, TableRow& row,
                     std::vector<std::string>& problems) {
   row.run = model.name;
-  for (const auto* c : of_kind(events, "config")) {
+  for (const auto* c : of_kind(events, event::kConfig)) {
     const Json& o = c->contains("options") ? (*c)["options"] : *c;
     row.method = text(o, "method");
     row.model = text(o, "model");
     row.dataset = text(o, "dataset");
     row.precision = text(o, "precision");
-    if (row.method == "tri-accel") row.precision = "adaptive";  // as its summary says (trainer.cpp)
+    if (row.method == "tri-accel") row.precision = "adaptive";  // as its summary says (methods/backprop.cpp)
     if (auto e = number(o, "epochs")) row.epochs = static_cast<int64_t>(*e);
   }
-  const auto summaries = of_kind(events, "summary");
-  const auto epochs = of_kind(events, "epoch");
+  const auto summaries = of_kind(events, event::kSummary);
+  const auto epochs = of_kind(events, event::kEpoch);
   if (!summaries.empty()) {
     const Json& s = *summaries.back();
     row.source = TableSource::kSummary;
@@ -85,7 +88,7 @@ void table_row_fill(const RunModel& model, const std::vector<Json>& events, Tabl
     row.eff_score = *row.test_acc / (*row.epoch_s * *row.peak_gb);
   }
   if (events.empty()) return;  // the reader already said why
-  const auto stops = of_kind(events, "stop");
+  const auto stops = of_kind(events, event::kStop);
   const std::string why = !stops.empty()
                               ? "the run stopped at step " + (*stops.back())["step"].dump() + " (" +
                                     text(*stops.back(), "reason") + "); continue it with `triaccel train --resume RUN_DIR`"
@@ -99,7 +102,7 @@ void table_row_fill(const RunModel& model, const std::vector<Json>& events, Tabl
 }
 
 void epochs_fill(const std::vector<Json>& events, Json& charts) {
-  const auto epochs = of_kind(events, "epoch");
+  const auto epochs = of_kind(events, event::kEpoch);
   if (epochs.empty()) return;
   Json c = Json::object();
   for (const char* key : {"epoch", "time_s", "train_loss", "test_loss", "train_acc", "test_acc"}) {
@@ -117,11 +120,11 @@ void memory_fill(const std::vector<Json>& events, Json& charts) {
     const char* batch_key;
     const char* current_key;
   };
-  const Source sources[] = {{"batch", "batch events", "batch", "peak_gb"},
-                            {"epoch", "epoch events", "batch", "peak_vram_gb"},
-                            {"block", "NeuroFlux block events", "final_batch", "peak_vram_gb"}};
+  const Source sources[] = {{event::kBatch, "batch events", "batch", "peak_gb"},
+                            {event::kEpoch, "epoch events", "batch", "peak_vram_gb"},
+                            {event::kBlock, "NeuroFlux block events", "final_batch", "peak_vram_gb"}};
   std::optional<double> plan_budget;
-  for (const auto* p : of_kind(events, "plan")) {
+  for (const auto* p : of_kind(events, event::kBlockPlan, event::kLegacyPlan)) {
     if (auto b = number(*p, "budget_gb")) plan_budget = b;
   }
   for (const auto& src : sources) {
@@ -162,7 +165,7 @@ size_t index_of(const std::vector<std::string>& v, const std::string& s) {
 }
 
 void precision_fill(const std::vector<Json>& events, Json& charts) {
-  const auto list = of_kind(events, "precision");
+  const auto list = of_kind(events, event::kPrecision);
   const auto units = units_union(list);
   if (list.empty() || units.empty()) return;
   Json time_s = Json::array(), step = Json::array();
@@ -183,7 +186,7 @@ void precision_fill(const std::vector<Json>& events, Json& charts) {
 }
 
 void curvature_fill(const std::vector<Json>& events, Json& charts) {
-  const auto list = of_kind(events, "curvature");
+  const auto list = of_kind(events, event::kCurvature);
   const auto units = units_union(list);
   if (list.empty() || units.empty()) return;
   std::vector<std::optional<double>> last(units.size());
@@ -208,7 +211,7 @@ void curvature_fill(const std::vector<Json>& events, Json& charts) {
 void plan_fill(const std::vector<Json>& events, Json& charts) {
   const Json* last = nullptr;
   int64_t plans = 0;
-  for (const auto* p : of_kind(events, "plan")) {
+  for (const auto* p : of_kind(events, event::kOptimPlan, event::kLegacyPlan)) {
     const Json& u = (*p)["units"];
     if (!u.is_array() || u.empty() || !u[0].is_object() || !u[0].contains("format")) continue;  // not a BAOC plan
     last = p;
@@ -230,7 +233,7 @@ void plan_fill(const std::vector<Json>& events, Json& charts) {
 
 void neuroflux_fill(const std::vector<Json>& events, Json& charts) {
   Json unit = Json::array(), block = Json::array(), train = Json::array(), hold = Json::array(), test = Json::array();
-  for (const auto* b : of_kind(events, "block")) {
+  for (const auto* b : of_kind(events, event::kBlock)) {
     if (!(*b)["local"].is_array()) continue;
     for (const auto& u : (*b)["local"]) {
       unit.push_back(value_or_null(u, "unit"));
@@ -244,7 +247,7 @@ void neuroflux_fill(const std::vector<Json>& events, Json& charts) {
     charts["blocks"] = Json{{"unit", unit}, {"block", block}, {"train_acc", train}, {"holdout_acc", hold},
                             {"test_acc", test}};
   }
-  const auto exits = of_kind(events, "exit");
+  const auto exits = of_kind(events, event::kExit);
   if (exits.empty() || !(*exits.back())["exits"].is_array() || (*exits.back())["exits"].empty()) return;
   const Json& e = *exits.back();
   Json c{{"unit", Json::array()}, {"params", Json::array()}, {"holdout_acc", Json::array()}, {"test_acc", Json::array()}};

@@ -21,7 +21,7 @@ struct TableRow {
   std::string run, method, model, dataset, precision;
   std::optional<int64_t> epochs;
   std::optional<double> test_acc;   // percent: the summary's test_acc, else the last epoch's
-  std::optional<double> epoch_s;    // the summary's epoch_s, else the mean of the last 5 epochs' (DESIGN.md)
+  std::optional<double> epoch_s;    // the summary's epoch_s, else the mean of the last 5 epochs (docs/measuring.md)
   std::optional<double> peak_gb;    // the summary's peak_vram_gb, else the largest epoch peak_vram_gb
   std::optional<double> eff_score;  // test_acc / (epoch_s × peak_gb)
   TableSource source = TableSource::kNone;

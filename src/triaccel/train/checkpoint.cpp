@@ -161,22 +161,6 @@ Checkpoint checkpoint_read(const std::string& path) {
   return c;
 }
 
-void named_tensors_load(const NamedTensors& live, const NamedTensors& stored, const std::string& what,
-                        const std::string& path) {
-  std::map<std::string, at::Tensor> by_name(stored.begin(), stored.end());
-  TRIACCEL_CHECK_INPUT(by_name.size() == live.size(), "checkpoint ", path, " holds ", by_name.size(), " ", what,
-                       " tensors, this run has ", live.size(), " (a checkpoint of another model or configuration)");
-  const torch::NoGradGuard no_grad;
-  for (const auto& [name, t] : live) {
-    const auto it = by_name.find(name);
-    TRIACCEL_CHECK_INPUT(it != by_name.end(), "checkpoint ", path, " lacks ", what, " tensor '", name,
-                         "' (a checkpoint of another model?)");
-    TRIACCEL_CHECK_INPUT(it->second.sizes() == t.sizes() && it->second.scalar_type() == t.scalar_type(),
-                         "checkpoint ", path, ": ", what, " tensor '", name, "' has shape ", it->second.sizes(),
-                         " ", it->second.scalar_type(), ", this run expects ", t.sizes(), " ", t.scalar_type());
-    t.copy_(it->second);
-  }
-}
 
 std::optional<Checkpoint> checkpoint_for_resume(const std::string& resume, const std::string& model, std::string* file) {
   if (resume.empty()) return std::nullopt;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "triaccel/core/json.h"
+#include "triaccel/core/named_tensors.h"
 
 #include <ATen/Tensor.h>
 
@@ -17,8 +18,6 @@
 #include <vector>
 
 namespace triaccel {
-
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 struct Checkpoint {
   Json config;              // TrainOptions::to_json()
@@ -47,9 +46,5 @@ std::string checkpoint_path(const std::string& dir_or_file);
 // empty. `file` receives the checkpoint's path. UserError for a missing, corrupt or other-model checkpoint.
 std::optional<Checkpoint> checkpoint_for_resume(const std::string& resume, const std::string& model, std::string* file);
 
-// Copies `stored` into `live` by name; throws UserError naming the file and the first missing or mismatched
-// tensor (another model's checkpoint). `what` is "model", "optimizer", ... for the message.
-void named_tensors_load(const NamedTensors& live, const NamedTensors& stored, const std::string& what,
-                        const std::string& path);
 
 }  // namespace triaccel

@@ -16,7 +16,7 @@ FaultKind fault_kind_parse(const std::string& name, const std::string& item) {
   for (const FaultKind k : kFaultKinds) {
     if (name == fault_kind_name(k)) return k;
   }
-  throw UserError("--inject-faults: unknown fault '" + name + "' in '" + item +
+  throw UserError(option_ref("inject_faults") + ": unknown fault '" + name + "' in '" + item +
                   "'; use oom, nan-grad, inf-grad or nan-loss");
 }
 
@@ -25,7 +25,7 @@ int64_t int_parse(const std::string& text, const std::string& item, int64_t min)
   errno = 0;
   const long long v = std::strtoll(text.c_str(), &end, 10);
   TRIACCEL_CHECK_INPUT(!text.empty() && end == text.c_str() + text.size() && errno == 0 && v >= min,
-                       "--inject-faults: '", item, "' needs an integer >= ", min, ", got '", text, "'");
+                       option_ref("inject_faults") + ": '", item, "' needs an integer >= ", min, ", got '", text, "'");
   return v;
 }
 
@@ -33,7 +33,7 @@ double probability_parse(const std::string& text, const std::string& item) {
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
   TRIACCEL_CHECK_INPUT(!text.empty() && end == text.c_str() + text.size() && std::isfinite(v) && v >= 0 && v <= 1,
-                       "--inject-faults: '", item, "' needs a probability in [0, 1], got '", text, "'");
+                       option_ref("inject_faults") + ": '", item, "' needs a probability in [0, 1], got '", text, "'");
   return v;
 }
 
@@ -80,7 +80,7 @@ FaultPlan::FaultPlan(const std::string& spec) {
     }
     if (item.find('@') == std::string::npos) {  // KEY=VALUE of the random plan
       const auto eq = item.find('=');
-      TRIACCEL_CHECK_INPUT(random_ && eq != std::string::npos, "--inject-faults: '", item,
+      TRIACCEL_CHECK_INPUT(random_ && eq != std::string::npos, option_ref("inject_faults") + ": '", item,
                            "' is not KIND@STEP[xN] (e.g. oom@5, nan-loss@20x3) or, after random:, KEY=VALUE "
                            "(random:seed=S,oom=P,nan-grad=P,inf-grad=P,nan-loss=P,burst=N)");
       const std::string key = item.substr(0, eq);
@@ -96,7 +96,7 @@ FaultPlan::FaultPlan(const std::string& spec) {
       continue;
     }
     const auto at = item.find('@');
-    TRIACCEL_CHECK_INPUT(at > 0, "--inject-faults: '", item, "' is not KIND@STEP[xN] (e.g. oom@5, nan-loss@20x3)");
+    TRIACCEL_CHECK_INPUT(at > 0, option_ref("inject_faults") + ": '", item, "' is not KIND@STEP[xN] (e.g. oom@5, nan-loss@20x3)");
     FaultEvent e;
     e.kind = fault_kind_parse(item.substr(0, at), item);
     std::string rest = item.substr(at + 1);
@@ -107,12 +107,12 @@ FaultPlan::FaultPlan(const std::string& spec) {
     }
     e.step = int_parse(rest, item, 0);
     for (const FaultEvent& other : explicit_) {
-      TRIACCEL_CHECK_INPUT(other.step != e.step, "--inject-faults: two faults at step ", e.step,
+      TRIACCEL_CHECK_INPUT(other.step != e.step, option_ref("inject_faults") + ": two faults at step ", e.step,
                            "; use xN for a burst at one step");
     }
     explicit_.push_back(e);
   }
-  TRIACCEL_CHECK_INPUT(!random_ || seeded, "--inject-faults: random mode needs seed=S, got '", spec, "'");
+  TRIACCEL_CHECK_INPUT(!random_ || seeded, option_ref("inject_faults") + ": random mode needs seed=S, got '", spec, "'");
 }
 
 FaultKind FaultPlan::fault_at(int64_t step, int64_t attempt) const {

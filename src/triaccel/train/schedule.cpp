@@ -7,18 +7,12 @@
 
 namespace triaccel {
 
-LrDecay lr_decay_parse(const std::string& name) {
-  if (name == "cosine") return LrDecay::kCosine;
-  if (name == "linear") return LrDecay::kLinear;
-  throw UserError("--lr-decay must be cosine or linear, got '" + name + "'");
-}
-
 void ScheduleOptions::validate() const {
-  TRIACCEL_CHECK_INPUT(base_lr > 0 && std::isfinite(base_lr), "--lr must be a positive number, got ", base_lr);
+  TRIACCEL_CHECK_INPUT(base_lr > 0 && std::isfinite(base_lr), option_ref("lr"), " must be a positive number, got ", base_lr);
   TRIACCEL_CHECK_INPUT(total_steps > 0, "schedule: total_steps must be > 0, got ", total_steps);
   TRIACCEL_CHECK_INPUT(warmup_steps >= 0 && warmup_steps <= total_steps,
                        "schedule: warm-up steps (", warmup_steps, ") must be in [0, total steps = ", total_steps,
-                       "]; lower --warmup-epochs");
+                       "]; lower ", option_ref("warmup_epochs"));
   TRIACCEL_CHECK_INPUT(min_lr_ratio >= 0 && min_lr_ratio <= 1, "schedule: min_lr_ratio must be in [0, 1]");
 }
 

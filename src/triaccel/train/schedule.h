@@ -2,13 +2,19 @@
 // to min_lr_ratio·lr at total_steps. A pure function of the step, so a resumed run gets the same rate.
 #pragma once
 
+#include "triaccel/core/enum_names.h"
+
 #include <cstdint>
-#include <string>
 
 namespace triaccel {
 
+// The `lr_decay` option.
 enum class LrDecay { kCosine, kLinear };
-LrDecay lr_decay_parse(const std::string& name);  // "cosine" | "linear"; UserError naming --lr-decay otherwise
+
+template <>
+struct EnumNames<LrDecay> {
+  static constexpr EnumName<LrDecay> kNames[] = {{LrDecay::kCosine, "cosine"}, {LrDecay::kLinear, "linear"}};
+};
 
 struct ScheduleOptions {
   double base_lr = 0.1;

@@ -1,27 +1,23 @@
-// The training step: forward under autocast (per the precision mode), cross-entropy, scaled backward, non-finite
-// check and unscale, fused SGD, loss-scale update, and device-side metric accumulation — no host sync anywhere.
-// On CUDA, the step for the main batch size is captured once in a CUDA graph (after a few eager warm-up steps on
-// the same stream) and replayed; other batch sizes (an epoch's last, shorter batch) run eagerly. Invariants the
-// graph relies on: momentum buffers, the lr scalar and the static inputs keep their addresses for the life of the
-// TrainStep; gradients are released before every step (set to None, as PyTorch's zero_grad does) and, inside the
-// graph, live in its private pool at fixed addresses. The first batch at the graph size is kept as the static
-// input: pass the same tensors every step (the trainer and the benchmark do) to avoid a copy.
+// The training step: forward under autocast (per the precision mode, or per-unit precisions), cross-entropy, scaled
+// backward, non-finite check and unscale, the optimizer's fused update, loss-scale update, and device-side metric
+// accumulation — no host sync anywhere. On CUDA the step at the graph's batch size runs through a StepGraph
+// (train/step_graph.h: warm-up, capture, replay, recovery); other batch sizes (an epoch's last, shorter batch) run
+// eagerly. Invariants the graph relies on: optimizer state, the lr scalar and the static inputs keep their addresses
+// for the life of the TrainStep; gradients are released before every step (set to None, as PyTorch's zero_grad does)
+// and, inside the graph, live in its private pool at fixed addresses. The first batch at the graph size is kept as
+// the static input: pass the same tensors every step (the trainer and the benchmark do) to avoid a copy.
 #pragma once
 
-#include "triaccel/core/cuda_graph.h"
-#include "triaccel/core/grad_stats.h"
 #include "triaccel/models/model.h"
-#include "triaccel/precision/policy.h"
+#include "triaccel/optim/optimizer.h"
 #include "triaccel/train/faults.h"
+#include "triaccel/train/grad_stats.h"
 #include "triaccel/train/loss_scaler.h"
-#include "triaccel/train/options.h"
-#include "triaccel/train/optimizer.h"
+#include "triaccel/train/precision.h"
+#include "triaccel/train/step_graph.h"
 
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
-#ifdef TRIACCEL_WITH_CUDA
-#include <ATen/cuda/CUDAGraph.h>
-#endif
 
 #include <functional>
 #include <string>
@@ -43,34 +39,9 @@ struct StepOptions {
   bool fault_injection = false;
 };
 
-// Sets autocast for the device from the precision mode for the scope's lifetime (and restores it after).
-class AutocastScope {
- public:
-  AutocastScope(const c10::Device& device, PrecisionMode precision);
-  ~AutocastScope();
-  AutocastScope(const AutocastScope&) = delete;
-  AutocastScope& operator=(const AutocastScope&) = delete;
-
- private:
-  c10::DeviceType type_;
-  bool prev_enabled_;
-  at::ScalarType prev_dtype_;
-  bool active_;
-};
-
-// The forward of a model whose units run at their own precisions (Tri-Accel; precisions as applied on the device).
-// Each unit's input is cast to the unit's dtype at its entry, and 16-bit units run under autocast in that dtype. The
-// cast matters for the ops autocast leaves alone: a residual add of a bf16 block output and an fp32 (or fp16)
-// identity promotes to fp32, and the fp32 stream then runs on through every later unit of the stage (ResNet-18
-// peaked at 0.73 GB with an fp32 stem and 0.82 GB with fp16 after bf16 units, against 0.62 GB in bf16 throughout,
-// on the H100 before this cast). `unit_input` (tests) sees each unit's input after the cast.
-at::Tensor unit_precision_forward(Model& model, const at::Tensor& images, const std::vector<Precision>& precisions,
-                                  const c10::Device& device,
-                                  const std::function<void(size_t, const at::Tensor&)>& unit_input = {});
-
 class TrainStep {
  public:
-  TrainStep(Model& model, Optimizer& sgd, LossScaler& scaler, StepOptions options, const c10::Device& device);
+  TrainStep(Model& model, Optimizer& optimizer, LossScaler& scaler, StepOptions options, const c10::Device& device);
   ~TrainStep();
 
   // One optimizer step on (images, labels) at learning rate lr.
@@ -91,27 +62,19 @@ class TrainStep {
   const at::Tensor& correct_sum() const { return correct_sum_; }
   const at::Tensor& last_loss() const { return last_loss_; }
   void metrics_reset();
-  bool graph_captured() const { return graph_ != nullptr; }
-  int64_t graph_captures() const { return graph_captures_; }
-  // Captures that ran out of memory (the graph's private pool did not fit, e.g. under a --vram-budget). The batch
-  // size whose capture failed then runs eagerly (the failed step too: a capture runs nothing), never re-tried.
-  int64_t graph_capture_ooms() const { return graph_capture_ooms_; }
-  // The first capture that failed for another reason (its error's first line; empty: none). Its batch size runs
-  // eagerly as after an out-of-memory capture.
-  const std::string& graph_capture_error() const { return graph_capture_error_; }
+  // The step's CUDA graph: whether one is captured, captures, failed captures (train/step_graph.h).
+  const StepGraph& graph() const { return graph_; }
 
   // Tri-Accel: per-unit precision for the forward (empty: the uniform precision mode). A change drops the captured
   // graph (it is re-captured after one eager step).
   void set_unit_precisions(const std::vector<Precision>& precisions);
-  // The precision a decision runs at on this device (fp16 runs as bf16 on the CPU).
-  Precision precision_applied(Precision decided) const;
   // Drops the captured graph, e.g. after the optimizer's per-tensor lr scales changed.
   void invalidate_graph();
   // The batch size whose step is captured (Tri-Accel's elastic batch changes it). A new size drops the old graph —
   // one graph at a time, so a --vram-budget never holds two graph pools — and captures after one eager step at the
   // new size (cuDNN picks its algorithms for the new shapes there).
-  void set_graph_batch_size(int64_t batch);
-  int64_t graph_batch_size() const { return options_.graph_batch_size; }
+  void set_graph_batch_size(int64_t batch) { graph_.set_batch(batch); }
+  int64_t graph_batch_size() const { return graph_.batch(); }
 
   // Tri-Accel: accumulate per-unit gradient statistics (core/grad_stats.h) of every non-skipped step, inside the
   // step (and so inside the graph). `layout` must follow sgd.params() order.
@@ -121,13 +84,11 @@ class TrainStep {
 
  private:
   void body(const at::Tensor& images, const at::Tensor& labels);
-  // false: nothing captured (out of memory: counted in graph_capture_ooms_; an error: kept in graph_capture_error_)
-  bool capture(const at::Tensor& images, const at::Tensor& labels);
   void grads_release();
   at::Tensor forward(const at::Tensor& images);
 
   Model& model_;
-  Optimizer& sgd_;
+  Optimizer& optimizer_;
   LossScaler& scaler_;
   StepOptions options_;
   c10::Device device_;
@@ -140,19 +101,12 @@ class TrainStep {
   at::Tensor loss_fault_;   // (1) float32: 1, or NaN (fault injection only)
   at::Tensor grad_fault_;   // (1) float32: 0, NaN or +inf (fault injection only)
   FaultKind fault_ = FaultKind::kNone;
-  int64_t eager_steps_at_graph_size_ = 0;
-  int64_t graph_captures_ = 0;
-  int64_t graph_capture_ooms_ = 0;
-  std::string graph_capture_error_;
-  int64_t graph_refused_batch_ = 0;  // the batch size whose capture ran out of memory (0: none)
   std::vector<Precision> unit_precisions_;
   bool grad_stats_enabled_ = false;
   GradStatsLayout grad_stats_layout_;
   at::Tensor grad_stats_sum_;    // (U, kGradStatsColumns) float32 on device
   at::Tensor grad_stats_steps_;  // (1) float32: non-skipped steps summed
-
-  struct Graph;
-  std::unique_ptr<Graph> graph_;
+  StepGraph graph_;
 };
 
 }  // namespace triaccel

@@ -1,0 +1,69 @@
+// Tri-Accel's curvature component (paper §3.2; docs/tri-accel.md), as a StepController: at the first control window,
+// then at windows at least curv_every steps apart, a CurvatureProbe on a fixed batch — of every unit (budget 0) or
+// of the next units, round-robin from the output end, whose cost fits a credit that accrues at budget × training
+// time (so probes stay within that share of it) — then per-unit η_l = η0 / (1 + α·λ_max,l) as the optimizer's
+// per-tensor lr scales (when lr scaling is on), and λ_max of the probed units left in the step's context for the
+// precision policy (control/precision_controller.h). Time comes from the injected clock only.
+#pragma once
+
+#include "triaccel/control/controller.h"
+#include "triaccel/control/curvature_probe.h"
+#include "triaccel/core/clock.h"
+#include "triaccel/models/model.h"
+#include "triaccel/optim/optimizer.h"
+#include "triaccel/train/step.h"
+
+#include <ATen/Tensor.h>
+
+#include <vector>
+
+namespace triaccel {
+
+struct CurvatureControllerOptions {
+  int64_t ctrl_every = 50;     // steps per control window: probes happen at window ends only
+  double budget = 0.05;        // share of training time for probes (0: every curvature.every_steps)
+  double alpha = -1;           // α; < 0: 1 / (0.9-quantile of λ_max) once every unit has been probed
+  bool lr_scaling = true;      // false: probe for the precision policy only (ablation)
+  CurvatureOptions probe;      // k, iterations, batch, T_curv, seed, graphs, clock
+};
+
+class CurvatureController final : public StepController {
+ public:
+  // probe_images/labels: the fixed curvature batch (b_curv samples), on the model's device.
+  CurvatureController(CurvatureControllerOptions options, Model& model, Optimizer& optimizer, TrainStep& step,
+                      at::Tensor probe_images, at::Tensor probe_labels);
+
+  const char* state_key() const override { return "tri_accel"; }
+  Events after_step(StepContext& ctx) override;
+  void pause() override { last_call_s_ = -1; }
+  Json state() const override;
+  void restore(const Json& state) override;
+
+  double overhead_s() const override { return probe_seconds_; }
+
+ private:
+  std::vector<size_t> units_due();  // this round's units; advances nothing
+  void apply_lr_scales();
+
+  CurvatureControllerOptions options_;
+  const Clock& clock_;
+  Model& model_;
+  Optimizer& optimizer_;
+  TrainStep& step_;
+  at::Tensor probe_images_, probe_labels_;
+  std::vector<int64_t> unit_of_param_;  // optimizer.params() index → unit index
+  std::vector<std::vector<at::Tensor>> warm_start_;  // per unit: the last probe's eigenvectors (not checkpointed)
+  std::vector<double> unit_lr_scale_;
+  double probe_credit_s_ = 0;
+  std::vector<double> unit_cost_s_;    // per unit: seconds of its last probe; < 0 unknown
+  std::vector<double> unit_lambda_;    // per unit: last λ_max
+  std::vector<bool> unit_probed_;      // per unit: probed at least once
+  int64_t next_unit_ = 0;              // round-robin position
+  double alpha_ = -1;
+  int64_t next_probe_step_ = -1;       // < 0: at the first control window
+  double last_call_s_ = -1;
+  double probe_seconds_ = 0;
+  int64_t probes_ = 0;
+};
+
+}  // namespace triaccel

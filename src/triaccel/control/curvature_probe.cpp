@@ -1,0 +1,193 @@
+// The curvature probe (see probe.h): one train-mode forward on a small batch, then per unit an HvpOperator over
+// that unit's parameters from the same loss and power iteration for its top-k eigenvalues. Everything the forward
+// changes (BatchNorm running statistics, num_batches_tracked, generator states) is snapshotted before and
+// written back after, so probing never perturbs training.
+#include "triaccel/control/curvature_probe.h"
+
+#include "triaccel/core/device.h"
+#include "triaccel/core/errors.h"
+#include "triaccel/core/clock.h"
+#include "triaccel/control/hvp.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+
+namespace triaccel {
+
+namespace {
+
+// Everything a train-mode forward may change, captured on construction and written back by restore():
+// buffers, the train/eval mode, autocast on the device, and the default generator of the CPU and the device.
+class ModelStateGuard {
+ public:
+  ModelStateGuard(Model& model, const c10::Device& device)
+      : model_(model), device_(device), was_training_(model.is_training()) {
+    at::NoGradGuard no_grad;
+    for (const auto& buffer : model_.buffers(/*recurse=*/true)) {
+      buffers_.push_back(buffer);
+      saved_buffers_.push_back(buffer.clone());
+    }
+    generator_save(at::Device(at::kCPU));
+    if (device_.type() != at::kCPU) generator_save(device_);
+    autocast_enabled_ = at::autocast::is_autocast_enabled(device_.type());
+    at::autocast::set_autocast_enabled(device_.type(), false);
+  }
+
+  void restore() {
+    if (restored_) return;
+    restored_ = true;
+    at::autocast::set_autocast_enabled(device_.type(), autocast_enabled_);
+    for (auto& [generator, state] : generators_) {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(state);
+    }
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved_buffers_[i]);
+    model_.train(was_training_);
+  }
+
+  ~ModelStateGuard() {
+    try {
+      restore();
+    } catch (const std::exception& e) {
+      TORCH_WARN("curvature probe: could not restore the model state: ", e.what());
+    }
+  }
+
+ private:
+  void generator_save(const at::Device& device) {
+    at::Generator generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generators_.emplace_back(generator, generator.get_state());
+  }
+
+  Model& model_;
+  c10::Device device_;
+  bool was_training_;
+  bool autocast_enabled_ = false;
+  bool restored_ = false;
+  std::vector<at::Tensor> buffers_;
+  std::vector<at::Tensor> saved_buffers_;
+  std::vector<std::pair<at::Generator, at::Tensor>> generators_;
+};
+
+}  // namespace
+
+void CurvatureOptions::validate() const {
+  TRIACCEL_CHECK_INPUT(top_k >= 1, option_ref("curv_top_k"), " must be >= 1, got ", top_k);
+  TRIACCEL_CHECK_INPUT(max_iters >= 1, option_ref("curv_max_iters"), " must be >= 1, got ", max_iters);
+  TRIACCEL_CHECK_INPUT(tol >= 0 && std::isfinite(tol), "curvature probe: tol must be a number >= 0, got ", tol);
+  TRIACCEL_CHECK_INPUT(batch >= 1, option_ref("curv_batch"), " must be >= 1, got ", batch);
+  TRIACCEL_CHECK_INPUT(every_steps >= 1, option_ref("curv_every"), " must be >= 1, got ", every_steps);
+}
+
+std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& images, const at::Tensor& labels,
+                                           const CurvatureOptions& options, double* wall_seconds,
+                                           std::vector<std::vector<at::Tensor>>* warm_start,
+                                           const std::vector<size_t>* only_units) {
+  options.validate();
+  TORCH_CHECK(images.dim() == 4, "curvature_probe: images must be (N, C, H, W), got ", images.sizes());
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == images.size(0), "curvature_probe: labels must be (",
+              images.size(0), "), got ", labels.sizes());
+  TORCH_CHECK(images.size(0) >= 1, "curvature_probe: empty batch");
+  const Clock& clock = options.clock ? *options.clock : steady_clock();
+  const double start = clock.now_s();
+  const c10::Device device = images.device();
+
+  std::vector<UnitCurvature> result;
+  {
+    ModelStateGuard state(model, device);
+    at::AutoGradMode grad_mode(true);
+    model.train(true);
+
+    const int64_t n = std::min(options.batch, images.size(0));
+    const at::Tensor x = images.narrow(0, 0, n);                  // (n, C, H, W)
+    const at::Tensor y = labels.narrow(0, 0, n).to(at::kLong);    // (n)
+    const auto& units = model.units();
+    const auto selected = [&](size_t i) {
+      return only_units == nullptr || std::find(only_units->begin(), only_units->end(), i) != only_units->end();
+    };
+    // A unit's Hessian block depends only on the units from it on (its input is a constant for its parameters), so
+    // the units before the first probed one run without a graph: their activations, the largest ones (full
+    // resolution), are not kept for the double backward. Exact; when only late units are probed (the round-robin
+    // starts at the output) the probe needs a fraction of a whole-network graph's memory and backward work.
+    size_t first = 0;
+    while (first < units.size() && !selected(first)) ++first;
+    at::Tensor h = x;
+    {
+      const at::NoGradGuard no_graph;
+      for (size_t i = 0; i < first; ++i) h = units[i].forward(h);
+    }
+    for (size_t i = first; i < units.size(); ++i) h = units[i].forward(h);
+    at::Tensor logits = h;                                        // (n, classes)
+    if (at::isReducedFloatingType(logits.scalar_type())) logits = logits.to(at::kFloat);
+    const at::Tensor loss = at::cross_entropy_loss(logits, y);   // scalar
+
+    // First-order gradients of every unit's parameters in one backward pass (with their graph); each unit's
+    // operator then takes its slice, instead of one create-graph backward per unit.
+    std::vector<std::vector<at::Tensor>> unit_params(units.size());
+    std::vector<at::Tensor> all_params;
+    for (size_t i = 0; i < units.size(); ++i) {
+      if (!selected(i)) continue;
+      for (const auto& p : units[i].parameters()) {
+        if (p.requires_grad()) {
+          unit_params[i].push_back(p);
+          all_params.push_back(p);
+        }
+      }
+    }
+    const std::vector<at::Tensor> all_grads =
+        all_params.empty() ? std::vector<at::Tensor>{}
+                           : torch::autograd::grad({loss}, all_params, /*grad_outputs=*/{}, /*retain_graph=*/true,
+                                                   /*create_graph=*/true, /*allow_unused=*/true);
+    size_t next_grad = 0;
+    for (size_t i = 0; i < units.size(); ++i) {
+      const double unit_start = clock.now_s();
+      UnitCurvature entry;
+      entry.unit = units[i].name;
+      if (!selected(i)) {
+        entry.probed = false;
+        result.push_back(std::move(entry));
+        continue;
+      }
+      const std::vector<at::Tensor>& params = unit_params[i];
+      std::vector<at::Tensor> grads(all_grads.begin() + static_cast<long>(next_grad),
+                                    all_grads.begin() + static_cast<long>(next_grad + params.size()));
+      next_grad += params.size();
+      if (params.empty()) {
+        entry.converged = true;
+      } else {
+        HvpOperator op(params, std::move(grads));  // this unit's slice of the shared first-order gradients
+        op.graph_after_first_product(options.cuda_graphs);
+        const bool warm = warm_start != nullptr && warm_start->size() == units.size();
+        const EigenResult eigen = power_iteration_topk(op, options.top_k, options.max_iters, options.tol,
+                                                       options.seed + i, warm ? (*warm_start)[i] : std::vector<at::Tensor>{});
+        if (warm_start != nullptr) {
+          if (warm_start->size() != units.size()) warm_start->assign(units.size(), {});
+          (*warm_start)[i] = eigen.eigenvectors;
+        }
+        entry.eigenvalues = eigen.eigenvalues;
+        entry.lambda_max = *std::max_element(eigen.eigenvalues.begin(), eigen.eigenvalues.end());
+        entry.iterations = eigen.iterations;
+        entry.converged = eigen.converged;
+        entry.graphed = op.graphed();
+      }
+      entry.seconds = clock.now_s() - unit_start;
+      result.push_back(std::move(entry));
+    }
+    state.restore();
+  }
+  device_synchronize(device);
+  if (wall_seconds != nullptr) *wall_seconds = clock.now_s() - start;
+  return result;
+}
+
+}  // namespace triaccel

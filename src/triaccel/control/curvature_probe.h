@@ -1,0 +1,65 @@
+// The curvature probe (Tri-Accel §3.2): top-k Hessian eigenvalues of every unit's parameter block on one small
+// batch, for learning-rate scaling and precision promotion.
+//
+// Invariants:
+// - One forward pass in train mode (BatchNorm uses batch statistics) with autocast off, so the loss
+//   (cross-entropy) and every Hessian-vector product are in the parameters' precision (fp32 master weights).
+// - Every unit's block is probed from that same loss: each unit computes its first-order gradients once
+//   (create_graph) and then takes up to max_iters products per eigenvalue; the forward graph is kept across units.
+// - The probe leaves the model as it found it: parameters, their .grad, every buffer (BatchNorm running
+//   statistics, num_batches_tracked), the train/eval mode, the autocast state and the default CPU/CUDA
+//   generators are the same after the call.
+// - Deterministic for options.seed on a given device (unit i starts from seed + i).
+#pragma once
+
+#include "triaccel/core/clock.h"
+#include "triaccel/models/model.h"
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace triaccel {
+
+struct CurvatureOptions {
+  int top_k = 5;               // curv_top_k: eigenvalues per unit (paper: 5)
+  int max_iters = 20;          // curv_max_iters: power-iteration steps per eigenvalue
+  double tol = 1e-3;           // stop when the Rayleigh quotient changes by less than tol, relative
+  int64_t batch = 32;          // curv_batch: samples the probe uses (paper: b_curv = 32)
+  int64_t every_steps = 200;   // curv_every: training steps between probes (paper: T_curv = 200)
+  uint64_t seed = 0;           // start vectors of the power iteration (the run's seed)
+  bool cuda_graphs = true;     // cuda_graphs: each unit's products replay a CUDA graph after the first (hvp.h)
+  const Clock* clock = nullptr;  // what times the probe and each unit (nullptr: the steady clock)
+
+  // Throws UserError naming the flag and the bad value.
+  void validate() const;
+};
+
+struct UnitCurvature {
+  std::string unit;                  // the unit's name ("block1", "layer2.0", "fc")
+  std::vector<double> eigenvalues;   // top-k of the unit's Hessian block, by decreasing |λ|, signed
+  double lambda_max = 0.0;           // max_i λ_i (the largest signed value); 0 for a unit without parameters
+  int iterations = 0;                // Hessian-vector products taken for this unit
+  bool converged = false;            // every eigenvalue met options.tol within options.max_iters
+  double seconds = 0.0;              // time of this unit's power iteration (its share of the probe)
+  bool graphed = false;              // its products after the first replayed a CUDA graph
+  bool probed = true;                // false: not in `only_units` this call (the other fields are empty)
+};
+
+// Probes every unit of model on the first min(options.batch, N) samples.
+// images: (N, C, H, W) on the model's device, normalized as for training; labels: (N), int64 class indices.
+// Returns one entry per unit, in unit order. If wall_seconds is given, it receives the whole call's time on
+// options.clock (forward, every unit, restoring the state; the device is synchronized before the clock stops), so
+// the trainer can report the probe's share of training time.
+// warm_start (optional, per unit): the previous probe's eigenvectors in, this probe's out; power iteration starts
+// from them, so a probe on a slowly moving model converges in a few products instead of max_iters.
+// only_units (optional): probe just these unit indices (first-order gradients too); the others come back with
+// probed = false. Tri-Accel's time-budgeted schedule probes a few units per round.
+std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& images, const at::Tensor& labels,
+                                           const CurvatureOptions& options, double* wall_seconds = nullptr,
+                                           std::vector<std::vector<at::Tensor>>* warm_start = nullptr,
+                                           const std::vector<size_t>* only_units = nullptr);
+
+}  // namespace triaccel

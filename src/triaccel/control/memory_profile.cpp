@@ -1,0 +1,202 @@
+// NeuroFlux memory profile; see memory_profile.h.
+#include "triaccel/control/memory_profile.h"
+
+#include "triaccel/core/device.h"
+#include "triaccel/models/aux_head.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <unordered_set>
+
+namespace triaccel {
+namespace {
+
+constexpr int64_t kTraceBatchSmall = 2;  // BatchNorm in train mode needs > 1 value per channel
+constexpr int64_t kTraceBatchLarge = 4;
+constexpr int64_t kMeasureBatchSmall = 16;
+constexpr int64_t kMeasureBatchLarge = 64;
+constexpr double kStateCopies = 3;  // weights + gradients + momentum
+
+std::vector<int64_t> with_batch(int64_t batch, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> out{batch};
+  out.insert(out.end(), shape.begin(), shape.end());
+  return out;
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// A line through (b1, y1), (b2, y2); the intercept is clamped at 0 (noise can push it below).
+Footprint line_fit(int64_t b1, double y1, int64_t b2, double y2) {
+  Footprint f;
+  f.per_sample_bytes = std::max(0.0, (y2 - y1) / static_cast<double>(b2 - b1));
+  f.fixed_bytes = std::max(0.0, y1 - f.per_sample_bytes * static_cast<double>(b1));
+  return f;
+}
+
+// Modelled: the autograd graph of fn(zero batch) at two batch sizes; transients = 2 × the largest tensor.
+Footprint trace_footprint(const std::function<at::Tensor(int64_t)>& fn, double* graph_per_sample) {
+  double max_small = 0, max_large = 0;
+  const double small = autograd_graph_bytes(fn(kTraceBatchSmall), &max_small);
+  const double large = autograd_graph_bytes(fn(kTraceBatchLarge), &max_large);
+  Footprint graph = line_fit(kTraceBatchSmall, small, kTraceBatchLarge, large);
+  const Footprint largest = line_fit(kTraceBatchSmall, max_small, kTraceBatchLarge, max_large);
+  if (graph_per_sample) *graph_per_sample = graph.per_sample_bytes;
+  graph.per_sample_bytes += 2 * largest.per_sample_bytes;
+  graph.fixed_bytes += 2 * largest.fixed_bytes;
+  return graph;
+}
+
+void grads_release(const std::vector<at::Tensor>& params) {
+  for (const auto& p : params) {
+    if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
+  }
+}
+
+// Measured: allocator peak above what was allocated before, over fn(batch) + backward, at two batch sizes.
+Footprint measure_footprint(const std::function<at::Tensor(int64_t)>& fn, const std::vector<at::Tensor>& params,
+                            const c10::Device& device) {
+  double y[2] = {0, 0};
+  const int64_t batches[2] = {kMeasureBatchSmall, kMeasureBatchLarge};
+  for (int repeat = 0; repeat < 2; ++repeat) {  // the first pass lets cuDNN pick its algorithms
+    for (int i = 0; i < 2; ++i) {
+      device_synchronize(device);
+      const int64_t before = memory_stats(device).allocated_bytes;
+      memory_stats_reset_peak(device);
+      {
+        at::Tensor out = fn(batches[i]);
+        out.to(at::kFloat).sum().backward();
+      }
+      device_synchronize(device);
+      y[i] = static_cast<double>(memory_stats(device).peak_allocated_bytes - before);
+      grads_release(params);
+    }
+  }
+  return line_fit(batches[0], y[0], batches[1], y[1]);
+}
+
+}  // namespace
+
+double autograd_graph_bytes(const at::Tensor& output, double* max_bytes) {
+  double total = 0, largest = 0;
+  if (output.grad_fn()) {
+    std::vector<torch::autograd::Node*> stack{output.grad_fn().get()};
+    std::unordered_set<torch::autograd::Node*> seen{output.grad_fn().get()};
+    while (!stack.empty()) {
+      torch::autograd::Node* node = stack.back();
+      stack.pop_back();
+      if (node->name().find("AccumulateGrad") != std::string::npos) continue;  // a parameter, not an activation
+      for (uint32_t i = 0; i < node->num_inputs(); ++i) {
+        const auto& meta = node->input_metadata(i);
+        double numel = 1;
+        for (const auto& d : meta.shape_as_dim_vector()) numel *= static_cast<double>(d.expect_int());
+        const double bytes = numel * static_cast<double>(meta.dtype().itemsize());
+        total += bytes;
+        largest = std::max(largest, bytes);
+      }
+      for (const auto& edge : node->next_edges()) {
+        torch::autograd::Node* next = edge.function.get();
+        if (next && seen.insert(next).second) stack.push_back(next);
+      }
+    }
+  }
+  if (max_bytes) *max_bytes = largest;
+  return total;
+}
+
+double MemoryProfile::backprop_bytes(int64_t batch) const {
+  return backprop_fixed_bytes + backprop_per_sample * static_cast<double>(batch);
+}
+
+int64_t MemoryProfile::backprop_max_batch(double budget) const {
+  if (backprop_per_sample <= 0) return 0;
+  const double b = std::floor((budget - backprop_fixed_bytes) / backprop_per_sample);
+  return b < 1 ? 0 : static_cast<int64_t>(std::min(b, 1e9));
+}
+
+MemoryProfile memory_profile(Model& model, const std::vector<int64_t>& sample_shape, int64_t num_classes,
+                             ProfileSource source, const c10::Device& device) {
+  TORCH_CHECK(source == ProfileSource::kModel || device.is_cuda(), "a measured memory profile needs a CUDA device");
+  // Profiling runs BatchNorm in train mode on zero batches: keep the running statistics as they were.
+  std::vector<at::Tensor> buffers = model.buffers();
+  std::vector<at::Tensor> saved;
+  {
+    const torch::NoGradGuard no_grad;
+    for (const auto& b : buffers) saved.push_back(b.clone());
+  }
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+  const bool was_training = model.is_training();
+  model.train();
+
+  MemoryProfile profile;
+  profile.source = source;
+  std::vector<int64_t> shape = sample_shape;
+  double params_total = 0, fixed_total = 0, graph_total = 0, largest_transient = 0;
+  const auto& units = model.units();
+  for (size_t u = 0; u < units.size(); ++u) {
+    const Unit& unit = units[u];
+    UnitProfile up;
+    up.name = unit.name;
+    up.params = unit.parameter_count();
+    up.in_shape = shape;
+    up.in_bytes = numel_of(shape) * 4;
+    {
+      const torch::NoGradGuard no_grad;
+      const at::Tensor out = unit.forward(at::zeros(with_batch(kTraceBatchSmall, shape), opts));
+      up.out_shape = std::vector<int64_t>(out.sizes().begin() + 1, out.sizes().end());
+    }
+    up.out_bytes = numel_of(up.out_shape) * 4;
+    const auto unit_fn = [&](int64_t b) { return unit.forward(at::zeros(with_batch(b, shape), opts)); };
+    double graph_per_sample = 0;
+    Footprint traced = trace_footprint(unit_fn, &graph_per_sample);
+    up.backprop_per_sample = graph_per_sample;
+    up.train = source == ProfileSource::kModel ? traced : measure_footprint(unit_fn, unit.parameters(), device);
+    largest_transient = std::max(largest_transient, traced.per_sample_bytes - graph_per_sample);
+    if (u + 1 < units.size()) {
+      for (int64_t level = 0; level < kAuxLevels; ++level) {
+        AuxHead head(up.out_shape, aux_filters(up.out_shape[0], level), num_classes);
+        head->to(device);
+        head->train();
+        const auto head_fn = [&](int64_t b) { return head->forward(at::zeros(with_batch(b, up.out_shape), opts)); };
+        up.head_params.push_back(head->parameter_count());
+        up.head_train.push_back(source == ProfileSource::kModel ? trace_footprint(head_fn, nullptr)
+                                                                : measure_footprint(head_fn, head->parameters(), device));
+      }
+    }
+    params_total += static_cast<double>(up.params);
+    fixed_total += traced.fixed_bytes;
+    graph_total += graph_per_sample;
+    shape = up.out_shape;
+    profile.units.push_back(std::move(up));
+  }
+
+  // Whole-network backprop: every unit's graph is alive at once, plus the input batch and the backward transients.
+  const double input_bytes = static_cast<double>(numel_of(sample_shape) * 4);
+  if (source == ProfileSource::kModel) {
+    profile.backprop_fixed_bytes = kStateCopies * 4 * params_total + fixed_total;
+    profile.backprop_per_sample = graph_total + largest_transient + input_bytes;
+  } else {
+    const auto full_fn = [&](int64_t b) { return model.forward(at::zeros(with_batch(b, sample_shape), opts)); };
+    const Footprint f = measure_footprint(full_fn, model.parameters(), device);
+    profile.backprop_fixed_bytes = f.fixed_bytes + 4 * params_total;  // + momentum, created after the first step
+    profile.backprop_per_sample = f.per_sample_bytes;
+  }
+
+  {
+    const torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+  }
+  grads_release(model.parameters());
+  model.train(was_training);
+  return profile;
+}
+
+}  // namespace triaccel

@@ -1,0 +1,149 @@
+// NeuroFlux partitioner; see partitioner.h.
+#include "triaccel/control/partitioner.h"
+
+#include "triaccel/core/bytes.h"
+#include "triaccel/core/errors.h"
+#include "triaccel/models/aux_head.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace triaccel {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kForwardShare = 1.0 / 3.0;  // a forward pass is about a third of a training step's work
+
+struct BlockCost {
+  double fixed = 0;
+  double per_sample = 0;
+  double work = 0;  // per-sample bytes of the block's units in one training step (heads excluded: see partitioner.h)
+};
+
+BlockCost block_cost(const MemoryProfile& p, const PartitionOptions& o, int64_t first, int64_t end, int64_t level) {
+  BlockCost c;
+  c.fixed = o.base_bytes;
+  for (int64_t u = first; u < end; ++u) {
+    const UnitProfile& up = p.units[static_cast<size_t>(u)];
+    double params = static_cast<double>(up.params);
+    c.fixed += up.train.fixed_bytes;
+    c.per_sample += up.train.per_sample_bytes;
+    c.work += up.train.per_sample_bytes;
+    if (!up.head_train.empty()) {
+      const auto l = static_cast<size_t>(level);
+      params += static_cast<double>(up.head_params[l]);
+      c.fixed += up.head_train[l].fixed_bytes;
+      c.per_sample += up.head_train[l].per_sample_bytes;
+    }
+    c.fixed += 3 * 4 * params;
+  }
+  c.per_sample += 1.5 * static_cast<double>(p.units[static_cast<size_t>(first)].in_bytes) +
+                  0.5 * static_cast<double>(p.units[static_cast<size_t>(end - 1)].out_bytes);
+  return c;
+}
+
+int64_t batch_that_fits(const BlockCost& c, const PartitionOptions& o) {
+  const double room = o.safety * o.budget_bytes - c.fixed;
+  if (room <= 0 || c.per_sample <= 0) return 0;
+  double b = std::floor(room / c.per_sample);
+  b = std::min(b, static_cast<double>(std::min(o.max_batch, std::max<int64_t>(o.samples, o.min_batch))));
+  auto batch = static_cast<int64_t>(b);
+  if (batch >= 16) batch -= batch % 8;
+  return batch >= o.min_batch ? batch : 0;
+}
+
+}  // namespace
+
+void PartitionOptions::validate() const {
+  TORCH_CHECK(budget_bytes > 0, "partition budget must be > 0, got ", budget_bytes);
+  TORCH_CHECK(safety > 0 && safety <= 1, "partition safety must be in (0, 1], got ", safety);
+  TORCH_CHECK(samples > 0 && epochs > 0 && max_batch >= min_batch && min_batch > 0, "bad partition options");
+  TORCH_CHECK(bytes_per_s > 0 && sat_batch >= 0 && host_bytes_per_s >= 0, "bad partition time model");
+}
+
+BlockPlan block_plan(const MemoryProfile& p, const PartitionOptions& o, int64_t first, int64_t end) {
+  BlockPlan best;
+  best.first = first;
+  best.end = end;
+  const bool has_heads = !p.units[static_cast<size_t>(first)].head_train.empty();
+  const int64_t levels = has_heads ? kAuxLevels : 1;
+  BlockCost cost;
+  for (int64_t level = 0; level < levels; ++level) {
+    // The widest level that reaches the target batch; failing that, the narrowest (it needs the least memory).
+    cost = block_cost(p, o, first, end, level);
+    best.batch = batch_that_fits(cost, o);
+    best.head_level = level;
+    if (best.batch >= o.target_batch) break;
+  }
+  if (best.batch == 0) return best;
+  best.bytes = cost.fixed + cost.per_sample * static_cast<double>(best.batch);
+  const auto n = static_cast<double>(o.samples);
+  const double step_work = n * cost.work / o.bytes_per_s;
+  best.time_s = static_cast<double>(o.epochs) * step_work * (1 + o.sat_batch / static_cast<double>(best.batch));
+  if (first > 0) {
+    const UnitProfile& prev = p.units[static_cast<size_t>(first - 1)];
+    best.time_s += n * prev.train.per_sample_bytes * kForwardShare / o.bytes_per_s;  // writing the cache
+    if (o.host_bytes_per_s > 0) {
+      best.time_s += static_cast<double>(o.epochs) * n * 0.5 * static_cast<double>(prev.out_bytes) / o.host_bytes_per_s;
+    }
+  }
+  return best;
+}
+
+Partition partition_plan(const MemoryProfile& p, const PartitionOptions& o) {
+  o.validate();
+  const auto n = static_cast<int64_t>(p.units.size());
+  TORCH_CHECK(n > 0, "partition_plan: the profile has no units");
+  // best[j]: the fastest partition of units [0, j); from[j]: where its last block starts.
+  std::vector<double> best(static_cast<size_t>(n + 1), kInf);
+  std::vector<int64_t> from(static_cast<size_t>(n + 1), -1);
+  std::vector<std::vector<BlockPlan>> plans(static_cast<size_t>(n + 1), std::vector<BlockPlan>(static_cast<size_t>(n + 1)));
+  best[0] = 0;
+  for (int64_t j = 1; j <= n; ++j) {
+    for (int64_t i = 0; i < j; ++i) {
+      if (best[static_cast<size_t>(i)] == kInf) continue;
+      const BlockPlan bp = block_plan(p, o, i, j);
+      if (bp.batch == 0) continue;
+      plans[static_cast<size_t>(i)][static_cast<size_t>(j)] = bp;
+      const double t = best[static_cast<size_t>(i)] + bp.time_s;
+      if (t < best[static_cast<size_t>(j)]) {
+        best[static_cast<size_t>(j)] = t;
+        from[static_cast<size_t>(j)] = i;
+      }
+    }
+  }
+  if (best[static_cast<size_t>(n)] == kInf) {
+    throw UserError(c10::str(option_ref("vram_budget") + " ", bytes_format(o.budget_bytes), " is below what NeuroFlux needs for this model: at least ",
+                             bytes_format(partition_min_budget(p, o)), " (one unit per block at batch ", o.min_batch,
+                             ", smallest heads)"));
+  }
+  Partition out;
+  out.time_s = best[static_cast<size_t>(n)];
+  for (int64_t j = n; j > 0; j = from[static_cast<size_t>(j)]) {
+    out.blocks.push_back(plans[static_cast<size_t>(from[static_cast<size_t>(j)])][static_cast<size_t>(j)]);
+  }
+  std::reverse(out.blocks.begin(), out.blocks.end());
+  return out;
+}
+
+double partition_min_budget(const MemoryProfile& p, const PartitionOptions& o) {
+  // Exact: the partition whose largest block need (at min_batch, cheapest head level) is smallest, by DP.
+  const auto n = static_cast<int64_t>(p.units.size());
+  std::vector<double> need(static_cast<size_t>(n + 1), kInf);
+  need[0] = 0;
+  for (int64_t j = 1; j <= n; ++j) {
+    for (int64_t i = 0; i < j; ++i) {
+      const bool has_heads = !p.units[static_cast<size_t>(i)].head_train.empty();
+      double block_need = kInf;
+      for (int64_t level = 0; level < (has_heads ? kAuxLevels : 1); ++level) {
+        const BlockCost c = block_cost(p, o, i, j, level);
+        block_need = std::min(block_need, c.fixed + c.per_sample * static_cast<double>(o.min_batch));
+      }
+      need[static_cast<size_t>(j)] = std::min(need[static_cast<size_t>(j)], std::max(need[static_cast<size_t>(i)], block_need));
+    }
+  }
+  return need[static_cast<size_t>(n)] / o.safety;
+}
+
+}  // namespace triaccel

@@ -1,0 +1,90 @@
+#include "triaccel/control/precision_controller.h"
+
+#include "triaccel/core/errors.h"
+#include "triaccel/train/grad_stats.h"
+
+#include <algorithm>
+
+namespace triaccel {
+
+PrecisionController::PrecisionController(PrecisionPolicyOptions policy, int64_t ctrl_every, const Model& model,
+                                         Optimizer& optimizer, TrainStep& step, const c10::Device& device)
+    : policy_(policy), ctrl_every_(ctrl_every), model_(model), step_(step), device_(device) {
+  policy_.validate();
+  const auto n_units = static_cast<int64_t>(model_.units().size());
+  step_.grad_stats_enable(GradStatsLayout(optimizer.params(), model_unit_of_params(model_, optimizer.params()), n_units));
+  step_.set_unit_precisions(std::vector<Precision>(static_cast<size_t>(n_units), policy_.default_precision));
+}
+
+Events PrecisionController::after_step(StepContext& ctx) {
+  Events events;
+  if (ctx.step % ctrl_every_ != 0) return events;
+  const at::Tensor stats = step_.grad_stats_take();  // (U, columns) on the CPU
+  std::vector<UnitPrecisionSignal> signals;
+  for (int64_t u = 0; u < stats.size(0); ++u) {
+    const double lambda = ctx.unit_lambda_max.empty() ? -1.0 : ctx.unit_lambda_max[static_cast<size_t>(u)];
+    signals.push_back({stats[u][kGradStatsVar].item<double>(), lambda});
+  }
+  const std::vector<Precision> before = state_.precision;
+  state_ = precision_policy_step(policy_, state_, signals);
+  step_.set_unit_precisions(state_.precision);
+  Json units = Json::array(), names = Json::array(), applied = Json::array();
+  for (const auto& u : model_.units()) units.push_back(u.name);
+  for (Precision p : state_.precision) {
+    names.push_back(enum_name(p));
+    applied.push_back(enum_name(precision_applied(p, device_)));
+  }
+  events.push_back({event::kPrecision, Json{{"units", units},
+                                            {"precision", names},
+                                            {"applied", applied},
+                                            {"grad_var_ema", state_.ema},
+                                            {"promoted", state_.promoted},
+                                            {"tau_low", state_.tau_low},
+                                            {"tau_high", state_.tau_high},
+                                            {"tau_curv", state_.tau_curv},
+                                            {"calibrated", state_.calibrated},
+                                            {"changed", before != state_.precision}}});
+  return events;
+}
+
+Json PrecisionController::state() const {
+  auto ints = [](const std::vector<Precision>& v) {
+    std::vector<int> out;
+    for (Precision p : v) out.push_back(static_cast<int>(p));
+    return out;
+  };
+  return Json{{"windows", state_.windows},     {"calibrated", state_.calibrated},
+              {"curv_calibrated", state_.curv_calibrated}, {"tau_low", state_.tau_low},
+              {"tau_high", state_.tau_high},   {"tau_curv", state_.tau_curv},
+              {"ema", state_.ema},             {"lambda_max", state_.lambda_max},
+              {"base", ints(state_.base)},     {"precision", ints(state_.precision)},
+              {"dwell", state_.dwell},         {"promoted", state_.promoted}};
+}
+
+void PrecisionController::restore(const Json& j) {
+  auto precisions = [](const std::vector<int>& v) {
+    std::vector<Precision> out;
+    for (int p : v) out.push_back(static_cast<Precision>(std::clamp(p, 0, 2)));
+    return out;
+  };
+  try {
+    state_.windows = j.at("windows").get<int64_t>();
+    state_.calibrated = j.at("calibrated").get<bool>();
+    state_.curv_calibrated = j.at("curv_calibrated").get<bool>();
+    state_.tau_low = j.at("tau_low").get<double>();
+    state_.tau_high = j.at("tau_high").get<double>();
+    state_.tau_curv = j.at("tau_curv").get<double>();
+    state_.ema = j.at("ema").get<std::vector<double>>();
+    state_.lambda_max = j.at("lambda_max").get<std::vector<double>>();
+    state_.base = precisions(j.at("base").get<std::vector<int>>());
+    state_.precision = precisions(j.at("precision").get<std::vector<int>>());
+    state_.dwell = j.at("dwell").get<std::vector<int>>();
+    state_.promoted = j.at("promoted").get<std::vector<bool>>();
+  } catch (const Json::exception&) {
+    throw UserError(str_cat("checkpoint has an unreadable Tri-Accel state; resume with the same ",
+                            option_ref("method"), " or start afresh"));
+  }
+  if (!state_.precision.empty()) step_.set_unit_precisions(state_.precision);
+}
+
+}  // namespace triaccel

@@ -1,0 +1,718 @@
+#include "triaccel/methods/backprop.h"
+
+#include "triaccel/control/baoc_controller.h"
+#include "triaccel/control/curvature_controller.h"
+#include "triaccel/control/elastic_batch.h"
+#include "triaccel/control/measure_window.h"
+#include "triaccel/control/precision_controller.h"
+#include "triaccel/core/device.h"
+#include "triaccel/core/errors.h"
+#include "triaccel/models/model.h"
+#include "triaccel/optim/baoc_optimizer.h"
+#include "triaccel/train/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/autograd.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace triaccel {
+namespace {
+
+constexpr double kGB = 1e9;
+
+// A skipped step's samples are retried; after this many skipped attempts in a row on the same samples they are
+// dropped (counted in dropped_samples, logged) so that a sample that always yields NaN cannot stall the run.
+constexpr int64_t kSkipRetryLimit = 8;
+
+NamedTensors scaler_state(const LossScaler& s) {
+  return {{"scale", s.scale_tensor()}, {"growth_tracker", s.growth_tracker()}, {"skipped", s.skipped_steps()}};
+}
+
+NamedTensors rng_state(const c10::Device& device) {
+  NamedTensors out{{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda()) out.emplace_back("cuda", at::cuda::detail::getDefaultCUDAGenerator(device.index()).get_state());
+#endif
+  return out;
+}
+
+void rng_restore(const NamedTensors& rng, const c10::Device& device) {
+  for (const auto& [name, state] : rng) {
+    // Generators are shared handles: a copy sets the default generator's state.
+    if (name == "cpu") {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      gen.set_state(state);
+    }
+#ifdef TRIACCEL_WITH_CUDA
+    if (name == "cuda" && device.is_cuda()) {
+      at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device.index());
+      gen.set_state(state);
+    }
+#endif
+  }
+}
+
+// --inject-faults oom: raises the error where a real one comes from. On CUDA the caching allocator is asked for
+// 1 PiB, more than any GPU holds: its own out-of-memory path runs (cached blocks released, the error built and
+// thrown) and the trainer catches a genuine c10::OutOfMemoryError. On the CPU (whose allocator reports failure as a
+// plain c10::Error) the same error type is thrown directly.
+[[noreturn]] void fault_raise_oom(const c10::Device& device) {
+  if (device.is_cuda()) {
+    const at::Tensor huge = at::empty({int64_t{1} << 50}, at::TensorOptions().dtype(at::kByte).device(device));
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "injected out of memory (inject_faults)");
+}
+
+double mean_of_last(const std::vector<double>& v, size_t n) {
+  if (v.empty()) return 0;
+  const size_t k = std::min(n, v.size());
+  return std::accumulate(v.end() - static_cast<long>(k), v.end(), 0.0) / static_cast<double>(k);
+}
+
+// The controllers' states, merged by key: controllers that share a key write disjoint fields of one object.
+Json controller_states(const std::vector<std::unique_ptr<StepController>>& controllers) {
+  Json out = Json::object();
+  for (const auto& c : controllers) {
+    Json& slot = out[c->state_key()];
+    if (slot.is_null()) slot = Json::object();
+    const Json state = c->state();
+    for (const auto& [k, v] : state.items()) slot[k] = v;
+  }
+  return out;
+}
+
+}  // namespace
+
+struct Trainer::Progress {
+  int64_t step = 0;          // optimizer steps done
+  int64_t epoch = 0;         // current epoch (0-based)
+  int64_t epoch_offset = 0;  // samples of the current epoch already trained
+  double elapsed_s = 0;      // the run's time when the checkpoint was written
+  double epoch_train_s = 0;  // training time spent in the current epoch so far
+  std::vector<double> epoch_times;  // finished epochs' training seconds
+  double peak_vram_gb = 0;
+  int64_t batch = 0;         // the batch size in use (smaller than batch_size after an out-of-memory retry)
+  Json last_epoch;           // the last epoch event's fields
+  Json controllers;          // state_key → state (Tri-Accel's under "tri_accel", BAOC's under "baoc")
+  double peak_vram_warmup_gb = -1;  // adamw/baoc: the peak up to step plan_warmup (then the peak restarts)
+  // Faults (docs/reliability.md), over the whole run: out-of-memory retries, skipped (inf/NaN) attempts that were
+  // retried, samples dropped after kSkipRetryLimit skips in a row, and faults injected by inject_faults.
+  int64_t oom_retries = 0;
+  int64_t skip_retries = 0;
+  int64_t dropped_samples = 0;
+  int64_t injected_faults = 0;
+
+  Json fault_counters() const {
+    return Json{{"oom_retries", oom_retries}, {"skip_retries", skip_retries}, {"dropped_samples", dropped_samples},
+                {"injected_faults", injected_faults}};
+  }
+  Json to_json() const {
+    Json j{{"step", step}, {"epoch", epoch}, {"epoch_offset", epoch_offset}, {"elapsed_s", elapsed_s},
+           {"epoch_train_s", epoch_train_s}, {"epoch_times", epoch_times}, {"peak_vram_gb", peak_vram_gb},
+           {"batch", batch}, {"last_epoch", last_epoch}};
+    for (const char* key : {"tri_accel", "baoc"}) j[key] = controllers.value(key, Json());
+    j["peak_vram_warmup_gb"] = peak_vram_warmup_gb;
+    const Json faults = fault_counters();
+    for (const auto& [k, v] : faults.items()) j[k] = v;
+    return j;
+  }
+  static Progress from_json(const Json& j, const std::string& path) {
+    Progress p;
+    try {
+      p.step = j.at("step").get<int64_t>();
+      p.epoch = j.at("epoch").get<int64_t>();
+      p.epoch_offset = j.at("epoch_offset").get<int64_t>();
+      p.elapsed_s = j.at("elapsed_s").get<double>();
+      p.epoch_train_s = j.at("epoch_train_s").get<double>();
+      p.epoch_times = j.at("epoch_times").get<std::vector<double>>();
+      p.peak_vram_gb = j.at("peak_vram_gb").get<double>();
+      p.batch = j.value("batch", int64_t{0});
+      p.last_epoch = j.at("last_epoch");
+      p.controllers = Json::object();
+      for (const char* key : {"tri_accel", "baoc"}) {
+        if (j.contains(key) && !j[key].is_null()) p.controllers[key] = j[key];
+      }
+      p.peak_vram_warmup_gb = j.value("peak_vram_warmup_gb", -1.0);
+      p.oom_retries = j.value("oom_retries", int64_t{0});  // absent in checkpoints before fault counters
+      p.skip_retries = j.value("skip_retries", int64_t{0});
+      p.dropped_samples = j.value("dropped_samples", int64_t{0});
+      p.injected_faults = j.value("injected_faults", int64_t{0});
+    } catch (const Json::exception&) {
+      throw UserError("checkpoint " + path + " has an unreadable progress record");
+    }
+    return p;
+  }
+};
+
+// --- set-up ---
+
+Trainer::Trainer(Session& session)
+    : session_(session),
+      config_(session.config()),
+      device_(session.device()),
+      train_loader_(session.data().train, session.data().mean, session.data().std,
+                    session.loader_options(LoaderRole::kTrain), session.device()),
+      test_loader_(session.data().test, session.data().mean, session.data().std,
+                   session.loader_options(LoaderRole::kEval), session.device()),
+      scaler_([&] {
+        LossScalerOptions lso;
+        // Tri-Accel may put units in fp16 at any window: the loss scaler runs from the start.
+        lso.enabled = config_.execution.precision == PrecisionMode::kAmpFP16 ||
+                      config_.execution.method == Method::kTriAccel;
+        return lso;
+      }(), session.device()),
+      // Evaluation (and Tri-Accel's calibration phase) uses bf16 for tri-accel, the chosen mode otherwise.
+      eval_precision_(config_.execution.method == Method::kTriAccel ? PrecisionMode::kAmpBF16
+                                                                    : config_.execution.precision),
+      faults_(config_.execution.inject_faults),
+      progress_(std::make_unique<Progress>()) {
+  std::vector<std::pair<std::string, at::Tensor>> named_params;
+  for (const auto& item : session_.model().named_parameters()) named_params.emplace_back(item.key(), item.value());
+  optimizer_ = optimizer_create(config_.optim.optimizer, named_params, config_.optim.optimizer_options());
+  budget_floor_check();
+
+  const int64_t steps_per_epoch = train_loader_.steps_per_epoch();
+  schedule_.base_lr = config_.optim.lr;
+  schedule_.decay = config_.schedule.lr_decay;
+  schedule_.total_steps = steps_per_epoch * config_.schedule.epochs;
+  schedule_.warmup_steps = static_cast<int64_t>(
+      std::llround(config_.schedule.warmup_epochs_resolved() * static_cast<double>(steps_per_epoch)));
+  schedule_.validate();
+  restore();
+
+  session_.events_open(Json{{"train_samples", train_loader_.size()},
+                            {"test_samples", test_loader_.size()},
+                            {"steps_per_epoch", steps_per_epoch},
+                            {"total_steps", schedule_.total_steps},
+                            {"warmup_steps", schedule_.warmup_steps},
+                            {"augment", train_loader_.options().augment},
+                            {"dataset_resident_gb", static_cast<double>(train_loader_.resident_bytes() +
+                                                                        test_loader_.resident_bytes()) / kGB}});
+  const Progress& p = *progress_;
+  session_.printer().line(c10::str(
+      "triaccel: ", config_.model.model, " on ", config_.data.dataset, " (", train_loader_.size(), " train / ",
+      test_loader_.size(), " test), ", session_.model().parameter_count(), " params, ",
+      enum_name(config_.execution.precision), ", batch ", config_.schedule.batch_size, ", ",
+      device_long_name(device_), session_.checkpoint() ? ", resumed at step " + std::to_string(p.step) : ""));
+
+  StepOptions so;
+  so.precision = config_.execution.precision;
+  so.cuda_graphs = config_.execution.cuda_graphs;
+  so.graph_batch_size = config_.schedule.batch_size;
+  so.label_smoothing = config_.optim.label_smoothing;
+  so.fault_injection = !faults_.empty();
+  step_ = std::make_unique<TrainStep>(session_.model(), *optimizer_, scaler_, so, device_);
+  controllers_build();
+
+  // Peak VRAM: allocator peak since here, resident dataset included (it stays allocated for the whole run).
+  memory_stats_reset_peak(device_);
+  if (progress_->batch <= 0) progress_->batch = config_.schedule.batch_size;
+  memory_cap();
+  step_->set_graph_batch_size(progress_->batch);
+  batch_images_ = train_loader_.batch_images_empty(std::max(config_.schedule.batch_size, progress_->batch));
+  batch_labels_ = train_loader_.batch_labels_empty(batch_images_.size(0));
+  last_lr_ = schedule_lr(schedule_, schedule_position());
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::budget_floor_check() const {
+  const int64_t budget = config_.execution.vram_budget_bytes();
+  if (budget <= 0) return;
+  // The floor no batch size can go under, on any device: fp32 weights and gradients, the optimizer's state and the
+  // resident datasets. Activations and workspaces come on top, so a budget just above it still fails later (on
+  // CUDA, with the measured figure in memory_cap); this check names the number before anything runs.
+  const int64_t n = session_.model().parameter_count();
+  const int64_t state = optimizer_->state_bytes() / std::max<int64_t>(n, 1);
+  const int64_t weights = n * (4 + 4 + state);
+  const int64_t resident = train_loader_.resident_bytes() + test_loader_.resident_bytes();
+  const int64_t minimum = weights + resident;
+  TRIACCEL_CHECK_INPUT(budget >= minimum, option_ref("vram_budget"), " ", config_.execution.vram_budget,
+                       " is below this run's minimum of ", minimum, " bytes (", static_cast<double>(minimum) / 1e6,
+                       " MB: weights, gradients and ", enum_name(config_.optim.optimizer), " state of ", n,
+                       " parameters take ", static_cast<double>(weights) / 1e6, " MB, the resident dataset ",
+                       static_cast<double>(resident) / 1e6, " MB; activations come on top); raise the budget");
+}
+
+void Trainer::restore() {
+  if (!session_.checkpoint()) return;
+  const Checkpoint& ckpt = *session_.checkpoint();
+  const std::string& file = session_.checkpoint_file();
+  named_tensors_load(model_state(session_.model()), ckpt.model, "model", file);
+  optimizer_->state_load(ckpt.optimizer, file);
+  named_tensors_load(scaler_state(scaler_), ckpt.scaler, "loss scaler", file);
+  *progress_ = Progress::from_json(ckpt.progress, file);
+  rng_restore(ckpt.rng, device_);
+  TRIACCEL_CHECK_INPUT(progress_->epoch_offset <= train_loader_.size(), "checkpoint ", file,
+                       " has a data cursor beyond the dataset (", progress_->epoch_offset, " > ",
+                       train_loader_.size(), ")");
+}
+
+void Trainer::controllers_build() {
+  const TriAccelConfig& ta = config_.tri_accel;
+  if (config_.execution.method == Method::kTriAccel) {
+    if (ta.ta_curvature || ta.ta_precision) {
+      // The fixed curvature batch: the first b_curv samples of epoch 0's (seeded) order.
+      train_loader_.epoch_begin(0);
+      auto [images, labels] = train_loader_.batch(0, std::min(ta.curv_batch, train_loader_.size()));
+      CurvatureControllerOptions co;
+      co.ctrl_every = ta.ctrl_every;
+      co.budget = ta.curv_budget;
+      co.alpha = ta.curv_alpha;
+      co.lr_scaling = ta.ta_curvature;
+      co.probe.top_k = static_cast<int>(ta.curv_top_k);
+      co.probe.max_iters = static_cast<int>(ta.curv_max_iters);
+      co.probe.batch = ta.curv_batch;
+      co.probe.every_steps = ta.curv_every;
+      co.probe.seed = config_.execution.seed;
+      co.probe.cuda_graphs = config_.execution.cuda_graphs;
+      co.probe.clock = &session_.clock();
+      controllers_.push_back(std::make_unique<CurvatureController>(co, session_.model(), *optimizer_, *step_,
+                                                                   images, labels));
+    }
+    if (ta.ta_precision) {
+      PrecisionPolicyOptions po;
+      po.tau_low = ta.tau_low;
+      po.tau_high = ta.tau_high;
+      po.tau_curv = ta.tau_curv;
+      controllers_.push_back(std::make_unique<PrecisionController>(po, ta.ctrl_every, session_.model(), *optimizer_,
+                                                                   *step_, device_));
+    }
+  }
+  if (config_.optim.optimizer == OptimizerKind::kBaoc) {
+    BaocControllerOptions bo;
+    bo.memory_budget = config_.baoc.optim_memory_budget;
+    bo.time_budget = config_.baoc.optim_time_budget;
+    bo.formats = config_.baoc.optim_formats;
+    bo.time_table = config_.baoc.optim_time_table;
+    bo.risk_floor = config_.baoc.optim_risk_floor;
+    bo.plan_warmup = config_.baoc.plan_warmup;
+    bo.replan_every = config_.baoc.replan_every;
+    controllers_.push_back(std::make_unique<BaocController>(bo, session_.model(),
+                                                            static_cast<BaocOptimizer&>(*optimizer_),
+                                                            [this]() { step_->invalidate_graph(); }, progress_->step + 1));
+  }
+  if (config_.optim.optimizer != OptimizerKind::kSgd) {
+    controllers_.push_back(std::make_unique<MeasureWindowController>(config_.baoc.plan_warmup, *step_));
+  }
+  // Batch sizes: bucketed halving after out of memory; under a vram_budget, Tri-Accel's elastic batch (the paper's
+  // rule on the measured peak) every control window. The lr follows the batch by lr_batch_rule.
+  const int64_t budget = config_.execution.vram_budget_bytes();
+  batch_rules_.min_batch = std::min<int64_t>(batch_rules_.min_batch, config_.schedule.batch_size);
+  batch_rules_.max_batch = std::max<int64_t>(config_.schedule.batch_size, std::min<int64_t>(4096, train_loader_.size()));
+  batch_rules_.budget_bytes = budget;
+  batch_rules_.lr_rule = config_.schedule.lr_batch_rule;
+  const bool elastic = config_.execution.method == Method::kTriAccel && ta.ta_batch && budget > 0 &&
+                       (device_.is_cuda() || session_.hooks().memory_signal);
+  if (elastic) {
+    controllers_.push_back(std::make_unique<ElasticBatchController>(batch_rules_, ta.ctrl_every,
+                                                                    config_.schedule.batch_size,
+                                                                    session_.hooks().memory_signal));
+  }
+  for (auto& c : controllers_) {
+    if (progress_->controllers.contains(c->state_key())) c->restore(progress_->controllers[c->state_key()]);
+  }
+}
+
+void Trainer::memory_cap() {
+  const int64_t budget = config_.execution.vram_budget_bytes();
+  if (budget <= 0) return;
+  if (device_.is_cuda()) {
+    const MemoryStats m = memory_stats(device_);
+    TRIACCEL_CHECK_INPUT(m.allocated_bytes < budget, option_ref("vram_budget"), " ", config_.execution.vram_budget,
+                         " is below this run's minimum: the resident dataset and the weights alone take ",
+                         static_cast<double>(m.allocated_bytes) / kGB,
+                         " GB before gradients, optimizer state and activations; raise the budget");
+    session_.memory_cap(budget);
+  } else if (!session_.hooks().memory_signal) {
+    session_.printer().line("note: the vram_budget applies to CUDA devices; this run is on the CPU and ignores it");
+  }
+}
+
+// --- the loop ---
+
+Json Trainer::run() {
+  Progress& p = *progress_;
+  while (p.epoch < config_.schedule.epochs && !stopped_) {
+    if (!epoch()) break;  // stopped inside the epoch
+  }
+  if (stopped_ && p.epoch < config_.schedule.epochs) return stop();
+  return summary();
+}
+
+bool Trainer::epoch() {
+  Progress& p = *progress_;
+  train_loader_.epoch_begin(p.epoch);
+  step_->metrics_reset();
+  samples_this_epoch_ = 0;
+  device_synchronize(device_);
+  t_epoch_ = session_.clock().now_s();
+  t_log_ = t_epoch_;
+  samples_since_log_ = 0;
+  while (p.epoch_offset < train_loader_.size()) {
+    const int64_t count = std::min(p.batch, train_loader_.size() - p.epoch_offset);
+    const Attempt a = step_with_recovery(count);
+    if (a == Attempt::kRetry) continue;
+    if (a == Attempt::kDropped) continue;
+    after_step(count);
+    const bool last_in_epoch = p.epoch_offset >= train_loader_.size();
+    if (config_.schedule.max_steps > 0 && p.step >= config_.schedule.max_steps) {
+      stopped_ = true;
+      if (!last_in_epoch) break;
+    }
+    if (config_.output.checkpoint_every > 0 && p.step % config_.output.checkpoint_every == 0 && !last_in_epoch) {
+      train_time_pause();
+      checkpoint();
+      t_epoch_ = session_.clock().now_s();
+    }
+  }
+  train_time_pause();
+  if (stopped_ && p.epoch_offset < train_loader_.size()) return false;
+  epoch_end(p.epoch_train_s);
+  return true;
+}
+
+Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
+  Progress& p = *progress_;
+  // A shorter batch (the epoch's last, or after an out-of-memory retry) uses the front of the full-size buffers:
+  // dim 0 is outermost in NCHW and channels_last alike, so the view stays dense and nothing is allocated.
+  at::Tensor images = count == batch_images_.size(0) ? batch_images_ : batch_images_.narrow(0, 0, count);
+  at::Tensor labels = count == batch_labels_.size(0) ? batch_labels_ : batch_labels_.narrow(0, 0, count);
+  const double lr = schedule_lr(schedule_, schedule_position()) *
+                    lr_scale_for_batch(batch_rules_.lr_rule, p.batch, config_.schedule.batch_size);
+  last_lr_ = lr;
+  FaultKind fault = FaultKind::kNone;
+  try {  // loading the batch allocates too (resize, augmentation): under a budget it can run out of memory
+    train_loader_.batch_into(p.epoch_offset, count, images, labels);
+    if (session_.hooks().before_step) session_.hooks().before_step(p.step, count);
+    if (!faults_.empty()) {
+      fault = faults_.fault_at(p.step, attempt_);
+      if (fault != FaultKind::kNone) p.injected_faults += 1;
+      if (fault == FaultKind::kOom) fault_raise_oom(device_);
+      step_->set_fault(fault);
+    }
+    attempt_ += 1;
+    step_->run(images, labels, lr);
+  } catch (const c10::OutOfMemoryError&) {
+    return on_out_of_memory(fault);
+  }
+  retried_at_min_ = false;
+  // Only under inject_faults: reading found_inf is a host sync after every step. Without injected faults a
+  // non-finite step is skipped on the device as GradScaler does (counted in skipped_steps, samples not retried).
+  if (!faults_.empty() && step_->last_step_skipped()) return on_skipped_step(fault, count);
+  attempt_ = 0;
+  skips_in_a_row_ = 0;
+  return Attempt::kTrained;
+}
+
+Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault) {
+  Progress& p = *progress_;
+  attempt_ += fault == FaultKind::kOom ? 1 : 0;  // the injected error came before the increment
+  p.oom_retries += 1;
+  const Json where{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"injected", fault == FaultKind::kOom}};
+  // Retry the same samples at a smaller batch: nothing is skipped or repeated. At the minimum batch, one retry at the
+  // same size after releasing the cache and the graph (a transient peak: a re-capture, a probe), and only a second
+  // failure in a row is the budget's fault (batch_after_oom throws then).
+  if (p.batch <= batch_rules_.min_batch && !retried_at_min_) {
+    retried_at_min_ = true;
+    step_->set_graph_batch_size(0);
+    memory_cache_release(device_);
+    Json fields{{"batch", p.batch}, {"retry_batch", p.batch}};
+    for (const auto& [k, v] : where.items()) fields[k] = v;
+    session_.event(event::kOom, p.step, fields);
+    step_->set_graph_batch_size(p.batch);
+    return Attempt::kRetry;
+  }
+  const int64_t smaller = batch_after_oom(batch_rules_, p.batch);
+  Json fields{{"batch", p.batch}, {"retry_batch", smaller}};
+  for (const auto& [k, v] : where.items()) fields[k] = v;
+  session_.event(event::kOom, p.step, fields);
+  // The elastic batch never grows back to a size that ran out of memory.
+  batch_rules_.max_batch = std::max(batch_rules_.min_batch, std::min(batch_rules_.max_batch, p.batch - 1));
+  batch_set(smaller);
+  memory_cache_release(device_);
+  return Attempt::kRetry;
+}
+
+Trainer::Attempt Trainer::on_skipped_step(FaultKind fault, int64_t count) {
+  Progress& p = *progress_;
+  // An inf/NaN gradient or loss: parameters and optimizer state did not change (the optimizer's found_inf rule),
+  // the buffers are put back, and the same samples are tried again — up to kSkipRetryLimit times in a row.
+  step_->skipped_step_restore();
+  skips_in_a_row_ += 1;
+  const bool drop = skips_in_a_row_ >= kSkipRetryLimit;
+  const bool injected = fault == FaultKind::kNanGrad || fault == FaultKind::kInfGrad || fault == FaultKind::kNanLoss;
+  std::string reason = fault_kind_name(fault);
+  if (!injected) reason = std::isfinite(step_->last_loss().item<double>()) ? "non-finite-grad" : "non-finite-loss";
+  session_.event(event::kSkip, p.step,
+                 Json{{"reason", reason}, {"injected", injected}, {"action", drop ? "drop" : "retry"},
+                      {"attempt", skips_in_a_row_}, {"batch", count}, {"epoch", p.epoch},
+                      {"epoch_offset", p.epoch_offset}, {"loss_scale", scaler_.scale_tensor().item<double>()}});
+  if (!drop) {
+    p.skip_retries += 1;
+    return Attempt::kRetry;
+  }
+  session_.printer().line(c10::str("warning: samples ", p.epoch_offset, "..", p.epoch_offset + count - 1, " of epoch ",
+                                   p.epoch + 1, " gave inf/NaN ", kSkipRetryLimit,
+                                   " times in a row; dropped for this epoch"));
+  p.dropped_samples += count;
+  p.epoch_offset += count;
+  skips_in_a_row_ = 0;  // attempt keeps counting: the step count did not advance (--inject-faults xN spans it)
+  return Attempt::kDropped;
+}
+
+void Trainer::after_step(int64_t count) {
+  Progress& p = *progress_;
+  const RunHooks& hooks = session_.hooks();
+  if (hooks.on_batch) hooks.on_batch(p.epoch, p.epoch_offset, count);
+  p.epoch_offset += count;
+  p.step += 1;
+  samples_this_epoch_ += count;
+  samples_since_log_ += count;
+  if (hooks.after_step) hooks.after_step(p.step);
+  StepContext ctx;
+  ctx.step = p.step;
+  ctx.batch = p.batch;
+  ctx.now_s = session_.clock().now_s();
+  ctx.memory = this;
+  for (auto& c : controllers_) {
+    for (const Event& e : c->after_step(ctx)) session_.event(e.name, p.step, e.fields);
+  }
+  if (ctx.batch != p.batch) batch_set(ctx.batch);
+  const bool last_in_epoch = p.epoch_offset >= train_loader_.size();
+  if (p.step % config_.output.log_every == 0 || last_in_epoch) {
+    const double loss = step_->last_loss().item<double>();  // syncs
+    const double t = session_.clock().now_s();
+    const int64_t b = config_.schedule.batch_size;
+    session_.printer().step(p.epoch, config_.schedule.epochs, (p.epoch_offset + b - 1) / b,
+                            train_loader_.steps_per_epoch(), loss, last_lr_,
+                            static_cast<double>(samples_since_log_) / std::max(t - t_log_, 1e-9));
+    t_log_ = t;
+    samples_since_log_ = 0;
+  }
+}
+
+void Trainer::train_time_pause() {
+  device_synchronize(device_);
+  progress_->epoch_train_s += session_.clock().now_s() - t_epoch_;
+  for (auto& c : controllers_) c->pause();
+}
+
+Trainer::EvalResult Trainer::evaluate(int64_t batch_size) {
+  const torch::NoGradGuard no_grad;
+  Model& model = session_.model();
+  model.eval();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
+  at::Tensor loss_sum = at::zeros({1}, f32);
+  at::Tensor correct = at::zeros({1}, f32);
+  at::Tensor correct_tta = at::zeros({1}, f32);
+  const bool flip_tta = config_.execution.tta == Tta::kFlip;
+  double predictions = 0;  // label elements: samples, or samples × T for a language model
+  for (int64_t offset = 0; offset < test_loader_.size(); offset += batch_size) {
+    const int64_t count = std::min(batch_size, test_loader_.size() - offset);
+    auto [images, labels] = test_loader_.batch(offset, count);
+    const AutocastScope autocast(device_, eval_precision_);
+    // (count, classes), or (count, T, V) flattened to (count · T, V) for a language model
+    const at::Tensor logits = model.forward(images).to(at::kFloat).flatten(0, -2);
+    const at::Tensor targets = labels.flatten();
+    predictions += static_cast<double>(targets.numel());
+    loss_sum.add_(at::cross_entropy_loss(logits, targets, {}, at::Reduction::Sum));
+    correct.add_(logits.argmax(1).eq(targets).sum().to(at::kFloat));
+    if (flip_tta) {
+      const at::Tensor both = logits + model.forward(images.flip({3})).to(at::kFloat);
+      correct_tta.add_(both.argmax(1).eq(labels).sum().to(at::kFloat));
+    }
+  }
+  model.train();
+  const double n = static_cast<double>(test_loader_.size());
+  return {loss_sum.item<double>() / predictions, 100.0 * correct.item<double>() / predictions,
+          flip_tta ? 100.0 * correct_tta.item<double>() / n : -1.0};
+}
+
+Trainer::EvalResult Trainer::evaluate_within_budget() {
+  for (int64_t batch = config_.execution.eval_batch_size;; batch = (batch + 1) / 2) {
+    try {  // under a vram_budget, an evaluation batch that does not fit is halved, not fatal
+      return evaluate(batch);
+    } catch (const c10::OutOfMemoryError&) {
+      TRIACCEL_CHECK_INPUT(batch > 1, "out of memory evaluating one sample: raise ", option_ref("vram_budget"));
+      session_.event(event::kOom, progress_->step,
+                     Json{{"phase", "eval"}, {"batch", batch}, {"retry_batch", (batch + 1) / 2}});
+      memory_cache_release(device_);
+    }
+  }
+}
+
+void Trainer::epoch_end(double train_s) {
+  Progress& p = *progress_;
+  // Peak VRAM is the training peak (the measured period); evaluation's own peak is reported beside it.
+  p.peak_vram_gb = std::max(p.peak_vram_gb, static_cast<double>(memory_stats(device_).peak_allocated_bytes) / kGB);
+  memory_stats_reset_peak(device_);
+  const double t_eval = session_.clock().now_s();
+  const EvalResult test = evaluate_within_budget();
+  const double eval_s = session_.clock().now_s() - t_eval;
+  const double eval_peak_gb = static_cast<double>(memory_stats(device_).peak_allocated_bytes) / kGB;
+  memory_stats_reset_peak(device_);
+  const double seen = static_cast<double>(std::max<int64_t>(samples_this_epoch_, 1));
+  const bool tokens = session_.data().train.kind == DatasetKind::kTokens;
+  double overhead_s = 0;
+  for (const auto& c : controllers_) overhead_s += c->overhead_s();
+  const bool tri = config_.execution.method == Method::kTriAccel;
+  const StepGraph& graph = step_->graph();
+  p.epoch_times.push_back(train_s);
+  p.last_epoch = Json{
+      {"epoch", p.epoch + 1},
+      {"train_loss", step_->loss_sum().item<double>() / seen},
+      {"train_acc", 100.0 * step_->correct_sum().item<double>() / seen},
+      {"test_loss", test.loss},
+      {"val_loss", tokens ? Json(test.loss) : Json(nullptr)},
+      {"test_acc", test.acc},
+      {"test_acc_tta", test.acc_tta >= 0 ? Json(test.acc_tta) : Json(nullptr)},
+      {"epoch_s", train_s},
+      {"eval_s", eval_s},
+      {"images_per_s", static_cast<double>(samples_this_epoch_) / std::max(train_s, 1e-9)},
+      {"tokens_per_s", tokens ? Json(static_cast<double>(samples_this_epoch_ * session_.data().train.images.size(1)) /
+                                     std::max(train_s, 1e-9))
+                              : Json(nullptr)},
+      {"samples", samples_this_epoch_},  // trained this epoch in this session
+      {"lr", last_lr_},
+      {"batch", p.batch},
+      {"peak_vram_gb", p.peak_vram_gb},
+      {"eval_peak_vram_gb", eval_peak_gb},
+      {"alloc_retries", memory_stats(device_).alloc_retries},  // since the start (core/device.h)
+      {"skipped_steps", scaler_.skipped_steps().item<double>()},
+      {"faults", p.fault_counters()},
+      {"loss_scale", scaler_.scale_tensor().item<double>()},
+      {"cuda_graph", graph.captured()},
+      {"graph_captures", graph.captures()},
+      {"graph_capture_ooms", graph.capture_ooms()},
+      {"graph_capture_error", graph.capture_error().empty() ? Json(nullptr) : Json(graph.capture_error())},
+      {"probe_s_total", tri ? Json(overhead_s) : Json(nullptr)}};
+  session_.event(event::kEpoch, p.step, p.last_epoch);
+  session_.printer().line(c10::str("epoch ", p.epoch + 1, "/", config_.schedule.epochs, ": train loss ",
+                                   p.last_epoch["train_loss"].get<double>(), ", test acc ", test.acc, " %, ", train_s,
+                                   " s"));
+  p.epoch += 1;
+  p.epoch_offset = 0;
+  p.epoch_train_s = 0;
+  if (config_.output.checkpoint_every == 0 || p.epoch == config_.schedule.epochs) checkpoint();
+}
+
+void Trainer::checkpoint() {
+  Checkpoint c;
+  c.config = config_.to_json();
+  c.model_arch = config_.model.model;
+  c.model = model_state(session_.model());
+  c.optimizer = optimizer_->state_tensors();
+  c.scaler = scaler_state(scaler_);
+  c.rng = rng_state(device_);
+  Progress p = *progress_;
+  p.elapsed_s = session_.now();
+  p.controllers = controller_states(controllers_);
+  c.progress = p.to_json();
+  const std::string path = session_.out_file(kCheckpointFile);
+  checkpoint_write(path, c);
+  session_.event(event::kCheckpoint, progress_->step,
+                 Json{{"path", path}, {"epoch", progress_->epoch}, {"epoch_offset", progress_->epoch_offset}});
+}
+
+Json Trainer::stop() {
+  const Progress& p = *progress_;
+  checkpoint();
+  const Json fields{{"reason", "max_steps"}, {"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}};
+  session_.event(event::kStop, p.step, fields);
+  session_.printer().line(c10::str("stopped at step ", p.step, " (", option_ref("max_steps"), "); continue with ",
+                                   option_ref("resume"), " ", config_.output.out));
+  return fields;
+}
+
+Json Trainer::summary() {
+  const Progress& p = *progress_;
+  const std::string model_path = session_.out_file("model.pt");
+  model_export_state_dict(session_.model(), model_path);
+  const double epoch_s = mean_of_last(p.epoch_times, 5);
+  const double acc = p.last_epoch.value("test_acc", 0.0);
+  const int64_t params = session_.model().parameter_count();
+  const bool tri = config_.execution.method == Method::kTriAccel;
+  const bool sgd = config_.optim.optimizer == OptimizerKind::kSgd;
+  double overhead_s = 0;
+  for (const auto& c : controllers_) overhead_s += c->overhead_s();
+  const double train_s = std::accumulate(p.epoch_times.begin(), p.epoch_times.end(), 0.0);
+  Json summary{{"test_acc", acc},
+               {"test_acc_tta", p.last_epoch.value("test_acc_tta", Json(nullptr))},
+               {"test_loss", p.last_epoch.value("test_loss", 0.0)},
+               {"epoch_s", epoch_s},
+               {"peak_vram_gb", p.peak_vram_gb},
+               {"peak_vram_includes_dataset", true},
+               {"peak_vram_phase", "training steps (evaluation's peak is in each epoch event)"},
+               {"eff_score", (epoch_s > 0 && p.peak_vram_gb > 0) ? Json(acc / (epoch_s * p.peak_vram_gb))
+                                                                 : Json(nullptr)},
+               {"params", params},
+               {"method", enum_name(config_.execution.method)},
+               {"optimizer", enum_name(config_.optim.optimizer)},
+               {"optim_state_bytes", optimizer_->state_bytes()},
+               {"adamw_fp32_state_bytes", 8 * params},
+               {"peak_vram_warmup_gb", p.peak_vram_warmup_gb >= 0 ? Json(p.peak_vram_warmup_gb) : Json(nullptr)},
+               {"peak_vram_from_step", sgd ? 0 : config_.baoc.plan_warmup},
+               {"model", config_.model.model},
+               {"dataset", config_.data.dataset},
+               {"precision", tri ? std::string("adaptive") : std::string(enum_name(config_.execution.precision))},
+               {"probe_share", tri ? Json(overhead_s / std::max(1e-9, train_s)) : Json(nullptr)},
+               {"batch_size", config_.schedule.batch_size},
+               {"epochs", config_.schedule.epochs},
+               {"steps", p.step},
+               {"skipped_steps", scaler_.skipped_steps().item<double>()},
+               {"oom_retries", p.oom_retries},
+               {"skip_retries", p.skip_retries},
+               {"dropped_samples", p.dropped_samples},
+               {"injected_faults", p.injected_faults},
+               {"total_s", session_.now()},
+               {"device", device_long_name(device_)},
+               {"model_path", model_path}};
+  session_.event(event::kSummary, p.step, summary);
+  session_.printer().line(c10::str("done: test acc ", acc, " %, ", epoch_s, " s/epoch, peak ", p.peak_vram_gb,
+                                   " GB; events in ", session_.events().path()));
+  return summary;
+}
+
+// --- helpers ---
+
+void Trainer::batch_set(int64_t batch) {
+  progress_->batch = batch;
+  step_->set_graph_batch_size(batch);
+  if (batch > batch_images_.size(0)) {  // grow the input buffers (the old graph, which used them, is gone)
+    batch_images_ = at::Tensor();
+    batch_labels_ = at::Tensor();
+    batch_images_ = train_loader_.batch_images_empty(batch);
+    batch_labels_ = train_loader_.batch_labels_empty(batch);
+  }
+}
+
+// The schedule's position in units of the initial batch: equal to the step count while the batch is unchanged, and
+// it still ends with the data when the batch changes.
+double Trainer::schedule_position() const {
+  return static_cast<double>(progress_->epoch * train_loader_.steps_per_epoch()) +
+         static_cast<double>(progress_->epoch_offset) / static_cast<double>(config_.schedule.batch_size);
+}
+
+MemoryStats Trainer::window() {
+  const MemoryStats m = memory_stats(device_);
+  progress_->peak_vram_gb = std::max(progress_->peak_vram_gb, static_cast<double>(m.peak_allocated_bytes) / kGB);
+  memory_stats_reset_peak(device_);
+  return m;
+}
+
+void Trainer::restart() {
+  Progress& p = *progress_;
+  p.peak_vram_warmup_gb = std::max(p.peak_vram_gb, static_cast<double>(memory_stats(device_).peak_allocated_bytes) / kGB);
+  p.peak_vram_gb = 0;
+  memory_stats_reset_peak(device_);
+}
+
+}  // namespace triaccel

@@ -1,0 +1,95 @@
+// Backprop: the Trainer. On a Session (run/session.h) it builds the loaders, the optimizer, the loss scaler, the
+// schedule, the step engine (train/step.h) and the list of controllers the configuration asks for (Tri-Accel's
+// curvature, precision and elastic batch; BAOC's planner; the measurement window of AdamW and BAOC runs), then runs
+// epochs of steps with recovery (out-of-memory retries, skipped inf/NaN steps, injected faults), evaluation,
+// checkpoints and the summary. Every sample of an epoch is trained exactly once, whatever the batch size does.
+#pragma once
+
+#include "triaccel/control/batch_controller.h"
+#include "triaccel/control/controller.h"
+#include "triaccel/core/json.h"
+#include "triaccel/data/loader.h"
+#include "triaccel/optim/optimizer.h"
+#include "triaccel/run/session.h"
+#include "triaccel/train/faults.h"
+#include "triaccel/train/loss_scaler.h"
+#include "triaccel/train/schedule.h"
+#include "triaccel/train/step.h"
+
+#include <memory>
+#include <vector>
+
+namespace triaccel {
+
+class Trainer : private MemoryMeter {
+ public:
+  explicit Trainer(Session& session);
+  ~Trainer() override;
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // Trains to the end (or to max_steps) and returns the summary event's fields (the stop event's when stopped).
+  Json run();
+
+  // The progress record a checkpoint stores (step, epoch, data cursor, times, peaks, fault counters, controllers).
+  struct Progress;
+
+ private:
+  struct EvalResult {
+    double loss = 0;
+    double acc = 0;       // percent
+    double acc_tta = -1;  // percent with flip test-time augmentation; -1 when not measured
+  };
+  enum class Attempt { kTrained, kRetry, kDropped };
+
+  // Set-up.
+  void budget_floor_check() const;
+  void restore();
+  void controllers_build();
+  void memory_cap();
+  // The loop.
+  bool epoch();                            // false: stopped inside the epoch
+  Attempt step_with_recovery(int64_t count);
+  Attempt on_out_of_memory(FaultKind fault);
+  Attempt on_skipped_step(FaultKind fault, int64_t count);
+  void after_step(int64_t count);
+  EvalResult evaluate(int64_t batch_size);
+  EvalResult evaluate_within_budget();
+  void epoch_end(double train_s);
+  void checkpoint();
+  Json stop();
+  Json summary();
+  // Helpers.
+  void batch_set(int64_t batch);
+  double schedule_position() const;
+  void train_time_pause();                 // the epoch clock stops (evaluation, a checkpoint)
+  MemoryStats window() override;           // MemoryMeter
+  void restart() override;
+
+  Session& session_;
+  const Config& config_;
+  const c10::Device device_;
+  Loader train_loader_;
+  Loader test_loader_;
+  std::unique_ptr<Optimizer> optimizer_;
+  LossScaler scaler_;
+  PrecisionMode eval_precision_;
+  ScheduleOptions schedule_;
+  const FaultPlan faults_;
+  std::unique_ptr<Progress> progress_;
+  std::unique_ptr<TrainStep> step_;
+  BatchControllerOptions batch_rules_;     // out-of-memory halving and the elastic batch share these
+  std::vector<std::unique_ptr<StepController>> controllers_;
+  at::Tensor batch_images_, batch_labels_;  // the step's input buffers (the graph's static inputs)
+  // Within the current session of the run.
+  int64_t samples_this_epoch_ = 0;         // trained this epoch in this session
+  int64_t samples_since_log_ = 0;
+  double t_epoch_ = 0, t_log_ = 0;         // session clock at the epoch's (or last pause's) start, last log line
+  double last_lr_ = 0;
+  bool retried_at_min_ = false;            // an out-of-memory retry at the minimum batch is allowed once in a row
+  int64_t attempt_ = 0;                    // attempts at the current step (retries keep its samples)
+  int64_t skips_in_a_row_ = 0;             // skipped attempts at the current samples
+  bool stopped_ = false;
+};
+
+}  // namespace triaccel

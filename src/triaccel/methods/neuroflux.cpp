@@ -1,0 +1,1014 @@
+// The NeuroFlux runner; see neuroflux.h and docs/neuroflux.md.
+// Invariants: every unit trains on a detached input, so no gradient crosses a unit boundary; block b reads its
+// training input only from the loader (b = 0) or the cache written by block b-1, never by running earlier blocks;
+// every random choice (held-out split, head initialization, per-block data order and flips) is a pure function of
+// (seed, block, epoch), so a run resumed at a block boundary ends with the same weights as an uninterrupted one.
+#include "triaccel/methods/neuroflux.h"
+
+#include "triaccel/control/batch_controller.h"
+#include "triaccel/control/memory_profile.h"
+#include "triaccel/control/partitioner.h"
+#include "triaccel/core/device.h"
+#include "triaccel/core/errors.h"
+#include "triaccel/core/io.h"
+#include "triaccel/data/dataset.h"
+#include "triaccel/data/loader.h"
+#include "triaccel/methods/activation_cache.h"
+#include "triaccel/models/registry.h"
+#include "triaccel/optim/sgd.h"
+#include "triaccel/train/checkpoint.h"
+#include "triaccel/train/precision.h"
+#include "triaccel/train/schedule.h"
+#include "triaccel/train/step_graph.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/autograd.h>
+#include <torch/utils.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <unordered_set>
+
+namespace triaccel {
+namespace {
+
+constexpr double kGB = 1e9;
+constexpr uint64_t kHoldoutStream = 0x4e46486f6c64ULL;  // independent seed streams (seed_mix)
+constexpr uint64_t kHeadStream = 0x4e4648656164ULL;
+constexpr uint64_t kBlockStream = 0x4e46426c6f63ULL;
+constexpr const char* kAuxPrefix = "neuroflux_aux.";  // head entries in the checkpoint's model state
+
+at::Tensor permutation(int64_t n, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
+}
+
+Dataset dataset_rows(const Dataset& d, const at::Tensor& index) {
+  Dataset out;
+  out.name = d.name;
+  out.images = d.images.index_select(0, index).contiguous();
+  out.labels = d.labels.index_select(0, index).contiguous();
+  out.num_classes = d.num_classes;
+  return out;
+}
+
+// One split's input to the current block: the ordered, unaugmented loader (block 0) or the previous block's cache.
+struct SplitInput {
+  std::unique_ptr<Loader> loader;
+  std::unique_ptr<ActivationCache> cache;
+  at::Tensor labels;  // (N) int64 on the device, row order
+
+  int64_t size() const { return labels.size(0); }
+  at::Tensor rows(int64_t offset, int64_t count, bool channels_last) const {
+    if (cache) return layout(cache->read_range(offset, count), channels_last);
+    return loader->batch(offset, count).first;
+  }
+  static at::Tensor layout(const at::Tensor& x, bool channels_last) {
+    return channels_last && x.dim() == 4 ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
+  }
+};
+
+std::vector<std::pair<std::string, at::Tensor>> head_state(const std::vector<AuxHead>& heads, const Model& model,
+                                                           const std::string& prefix_of_unit) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t u = 0; u < heads.size(); ++u) {
+    const std::string prefix = prefix_of_unit + model.units()[u].name + ".";
+    for (const auto& item : heads[u]->named_parameters()) out.emplace_back(prefix + item.key(), item.value());
+    for (const auto& item : heads[u]->named_buffers()) out.emplace_back(prefix + item.key(), item.value());
+  }
+  return out;
+}
+
+// Median images/s of `forward` on a zero batch (eval mode, no grad), after warm-up, synchronized.
+double inference_throughput(const std::function<at::Tensor(const at::Tensor&)>& forward, const at::Tensor& batch,
+                            const c10::Device& device, const Clock& clock) {
+  const torch::NoGradGuard no_grad;
+  constexpr int kWarmup = 2, kRepeats = 5, kIters = 3;
+  for (int i = 0; i < kWarmup; ++i) forward(batch);
+  std::vector<double> rates;
+  for (int r = 0; r < kRepeats; ++r) {
+    device_synchronize(device);
+    const double t0 = clock.now_s();
+    for (int i = 0; i < kIters; ++i) forward(batch);
+    device_synchronize(device);
+    rates.push_back(static_cast<double>(kIters * batch.size(0)) / std::max(clock.now_s() - t0, 1e-9));
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+Json plan_to_json(const Partition& plan) {
+  Json blocks = Json::array();
+  for (const auto& b : plan.blocks) {
+    blocks.push_back(Json{{"first", b.first}, {"end", b.end}, {"batch", b.batch}, {"head_level", b.head_level},
+                          {"bytes", b.bytes}, {"time_s", b.time_s}});
+  }
+  return Json{{"blocks", blocks}, {"time_s", plan.time_s}};
+}
+
+Partition plan_from_json(const Json& j, int64_t units, const std::string& path) {
+  Partition p;
+  try {
+    p.time_s = j.at("time_s").get<double>();
+    for (const auto& b : j.at("blocks")) {
+      BlockPlan bp;
+      bp.first = b.at("first").get<int64_t>();
+      bp.end = b.at("end").get<int64_t>();
+      bp.batch = b.at("batch").get<int64_t>();
+      bp.head_level = b.at("head_level").get<int64_t>();
+      bp.bytes = b.at("bytes").get<double>();
+      bp.time_s = b.at("time_s").get<double>();
+      p.blocks.push_back(bp);
+    }
+  } catch (const Json::exception&) {
+    throw UserError("checkpoint " + path + " has an unreadable NeuroFlux plan");
+  }
+  TRIACCEL_CHECK_INPUT(!p.blocks.empty() && p.blocks.back().end == units, "checkpoint ", path,
+                       " holds a NeuroFlux plan for another model");
+  return p;
+}
+
+}  // namespace
+
+at::Tensor neuroflux_block_loss(const Model& model, const std::vector<AuxHead>& heads, int64_t first, int64_t end,
+                                const at::Tensor& x, const at::Tensor& y, double label_smoothing, at::Tensor* loss_sum,
+                                at::Tensor* correct) {
+  const auto& units = model.units();
+  const auto n_units = static_cast<int64_t>(units.size());
+  TORCH_CHECK(first >= 0 && first < end && end <= n_units, "block [", first, ", ", end, ") is outside the model's ",
+              n_units, " units");
+  TORCH_CHECK(static_cast<int64_t>(heads.size()) == n_units - 1, "expected ", n_units - 1, " aux heads, got ", heads.size());
+  at::Tensor loss;
+  at::Tensor h = x;
+  for (int64_t u = first; u < end; ++u) {
+    h = units[static_cast<size_t>(u)].forward(h.detach());  // local learning: no gradient crosses units
+    AuxHead head = u + 1 < n_units ? heads[static_cast<size_t>(u)] : AuxHead(nullptr);  // a shared handle
+    const at::Tensor logits = (head ? head->forward(h) : h).to(at::kFloat);
+    const at::Tensor unit_loss = at::cross_entropy_loss(logits, y, {}, at::Reduction::Mean, -100, label_smoothing);
+    loss = loss.defined() ? loss + unit_loss : unit_loss;
+    if (loss_sum) (*loss_sum)[u - first].add_(unit_loss.detach() * static_cast<double>(y.size(0)));
+    if (correct) (*correct)[u - first].add_(logits.detach().argmax(1).eq(y).sum().to(at::kFloat));
+  }
+  return loss;
+}
+
+int64_t pass_skip(int64_t offset, int64_t count, int64_t n, int64_t batch) {
+  TORCH_CHECK(offset >= 0 && count > 0 && offset + count <= n && count <= batch, "short batch: bad rows");
+  return count < batch && offset + count == n && n >= batch ? batch - count : 0;
+}
+
+int64_t epoch_fill(int64_t offset, int64_t count, int64_t n, int64_t batch, int64_t planned) {
+  // The same widening as a pass's (rows from the epoch's start instead of before the batch), at the planned batch only.
+  const int64_t rows = pass_skip(offset, count, n, batch);
+  return batch == planned ? rows : 0;
+}
+
+int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<int64_t>& params, double tolerance) {
+  TORCH_CHECK(!holdout_acc.empty() && holdout_acc.size() == params.size(), "exit_choose: mismatched exits");
+  const double reference = holdout_acc.back();
+  auto chosen = static_cast<int64_t>(holdout_acc.size()) - 1;
+  for (size_t u = 0; u < holdout_acc.size(); ++u) {
+    if (holdout_acc[u] >= reference - tolerance && params[u] < params[static_cast<size_t>(chosen)]) {
+      chosen = static_cast<int64_t>(u);
+    }
+  }
+  return chosen;
+}
+
+namespace {
+
+Json cache_place_or_null(const std::unique_ptr<ActivationCache>& cache) {
+  return cache ? Json(cache_place_name(cache->place())) : Json(nullptr);
+}
+
+Json io_json(const ActivationCache::IoStats& a) {
+  return Json{{"host_copy_s", a.host_copy_s}, {"wait_s", a.wait_s},
+              {"gb_to_device", static_cast<double>(a.bytes_to_device) / kGB},
+              {"gb_to_host", static_cast<double>(a.bytes_to_host) / kGB}};
+}
+
+// What one block's training leaves for its event.
+struct BlockResult {
+  int64_t final_batch = 0;
+  int64_t steps = 0;
+  int64_t short_steps = 0;  // steps below the planned batch (only after an out-of-memory retry)
+  double train_s = 0;
+  at::Tensor loss_sum, correct;  // per unit of the block, summed over the last epoch
+  bool cuda_graph = false;
+  int64_t capture_ooms = 0;
+  std::string capture_error;
+  bool relaxed = false;
+  ActivationCache::IoStats train_io;
+  Json input_place;  // where the block's input cache lives ("device", "host"); null for block 0 (the data)
+  int64_t alloc_retries_before = 0;  // the allocator's retries when the block started
+};
+
+// The NeuroFlux run on a session: the phases in the order they run.
+class NeuroFluxRun {
+ public:
+  explicit NeuroFluxRun(Session& session);
+  Json run();
+
+ private:
+  void data_split();
+  void plan_make();
+  void heads_make();
+  void restore();
+  void events_open();
+  void host_prefill();
+  double cache_pass(size_t b, CachePlace* place);
+  void cache_pass_split(size_t b, SplitInput& in, std::vector<double>* accs, CachePlace place);
+  BlockResult block_train(size_t b);
+  void block_end(size_t b, const BlockResult& r);
+  NamedTensors live_state() const;
+  at::Tensor logits_of(int64_t u, const at::Tensor& h);
+  Json exits_export();
+  Json summary(const Json& chosen);
+
+  // Declared first, so destroyed last: after the caches have given their host memory back to the pool, it is freed.
+  struct HostPoolRelease {
+    ~HostPoolRelease() { ActivationCache::host_pool_release(); }
+  } host_pool_release_;
+  Session& session_;
+  const Config& config_;
+  const c10::Device device_;
+  Model& model_;
+  const std::vector<Unit>& units_;
+  const int64_t n_units_;
+  // Data: the training split minus a seeded held-out part (for choosing the exit), and the test split.
+  Dataset train_set_, hold_set_;
+  int64_t n_train_ = 0, n_hold_ = 0;
+  LoaderOptions plain_lo_, train_lo_;
+  SplitInput hold_in_, test_in_, train_in_;  // train_in_: the loader for block 0 (built on demand), else the cache
+  std::vector<int64_t> sample_shape_;
+  double resident_ = 0;
+  // Plan.
+  ProfileSource source_ = ProfileSource::kModel;
+  MemoryProfile profile_;
+  double profile_s_ = 0;
+  bool explicit_budget_ = false;
+  double budget_ = 0;
+  PartitionOptions po_;
+  Partition plan_;
+  int64_t backprop_batch_ = 0;
+  std::vector<AuxHead> heads_;
+  // Progress (restored from the checkpoint when resuming at a block boundary).
+  int64_t blocks_done_ = 0, step_ = 0;
+  double peak_gb_ = 0;
+  std::vector<double> block_seconds_;  // training + cache pass, per block
+  // Per-unit exit accuracies on the held-out and test splits, filled as blocks finish.
+  std::vector<double> hold_acc_, test_acc_;
+  ActivationCache::IoStats pass_io_;  // host caches' transfers in the last cache pass
+};
+
+NeuroFluxRun::NeuroFluxRun(Session& session)
+    : session_(session),
+      config_(session.config()),
+      device_(session.device()),
+      model_(session.model()),
+      units_(session.model().units()),
+      n_units_(static_cast<int64_t>(session.model().units().size())) {
+  const auto& ckpt = session_.checkpoint();
+  TRIACCEL_CHECK_INPUT(!ckpt || ckpt->progress.contains("neuroflux"), "checkpoint ", session_.checkpoint_file(),
+                       " is not a NeuroFlux checkpoint");
+  hold_acc_.assign(static_cast<size_t>(n_units_), 0);
+  test_acc_.assign(static_cast<size_t>(n_units_), 0);
+  data_split();
+  plan_make();
+  heads_make();
+  restore();
+  events_open();
+  if (device_.is_cuda() && explicit_budget_) {
+    memory_cache_release(device_);  // the profile's cached blocks, before the cap counts them
+    session_.memory_cap(config_.execution.vram_budget_bytes());
+  }
+  memory_stats_reset_peak(device_);
+  host_prefill();
+}
+
+void NeuroFluxRun::data_split() {
+  const DatasetSplits& data = session_.data();
+  const int64_t n_all = data.train.size();
+  n_hold_ = std::min(config_.neuroflux.nf_holdout, n_all / 10);
+  const at::Tensor split = permutation(n_all, seed_mix(config_.execution.seed, kHoldoutStream));
+  train_set_ = dataset_rows(data.train, std::get<0>(split.narrow(0, n_hold_, n_all - n_hold_).sort()));
+  hold_set_ = dataset_rows(data.train, std::get<0>(split.narrow(0, 0, n_hold_).sort()));
+  plain_lo_ = session_.loader_options(LoaderRole::kPlain);
+  train_lo_ = session_.loader_options(LoaderRole::kTrain);
+  const auto make_input = [&](const Dataset& d) {
+    SplitInput in;
+    in.loader = std::make_unique<Loader>(d, data.mean, data.std, plain_lo_, device_);
+    in.loader->epoch_begin(0);
+    in.labels = d.labels.to(device_);
+    return in;
+  };
+  hold_in_ = make_input(hold_set_);
+  test_in_ = make_input(data.test);
+  train_in_.labels = train_set_.labels.to(device_);
+  n_train_ = train_set_.size();
+  sample_shape_ = {data.train.channels(), test_in_.loader->image_height(), test_in_.loader->image_width()};
+  const auto resident_of = [](const Dataset& d) { return static_cast<double>(d.images.numel() + 16 * d.size()); };
+  resident_ = resident_of(train_set_) + resident_of(hold_set_) + resident_of(data.test);
+}
+
+void NeuroFluxRun::plan_make() {
+  TRIACCEL_CHECK_INPUT(config_.neuroflux.nf_profile != ProfileChoice::kMeasured || device_.is_cuda(),
+                       option_ref("nf_profile"), " measured needs a CUDA device; use model (or auto) on the CPU");
+  source_ = device_.is_cuda() && config_.neuroflux.nf_profile != ProfileChoice::kModel ? ProfileSource::kMeasured
+                                                                                       : ProfileSource::kModel;
+  const double t_profile = session_.clock().now_s();
+  {  // under the run's precision: bf16 activations take half the bytes
+    const AutocastScope autocast(device_, config_.execution.precision);
+    profile_ = memory_profile(model_, sample_shape_, session_.model_options().num_classes, source_, device_);
+  }
+  profile_s_ = session_.clock().now_s() - t_profile;
+  explicit_budget_ = config_.execution.vram_budget_bytes() > 0;
+  // Without a budget NeuroFlux trains in the memory backprop would use at batch_size; backprop keeps the whole
+  // training split (held-out part included) and the test split resident.
+  budget_ = explicit_budget_ ? static_cast<double>(config_.execution.vram_budget_bytes())
+                             : profile_.backprop_bytes(config_.schedule.batch_size) + resident_;
+  po_.budget_bytes = budget_;
+  po_.base_bytes = resident_;
+  po_.samples = n_train_;
+  po_.epochs = config_.schedule.epochs;
+  po_.max_batch = config_.neuroflux.nf_max_batch;
+  po_.target_batch = config_.schedule.batch_size;
+  if (!device_.is_cuda()) {  // the CPU: slower, saturated at small batches, and its "host cache" is just memory
+    po_.bytes_per_s = 5e9;
+    po_.sat_batch = 32;
+    po_.host_bytes_per_s = 0;
+  }
+  const auto& ckpt = session_.checkpoint();
+  plan_ = ckpt ? plan_from_json(ckpt->progress.at("plan"), n_units_, session_.checkpoint_file())
+               : partition_plan(profile_, po_);
+  backprop_batch_ = profile_.backprop_max_batch(po_.safety * budget_ - resident_);
+}
+
+void NeuroFluxRun::heads_make() {
+  // One aux head per unit but the last (the classifier is its own exit), at its block's ladder level.
+  torch::manual_seed(seed_mix(config_.execution.seed, kHeadStream));
+  std::vector<int64_t> block_of(static_cast<size_t>(n_units_), 0);
+  for (size_t b = 0; b < plan_.blocks.size(); ++b) {
+    for (int64_t u = plan_.blocks[b].first; u < plan_.blocks[b].end; ++u) {
+      block_of[static_cast<size_t>(u)] = static_cast<int64_t>(b);
+    }
+  }
+  for (int64_t u = 0; u + 1 < n_units_; ++u) {
+    const UnitProfile& up = profile_.units[static_cast<size_t>(u)];
+    const int64_t level = plan_.blocks[static_cast<size_t>(block_of[static_cast<size_t>(u)])].head_level;
+    AuxHead head(up.out_shape, aux_filters(up.out_shape[0], level), session_.model_options().num_classes);
+    head->to(device_);
+    head->train();
+    session_.layout_params(*head);
+    heads_.push_back(head);
+  }
+}
+
+NamedTensors NeuroFluxRun::live_state() const {
+  NamedTensors state = model_state(model_);
+  for (auto& entry : head_state(heads_, model_, kAuxPrefix)) state.push_back(entry);
+  return state;
+}
+
+at::Tensor NeuroFluxRun::logits_of(int64_t u, const at::Tensor& h) {
+  return u + 1 < n_units_ ? heads_[static_cast<size_t>(u)]->forward(h) : h;
+}
+
+void NeuroFluxRun::restore() {
+  const auto& ckpt = session_.checkpoint();
+  if (!ckpt) return;
+  named_tensors_load(live_state(), ckpt->model, "model", session_.checkpoint_file());
+  try {
+    const Json& p = ckpt->progress;
+    blocks_done_ = p.at("blocks_done").get<int64_t>();
+    step_ = p.at("step").get<int64_t>();
+    peak_gb_ = p.at("peak_vram_gb").get<double>();
+    block_seconds_ = p.at("block_seconds").get<std::vector<double>>();
+  } catch (const Json::exception&) {
+    throw UserError("checkpoint " + session_.checkpoint_file() + " has an unreadable NeuroFlux progress record");
+  }
+}
+
+void NeuroFluxRun::events_open() {
+  session_.events_open(Json{{"train_samples", n_train_},
+                            {"holdout_samples", n_hold_},
+                            {"test_samples", session_.data().test.size()},
+                            {"augment", train_lo_.augment}});
+  Json blocks = Json::array();
+  for (const auto& b : plan_.blocks) {
+    Json names = Json::array(), filters = Json::array();
+    for (int64_t u = b.first; u < b.end; ++u) {
+      names.push_back(units_[static_cast<size_t>(u)].name);
+      if (u + 1 < n_units_) filters.push_back(heads_[static_cast<size_t>(u)]->filters());
+    }
+    blocks.push_back(Json{{"units", names}, {"batch", b.batch}, {"head_level", b.head_level},
+                          {"head_filters", filters}, {"predicted_gb", b.bytes / kGB}, {"predicted_s", b.time_s}});
+  }
+  Json unit_profiles = Json::array();
+  for (const auto& up : profile_.units) {
+    unit_profiles.push_back(Json{{"unit", up.name}, {"params", up.params}, {"out_shape", up.out_shape},
+                                 {"train_fixed_bytes", up.train.fixed_bytes},
+                                 {"train_bytes_per_sample", up.train.per_sample_bytes}});
+  }
+  session_.event(event::kBlockPlan, step_,
+                 Json{{"method", "neuroflux"}, {"budget_gb", budget_ / kGB},
+                      {"budget_from", explicit_budget_ ? "vram_budget" : "backprop at batch_size"},
+                      {"profile", source_ == ProfileSource::kMeasured ? "measured" : "model"},
+                      {"profile_s", profile_s_}, {"resident_gb", resident_ / kGB}, {"blocks", blocks},
+                      {"predicted_s", plan_.time_s}, {"backprop_max_batch", backprop_batch_},
+                      {"backprop_gb_at_batch", profile_.backprop_bytes(config_.schedule.batch_size) / kGB},
+                      {"units", unit_profiles}});
+  session_.printer().line(c10::str("triaccel: neuroflux ", config_.model.model, " on ", config_.data.dataset, " (",
+                                   n_train_, " train / ", n_hold_, " held out / ", session_.data().test.size(),
+                                   " test), ", plan_.blocks.size(), " blocks, budget ", budget_ / kGB, " GB, ",
+                                   device_long_name(device_)));
+}
+
+void NeuroFluxRun::host_prefill() {
+  // The first two cache passes' host caches are faulted in on background threads while block 0 trains (a cache
+  // whose splits together exceed the budget cannot go to the GPU; ActivationCache::host_pool_prefill).
+  if (!(device_.is_cuda() && blocks_done_ == 0 && plan_.blocks.size() > 1)) return;
+  std::vector<int64_t> numels;
+  const int64_t n_test = session_.data().test.size();
+  for (size_t b = 0; b < std::min<size_t>(2, plan_.blocks.size() - 1); ++b) {
+    const std::vector<int64_t>& shape = profile_.units[static_cast<size_t>(plan_.blocks[b].end - 1)].out_shape;
+    if (static_cast<double>(ActivationCache::bytes_for(n_train_ + n_hold_ + n_test, shape)) <= budget_) continue;
+    for (const int64_t n : {n_hold_, n_test, n_train_}) numels.push_back(ActivationCache::bytes_for(n, shape) / 2);
+  }
+  if (!numels.empty()) ActivationCache::host_pool_prefill(numels);
+}
+
+// Runs block b's units (eval, no grad) over every split's input: exit accuracies of its units; when the block is not
+// the last, its outputs become the next block's input caches. Returns the seconds spent.
+double NeuroFluxRun::cache_pass(size_t b, CachePlace* place) {
+  const double t0 = session_.clock().now_s();
+  pass_io_ = ActivationCache::IoStats{};
+  const BlockPlan& bp = plan_.blocks[b];
+  const bool last = b + 1 == plan_.blocks.size();
+  const torch::NoGradGuard no_grad;
+  model_.eval();
+  for (auto& h : heads_) h->eval();
+  const DatasetSplits& data = session_.data();
+  if (!last && b == 0) train_in_.loader = std::make_unique<Loader>(train_set_, data.mean, data.std, plain_lo_, device_);
+  if (!last && train_in_.loader) train_in_.loader->epoch_begin(0);
+  // The new caches go to the GPU when they, what is allocated now and the next block's training all fit.
+  *place = CachePlace::kHost;
+  if (!last && device_.is_cuda()) {
+    const std::vector<int64_t>& out_shape = profile_.units[static_cast<size_t>(bp.end - 1)].out_shape;
+    const double cache_bytes =
+        static_cast<double>(ActivationCache::bytes_for(n_train_ + n_hold_ + data.test.size(), out_shape));
+    const double next = plan_.blocks[b + 1].bytes - resident_;
+    if (static_cast<double>(memory_stats(device_).allocated_bytes) + cache_bytes + next <= po_.safety * budget_) {
+      *place = CachePlace::kDevice;
+    }
+  }
+  cache_pass_split(b, hold_in_, &hold_acc_, *place);
+  cache_pass_split(b, test_in_, &test_acc_, *place);
+  if (!last) cache_pass_split(b, train_in_, nullptr, *place);  // exits are not scored on the training split
+  model_.train();
+  for (auto& h : heads_) h->train();
+  device_synchronize(device_);
+  return session_.clock().now_s() - t0;
+}
+
+void NeuroFluxRun::cache_pass_split(size_t b, SplitInput& in, std::vector<double>* accs, CachePlace place) {
+  const BlockPlan& bp = plan_.blocks[b];
+  const bool last = b + 1 == plan_.blocks.size();
+  const int64_t n = in.size();
+  const ActivationCache::IoStats in_before = in.cache ? in.cache->io_stats() : ActivationCache::IoStats{};
+  std::unique_ptr<ActivationCache> out;
+  if (!last) {
+    const std::vector<int64_t>& out_shape = profile_.units[static_cast<size_t>(bp.end - 1)].out_shape;
+    out = std::make_unique<ActivationCache>(n, out_shape, place, device_, plain_lo_.channels_last);
+  }
+  at::Tensor correct = at::zeros({bp.end - bp.first}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  int64_t pass_batch = bp.batch;  // halved when a batch of the pass runs out of memory (it is then redone)
+  for (int64_t offset = 0; offset < n;) {
+    const int64_t count = std::min(pass_batch, n - offset);
+    // A short last batch runs as the window of pass_batch rows that ends the split (the rows before `offset` are
+    // computed again, neither scored nor written twice): every batch then has the training step's shape, whose
+    // cuDNN plans exist. A new shape costs plan building in every convolution (docs/neuroflux.md).
+    const int64_t skip = pass_skip(offset, count, n, pass_batch);
+    try {
+      const at::Tensor labels = in.labels.narrow(0, offset, count);
+      const AutocastScope autocast(device_, config_.execution.precision);
+      at::Tensor h = in.rows(offset - skip, count + skip, plain_lo_.channels_last);
+      std::vector<at::Tensor> hits;
+      for (int64_t u = bp.first; u < bp.end; ++u) {
+        h = units_[static_cast<size_t>(u)].forward(h);
+        if (accs) hits.push_back(logits_of(u, h).narrow(0, skip, count).argmax(1).eq(labels).sum().to(at::kFloat));
+      }
+      if (out) out->write(offset, h.narrow(0, skip, count));
+      for (size_t k = 0; k < hits.size(); ++k) correct[static_cast<int64_t>(k)].add_(hits[k]);
+    } catch (const c10::OutOfMemoryError&) {
+      TRIACCEL_CHECK_INPUT(pass_batch > 2, "out of memory in NeuroFlux block ", b, "'s cache pass at batch 2; raise ",
+                           option_ref("vram_budget"));
+      memory_cache_release(device_);
+      session_.event(event::kOom, step_,
+                     Json{{"block", b}, {"pass", true}, {"batch", pass_batch}, {"retry_batch", pass_batch / 2}});
+      pass_batch /= 2;
+      continue;
+    }
+    offset += count;
+  }
+  if (accs && n > 0) {
+    const at::Tensor c = correct.cpu();
+    for (int64_t u = bp.first; u < bp.end; ++u) {
+      (*accs)[static_cast<size_t>(u)] = 100.0 * c[u - bp.first].item<double>() / static_cast<double>(n);
+    }
+  }
+  if (in.cache) pass_io_ += in.cache->io_stats() - in_before;
+  if (out) {
+    out->flush();
+    pass_io_ += out->io_stats();
+    in.loader.reset();
+    in.cache = std::move(out);
+  }
+}
+
+Json NeuroFluxRun::run() {
+  // A run resumed after block k rebuilds the caches by one forward pass through blocks [0, k).
+  CachePlace place = CachePlace::kHost;
+  for (size_t b = 0; b < static_cast<size_t>(blocks_done_); ++b) cache_pass(b, &place);
+  for (size_t b = static_cast<size_t>(blocks_done_); b < plan_.blocks.size(); ++b) {
+    block_end(b, block_train(b));
+    const bool last = b + 1 == plan_.blocks.size();
+    if (config_.schedule.max_steps > 0 && step_ >= config_.schedule.max_steps && !last) {
+      const Json fields{{"reason", "max_steps"}, {"blocks_done", blocks_done_}};
+      session_.event(event::kStop, step_, fields);
+      session_.printer().line(c10::str("stopped after block ", blocks_done_, " at step ", step_, " (",
+                                       option_ref("max_steps"), "); continue with ", option_ref("resume"), " ",
+                                       config_.output.out));
+      return fields;
+    }
+  }
+  return summary(exits_export());
+}
+
+// One block's training: its parameters (units and heads) under one fused SGD, its own batch, schedule and data
+// order, its steps through a StepGraph.
+class BlockTrainer {
+ public:
+  BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size_t n_blocks, const std::vector<AuxHead>& heads,
+               const Dataset& train_set, SplitInput& train_in, const LoaderOptions& train_lo,
+               const LoaderOptions& plain_lo, const MemoryProfile& profile, int64_t* run_step);
+  // Trains every epoch; the block's result for its event.
+  BlockResult train();
+
+ private:
+  void epoch(int64_t e);
+  // One step at [offset, offset + count) of epoch order `order` (fill: rows from the epoch's start); false: retry.
+  bool step_at(int64_t e, int64_t offset, int64_t count, int64_t fill, const at::Tensor& order,
+               const at::Tensor& order_dev, const at::Tensor& flip);
+  void grads_release();
+  void body(const at::Tensor& x, const at::Tensor& y);
+
+  Session& session_;
+  const Config& config_;
+  const BlockPlan& bp_;
+  const size_t b_;
+  const size_t n_blocks_;
+  const std::vector<AuxHead>& heads_;
+  SplitInput& train_in_;
+  const LoaderOptions& train_lo_;
+  const LoaderOptions& plain_lo_;
+  const MemoryProfile& profile_;
+  int64_t* run_step_;
+  const int64_t n_train_;
+  const uint64_t block_seed_;
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<Sgd> sgd_;
+  std::unique_ptr<Loader> train_aug_;  // block 0: shuffled, augmented batches from the data
+  ScheduleOptions sched_;
+  at::Tensor lr_, found_inf_;
+  StepGraph graph_;
+  std::vector<double> epoch_times_;
+  int64_t retries_before_ = 0;
+  BlockResult r_;
+  int64_t batch_ = 0;  // smaller than planned only after an out-of-memory retry
+};
+
+BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size_t n_blocks,
+                           const std::vector<AuxHead>& heads, const Dataset& train_set, SplitInput& train_in,
+                           const LoaderOptions& train_lo, const LoaderOptions& plain_lo, const MemoryProfile& profile,
+                           int64_t* run_step)
+    : session_(session),
+      config_(session.config()),
+      bp_(bp),
+      b_(b),
+      n_blocks_(n_blocks),
+      heads_(heads),
+      train_in_(train_in),
+      train_lo_(train_lo),
+      plain_lo_(plain_lo),
+      profile_(profile),
+      run_step_(run_step),
+      n_train_(train_set.size()),
+      block_seed_(seed_mix(session.config().execution.seed, kBlockStream + b)),
+      graph_([&] {
+        // Steps at the planned batch are captured once after the warm-up and replayed (static input buffers), as
+        // the trainer's are; a capture refused by an error is retried once in relaxed mode.
+        StepGraphOptions g;
+        g.enabled = session.device().is_cuda() && session.config().execution.cuda_graphs;
+        g.batch = bp.batch;
+        g.relaxed_retry = true;
+        return g;
+      }()),
+      batch_(bp.batch) {
+  const c10::Device& device = session_.device();
+  torch::manual_seed(block_seed_);
+  memory_stats_reset_peak(device);
+  retries_before_ = memory_stats(device).alloc_retries;
+  r_.alloc_retries_before = retries_before_;
+  const Model& model = session_.model();
+  const auto& units = model.units();
+  const auto n_units = static_cast<int64_t>(units.size());
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (int64_t u = bp.first; u < bp.end; ++u) {
+    const Unit& unit = units[static_cast<size_t>(u)];
+    for (size_t m = 0; m < unit.modules.size(); ++m) {
+      for (const auto& item : unit.modules[m]->named_parameters()) {
+        named.emplace_back(c10::str(unit.name, "/", m, ".", item.key()), item.value());
+      }
+    }
+    if (u + 1 < n_units) {
+      for (const auto& item : heads_[static_cast<size_t>(u)]->named_parameters()) {
+        named.emplace_back(kAuxPrefix + unit.name + "." + item.key(), item.value());
+      }
+    }
+  }
+  for (const auto& [name, p] : named) params_.push_back(p);
+  SgdOptions so;
+  so.momentum = config_.optim.momentum;
+  so.nesterov = config_.optim.nesterov;
+  so.weight_decay = config_.optim.weight_decay;
+  sgd_ = std::make_unique<Sgd>(named, so);
+  if (b == 0) {
+    LoaderOptions lo = train_lo_;
+    lo.batch_size = bp.batch;
+    train_aug_ = std::make_unique<Loader>(train_set, session_.data().mean, session_.data().std, lo, device);
+  }
+  const int64_t steps_per_epoch = (n_train_ + bp.batch - 1) / bp.batch;
+  sched_.base_lr = config_.optim.lr * lr_scale_for_batch(config_.schedule.lr_batch_rule, bp.batch,
+                                                          config_.schedule.batch_size);
+  sched_.decay = config_.schedule.lr_decay;
+  sched_.total_steps = steps_per_epoch * config_.schedule.epochs;
+  sched_.warmup_steps = static_cast<int64_t>(
+      std::llround(config_.schedule.warmup_epochs_resolved() * static_cast<double>(steps_per_epoch)));
+  sched_.validate();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  lr_ = at::zeros({1}, f32);
+  found_inf_ = at::zeros({1}, f32);
+  r_.loss_sum = at::zeros({bp.end - bp.first}, f32);
+  r_.correct = at::zeros({bp.end - bp.first}, f32);
+  r_.input_place = cache_place_or_null(train_in_.cache);
+}
+
+void BlockTrainer::grads_release() {
+  for (const auto& p : params_) {
+    if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
+  }
+}
+
+// One training step of the block on (x, y): local losses, one backward, the fused SGD step (lr read on the device).
+void BlockTrainer::body(const at::Tensor& x, const at::Tensor& y) {
+  grads_release();
+  at::Tensor loss;
+  {
+    const AutocastScope autocast(session_.device(), config_.execution.precision);
+    loss = neuroflux_block_loss(session_.model(), heads_, bp_.first, bp_.end, x, y, config_.optim.label_smoothing,
+                                &r_.loss_sum, &r_.correct);
+  }
+  loss.backward();
+  sgd_->step(lr_, found_inf_);
+}
+
+BlockResult BlockTrainer::train() {
+  // The input cache's transfers while the block trains: its counters now, subtracted when it has trained.
+  const ActivationCache::IoStats before = train_in_.cache ? train_in_.cache->io_stats() : ActivationCache::IoStats{};
+  for (int64_t e = 0; e < config_.schedule.epochs; ++e) epoch(e);
+  train_aug_.reset();
+  r_.train_s = std::accumulate(epoch_times_.begin(), epoch_times_.end(), 0.0);
+  if (train_in_.cache) r_.train_io = train_in_.cache->io_stats() - before;
+  r_.final_batch = batch_;
+  r_.cuda_graph = graph_.captured();
+  r_.capture_ooms = graph_.capture_ooms();
+  r_.capture_error = graph_.capture_error();
+  r_.relaxed = graph_.relaxed();
+  // The graph's pool goes back before the cache pass, which needs the room (a 0.45 GB ResNet-18 run ran out of
+  // memory in its first pass beside it). The block's gradients were allocated in the graph's pool: while they live,
+  // its segments cannot be freed (an EfficientNet-B0 run at 0.5 GB ran out of memory in a later pass at batch 2 with
+  // the finished blocks' pools held).
+  grads_release();
+  graph_.drop();
+  memory_cache_release(session_.device());
+  return r_;
+}
+
+// The epoch's short last batch is filled up to the planned batch with the epoch's first samples (they train twice
+// that epoch, and count twice in the local loss and accuracy): every step has one shape, so it replays the graph,
+// and cuDNN builds plans for no second shape (on EfficientNet-B0 that building cost seconds per block;
+// docs/neuroflux.md). Only after an out-of-memory retry (a batch below the planned one) do steps run eagerly with a
+// short last batch.
+void BlockTrainer::epoch(int64_t e) {
+  const c10::Device& device = session_.device();
+  const uint64_t epoch_seed = seed_mix(block_seed_, static_cast<uint64_t>(e));
+  at::Tensor order, order_dev, flip;
+  if (train_aug_) {
+    train_aug_->epoch_begin(e);
+  } else {
+    order = permutation(n_train_, epoch_seed);
+    order_dev = order.to(device);  // once per epoch: a per-step copy of the index would wait for the GPU
+    if (train_lo_.augment && train_in_.cache && profile_.units[static_cast<size_t>(bp_.first)].in_shape.size() == 3) {
+      // Cached feature maps get the horizontal flip (crops do not survive the cache; docs/neuroflux.md).
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed_mix(epoch_seed, 1));
+      flip = at::rand({n_train_}, gen).lt(0.5).to(device);
+    }
+  }
+  r_.loss_sum.zero_();
+  r_.correct.zero_();
+  device_synchronize(device);
+  const double t_epoch = session_.clock().now_s();
+  for (int64_t offset = 0; offset < n_train_;) {
+    const int64_t count = std::min(batch_, n_train_ - offset);
+    const int64_t fill = epoch_fill(offset, count, n_train_, batch_, bp_.batch);
+    if (!step_at(e, offset, count, fill, order, order_dev, flip)) continue;
+    offset += count;
+    ++r_.steps;
+    ++*run_step_;
+    if (session_.hooks().after_step) session_.hooks().after_step(*run_step_);
+  }
+  device_synchronize(device);
+  epoch_times_.push_back(session_.clock().now_s() - t_epoch);
+  session_.printer().line(c10::str(
+      "block ", b_ + 1, "/", n_blocks_, " epoch ", e + 1, "/", config_.schedule.epochs, ": local loss ",
+      r_.loss_sum[bp_.end - bp_.first - 1].item<double>() / static_cast<double>(n_train_), ", ", epoch_times_.back(),
+      " s, ", memory_stats(device).alloc_retries - retries_before_, " allocator retries"));
+}
+
+bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fill, const at::Tensor& order,
+                           const at::Tensor& order_dev, const at::Tensor& flip) {
+  const c10::Device& device = session_.device();
+  // The schedule follows the data position (on the planned batch's step grid), the lr the batch actually used.
+  const int64_t position = (e * n_train_ + offset) / bp_.batch;
+  lr_.fill_(schedule_lr(sched_, position) * lr_scale_for_batch(config_.schedule.lr_batch_rule, batch_, bp_.batch));
+  at::Tensor x, y;
+  try {
+    if (train_aug_) {
+      std::tie(x, y) = train_aug_->batch(offset, count);
+      if (fill > 0) {
+        const auto [x0, y0] = train_aug_->batch(0, fill);
+        x = at::cat({x, x0});
+        y = at::cat({y, y0});
+      }
+    } else {
+      const auto rows_of = [&](const at::Tensor& idx) {
+        return fill > 0 ? at::cat({idx.narrow(0, offset, count), idx.narrow(0, 0, fill)}) : idx.narrow(0, offset, count);
+      };
+      const at::Tensor index_dev = rows_of(order_dev);
+      const bool host = train_in_.cache->place() == CachePlace::kHost;
+      x = SplitInput::layout(train_in_.cache->read(host ? rows_of(order) : index_dev),
+                             plain_lo_.channels_last);  // (count + fill, C, H, W) float32
+      y = train_in_.labels.index_select(0, index_dev);
+      if (flip.defined()) x = at::where(flip.index_select(0, index_dev).view({-1, 1, 1, 1}), x.flip({3}), x);
+    }
+    graph_.run([this](const at::Tensor& xb, const at::Tensor& yb) { body(xb, yb); }, x, y);
+    if (count + fill < bp_.batch) ++r_.short_steps;
+  } catch (const c10::OutOfMemoryError&) {
+    x = at::Tensor();
+    y = at::Tensor();
+    if (graph_.captured()) {
+      // An eager step (the epoch's short last batch) beside the graph's pool: drop the graph (it is captured again
+      // after the warm-up) and retry the same samples at the same batch.
+      graph_.drop();
+      memory_cache_release(device);
+      session_.event(event::kOom, *run_step_, Json{{"block", b_}, {"batch", count}, {"retry_batch", count},
+                                                   {"reason", "beside the CUDA graph's pool"}});
+      return false;
+    }
+    // The plan was off (fragmentation, workspaces): the same samples again at half the batch, eagerly.
+    TRIACCEL_CHECK_INPUT(batch_ > 2, "out of memory in NeuroFlux block ", b_, " at batch 2; raise ",
+                         option_ref("vram_budget"));
+    graph_.refuse();
+    memory_cache_release(device);
+    session_.event(event::kOom, *run_step_, Json{{"block", b_}, {"batch", batch_}, {"retry_batch", batch_ / 2}});
+    batch_ /= 2;
+    return false;
+  }
+  return true;
+}
+
+BlockResult NeuroFluxRun::block_train(size_t b) {
+  BlockTrainer trainer(session_, plan_.blocks[b], b, plan_.blocks.size(), heads_, train_set_, train_in_, train_lo_,
+                       plain_lo_, profile_, &step_);
+  return trainer.train();
+}
+
+void NeuroFluxRun::block_end(size_t b, const BlockResult& r) {
+  const BlockPlan& bp = plan_.blocks[b];
+  CachePlace place = CachePlace::kHost;
+  const double cache_s = cache_pass(b, &place);
+  const MemoryStats mem = memory_stats(device_);
+  const double block_peak_gb = static_cast<double>(mem.peak_allocated_bytes) / kGB;
+  peak_gb_ = std::max(peak_gb_, block_peak_gb);
+  block_seconds_.push_back(r.train_s + cache_s);
+  Json names = Json::array(), local = Json::array();
+  const at::Tensor loss_cpu = r.loss_sum.cpu(), correct_cpu = r.correct.cpu();
+  const auto n = static_cast<double>(n_train_);
+  for (int64_t u = bp.first; u < bp.end; ++u) {
+    const auto i = static_cast<size_t>(u);
+    names.push_back(units_[i].name);
+    local.push_back(Json{{"unit", units_[i].name},
+                         {"train_loss", loss_cpu[u - bp.first].item<double>() / n},
+                         {"train_acc", 100.0 * correct_cpu[u - bp.first].item<double>() / n},
+                         {"holdout_acc", hold_acc_[i]},
+                         {"test_acc", test_acc_[i]}});
+  }
+  const bool last = b + 1 == plan_.blocks.size();
+  session_.event(
+      event::kBlock, step_,
+      Json{{"block", b}, {"units", names}, {"batch", bp.batch}, {"final_batch", r.final_batch},
+           {"head_level", bp.head_level}, {"epochs", config_.schedule.epochs}, {"steps", r.steps},
+           {"short_steps", r.short_steps}, {"train_s", r.train_s},
+           {"epoch_s", r.train_s / static_cast<double>(config_.schedule.epochs)}, {"cache_s", cache_s},
+           {"input", b == 0 ? "data" : "cache"},
+           {"input_cache_place", r.input_place},
+           {"output_cache_place", last ? Json(nullptr) : Json(cache_place_name(place))},
+           {"peak_vram_gb", block_peak_gb}, {"predicted_gb", bp.bytes / kGB},
+           {"alloc_retries", mem.alloc_retries - r.alloc_retries_before}, {"cuda_graph", r.cuda_graph},
+           {"graph_capture_ooms", r.capture_ooms},
+           {"graph_capture_error", r.capture_error.empty() ? Json(nullptr) : Json(r.capture_error)},
+           {"graph_capture_mode", r.relaxed ? "relaxed" : "global"}, {"train_io", io_json(r.train_io)},
+           {"cache_io", io_json(pass_io_)}, {"local", local}});
+  blocks_done_ = static_cast<int64_t>(b) + 1;
+  // Checkpoint at the block boundary: weights of every unit and head, the plan and the progress.
+  Checkpoint c;
+  c.config = config_.to_json();
+  c.model_arch = config_.model.model;
+  c.model = live_state();
+  c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+  c.progress = Json{{"neuroflux", true}, {"blocks_done", blocks_done_}, {"step", step_},
+                    {"elapsed_s", session_.now()}, {"peak_vram_gb", peak_gb_}, {"block_seconds", block_seconds_},
+                    {"plan", plan_to_json(plan_)}};
+  const std::string path = session_.out_file(kCheckpointFile);
+  checkpoint_write(path, c);
+  session_.event(event::kCheckpoint, step_, Json{{"path", path}, {"blocks_done", blocks_done_}});
+}
+
+// Exits: the prefix up to unit u plus its head, chosen on held-out data (the fewest parameters among the exits whose
+// held-out accuracy is within nf_exit_tolerance points of the full network's; the full network when nothing is held
+// out). Exports the full network (model.pt) and the exit (exit_model.pt: the kept units' torchvision names plus the
+// head as "exit.*"; exit.json describes it), measures both models' inference throughput, and returns the exit's
+// description (the exit event's "chosen").
+Json NeuroFluxRun::exits_export() {
+  std::vector<int64_t> exit_params(static_cast<size_t>(n_units_), 0);
+  int64_t prefix = 0;
+  for (int64_t u = 0; u < n_units_; ++u) {
+    prefix += units_[static_cast<size_t>(u)].parameter_count();
+    exit_params[static_cast<size_t>(u)] =
+        prefix + (u + 1 < n_units_ ? heads_[static_cast<size_t>(u)]->parameter_count() : 0);
+  }
+  const int64_t chosen =
+      n_hold_ > 0 ? exit_choose(hold_acc_, exit_params, config_.neuroflux.nf_exit_tolerance) : n_units_ - 1;
+  const auto c = static_cast<size_t>(chosen);
+  const std::string model_path = session_.out_file("model.pt");
+  const std::string exit_path = session_.out_file(kExitModelFile);
+  model_export_state_dict(model_, model_path);
+  std::vector<at::Tensor> kept_params;
+  std::unordered_set<const c10::TensorImpl*> kept;
+  for (int64_t u = 0; u <= chosen; ++u) {
+    for (const auto& m : units_[static_cast<size_t>(u)].modules) {
+      for (const auto& p : m->parameters()) {
+        kept.insert(p.unsafeGetTensorImpl());
+        kept_params.push_back(p);
+      }
+      for (const auto& t : m->buffers()) kept.insert(t.unsafeGetTensorImpl());
+    }
+  }
+  NamedTensors exit_state;
+  for (const auto& [name, t] : model_state(model_)) {
+    if (kept.count(t.unsafeGetTensorImpl()) != 0) exit_state.emplace_back(name, t);
+  }
+  Json head_json = nullptr;
+  if (chosen + 1 < n_units_) {
+    const AuxHead& head = heads_[c];
+    for (const auto& item : head->named_parameters()) {
+      exit_state.emplace_back("exit." + item.key(), item.value());
+      kept_params.push_back(item.value());
+    }
+    for (const auto& item : head->named_buffers()) exit_state.emplace_back("exit." + item.key(), item.value());
+    head_json = Json{{"filters", head->filters()}, {"pool", kAuxPool}, {"params", head->parameter_count()},
+                     {"layers", head->filters() > 0
+                                    ? "conv3x3(no bias) -> bn -> relu -> adaptive_avg_pool(2) -> flatten -> fc"
+                                    : "adaptive_avg_pool(2) -> flatten -> fc"}};
+  }
+  state_dict_write(exit_state, kept_params, exit_path);
+
+  // Inference throughput of the exit model and of the full network, eval mode, on a zero batch.
+  model_.eval();
+  for (auto& h : heads_) h->eval();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
+  const at::Tensor probe = SplitInput::layout(
+      at::zeros({device_.is_cuda() ? 256 : 8, sample_shape_[0], sample_shape_[1], sample_shape_[2]}, f32),
+      plain_lo_.channels_last);
+  const PrecisionMode precision = config_.execution.precision;
+  const double exit_rate = inference_throughput(
+      [&](const at::Tensor& x) {
+        const AutocastScope autocast(device_, precision);
+        at::Tensor h = x;
+        for (int64_t u = 0; u <= chosen; ++u) h = units_[static_cast<size_t>(u)].forward(h);
+        return logits_of(chosen, h);
+      },
+      probe, device_, session_.clock());
+  const double full_rate = inference_throughput(
+      [&](const at::Tensor& x) {
+        const AutocastScope autocast(device_, precision);
+        return model_.forward(x);
+      },
+      probe, device_, session_.clock());
+  const int64_t full_params = model_.parameter_count();
+  Json exits = Json::array();
+  for (int64_t u = 0; u < n_units_; ++u) {
+    const auto i = static_cast<size_t>(u);
+    exits.push_back(Json{{"unit", units_[i].name}, {"index", u}, {"params", exit_params[i]},
+                         {"holdout_acc", hold_acc_[i]}, {"test_acc", test_acc_[i]}});
+  }
+  Json kept_units = Json::array();
+  for (int64_t u = 0; u <= chosen; ++u) kept_units.push_back(units_[static_cast<size_t>(u)].name);
+  const Json chosen_json{
+      {"unit", units_[c].name},
+      {"index", chosen},
+      {"units_kept", kept_units},
+      {"head", head_json},
+      {"params", exit_params[c]},
+      {"params_ratio", static_cast<double>(full_params) / static_cast<double>(exit_params[c])},
+      {"holdout_acc", hold_acc_[c]},
+      {"test_acc", test_acc_[c]},
+      {"images_per_s", exit_rate},
+      {"full_images_per_s", full_rate},
+      {"throughput_batch", probe.size(0)},
+      {"path", exit_path}};
+  session_.event(event::kExit, step_,
+                 Json{{"exits", exits}, {"chosen", chosen_json}, {"tolerance", config_.neuroflux.nf_exit_tolerance},
+                      {"selected_on", n_hold_ > 0 ? "holdout" : "none (full network)"}, {"full_params", full_params}});
+  const DatasetSplits& data = session_.data();
+  Json exit_doc{{"model", config_.model.model}, {"dataset", config_.data.dataset}, {"input_shape", sample_shape_},
+                {"num_classes", session_.model_options().num_classes}, {"mean", data.mean}, {"std", data.std},
+                {"full_params", full_params}};
+  for (const auto& item : chosen_json.items()) exit_doc[item.key()] = item.value();
+  file_write_atomic(session_.out_file(kExitJsonFile), exit_doc.dump(2) + "\n");
+  return chosen_json;
+}
+
+Json NeuroFluxRun::summary(const Json& chosen) {
+  const double total_train_s = std::accumulate(block_seconds_.begin(), block_seconds_.end(), 0.0);
+  const double epoch_s = total_train_s / static_cast<double>(config_.schedule.epochs);
+  const double acc = test_acc_[static_cast<size_t>(n_units_ - 1)];
+  Json block_batches = Json::array();
+  for (const auto& b : plan_.blocks) block_batches.push_back(b.batch);
+  Json summary{{"test_acc", acc},
+               {"epoch_s", epoch_s},
+               {"train_s", total_train_s},
+               {"peak_vram_gb", peak_gb_},
+               {"peak_vram_includes_dataset", true},
+               {"eff_score", epoch_s > 0 && peak_gb_ > 0 ? Json(acc / (epoch_s * peak_gb_)) : Json(nullptr)},
+               {"params", model_.parameter_count()},
+               {"method", "neuroflux"},
+               {"model", config_.model.model},
+               {"dataset", config_.data.dataset},
+               {"precision", enum_name(config_.execution.precision)},
+               {"budget_gb", budget_ / kGB},
+               {"blocks", plan_.blocks.size()},
+               {"block_batches", block_batches},
+               {"backprop_max_batch", backprop_batch_},
+               {"exit_unit", chosen["unit"]},
+               {"exit_params", chosen["params"]},
+               {"exit_test_acc", chosen["test_acc"]},
+               {"exit_images_per_s", chosen["images_per_s"]},
+               {"epochs", config_.schedule.epochs},
+               {"steps", step_},
+               {"total_s", session_.now()},
+               {"device", device_long_name(device_)},
+               {"model_path", session_.out_file("model.pt")},
+               {"exit_model_path", chosen["path"]}};
+  session_.event(event::kSummary, step_, summary);
+  session_.printer().line(c10::str("done: test acc ", acc, " % (exit ", chosen["unit"].get<std::string>(), ": ",
+                                   chosen["test_acc"].get<double>(), " %, ", chosen["params"].get<int64_t>(),
+                                   " params), ", epoch_s, " s/epoch, peak ", peak_gb_, " GB; events in ",
+                                   session_.events().path()));
+  return summary;
+}
+
+}  // namespace
+
+Json neuroflux_train(Session& session) {
+  NeuroFluxRun run(session);
+  return run.run();
+}
+
+}  // namespace triaccel

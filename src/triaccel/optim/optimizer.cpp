@@ -1,0 +1,63 @@
+#include "triaccel/optim/optimizer.h"
+
+#include "triaccel/optim/baoc_optimizer.h"
+#include "triaccel/optim/sgd.h"
+
+#include <c10/util/Exception.h>
+
+namespace triaccel {
+
+Optimizer::Optimizer(const std::vector<std::pair<std::string, at::Tensor>>& named_params, double weight_decay,
+                     const char* kind)
+    : kind_(kind) {
+  for (const auto& [name, p] : named_params) {
+    TORCH_CHECK(p.scalar_type() == at::kFloat, kind_, ": parameter ", name, " must be float32 (master weights)");
+    names_.push_back(name);
+    params_.push_back(p);
+    weight_decays_.push_back(p.dim() <= 1 ? 0.f : static_cast<float>(weight_decay));
+    lr_scales_.push_back(1.f);
+  }
+}
+
+void Optimizer::set_lr_scales(std::vector<float> scales) {
+  TORCH_CHECK(scales.size() == params_.size(), kind_, "::set_lr_scales: ", scales.size(), " scales for ",
+              params_.size(), " parameters");
+  lr_scales_ = std::move(scales);
+}
+
+void Optimizer::state_load(const NamedTensors& stored, const std::string& path) {
+  named_tensors_load(state_tensors(), stored, "optimizer", path);
+}
+
+std::vector<at::Tensor> Optimizer::grads() const {
+  std::vector<at::Tensor> out;
+  out.reserve(params_.size());
+  for (const auto& p : params_) out.push_back(p.grad());
+  return out;
+}
+
+std::vector<at::Tensor> Optimizer::grads_required() const {
+  std::vector<at::Tensor> g = grads();
+  for (size_t i = 0; i < g.size(); ++i) TORCH_CHECK(g[i].defined(), kind_, "::step: parameter ", names_[i], " has no gradient");
+  return g;
+}
+
+std::unique_ptr<Optimizer> optimizer_create(OptimizerKind kind,
+                                            const std::vector<std::pair<std::string, at::Tensor>>& named_params,
+                                            const OptimizerOptions& options) {
+  if (kind == OptimizerKind::kSgd) {
+    SgdOptions so;
+    so.momentum = options.momentum;
+    so.nesterov = options.nesterov;
+    so.weight_decay = options.weight_decay;
+    return std::make_unique<Sgd>(named_params, so);
+  }
+  BaocOptions bo;
+  bo.beta1 = options.beta1;
+  bo.beta2 = options.beta2;
+  bo.eps = options.eps;
+  bo.weight_decay = options.weight_decay;
+  return std::make_unique<BaocOptimizer>(named_params, bo, StateFormat::kAdamW32);
+}
+
+}  // namespace triaccel

@@ -1,0 +1,90 @@
+// The optimizer interface the training step drives, and the base every optimizer shares: its parameters by name,
+// the weight-decay rule (tensors of dimension <= 1 — norms and biases — get none), and per-parameter learning-rate
+// scales (Tri-Accel's curvature scaling). Sgd (optim/sgd.h) and BaocOptimizer (optim/baoc_optimizer.h) derive from it;
+// optimizer_create builds one by kind.
+//
+// Invariants every implementation keeps: step() reads lr and found_inf from 1-element float32 tensors on the
+// parameters' device and never synchronizes with the device on CUDA (so the step can be captured in a CUDA graph);
+// state tensors keep their addresses between steps (a conversion of state, e.g. a BAOC re-plan, changes them, and the
+// caller then drops its captured graph); a step with found_inf != 0 changes nothing.
+#pragma once
+
+#include "triaccel/core/enum_names.h"
+#include "triaccel/core/named_tensors.h"
+
+#include <ATen/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace triaccel {
+
+class Optimizer {
+ public:
+  using NamedTensors = triaccel::NamedTensors;
+
+  // named_params: float32 parameters (master weights); weight_decay applies to tensors of dimension >= 2 only.
+  Optimizer(const std::vector<std::pair<std::string, at::Tensor>>& named_params, double weight_decay,
+            const char* kind);
+  virtual ~Optimizer() = default;
+
+  // One update from the current .grad() of every parameter.
+  virtual void step(const at::Tensor& lr, const at::Tensor& found_inf) = 0;
+
+  const std::vector<std::string>& names() const { return names_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  const std::vector<float>& weight_decays() const { return weight_decays_; }
+  // Per-parameter learning-rate multipliers (all 1 by default); values travel into fused kernels by value, so a
+  // captured CUDA graph must be re-captured after a change.
+  void set_lr_scales(std::vector<float> scales);
+  const std::vector<float>& lr_scales() const { return lr_scales_; }
+
+  // Bytes of optimizer state (what the memory planner and the summary count).
+  virtual int64_t state_bytes() const = 0;
+  // Checkpoints: the live state tensors by name (created first if the first step has not run yet).
+  virtual NamedTensors state_tensors() = 0;
+  // Restores state written from state_tensors(); UserError naming `path` on a mismatch. Default: copies by name.
+  virtual void state_load(const NamedTensors& stored, const std::string& path);
+
+  // The current gradients, in params() order (undefined where a parameter has none).
+  std::vector<at::Tensor> grads() const;
+
+ protected:
+  // The gradients of every parameter; an internal error naming the parameter that has none.
+  std::vector<at::Tensor> grads_required() const;
+
+ private:
+  const char* kind_;
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> params_;
+  std::vector<float> weight_decays_;
+  std::vector<float> lr_scales_;
+};
+
+// The `optimizer` option.
+enum class OptimizerKind { kSgd, kAdamW, kBaoc };
+
+template <>
+struct EnumNames<OptimizerKind> {
+  static constexpr EnumName<OptimizerKind> kNames[] = {
+      {OptimizerKind::kSgd, "sgd"}, {OptimizerKind::kAdamW, "adamw"}, {OptimizerKind::kBaoc, "baoc"}};
+};
+
+struct OptimizerOptions {
+  double weight_decay = 5e-4;
+  double momentum = 0.9;     // sgd
+  bool nesterov = true;      // sgd
+  double beta1 = 0.9;        // adamw, baoc
+  double beta2 = 0.999;      // adamw, baoc
+  double eps = 1e-8;         // adamw, baoc
+};
+
+// sgd: SGD with momentum; adamw: AdamW with fp32 states (BaocOptimizer in its fp32 format); baoc: the same until the
+// BAOC planner (control/baoc_controller.h) sets per-unit formats.
+std::unique_ptr<Optimizer> optimizer_create(OptimizerKind kind,
+                                            const std::vector<std::pair<std::string, at::Tensor>>& named_params,
+                                            const OptimizerOptions& options);
+
+}  // namespace triaccel

@@ -1,0 +1,75 @@
+#include "triaccel/optim/sgd.h"
+
+#include "triaccel/core/errors.h"
+#ifdef TRIACCEL_WITH_CUDA
+#include "triaccel/kernels/sgd_step.h"
+#endif
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+namespace triaccel {
+
+void SgdOptions::validate() const {
+  TRIACCEL_CHECK_INPUT(momentum >= 0 && momentum < 1, option_ref("momentum"), " must be in [0, 1), got ", momentum);
+  TRIACCEL_CHECK_INPUT(weight_decay >= 0, option_ref("weight_decay"), " must be >= 0, got ", weight_decay);
+  TRIACCEL_CHECK_INPUT(!nesterov || momentum > 0, option_ref("nesterov"), " needs ", option_ref("momentum"), " > 0");
+}
+
+Sgd::Sgd(const std::vector<std::pair<std::string, at::Tensor>>& named_params, SgdOptions options)
+    : Optimizer(named_params, options.weight_decay, "Sgd"), options_(options) {
+  options_.validate();
+}
+
+int64_t Sgd::state_bytes() const {
+  int64_t n = 0;
+  for (const auto& p : params()) n += p.numel();
+  return 4 * n;  // the momentum buffers (allocated at the first step, whatever the momentum)
+}
+
+void Sgd::state_init() {
+  if (!momenta_.empty()) return;
+  const torch::NoGradGuard no_grad;
+  for (const auto& p : params()) momenta_.push_back(at::zeros_like(p));  // keeps p's memory format
+}
+
+Optimizer::NamedTensors Sgd::state_tensors() {
+  state_init();
+  NamedTensors out;
+  for (size_t i = 0; i < names().size(); ++i) out.emplace_back(names()[i] + ".momentum", momenta_[i]);
+  return out;
+}
+
+void Sgd::step(const at::Tensor& lr, const at::Tensor& found_inf) {
+  const auto g = grads_required();
+  state_init();
+  const torch::NoGradGuard no_grad;
+#ifdef TRIACCEL_WITH_CUDA
+  if (!params().empty() && params()[0].is_cuda()) {
+    sgd_step_cuda(params(), g, momenta_, weight_decays(), lr_scales(), lr, found_inf,
+                  static_cast<float>(options_.momentum), options_.nesterov);
+    return;
+  }
+#endif
+  sgd_step_reference(params(), g, momenta_, weight_decays(), lr_scales(), lr, found_inf,
+                     static_cast<float>(options_.momentum), options_.nesterov);
+}
+
+void sgd_step_reference(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                        const std::vector<at::Tensor>& momenta, const std::vector<float>& weight_decays,
+                        const std::vector<float>& lr_scales, const at::Tensor& lr, const at::Tensor& found_inf,
+                        float momentum, bool nesterov) {
+  const torch::NoGradGuard no_grad;
+  // The reference syncs on found_inf; the CUDA kernel reads it on the device instead.
+  if (found_inf.item<float>() != 0.f) return;
+  const float lr_value = lr.item<float>();
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor d = grads[i].to(at::kFloat);
+    if (weight_decays[i] != 0.f) d = d.add(params[i], weight_decays[i]);
+    momenta[i].mul_(momentum).add_(d);
+    d = nesterov ? d.add(momenta[i], momentum) : momenta[i];
+    params[i].sub_(d, lr_value * lr_scales[i]);
+  }
+}
+
+}  // namespace triaccel

@@ -1,0 +1,177 @@
+#include "triaccel/run/session.h"
+
+#include "triaccel/core/errors.h"
+#include "triaccel/core/io.h"
+#include "triaccel/models/registry.h"
+
+#include <ATen/Context.h>
+#include <torch/utils.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <algorithm>
+#include <filesystem>
+
+namespace triaccel {
+
+struct Session::DeviceScope {
+#ifdef TRIACCEL_WITH_CUDA
+  // All work on one non-default stream (graph capture needs one, and the legacy stream serializes everything).
+  std::optional<c10::cuda::CUDAStreamGuard> stream;
+#endif
+};
+
+namespace {
+
+const Config& validated(const Config& config) {
+  config.validate();
+  return config;
+}
+
+}  // namespace
+
+Config config_for_run(const Config& given) {
+  if (given.output.resume.empty()) {
+    Config c = given;
+    c.resolve();
+    return c;
+  }
+  const std::string path = checkpoint_path(given.output.resume);
+  TRIACCEL_CHECK_INPUT(file_exists(path), option_ref("resume"), " ", given.output.resume, ": no checkpoint at ", path,
+                       " (train with ", option_ref("out"), " first)");
+  const Checkpoint ckpt = checkpoint_read(path);
+  Json merged = Config::from_json(ckpt.config).to_json();
+  const Json given_json = given.to_json();
+  const auto& identity = config_identity_keys();
+  for (const auto& key : given.given) {
+    if (key == "resume") continue;
+    if (std::find(identity.begin(), identity.end(), key) != identity.end()) {
+      TRIACCEL_CHECK_INPUT(given_json[key] == merged[key], option_ref(key), " ", given_json[key].dump(),
+                           " differs from the checkpoint's ", merged[key].dump(), " (", path,
+                           "); drop it to resume, or start a new run");
+      continue;
+    }
+    merged[key] = given_json[key];
+  }
+  Config out = Config::from_json(merged);
+  out.given = given.given;
+  out.output.resume = given.output.resume;
+  if (!given.was_given("out")) {
+    std::error_code ec;
+    out.output.out = std::filesystem::is_directory(given.output.resume, ec)
+                         ? given.output.resume
+                         : std::filesystem::path(given.output.resume).parent_path().string();
+  }
+  // A resumed run continues to the end unless the user sets a new limit.
+  if (!given.was_given("max_steps")) out.schedule.max_steps = 0;
+  return out;
+}
+
+Session::Session(const Config& config, const RunHooks& hooks, bool output)
+    : config_(validated(config)),
+      hooks_(hooks),
+      clock_(hooks.clock ? *hooks.clock : steady_clock()),
+      t_start_(clock_.now_s()),
+      device_(device_resolve(config_.execution.device)),
+      cudnn_benchmark_before_(at::globalContext().benchmarkCuDNN()),
+      device_scope_(std::make_unique<DeviceScope>()),
+      printer_(config_.output.progress, hooks.spell_option) {
+  if (output) {
+    directory_prepare_writable(config_.output.out, "out");
+    // Temporary files of a process killed mid-write (the files they were to replace are intact).
+    for (const char* name : {kCheckpointFile, "model.pt", "exit_model.pt", "exit.json"}) {
+      file_remove_stale_temps(out_file(name));
+    }
+  }
+  checkpoint_ = checkpoint_for_resume(config_.output.resume, config_.model.model, &checkpoint_file_);
+  if (checkpoint_) elapsed_before_ = checkpoint_->progress.value("elapsed_s", 0.0);
+
+#ifdef TRIACCEL_WITH_CUDA
+  if (device_.is_cuda()) {
+    device_scope_->stream.emplace(c10::cuda::getStreamFromPool(false, device_.index()));
+    // cuDNN autotuning tries algorithms with workspaces of gigabytes; under a vram_budget those tries fill the budget
+    // (the elastic batch then reads them as the step's need) and can run out of memory: heuristics instead.
+    at::globalContext().setBenchmarkCuDNN(config_.execution.cudnn_autotune_enabled());
+  }
+#endif
+  torch::manual_seed(config_.execution.seed);
+
+  data_ = dataset_load(config_.data.dataset, config_.data.data_dir, config_.data.block_size);
+  model_options_.name = config_.model.model;
+  model_options_.num_classes = data_.train.num_classes;
+  model_options_.in_channels = data_.train.channels();
+  model_options_.image_size = image_size();
+  if (data_.train.kind == DatasetKind::kTokens) model_options_.block_size = data_.train.images.size(1);  // vocab = classes
+  model_ = model_create(model_options_);
+  model_->to(device_);
+  layout_params(*model_);
+  model_->train();
+}
+
+Session::~Session() {
+  memory_cap_.reset();
+  at::globalContext().setBenchmarkCuDNN(cudnn_benchmark_before_);
+}
+
+double Session::now() const { return elapsed_before_ + (clock_.now_s() - t_start_); }
+
+int64_t Session::image_size() const {
+  if (data_.train.kind == DatasetKind::kTokens) return 0;
+  return config_.data.image_size > 0 ? config_.data.image_size : data_.train.height();
+}
+
+LoaderOptions Session::loader_options(LoaderRole role) const {
+  LoaderOptions lo;
+  lo.batch_size = role == LoaderRole::kEval ? config_.execution.eval_batch_size : config_.schedule.batch_size;
+  lo.shuffle = role == LoaderRole::kTrain;
+  lo.augment = role == LoaderRole::kTrain && config_.augment_enabled();
+  lo.cutout = role == LoaderRole::kTrain ? config_.data.cutout : 0;
+  lo.image_size = config_.data.image_size;
+  lo.channels_last = device_.is_cuda() && config_.execution.channels_last;
+  lo.seed = config_.execution.seed;
+  return lo;
+}
+
+void Session::layout_params(torch::nn::Module& module) const {
+  if (!(device_.is_cuda() && config_.execution.channels_last)) return;
+  const torch::NoGradGuard no_grad;
+  for (auto& p : module.parameters()) {
+    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+  }
+}
+
+std::string Session::out_file(const std::string& name) const {
+  return (std::filesystem::path(config_.output.out) / name).string();
+}
+
+void Session::events_open(const Json& extra) {
+  const std::string path = out_file("events.jsonl");
+  const bool append = checkpoint_.has_value() && file_exists(path);
+  events_ = std::make_unique<EventLog>(path, append);
+  Json unit_names = Json::array();
+  for (const auto& u : model_->units()) unit_names.push_back(u.name);
+  Json resolved{{"options", config_.to_json()},
+                {"device", device_long_name(device_)},
+                {"params", model_->parameter_count()},
+                {"units", unit_names}};
+  for (const auto& [k, v] : extra.items()) resolved[k] = v;
+  resolved["torch_version"] = TORCH_VERSION;
+  const int64_t step = checkpoint_ ? checkpoint_->progress.value("step", int64_t{0}) : 0;
+  if (append) {
+    Json fields{{"from", checkpoint_file_}};
+    if (checkpoint_->progress.contains("blocks_done")) fields["blocks_done"] = checkpoint_->progress["blocks_done"];
+    fields["config"] = resolved;
+    event(event::kResume, step, fields);
+  } else {
+    event(event::kConfig, step, resolved);
+  }
+}
+
+void Session::memory_cap(int64_t bytes) {
+  memory_cap_.reset();
+  memory_cap_.emplace(device_, bytes);
+}
+
+}  // namespace triaccel

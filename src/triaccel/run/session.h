@@ -1,0 +1,123 @@
+// A Session is what every training method sets up and tears down, in one place: the configuration (validated), the
+// device and its stream, cuDNN's flags (restored when the session ends), the seed, the output folder, the checkpoint
+// to resume from, the dataset, the model (on the device, channels_last where asked, in train mode), the event log,
+// the run's clock, progress output and the memory cap of a vram_budget (lifted when the session ends).
+// A method (methods/backprop.h, methods/neuroflux.h) builds its own loaders, optimizer and loop on top of it.
+//
+// Output folder layout (OUT = the `out` option):
+//   OUT/events.jsonl   config (first line), epoch, checkpoint, ... summary (last line)
+//   OUT/checkpoint.pt  the latest checkpoint (train/checkpoint.h)
+//   OUT/model.pt       the final weights as a torchvision-named state_dict
+#pragma once
+
+#include "triaccel/control/batch_controller.h"
+#include "triaccel/core/clock.h"
+#include "triaccel/core/device.h"
+#include "triaccel/core/events.h"
+#include "triaccel/data/dataset.h"
+#include "triaccel/data/loader.h"
+#include "triaccel/models/model.h"
+#include "triaccel/run/config.h"
+#include "triaccel/run/progress.h"
+#include "triaccel/train/checkpoint.h"
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace triaccel {
+
+// What a caller can observe or inject while a run trains (tests, the Python module).
+struct RunHooks {
+  // Called after every optimizer step with the global step count (tests use it to stop or inspect).
+  std::function<void(int64_t step)> after_step;
+  // Called before every step with the batch about to run; may throw c10::OutOfMemoryError (fault injection).
+  std::function<void(int64_t step, int64_t batch)> before_step;
+  // Called after every successful step with the samples it trained: [offset, offset + count) of the epoch's order.
+  std::function<void(int64_t epoch, int64_t offset, int64_t count)> on_batch;
+  // Replaces the measured memory signal of Tri-Accel's batch controller (tests: the CPU has no allocator stats).
+  // Called at every control window with the step count and the batch in use.
+  std::function<MemorySignal(int64_t step, int64_t batch)> memory_signal;
+  // The clock every time-dependent decision and measurement reads (nullptr: the steady clock).
+  const Clock* clock = nullptr;
+  // How progress lines spell the options they name (the CLI: its flags; empty: by key).
+  OptionSpelling spell_option;
+};
+
+// The configuration a run uses: `given` with its dependent defaults resolved (Config::resolve), or, when it resumes
+// (the `resume` option), the checkpoint's configuration with the options `given` set explicitly laid over it. An
+// option that would change what is trained (config_identity_keys) and differs from the checkpoint is refused; `out`
+// defaults to the resumed run's folder and `max_steps` to no limit. UserError naming the file or the option.
+Config config_for_run(const Config& given);
+
+// Which loader a method asks for: the training order (shuffled, augmented), or a plain pass in order.
+enum class LoaderRole { kTrain, kPlain, kEval };
+
+class Session {
+ public:
+  // Validates the configuration, prepares OUT, reads the checkpoint to resume from (checked to hold this model),
+  // sets up the device, seeds, loads the dataset and builds the model. UserError for bad input. A session without
+  // `output` (a plan) touches no file: no OUT, no events, no checkpoint.
+  Session(const Config& config, const RunHooks& hooks, bool output = true);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  const Config& config() const { return config_; }
+  const RunHooks& hooks() const { return hooks_; }
+  const c10::Device& device() const { return device_; }
+  const Clock& clock() const { return clock_; }
+  // The run's time: earlier sessions' time (from the checkpoint) plus this session's.
+  double now() const;
+
+  // The checkpoint being resumed (nullopt for a fresh run) and its file.
+  const std::optional<Checkpoint>& checkpoint() const { return checkpoint_; }
+  const std::string& checkpoint_file() const { return checkpoint_file_; }
+
+  const DatasetSplits& data() const { return data_; }
+  LoaderOptions loader_options(LoaderRole role) const;
+  // The side of the model's input images after any resize (0 for tokens).
+  int64_t image_size() const;
+
+  Model& model() { return *model_; }
+  const Model& model() const { return *model_; }
+  ModelOptions model_options() const { return model_options_; }
+  // channels_last conv weights on CUDA (where the configuration asks), as the model's own are.
+  void layout_params(torch::nn::Module& module) const;
+
+  // Opens OUT/events.jsonl (appending when resuming) and writes the config event (or resume, with `from`); the
+  // common fields (options, device, params, units, torch version) plus `extra`.
+  void events_open(const Json& extra);
+  EventLog& events() { return *events_; }
+  // Writes an event at `step` on the run's clock (nothing in a session without output).
+  void event(const char* name, int64_t step, const Json& fields) {
+    if (events_) events_->write(name, step, now(), fields);
+  }
+  ProgressPrinter& printer() { return printer_; }
+  std::string out_file(const std::string& name) const;
+
+  // Caps the caching allocator at `bytes` until the session ends (a vram_budget on CUDA).
+  void memory_cap(int64_t bytes);
+
+ private:
+  Config config_;
+  RunHooks hooks_;
+  const Clock& clock_;
+  double t_start_ = 0;
+  double elapsed_before_ = 0;
+  c10::Device device_;
+  bool cudnn_benchmark_before_ = false;
+  struct DeviceScope;  // the stream guard
+  std::unique_ptr<DeviceScope> device_scope_;
+  std::optional<Checkpoint> checkpoint_;
+  std::string checkpoint_file_;
+  DatasetSplits data_;
+  ModelOptions model_options_;
+  std::shared_ptr<Model> model_;
+  std::unique_ptr<EventLog> events_;
+  ProgressPrinter printer_;
+  std::optional<MemoryCapScope> memory_cap_;
+};
+
+}  // namespace triaccel

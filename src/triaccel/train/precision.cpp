@@ -1,0 +1,57 @@
+#include "triaccel/train/precision.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/util/Exception.h>
+
+namespace triaccel {
+
+PrecisionMode precision_mode_of(Precision p) {
+  return p == Precision::kFP32 ? PrecisionMode::kFP32
+         : p == Precision::kBF16 ? PrecisionMode::kAmpBF16
+                                 : PrecisionMode::kAmpFP16;
+}
+
+AutocastScope::AutocastScope(const c10::Device& device, PrecisionMode precision)
+    : type_(device.type()),
+      prev_enabled_(at::autocast::is_autocast_enabled(device.type())),
+      prev_dtype_(at::autocast::get_autocast_dtype(device.type())),
+      active_(precision != PrecisionMode::kFP32) {
+  if (!active_) return;
+  at::autocast::set_autocast_enabled(type_, true);
+  at::autocast::set_autocast_dtype(type_, precision == PrecisionMode::kAmpBF16 ? at::kBFloat16 : at::kHalf);
+  // No weight-cast cache: a cached cast would be baked into a captured graph with stale values.
+  at::autocast::set_autocast_cache_enabled(false);
+  at::autocast::increment_nesting();
+}
+
+AutocastScope::~AutocastScope() {
+  if (!active_) return;
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_autocast_enabled(type_, prev_enabled_);
+  at::autocast::set_autocast_dtype(type_, prev_dtype_);
+}
+
+at::Tensor unit_precision_forward(Model& model, const at::Tensor& images, const std::vector<Precision>& precisions,
+                                  const c10::Device& device,
+                                  const std::function<void(size_t, const at::Tensor&)>& unit_input) {
+  const auto& units = model.units();
+  TORCH_CHECK(precisions.size() == units.size(), "unit_precision_forward: ", precisions.size(), " precisions for ",
+              units.size(), " units");
+  at::Tensor x = images;
+  for (size_t i = 0; i < units.size(); ++i) {
+    const Precision p = precisions[i];
+    const at::ScalarType dtype = p == Precision::kFP32 ? at::kFloat : p == Precision::kBF16 ? at::kBFloat16 : at::kHalf;
+    if (x.is_floating_point() && x.scalar_type() != dtype) x = x.to(dtype);
+    if (unit_input) unit_input(i, x);
+    const AutocastScope autocast(device, precision_mode_of(p));
+    x = units[i].forward(x);
+  }
+  return x;
+}
+
+Precision precision_applied(Precision decided, const c10::Device& device) {
+  return decided == Precision::kFP16 && !device.is_cuda() ? Precision::kBF16 : decided;
+}
+
+}  // namespace triaccel

@@ -1,0 +1,70 @@
+// Precision: the run's mode (fp32, or automatic mixed precision in bf16 or fp16 with fp32 master weights), the per-unit
+// precisions Tri-Accel decides, autocast scoped to a block of code, and the forward of a model whose units run at
+// their own precisions.
+#pragma once
+
+#include "triaccel/core/enum_names.h"
+#include "triaccel/models/model.h"
+
+#include <ATen/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <functional>
+#include <vector>
+
+namespace triaccel {
+
+// A run's precision mode (the `precision` option).
+enum class PrecisionMode { kFP32, kAmpBF16, kAmpFP16 };
+
+template <>
+struct EnumNames<PrecisionMode> {
+  static constexpr EnumName<PrecisionMode> kNames[] = {{PrecisionMode::kFP32, "fp32"},
+                                                       {PrecisionMode::kAmpBF16, "amp-bf16"},
+                                                       {PrecisionMode::kAmpFP16, "amp-fp16"},
+                                                       {PrecisionMode::kAmpBF16, "bf16"},
+                                                       {PrecisionMode::kAmpFP16, "fp16"}};
+};
+
+// One unit's compute precision (Tri-Accel's per-unit decision). Ordered: a promotion moves up.
+enum class Precision { kFP16 = 0, kBF16 = 1, kFP32 = 2 };
+
+template <>
+struct EnumNames<Precision> {
+  static constexpr EnumName<Precision> kNames[] = {
+      {Precision::kFP16, "fp16"}, {Precision::kBF16, "bf16"}, {Precision::kFP32, "fp32"}};
+};
+
+// The autocast dtype of a unit precision (fp32: no autocast).
+PrecisionMode precision_mode_of(Precision p);
+
+// Sets autocast for the device from the precision mode for the scope's lifetime (and restores it after).
+class AutocastScope {
+ public:
+  AutocastScope(const c10::Device& device, PrecisionMode precision);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  c10::DeviceType type_;
+  bool prev_enabled_;
+  at::ScalarType prev_dtype_;
+  bool active_;
+};
+
+// The forward of a model whose units run at their own precisions (Tri-Accel; precisions as applied on the device).
+// Each unit's input is cast to the unit's dtype at its entry, and 16-bit units run under autocast in that dtype. The
+// cast matters for the ops autocast leaves alone: a residual add of a bf16 block output and an fp32 (or fp16)
+// identity promotes to fp32, and the fp32 stream then runs on through every later unit of the stage (ResNet-18
+// peaked at 0.73 GB with an fp32 stem and 0.82 GB with fp16 after bf16 units, against 0.62 GB in bf16 throughout,
+// on the H100 before this cast). `unit_input` (tests) sees each unit's input after the cast.
+at::Tensor unit_precision_forward(Model& model, const at::Tensor& images, const std::vector<Precision>& precisions,
+                                  const c10::Device& device,
+                                  const std::function<void(size_t, const at::Tensor&)>& unit_input = {});
+
+// The precision a decision runs at on this device: CPUs have no fast fp16 convolutions (measured: ~15x slower than
+// bf16 here), so fp16 decisions run as bf16 there.
+Precision precision_applied(Precision decided, const c10::Device& device);
+
+}  // namespace triaccel

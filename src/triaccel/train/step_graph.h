@@ -1,0 +1,79 @@
+// A training step body run through a CUDA graph: eager for a few warm-up steps at the graph's batch size (cuDNN
+// picks its algorithms, allocations settle), then captured once with the caller's input tensors as the graph's
+// static inputs, and replayed; steps of any other batch size run eagerly. The trainer's whole step (train/step.h)
+// and NeuroFlux's block steps (methods/neuroflux.cpp) both run through it.
+//
+// Recovery: a capture that fails (out of memory: the graph's private pool did not fit, e.g. under a --vram-budget;
+// or an operation a capture refuses) captures nothing, so that step runs eagerly, and the batch size is refused:
+// it runs eagerly from then on. With `relaxed_retry`, a capture refused by an error is first retried once, after a
+// full warm-up, in relaxed capture mode (core/cuda_graph.h). Off CUDA, or with `enabled` false, every step is eager.
+//
+// Invariants: one graph at a time (a new batch size frees the old graph and its pool first, so a budget never
+// holds two pools); what the body reads besides its two inputs must keep its address while the graph lives.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace triaccel {
+
+struct StepGraphOptions {
+  bool enabled = true;            // false: every step eager (the CPU, or --cuda-graphs false)
+  int64_t batch = 0;              // the batch size to capture (0: none); set_batch changes it later
+  int64_t warmup_steps = 3;       // eager steps at the graph's batch size before the capture
+  bool relaxed_retry = false;     // retry a capture refused by an error once in relaxed mode (NeuroFlux's blocks)
+  std::function<void()> during_capture;  // tests: called inside the capture before the body (e.g. to fail it)
+  std::function<void()> before_replay;   // e.g. release gradients an eager step left (the graph's live in its pool)
+};
+
+class StepGraph {
+ public:
+  using Body = std::function<void(const at::Tensor& x, const at::Tensor& y)>;
+
+  explicit StepGraph(StepGraphOptions options);
+  ~StepGraph();
+  StepGraph(const StepGraph&) = delete;
+  StepGraph& operator=(const StepGraph&) = delete;
+
+  // One step of `body` on (x, y): a replay when captured and x has the graph's batch size (x and y are copied into
+  // the static inputs unless they are them), else warm-up, capture or an eager step.
+  void run(const Body& body, const at::Tensor& x, const at::Tensor& y);
+
+  // The batch size whose steps are captured (0: none). A new size drops the graph; it is captured after one eager
+  // step at that size.
+  void set_batch(int64_t batch);
+  int64_t batch() const { return batch_; }
+  // Drops a captured graph (the step's work changed: precisions, lr scales); it is captured again after one eager
+  // step. During the warm-up it changes nothing.
+  void invalidate();
+  // Frees the graph, its pool and inputs; steps at the batch size warm up and capture again from the start.
+  void drop();
+  // The batch size runs eagerly from now on (an eager step at it ran out of memory: its graph will not fit either).
+  void refuse();
+
+  bool captured() const;
+  int64_t captures() const { return captures_; }
+  int64_t capture_ooms() const { return capture_ooms_; }
+  const std::string& capture_error() const { return capture_error_; }  // the first capture error's first line
+  bool relaxed() const { return relaxed_; }
+
+ private:
+  bool capture(const Body& body, const at::Tensor& x, const at::Tensor& y);
+
+  StepGraphOptions options_;
+  int64_t batch_ = 0;
+  int64_t refused_batch_ = 0;
+  int64_t eager_steps_ = 0;  // eager steps at batch_ since the graph was last dropped
+  int64_t captures_ = 0;
+  int64_t capture_ooms_ = 0;
+  std::string capture_error_;
+  bool relaxed_ = false;
+  struct Graph;
+  std::unique_ptr<Graph> graph_;
+};
+
+}  // namespace triaccel
