@@ -23,7 +23,7 @@ for bin in "$A/triaccel" "$A/bench_train_throughput" "$B/triaccel" "$B/bench_tra
   "$bin" --help >/dev/null 2>&1 || { echo "missing or not runnable here: $bin"; exit 1; }
 done
 
-"$B/triaccel_tests" --gtest_brief=1 >"$WORK/unit_tests_gpu.log" 2>&1
+TRIACCEL_SOURCE_DIR=$(pwd) "$B/triaccel_tests" --gtest_brief=1 >"$WORK/unit_tests_gpu.log" 2>&1
 echo "unit tests (B) on the GPU: exit $?; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$WORK/unit_tests_gpu.log" | tr '\n' ' ')"
 
 for round in 1 2; do

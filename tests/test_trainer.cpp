@@ -403,7 +403,7 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
 // controllers' state or the checkpoint's reading shows up as a different CRC.
 TEST_F(TrainerTest, CheckpointsOfTheFormerLayoutResumeToTheSameWeights) {
   for (const std::string kind : {"sgd", "tri_accel"}) {
-    const std::string fixture = std::string(TRIACCEL_SOURCE_DIR) + "/tests/fixtures/checkpoint_fe31ff2/" + kind;
+    const std::string fixture = test::source_dir() + "/tests/fixtures/checkpoint_fe31ff2/" + kind;
     const Json expected = Json::parse(file_read_all(fixture + "/expected.json"));
     test::TempDir run("legacy_" + kind);
     std::filesystem::copy_file(fixture + "/checkpoint.pt", run.file("checkpoint.pt"));
