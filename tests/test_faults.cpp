@@ -88,6 +88,19 @@ TEST(FaultPlanTest, BadSpecsNameTheItem) {
   EXPECT_NE(error_of("random:seed=1,oom").find("KEY=VALUE"), std::string::npos);
 }
 
+// A c10::Error's one line is its message, options spelled by key, without the context and stack trace lines.
+TEST(ErrorLineTest, ALibTorchErrorIsItsMessageWithoutTheStackTrace) {
+  std::string line;
+  try {
+    TORCH_CHECK(false, option_ref("batch_size"), " must be > 0, got 0");
+  } catch (const std::exception& e) {
+    line = error_one_line(e);
+  }
+  EXPECT_EQ(line, "batch_size must be > 0, got 0");
+  EXPECT_EQ(error_one_line(UserError(option_ref("vram_budget") + " is too small\nsecond line")),
+            "vram_budget is too small");
+}
+
 // One TrainStep on the CPU with an fp16-style loss scaler: an injected NaN gradient skips the update (parameters,
 // momentum and BatchNorm statistics as before), halves the scale and resets the growth tracker; a clean step then
 // updates and keeps the scale.

@@ -1,7 +1,5 @@
 #include "triaccel/core/errors.h"
 
-#include <c10/util/Exception.h>
-
 namespace triaccel {
 namespace {
 
@@ -36,13 +34,9 @@ UserError::UserError(const std::string& message)
     : std::runtime_error(option_render(message, plain_key)), marked_(message) {}
 
 std::string error_one_line(const std::exception& e) {
-  std::string msg;
-  if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) {
-    msg = option_render(ce->msg(), plain_key);  // without the C++ stack trace
-  } else {
-    msg = e.what();
-  }
-  // Keep the first line of multi-line messages (c10 appends context lines).
+  // A c10::Error's what() is its message, then context and the C++ stack trace on later lines: the first line is
+  // the message, so no LibTorch is needed here (the fuzz targets link this file without it).
+  std::string msg = option_render(e.what(), plain_key);
   const auto nl = msg.find('\n');
   if (nl != std::string::npos) msg = msg.substr(0, nl);
   return msg;

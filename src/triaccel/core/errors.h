@@ -4,7 +4,7 @@
 // Options are named by their configuration key (`vram_budget`), never by a front end's spelling of it: a message
 // marks each key with option_ref(), what() shows the plain key, and a front end renders the marks its own way
 // (UserError::message: the CLI writes `--vram-budget`, Python `vram_budget`).
-// This header needs no LibTorch (the fuzz targets include it); error_one_line (errors.cpp) does.
+// Neither this header nor errors.cpp needs LibTorch (the fuzz targets link them).
 #pragma once
 
 #include <functional>
@@ -16,6 +16,8 @@ namespace triaccel {
 
 constexpr int kExitUserError = 2;
 constexpr int kExitInternalError = 1;
+// Stopped early on request (SIGINT, SIGTERM) after writing a checkpoint: resume to continue.
+constexpr int kExitStopped = 3;
 
 // A configuration key inside an error message, marked so that a front end can spell it ("vram_budget" on its own,
 // "--vram-budget" in the CLI).
