@@ -8,6 +8,7 @@
 #include "test_util.h"
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/optim/quant8.h"
+#include "triaccel/optim/risk.h"
 #include "triaccel/optim/state_format.h"
 
 #include <gtest/gtest.h>
@@ -242,6 +243,43 @@ TEST(StateBytesTest, ExactBytesPerFormat) {
   EXPECT_EQ(state_format_bytes(StateFormat::kFactored, {1, 256, 384}), 4 * (256 + 384));  // a position embedding
   EXPECT_EQ(state_format_bytes(StateFormat::kFactored, {1, 8, 3, 3}), 4 * 72);  // 4-D with N = 1: full v
   EXPECT_EQ(state_format_bytes(StateFormat::kAdamW8, {10}), 20 + 4);
+}
+
+// The traits table: every format once, in enum order (checkpoints store the enum value), names that parse back, SGD
+// scaling exactly where no v is kept; and what is derived from the codecs (bytes moved per element, the risk terms)
+// equals the per-format values the planner was calibrated with.
+TEST(StateFormatTableTest, RowsAreConsistentAndDerivedValuesMatchTheSpec) {
+  const auto& table = state_format_table();
+  ASSERT_EQ(table.size(), state_formats_all().size());
+  for (size_t i = 0; i < table.size(); ++i) {
+    EXPECT_EQ(static_cast<size_t>(table[i].format), i) << table[i].name;
+    EXPECT_EQ(state_format_parse(table[i].name), table[i].format);
+    EXPECT_EQ(table[i].sgd_scaled, table[i].v == MomentCodec::kNone) << table[i].name;
+    EXPECT_NE(table[i].m, MomentCodec::kFactored) << table[i].name;
+  }
+  const std::vector<std::pair<StateFormat, double>> moved = {
+      {StateFormat::kAdamW32, 28},    {StateFormat::kAdamW16, 20},     {StateFormat::kAdamW8, 16},
+      {StateFormat::kFactored, 16},   {StateFormat::kNoMomentum, 20},  {StateFormat::kSgdMomentum, 20},
+      {StateFormat::kSgd, 12}};
+  for (const auto& [f, bytes] : moved) EXPECT_EQ(state_format_bytes_moved(f), bytes) << state_format_name(f);
+  // Distinct powers of two per signal, so each format's sum names exactly the terms it has.
+  UnitSignals s;
+  s.quant_error_bf16 = 1;
+  s.quant_error_8bit = 2;
+  s.factor_error = 4;
+  s.precond_error = 8;
+  s.cos_successive = -1;  // with cos_momentum -1 and snr 0: a momentum loss of 1, weighted 16 below
+  s.cos_momentum = -1;
+  s.snr = 0;
+  RiskOptions o;
+  o.w_momentum = 16;
+  const std::vector<std::pair<StateFormat, double>> risk = {
+      {StateFormat::kAdamW32, 0},      {StateFormat::kAdamW16, 1},      {StateFormat::kAdamW8, 2},
+      {StateFormat::kFactored, 4 + 16}, {StateFormat::kNoMomentum, 16}, {StateFormat::kSgdMomentum, 8},
+      {StateFormat::kSgd, 8 + 16}};
+  for (const auto& [f, r] : risk) EXPECT_EQ(risk_unit_format(f, s, o), r) << state_format_name(f);
+  EXPECT_TRUE(state_format_per_element_adamw(StateFormat::kAdamW8));
+  EXPECT_FALSE(state_format_per_element_adamw(StateFormat::kFactored));
 }
 
 TEST(StateBytesTest, BytesEqualTheAllocatedState) {

@@ -1,9 +1,9 @@
 // Fused multi-tensor step for the element-wise update rules (update_rule.h): one launch updates one TensorPack of
 // tensors of one rule (multi_tensor_apply.cuh). Per element, with p the parameter, g the gradient, m and v the
-// moments (fp32 math; bf16 storage for kAdamWBf16, rounded to nearest even after the update), s the tensor's lr
-// scale and wd its weight decay:
+// moments (fp32 math; float32 or bfloat16 storage, bfloat16 rounded to nearest even after the update), s the
+// tensor's lr scale and wd its weight decay:
 //   p ← p·(1 − lr·s·wd), then
-//   kAdamW/kAdamWBf16: m ← β1 m + (1−β1) g;  v ← β2 v + (1−β2) g²;  p ← p − (lr·s / bc1) · m / (√v / √bc2 + ε)
+//   kAdamW:            m ← β1 m + (1−β1) g;  v ← β2 v + (1−β2) g²;  p ← p − (lr·s / bc1) · m / (√v / √bc2 + ε)
 //   kNoMomentum:       v ← β2 v + (1−β2) g²;  p ← p − lr·s · g / (√v / √bc2 + ε)
 //   kSgdMomentum:      m ← β1 m + (1−β1) g;  p ← p − lr·s·k · m / bc1
 //   kSgd:              p ← p − lr·s·k · g
@@ -26,20 +26,10 @@ constexpr int kElemsPerThread = 4;
 constexpr int64_t kChunk = kThreads * kElemsPerThread;
 constexpr int kBlockLimit = 1 << 30;  // blocks per launch
 
-constexpr bool update_rule_has_m(UpdateRule r) {
-  return r == UpdateRule::kAdamW || r == UpdateRule::kAdamWBf16 || r == UpdateRule::kSgdMomentum;
-}
-constexpr bool update_rule_has_v(UpdateRule r) {
-  return r == UpdateRule::kAdamW || r == UpdateRule::kAdamWBf16 || r == UpdateRule::kNoMomentum;
-}
-at::ScalarType update_rule_state_dtype(UpdateRule r) {
-  return r == UpdateRule::kAdamWBf16 ? at::kBFloat16 : at::kFloat;
-}
-
 struct AdamRecord {
   float* param;
   const float* grad;
-  void* m;               // float or __nv_bfloat16 (update_rule_state_dtype); null where the rule has no m
+  void* m;               // float or __nv_bfloat16 (the call's state_dtype); null where the rule has no m
   void* v;               // likewise for v
   const double* counts;  // (count_m, count_v) of the tensor
   int64_t numel;
@@ -83,7 +73,7 @@ __global__ void adam_step_kernel(const __grid_constant__ AdamPack pack, const fl
     if (i >= n) break;
     float pv = p[i] * decay;
     const float gv = g[i];
-    if constexpr (kRule == UpdateRule::kAdamW || kRule == UpdateRule::kAdamWBf16) {
+    if constexpr (kRule == UpdateRule::kAdamW) {
       const float mv = h.beta1 * load_state(m, i) + (1.f - h.beta1) * gv;
       const float vv = h.beta2 * load_state(v, i) + (1.f - h.beta2) * gv * gv;
       pv -= (lr / bc1) * mv / (sqrtf(vv) / sqrt_bc2 + h.eps);
@@ -113,31 +103,36 @@ void adam_step_launch_rule(const AdamPack& pack, const float* lr, const float* f
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void adam_step_launch(UpdateRule rule, const AdamPack& pack, const float* lr, const float* found_inf,
-                      const AdamStepHyper& h, cudaStream_t stream) {
+template <typename S>
+void adam_step_launch_storage(UpdateRule rule, const AdamPack& pack, const float* lr, const float* found_inf,
+                              const AdamStepHyper& h, cudaStream_t stream) {
   switch (rule) {
-    case UpdateRule::kAdamW:
-      adam_step_launch_rule<float, UpdateRule::kAdamW>(pack, lr, found_inf, h, stream);
-      break;
-    case UpdateRule::kAdamWBf16:
-      adam_step_launch_rule<__nv_bfloat16, UpdateRule::kAdamWBf16>(pack, lr, found_inf, h, stream);
-      break;
+    case UpdateRule::kAdamW: adam_step_launch_rule<S, UpdateRule::kAdamW>(pack, lr, found_inf, h, stream); break;
     case UpdateRule::kNoMomentum:
-      adam_step_launch_rule<float, UpdateRule::kNoMomentum>(pack, lr, found_inf, h, stream);
+      adam_step_launch_rule<S, UpdateRule::kNoMomentum>(pack, lr, found_inf, h, stream);
       break;
     case UpdateRule::kSgdMomentum:
-      adam_step_launch_rule<float, UpdateRule::kSgdMomentum>(pack, lr, found_inf, h, stream);
+      adam_step_launch_rule<S, UpdateRule::kSgdMomentum>(pack, lr, found_inf, h, stream);
       break;
-    case UpdateRule::kSgd:
-      adam_step_launch_rule<float, UpdateRule::kSgd>(pack, lr, found_inf, h, stream);
-      break;
+    case UpdateRule::kSgd: adam_step_launch_rule<S, UpdateRule::kSgd>(pack, lr, found_inf, h, stream); break;
     default: TORCH_CHECK(false, "adam_step_cuda: unknown update rule ", static_cast<int>(rule));
+  }
+}
+
+void adam_step_launch(UpdateRule rule, at::ScalarType state_dtype, const AdamPack& pack, const float* lr,
+                      const float* found_inf, const AdamStepHyper& h, cudaStream_t stream) {
+  // kSgd keeps no state: one instantiation serves both storage types.
+  if (state_dtype == at::kBFloat16 && rule != UpdateRule::kSgd) {
+    adam_step_launch_storage<__nv_bfloat16>(rule, pack, lr, found_inf, h, stream);
+  } else {
+    adam_step_launch_storage<float>(rule, pack, lr, found_inf, h, stream);
   }
 }
 
 }  // namespace
 
-void adam_step_cuda(UpdateRule rule, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+void adam_step_cuda(UpdateRule rule, at::ScalarType state_dtype, const std::vector<at::Tensor>& params,
+                    const std::vector<at::Tensor>& grads,
                     const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs,
                     const std::vector<float>& weight_decays, const std::vector<float>& lr_scales,
                     const std::vector<float>& sgd_scales, const at::Tensor& counts,
@@ -153,14 +148,15 @@ void adam_step_cuda(UpdateRule rule, const std::vector<at::Tensor>& params, cons
   tensor_check_cuda("adam_step_cuda", found_inf, "found_inf", device, at::kFloat);
   tensor_check_cuda("adam_step_cuda", counts, "counts", device, at::kDouble);
   TORCH_CHECK(counts.is_contiguous() && counts.dim() == 2 && counts.size(1) == 2, "adam_step_cuda: counts must be (T, 2)");
+  TORCH_CHECK(state_dtype == at::kFloat || state_dtype == at::kBFloat16,
+              "adam_step_cuda: moments must be float32 or bfloat16, got ", state_dtype);
   const bool has_m = update_rule_has_m(rule), has_v = update_rule_has_v(rule);
-  const at::ScalarType state_dtype = update_rule_state_dtype(rule);
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float* lr_ptr = lr.data_ptr<float>();
   const float* found_inf_ptr = found_inf.data_ptr<float>();
   auto packer = make_tensor_packer<AdamRecord, 1>("adam_step_cuda", kBlockLimit, [&](const AdamPack& pack) {
-    adam_step_launch(rule, pack, lr_ptr, found_inf_ptr, hyper, stream);
+    adam_step_launch(rule, state_dtype, pack, lr_ptr, found_inf_ptr, hyper, stream);
   });
   for (size_t i = 0; i < n; ++i) {
     tensor_check_cuda("adam_step_cuda", params[i], "param", device, at::kFloat);

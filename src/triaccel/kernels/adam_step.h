@@ -1,7 +1,7 @@
-// Fused multi-tensor step for the element-wise update rules (kernels/update_rule.h): kAdamW, kAdamWBf16,
-// kNoMomentum, kSgdMomentum, kSgd. One call updates every tensor of one rule (one launch per TensorPack of tensors,
-// kernels/multi_tensor_apply.cuh). lr, found_inf and the per-tensor step counts are read on the device (no host
-// sync; capturable in a CUDA graph). The reference for the math is baoc_tensor_step_reference.
+// Fused multi-tensor step for the element-wise update rules (kernels/update_rule.h): kAdamW, kNoMomentum,
+// kSgdMomentum, kSgd, with float32 or bfloat16 moments. One call updates every tensor of one rule and one storage
+// type (one launch per TensorPack of tensors, kernels/multi_tensor_apply.cuh). lr, found_inf and the per-tensor step
+// counts are read on the device (no host sync; capturable in a CUDA graph). The reference for the math is baoc_tensor_step_reference.
 #pragma once
 
 #include "triaccel/kernels/update_rule.h"
@@ -19,10 +19,11 @@ struct AdamStepHyper {
   float eps = 1e-8f;
 };
 
-// params, grads: float32, dense, same layout. ms / vs: the state of each tensor (float32, or bfloat16 for
-// kAdamWBf16; undefined where the rule has none), same layout as the param. counts: (T, 2) float64 contiguous;
+// params, grads: float32, dense, same layout. ms / vs: the state of each tensor, of `state_dtype` (kFloat or
+// kBFloat16; undefined where the rule has none), same layout as the param. counts: (T, 2) float64 contiguous;
 // count_rows[i] is tensor i's row. sgd_scales: k of the SGD rules (ignored otherwise).
-void adam_step_cuda(UpdateRule rule, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+void adam_step_cuda(UpdateRule rule, at::ScalarType state_dtype, const std::vector<at::Tensor>& params,
+                    const std::vector<at::Tensor>& grads,
                     const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs,
                     const std::vector<float>& weight_decays, const std::vector<float>& lr_scales,
                     const std::vector<float>& sgd_scales, const at::Tensor& counts,

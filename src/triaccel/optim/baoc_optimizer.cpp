@@ -64,20 +64,76 @@ at::Tensor factored_expand(const at::Tensor& r, const at::Tensor& c, const at::T
 
 double bias_correction(double beta, double count) { return 1.0 - std::pow(beta, count); }
 
-#ifdef TRIACCEL_WITH_CUDA
-// The element-wise kernel's rule for a format it serves (kernels/update_rule.h).
-UpdateRule update_rule_of(StateFormat f) {
-  switch (f) {
-    case StateFormat::kAdamW32: return UpdateRule::kAdamW;
-    case StateFormat::kAdamW16: return UpdateRule::kAdamWBf16;
-    case StateFormat::kNoMomentum: return UpdateRule::kNoMomentum;
-    case StateFormat::kSgdMomentum: return UpdateRule::kSgdMomentum;
-    case StateFormat::kSgd: return UpdateRule::kSgd;
-    default: TORCH_CHECK(false, "BaocOptimizer: format ", state_format_name(f), " has no element-wise rule");
+// One moment's storage in a BaocTensorState: the tensor (float32, bfloat16, 8-bit codes, or a factored format's
+// full v), the 8-bit codec's absmax, a factored v's row and column means.
+struct MomentSlot {
+  at::Tensor* t;
+  at::Tensor* absmax;
+  at::Tensor* row;
+  at::Tensor* col;
+};
+
+MomentSlot m_slot(BaocTensorState& s) { return {&s.m, &s.m_absmax, nullptr, nullptr}; }
+MomentSlot v_slot(BaocTensorState& s) { return {&s.v, &s.v_absmax, &s.v_row, &s.v_col}; }
+
+// Creates the storage of codec c holding x (float32, p's layout). `map`: the 8-bit codec's code map.
+void moment_encode(MomentCodec c, const at::Tensor& x, const at::Tensor& p, const at::Tensor& map, MomentSlot out) {
+  switch (c) {
+    case MomentCodec::kNone: return;
+    case MomentCodec::kFloat32: *out.t = x.clone(); return;
+    case MomentCodec::kBFloat16: *out.t = x.to(at::kBFloat16); return;
+    case MomentCodec::kQuant8: {
+      Quantized8 q = encode_like(x, p, map);
+      *out.t = q.codes;
+      *out.absmax = q.absmax;
+      return;
+    }
+    case MomentCodec::kFactored: {
+      TORCH_CHECK(out.row != nullptr, "BaocOptimizer: only the second moment can be factored");
+      const auto [rows, cols] = state_format_factor_shape(p.sizes().vec());
+      if (rows > 0) {
+        const at::Tensor x2 = factored_view(x, rows, cols);
+        *out.row = x2.mean(1).contiguous();
+        *out.col = x2.mean(0).contiguous();
+      } else {
+        *out.t = x.clone();
+      }
+      return;
+    }
   }
-  return UpdateRule::kAdamW;
 }
-#endif
+
+// The moment as float32 in p's layout (the stored tensor itself for kFloat32: updates to it update the state);
+// undefined for kNone.
+at::Tensor moment_decode(MomentCodec c, const BaocTensorState& s, bool second, const at::Tensor& p,
+                         const at::Tensor& map) {
+  const at::Tensor& t = second ? s.v : s.m;
+  switch (c) {
+    case MomentCodec::kNone: return {};
+    case MomentCodec::kFloat32: return t;
+    case MomentCodec::kBFloat16: return t.to(at::kFloat);
+    case MomentCodec::kQuant8: return decode_like(t, second ? s.v_absmax : s.m_absmax, p, map);
+    case MomentCodec::kFactored: return s.v_row.defined() ? factored_expand(s.v_row, s.v_col, p) : s.v;
+  }
+  return {};
+}
+
+// Stores the updated float32 moment x (from moment_decode) back into its storage, in place.
+void moment_store(MomentCodec c, const at::Tensor& x, const at::Tensor& p, const at::Tensor& map, MomentSlot slot) {
+  switch (c) {
+    case MomentCodec::kFloat32:
+      if (!x.is_same(*slot.t)) slot.t->copy_(x);
+      return;
+    case MomentCodec::kBFloat16: slot.t->copy_(x); return;
+    case MomentCodec::kQuant8: {
+      Quantized8 q = encode_like(x, p, map);
+      slot.t->copy_(q.codes);
+      slot.absmax->copy_(q.absmax);
+      return;
+    }
+    default: TORCH_CHECK(false, "BaocOptimizer: moment_store of a codec the element-wise reference does not update");
+  }
+}
 
 // The factored / no-momentum update (CPU reference) with every scalar as a tensor, masked by ok.
 // lr_eff, bc2: float32 scalars; ok: bool scalar.
@@ -146,45 +202,12 @@ BaocTensorState BaocOptimizer::state_make(size_t i, StateFormat f, const at::Ten
   const auto f32 = p.options().dtype(at::kFloat);
   BaocTensorState s;
   s.format = f;
-  const at::Tensor m = m32.defined() ? like_param(m32, p) : at::zeros_like(p, f32);
-  const at::Tensor v = v32.defined() ? like_param(v32, p) : at::zeros_like(p, f32);
-  switch (f) {
-    case StateFormat::kAdamW32:
-      s.m = m.clone();
-      s.v = v.clone();
-      break;
-    case StateFormat::kAdamW16:
-      s.m = m.to(at::kBFloat16);
-      s.v = v.to(at::kBFloat16);
-      break;
-    case StateFormat::kAdamW8: {
-      Quantized8 qm = encode_like(m, p, map_signed_);
-      Quantized8 qv = encode_like(v, p, map_unsigned_);
-      s.m = qm.codes;
-      s.m_absmax = qm.absmax;
-      s.v = qv.codes;
-      s.v_absmax = qv.absmax;
-      break;
-    }
-    case StateFormat::kFactored: {
-      const auto [rows, cols] = state_format_factor_shape(p.sizes().vec());
-      if (rows > 0) {
-        const at::Tensor v2 = factored_view(v, rows, cols);
-        s.v_row = v2.mean(1).contiguous();
-        s.v_col = v2.mean(0).contiguous();
-      } else {
-        s.v = v.clone();
-      }
-      break;
-    }
-    case StateFormat::kNoMomentum:
-      s.v = v.clone();
-      break;
-    case StateFormat::kSgdMomentum:
-      s.m = m.clone();
-      break;
-    case StateFormat::kSgd:
-      break;
+  const StateFormatTraits& t = state_format_traits(f);
+  if (t.m != MomentCodec::kNone) {
+    moment_encode(t.m, m32.defined() ? like_param(m32, p) : at::zeros_like(p, f32), p, map_signed_, m_slot(s));
+  }
+  if (t.v != MomentCodec::kNone) {
+    moment_encode(t.v, v32.defined() ? like_param(v32, p) : at::zeros_like(p, f32), p, map_unsigned_, v_slot(s));
   }
   return s;
 }
@@ -200,28 +223,13 @@ void BaocOptimizer::state_init() {
 at::Tensor BaocOptimizer::m_float(size_t i) const {
   if (!initialized_) return {};
   const BaocTensorState& s = states_[i];
-  switch (s.format) {
-    case StateFormat::kAdamW32:
-    case StateFormat::kSgdMomentum: return s.m;
-    case StateFormat::kAdamW16: return s.m.to(at::kFloat);
-    case StateFormat::kAdamW8: return decode_like(s.m, s.m_absmax, params()[i], map_signed_);
-    default: return {};
-  }
+  return moment_decode(state_format_traits(s.format).m, s, false, params()[i], map_signed_);
 }
 
 at::Tensor BaocOptimizer::v_float(size_t i) const {
   if (!initialized_) return {};
   const BaocTensorState& s = states_[i];
-  switch (s.format) {
-    case StateFormat::kAdamW32:
-    case StateFormat::kNoMomentum: return s.v;
-    case StateFormat::kAdamW16: return s.v.to(at::kFloat);
-    case StateFormat::kAdamW8: return decode_like(s.v, s.v_absmax, params()[i], map_unsigned_);
-    case StateFormat::kFactored:
-      if (s.v_row.defined()) return factored_expand(s.v_row, s.v_col, params()[i]);
-      return s.v;
-    default: return {};
-  }
+  return moment_decode(state_format_traits(s.format).v, s, true, params()[i], map_unsigned_);
 }
 
 void BaocOptimizer::formats_set(const std::vector<StateFormat>& formats) {
@@ -241,7 +249,7 @@ void BaocOptimizer::formats_set(const std::vector<StateFormat>& formats) {
     const float old_scale = states_[i].sgd_scale;
     BaocTensorState next = state_make(i, to, m32, state_format_has_v(to) ? v32 : at::Tensor());
     next.sgd_scale = old_scale;
-    if ((to == StateFormat::kSgdMomentum || to == StateFormat::kSgd) && v32.defined()) {
+    if (state_format_traits(to).sgd_scaled && v32.defined()) {
       const double count_v = counts_cpu[static_cast<int64_t>(i)][1].item<double>();
       const double bc2 = count_v > 0 ? bias_correction(options_.beta2, count_v) : 1.0;
       const double mean_v = v32.mean().item<double>() / bc2;
@@ -283,11 +291,15 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
         ks.push_back(s.sgd_scale);
         rows.push_back(static_cast<int64_t>(i));
       }
-      if (format == StateFormat::kAdamW8) {
+      const StateFormatTraits& t = state_format_traits(format);
+      if (t.m == MomentCodec::kQuant8 || t.v == MomentCodec::kQuant8) {
+        TORCH_CHECK(t.m == MomentCodec::kQuant8 && t.v == MomentCodec::kQuant8, "BaocOptimizer: format ", t.name,
+                    ": the 8-bit kernel needs both moments 8-bit");
         adam8_step_cuda(ps, gs, ms, vs, mas, vas, wds, scales, counts_, rows, map_signed_, map_unsigned_, lr,
                         found_inf, hyper);
-      } else if (format == StateFormat::kFactored) {
-        // Matrices: the factored kernel. 1-D tensors keep a full v: the same math as kNoMomentum.
+      } else if (t.v == MomentCodec::kFactored) {
+        TORCH_CHECK(t.m == MomentCodec::kNone, "BaocOptimizer: format ", t.name, ": the factored kernel keeps no m");
+        // Matrices: the factored kernel. 1-D tensors keep a full float32 v: the same math as kNoMomentum.
         std::vector<at::Tensor> fp, fg, fr, fc, np, ng, nm, nv;
         std::vector<float> fwd, fsc, nwd, nsc, nk;
         std::vector<int64_t> frow, nrow;
@@ -302,9 +314,18 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
           }
         }
         factored_step_cuda(fp, fg, fr, fc, fwd, fsc, counts_, frow, lr, found_inf, hyper);
-        adam_step_cuda(UpdateRule::kNoMomentum, np, ng, nm, nv, nwd, nsc, nk, counts_, nrow, lr, found_inf, hyper);
+        adam_step_cuda(UpdateRule::kNoMomentum, at::kFloat, np, ng, nm, nv, nwd, nsc, nk, counts_, nrow, lr,
+                       found_inf, hyper);
       } else {
-        adam_step_cuda(update_rule_of(format), ps, gs, ms, vs, wds, scales, ks, counts_, rows, lr, found_inf, hyper);
+        // The element-wise kernel: the rule from the moments kept, the storage type from their codec.
+        const MomentCodec storage = t.m != MomentCodec::kNone ? t.m : t.v;
+        TORCH_CHECK((t.m == MomentCodec::kNone || t.v == MomentCodec::kNone || t.m == t.v) &&
+                        (storage == MomentCodec::kNone || storage == MomentCodec::kFloat32 ||
+                         storage == MomentCodec::kBFloat16),
+                    "BaocOptimizer: format ", t.name, " has no kernel (moments of one type, float32 or bfloat16)");
+        adam_step_cuda(update_rule_for(t.m != MomentCodec::kNone, t.v != MomentCodec::kNone),
+                       storage == MomentCodec::kBFloat16 ? at::kBFloat16 : at::kFloat, ps, gs, ms, vs, wds, scales,
+                       ks, counts_, rows, lr, found_inf, hyper);
       }
     }
     return;
@@ -330,57 +351,34 @@ void baoc_tensor_step_reference(BaocTensorState& s, const at::Tensor& p, const a
   const at::Tensor g = like_param(g_in, p);
   const double bc1 = bias_correction(o.beta1, count_m);
   const double bc2 = bias_correction(o.beta2, count_v);
-  switch (s.format) {
-    case StateFormat::kAdamW32:
-    case StateFormat::kAdamW16:
-    case StateFormat::kAdamW8: {
-      // The order of torch::optim::AdamW: decay, moments, denom = √v / √bc2 + ε, p −= (lr / bc1) · m / denom.
-      at::Tensor m, v;
-      if (s.format == StateFormat::kAdamW32) {
-        m = s.m;
-        v = s.v;
-      } else if (s.format == StateFormat::kAdamW16) {
-        m = s.m.to(at::kFloat);
-        v = s.v.to(at::kFloat);
-      } else {
-        m = decode_like(s.m, s.m_absmax, p, map_signed);
-        v = decode_like(s.v, s.v_absmax, p, map_unsigned);
-      }
-      p.mul_(1 - lr_eff * wd);
-      m.mul_(o.beta1).add_(g, 1 - o.beta1);
-      v.mul_(o.beta2).addcmul_(g, g, 1 - o.beta2);
-      const at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(o.eps);
-      p.addcdiv_(m, denom, -lr_eff / bc1);
-      if (s.format == StateFormat::kAdamW16) {
-        s.m.copy_(m);
-        s.v.copy_(v);
-      } else if (s.format == StateFormat::kAdamW8) {
-        Quantized8 qm = encode_like(m, p, map_signed);
-        Quantized8 qv = encode_like(v, p, map_unsigned);
-        s.m.copy_(qm.codes);
-        s.m_absmax.copy_(qm.absmax);
-        s.v.copy_(qv.codes);
-        s.v_absmax.copy_(qv.absmax);
-      }
-      break;
-    }
-    case StateFormat::kFactored:
-    case StateFormat::kNoMomentum: {
-      const auto f32 = p.options().dtype(at::kFloat);
-      second_moment_only_step(s, p, g, at::scalar_tensor(lr_eff, f32), wd, at::scalar_tensor(bc2, f32),
-                              at::scalar_tensor(true, p.options().dtype(at::kBool)), o);
-      break;
-    }
-    case StateFormat::kSgdMomentum:
-      p.mul_(1 - lr_eff * wd);
-      s.m.mul_(o.beta1).add_(g, 1 - o.beta1);
-      p.add_(s.m, -lr_eff * s.sgd_scale / bc1);
-      break;
-    case StateFormat::kSgd:
-      p.mul_(1 - lr_eff * wd);
-      p.add_(g, -lr_eff * s.sgd_scale);
-      break;
+  // The rule follows from the moments the format keeps (state_format.h); moments are updated in float32 and stored
+  // back in their codec.
+  const StateFormatTraits& t = state_format_traits(s.format);
+  const bool has_m = t.m != MomentCodec::kNone, has_v = t.v != MomentCodec::kNone;
+  if (has_v && (!has_m || t.v == MomentCodec::kFactored)) {
+    TORCH_CHECK(!has_m && (t.v == MomentCodec::kFactored || t.v == MomentCodec::kFloat32), "BaocOptimizer: format ",
+                t.name, " has no reference rule");
+    const auto f32 = p.options().dtype(at::kFloat);
+    second_moment_only_step(s, p, g, at::scalar_tensor(lr_eff, f32), wd, at::scalar_tensor(bc2, f32),
+                            at::scalar_tensor(true, p.options().dtype(at::kBool)), o);
+    return;
   }
+  const at::Tensor m = moment_decode(t.m, s, false, p, map_signed);
+  const at::Tensor v = moment_decode(t.v, s, true, p, map_unsigned);
+  p.mul_(1 - lr_eff * wd);
+  if (has_m) m.mul_(o.beta1).add_(g, 1 - o.beta1);
+  if (has_v) {
+    // The order of torch::optim::AdamW: decay, moments, denom = √v / √bc2 + ε, p −= (lr / bc1) · m / denom.
+    v.mul_(o.beta2).addcmul_(g, g, 1 - o.beta2);
+    const at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(o.eps);
+    p.addcdiv_(m, denom, -lr_eff / bc1);
+  } else if (has_m) {
+    p.add_(m, -lr_eff * s.sgd_scale / bc1);
+  } else {
+    p.add_(g, -lr_eff * s.sgd_scale);
+  }
+  if (has_m) moment_store(t.m, m, p, map_signed, m_slot(s));
+  if (has_v) moment_store(t.v, v, p, map_unsigned, v_slot(s));
 }
 
 void BaocOptimizer::stream_stats_enable(bool on) {
@@ -475,7 +473,8 @@ void BaocOptimizer::state_load(const NamedTensors& stored, const std::string& pa
   std::vector<StateFormat> formats;
   for (int64_t i = 0; i < codes.numel(); ++i) {
     const int64_t c = codes[i].item<int64_t>();
-    TRIACCEL_CHECK_INPUT(c >= 0 && c < kStateFormatCount, "checkpoint ", path, " has a bad optimizer format code ", c);
+    TRIACCEL_CHECK_INPUT(c >= 0 && c < static_cast<int64_t>(state_format_table().size()), "checkpoint ", path,
+                         " has a bad optimizer format code ", c);
     formats.push_back(static_cast<StateFormat>(c));
   }
   // Fresh state in the stored formats, then every tensor copied in by name.

@@ -29,24 +29,10 @@ int64_t unit_params(const PlanUnitInput& u) {
   return n;
 }
 
-// Bytes moved per element by a step (param r/w 8, grad read 4, state read + write).
-double bytes_moved(StateFormat f) {
-  switch (f) {
-    case StateFormat::kAdamW32: return 28;
-    case StateFormat::kAdamW16: return 20;
-    case StateFormat::kAdamW8: return 16;
-    case StateFormat::kFactored: return 16;  // the gradient is read twice (statistics, update)
-    case StateFormat::kNoMomentum: return 20;
-    case StateFormat::kSgdMomentum: return 20;
-    case StateFormat::kSgd: return 12;
-  }
-  return 28;
-}
-
 }  // namespace
 
 StepTimeModel::StepTimeModel() {
-  for (StateFormat f : state_formats_all()) seconds_per_element.push_back(bytes_moved(f) / kModelBandwidth);
+  for (StateFormat f : state_formats_all()) seconds_per_element.push_back(state_format_bytes_moved(f) / kModelBandwidth);
 }
 
 double StepTimeModel::seconds(StateFormat f, int64_t elements) const {
@@ -109,7 +95,7 @@ std::vector<StateFormat> plan_unit_menu(const PlanUnitInput& unit, const std::ve
   if (!unit.lookup) return menu;
   std::vector<StateFormat> kept;
   for (StateFormat f : menu) {
-    if (f == StateFormat::kAdamW32 || f == StateFormat::kAdamW16 || f == StateFormat::kAdamW8) kept.push_back(f);
+    if (state_format_per_element_adamw(f)) kept.push_back(f);
   }
   return kept.empty() ? menu : kept;
 }
