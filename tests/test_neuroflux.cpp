@@ -10,6 +10,7 @@
 #include "triaccel/control/memory_profile.h"
 #include "triaccel/methods/neuroflux.h"
 #include "triaccel/control/partitioner.h"
+#include "triaccel/train/checkpoint.h"
 #include "triaccel/models/model.h"
 #include "triaccel/core/events.h"
 
@@ -574,6 +575,57 @@ TEST_F(NeuroFluxRunTest, ResumeAtABlockBoundaryEndsWithTheSameWeights) {
   const auto ea = test::state_dict_read(a.file(kExitModelFile));
   const auto eb = test::state_dict_read(b.file(kExitModelFile));
   for (const auto& [name, t] : ea) EXPECT_TRUE(t.equal(eb.at(name))) << name;
+}
+
+// A stop request inside a block (here in block 1's second epoch, whose input comes from the cache) writes a checkpoint
+// holding the block's position, momenta and loss sums; the resumed run continues inside the block and ends with the
+// same weights, exit and block events as an uninterrupted run.
+TEST_F(NeuroFluxRunTest, StopInsideABlockResumesToTheSameWeights) {
+  test::TempDir a("neuroflux_a"), b("neuroflux_b");
+  Config base = options(a.path());
+  base.set("epochs", "2");
+  api::run(base);
+  std::vector<Json> blocks_a;
+  for (const auto& e : events_read(a.file("events.jsonl"))) {
+    if (e["event"] == "block") blocks_a.push_back(e);
+  }
+  ASSERT_GE(blocks_a.size(), 2u);
+  const int64_t steps0 = blocks_a[0]["steps"].get<int64_t>(), steps1 = blocks_a[1]["steps"].get<int64_t>();
+  const int64_t stop_at = steps0 + steps1 / 2 + 1;  // inside block 1, in its second epoch
+
+  Config first = base;
+  first.set("out", b.path());
+  int64_t last_step = 0;
+  RunHooks hooks;
+  hooks.after_step = [&](int64_t step) { last_step = step; };
+  hooks.stop_requested = [&] { return last_step >= stop_at ? StopRequest::kTerminate : StopRequest::kNone; };
+  const Json stop = api::run(first, hooks);
+  ASSERT_EQ(stop["reason"], "sigterm");
+  EXPECT_EQ(stop["block_in_progress"], 1);
+  EXPECT_EQ(last_step, stop_at);
+  EXPECT_FALSE(file_exists(b.file("model.pt")));
+  const Checkpoint c = checkpoint_read(b.file(kCheckpointFile));
+  ASSERT_TRUE(c.progress.contains("block_in_progress"));
+  EXPECT_EQ(c.progress["block_in_progress"]["epoch"], 1);
+  EXPECT_EQ(c.progress["step"], stop_at);
+
+  Config resumed = base;
+  resumed.set("out", b.path());
+  resumed.set("resume", b.path());
+  api::run(resumed);
+  const auto wa = test::state_dict_read(a.file("model.pt"));
+  const auto wb = test::state_dict_read(b.file("model.pt"));
+  ASSERT_EQ(wa.size(), wb.size());
+  for (const auto& [name, t] : wa) EXPECT_TRUE(t.equal(wb.at(name))) << name;
+  std::vector<Json> blocks_b;
+  for (const auto& e : events_read(b.file("events.jsonl"))) {
+    if (e["event"] == "block") blocks_b.push_back(e);
+  }
+  ASSERT_EQ(blocks_b.size(), blocks_a.size());
+  for (size_t i = 0; i < blocks_a.size(); ++i) {
+    EXPECT_EQ(blocks_a[i]["steps"], blocks_b[i]["steps"]) << i;
+    EXPECT_EQ(blocks_a[i]["local"], blocks_b[i]["local"]) << i;  // the loss sums survived the stop
+  }
 }
 
 TEST_F(NeuroFluxRunTest, RunsOnTheGpuWithinItsBudget) {

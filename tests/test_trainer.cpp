@@ -91,6 +91,58 @@ TEST_F(TrainerTest, ResumeMidEpochIsBitExact) {
   EXPECT_EQ(ea[1]["train_loss"], eb[1]["train_loss"]);
 }
 
+// A stop request (the CLI's SIGINT) after step 4: the step in flight finishes, a checkpoint and a stop event with the
+// reason are written, and the resumed run ends with the uninterrupted run's weights bit for bit.
+TEST_F(TrainerTest, StopRequestCheckpointsAndResumesBitExactly) {
+  test::TempDir a("run_a"), b("run_b");
+  api::run(options(a.path()));
+
+  int64_t last_step = 0;
+  RunHooks hooks;
+  hooks.after_step = [&](int64_t step) { last_step = step; };
+  hooks.stop_requested = [&] { return last_step >= 4 ? StopRequest::kInterrupt : StopRequest::kNone; };
+  const Json stop = api::run(options(b.path()), hooks);
+  EXPECT_EQ(stop["reason"], "sigint");
+  EXPECT_EQ(last_step, 4);
+  EXPECT_FALSE(std::filesystem::exists(b.file("model.pt")));
+  const auto events = events_read(b.file("events.jsonl"));
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events[events.size() - 2]["event"], "checkpoint");
+  EXPECT_EQ(events.back()["event"], "stop");
+  EXPECT_EQ(events.back()["step"], 4);
+  EXPECT_EQ(checkpoint_read(b.file(kCheckpointFile)).progress["step"], 4);
+
+  Config again = options(b.path());
+  again.set("resume", b.path());
+  api::run(again);
+  const auto wa = test::state_dict_read(a.file("model.pt"));
+  const auto wb = test::state_dict_read(b.file("model.pt"));
+  ASSERT_EQ(wa.size(), wb.size());
+  for (const auto& [name, t] : wa) EXPECT_TRUE(torch::equal(t, wb.at(name))) << name << " differs after resume";
+}
+
+// checkpoint_minutes on the run's clock: a clock that advances 1 s per reading makes the time between checkpoints a
+// count of readings, so the checkpoints fall inside the epochs (where steps alone would write them only at epoch
+// ends), and 0 turns them off.
+TEST_F(TrainerTest, CheckpointsByTimeOnTheRunsClock) {
+  const auto mid_epoch_checkpoints = [&](const std::string& minutes) {
+    test::TempDir out("run");
+    Config c = options(out.path());
+    c.set("checkpoint_minutes", minutes);
+    const FixedStepClock clock(1.0);
+    RunHooks hooks;
+    hooks.clock = &clock;
+    api::run(c, hooks);
+    int n = 0;
+    for (const auto& e : events_read(out.file("events.jsonl"))) {
+      if (e["event"] == "checkpoint" && e["epoch_offset"].get<int64_t>() != 0) ++n;
+    }
+    return n;
+  };
+  EXPECT_EQ(mid_epoch_checkpoints("0"), 0);
+  EXPECT_GT(mid_epoch_checkpoints("0.05"), 2);  // every 3 s of this clock: more than once per epoch
+}
+
 // The same for the AdamW and BAOC optimizers: BAOC plans after 2 steps and re-plans every 3 (plans at steps 2, 5, 8,
 // 11; statistics windows 1–2, 4–5, 7–8, 10–11), so the stop at step 4 falls inside a window and between plans.
 TEST_F(TrainerTest, ResumeMidEpochIsBitExactWithAdamWAndBaoc) {

@@ -4,11 +4,14 @@
 //   report  RUN_DIR... -o report.html: one self-contained HTML page of charts and a side-by-side table of the runs,
 //           and that table as CSV beside it (docs/report.md)
 // Every error ends the program with one line "triaccel: error: <what and how to fix it>": exit 2 for bad input, 1 for
-// internal errors. Options in library messages are spelled as this CLI's flags.
+// internal errors. Options in library messages are spelled as this CLI's flags. A training stopped by SIGINT or
+// SIGTERM writes a checkpoint and exits 3; a second signal aborts at once (docs/reliability.md).
 #include "triaccel/api/api.h"
 #include "triaccel/core/errors.h"
 
 #include <CLI/CLI.hpp>
+
+#include <signal.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -48,6 +51,37 @@ class ConfigFlags {
   std::map<std::string, std::string> values_;
   std::map<std::string, CLI::Option*> options_;
 };
+
+// SIGINT and SIGTERM while training: the first is recorded and the run stops after the step in flight with a
+// checkpoint (exit kExitStopped); a second aborts at once with the signal's default action (the last complete
+// checkpoint stays valid: checkpoints are written to a temporary file and renamed).
+volatile sig_atomic_t g_stop_signal = 0;
+
+void on_stop_signal(int sig) {
+  if (g_stop_signal != 0) {
+    signal(sig, SIG_DFL);
+    raise(sig);
+    return;
+  }
+  g_stop_signal = sig;
+}
+
+void stop_signals_install() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+triaccel::StopRequest stop_requested() {
+  switch (g_stop_signal) {
+    case SIGINT: return triaccel::StopRequest::kInterrupt;
+    case SIGTERM: return triaccel::StopRequest::kTerminate;
+    default: return triaccel::StopRequest::kNone;
+  }
+}
 
 std::string flag_spelling(const std::string& key) {
   const auto& keys = Config::keys();
@@ -128,7 +162,11 @@ int main(int argc, char** argv) {
     if (train->parsed()) {
       triaccel::RunHooks hooks;
       hooks.spell_option = flag_spelling;
-      triaccel::api::run(train_flags.config(), hooks);
+      hooks.stop_requested = stop_requested;
+      stop_signals_install();
+      const Json result = triaccel::api::run(train_flags.config(), hooks);
+      const std::string reason = result.value("reason", std::string());
+      if (reason == "sigint" || reason == "sigterm") return triaccel::kExitStopped;
     }
     if (plan->parsed()) {
       Config c = plan_flags.config();

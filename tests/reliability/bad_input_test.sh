@@ -101,6 +101,7 @@ expect faults_bad_step 2 "--inject-faults: 'oom@-1' needs an integer >= 0" -- tr
 expect faults_bad_probability 2 "needs a probability in [0, 1], got '1.5'" -- train "${TINY[@]}" --data "$WORK/good" --inject-faults random:seed=1,oom=1.5
 expect faults_neuroflux 2 "--inject-faults applies to --method backprop and tri-accel" -- train "${TINY[@]}" --data "$WORK/good" --method neuroflux --inject-faults oom@1
 expect checkpoint_every_negative 2 "--checkpoint-every must be >= 0, got -1" -- train "${TINY[@]}" --data "$WORK/good" --checkpoint-every -1
+expect checkpoint_minutes_negative 2 "--checkpoint-minutes must be >= 0, got -5" -- train "${TINY[@]}" --data "$WORK/good" --checkpoint-minutes -5
 expect epochs_zero 2 "--epochs must be > 0, got 0" -- train "${TINY[@]}" --data "$WORK/good" --epochs 0
 expect momentum_one 2 "--momentum must be in [0, 1), got 1" -- train "${TINY[@]}" --data "$WORK/good" --momentum 1
 expect vram_budget_garbage 2 "--vram-budget" -- train "${TINY[@]}" --data "$WORK/good" --vram-budget lots

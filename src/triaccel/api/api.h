@@ -10,7 +10,8 @@
 namespace triaccel::api {
 
 // Trains with the configured method (backprop, Tri-Accel or NeuroFlux), resuming when `resume` is set; returns the
-// summary event's fields (the stop event's when stopped by max_steps). UserError for bad input.
+// summary event's fields (the stop event's when it stopped early: max_steps, or RunHooks::stop_requested, whose
+// reason is "sigint" or "sigterm"). UserError for bad input.
 Json run(const Config& config, const RunHooks& hooks = {});
 
 // The plan a run of this configuration would follow, computed without writing any file: the model (parameters,

@@ -10,13 +10,10 @@
 #include "triaccel/models/model.h"
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/train/checkpoint.h"
+#include "triaccel/train/rng.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
-#ifdef TRIACCEL_WITH_CUDA
-#include <ATen/cuda/CUDAGeneratorImpl.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -33,30 +30,6 @@ constexpr int64_t kSkipRetryLimit = 8;
 
 NamedTensors scaler_state(const LossScaler& s) {
   return {{"scale", s.scale_tensor()}, {"growth_tracker", s.growth_tracker()}, {"skipped", s.skipped_steps()}};
-}
-
-NamedTensors rng_state(const c10::Device& device) {
-  NamedTensors out{{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
-#ifdef TRIACCEL_WITH_CUDA
-  if (device.is_cuda()) out.emplace_back("cuda", at::cuda::detail::getDefaultCUDAGenerator(device.index()).get_state());
-#endif
-  return out;
-}
-
-void rng_restore(const NamedTensors& rng, const c10::Device& device) {
-  for (const auto& [name, state] : rng) {
-    // Generators are shared handles: a copy sets the default generator's state.
-    if (name == "cpu") {
-      at::Generator gen = at::detail::getDefaultCPUGenerator();
-      gen.set_state(state);
-    }
-#ifdef TRIACCEL_WITH_CUDA
-    if (name == "cuda" && device.is_cuda()) {
-      at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device.index());
-      gen.set_state(state);
-    }
-#endif
-  }
 }
 
 // --inject-faults oom: raises the error where a real one comes from. On CUDA the caching allocator is asked for
@@ -342,6 +315,11 @@ Json Trainer::run() {
   Progress& p = *progress_;
   while (p.epoch < config_.schedule.epochs && !stopped_) {
     if (!epoch()) break;  // stopped inside the epoch
+    // A request that came during the evaluation stops here, not after the next epoch's first step.
+    if (const StopRequest r = session_.stop_requested(); r != StopRequest::kNone && stop_reason_.empty()) {
+      stop_reason_ = stop_reason(r);
+      stopped_ = true;
+    }
   }
   if (stopped_ && p.epoch < config_.schedule.epochs) return stop();
   return summary();
@@ -363,11 +341,13 @@ bool Trainer::epoch() {
     if (a == Attempt::kDropped) continue;
     after_step(count);
     const bool last_in_epoch = p.epoch_offset >= train_loader_.size();
-    if (config_.schedule.max_steps > 0 && p.step >= config_.schedule.max_steps) {
+    if (config_.schedule.max_steps > 0 && p.step >= config_.schedule.max_steps) stop_reason_ = "max_steps";
+    if (const StopRequest r = session_.stop_requested(); r != StopRequest::kNone) stop_reason_ = stop_reason(r);
+    if (!stop_reason_.empty()) {
       stopped_ = true;
       if (!last_in_epoch) break;
     }
-    if (config_.output.checkpoint_every > 0 && p.step % config_.output.checkpoint_every == 0 && !last_in_epoch) {
+    if (!last_in_epoch && session_.checkpoint_due(p.step)) {
       train_time_pause();
       checkpoint();
       t_epoch_ = session_.clock().now_s();
@@ -618,6 +598,7 @@ void Trainer::checkpoint() {
   c.progress = p.to_json();
   const std::string path = session_.out_file(kCheckpointFile);
   checkpoint_write(path, c);
+  session_.checkpoint_written();
   session_.event(event::kCheckpoint, progress_->step,
                  Json{{"path", path}, {"epoch", progress_->epoch}, {"epoch_offset", progress_->epoch_offset}});
 }
@@ -625,10 +606,9 @@ void Trainer::checkpoint() {
 Json Trainer::stop() {
   const Progress& p = *progress_;
   checkpoint();
-  const Json fields{{"reason", "max_steps"}, {"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}};
+  const Json fields{{"reason", stop_reason_}, {"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}};
   session_.event(event::kStop, p.step, fields);
-  session_.printer().line(c10::str("stopped at step ", p.step, " (", option_ref("max_steps"), "); continue with ",
-                                   option_ref("resume"), " ", config_.output.out));
+  session_.printer().line(stop_line(stop_reason_, p.step, config_.output.out));
   return fields;
 }
 

@@ -90,6 +90,7 @@ class Trainer : private MemoryMeter {
   int64_t attempt_ = 0;                    // attempts at the current step (retries keep its samples)
   int64_t skips_in_a_row_ = 0;             // skipped attempts at the current samples
   bool stopped_ = false;
+  std::string stop_reason_;                // why it stopped early: max_steps, sigint, sigterm
 };
 
 }  // namespace triaccel

@@ -3,6 +3,9 @@
 // training input only from the loader (b = 0) or the cache written by block b-1, never by running earlier blocks;
 // every random choice (held-out split, head initialization, per-block data order and flips) is a pure function of
 // (seed, block, epoch), so a run resumed at a block boundary ends with the same weights as an uninterrupted one.
+// A checkpoint inside a block (a stop request, checkpoint_every, checkpoint_minutes) also holds the block's position
+// (epoch, offset, batch), its SGD momenta, its running local-loss sums and the generators: resumed there, the block
+// continues with the next step as if it had not stopped.
 #include "triaccel/methods/neuroflux.h"
 
 #include "triaccel/control/batch_controller.h"
@@ -18,6 +21,7 @@
 #include "triaccel/optim/sgd.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/precision.h"
+#include "triaccel/train/rng.h"
 #include "triaccel/train/schedule.h"
 #include "triaccel/train/step_graph.h"
 
@@ -42,6 +46,7 @@ constexpr uint64_t kHoldoutStream = 0x4e46486f6c64ULL;  // independent seed stre
 constexpr uint64_t kHeadStream = 0x4e4648656164ULL;
 constexpr uint64_t kBlockStream = 0x4e46426c6f63ULL;
 constexpr const char* kAuxPrefix = "neuroflux_aux.";  // head entries in the checkpoint's model state
+constexpr const char* kBlockSums = "neuroflux_block.";  // a block in progress: its loss sums in the optimizer state
 
 at::Tensor permutation(int64_t n, uint64_t seed) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -206,7 +211,10 @@ struct BlockResult {
   ActivationCache::IoStats train_io;
   Json input_place;  // where the block's input cache lives ("device", "host"); null for block 0 (the data)
   int64_t alloc_retries_before = 0;  // the allocator's retries when the block started
+  bool stopped = false;              // stopped inside the block (a stop request); its checkpoint is written
 };
+
+class BlockTrainer;
 
 // The NeuroFlux run on a session: the phases in the order they run.
 class NeuroFluxRun {
@@ -224,6 +232,12 @@ class NeuroFluxRun {
   double cache_pass(size_t b, CachePlace* place);
   void cache_pass_split(size_t b, SplitInput& in, std::vector<double>* accs, CachePlace place);
   BlockResult block_train(size_t b);
+  // After every step of a block: checkpoints inside it when one is due or a stop is requested; true: stop.
+  bool block_step_done(const BlockTrainer& trainer);
+  // Ends the run early for `reason` (its checkpoint is written): the stop event and line. block_in_progress: the
+  // block stopped inside (-1: at a block boundary).
+  Json stop(const std::string& reason, int64_t block_in_progress);
+  void checkpoint(const BlockTrainer* in_block);
   void block_end(size_t b, const BlockResult& r);
   NamedTensors live_state() const;
   at::Tensor logits_of(int64_t u, const at::Tensor& h);
@@ -260,6 +274,9 @@ class NeuroFluxRun {
   // Progress (restored from the checkpoint when resuming at a block boundary).
   int64_t blocks_done_ = 0, step_ = 0;
   double peak_gb_ = 0;
+  std::string stop_reason_;        // a stop request's reason (sigint, sigterm)
+  Json block_resume_;              // the block in progress at the checkpoint resumed from (null: none)
+  NamedTensors block_resume_state_;
   std::vector<double> block_seconds_;  // training + cache pass, per block
   // Per-unit exit accuracies on the held-out and test splits, filled as blocks finish.
   std::vector<double> hold_acc_, test_acc_;
@@ -389,6 +406,7 @@ void NeuroFluxRun::restore() {
     step_ = p.at("step").get<int64_t>();
     peak_gb_ = p.at("peak_vram_gb").get<double>();
     block_seconds_ = p.at("block_seconds").get<std::vector<double>>();
+    block_resume_ = p.value("block_in_progress", Json(nullptr));
   } catch (const Json::exception&) {
     throw UserError("checkpoint " + session_.checkpoint_file() + " has an unreadable NeuroFlux progress record");
   }
@@ -536,18 +554,25 @@ Json NeuroFluxRun::run() {
   CachePlace place = CachePlace::kHost;
   for (size_t b = 0; b < static_cast<size_t>(blocks_done_); ++b) cache_pass(b, &place);
   for (size_t b = static_cast<size_t>(blocks_done_); b < plan_.blocks.size(); ++b) {
-    block_end(b, block_train(b));
-    const bool last = b + 1 == plan_.blocks.size();
-    if (config_.schedule.max_steps > 0 && step_ >= config_.schedule.max_steps && !last) {
-      const Json fields{{"reason", "max_steps"}, {"blocks_done", blocks_done_}};
-      session_.event(event::kStop, step_, fields);
-      session_.printer().line(c10::str("stopped after block ", blocks_done_, " at step ", step_, " (",
-                                       option_ref("max_steps"), "); continue with ", option_ref("resume"), " ",
-                                       config_.output.out));
-      return fields;
-    }
+    const BlockResult r = block_train(b);
+    if (r.stopped) return stop(stop_reason_, static_cast<int64_t>(b));
+    block_end(b, r);
+    if (b + 1 == plan_.blocks.size()) break;
+    // A request that came during the block's cache pass stops here, after the block-boundary checkpoint.
+    if (const StopRequest s = session_.stop_requested(); s != StopRequest::kNone) return stop(stop_reason(s), -1);
+    if (config_.schedule.max_steps > 0 && step_ >= config_.schedule.max_steps) return stop("max_steps", -1);
   }
   return summary(exits_export());
+}
+
+Json NeuroFluxRun::stop(const std::string& reason, int64_t block_in_progress) {
+  Json fields{{"reason", reason}, {"blocks_done", blocks_done_}};
+  if (block_in_progress >= 0) fields["block_in_progress"] = block_in_progress;
+  session_.event(event::kStop, step_, fields);
+  const std::string where = block_in_progress >= 0 ? str_cat("in block ", block_in_progress + 1)
+                                                   : str_cat("after block ", blocks_done_);
+  session_.printer().line(stop_line(reason, step_, config_.output.out, where));
+  return fields;
 }
 
 // One block's training: its parameters (units and heads) under one fused SGD, its own batch, schedule and data
@@ -557,8 +582,18 @@ class BlockTrainer {
   BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size_t n_blocks, const std::vector<AuxHead>& heads,
                const Dataset& train_set, SplitInput& train_in, const LoaderOptions& train_lo,
                const LoaderOptions& plain_lo, const MemoryProfile& profile, int64_t* run_step);
-  // Trains every epoch; the block's result for its event.
+  // Called after every step; returning true stops the block there (its result has `stopped`).
+  using AfterStep = std::function<bool(const BlockTrainer&)>;
+  void on_step(AfterStep f) { after_step_ = std::move(f); }
+  // Continues from a checkpoint written inside this block: `progress` and `state` as progress() and state() gave.
+  void resume(const Json& progress, const NamedTensors& state, const std::string& path);
+  // Trains every epoch (from the resumed position); the block's result for its event.
   BlockResult train();
+
+  // Where the block is, for a checkpoint: its index, epoch, offset in the epoch, batch, steps, epoch times.
+  Json progress() const;
+  // The block's SGD momenta and running loss sums.
+  NamedTensors state() const;
 
  private:
   void epoch(int64_t e);
@@ -591,6 +626,10 @@ class BlockTrainer {
   int64_t retries_before_ = 0;
   BlockResult r_;
   int64_t batch_ = 0;  // smaller than planned only after an out-of-memory retry
+  AfterStep after_step_;
+  // Position: the epoch and offset of the next step; the current epoch's training time before this session.
+  int64_t epoch_ = 0, offset_ = 0;
+  double epoch_before_s_ = 0, t_epoch_ = 0;
 };
 
 BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size_t n_blocks,
@@ -688,10 +727,55 @@ void BlockTrainer::body(const at::Tensor& x, const at::Tensor& y) {
   sgd_->step(lr_, found_inf_);
 }
 
+Json BlockTrainer::progress() const {
+  return Json{{"block", b_},         {"epoch", epoch_},          {"offset", offset_},
+              {"batch", batch_},     {"steps", r_.steps},        {"short_steps", r_.short_steps},
+              {"epoch_times", epoch_times_},
+              {"epoch_s", epoch_before_s_ + (session_.clock().now_s() - t_epoch_)}};
+}
+
+NamedTensors BlockTrainer::state() const {
+  NamedTensors out = sgd_->state_tensors();
+  out.emplace_back(std::string(kBlockSums) + "loss_sum", r_.loss_sum);
+  out.emplace_back(std::string(kBlockSums) + "correct", r_.correct);
+  return out;
+}
+
+void BlockTrainer::resume(const Json& progress, const NamedTensors& state, const std::string& path) {
+  try {
+    TRIACCEL_CHECK_INPUT(progress.at("block").get<size_t>() == b_, "checkpoint ", path, " holds block ",
+                         progress.at("block").get<size_t>(), " in progress, not block ", b_);
+    epoch_ = progress.at("epoch").get<int64_t>();
+    offset_ = progress.at("offset").get<int64_t>();
+    batch_ = progress.at("batch").get<int64_t>();
+    r_.steps = progress.at("steps").get<int64_t>();
+    r_.short_steps = progress.at("short_steps").get<int64_t>();
+    epoch_times_ = progress.at("epoch_times").get<std::vector<double>>();
+    epoch_before_s_ = progress.at("epoch_s").get<double>();
+  } catch (const Json::exception&) {
+    throw UserError("checkpoint " + path + " has an unreadable NeuroFlux block record");
+  }
+  TRIACCEL_CHECK_INPUT(epoch_ >= 0 && epoch_ < config_.schedule.epochs && offset_ >= 0 && offset_ <= n_train_ &&
+                           batch_ > 0 && batch_ <= bp_.batch,
+                       "checkpoint ", path, " has a NeuroFlux block position outside this run's plan");
+  NamedTensors momenta, sums;
+  for (const auto& entry : state) (entry.first.rfind(kBlockSums, 0) == 0 ? sums : momenta).push_back(entry);
+  sgd_->state_load(momenta, path);
+  named_tensors_load({{std::string(kBlockSums) + "loss_sum", r_.loss_sum},
+                      {std::string(kBlockSums) + "correct", r_.correct}},
+                     sums, "NeuroFlux block", path);
+  if (batch_ < bp_.batch) graph_.refuse();  // an out-of-memory retry had left the planned batch
+}
+
 BlockResult BlockTrainer::train() {
   // The input cache's transfers while the block trains: its counters now, subtracted when it has trained.
   const ActivationCache::IoStats before = train_in_.cache ? train_in_.cache->io_stats() : ActivationCache::IoStats{};
-  for (int64_t e = 0; e < config_.schedule.epochs; ++e) epoch(e);
+  for (; epoch_ < config_.schedule.epochs; ++epoch_) {
+    epoch(epoch_);
+    if (r_.stopped) return r_;
+    offset_ = 0;
+    epoch_before_s_ = 0;
+  }
   train_aug_.reset();
   r_.train_s = std::accumulate(epoch_times_.begin(), epoch_times_.end(), 0.0);
   if (train_in_.cache) r_.train_io = train_in_.cache->io_stats() - before;
@@ -730,21 +814,27 @@ void BlockTrainer::epoch(int64_t e) {
       flip = at::rand({n_train_}, gen).lt(0.5).to(device);
     }
   }
-  r_.loss_sum.zero_();
-  r_.correct.zero_();
+  if (offset_ == 0) {  // a resumed epoch keeps its sums
+    r_.loss_sum.zero_();
+    r_.correct.zero_();
+  }
   device_synchronize(device);
-  const double t_epoch = session_.clock().now_s();
-  for (int64_t offset = 0; offset < n_train_;) {
-    const int64_t count = std::min(batch_, n_train_ - offset);
-    const int64_t fill = epoch_fill(offset, count, n_train_, batch_, bp_.batch);
-    if (!step_at(e, offset, count, fill, order, order_dev, flip)) continue;
-    offset += count;
+  t_epoch_ = session_.clock().now_s();
+  while (offset_ < n_train_) {
+    const int64_t count = std::min(batch_, n_train_ - offset_);
+    const int64_t fill = epoch_fill(offset_, count, n_train_, batch_, bp_.batch);
+    if (!step_at(e, offset_, count, fill, order, order_dev, flip)) continue;
+    offset_ += count;
     ++r_.steps;
     ++*run_step_;
     if (session_.hooks().after_step) session_.hooks().after_step(*run_step_);
+    if (after_step_ && after_step_(*this)) {
+      r_.stopped = true;
+      return;
+    }
   }
   device_synchronize(device);
-  epoch_times_.push_back(session_.clock().now_s() - t_epoch);
+  epoch_times_.push_back(epoch_before_s_ + (session_.clock().now_s() - t_epoch_));
   session_.printer().line(c10::str(
       "block ", b_ + 1, "/", n_blocks_, " epoch ", e + 1, "/", config_.schedule.epochs, ": local loss ",
       r_.loss_sum[bp_.end - bp_.first - 1].item<double>() / static_cast<double>(n_train_), ", ", epoch_times_.back(),
@@ -806,7 +896,46 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
 BlockResult NeuroFluxRun::block_train(size_t b) {
   BlockTrainer trainer(session_, plan_.blocks[b], b, plan_.blocks.size(), heads_, train_set_, train_in_, train_lo_,
                        plain_lo_, profile_, &step_);
+  if (!block_resume_.is_null()) {
+    trainer.resume(block_resume_, session_.checkpoint()->optimizer, session_.checkpoint_file());
+    rng_restore(session_.checkpoint()->rng, device_);
+    block_resume_ = Json(nullptr);
+  }
+  trainer.on_step([this](const BlockTrainer& t) { return block_step_done(t); });
   return trainer.train();
+}
+
+bool NeuroFluxRun::block_step_done(const BlockTrainer& trainer) {
+  if (const StopRequest r = session_.stop_requested(); r != StopRequest::kNone) {
+    stop_reason_ = stop_reason(r);
+    checkpoint(&trainer);
+    return true;
+  }
+  if (session_.checkpoint_due(step_)) checkpoint(&trainer);
+  return false;
+}
+
+// The checkpoint: every unit's and head's weights, the plan and the progress; inside a block (in_block) also the
+// block's position, momenta, loss sums and the generators' states.
+void NeuroFluxRun::checkpoint(const BlockTrainer* in_block) {
+  Checkpoint c;
+  c.config = config_.to_json();
+  c.model_arch = config_.model.model;
+  c.model = live_state();
+  c.rng = rng_state(device_);
+  c.progress = Json{{"neuroflux", true}, {"blocks_done", blocks_done_}, {"step", step_},
+                    {"elapsed_s", session_.now()}, {"peak_vram_gb", peak_gb_}, {"block_seconds", block_seconds_},
+                    {"plan", plan_to_json(plan_)}};
+  if (in_block) {
+    c.progress["block_in_progress"] = in_block->progress();
+    c.optimizer = in_block->state();
+  }
+  const std::string path = session_.out_file(kCheckpointFile);
+  checkpoint_write(path, c);
+  session_.checkpoint_written();
+  Json fields{{"path", path}, {"blocks_done", blocks_done_}};
+  if (in_block) fields["block_in_progress"] = c.progress["block_in_progress"];
+  session_.event(event::kCheckpoint, step_, fields);
 }
 
 void NeuroFluxRun::block_end(size_t b, const BlockResult& r) {
@@ -846,18 +975,7 @@ void NeuroFluxRun::block_end(size_t b, const BlockResult& r) {
            {"graph_capture_mode", r.relaxed ? "relaxed" : "global"}, {"train_io", io_json(r.train_io)},
            {"cache_io", io_json(pass_io_)}, {"local", local}});
   blocks_done_ = static_cast<int64_t>(b) + 1;
-  // Checkpoint at the block boundary: weights of every unit and head, the plan and the progress.
-  Checkpoint c;
-  c.config = config_.to_json();
-  c.model_arch = config_.model.model;
-  c.model = live_state();
-  c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
-  c.progress = Json{{"neuroflux", true}, {"blocks_done", blocks_done_}, {"step", step_},
-                    {"elapsed_s", session_.now()}, {"peak_vram_gb", peak_gb_}, {"block_seconds", block_seconds_},
-                    {"plan", plan_to_json(plan_)}};
-  const std::string path = session_.out_file(kCheckpointFile);
-  checkpoint_write(path, c);
-  session_.event(event::kCheckpoint, step_, Json{{"path", path}, {"blocks_done", blocks_done_}});
+  checkpoint(nullptr);  // at the block boundary
 }
 
 // Exits: the prefix up to unit u plus its head, chosen on held-out data (the fewest parameters among the exits whose

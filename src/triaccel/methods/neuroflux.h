@@ -5,7 +5,8 @@
 // the activation cache written by the previous block; evaluate every exit on held-out data; export the full model
 // and the prefix up to the chosen exit.
 // Output folder (OUT = the `out` option): events.jsonl (config, block_plan, block…, exit, summary), checkpoint.pt
-// (after every block), model.pt (the full network), exit_model.pt + exit.json (the early-exit model).
+// (after every block, and inside one when checkpoint_every, checkpoint_minutes or a stop request asks), model.pt
+// (the full network), exit_model.pt + exit.json (the early-exit model).
 #pragma once
 
 #include "triaccel/core/json.h"
@@ -21,8 +22,9 @@ namespace triaccel {
 constexpr const char* kExitModelFile = "exit_model.pt";
 constexpr const char* kExitJsonFile = "exit.json";
 
-// Trains with NeuroFlux; returns the summary event's fields (the stop event's when stopped by max_steps). UserError
-// for bad input (e.g. a budget below the minimum the model needs).
+// Trains with NeuroFlux; returns the summary event's fields (the stop event's when stopped by max_steps, checked at
+// block boundaries, or by a stop request, after the step in flight). UserError for bad input (e.g. a budget below
+// the minimum the model needs).
 Json neuroflux_train(Session& session);
 
 // One training step's loss for block [first, end): every unit runs on its predecessor's *detached* output (no

@@ -209,6 +209,8 @@ bool ExecutionConfig::cudnn_autotune_enabled() const {
 void OutputConfig::validate() const {
   TRIACCEL_CHECK_INPUT(!out.empty(), option_ref("out"), " must name a folder");
   TRIACCEL_CHECK_INPUT(checkpoint_every >= 0, option_ref("checkpoint_every"), " must be >= 0, got ", checkpoint_every);
+  TRIACCEL_CHECK_INPUT(checkpoint_minutes >= 0, option_ref("checkpoint_minutes"), " must be >= 0, got ",
+                       checkpoint_minutes);
   TRIACCEL_CHECK_INPUT(log_every > 0, option_ref("log_every"), " must be > 0, got ", log_every);
 }
 

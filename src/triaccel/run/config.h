@@ -163,6 +163,7 @@ struct OutputConfig {
   std::string out = "runs/latest";
   std::string resume;            // a run folder (or checkpoint file) to continue from
   int64_t checkpoint_every = 0;  // steps; 0: at every epoch's end (and always when stopping)
+  double checkpoint_minutes = 10;  // also every this many minutes of the run's clock; 0: never by time
   int64_t log_every = 50;
   ProgressMode progress = ProgressMode::kAuto;
 
@@ -362,6 +363,8 @@ void OutputConfig::fields(S& s, V&& v) {
   v(s.out, FieldInfo{"out", "output folder (events.jsonl, checkpoint.pt, model.pt)"});
   v(s.resume, FieldInfo{"resume", "continue the run in this folder (or checkpoint file)"});
   v(s.checkpoint_every, FieldInfo{"checkpoint_every", "checkpoint every N steps (0: at the end of every epoch)"});
+  v(s.checkpoint_minutes, FieldInfo{"checkpoint_minutes", "also checkpoint every M minutes, so an interruption loses "
+                                                          "at most that much work (0: not by time)"});
   v(s.log_every, FieldInfo{"log_every", "steps between progress lines"});
   v(s.progress, FieldInfo{"progress", "progress output on stderr (auto: a bar on a terminal, lines otherwise)"});
 }

@@ -74,6 +74,7 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
       hooks_(hooks),
       clock_(hooks.clock ? *hooks.clock : steady_clock()),
       t_start_(clock_.now_s()),
+      t_checkpoint_(t_start_),
       device_(device_resolve(config_.execution.device)),
       cudnn_benchmark_before_(at::globalContext().benchmarkCuDNN()),
       device_scope_(std::make_unique<DeviceScope>()),
@@ -116,6 +117,30 @@ Session::~Session() {
 }
 
 double Session::now() const { return elapsed_before_ + (clock_.now_s() - t_start_); }
+
+const char* stop_reason(StopRequest r) {
+  switch (r) {
+    case StopRequest::kInterrupt: return "sigint";
+    case StopRequest::kTerminate: return "sigterm";
+    case StopRequest::kNone: break;
+  }
+  return "";
+}
+
+std::string stop_line(const std::string& reason, int64_t step, const std::string& out, const std::string& where) {
+  const std::string why = reason == "max_steps" ? "(" + option_ref("max_steps") + ")"
+                                                : "by " + std::string(reason == "sigint" ? "SIGINT" : "SIGTERM");
+  return str_cat("stopped ", where.empty() ? "" : where + " ", "at step ", step, " ", why,
+                 ", checkpoint written; continue with ", option_ref("resume"), " ", out);
+}
+
+bool Session::checkpoint_due(int64_t step) const {
+  const OutputConfig& o = config_.output;
+  if (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) return true;
+  return o.checkpoint_minutes > 0 && clock_.now_s() - t_checkpoint_ >= o.checkpoint_minutes * 60.0;
+}
+
+void Session::checkpoint_written() { t_checkpoint_ = clock_.now_s(); }
 
 int64_t Session::image_size() const {
   if (data_.train.kind == DatasetKind::kTokens) return 0;

@@ -28,6 +28,15 @@
 
 namespace triaccel {
 
+// Why a front end asks a run to stop early (a signal, KeyboardInterrupt in Python). The run finishes the step in
+// flight, writes a checkpoint and a stop event with the reason, and returns.
+enum class StopRequest { kNone, kInterrupt, kTerminate };
+// "sigint", "sigterm" (the stop event's reason); "" for kNone.
+const char* stop_reason(StopRequest r);
+// The line a run prints when it stops early for `reason` (max_steps, sigint, sigterm) at `step`: what happened and
+// how to continue (option names marked with option_ref). `where`: e.g. "after block 2" (NeuroFlux), or empty.
+std::string stop_line(const std::string& reason, int64_t step, const std::string& out, const std::string& where = "");
+
 // What a caller can observe or inject while a run trains (tests, the Python module).
 struct RunHooks {
   // Called after every optimizer step with the global step count (tests use it to stop or inspect).
@@ -39,6 +48,9 @@ struct RunHooks {
   // Replaces the measured memory signal of Tri-Accel's batch controller (tests: the CPU has no allocator stats).
   // Called at every control window with the step count and the batch in use.
   std::function<MemorySignal(int64_t step, int64_t batch)> memory_signal;
+  // Polled after every step: anything but kNone stops the run there with a checkpoint (the CLI: SIGINT, SIGTERM).
+  // Must be cheap and must not throw.
+  std::function<StopRequest()> stop_requested;
   // The clock every time-dependent decision and measurement reads (nullptr: the steady clock).
   const Clock* clock = nullptr;
   // How progress lines spell the options they name (the CLI: its flags; empty: by key).
@@ -97,6 +109,13 @@ class Session {
   ProgressPrinter& printer() { return printer_; }
   std::string out_file(const std::string& name) const;
 
+  // What the front end asks for after a step (kNone without a stop_requested hook).
+  StopRequest stop_requested() const { return hooks_.stop_requested ? hooks_.stop_requested() : StopRequest::kNone; }
+  // Whether a periodic checkpoint is due after `step`: every checkpoint_every steps, or checkpoint_minutes after the
+  // last one (or the session's start) on the run's clock. checkpoint_written() restarts the time.
+  bool checkpoint_due(int64_t step) const;
+  void checkpoint_written();
+
   // Caps the caching allocator at `bytes` until the session ends (a vram_budget on CUDA).
   void memory_cap(int64_t bytes);
 
@@ -106,6 +125,7 @@ class Session {
   const Clock& clock_;
   double t_start_ = 0;
   double elapsed_before_ = 0;
+  double t_checkpoint_ = 0;  // session clock at the last checkpoint (or the start)
   c10::Device device_;
   bool cudnn_benchmark_before_ = false;
   struct DeviceScope;  // the stream guard
