@@ -3,6 +3,8 @@
 #include "triaccel/data/cifar_format.h"
 #include "triaccel/data/dataset.h"
 
+#include <ATen/ATen.h>
+
 namespace triaccel {
 
 Dataset cifar_read(const std::vector<std::string>& files, CifarLabel label_kind) {

@@ -3,6 +3,8 @@
 #include "triaccel/data/dataset.h"
 #include "triaccel/data/idx_format.h"
 
+#include <ATen/ATen.h>
+
 #include <cstring>
 
 namespace triaccel {

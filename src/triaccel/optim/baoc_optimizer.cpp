@@ -10,6 +10,7 @@
 #endif
 
 #include <ATen/ATen.h>
+#include <torch/utils.h>
 #include <torch/autograd.h>
 
 #include <cmath>

@@ -6,6 +6,7 @@
 #endif
 
 #include <ATen/ATen.h>
+#include <torch/utils.h>
 #include <torch/autograd.h>
 
 namespace triaccel {

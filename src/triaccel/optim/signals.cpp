@@ -3,6 +3,7 @@
 #include "triaccel/optim/quant8.h"
 
 #include <ATen/ATen.h>
+#include <torch/utils.h>
 #include <torch/autograd.h>
 
 #include <cmath>

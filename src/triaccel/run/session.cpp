@@ -6,6 +6,7 @@
 
 #include <ATen/Context.h>
 #include <torch/utils.h>
+#include <torch/version.h>
 #ifdef TRIACCEL_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -3,6 +3,7 @@
 #include "triaccel/core/errors.h"
 
 #include <ATen/ATen.h>
+#include <torch/utils.h>
 #include <torch/autograd.h>
 
 namespace triaccel {
