@@ -343,6 +343,7 @@ TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
   o.set("ta_curvature", "false");
   o.set("ctrl_every", "1");
   o.set("vram_budget", "1GB");
+  o.set("batch_policy", "elastic");  // the paper's rule (fixed, the default, keeps the batch and plans memory)
   RunHooks hooks;
   hooks.memory_signal = [](int64_t step, int64_t batch) {
     const double per_sample = step >= 6 ? 8e6 : 5e6;  // at step 6 the model "needs" more memory per sample

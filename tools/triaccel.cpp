@@ -1,6 +1,7 @@
 // The triaccel command line: parsing and printing only; the work is the library's (api/api.h). Subcommands:
 //   train   train a model (every option of run/config.h as --flag VALUE; `triaccel train --help` lists them)
-//   plan    the plan a run would follow, without writing a file (BAOC's optimizer-state plan by default)
+//   plan    the plan a run would follow, without writing a file (BAOC's optimizer-state plan by default; the memory
+//           plan with --vram-budget)
 //   report  RUN_DIR... -o report.html: one self-contained HTML page of charts and a side-by-side table of the runs,
 //           and that table as CSV beside it (docs/report.md)
 // Every error ends the program with one line "triaccel: error: <what and how to fix it>": exit 2 for bad input, 1 for
@@ -97,6 +98,25 @@ void plan_print(const Json& plan, bool json) {
               plan["dataset"].get<std::string>().c_str(), static_cast<long long>(plan["params"].get<int64_t>()),
               plan["units"].size(), plan["device"].get<std::string>().c_str(),
               static_cast<long long>(plan["batch_size"].get<int64_t>()));
+  if (plan.contains("memory_plan") && !plan["memory_plan"].is_null()) {
+    const Json& m = plan["memory_plan"];
+    std::string recompute;
+    for (const auto& u : m["recompute"]) recompute += (recompute.empty() ? "" : ", ") + u.get<std::string>();
+    if (!m["feasible"].get<bool>()) {
+      std::printf("memory: no plan fits; the floor is %lld bytes\n",
+                  static_cast<long long>(m["floor_bytes"].get<int64_t>()));
+    } else {
+      std::printf("memory: micro-batch %lld x %lld, data on the %s, recompute: %s; predicted peak %lld bytes of "
+                  "%lld planned (budget %lld, floor %lld)\n",
+                  static_cast<long long>(m["micro_batch"].get<int64_t>()),
+                  static_cast<long long>(m["accumulation"].get<int64_t>()),
+                  m["data_placement"].get<std::string>().c_str(), recompute.empty() ? "none" : recompute.c_str(),
+                  static_cast<long long>(m["predicted_peak_bytes"].get<int64_t>()),
+                  static_cast<long long>(m["plan_limit_bytes"].get<int64_t>()),
+                  static_cast<long long>(m.value("budget_bytes", int64_t{0})),
+                  static_cast<long long>(m["floor_bytes"].get<int64_t>()));
+    }
+  }
   if (!plan.contains("optim_plan")) return;
   const Json& p = plan["optim_plan"];
   std::printf("%-24s %-14s %12s %10s\n", "unit", "format", "bytes", "risk");
@@ -128,9 +148,10 @@ int main(int argc, char** argv) {
   ConfigFlags plan_flags{plan_defaults};
   bool plan_json = false;
   CLI::App* plan = app.add_subcommand(
-      "plan", "the plan a run of these options would follow, without writing a file; BAOC's optimizer-state plan "
-              "(a format per unit with its bytes and risk, the totals, fp32 AdamW's total) after a warm-up of "
-              "--plan-warmup steps in memory");
+      "plan", "the plan a run of these options would follow, without writing a file: with --vram-budget the memory "
+              "plan (micro-batch, accumulation, recomputed units, data placement, predicted peak); otherwise BAOC's "
+              "optimizer-state plan (a format per unit with its bytes and risk, the totals, fp32 AdamW's total) after "
+              "a warm-up of --plan-warmup steps in memory");
   plan->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   plan_flags.declare(*plan);
   plan->add_flag("--json", plan_json, "print the plan as one JSON object on stdout");

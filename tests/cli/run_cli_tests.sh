@@ -130,6 +130,29 @@ assert len({u["format"] for u in p["units"]}) >= 2, "the plan does not mix forma
 assert all({"unit", "format", "bytes", "risk"} <= set(u) for u in p["units"])
 ' && [ ! -e "$WORK/p3" ]; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL plan_json_contents (or plan wrote $WORK/p3)"; fi
 
+# The memory plan: `plan --vram-budget` on the CPU plans for a GPU from the modelled profile; a tight budget makes it
+# split the batch or recompute; a budget under the floor is reported with the floor, and `train` refuses it.
+expect memory_plan_text 0 "memory: micro-batch" -- plan "${TINY[@]}" --vram-budget 1GB --out "$WORK/pm0"
+if "$CLI" plan "${TINY[@]}" --vram-budget 1GB --json --out "$WORK/pm1" 2>/dev/null | python3 -c '
+import json, sys
+p = json.loads(sys.stdin.read())
+m = p["memory_plan"]
+assert "optim_plan" not in p, "a vram budget plans memory, not BAOC"
+keys = {"micro_batch", "accumulation", "recompute", "data_placement", "predicted_peak_bytes", "budget_bytes"}
+assert keys <= set(m), m
+assert m["feasible"] and m["micro_batch"] == 32 and m["accumulation"] == 1 and m["recompute"] == [], m
+assert m["budget_bytes"] == 10**9 and m["predicted_peak_bytes"] <= 0.9 * 10**9, m
+tight = 0.5 * (m["floor_bytes"] + m["predicted_peak_bytes"])
+print(int(tight / 0.9))
+' > "$WORK/tight.txt" && [ ! -e "$WORK/pm1" ]; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL memory_plan_json"; fi
+if "$CLI" plan "${TINY[@]}" --vram-budget "$(cat "$WORK/tight.txt")" --json 2>/dev/null | python3 -c '
+import json, sys
+m = json.loads(sys.stdin.read())["memory_plan"]
+assert m["feasible"] and (m["micro_batch"] < 32 or m["recompute"] or m["data_placement"] == "host"), m
+assert m["predicted_peak_bytes"] <= m["plan_limit_bytes"], m
+'; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL memory_plan_tight"; fi
+expect memory_plan_below_floor 0 "memory: no plan fits; the floor is" -- plan "${TINY[@]}" --vram-budget 1MB --out "$WORK/pm2"
+
 # Text: a small corpus, the character GPT with a short context. Mismatches and bad files are one-line errors.
 mkdir -p "$WORK/text" "$WORK/text-empty" "$WORK/text-none"
 python3 - "$WORK/text/input.txt" <<'PY'

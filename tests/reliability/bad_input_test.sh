@@ -107,6 +107,12 @@ expect momentum_one 2 "--momentum must be in [0, 1), got 1" -- train "${TINY[@]}
 expect vram_budget_garbage 2 "--vram-budget" -- train "${TINY[@]}" --data "$WORK/good" --vram-budget lots
 expect progress_bad 2 "--progress must be auto, bar, lines or off, got 'loud'" -- train "${TINY[@]}" --data "$WORK/good" --progress loud
 expect max_steps_negative 2 "--max-steps must be >= 0" -- train "${TINY[@]}" --data "$WORK/good" --max-steps -3
+expect micro_batch_negative 2 "--micro-batch must be >= 0 (0: planned), got -2" -- train "${TINY[@]}" --data "$WORK/good" --micro-batch -2
+expect micro_batch_too_big 2 "--micro-batch 64 is larger than --batch-size 16" -- train "${TINY[@]}" --data "$WORK/good" --micro-batch 64
+expect recompute_unknown_unit 2 "--recompute: model small-cnn has no unit 'layer9'; use auto, none, or some of: block1" -- train "${TINY[@]}" --data "$WORK/good" --recompute block1,layer9 --out "$WORK/o"
+expect placement_bad 2 "--data-placement must be auto, device or host, got 'disk'" -- train "${TINY[@]}" --data "$WORK/good" --data-placement disk
+expect batch_policy_backprop 2 "--batch-policy elastic is tri-accel's rule" -- train "${TINY[@]}" --data "$WORK/good" --batch-policy elastic
+expect micro_batch_neuroflux 2 "--micro-batch applies to --method backprop and tri-accel" -- train "${TINY[@]}" --data "$WORK/good" --method neuroflux --micro-batch 8
 
 # --- a budget below the model's minimum: the error states the minimum ---
 expect vram_below_minimum 2 "--vram-budget 100KB is below this run's minimum of" -- train "${TINY[@]}" --data "$WORK/good" --vram-budget 100KB --out "$WORK/o"

@@ -3,11 +3,37 @@
 #include "triaccel/methods/backprop.h"
 #include "triaccel/methods/baoc_plan.h"
 #include "triaccel/methods/neuroflux.h"
+#include "triaccel/models/registry.h"
 
 namespace triaccel::api {
 
+namespace {
+
+// Method auto: backprop when the memory planner fits the budget (or there is none, or no GPU), else NeuroFlux for a
+// model it trains; a model it does not train gets the planner's floor.
+Config method_resolve(Config c) {
+  c.execution.method = Method::kBackprop;
+  Session probe(c, RunHooks{}, /*output=*/false);
+  const Json plan = Trainer::memory_plan_preview(probe);
+  const bool fits = !probe.device().is_cuda() || plan.is_null() || plan["feasible"].get<bool>();
+  if (!fits) {
+    TRIACCEL_CHECK_INPUT(model_entry(c.model.model).local_learning, option_ref("vram_budget"), " ",
+                         c.execution.vram_budget, " is below backprop's floor of ", plan["floor_bytes"].get<int64_t>(),
+                         " bytes for ", c.model.model, ", and neuroflux trains CNNs only; raise the budget");
+    c.execution.method = Method::kNeuroFlux;
+  }
+  probe.printer().line(fits ? "method auto: backprop (the memory plan fits)"
+                            : c10::str("method auto: neuroflux (backprop's floor is ", plan["floor_bytes"].get<int64_t>(),
+                                       " bytes, above ", option_ref("vram_budget"), " ", c.execution.vram_budget, ")"));
+  return c;
+}
+
+}  // namespace
+
 Json run(const Config& config, const RunHooks& hooks) {
-  Session session(config_for_run(config), hooks);
+  Config resolved = config_for_run(config);
+  if (resolved.execution.method == Method::kAuto) resolved = method_resolve(resolved);
+  Session session(resolved, hooks);
   if (session.config().execution.method == Method::kNeuroFlux) return neuroflux_train(session);
   Trainer trainer(session);
   return trainer.run();
@@ -17,8 +43,10 @@ Json plan(const Config& config) {
   TRIACCEL_CHECK_INPUT(config.output.resume.empty(), "plan does not take ", option_ref("resume"),
                        " (it plans a fresh run)");
   Config planned = config;
-  // `triaccel plan` is BAOC's planner unless another optimizer is named.
-  if (!planned.was_given("optimizer")) planned.optim.optimizer = OptimizerKind::kBaoc;
+  // `triaccel plan` is BAOC's planner unless another optimizer is named, or a vram_budget asks for the memory plan
+  // of the run as configured.
+  const bool memory = !config.execution.vram_budget.empty();
+  if (!planned.was_given("optimizer") && !memory) planned.optim.optimizer = OptimizerKind::kBaoc;
   Session session(config_for_run(planned), RunHooks{}, /*output=*/false);
   const Config& c = session.config();
   Json units = Json::array();
@@ -32,6 +60,7 @@ Json plan(const Config& config) {
            {"units", units},
            {"budget_bytes", c.execution.vram_budget_bytes() > 0 ? Json(c.execution.vram_budget_bytes()) : Json(nullptr)},
            {"device", device_long_name(session.device())}};
+  if (memory && c.execution.method != Method::kNeuroFlux) out["memory_plan"] = Trainer::memory_plan_preview(session);
   if (c.optim.optimizer == OptimizerKind::kBaoc) {
     Json optim = baoc_plan_warmup(session);
     optim["optim_memory_budget"] = c.baoc.optim_memory_budget;

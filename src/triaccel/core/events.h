@@ -31,6 +31,7 @@ inline constexpr const char* kOptimPlan = "optim_plan";   // BAOC: the optimizer
 inline constexpr const char* kBlockPlan = "block_plan";   // NeuroFlux: the blocks, their batches and heads
 inline constexpr const char* kBlock = "block";            // NeuroFlux: a block finished
 inline constexpr const char* kExit = "exit";              // NeuroFlux: the exported early exit
+inline constexpr const char* kMemoryPlan = "memory_plan";  // the memory planner: its levers, predicted and measured peak
 // Written by runs before the two plans had their own names (still read: bench/results/ holds such files).
 inline constexpr const char* kLegacyPlan = "plan";
 }  // namespace event

@@ -3,15 +3,29 @@
 #include "triaccel/core/errors.h"
 #ifdef TRIACCEL_WITH_CUDA
 #include "triaccel/kernels/augment.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #endif
 
 #include <ATen/ATen.h>
+#include <torch/utils.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
 
 namespace triaccel {
+
+struct Loader::Staging {
+#ifdef TRIACCEL_WITH_CUDA
+  at::Tensor host[2][2];    // [group][slot]: pinned host buffers
+  at::Tensor device[2][2];  // their device copies
+  at::cuda::CUDAEvent copied[2][2];
+  bool pending[2][2] = {{false, false}, {false, false}};
+  int next[2] = {0, 0};
+#endif
+};
 
 void LoaderOptions::validate() const {
   TRIACCEL_CHECK_INPUT(batch_size > 0, option_ref("batch_size") + " must be > 0, got ", batch_size);
@@ -31,6 +45,10 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
                const c10::Device& device)
     : options_(options), kind_(data.kind), device_(device), mean_(std::move(mean)), std_(std::move(std)) {
   options_.validate();
+  host_ = options_.placement == DataPlacement::kHost && device_.is_cuda();
+  if (host_) staging_ = std::make_shared<Staging>();
+  // The dataset's home: the device, or pinned host memory (kHost).
+  const auto home = [this](const at::Tensor& t) { return host_ ? t.contiguous().pin_memory() : t.contiguous().to(device_); };
   if (kind_ == DatasetKind::kTokens) {
     TORCH_CHECK(data.images.defined() && data.images.dim() == 2 && data.images.scalar_type() == at::kLong &&
                     data.labels.sizes() == data.images.sizes(),
@@ -40,8 +58,8 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
     TRIACCEL_CHECK_INPUT(options_.cutout == 0, option_ref("cutout") + " applies to images only; dataset ", data.name,
                          " is text: drop the flag");
     TRIACCEL_CHECK_INPUT(data.size() > 0, "dataset ", data.name, " is empty");
-    images_ = data.images.contiguous().to(device_);
-    labels_ = data.labels.contiguous().to(device_);
+    images_ = home(data.images);
+    labels_ = home(data.labels);
     epoch_begin(0);
     return;
   }
@@ -55,8 +73,8 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
                        options_.cutout, " is larger than the ", data.images.size(2), "×", data.images.size(3),
                        " images of dataset ", data.name, "; use at most ",
                        std::min(data.images.size(2), data.images.size(3)));
-  images_ = data.images.contiguous().to(device_);
-  labels_ = data.labels.to(at::kLong).to(device_);
+  images_ = home(data.images);
+  labels_ = data.labels.to(at::kLong).to(device_);  // small: on the device either way
   epoch_begin(0);
 }
 
@@ -73,7 +91,9 @@ void Loader::epoch_begin(int64_t epoch) {
   const int64_t n = size();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_mix(options_.seed, static_cast<uint64_t>(epoch)));
   const auto i64 = at::TensorOptions().dtype(at::kLong);
-  order_ = (options_.shuffle ? at::randperm(n, gen, i64) : at::arange(n, i64)).to(device_);
+  const at::Tensor order = options_.shuffle ? at::randperm(n, gen, i64) : at::arange(n, i64);
+  order_ = order.to(device_);
+  if (host_) order_cpu_ = order;
   if (options_.augment) {
     shift_ = at::randint(0, 2 * options_.pad + 1, {n, 2}, gen, i64).to(device_);
     flip_ = at::randint(0, 2, {n}, gen, i64).to(at::kByte).to(device_);
@@ -110,9 +130,10 @@ void Loader::batch_into(int64_t offset, int64_t count, at::Tensor& images, at::T
               offset + count, ") out of range [0, ", size(), ")");
   const torch::NoGradGuard no_grad;
   const at::Tensor index = order_.narrow(0, offset, count);
+  const at::Tensor index_cpu = host_ ? order_cpu_.narrow(0, offset, count) : at::Tensor();
   if (kind_ == DatasetKind::kTokens) {  // (count, T) int64 inputs and targets, as stored
-    images.copy_(images_.index_select(0, index));
-    labels.copy_(labels_.index_select(0, index));
+    images.copy_(host_ ? stage(images_, index_cpu, 0) : images_.index_select(0, index));
+    labels.copy_(host_ ? stage(labels_, index_cpu, 1) : labels_.index_select(0, index));
     return;
   }
   const at::Tensor shift = shift_.defined() ? shift_.narrow(0, offset, count) : at::Tensor();
@@ -124,18 +145,49 @@ void Loader::batch_into(int64_t offset, int64_t count, at::Tensor& images, at::T
                                          at::TensorOptions().dtype(at::kFloat).device(device_))
                              : images;
   TORCH_CHECK(native.defined() && native.size(0) == count, "Loader::batch_into: output buffer has the wrong size");
+  // kHost: the batch's samples, gathered and copied, are the source; they sit in epoch order.
+  const at::Tensor source = host_ ? stage(images_, index_cpu, 0) : images_;
+  const at::Tensor source_index =
+      host_ ? at::arange(count, at::TensorOptions().dtype(at::kLong).device(device_)) : index;
 #ifdef TRIACCEL_WITH_CUDA
   if (device_.is_cuda()) {
-    augment_cuda(images_, index, shift, flip, options_.pad, cutout, options_.cutout, mean_, std_, native);
+    augment_cuda(source, source_index, shift, flip, options_.pad, cutout, options_.cutout, mean_, std_, native);
   } else
 #endif
   {
-    augment_reference(images_, index, shift, flip, options_.pad, cutout, options_.cutout, mean_, std_, native);
+    augment_reference(source, source_index, shift, flip, options_.pad, cutout, options_.cutout, mean_, std_, native);
   }
   if (resize) {
     images.copy_(at::upsample_bilinear2d(native, {options_.image_size, options_.image_size}, false));
   }
   labels.copy_(labels_.index_select(0, index));
+}
+
+at::Tensor Loader::stage(const at::Tensor& source, const at::Tensor& index_cpu, int group) const {
+#ifdef TRIACCEL_WITH_CUDA
+  Staging& st = *staging_;
+  const int slot = st.next[group];
+  st.next[group] ^= 1;
+  if (st.pending[group][slot]) st.copied[group][slot].synchronize();  // its previous copy has left the buffer
+  const int64_t count = index_cpu.numel();
+  at::Tensor& host = st.host[group][slot];
+  if (!host.defined() || host.size(0) < count) {
+    std::vector<int64_t> shape = source.sizes().vec();
+    shape[0] = count;
+    host = at::empty(shape, source.options().pinned_memory(true));
+    st.device[group][slot] = at::empty(shape, source.options().pinned_memory(false).device(device_));
+  }
+  at::Tensor h = host.narrow(0, 0, count);
+  at::index_select_out(h, source, 0, index_cpu);
+  at::Tensor d = st.device[group][slot].narrow(0, 0, count);
+  d.copy_(h, /*non_blocking=*/true);
+  st.copied[group][slot].record(at::cuda::getCurrentCUDAStream(device_.index()));
+  st.pending[group][slot] = true;
+  return d;
+#else
+  TORCH_CHECK(false, "Loader: host placement needs a CUDA build");
+  return {};
+#endif
 }
 
 std::pair<at::Tensor, at::Tensor> Loader::batch(int64_t offset, int64_t count) const {
@@ -146,7 +198,16 @@ std::pair<at::Tensor, at::Tensor> Loader::batch(int64_t offset, int64_t count) c
 }
 
 int64_t Loader::resident_bytes() const {
-  return images_.numel() * images_.element_size() + labels_.numel() * labels_.element_size();
+  const auto bytes = [](const at::Tensor& t) { return t.is_cuda() ? t.numel() * t.element_size() : int64_t{0}; };
+  return device_.is_cuda() ? bytes(images_) + bytes(labels_)
+                           : images_.numel() * images_.element_size() + labels_.numel() * labels_.element_size();
+}
+
+int64_t Loader::batch_staging_bytes() const {
+  if (!host_) return 0;
+  const auto per_sample = [](const at::Tensor& t) { return t.numel() / std::max<int64_t>(1, t.size(0)) * t.element_size(); };
+  // Two slots; labels are staged only for tokens (image labels stay on the device).
+  return 2 * (per_sample(images_) + (kind_ == DatasetKind::kTokens ? per_sample(labels_) : 0));
 }
 
 void augment_reference(const at::Tensor& images, const at::Tensor& index, const at::Tensor& shift,

@@ -1,5 +1,7 @@
-// A device-resident batch loader. The uint8 dataset is copied to the device once; each batch is gathered,
-// augmented and normalized there (kernels/augment.cu on CUDA, augment_reference on the CPU).
+// A batch loader. The uint8 dataset is copied to the device once (placement kDevice), or kept in pinned host memory
+// (kHost: the memory planner's lever when the dataset does not fit the budget), from which each batch's samples are
+// gathered on the host and copied to the device; either way each batch is augmented and normalized on the device
+// (kernels/augment.cu on CUDA, augment_reference on the CPU), with the same result bit for bit.
 // Determinism: the order and the augmentation of epoch e are a pure function of (seed, e), drawn on the CPU,
 // so a resumed run, a CPU run and a GPU run all see the same samples in the same order with the same crops (and
 // cutout squares). The draws come from one generator in a fixed order: order, crop shifts, flips, cutout centres;
@@ -9,15 +11,25 @@
 // and targets (count, T) int64, same seeded order, no normalization or augmentation (augment must be off).
 #pragma once
 
+#include "triaccel/core/enum_names.h"
 #include "triaccel/data/dataset.h"
 
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace triaccel {
+
+// Where a loader keeps its dataset on a CUDA device (on the CPU both are the same).
+enum class DataPlacement { kDevice, kHost };
+template <>
+struct EnumNames<DataPlacement> {
+  static constexpr EnumName<DataPlacement> kNames[] = {{DataPlacement::kDevice, "device"},
+                                                       {DataPlacement::kHost, "host"}};
+};
 
 struct LoaderOptions {
   int64_t batch_size = 128;
@@ -33,6 +45,7 @@ struct LoaderOptions {
   int64_t image_size = 0;    // 0: native size; else bilinear resize to image_size × image_size
   bool channels_last = false;
   uint64_t seed = 0;
+  DataPlacement placement = DataPlacement::kDevice;
 
   void validate() const;
 };
@@ -60,20 +73,34 @@ class Loader {
   at::Tensor batch_images_empty(int64_t count) const;  // an output buffer of the right shape and format
   at::Tensor batch_labels_empty(int64_t count) const;  // (count) int64, or (count, T) int64 for tokens
 
-  // Bytes of the device-resident copy (images + labels).
+  // Bytes the dataset holds on the device: the whole copy (kDevice) or the per-epoch order and draws (kHost; the
+  // staging buffers come on top, batch_staging_bytes per sample).
   int64_t resident_bytes() const;
+  // Device bytes per sample of a batch's staging buffer when streaming from the host (0 for kDevice).
+  int64_t batch_staging_bytes() const;
+  DataPlacement placement() const { return host_ ? DataPlacement::kHost : DataPlacement::kDevice; }
 
  private:
+  // kHost: gathers the samples of `index_cpu` into a pinned buffer and copies them to the device (double-buffered:
+  // a buffer is rewritten only after its previous copy finished). Returns (count, ...) on the device.
+  at::Tensor stage(const at::Tensor& source, const at::Tensor& index_cpu, int slot_group) const;
+
+  bool host_ = false;  // placement kHost on a CUDA device
   LoaderOptions options_;
   DatasetKind kind_;
   c10::Device device_;
   std::vector<float> mean_, std_;
-  at::Tensor images_;   // (N, C, H, W) uint8 on device; tokens: (N, T) int64
-  at::Tensor labels_;   // (N) int64 on device; tokens: (N, T) int64
+  at::Tensor images_;   // (N, C, H, W) uint8 on device (pinned host memory for kHost); tokens: (N, T) int64
+  at::Tensor labels_;   // (N) int64 on device; tokens: (N, T) int64 (pinned host memory for kHost)
   at::Tensor order_;    // (N) int64 on device: this epoch's sample order
   at::Tensor shift_;    // (N, 2) int64 on device, or undefined
   at::Tensor flip_;     // (N) uint8 on device, or undefined
   at::Tensor cutout_;   // (N, 2) int64 on device: cutout centres (cy, cx), or undefined
+  at::Tensor order_cpu_;  // kHost: the order on the host
+  // kHost staging, grown on demand: per slot group (0: images, 1: labels) two pinned buffers, their device
+  // buffers, and the event after each one's last copy.
+  struct Staging;
+  std::shared_ptr<Staging> staging_;
 };
 
 // The CPU reference of kernels/augment.cu (same arguments; tensors on the CPU).

@@ -4,6 +4,7 @@
 #include "triaccel/control/curvature_controller.h"
 #include "triaccel/control/elastic_batch.h"
 #include "triaccel/control/measure_window.h"
+#include "triaccel/control/memory_model.h"
 #include "triaccel/control/precision_controller.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
@@ -43,6 +44,11 @@ NamedTensors scaler_state(const LossScaler& s) {
   TORCH_CHECK_WITH(OutOfMemoryError, false, "injected out of memory (inject_faults)");
 }
 
+LoaderOptions placed(LoaderOptions o, DataPlacement placement) {
+  o.placement = placement;
+  return o;
+}
+
 double mean_of_last(const std::vector<double>& v, size_t n) {
   if (v.empty()) return 0;
   const size_t k = std::min(n, v.size());
@@ -61,9 +67,148 @@ Json controller_states(const std::vector<std::unique_ptr<StepController>>& contr
   return out;
 }
 
+// The share of the vram_budget a plan may fill: the cap limits what the caching allocator reserves, which exceeds
+// what is allocated by its rounding and by blocks cached in one pool (the CUDA graph's, the eager steps') while
+// another needs them.
+constexpr double kPlanShareOfCap = 0.9;
+
+// The recompute option as per-unit flags: empty for auto (the planner chooses), all false for none.
+std::vector<bool> recompute_parse(const std::string& text, const Model& model) {
+  if (text == "auto") return {};
+  const auto& units = model.units();
+  std::vector<bool> flags(units.size(), false);
+  if (text == "none") return flags;
+  std::string names;
+  for (const Unit& u : units) names += (names.empty() ? "" : ", ") + u.name;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string name = text.substr(start, comma - start);
+    size_t i = 0;
+    while (i < units.size() && units[i].name != name) ++i;
+    TRIACCEL_CHECK_INPUT(i < units.size(), option_ref("recompute"), ": model ", model.arch(), " has no unit '", name,
+                         "'; use auto, none, or some of: ", names);
+    flags[i] = true;
+    start = comma + 1;
+  }
+  return flags;
+}
+
 }  // namespace
 
+struct Trainer::MemorySetup {
+  bool planned = false;               // a MemoryPlanController keeps the step on `plan`
+  MemoryModelInputs inputs;
+  MemoryModel model;
+  MemoryPlan plan;
+  MemoryPlanLimits limits;
+  at::Tensor sample;                  // one input sample on the device (the model's trace)
+  DataPlacement placement = DataPlacement::kDevice;
+
+  // The largest evaluation batch (at most `asked`) the budget leaves room for; `asked` without a budget.
+  int64_t eval_batch(int64_t asked) const {
+    if (!planned || limits.cap_bytes <= 0) return asked;
+    const double room = static_cast<double>(limits.budget_bytes) - memory_plan_peak(model, 0, 0, {}, placement);
+    const double per_sample = memory_model_eval_per_sample(model);
+    if (per_sample <= 0) return asked;
+    return std::clamp<int64_t>(static_cast<int64_t>(room / per_sample), 1, asked);
+  }
+};
+
+std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& session, bool preview) {
+  auto setup = std::make_unique<MemorySetup>();
+  const Config& config = session.config();
+  const ExecutionConfig& ex = config.execution;
+  const c10::Device device = session.device();
+  const bool gpu = device.is_cuda() || preview;  // planning for a GPU
+  const int64_t budget = gpu ? ex.vram_budget_bytes() : 0;
+  const bool levers = ex.micro_batch > 0 || ex.recompute != "auto" || ex.data_placement != PlacementChoice::kAuto;
+  const bool elastic = ex.method == Method::kTriAccel && ex.batch_policy == BatchPolicy::kElastic;
+  // Tri-Accel's precision promotions, without a budget, may not raise the peak above its 16-bit start's.
+  const bool precision_limited = budget == 0 && gpu && !preview && ex.method == Method::kTriAccel &&
+                                 config.tri_accel.ta_precision && !elastic;
+  setup->planned = levers || (budget > 0 && !elastic) || precision_limited;
+  if (!setup->planned) return setup;
+
+  Model& model = session.model();
+  const DatasetSplits& data = session.data();
+  const int64_t n = model.parameter_count();
+  MemoryModelInputs& in = setup->inputs;
+  // Tri-Accel starts every unit in bf16 (its precision controller's default); its step records per-unit precisions.
+  in.precision = ex.method == Method::kTriAccel ? PrecisionMode::kAmpBF16 : ex.precision;
+  in.optimizer_state_bytes = config.optim.optimizer == OptimizerKind::kSgd ? (config.optim.momentum > 0 ? 4 * n : 0)
+                                                                           : 8 * n;  // AdamW's (BAOC's warm-up)
+  const auto bytes = [](const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : int64_t{0}; };
+  const bool tokens = data.train.kind == DatasetKind::kTokens;
+  const int64_t samples = data.train.size() + data.test.size();
+  // Labels as the loader holds them (int64); images as stored (uint8) or token ids.
+  in.dataset_device_bytes = bytes(data.train.images) + bytes(data.test.images) +
+                            (tokens ? bytes(data.train.labels) + bytes(data.test.labels) : 8 * samples);
+  // Streamed: image labels, the order and the augmentation draws stay on the device.
+  in.dataset_stream_bytes = (tokens ? 0 : 8 * samples) + 41 * data.train.size();
+  const int64_t side = session.image_size();
+  if (tokens) {
+    const int64_t t = data.train.images.size(1);
+    setup->sample = at::zeros({t}, at::TensorOptions().dtype(at::kLong).device(device));
+    in.sample_input_bytes = 2 * 8 * t;
+    in.sample_staging_bytes = 2 * 2 * 8 * t;
+  } else {
+    const int64_t c = data.train.images.size(1);
+    setup->sample = at::zeros({c, side, side}, at::TensorOptions().dtype(at::kFloat).device(device));
+    in.sample_input_bytes = 4 * c * side * side + 8;
+    in.sample_staging_bytes = 2 * c * data.train.images.size(2) * data.train.images.size(3);
+  }
+  in.allow_host_data = gpu;
+  in.for_gpu = gpu;
+  setup->model = memory_model_build(model, setup->sample, in, device);
+
+  PlanConstraints& c = setup->limits.constraints;
+  c.micro_batch = ex.micro_batch;
+  c.recompute = recompute_parse(ex.recompute, model);
+  c.placement_fixed = ex.data_placement != PlacementChoice::kAuto || !gpu;
+  c.placement = ex.data_placement == PlacementChoice::kHost && gpu ? DataPlacement::kHost : DataPlacement::kDevice;
+  setup->limits.batch = config.schedule.batch_size;
+  setup->limits.cap_bytes = budget;
+  setup->limits.budget_bytes = static_cast<int64_t>(kPlanShareOfCap * static_cast<double>(budget));
+  if (precision_limited && !levers) {
+    setup->limits.limit_from_first_model = true;
+    setup->limits.budget_bytes = static_cast<int64_t>(std::ceil(memory_plan_solve(setup->model, setup->limits.batch, 0)
+                                                                     .predicted_peak_bytes));
+  }
+  setup->plan = memory_plan_solve(setup->model, setup->limits.batch, setup->limits.budget_bytes, c);
+  TRIACCEL_CHECK_INPUT(preview || setup->plan.feasible, option_ref("vram_budget"), " ", ex.vram_budget,
+                       " is below this run's floor: batch ", setup->limits.batch, " of ", config.model.model,
+                       " needs at least ", static_cast<int64_t>(std::ceil(setup->plan.floor_bytes / kPlanShareOfCap)),
+                       " bytes (", setup->plan.floor_bytes / kPlanShareOfCap / kGB, " GB) with micro-batches of 1, "
+                       "every unit recomputed and the data streamed",
+                       c.micro_batch > 0 || !c.recompute.empty() || ex.data_placement != PlacementChoice::kAuto
+                           ? " (fewer with the memory options left to the planner)" : "",
+                       "; raise the budget, or train in blocks with ", option_ref("method"), " neuroflux");
+  setup->placement = setup->plan.data_placement;
+  return setup;
+}
+
+Json Trainer::memory_plan_preview(Session& session) {
+  const std::unique_ptr<MemorySetup> m = memory_setup_make(session, /*preview=*/true);
+  if (!m->planned) return Json(nullptr);
+  Json j = m->plan.to_json(m->model);
+  j["budget_bytes"] = m->limits.cap_bytes > 0 ? Json(m->limits.cap_bytes) : Json();
+  j["profile"] = "modelled";
+  Json units = Json::array();
+  for (size_t u = 0; u < m->model.units.size(); ++u) {
+    const UnitCost& c = m->model.units[u];
+    units.push_back(Json{{"unit", c.name}, {"saved_bytes_per_sample", c.saved_bytes},
+                         {"input_bytes_per_sample", c.input_bytes}, {"flops_per_sample", c.flops},
+                         {"recomputable", c.recomputable},
+                         {"recompute", u < m->plan.recompute.size() && m->plan.recompute[u]}});
+  }
+  j["units"] = units;
+  return j;
+}
+
 struct Trainer::Progress {
+  // The controllers' state keys a checkpoint stores.
+  static constexpr const char* kControllerKeys[] = {"tri_accel", "baoc", "memory_plan"};
   int64_t step = 0;          // optimizer steps done
   int64_t epoch = 0;         // current epoch (0-based)
   int64_t epoch_offset = 0;  // samples of the current epoch already trained
@@ -90,7 +235,7 @@ struct Trainer::Progress {
     Json j{{"step", step}, {"epoch", epoch}, {"epoch_offset", epoch_offset}, {"elapsed_s", elapsed_s},
            {"epoch_train_s", epoch_train_s}, {"epoch_times", epoch_times}, {"peak_vram_gb", peak_vram_gb},
            {"batch", batch}, {"last_epoch", last_epoch}};
-    for (const char* key : {"tri_accel", "baoc"}) j[key] = controllers.value(key, Json());
+    for (const char* key : kControllerKeys) j[key] = controllers.value(key, Json());
     j["peak_vram_warmup_gb"] = peak_vram_warmup_gb;
     const Json faults = fault_counters();
     for (const auto& [k, v] : faults.items()) j[k] = v;
@@ -109,7 +254,7 @@ struct Trainer::Progress {
       p.batch = j.value("batch", int64_t{0});
       p.last_epoch = j.at("last_epoch");
       p.controllers = Json::object();
-      for (const char* key : {"tri_accel", "baoc"}) {
+      for (const char* key : kControllerKeys) {
         if (j.contains(key) && !j[key].is_null()) p.controllers[key] = j[key];
       }
       p.peak_vram_warmup_gb = j.value("peak_vram_warmup_gb", -1.0);
@@ -130,10 +275,11 @@ Trainer::Trainer(Session& session)
     : session_(session),
       config_(session.config()),
       device_(session.device()),
+      memory_(memory_setup_make(session)),
       train_loader_(session.data().train, session.data().mean, session.data().std,
-                    session.loader_options(LoaderRole::kTrain), session.device()),
+                    placed(session.loader_options(LoaderRole::kTrain), memory_->placement), session.device()),
       test_loader_(session.data().test, session.data().mean, session.data().std,
-                   session.loader_options(LoaderRole::kEval), session.device()),
+                   placed(session.loader_options(LoaderRole::kEval), memory_->placement), session.device()),
       scaler_([&] {
         LossScalerOptions lso;
         // Tri-Accel may put units in fp16 at any window: the loss scaler runs from the start.
@@ -283,14 +429,36 @@ void Trainer::controllers_build() {
   batch_rules_.budget_bytes = budget;
   batch_rules_.lr_rule = config_.schedule.lr_batch_rule;
   const bool elastic = config_.execution.method == Method::kTriAccel && ta.ta_batch && budget > 0 &&
+                       config_.execution.batch_policy == BatchPolicy::kElastic &&
                        (device_.is_cuda() || session_.hooks().memory_signal);
   if (elastic) {
     controllers_.push_back(std::make_unique<ElasticBatchController>(batch_rules_, ta.ctrl_every,
                                                                     config_.schedule.batch_size,
                                                                     session_.hooks().memory_signal));
   }
+  // The memory planner runs last: it sees this step's precision decisions.
+  if (memory_->planned) {
+    MemorySetup& m = *memory_;
+    auto planner = std::make_unique<MemoryPlanController>(
+        m.model, m.plan, m.limits, *step_, [this](const std::vector<Precision>& precisions) {
+          MemoryModelInputs in = memory_->inputs;
+          in.unit_precisions = precisions;
+          return memory_model_build(session_.model(), memory_->sample, in, device_);
+        });
+    memory_planner_ = planner.get();
+    controllers_.push_back(std::move(planner));
+  }
   for (auto& c : controllers_) {
     if (progress_->controllers.contains(c->state_key())) c->restore(progress_->controllers[c->state_key()]);
+  }
+  if (memory_planner_) {
+    session_.event(event::kMemoryPlan, progress_->step, memory_planner_->plan_fields("start"));
+    const MemoryPlan& plan = memory_planner_->plan();
+    session_.printer().line(c10::str(
+        "memory plan: micro-batch ", plan.micro_batch, " x ", plan.accumulation, ", ",
+        plan.recompute_names(memory_planner_->model()).size(), " units recomputed, data on the ",
+        enum_name(plan.data_placement), ", predicted peak ", plan.predicted_peak_bytes / kGB, " GB",
+        plan.budget_bytes > 0 ? c10::str(" of ", static_cast<double>(plan.budget_bytes) / kGB, " GB planned") : ""));
   }
 }
 
@@ -397,6 +565,17 @@ Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault) {
   attempt_ += fault == FaultKind::kOom ? 1 : 0;  // the injected error came before the increment
   p.oom_retries += 1;
   const Json where{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"injected", fault == FaultKind::kOom}};
+  if (memory_planner_) {
+    // A planning error: the model under-predicted. A larger activation scale, a new plan, the same samples at the
+    // same batch (UserError when no plan fits any more).
+    Json fields{{"batch", p.batch}, {"retry_batch", p.batch}};
+    for (const auto& [k, v] : where.items()) fields[k] = v;
+    session_.event(event::kOom, p.step, fields);
+    memory_cache_release(device_);
+    const Event replanned = memory_planner_->on_out_of_memory();
+    session_.event(replanned.name, p.step, replanned.fields);
+    return Attempt::kRetry;
+  }
   // Retry the same samples at a smaller batch: nothing is skipped or repeated. At the minimum batch, one retry at the
   // same size after releasing the cache and the graph (a transient peak: a re-capture, a probe), and only a second
   // failure in a row is the budget's fault (batch_after_oom throws then).
@@ -517,7 +696,8 @@ Trainer::EvalResult Trainer::evaluate(int64_t batch_size) {
 }
 
 Trainer::EvalResult Trainer::evaluate_within_budget() {
-  for (int64_t batch = config_.execution.eval_batch_size;; batch = (batch + 1) / 2) {
+  // A planned run's evaluation batch fits what the plan leaves; halving remains for a model that under-predicts.
+  for (int64_t batch = memory_->eval_batch(config_.execution.eval_batch_size);; batch = (batch + 1) / 2) {
     try {  // under a vram_budget, an evaluation batch that does not fit is halved, not fatal
       return evaluate(batch);
     } catch (const c10::OutOfMemoryError&) {
@@ -573,7 +753,8 @@ void Trainer::epoch_end(double train_s) {
       {"graph_captures", graph.captures()},
       {"graph_capture_ooms", graph.capture_ooms()},
       {"graph_capture_error", graph.capture_error().empty() ? Json(nullptr) : Json(graph.capture_error())},
-      {"probe_s_total", tri ? Json(overhead_s) : Json(nullptr)}};
+      {"probe_s_total", tri ? Json(overhead_s) : Json(nullptr)},
+      {"memory_plan", memory_plan_brief()}};
   session_.event(event::kEpoch, p.step, p.last_epoch);
   session_.printer().line(c10::str("epoch ", p.epoch + 1, "/", config_.schedule.epochs, ": train loss ",
                                    p.last_epoch["train_loss"].get<double>(), ", test acc ", test.acc, " %, ", train_s,
@@ -654,6 +835,10 @@ Json Trainer::summary() {
                {"injected_faults", p.injected_faults},
                {"total_s", session_.now()},
                {"device", device_long_name(device_)},
+               {"vram_budget_gb", config_.execution.vram_budget_bytes() > 0
+                                      ? Json(static_cast<double>(config_.execution.vram_budget_bytes()) / kGB)
+                                      : Json(nullptr)},
+               {"memory_plan", memory_plan_brief()},
                {"model_path", model_path}};
   session_.event(event::kSummary, p.step, summary);
   session_.printer().line(c10::str("done: test acc ", acc, " %, ", epoch_s, " s/epoch, peak ", p.peak_vram_gb,
@@ -662,6 +847,16 @@ Json Trainer::summary() {
 }
 
 // --- helpers ---
+
+Json Trainer::memory_plan_brief() const {
+  if (!memory_planner_) return Json(nullptr);
+  const MemoryPlan& plan = memory_planner_->plan();
+  return Json{{"micro_batch", plan.micro_batch},
+              {"accumulation", plan.accumulation},
+              {"recompute", plan.recompute_names(memory_planner_->model())},
+              {"data_placement", enum_name(plan.data_placement)},
+              {"predicted_peak_gb", plan.predicted_peak_bytes / kGB}};
+}
 
 void Trainer::batch_set(int64_t batch) {
   progress_->batch = batch;

@@ -3,10 +3,15 @@
 // curvature, precision and elastic batch; BAOC's planner; the measurement window of AdamW and BAOC runs), then runs
 // epochs of steps with recovery (out-of-memory retries, skipped inf/NaN steps, injected faults), evaluation,
 // checkpoints and the summary. Every sample of an epoch is trained exactly once, whatever the batch size does.
+// Under a vram_budget (on CUDA), or when the user fixes a memory lever, the memory planner
+// (control/memory_plan_controller.h) plans the run before the loaders exist (where the data lives), and its
+// controller keeps the step engine on the plan; an out-of-memory error is then a planning error, retried on the same
+// samples at the same batch with a new plan.
 #pragma once
 
 #include "triaccel/control/batch_controller.h"
 #include "triaccel/control/controller.h"
+#include "triaccel/control/memory_plan_controller.h"
 #include "triaccel/core/json.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/optim/optimizer.h"
@@ -31,6 +36,10 @@ class Trainer : private MemoryMeter {
   // Trains to the end (or to max_steps) and returns the summary event's fields (the stop event's when stopped).
   Json run();
 
+  // The memory plan a run of the session's configuration would start with, as the memory_plan event's fields, on
+  // any device: without a GPU it is planned for one from the modelled profile (`triaccel plan --vram-budget`).
+  static Json memory_plan_preview(Session& session);
+
   // The progress record a checkpoint stores (step, epoch, data cursor, times, peaks, fault counters, controllers).
   struct Progress;
 
@@ -41,6 +50,10 @@ class Trainer : private MemoryMeter {
     double acc_tta = -1;  // percent with flip test-time augmentation; -1 when not measured
   };
   enum class Attempt { kTrained, kRetry, kDropped };
+  // The memory planner's model and first plan, made before the loaders (they hold the data where it says).
+  struct MemorySetup;
+  // preview: plan for a GPU whatever the device (no CUDA-only condition).
+  static std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview = false);
 
   // Set-up.
   void budget_floor_check() const;
@@ -61,6 +74,7 @@ class Trainer : private MemoryMeter {
   Json summary();
   // Helpers.
   void batch_set(int64_t batch);
+  Json memory_plan_brief() const;          // the plan in force, for epoch and summary events (null: none)
   double schedule_position() const;
   void train_time_pause();                 // the epoch clock stops (evaluation, a checkpoint)
   MemoryStats window() override;           // MemoryMeter
@@ -69,6 +83,7 @@ class Trainer : private MemoryMeter {
   Session& session_;
   const Config& config_;
   const c10::Device device_;
+  std::unique_ptr<MemorySetup> memory_;     // declared before the loaders: they are built where it says
   Loader train_loader_;
   Loader test_loader_;
   std::unique_ptr<Optimizer> optimizer_;
@@ -80,6 +95,7 @@ class Trainer : private MemoryMeter {
   std::unique_ptr<TrainStep> step_;
   BatchControllerOptions batch_rules_;     // out-of-memory halving and the elastic batch share these
   std::vector<std::unique_ptr<StepController>> controllers_;
+  MemoryPlanController* memory_planner_ = nullptr;  // one of controllers_, when the memory is planned
   at::Tensor batch_images_, batch_labels_;  // the step's input buffers (the graph's static inputs)
   // Within the current session of the run.
   int64_t samples_this_epoch_ = 0;         // trained this epoch in this session

@@ -89,22 +89,35 @@ std::vector<std::pair<std::string, at::Tensor>> head_state(const std::vector<Aux
   return out;
 }
 
-// Median images/s of `forward` on a zero batch (eval mode, no grad), after warm-up, synchronized.
-double inference_throughput(const std::function<at::Tensor(const at::Tensor&)>& forward, const at::Tensor& batch,
-                            const c10::Device& device, const Clock& clock) {
+// Median images/s of `forward` on a zero batch of `batch` samples from `make` (eval mode, no grad), after warm-up,
+// synchronized. Under a vram_budget the batch halves until it fits (these phases come after training, with the
+// caches still allocated); `used` receives it (0: not even one sample fits, and the rate is 0).
+double inference_throughput(const std::function<at::Tensor(const at::Tensor&)>& forward,
+                            const std::function<at::Tensor(int64_t)>& make, int64_t batch, const c10::Device& device,
+                            const Clock& clock, int64_t* used) {
   const torch::NoGradGuard no_grad;
   constexpr int kWarmup = 2, kRepeats = 5, kIters = 3;
-  for (int i = 0; i < kWarmup; ++i) forward(batch);
-  std::vector<double> rates;
-  for (int r = 0; r < kRepeats; ++r) {
-    device_synchronize(device);
-    const double t0 = clock.now_s();
-    for (int i = 0; i < kIters; ++i) forward(batch);
-    device_synchronize(device);
-    rates.push_back(static_cast<double>(kIters * batch.size(0)) / std::max(clock.now_s() - t0, 1e-9));
+  for (; batch >= 1; batch /= 2) {
+    try {
+      const at::Tensor x = make(batch);
+      for (int i = 0; i < kWarmup; ++i) forward(x);
+      std::vector<double> rates;
+      for (int r = 0; r < kRepeats; ++r) {
+        device_synchronize(device);
+        const double t0 = clock.now_s();
+        for (int i = 0; i < kIters; ++i) forward(x);
+        device_synchronize(device);
+        rates.push_back(static_cast<double>(kIters * batch) / std::max(clock.now_s() - t0, 1e-9));
+      }
+      std::sort(rates.begin(), rates.end());
+      *used = batch;
+      return rates[rates.size() / 2];
+    } catch (const c10::OutOfMemoryError&) {
+      memory_cache_release(device);
+    }
   }
-  std::sort(rates.begin(), rates.end());
-  return rates[rates.size() / 2];
+  *used = 0;
+  return 0;
 }
 
 Json plan_to_json(const Partition& plan) {
@@ -1031,10 +1044,13 @@ Json NeuroFluxRun::exits_export() {
   model_.eval();
   for (auto& h : heads_) h->eval();
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
-  const at::Tensor probe = SplitInput::layout(
-      at::zeros({device_.is_cuda() ? 256 : 8, sample_shape_[0], sample_shape_[1], sample_shape_[2]}, f32),
-      plain_lo_.channels_last);
+  const auto probe = [&](int64_t n) {
+    return SplitInput::layout(at::zeros({n, sample_shape_[0], sample_shape_[1], sample_shape_[2]}, f32),
+                              plain_lo_.channels_last);
+  };
+  const int64_t probe_batch = device_.is_cuda() ? 256 : 8;
   const PrecisionMode precision = config_.execution.precision;
+  int64_t exit_batch = 0, full_batch = 0;
   const double exit_rate = inference_throughput(
       [&](const at::Tensor& x) {
         const AutocastScope autocast(device_, precision);
@@ -1042,13 +1058,13 @@ Json NeuroFluxRun::exits_export() {
         for (int64_t u = 0; u <= chosen; ++u) h = units_[static_cast<size_t>(u)].forward(h);
         return logits_of(chosen, h);
       },
-      probe, device_, session_.clock());
+      probe, probe_batch, device_, session_.clock(), &exit_batch);
   const double full_rate = inference_throughput(
       [&](const at::Tensor& x) {
         const AutocastScope autocast(device_, precision);
         return model_.forward(x);
       },
-      probe, device_, session_.clock());
+      probe, probe_batch, device_, session_.clock(), &full_batch);
   const int64_t full_params = model_.parameter_count();
   Json exits = Json::array();
   for (int64_t u = 0; u < n_units_; ++u) {
@@ -1069,7 +1085,8 @@ Json NeuroFluxRun::exits_export() {
       {"test_acc", test_acc_[c]},
       {"images_per_s", exit_rate},
       {"full_images_per_s", full_rate},
-      {"throughput_batch", probe.size(0)},
+      {"throughput_batch", exit_batch},
+      {"full_throughput_batch", full_batch},
       {"path", exit_path}};
   session_.event(event::kExit, step_,
                  Json{{"exits", exits}, {"chosen", chosen_json}, {"tolerance", config_.neuroflux.nf_exit_tolerance},

@@ -194,6 +194,8 @@ double ScheduleConfig::warmup_epochs_resolved() const {
 void ExecutionConfig::validate() const {
   vram_budget_bytes();  // throws naming the option
   TRIACCEL_CHECK_INPUT(eval_batch_size > 0, option_ref("eval_batch_size"), " must be > 0, got ", eval_batch_size);
+  TRIACCEL_CHECK_INPUT(micro_batch >= 0, option_ref("micro_batch"), " must be >= 0 (0: planned), got ", micro_batch);
+  TRIACCEL_CHECK_INPUT(!recompute.empty(), option_ref("recompute"), " must be auto, none or unit names");
   const FaultPlan faults(inject_faults);  // throws naming the bad item
 }
 
@@ -338,6 +340,16 @@ void Config::validate() const {
                        " baoc needs ", option_ref("method"), " backprop");
   TRIACCEL_CHECK_INPUT(execution.inject_faults.empty() || method != Method::kNeuroFlux, option_ref("inject_faults"),
                        " applies to ", option_ref("method"), " backprop and tri-accel, not neuroflux");
+  for (const char* key : {"micro_batch", "recompute", "data_placement", "batch_policy"}) {
+    TRIACCEL_CHECK_INPUT(method != Method::kNeuroFlux || !was_given(key), option_ref(key), " applies to ",
+                         option_ref("method"), " backprop and tri-accel; neuroflux plans its blocks' batches itself");
+  }
+  TRIACCEL_CHECK_INPUT(execution.micro_batch <= schedule.batch_size, option_ref("micro_batch"), " ",
+                       execution.micro_batch, " is larger than ", option_ref("batch_size"), " ", schedule.batch_size,
+                       "; use at most the batch size (or 0 for the planner's choice)");
+  TRIACCEL_CHECK_INPUT(execution.batch_policy == BatchPolicy::kFixed || method == Method::kTriAccel,
+                       option_ref("batch_policy"), " elastic is tri-accel's rule; use ", option_ref("method"),
+                       " tri-accel, or batch_policy fixed");
   // The model reads what the dataset holds; image-only options on text.
   const bool text = is_text_dataset(data.dataset);
   const bool language_model = entry.input == ModelInput::kTokens;

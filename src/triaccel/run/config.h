@@ -26,12 +26,15 @@
 
 namespace triaccel {
 
-// The `method` option.
-enum class Method { kBackprop, kTriAccel, kNeuroFlux };
+// The `method` option. kAuto is resolved before a run starts (api::run): backprop when the memory planner fits the
+// vram_budget, else neuroflux.
+enum class Method { kBackprop, kTriAccel, kNeuroFlux, kAuto };
 template <>
 struct EnumNames<Method> {
-  static constexpr EnumName<Method> kNames[] = {
-      {Method::kBackprop, "backprop"}, {Method::kTriAccel, "tri-accel"}, {Method::kNeuroFlux, "neuroflux"}};
+  static constexpr EnumName<Method> kNames[] = {{Method::kBackprop, "backprop"},
+                                                {Method::kTriAccel, "tri-accel"},
+                                                {Method::kNeuroFlux, "neuroflux"},
+                                                {Method::kAuto, "auto"}};
 };
 
 // auto | on | off options (augment, cudnn_autotune): auto is resolved from the rest of the configuration.
@@ -64,6 +67,22 @@ template <>
 struct EnumNames<ProfileChoice> {
   static constexpr EnumName<ProfileChoice> kNames[] = {
       {ProfileChoice::kAuto, "auto"}, {ProfileChoice::kModel, "model"}, {ProfileChoice::kMeasured, "measured"}};
+};
+
+// The `batch_policy` option: under a vram_budget the batch stays as asked and the memory planner splits it into
+// micro-batches (fixed), or Tri-Accel's elastic rule changes the batch itself and the lr follows (elastic, the paper).
+enum class BatchPolicy { kFixed, kElastic };
+template <>
+struct EnumNames<BatchPolicy> {
+  static constexpr EnumName<BatchPolicy> kNames[] = {{BatchPolicy::kFixed, "fixed"}, {BatchPolicy::kElastic, "elastic"}};
+};
+
+// The `data_placement` option: where the dataset lives on a GPU (auto: the memory planner's choice).
+enum class PlacementChoice { kAuto, kDevice, kHost };
+template <>
+struct EnumNames<PlacementChoice> {
+  static constexpr EnumName<PlacementChoice> kNames[] = {
+      {PlacementChoice::kAuto, "auto"}, {PlacementChoice::kDevice, "device"}, {PlacementChoice::kHost, "host"}};
 };
 
 // One option in a field table: its key, help, (rarely) a CLI flag other than `--` + the key with dashes, and for a
@@ -143,6 +162,11 @@ struct ExecutionConfig {
   bool channels_last = true;
   bool cuda_graphs = true;
   std::string vram_budget;       // "": none, else a size ("2GB", core/bytes.h)
+  // The memory planner's levers (docs/memory-planner.md); by default it chooses them under a vram_budget.
+  int64_t micro_batch = 0;       // 0: the planner's (the whole batch without a budget)
+  std::string recompute = "auto";  // auto: the planner's; none; or unit names, comma-separated
+  PlacementChoice data_placement = PlacementChoice::kAuto;
+  BatchPolicy batch_policy = BatchPolicy::kFixed;
   Toggle cudnn_autotune = Toggle::kAuto;
   int64_t eval_batch_size = 1000;
   Tta tta = Tta::kOff;
@@ -338,14 +362,28 @@ template <typename S, typename V>
 void ExecutionConfig::fields(S& s, V&& v) {
   v(s.method, FieldInfo{"method",
                         "backprop; tri-accel (adaptive per-unit precision, curvature-scaled lr, elastic batch under "
-                        "a budget); neuroflux (local learning in blocks that fit the budget; CNNs)"});
+                        "a budget); neuroflux (local learning in blocks that fit the budget; CNNs); auto (backprop "
+                        "when the memory planner fits the vram_budget, else neuroflux)"});
   v(s.precision, FieldInfo{"precision", "fp16 uses dynamic loss scaling"});
   v(s.device, FieldInfo{"device", "auto: CUDA when a GPU is visible"});
   v(s.channels_last, FieldInfo{"channels_last", "channels_last layout on CUDA (true|false)"});
   v(s.cuda_graphs, FieldInfo{"cuda_graphs", "capture the training step in a CUDA graph (true|false)"});
   v(s.vram_budget, FieldInfo{"vram_budget",
-                             "GPU memory budget, e.g. 2GB or 1.5GiB: the allocator is capped at it and tri-accel "
-                             "sizes the batch by it (default: none)"});
+                             "GPU memory budget, e.g. 2GB or 1.5GiB: the allocator is capped at it and the run is "
+                             "plans the run to fit it: micro-batches with gradient accumulation, recomputed units, "
+                             "the dataset streamed from host memory (default: none)"});
+  v(s.micro_batch, FieldInfo{"micro_batch",
+                             "samples per forward/backward pass; the batch's gradients accumulate over its "
+                             "micro-batches before one optimizer step (0: the memory planner's choice)"});
+  v(s.recompute, FieldInfo{"recompute",
+                           "units whose activations are recomputed in backward instead of kept: auto (the memory "
+                           "planner's choice), none, or unit names, comma-separated"});
+  v(s.data_placement, FieldInfo{"data_placement",
+                                "the dataset on the GPU (device) or streamed from pinned host memory a batch at a "
+                                "time (host); auto: the memory planner's choice"});
+  v(s.batch_policy, FieldInfo{"batch_policy",
+                              "under a vram_budget: fixed (the batch as asked, split into micro-batches to fit) or "
+                              "elastic (tri-accel: the paper's rule changes the batch and the lr follows)"});
   v(s.cudnn_autotune, FieldInfo{"cudnn_autotune",
                                 "cuDNN algorithms: on (autotune each shape), off (heuristics), auto (on without a "
                                 "budget, off under one: autotuning's workspace tries fill a budget; off for "

@@ -41,13 +41,17 @@ at::Tensor unit_precision_forward(Model& model, const at::Tensor& images, const 
   at::Tensor x = images;
   for (size_t i = 0; i < units.size(); ++i) {
     const Precision p = precisions[i];
-    const at::ScalarType dtype = p == Precision::kFP32 ? at::kFloat : p == Precision::kBF16 ? at::kBFloat16 : at::kHalf;
+    const at::ScalarType dtype = precision_dtype(p);
     if (x.is_floating_point() && x.scalar_type() != dtype) x = x.to(dtype);
     if (unit_input) unit_input(i, x);
     const AutocastScope autocast(device, precision_mode_of(p));
     x = units[i].forward(x);
   }
   return x;
+}
+
+at::ScalarType precision_dtype(Precision p) {
+  return p == Precision::kFP32 ? at::kFloat : p == Precision::kBF16 ? at::kBFloat16 : at::kHalf;
 }
 
 Precision precision_applied(Precision decided, const c10::Device& device) {

@@ -37,6 +37,8 @@ struct EnumNames<Precision> {
 
 // The autocast dtype of a unit precision (fp32: no autocast).
 PrecisionMode precision_mode_of(Precision p);
+// The dtype a unit of this precision computes in (its input is cast to it).
+at::ScalarType precision_dtype(Precision p);
 
 // Sets autocast for the device from the precision mode for the scope's lifetime (and restores it after).
 class AutocastScope {

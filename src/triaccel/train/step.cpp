@@ -1,9 +1,13 @@
 #include "triaccel/train/step.h"
 
+#include "triaccel/train/recompute.h"
+
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
+#include <torch/utils.h>
 
+#include <algorithm>
 #include <limits>
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
@@ -81,13 +85,32 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
     const torch::NoGradGuard no_grad;
     for (size_t i = 0; i < buffers_.size(); ++i) buffers_before_[i].copy_(buffers_[i]);
   }
-  // (B, classes), or (B, T, V) for a language model: flattened to one prediction per label element.
-  const at::Tensor logits = forward(images).flatten(0, -2);
-  const at::Tensor targets = labels.flatten();
-  at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), targets, {}, at::Reduction::Mean, -100,
-                                           options_.label_smoothing);
-  if (options_.fault_injection) loss = loss * loss_fault_;
-  scaler_.scale(loss).backward();
+  // Micro-batches of at most m samples; their gradients accumulate. With one micro-batch the step is exactly the
+  // whole-batch step (no weighting op).
+  const int64_t n = images.size(0);
+  const int64_t m = options_.micro_batch > 0 ? std::min(options_.micro_batch, n) : n;
+  at::Tensor loss_total;     // (1): the batch's mean loss
+  at::Tensor correct_total;  // (1) float32: correct predictions (label elements)
+  int64_t label_elements = 0;
+  for (int64_t start = 0; start < n; start += m) {
+    const int64_t len = std::min(m, n - start);
+    const bool whole = len == n;
+    const at::Tensor x = whole ? images : images.narrow(0, start, len);
+    const at::Tensor y = whole ? labels : labels.narrow(0, start, len);
+    // (len, classes), or (len, T, V) for a language model: flattened to one prediction per label element.
+    const at::Tensor logits = forward(x).flatten(0, -2);
+    const at::Tensor targets = y.flatten();
+    at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), targets, {}, at::Reduction::Mean, -100,
+                                             options_.label_smoothing);
+    if (options_.fault_injection) loss = loss * loss_fault_;
+    if (!whole) loss = loss * (static_cast<double>(len) / static_cast<double>(n));  // the micro-batch's share
+    scaler_.scale(loss).backward();
+    const torch::NoGradGuard no_grad;
+    const at::Tensor correct = logits.detach().argmax(1).eq(targets).sum().to(at::kFloat);
+    loss_total = loss_total.defined() ? loss_total + loss.detach() : loss.detach();
+    correct_total = correct_total.defined() ? correct_total + correct : correct;
+    label_elements += targets.numel();
+  }
   const torch::NoGradGuard no_grad;
   const std::vector<at::Tensor> grads = optimizer_.grads();
   if (options_.fault_injection) {
@@ -107,26 +130,78 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
   }
   optimizer_.step(lr_, scaler_.found_inf());
   scaler_.update();
-  const at::Tensor loss_detached = loss.detach().reshape({1});
+  const at::Tensor loss_detached = loss_total.reshape({1});
   last_loss_.copy_(loss_detached);
   // A skipped step's samples are retried by the trainer: they count once, when their step is not skipped.
   const at::Tensor ok = scaler_.found_inf().eq(0);
   const at::Tensor zero = at::zeros({1}, loss_sum_.options());
-  loss_sum_.add_(at::where(ok, loss_detached.to(at::kFloat) * static_cast<double>(labels.size(0)), zero));
+  loss_sum_.add_(at::where(ok, loss_detached.to(at::kFloat) * static_cast<double>(n), zero));
   // Per sample: a sample's share of correct predictions (its correct tokens / T; 0 or 1 for a classifier).
-  const double labels_per_sample = static_cast<double>(targets.numel()) / static_cast<double>(labels.size(0));
-  correct_sum_.add_(
-      at::where(ok, logits.detach().argmax(1).eq(targets).sum().to(at::kFloat) / labels_per_sample, zero));
+  const double labels_per_sample = static_cast<double>(label_elements) / static_cast<double>(n);
+  correct_sum_.add_(at::where(ok, correct_total / labels_per_sample, zero));
 }
 
 at::Tensor TrainStep::forward(const at::Tensor& images) {
-  if (unit_precisions_.empty()) {
-    const AutocastScope autocast(device_, options_.precision);
-    return model_.forward(images);
+  if (recompute_.empty()) {
+    if (unit_precisions_.empty()) {
+      const AutocastScope autocast(device_, options_.precision);
+      return model_.forward(images);
+    }
+    std::vector<Precision> applied;
+    for (Precision p : unit_precisions_) applied.push_back(precision_applied(p, device_));
+    return unit_precision_forward(model_, images, applied, device_);
   }
-  std::vector<Precision> applied;
-  for (Precision p : unit_precisions_) applied.push_back(precision_applied(p, device_));
-  return unit_precision_forward(model_, images, applied, device_);
+  // Unit by unit: the same forward as above, with the recomputed units' activations dropped until backward.
+  at::Tensor x = images;
+  for (size_t u = 0; u < model_.units().size(); ++u) {
+    if (!unit_precisions_.empty()) {  // the unit's input in its own dtype (unit_precision_forward's rule)
+      const at::ScalarType dtype = precision_dtype(precision_applied(unit_precisions_[u], device_));
+      if (x.is_floating_point() && x.scalar_type() != dtype) x = x.to(dtype);
+    }
+    if (recompute_[u]) {
+      x = recompute_forward([this, u](const at::Tensor& in) { return unit_forward(u, in); }, x, unit_params_[u],
+                            unit_buffers_[u]);
+    } else {
+      x = unit_forward(u, x);
+    }
+  }
+  return x;
+}
+
+at::Tensor TrainStep::unit_forward(size_t u, const at::Tensor& x) const {
+  const PrecisionMode mode = unit_precisions_.empty()
+                                 ? options_.precision
+                                 : precision_mode_of(precision_applied(unit_precisions_[u], device_));
+  const AutocastScope autocast(device_, mode);
+  return model_.units()[u].forward(x);
+}
+
+void TrainStep::set_micro_batch(int64_t micro_batch) {
+  TORCH_CHECK(micro_batch >= 0, "set_micro_batch: ", micro_batch);
+  if (micro_batch == options_.micro_batch) return;
+  options_.micro_batch = micro_batch;
+  invalidate_graph();
+}
+
+void TrainStep::set_recompute(const std::vector<bool>& recompute) {
+  const auto& units = model_.units();
+  TORCH_CHECK(recompute.empty() || recompute.size() == units.size(), "set_recompute: ", recompute.size(),
+              " flags for ", units.size(), " units");
+  const bool any = std::find(recompute.begin(), recompute.end(), true) != recompute.end();
+  const std::vector<bool> next = any ? recompute : std::vector<bool>();
+  if (next == recompute_) return;
+  recompute_ = next;
+  if (any && unit_params_.empty()) {
+    for (const Unit& unit : units) {
+      unit_params_.push_back(unit.parameters());
+      std::vector<at::Tensor> buffers;
+      for (const auto& module : unit.modules) {
+        for (const auto& b : module->buffers()) buffers.push_back(b);
+      }
+      unit_buffers_.push_back(std::move(buffers));
+    }
+  }
+  invalidate_graph();
 }
 
 void TrainStep::set_unit_precisions(const std::vector<Precision>& precisions) {

@@ -6,6 +6,10 @@
 // for the life of the TrainStep; gradients are released before every step (set to None, as PyTorch's zero_grad does)
 // and, inside the graph, live in its private pool at fixed addresses. The first batch at the graph size is kept as
 // the static input: pass the same tensors every step (the trainer and the benchmark do) to avoid a copy.
+// Memory levers (the memory planner's, docs/memory-planner.md), both inside the graph: the batch is split into
+// micro-batches whose gradients accumulate before the one optimizer step (each micro-batch's mean loss weighted by
+// its share of the batch, so the update is the whole batch's; BatchNorm normalizes per micro-batch), and chosen units
+// are recomputed in backward instead of keeping their activations (train/recompute.h).
 #pragma once
 
 #include "triaccel/models/model.h"
@@ -34,6 +38,7 @@ struct StepOptions {
   // Tests only: called inside the capture, after capture_begin (e.g. to raise an out-of-memory error there).
   std::function<void()> during_capture;
   double label_smoothing = 0.0;
+  int64_t micro_batch = 0;        // samples per forward/backward pass (0: the whole batch at once)
   // --inject-faults: the step multiplies its loss by a device factor and adds a device value to the first gradient
   // (both neutral unless set_fault() arms them), so NaN/inf faults reach graph replays too. Off: neither op exists.
   bool fault_injection = false;
@@ -68,6 +73,13 @@ class TrainStep {
   // Tri-Accel: per-unit precision for the forward (empty: the uniform precision mode). A change drops the captured
   // graph (it is re-captured after one eager step).
   void set_unit_precisions(const std::vector<Precision>& precisions);
+  const std::vector<Precision>& unit_precisions() const { return unit_precisions_; }
+  // The memory planner's levers: samples per forward/backward pass (0: the whole batch), and the units whose
+  // activations are recomputed in backward (empty: none). A change drops the captured graph.
+  void set_micro_batch(int64_t micro_batch);
+  int64_t micro_batch() const { return options_.micro_batch; }
+  void set_recompute(const std::vector<bool>& recompute);
+  const std::vector<bool>& recompute() const { return recompute_; }
   // Drops the captured graph, e.g. after the optimizer's per-tensor lr scales changed.
   void invalidate_graph();
   // The batch size whose step is captured (Tri-Accel's elastic batch changes it). A new size drops the old graph —
@@ -86,6 +98,8 @@ class TrainStep {
   void body(const at::Tensor& images, const at::Tensor& labels);
   void grads_release();
   at::Tensor forward(const at::Tensor& images);
+  // One unit's forward at its precision (autocast set inside, so that a recompute in backward sets it again).
+  at::Tensor unit_forward(size_t u, const at::Tensor& x) const;
 
   Model& model_;
   Optimizer& optimizer_;
@@ -102,6 +116,8 @@ class TrainStep {
   at::Tensor grad_fault_;   // (1) float32: 0, NaN or +inf (fault injection only)
   FaultKind fault_ = FaultKind::kNone;
   std::vector<Precision> unit_precisions_;
+  std::vector<bool> recompute_;
+  std::vector<std::vector<at::Tensor>> unit_params_, unit_buffers_;  // per unit, for recompute
   bool grad_stats_enabled_ = false;
   GradStatsLayout grad_stats_layout_;
   at::Tensor grad_stats_sum_;    // (U, kGradStatsColumns) float32 on device

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# The memory planner under --vram-budget (docs/memory-planner.md), ours and PyTorch's best recipe side by side in one
+# device call. Stages (STAGES, comma-separated; default "tests,r18,pytorch"):
+#   tests    the GPU unit tests of the planner's levers and the loader (gtest filter), as a log
+#   r18      ResNet-18 / CIFAR-10 copy, batch 96, amp-bf16, cuDNN heuristics, EPOCHS epochs per budget in BUDGETS
+#            (default: none 0.8GB 0.62GB 0.5GB 0.4GB 0.3GB 0.25GB); s/epoch of the last epoch, the plan, the
+#            measured peak (allocated, training steps) against the predicted one
+#   pytorch  bench/pytorch_budget.py at PT_CAP (0.5): PyTorch's best recipe at batch 96 under the same cap
+#   models   EfficientNet-B0 224 b96 (none, 2GB), ViT-Tiny b512 (none, 1GB), GPT-char b64 (none, 0.5GB): 1 epoch
+#   tri      Tri-Accel, ResNet-18 b96, unbudgeted and under 0.5GB, EPOCHS epochs
+#   grid     GRID ("model:budget ..." pairs) with backprop, 1 epoch each: zero crashes, peak ≤ budget, every sample
+# Binaries: .device/bin (built here with `make gpu-binaries`, carried: carry [".device"]); data: .device/data.
+# Writes $OUT/memory_planner.json ({"bench","gpu","command","commit","rows"}) and $OUT/memory_planner_logs.tgz, and
+# prints a short table last. Usage: COMMIT=$(git rev-parse --short HEAD) STAGES=... bash bench/run_memory_planner.sh
+set -uo pipefail
+STAGES=${STAGES:-tests,r18,pytorch}
+EPOCHS=${EPOCHS:-2}
+BUDGETS=${BUDGETS:-none 0.8GB 0.62GB 0.5GB 0.4GB 0.3GB 0.25GB}
+PT_CAP=${PT_CAP:-0.5}
+GRID=${GRID:-}
+FINAL_OUT=${OUT:-out}
+WORK=/tmp/mp_out
+rm -rf "$WORK"
+mkdir -p "$WORK/runs" "$FINAL_OUT"
+source "$(dirname "$0")/device_env.sh"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "gpu: $GPU; commit ${COMMIT:-?}; stages $STAGES"
+device_binaries "$WORK" triaccel_tests
+has() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+if has tests; then
+  TRIACCEL_SOURCE_DIR=$(pwd) "$BIN/triaccel_tests" --gtest_brief=1 \
+    --gtest_filter='MemoryLever*:MemoryPlanner*:MemoryModel*:MemoryGpu*:Loader*:StepGraph*:Trainer*Gpu*:*Cuda*' \
+    >"$WORK/unit_tests_gpu.log" 2>&1
+  echo "gpu unit tests: exit $?; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$WORK/unit_tests_gpu.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED  \]' "$WORK/unit_tests_gpu.log" | head -10
+fi
+
+# train TAG MODEL BUDGET ARGS...: one run; its events stay in $WORK/runs/TAG.
+train() {
+  local tag=$1 model=$2 budget=$3
+  shift 3
+  local b=()
+  [ "$budget" != none ] && b=(--vram-budget "$budget")
+  timeout 300 "$BIN/triaccel" train --model "$model" "${b[@]}" --precision amp-bf16 --cudnn-autotune off --seed 0 \
+    --progress lines --log-every 100000 --out "$WORK/runs/$tag" "$@" >"$WORK/runs/$tag.log" 2>&1
+  echo "$tag: exit $? $(grep -E '^(memory plan|done)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-220)"
+}
+
+if has r18 || has tri || has grid || has models; then cifar10_bin; fi
+if has r18; then
+  for budget in $BUDGETS; do
+    train "r18_b96_$budget" resnet18 "$budget" --dataset cifar10 --data "$DATA" --epochs "$EPOCHS" --batch-size 96
+  done
+fi
+if has pytorch; then
+  python3 bench/pytorch_budget.py --cap-gb "$PT_CAP" --batch 96 --out "$WORK/pytorch_budget.json" >"$WORK/pytorch_budget.log" 2>&1
+  echo "pytorch under ${PT_CAP} GB: $(tail -1 "$WORK/pytorch_budget.log" | cut -c1-300)"
+fi
+if has models; then
+  mkdir -p /tmp/shakespeare && cp .device/data/tinyshakespeare/input.txt /tmp/shakespeare/ 2>/dev/null
+  for budget in none 2GB; do
+    train "effb0_b96_$budget" efficientnet-b0 "$budget" --dataset cifar10 --data "$DATA" --image-size 224 \
+      --epochs 1 --batch-size 96
+  done
+  for budget in none 1GB; do
+    train "vit_b512_$budget" vit-tiny "$budget" --dataset cifar10 --data "$DATA" --epochs 1 --batch-size 512 \
+      --optimizer adamw
+  done
+  for budget in none 0.5GB; do
+    train "gpt_b64_$budget" gpt-char "$budget" --dataset tinyshakespeare --data /tmp/shakespeare --epochs 1 \
+      --batch-size 64 --optimizer adamw
+  done
+fi
+if has tri; then
+  for budget in none 0.5GB; do
+    train "tri_r18_b96_$budget" resnet18 "$budget" --method tri-accel --dataset cifar10 --data "$DATA" \
+      --epochs "$EPOCHS" --batch-size 96
+  done
+fi
+if has grid; then
+  for pair in $GRID; do
+    model=${pair%%:*}
+    budget=${pair#*:}
+    extra=(--dataset cifar10 --data "$DATA" --batch-size 96)
+    [ "$model" = efficientnet-b0 ] && extra+=(--image-size 224)
+    train "grid_${model}_$budget" "$model" "$budget" "${extra[@]}" --epochs 1
+  done
+fi
+
+python3 - "$WORK" "$FINAL_OUT/memory_planner.json" "$GPU" "${COMMIT:-unknown}" "$STAGES" <<'PY'
+import glob, json, os, sys
+work, dst, gpu, commit, stages = sys.argv[1:6]
+rows = []
+for ev in sorted(glob.glob(f"{work}/runs/*/events.jsonl")):
+    tag = os.path.basename(os.path.dirname(ev))
+    events = [json.loads(l) for l in open(ev) if l.strip()]
+    cfg = next((e for e in events if e["event"] == "config"), {})
+    epochs = [e for e in events if e["event"] == "epoch"]
+    plans = [e for e in events if e["event"] == "memory_plan"]
+    summ = next((e for e in events if e["event"] == "summary"), None)
+    samples = [e["samples"] for e in epochs]
+    rows.append({
+        "run": tag, "model": cfg.get("model"), "method": cfg.get("method"), "batch": cfg.get("batch_size"),
+        "vram_budget": cfg.get("vram_budget") or None, "finished": summ is not None,
+        "epoch_s_last": epochs[-1]["epoch_s"] if epochs else None,
+        "images_per_s_last": epochs[-1]["images_per_s"] if epochs else None,
+        "test_acc": epochs[-1]["test_acc"] if epochs else None,
+        "peak_vram_gb": summ["peak_vram_gb"] if summ else (epochs[-1]["peak_vram_gb"] if epochs else None),
+        "samples_per_epoch": samples, "train_samples": next((e.get("train_samples") for e in events
+                                                             if e["event"] == "config"), None),
+        "oom_events": sum(e["event"] == "oom" for e in events),
+        "graph_captures": epochs[-1].get("graph_captures") if epochs else None,
+        "cuda_graph": epochs[-1].get("cuda_graph") if epochs else None,
+        "plan": plans[-1] if plans else None, "plans": len(plans),
+    })
+pt = None
+if os.path.exists(f"{work}/pytorch_budget.json"):
+    pt = json.load(open(f"{work}/pytorch_budget.json"))
+out = {"bench": "memory_planner", "gpu": gpu, "commit": commit, "stages": stages,
+       "command": f"COMMIT={commit} STAGES={stages} bash bench/run_memory_planner.sh", "rows": rows, "pytorch": pt}
+json.dump(out, open(dst, "w"), indent=1)
+print(f"{'run':28} {'s/ep':>6} {'img/s':>7} {'peak GB':>8} {'pred GB':>8} {'micro':>5} {'acc':>3} {'rcmp':>4} {'data':>6} {'oom':>3} {'graph':>5} {'ok':>3}")
+for r in rows:
+    p = r["plan"] or {}
+    pred = p.get("predicted_peak_bytes")
+    print(f"{r['run']:28} {r['epoch_s_last'] or 0:6.2f} {r['images_per_s_last'] or 0:7.0f} {r['peak_vram_gb'] or 0:8.3f} "
+          f"{(pred or 0) / 1e9:8.3f} {p.get('micro_batch', '-')!s:>5} {p.get('accumulation', '-')!s:>3} "
+          f"{len(p.get('recompute', [])):4} {p.get('data_placement', '-')!s:>6} {r['oom_events']:3} "
+          f"{r['cuda_graph']!s:>5} {'yes' if r['finished'] else 'NO':>3}")
+if pt:
+    b = pt["best"]
+    print(f"pytorch best under {pt['cap_gb']} GB: {b['recipe']} k={b['k']} {b['img_s']:.0f} img/s")
+PY
+tar czf "$FINAL_OUT/memory_planner_logs.tgz" -C "$WORK" . 2>/dev/null

@@ -1,0 +1,125 @@
+// The memory planner's cost model of a run; see memory_model.h.
+#include "triaccel/control/memory_model.h"
+
+#include "triaccel/control/memory_profile.h"
+#include "triaccel/train/rng.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/autograd.h>
+#include <torch/utils.h>
+
+#include <algorithm>
+
+namespace triaccel {
+namespace {
+
+constexpr int64_t kTraceSmall = 2;  // BatchNorm in train mode needs > 1 value per channel
+constexpr int64_t kTraceLarge = 4;
+
+at::Tensor batch_of(const at::Tensor& sample, int64_t batch) {
+  std::vector<int64_t> shape{batch};
+  shape.insert(shape.end(), sample.sizes().begin(), sample.sizes().end());
+  return sample.unsqueeze(0).expand(shape).contiguous();
+}
+
+int64_t bytes_per_sample(const at::Tensor& t) {
+  return t.numel() / std::max<int64_t>(1, t.size(0)) * static_cast<int64_t>(t.element_size());
+}
+
+// Output positions of one sample: H·W of an image map, T of a token sequence, 1 of a vector.
+double positions(const at::Tensor& out) {
+  if (out.dim() >= 4) return static_cast<double>(out.size(2) * out.size(3));
+  if (out.dim() == 3) return static_cast<double>(out.size(1));
+  return 1;
+}
+
+}  // namespace
+
+MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const MemoryModelInputs& in,
+                               const c10::Device& device) {
+  const auto& units = model.units();
+  TORCH_CHECK(in.unit_precisions.empty() || in.unit_precisions.size() == units.size(), "memory_model_build: ",
+              in.unit_precisions.size(), " precisions for ", units.size(), " units");
+  // Tracing runs BatchNorm in train mode and may draw random numbers (dropout): everything is put back.
+  const NamedTensors rng = rng_state(device);
+  std::vector<at::Tensor> buffers = model.buffers(), saved;
+  {
+    const torch::NoGradGuard no_grad;
+    for (const auto& b : buffers) saved.push_back(b.clone());
+  }
+  const bool was_training = model.is_training();
+  model.train();
+
+  MemoryModel m;
+  const int64_t n = model.parameter_count();
+  bool any16 = in.precision != PrecisionMode::kFP32;
+  for (Precision p : in.unit_precisions) any16 = any16 || p != Precision::kFP32;
+  m.weights_bytes = 4.0 * static_cast<double>(n);
+  m.grads_bytes = 4.0 * static_cast<double>(n);
+  m.optimizer_bytes = static_cast<double>(in.optimizer_state_bytes);
+  m.fixed_bytes = (any16 ? 2.0 * static_cast<double>(n) : 0.0) + (in.for_gpu ? kGpuFixedTransientBytes : 0.0);
+  m.dataset_bytes = static_cast<double>(in.dataset_device_bytes);
+  m.stream_bytes = static_cast<double>(in.dataset_stream_bytes);
+  m.batch_input_bytes = static_cast<double>(in.sample_input_bytes);
+  m.allow_host_data = in.allow_host_data;
+  m.overhead_s = in.for_gpu ? kGpuOverheadSamples : 1.0;
+  m.per_sample_s = 1.0;
+  m.stream_per_sample_s = kStreamSampleCost;
+
+  // Unit by unit, each fed the previous unit's output at batch kTraceSmall and kTraceLarge.
+  at::Tensor small = batch_of(sample, kTraceSmall), large = batch_of(sample, kTraceLarge);
+  double largest = 0;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const Precision p = in.unit_precisions.empty()
+                            ? (in.precision == PrecisionMode::kFP32     ? Precision::kFP32
+                               : in.precision == PrecisionMode::kAmpBF16 ? Precision::kBF16
+                                                                         : Precision::kFP16)
+                            : precision_applied(in.unit_precisions[u], device);
+    const auto run = [&](at::Tensor x, double* max_bytes) {
+      if (!in.unit_precisions.empty() && x.is_floating_point()) x = x.to(precision_dtype(p));
+      const AutocastScope autocast(device, precision_mode_of(p));
+      at::Tensor out = units[u].forward(x);
+      const double graph = autograd_graph_bytes(out, max_bytes);
+      return std::make_pair(out.detach(), graph);
+    };
+    UnitCost c;
+    c.name = units[u].name;
+    c.input_bytes = static_cast<double>(bytes_per_sample(large));
+    double max_small = 0, max_large = 0;
+    auto [out_small, graph_small] = run(small, &max_small);
+    auto [out_large, graph_large] = run(large, &max_large);
+    c.saved_bytes = std::max(0.0, (graph_large - graph_small) / static_cast<double>(kTraceLarge - kTraceSmall));
+    largest = std::max(largest, max_large / static_cast<double>(kTraceLarge));
+    c.flops = 2.0 * static_cast<double>(units[u].parameter_count()) * positions(out_large);
+    {
+      // Repeatable? A unit that draws random numbers in training (dropout, stochastic depth) gives another output
+      // for the same input.
+      const torch::NoGradGuard no_grad;
+      const at::Tensor again = run(large, nullptr).first;
+      c.recomputable = again.sizes() == out_large.sizes() &&
+                       at::allclose(again.to(at::kFloat), out_large.to(at::kFloat), 1e-3, 1e-3);
+    }
+    m.units.push_back(c);
+    small = out_small;
+    large = out_large;
+  }
+  m.transient_bytes = 2 * largest;  // backward: a gradient of the largest tensor and the one it produces
+
+  {
+    const torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+  }
+  for (auto& p : model.parameters()) p.mutable_grad() = at::Tensor();
+  model.train(was_training);
+  rng_restore(rng, device);
+  return m;
+}
+
+double memory_model_eval_per_sample(const MemoryModel& model) {
+  double widest = 0;
+  for (const UnitCost& u : model.units) widest = std::max(widest, u.input_bytes);
+  return model.activation_scale * (3 * widest + model.transient_bytes / 2);
+}
+
+}  // namespace triaccel

@@ -1,0 +1,52 @@
+// The memory planner's cost model of a run (control/memory_planner.h), built from the model's shapes on any device:
+// each unit runs forward on a zero batch at two sizes, under the precision it trains in, with autograd on, and the
+// tensors its autograd graph records (control/memory_profile.h: autograd_graph_bytes) give its saved activations per
+// sample; its input's bytes, its forward FLOPs (2 · parameters · output positions) and whether it can be recomputed
+// (no dropout) come from the same pass. Weights, gradients, optimizer state, weight casts and the dataset come from
+// the run's configuration. What the allocator then measures corrects it (MemoryModel::activation_scale).
+//
+// Invariant: building the model leaves the weights and buffers exactly as it found them.
+#pragma once
+
+#include "triaccel/control/memory_planner.h"
+#include "triaccel/models/model.h"
+#include "triaccel/train/precision.h"
+
+#include <ATen/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace triaccel {
+
+struct MemoryModelInputs {
+  PrecisionMode precision = PrecisionMode::kFP32;
+  std::vector<Precision> unit_precisions;  // Tri-Accel's per-unit precisions (empty: `precision` for every unit)
+  int64_t optimizer_state_bytes = 0;
+  int64_t dataset_device_bytes = 0;    // the training and test sets resident on the device
+  int64_t dataset_stream_bytes = 0;    // what stays on the device when they are streamed from the host
+  int64_t sample_input_bytes = 0;      // one sample of the step's static input and labels
+  int64_t sample_staging_bytes = 0;    // the device staging of one streamed sample
+  bool allow_host_data = true;
+  bool for_gpu = false;                // price for a GPU (overheads, workspaces) whatever device traces it
+};
+
+// Per-micro-batch overhead of a step, in units of one sample's forward + backward: what makes small micro-batches
+// slow on a GPU (launches, an under-filled device). Measured on the H100 for ResNet-18 at 32×32 (bench/results):
+// 41k img/s at batch 96 and 70k at 512 give an overhead of ~100 samples; 64 keeps some weight on recompute.
+constexpr double kGpuOverheadSamples = 64;
+// The host gather and copy of one streamed sample, in the same unit.
+constexpr double kStreamSampleCost = 0.05;
+// Batch-independent device memory the shapes do not show: cuBLAS and cuDNN workspaces, the CUDA context's share
+// of the caching allocator, the graph pool's rounding.
+constexpr double kGpuFixedTransientBytes = 48e6;
+
+// `sample`: one input sample (C, H, W) float or (T) int64, on the model's device.
+MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const MemoryModelInputs& inputs,
+                               const c10::Device& device);
+
+// Bytes per sample an evaluation pass needs (no autograd: the largest unit input and output alive at once).
+double memory_model_eval_per_sample(const MemoryModel& model);
+
+}  // namespace triaccel

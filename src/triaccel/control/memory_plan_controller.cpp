@@ -1,0 +1,106 @@
+#include "triaccel/control/memory_plan_controller.h"
+
+#include "triaccel/core/errors.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace triaccel {
+
+MemoryPlanController::MemoryPlanController(MemoryModel model, MemoryPlan plan, MemoryPlanLimits limits,
+                                           TrainStep& step, Rebuild rebuild)
+    : model_(std::move(model)),
+      first_model_(model_),
+      plan_(std::move(plan)),
+      limits_(std::move(limits)),
+      step_(step),
+      rebuild_(std::move(rebuild)),
+      precisions_(step.unit_precisions()) {
+  limits_.constraints.placement_fixed = true;  // the loaders hold the data where the first plan put it
+  limits_.constraints.placement = plan_.data_placement;
+  apply();
+}
+
+void MemoryPlanController::apply() {
+  step_.set_micro_batch(plan_.micro_batch < plan_.batch ? plan_.micro_batch : 0);
+  step_.set_recompute(plan_.recompute);
+}
+
+void MemoryPlanController::replan() {
+  if (limits_.limit_from_first_model) {
+    first_model_.activation_scale = model_.activation_scale;
+    const std::vector<bool> none(first_model_.units.size(), false);
+    limits_.budget_bytes = static_cast<int64_t>(std::ceil(
+        memory_plan_peak(first_model_, limits_.batch, limits_.batch, none, limits_.constraints.placement)));
+  }
+  MemoryPlan next = memory_plan_solve(model_, limits_.batch, limits_.budget_bytes, limits_.constraints);
+  TRIACCEL_CHECK_INPUT(next.feasible, "no way to train batch ", limits_.batch, " within ", option_ref("vram_budget"),
+                       ": after measuring, the run needs at least ", static_cast<int64_t>(std::ceil(next.floor_bytes)),
+                       " bytes (", next.floor_bytes / 1e9, " GB) of the ", limits_.budget_bytes,
+                       " it may plan with; raise ", option_ref("vram_budget"), " or use ", option_ref("method"),
+                       " neuroflux");
+  plan_ = std::move(next);
+  apply();
+}
+
+Json MemoryPlanController::plan_fields(const std::string& reason) const {
+  Json f = plan_.to_json(model_);
+  f["reason"] = reason;
+  f["budget_bytes"] = limits_.cap_bytes > 0 ? Json(limits_.cap_bytes) : Json();
+  f["measured_peak_bytes"] = measured_peak_bytes_ > 0 ? Json(static_cast<int64_t>(measured_peak_bytes_)) : Json();
+  return f;
+}
+
+Events MemoryPlanController::after_step(StepContext& ctx) {
+  Events events;
+  // Tri-Accel changed a unit's precision: its activations change size.
+  if (step_.unit_precisions() != precisions_) {
+    precisions_ = step_.unit_precisions();
+    const double scale = model_.activation_scale;
+    model_ = rebuild_(precisions_);
+    model_.activation_scale = scale;
+    const MemoryPlan before = plan_;
+    replan();
+    if (!(plan_ == before)) events.push_back({event::kMemoryPlan, plan_fields("precision")});
+  }
+  // Calibration: the allocator's peak over the step against the prediction.
+  if (ctx.step <= kCalibrationSteps && ctx.memory != nullptr) {
+    const MemoryStats m = ctx.memory->window();
+    const double measured = static_cast<double>(m.peak_allocated_bytes);
+    if (measured > 0) {
+      measured_peak_bytes_ = measured;
+      const double predicted = plan_.predicted_peak_bytes;
+      const double activations = predicted - memory_plan_peak(model_, plan_.batch, 0, plan_.recompute,
+                                                               plan_.data_placement);
+      // The activations as measured against as modelled: the model's error, in either direction (a reading
+      // within kCalibrationTolerance below the prediction is left alone: it may just miss a transient).
+      const double ratio = activations > 0 ? (measured - (predicted - activations)) / activations : 1;
+      if (ratio > 1 || ratio < 1 - kCalibrationTolerance) {
+        model_.activation_scale *= std::clamp(ratio, kCalibrationMin, kCalibrationMax);
+        const MemoryPlan before = plan_;
+        replan();
+        events.push_back({event::kMemoryPlan, plan_fields(plan_ == before ? "calibrated" : "recalibrated")});
+      } else if (ctx.step == kCalibrationSteps) {
+        events.push_back({event::kMemoryPlan, plan_fields("measured")});
+      }
+    }
+  }
+  return events;
+}
+
+Event MemoryPlanController::on_out_of_memory() {
+  model_.activation_scale *= kOomScaleStep;
+  replan();
+  return {event::kMemoryPlan, plan_fields("oom")};
+}
+
+Json MemoryPlanController::state() const { return Json{{"activation_scale", model_.activation_scale}}; }
+
+void MemoryPlanController::restore(const Json& state) {
+  const double scale = state.value("activation_scale", 1.0);
+  if (scale == model_.activation_scale) return;
+  model_.activation_scale = scale;
+  replan();
+}
+
+}  // namespace triaccel

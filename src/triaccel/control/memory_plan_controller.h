@@ -1,0 +1,82 @@
+// The memory planner in the training loop (docs/memory-planner.md): holds the run's cost model and plan, applies the
+// plan's levers to the step engine (micro-batch, recompute; the data placement is the loaders', fixed at the start),
+// and plans again when the model changes:
+//   - calibration: after each of the first steps (eager warm-up, the capture) the allocator's peak is compared with
+//     the prediction; the model's activation scale is set to match it (up, or down when the model over-predicts
+//     by more than kCalibrationTolerance), and the plan is recomputed;
+//   - Tri-Accel's precision decisions: units promoted to fp32 keep bigger activations (the model is rebuilt for
+//     the new precisions and the plan recomputed);
+//   - out of memory: a planning error. The scale grows by kOomScaleStep, the plan is recomputed, and the trainer
+//     retries the same samples at the same batch.
+// Every plan is logged as a `memory_plan` event (reason, the levers, predicted and, where measured, measured peak).
+#pragma once
+
+#include "triaccel/control/controller.h"
+#include "triaccel/control/memory_planner.h"
+#include "triaccel/train/step.h"
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace triaccel {
+
+// Growth of the activation scale after an out-of-memory error.
+constexpr double kOomScaleStep = 1.25;
+// Steps after the start whose measured peak calibrates the model (the warm-up's eager steps and the capture).
+constexpr int64_t kCalibrationSteps = 5;
+// A measured activation peak this much below the model's leaves it alone; one calibration moves the scale by a
+// factor in [kCalibrationMin, kCalibrationMax].
+constexpr double kCalibrationTolerance = 0.1;
+constexpr double kCalibrationMin = 0.5;
+constexpr double kCalibrationMax = 4;
+
+struct MemoryPlanLimits {
+  int64_t batch = 0;
+  int64_t budget_bytes = 0;        // what the plan may reach (the cap minus the allocator's margin)
+  int64_t cap_bytes = 0;           // the vram_budget itself (0: none)
+  PlanConstraints constraints;     // the user's levers; the placement is fixed once the loaders hold the data
+  // Tri-Accel without a budget: the limit is the peak the first plan's precisions predict (all 16-bit: AMP's), so
+  // that a unit promoted to fp32 pays for its bigger activations with recompute or micro-batches instead of
+  // raising the peak. Kept equal to that prediction as the model is calibrated.
+  bool limit_from_first_model = false;
+};
+
+class MemoryPlanController final : public StepController {
+ public:
+  using Rebuild = std::function<MemoryModel(const std::vector<Precision>& unit_precisions)>;
+
+  // `model` and `plan` as planned before the loaders were built; `rebuild` traces the model again for new
+  // precisions. Applies the plan to `step` and logs it (the first event comes from initial_event()).
+  MemoryPlanController(MemoryModel model, MemoryPlan plan, MemoryPlanLimits limits, TrainStep& step, Rebuild rebuild);
+
+  const char* state_key() const override { return "memory_plan"; }
+  Events after_step(StepContext& ctx) override;
+  Json state() const override;
+  void restore(const Json& state) override;
+
+  // The plan's event fields with this reason ("start", "calibrated", "precision", "oom").
+  Json plan_fields(const std::string& reason) const;
+  // After an out-of-memory error: a new plan with a larger activation scale. UserError when none fits.
+  Event on_out_of_memory();
+
+  const MemoryPlan& plan() const { return plan_; }
+  const MemoryModel& model() const { return model_; }
+
+ private:
+  void apply();
+  // Plans again on the current model; UserError naming the floor when nothing fits.
+  void replan();
+
+  MemoryModel model_;
+  MemoryModel first_model_;            // limit_from_first_model: the model the limit comes from
+  MemoryPlan plan_;
+  MemoryPlanLimits limits_;
+  TrainStep& step_;
+  Rebuild rebuild_;
+  std::vector<Precision> precisions_;  // the step's unit precisions the model was built for
+  double measured_peak_bytes_ = 0;     // the last calibration reading
+};
+
+}  // namespace triaccel

@@ -1,0 +1,102 @@
+// The memory planner (docs/memory-planner.md): one budget over every consumer of GPU memory, and the fastest way to
+// train the requested batch inside it. A pure function of a cost model: no tensors, no device, testable on made-up
+// profiles.
+//
+// The cost model (MemoryModel) prices each consumer in bytes and each lever in seconds, per unit where it is per unit:
+//   peak(m, R, placement) = weights + gradients + optimizer state + fixed transients
+//                         + data(placement) + the step's input buffers (B samples)
+//                         + m · scale · (activations(R) + transient)
+//   activations(R) = max( Σ_{u∉R} saved_u + Σ_{u∈R} input_u,                   backward's start
+//                         max_{u∈R} [ Σ_{v<u} alive_v + input_u + saved_u ] )   a recomputed unit's backward
+// with B the requested batch, m the micro-batch (B = accumulation steps × m, the last micro-batch shorter when m does
+// not divide B), R the recomputed units, saved_u the activations unit u keeps for backward per sample, input_u its
+// input (what a recomputed unit keeps instead), alive_v what unit v holds (saved_v, or input_v when recomputed):
+// backward frees the units after u before it recomputes u. `scale` is the correction learned from the allocator's
+// readings (1 until measured).
+//   step_s(m, R, placement) = k · overhead_s + B · per_sample_s · (1 + recompute_share) + stream cost
+// with k = ceil(B / m) micro-batches and recompute_share the recomputed units' share of the forward FLOPs times the
+// forward's share of a training step.
+//
+// The levers: the micro-batch (any m in [1, B]), per-unit recompute, and the dataset resident on the GPU or streamed
+// from pinned host memory. The solver is exact over that space (up to a rounding that only errs towards fitting):
+// for every placement and micro-batch it finds the recompute set of least FLOPs whose peak fits, by dynamic
+// programming over the units in order with the bytes alive so far as the state, and returns the fastest plan.
+#pragma once
+
+#include "triaccel/core/json.h"
+#include "triaccel/data/loader.h"  // DataPlacement
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace triaccel {
+
+// One unit's costs per training sample.
+struct UnitCost {
+  std::string name;
+  double saved_bytes = 0;   // activations kept for backward, at the precision the unit runs in
+  double input_bytes = 0;   // the unit's input (kept instead when the unit is recomputed)
+  double flops = 0;         // forward FLOPs (the recompute's price, relative to the other units)
+  bool recomputable = true; // false: its forward is not repeatable (dropout, stochastic depth)
+};
+
+struct MemoryModel {
+  std::vector<UnitCost> units;
+  // Batch-independent bytes.
+  double weights_bytes = 0;      // fp32 parameters
+  double grads_bytes = 0;        // fp32 gradients
+  double optimizer_bytes = 0;    // optimizer state
+  double fixed_bytes = 0;        // weight casts, scaler, metrics, workspaces, allocator slack
+  double dataset_bytes = 0;      // the training and test sets resident on the GPU (kDevice)
+  double stream_bytes = 0;       // kHost: what stays on the GPU (order, augmentation draws, test set)
+  // Per sample of the requested batch (the step's static inputs exist at the full batch).
+  double batch_input_bytes = 0;  // the float input and labels of one sample, plus its uint8 staging when streamed
+  // Per sample of the micro-batch, besides the units' saved activations.
+  double transient_bytes = 0;    // backward's largest transients (a gradient and the one it produces)
+  double activation_scale = 1;   // measured / modelled activations (the allocator's correction)
+  // Time.
+  double overhead_s = 0;         // per micro-batch, whatever its size (launches, an under-filled GPU)
+  double per_sample_s = 1e-6;    // forward + backward of one sample
+  double stream_per_sample_s = 0;  // host gather and copy of one sample (kHost)
+  double forward_share = 1.0 / 3;  // the forward's share of a training step's time (what a recompute repeats)
+  bool allow_host_data = true;   // false: the dataset must stay resident (a loader that cannot stream)
+};
+
+struct MemoryPlan {
+  bool feasible = false;
+  int64_t batch = 0;                 // the requested batch (unchanged by the plan)
+  int64_t micro_batch = 0;
+  int64_t accumulation = 0;          // micro-batches per optimizer step
+  std::vector<bool> recompute;       // per unit
+  DataPlacement data_placement = DataPlacement::kDevice;
+  double predicted_peak_bytes = 0;
+  double predicted_step_s = 0;
+  int64_t budget_bytes = 0;          // what the plan may reach (0: no limit); JSON: plan_limit_bytes
+  double floor_bytes = 0;            // the least peak any plan reaches (micro-batch 1, every unit recomputed, streamed)
+
+  std::vector<std::string> recompute_names(const MemoryModel& model) const;
+  Json to_json(const MemoryModel& model) const;
+  bool operator==(const MemoryPlan& o) const;
+};
+
+// The predicted peak and step time of one combination of levers.
+double memory_plan_peak(const MemoryModel& model, int64_t batch, int64_t micro_batch,
+                        const std::vector<bool>& recompute, DataPlacement placement);
+double memory_plan_step_s(const MemoryModel& model, int64_t batch, int64_t micro_batch,
+                          const std::vector<bool>& recompute, DataPlacement placement);
+
+// Levers the user fixed (the micro_batch, recompute and data_placement options): the search keeps them.
+struct PlanConstraints {
+  int64_t micro_batch = 0;           // > 0: only this micro-batch (at most the batch)
+  std::vector<bool> recompute;       // non-empty: exactly this recompute set
+  bool placement_fixed = false;      // true: only `placement`
+  DataPlacement placement = DataPlacement::kDevice;
+};
+
+// The fastest plan for `batch` whose predicted peak is at most `budget_bytes` (0: no budget — the whole batch at
+// once, nothing recomputed, data resident, unless constrained otherwise). floor_bytes is set either way.
+MemoryPlan memory_plan_solve(const MemoryModel& model, int64_t batch, int64_t budget_bytes,
+                             const PlanConstraints& constraints = {});
+
+}  // namespace triaccel

@@ -1,0 +1,505 @@
+// The memory planner (docs/memory-planner.md): the solver on made-up cost models (feasible and infeasible budgets,
+// the fastest plan against a brute force over every combination of levers, a re-plan after the model changes, the
+// user's fixed levers), and the levers in the step engine: gradient accumulation gives one big batch's weights, a
+// recomputed unit gives the kept unit's gradients (and updates BatchNorm's statistics once), and a planned CPU run
+// trains every sample once. The cost model of a real network, and `plan --vram-budget` on the CPU.
+#include "test_util.h"
+#include "triaccel/control/memory_model.h"
+#include "triaccel/control/memory_plan_controller.h"
+#include "triaccel/control/memory_planner.h"
+#include "triaccel/core/events.h"
+#include "triaccel/data/loader.h"
+#include "triaccel/methods/backprop.h"
+#include "triaccel/models/model.h"
+#include "triaccel/optim/sgd.h"
+#include "triaccel/train/loss_scaler.h"
+#include "triaccel/train/recompute.h"
+#include "triaccel/train/step.h"
+
+#include <gtest/gtest.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+
+namespace triaccel {
+namespace {
+
+// A made-up network: unit u keeps saved[u] bytes per sample, reads input[u], costs flops[u].
+MemoryModel made_up(const std::vector<double>& saved, const std::vector<double>& input,
+                    const std::vector<double>& flops) {
+  MemoryModel m;
+  for (size_t u = 0; u < saved.size(); ++u) {
+    UnitCost c;
+    c.name = "u" + std::to_string(u);
+    c.saved_bytes = saved[u];
+    c.input_bytes = input[u];
+    c.flops = flops[u];
+    m.units.push_back(c);
+  }
+  m.weights_bytes = 100;
+  m.grads_bytes = 100;
+  m.optimizer_bytes = 100;
+  m.fixed_bytes = 50;
+  m.dataset_bytes = 1000;
+  m.stream_bytes = 100;
+  m.batch_input_bytes = 2;
+  m.transient_bytes = 4;
+  m.overhead_s = 8;
+  m.per_sample_s = 1;
+  m.stream_per_sample_s = 0.05;
+  return m;
+}
+
+// Every micro-batch, recompute subset and placement: the least step time among those that fit.
+double brute_force_best(const MemoryModel& m, int64_t batch, double budget, bool* any) {
+  double best = std::numeric_limits<double>::infinity();
+  *any = false;
+  const size_t n = m.units.size();
+  for (DataPlacement p : {DataPlacement::kDevice, DataPlacement::kHost}) {
+    for (int64_t micro = 1; micro <= batch; ++micro) {
+      for (uint32_t mask = 0; mask < (1u << n); ++mask) {
+        std::vector<bool> r(n);
+        bool ok = true;
+        for (size_t u = 0; u < n; ++u) {
+          r[u] = (mask >> u) & 1u;
+          ok = ok && (!r[u] || m.units[u].recomputable);
+        }
+        if (!ok || memory_plan_peak(m, batch, micro, r, p) > budget) continue;
+        *any = true;
+        best = std::min(best, memory_plan_step_s(m, batch, micro, r, p));
+      }
+    }
+  }
+  return best;
+}
+
+TEST(MemoryPlannerTest, WithoutABudgetTheWholeBatchRunsAtOnce) {
+  const MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  const MemoryPlan plan = memory_plan_solve(m, 16, 0);
+  EXPECT_TRUE(plan.feasible);
+  EXPECT_EQ(plan.micro_batch, 16);
+  EXPECT_EQ(plan.accumulation, 1);
+  EXPECT_EQ(plan.recompute, std::vector<bool>(3, false));
+  EXPECT_EQ(plan.data_placement, DataPlacement::kDevice);
+  // 350 fixed + 1000 data + 16·2 inputs + 16·(60 + 4) activations
+  EXPECT_DOUBLE_EQ(plan.predicted_peak_bytes, 350 + 1000 + 32 + 16 * 64);
+}
+
+TEST(MemoryPlannerTest, ABudgetThatFitsTheNeedChangesNothing) {
+  const MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  const double need = memory_plan_solve(m, 16, 0).predicted_peak_bytes;
+  const MemoryPlan plan = memory_plan_solve(m, 16, static_cast<int64_t>(need));
+  EXPECT_TRUE(plan.feasible);
+  EXPECT_EQ(plan.micro_batch, 16);
+  EXPECT_EQ(plan.recompute, std::vector<bool>(3, false));
+  EXPECT_EQ(plan.data_placement, DataPlacement::kDevice);
+}
+
+TEST(MemoryPlannerTest, BelowTheFloorNothingFitsAndTheFloorIsNamed) {
+  const MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  // The floor: host data (100) + 350 + 16·2 inputs, micro-batch 1, u0 and u1 recomputed: u1's backward holds u0's
+  // input 5 + its own 10 + 20 = 35; backward's start holds 5 + 10 + u2's 30 = 45; + 4 transient = 49 → 531.
+  // (Recomputing u2 too would hold 15 + 15 + 30 = 60 during its backward.)
+  const MemoryPlan plan = memory_plan_solve(m, 16, 400);
+  EXPECT_FALSE(plan.feasible);
+  EXPECT_GE(plan.floor_bytes, 531);
+  EXPECT_LE(plan.floor_bytes, 531 * 1.01);  // the search's rounding errs towards more memory only
+  const MemoryPlan at_floor = memory_plan_solve(m, 16, static_cast<int64_t>(std::ceil(plan.floor_bytes)));
+  ASSERT_TRUE(at_floor.feasible);
+  EXPECT_EQ(at_floor.micro_batch, 1);
+  EXPECT_EQ(at_floor.data_placement, DataPlacement::kHost);
+  EXPECT_EQ(at_floor.recompute, (std::vector<bool>{true, true, false}));
+  EXPECT_DOUBLE_EQ(at_floor.predicted_peak_bytes, 531);
+}
+
+// The solver is exact up to its rounding (which only errs towards fitting): on random models and budgets its plan
+// fits, and is at least as fast as the brute force's best plan under a 1 % smaller budget.
+TEST(MemoryPlannerTest, FindsTheFastestPlanThatFits) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> bytes(1, 60), cost(0.5, 5);
+  int feasible = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<double> saved, input, flops;
+    for (int u = 0; u < 5; ++u) {
+      saved.push_back(bytes(rng));
+      input.push_back(bytes(rng) / 3);
+      flops.push_back(cost(rng));
+    }
+    MemoryModel m = made_up(saved, input, flops);
+    m.units[trial % 5].recomputable = trial % 3 != 0;
+    const int64_t batch = 12;
+    const double need = memory_plan_solve(m, batch, 0).predicted_peak_bytes;
+    const double budget = std::floor(need * (0.3 + 0.7 * (trial % 10) / 10.0));
+    bool any = false, any_tighter = false;
+    const double best = brute_force_best(m, batch, budget, &any);
+    const double best_tighter = brute_force_best(m, batch, 0.99 * budget, &any_tighter);
+    const MemoryPlan plan = memory_plan_solve(m, batch, static_cast<int64_t>(budget));
+    SCOPED_TRACE("trial " + std::to_string(trial) + " budget " + std::to_string(budget));
+    if (any_tighter) ASSERT_TRUE(plan.feasible);
+    if (!any) ASSERT_FALSE(plan.feasible);
+    if (!plan.feasible) continue;
+    ++feasible;
+    EXPECT_LE(plan.predicted_peak_bytes, budget);
+    EXPECT_GE(plan.predicted_step_s, best * (1 - 1e-12));
+    if (any_tighter) EXPECT_LE(plan.predicted_step_s, best_tighter * (1 + 1e-12));
+    EXPECT_DOUBLE_EQ(plan.predicted_peak_bytes,
+                     memory_plan_peak(m, batch, plan.micro_batch, plan.recompute, plan.data_placement));
+  }
+  EXPECT_GT(feasible, 20);
+}
+
+// A cheap unit with big activations: recomputing it beats splitting the batch (which pays the per-micro-batch
+// overhead); when the model's activations double (the allocator's correction) the plan splits the batch as well.
+TEST(MemoryPlannerTest, RecomputesTheCheapUnitAndReplansWhenTheModelGrows) {
+  MemoryModel m = made_up({100, 10, 10}, {1, 5, 5}, {0.1, 10, 10});
+  m.dataset_bytes = 0;  // streaming saves nothing here
+  const int64_t batch = 16;
+  // Base 382. All kept: 16·124 → 2366. u0 recomputed: its backward holds 1 + 100, backward's start 1 + 10 + 10:
+  // 16·105 → 2062.
+  const int64_t budget = 382 + 16 * 110;
+  const MemoryPlan plan = memory_plan_solve(m, batch, budget);
+  ASSERT_TRUE(plan.feasible);
+  EXPECT_EQ(plan.micro_batch, 16);
+  EXPECT_EQ(plan.recompute, (std::vector<bool>{true, false, false}));
+  EXPECT_DOUBLE_EQ(plan.predicted_peak_bytes, 382 + 16 * 105);
+  // Scale 2: 8 × 2 with u0 recomputed (382 + 8·210 = 2062) costs 2 overheads; 6 × 3 without recompute, 3.
+  m.activation_scale = 2;
+  const MemoryPlan grown = memory_plan_solve(m, batch, budget);
+  ASSERT_TRUE(grown.feasible);
+  EXPECT_EQ(grown.micro_batch, 8);
+  EXPECT_EQ(grown.accumulation, 2);
+  EXPECT_EQ(grown.recompute, (std::vector<bool>{true, false, false}));
+}
+
+TEST(MemoryPlannerTest, KeepsTheUsersLevers) {
+  const MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  PlanConstraints c;
+  c.micro_batch = 4;
+  c.recompute = {false, true, false};
+  c.placement_fixed = true;
+  c.placement = DataPlacement::kHost;
+  const MemoryPlan plan = memory_plan_solve(m, 16, 0, c);
+  ASSERT_TRUE(plan.feasible);
+  EXPECT_EQ(plan.micro_batch, 4);
+  EXPECT_EQ(plan.accumulation, 4);
+  EXPECT_EQ(plan.recompute, c.recompute);
+  EXPECT_EQ(plan.data_placement, DataPlacement::kHost);
+  EXPECT_EQ(plan.recompute_names(m), std::vector<std::string>{"u1"});
+  // A fixed lever that cannot fit makes the plan infeasible rather than changing it.
+  EXPECT_FALSE(memory_plan_solve(m, 16, 500, c).feasible);
+}
+
+// A network of Linear (+ optional BatchNorm) units for the step-engine tests.
+class UnitNet : public Model {
+ public:
+  explicit UnitNet(bool batch_norm) : Model("unit-net") {
+    const int64_t widths[] = {12, 24, 24, 5};
+    for (int u = 0; u < 3; ++u) {
+      auto linear = register_module("fc" + std::to_string(u), torch::nn::Linear(widths[u], widths[u + 1]));
+      std::vector<std::shared_ptr<torch::nn::Module>> modules{linear};
+      if (batch_norm && u == 1) {
+        auto bn = register_module("bn" + std::to_string(u), torch::nn::BatchNorm1d(widths[u + 1]));
+        modules.push_back(bn);
+        unit_add("unit" + std::to_string(u), modules, [linear, bn](const at::Tensor& x) {
+          return torch::relu(bn->forward(linear->forward(x)));
+        });
+      } else {
+        const bool last = u == 2;
+        unit_add("unit" + std::to_string(u), modules, [linear, last](const at::Tensor& x) {
+          const at::Tensor y = linear->forward(x);
+          return last ? y : torch::tanh(y);
+        });
+      }
+    }
+  }
+};
+
+struct StepRun {
+  std::vector<at::Tensor> weights;
+  std::vector<at::Tensor> buffers;
+};
+
+StepRun train_steps(int64_t micro_batch, const std::vector<bool>& recompute, bool batch_norm, int steps) {
+  torch::manual_seed(3);
+  UnitNet net(batch_norm);
+  net.train();
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
+  Sgd sgd(named, SgdOptions{});
+  LossScaler scaler(LossScalerOptions{}, torch::kCPU);
+  StepOptions so;
+  so.micro_batch = micro_batch;
+  TrainStep step(net, sgd, scaler, so, torch::kCPU);
+  step.set_recompute(recompute);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  for (int s = 0; s < steps; ++s) {
+    const at::Tensor x = at::randn({12, 12}, gen);
+    const at::Tensor y = at::randint(0, 5, {12}, gen);
+    step.run(x, y, 0.05);
+  }
+  StepRun out;
+  for (const auto& p : net.parameters()) out.weights.push_back(p.detach().clone());
+  for (const auto& b : net.buffers()) out.buffers.push_back(b.clone());
+  return out;
+}
+
+// Gradient accumulation over micro-batches of 5, 5 and 2 gives the weights of the whole batch of 12 at once (no
+// BatchNorm: the micro-batch would change its statistics), to float32 rounding.
+TEST(MemoryLeverTest, AccumulationGivesTheWholeBatchsWeights) {
+  const StepRun whole = train_steps(0, {}, false, 6);
+  const StepRun micro = train_steps(5, {}, false, 6);
+  ASSERT_EQ(whole.weights.size(), micro.weights.size());
+  for (size_t i = 0; i < whole.weights.size(); ++i) {
+    EXPECT_TRUE(at::allclose(whole.weights[i], micro.weights[i], 1e-5, 1e-6)) << "tensor " << i;
+  }
+  // It is a different computation: micro-batches of 1 without the loss weighting would be 12x the step.
+  const StepRun one = train_steps(1, {}, false, 6);
+  for (size_t i = 0; i < whole.weights.size(); ++i) EXPECT_TRUE(at::allclose(whole.weights[i], one.weights[i], 1e-5, 1e-6));
+}
+
+// Recomputing units gives the kept forward's weights bit for bit on the CPU, BatchNorm statistics included (the
+// second forward's update is undone).
+TEST(MemoryLeverTest, RecomputeGivesTheSameWeightsAndStatistics) {
+  const StepRun kept = train_steps(0, {}, true, 4);
+  const StepRun recomputed = train_steps(0, {true, true, false}, true, 4);
+  for (size_t i = 0; i < kept.weights.size(); ++i) EXPECT_TRUE(torch::equal(kept.weights[i], recomputed.weights[i])) << i;
+  ASSERT_FALSE(kept.buffers.empty());
+  for (size_t i = 0; i < kept.buffers.size(); ++i) EXPECT_TRUE(torch::equal(kept.buffers[i], recomputed.buffers[i])) << i;
+}
+
+// recompute_forward's gradients for the input and the parameters equal the plain forward's, and its forward keeps
+// no graph inside the unit (only the function node itself).
+TEST(MemoryLeverTest, RecomputeForwardMatchesThePlainGradients) {
+  torch::manual_seed(5);
+  torch::nn::Linear a(6, 8), b(8, 3);
+  const auto fn = [&](const at::Tensor& x) { return b->forward(torch::tanh(a->forward(x))); };
+  std::vector<at::Tensor> params;
+  for (const auto& p : a->parameters()) params.push_back(p);
+  for (const auto& p : b->parameters()) params.push_back(p);
+  const at::Tensor x = torch::randn({4, 6}).requires_grad_(true);
+  const auto grads_of = [&](const at::Tensor& out) {
+    return torch::autograd::grad({out.pow(2).sum()}, {x, params[0], params[2]});
+  };
+  const auto plain = grads_of(fn(x));
+  const at::Tensor out = recompute_forward(fn, x, params, {});
+  EXPECT_EQ(out.grad_fn()->next_edges().size(), 1 + params.size());  // the input and the parameters, nothing inside
+  const auto again = grads_of(out);
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], again[i])) << i;
+}
+
+// The cost model of small-cnn: a unit per layer group, positive activations, the input of each unit the previous
+// unit's output, and the whole batch's peak growing with the batch; building it leaves the weights and buffers.
+TEST(MemoryModelTest, SmallCnnCostsFromItsShapes) {
+  torch::manual_seed(0);
+  ModelOptions mo;
+  mo.name = "small-cnn";
+  mo.in_channels = 1;
+  mo.image_size = 28;
+  const std::shared_ptr<Model> model = model_create(mo);
+  std::vector<at::Tensor> before;
+  for (const auto& [name, t] : model_state(*model)) before.push_back(t.clone());
+  MemoryModelInputs in;
+  in.optimizer_state_bytes = 4 * model->parameter_count();
+  const MemoryModel m = memory_model_build(*model, torch::zeros({1, 28, 28}), in, torch::kCPU);
+  ASSERT_EQ(m.units.size(), model->units().size());
+  EXPECT_EQ(m.units[0].input_bytes, 28 * 28 * 4);
+  for (const UnitCost& u : m.units) {
+    EXPECT_GT(u.saved_bytes, 0) << u.name;
+    EXPECT_GT(u.flops, 0) << u.name;
+    EXPECT_TRUE(u.recomputable) << u.name;
+  }
+  EXPECT_DOUBLE_EQ(m.weights_bytes, 4.0 * static_cast<double>(model->parameter_count()));
+  size_t i = 0;
+  for (const auto& [name, t] : model_state(*model)) EXPECT_TRUE(torch::equal(t, before[i++])) << name;
+}
+
+// GPU: the host-streamed loader gives the device loader's batches bit for bit (order, crops, flips, cutout), also
+// when the batch size changes mid-epoch and across epochs.
+TEST(MemoryGpuTest, HostPlacementGivesTheDeviceBatches) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  Dataset data;
+  data.name = "synthetic";
+  data.images = at::randint(0, 256, {100, 3, 16, 16}, at::TensorOptions().dtype(at::kByte));
+  data.labels = at::randint(0, 10, {100}, at::TensorOptions().dtype(at::kLong));
+  data.num_classes = 10;
+  LoaderOptions lo;
+  lo.batch_size = 16;
+  lo.augment = true;
+  lo.cutout = 4;
+  lo.seed = 9;
+  const c10::Device gpu(c10::kCUDA, 0);
+  const Loader device(data, {0.5f, 0.5f, 0.5f}, {0.25f, 0.25f, 0.25f}, lo, gpu);
+  lo.placement = DataPlacement::kHost;
+  Loader host(data, {0.5f, 0.5f, 0.5f}, {0.25f, 0.25f, 0.25f}, lo, gpu);
+  Loader& dev = const_cast<Loader&>(device);
+  EXPECT_EQ(host.placement(), DataPlacement::kHost);
+  EXPECT_LT(host.resident_bytes(), dev.resident_bytes());
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    dev.epoch_begin(epoch);
+    host.epoch_begin(epoch);
+    for (int64_t offset = 0, count = 16; offset < 100; offset += count, count = count == 16 ? 7 : 16) {
+      const int64_t n = std::min<int64_t>(count, 100 - offset);
+      const auto [xa, ya] = dev.batch(offset, n);
+      const auto [xb, yb] = host.batch(offset, n);
+      EXPECT_TRUE(torch::equal(xa, xb)) << "epoch " << epoch << " offset " << offset;
+      EXPECT_TRUE(torch::equal(ya, yb)) << "epoch " << epoch << " offset " << offset;
+    }
+  }
+}
+
+// GPU: a step with micro-batches and recomputed units, captured in a CUDA graph and replayed, trains the weights
+// the same step gives eagerly.
+TEST(MemoryGpuTest, PlannedStepInACudaGraphMatchesEager) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  const c10::Device gpu(c10::kCUDA, 0);
+  const auto train = [&](bool graphs) {
+    torch::manual_seed(3);
+    UnitNet net(false);
+    net.to(gpu);
+    net.train();
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
+    Sgd sgd(named, SgdOptions{});
+    LossScaler scaler(LossScalerOptions{}, gpu);
+    StepOptions so;
+    so.precision = PrecisionMode::kAmpBF16;
+    so.cuda_graphs = graphs;
+    so.graph_batch_size = 12;
+    so.warmup_steps = 1;
+    so.micro_batch = 5;
+    TrainStep step(net, sgd, scaler, so, gpu);
+    step.set_recompute({true, false, true});
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+    const at::Tensor x = at::empty({12, 12}, at::TensorOptions().device(gpu));
+    const at::Tensor y = at::empty({12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+    for (int s = 0; s < 6; ++s) {
+      x.copy_(at::randn({12, 12}, gen));
+      y.copy_(at::randint(0, 5, {12}, gen));
+      step.run(x, y, 0.05);
+    }
+    EXPECT_EQ(step.graph().captured(), graphs);
+    std::vector<at::Tensor> w;
+    for (const auto& p : net.parameters()) w.push_back(p.detach().cpu());
+    return w;
+  };
+  const auto eager = train(false);
+  const auto graphed = train(true);
+  for (size_t i = 0; i < eager.size(); ++i) EXPECT_TRUE(at::allclose(eager[i], graphed[i], 1e-5, 1e-6)) << i;
+}
+
+// The planner in the loop, on made-up models: a Tri-Accel run without a budget keeps its first (16-bit) peak as the
+// limit, so a unit promoted to fp32 (twice the activations) is paid for by recomputing it rather than by a higher
+// peak; an out-of-memory error raises the activation scale and the limit with it; each change reaches the step
+// engine and the events, and the scale survives a checkpoint.
+TEST(MemoryPlanControllerTest, PaysForAPromotionWithinTheFirstPeak) {
+  UnitNet net(false);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
+  Sgd sgd(named, SgdOptions{});
+  LossScaler scaler(LossScalerOptions{}, torch::kCPU);
+  TrainStep step(net, sgd, scaler, StepOptions{}, torch::kCPU);
+  step.set_unit_precisions({Precision::kBF16, Precision::kBF16, Precision::kBF16});
+  const auto model_for = [](const std::vector<Precision>& p) {
+    std::vector<double> saved;
+    for (Precision q : p) saved.push_back(q == Precision::kFP32 ? 40 : 20);
+    MemoryModel m = made_up(saved, {2, 2, 2}, {1, 5, 5});
+    m.dataset_bytes = 0;
+    m.allow_host_data = false;
+    return m;
+  };
+  MemoryModel first = model_for(step.unit_precisions());
+  MemoryPlanLimits limits;
+  limits.batch = 16;
+  limits.limit_from_first_model = true;
+  limits.budget_bytes = static_cast<int64_t>(memory_plan_solve(first, 16, 0).predicted_peak_bytes);
+  const MemoryPlan plan = memory_plan_solve(first, 16, limits.budget_bytes);
+  MemoryPlanController c(first, plan, limits, step, model_for);
+  EXPECT_EQ(step.micro_batch(), 0);
+  EXPECT_TRUE(step.recompute().empty());
+  StepContext ctx;
+  ctx.step = 10;  // past calibration
+  EXPECT_TRUE(c.after_step(ctx).empty());  // nothing changed
+
+  step.set_unit_precisions({Precision::kFP32, Precision::kBF16, Precision::kBF16});
+  const Events events = c.after_step(ctx);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].fields["reason"], "precision");
+  EXPECT_EQ(c.plan().micro_batch, 16);
+  EXPECT_EQ(step.recompute(), (std::vector<bool>{true, false, false}));  // the promoted unit is recomputed
+  EXPECT_LE(c.plan().predicted_peak_bytes, limits.budget_bytes);
+
+  // Out of memory: scale 1.25, the limit scales with it (the same plan still fits).
+  Event oom = c.on_out_of_memory();
+  EXPECT_EQ(oom.fields["reason"], "oom");
+  EXPECT_DOUBLE_EQ(oom.fields["activation_scale"].get<double>(), 1.25);
+  EXPECT_EQ(c.plan().recompute, (std::vector<bool>{true, false, false}));
+  // All units fp32: recomputing the first no longer fits under the 16-bit peak (2 + 40 + 40 kept when backward
+  // starts); recomputing the first two does (u1's backward: 2 + 2 + 40), cheaper than splitting the batch.
+  step.set_unit_precisions({Precision::kFP32, Precision::kFP32, Precision::kFP32});
+  c.after_step(ctx);
+  EXPECT_EQ(c.plan().micro_batch, 16);
+  EXPECT_EQ(step.recompute(), (std::vector<bool>{true, true, false}));
+  EXPECT_EQ(c.state()["activation_scale"], 1.25);
+  // The scale persists in the checkpoint: a restored controller plans with it.
+  MemoryPlanController again(first, plan, limits, step, model_for);
+  again.restore(c.state());
+  EXPECT_DOUBLE_EQ(again.model().activation_scale, 1.25);
+}
+
+class MemoryRunTest : public test::TinyMnistTest {};
+
+// On the CPU the levers can be set by hand: a run with micro-batches of 24 and a recomputed unit trains every
+// sample once, and its plan is in the events.
+TEST_F(MemoryRunTest, ARunWithHandSetLeversTrainsAndReportsThePlan) {
+  test::TempDir out("run_levers");
+  Config o = options(out.path());
+  o.set("micro_batch", "24");
+  o.set("recompute", "block1");
+  const Json summary = api::run(o);
+  EXPECT_EQ(summary["memory_plan"]["micro_batch"], 24);
+  EXPECT_EQ(summary["memory_plan"]["accumulation"], (o.schedule.batch_size + 23) / 24);
+  int plans = 0;
+  for (const auto& e : events_read(out.file("events.jsonl"))) {
+    if (e["event"] == "memory_plan") {
+      ++plans;
+      EXPECT_EQ(e["recompute"].size(), 1u);
+    }
+  }
+  EXPECT_EQ(plans, 1);
+  Config bad = options(out.path());
+  bad.set("recompute", "nope");
+  try {
+    api::run(bad);
+    FAIL() << "an unknown unit was accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("has no unit 'nope'"), std::string::npos) << e.what();
+  }
+}
+
+// `plan` with a vram_budget on the CPU: the plan for a GPU from the modelled profile, with the fields the issue
+// names, and a budget under the floor reported as infeasible with the floor.
+TEST_F(MemoryRunTest, PlanWithABudgetGivesTheMemoryPlanOnTheCpu) {
+  Config o = options("unused");
+  o.set("vram_budget", "1GB");
+  const Json p = api::plan(o);
+  ASSERT_TRUE(p.contains("memory_plan"));
+  const Json& m = p["memory_plan"];
+  for (const char* key : {"micro_batch", "accumulation", "recompute", "data_placement", "predicted_peak_bytes",
+                          "budget_bytes", "floor_bytes"}) {
+    EXPECT_TRUE(m.contains(key)) << key;
+  }
+  EXPECT_EQ(m["budget_bytes"], 1000000000);
+  EXPECT_EQ(m["micro_batch"], o.schedule.batch_size);
+  EXPECT_FALSE(p.contains("optim_plan"));
+  o.set("vram_budget", "2MB");
+  const Json small = api::plan(o)["memory_plan"];
+  EXPECT_FALSE(small["feasible"].get<bool>());
+  EXPECT_GT(small["floor_bytes"].get<int64_t>(), 1800000);
+}
+
+}  // namespace
+}  // namespace triaccel
