@@ -24,6 +24,7 @@ MemoryPlanController::MemoryPlanController(MemoryModel model, MemoryPlan plan, M
 void MemoryPlanController::apply() {
   step_.set_micro_batch(plan_.micro_batch < plan_.batch ? plan_.micro_batch : 0);
   step_.set_recompute(plan_.recompute);
+  step_.graph_allow();  // the step's memory changed: a size refused before may fit now
 }
 
 void MemoryPlanController::replan() {
@@ -47,6 +48,9 @@ Json MemoryPlanController::plan_fields(const std::string& reason) const {
   Json f = plan_.to_json(model_);
   f["reason"] = reason;
   f["budget_bytes"] = limits_.cap_bytes > 0 ? Json(limits_.cap_bytes) : Json();
+  f["cap_share"] = limits_.cap_share;
+  f["graph_captures"] = step_.graph().captures();
+  f["graph_capture_ooms"] = step_.graph().capture_ooms();
   f["measured_peak_bytes"] = measured_peak_bytes_ > 0 ? Json(static_cast<int64_t>(measured_peak_bytes_)) : Json();
   return f;
 }
@@ -63,11 +67,26 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
     replan();
     if (!(plan_ == before)) events.push_back({event::kMemoryPlan, plan_fields("precision")});
   }
-  // Calibration: the allocator's peak over the step against the prediction.
-  if (ctx.step <= kCalibrationSteps && ctx.memory != nullptr) {
+  // A capture that ran out of memory: the plan may fill less of the budget; the step captures again.
+  const int64_t capture_ooms = step_.graph().capture_ooms();
+  if (capture_ooms > capture_ooms_seen_) {
+    capture_ooms_seen_ = capture_ooms;
+    if (limits_.cap_bytes > 0 && limits_.cap_share * kCaptureShareStep >= kCaptureShareMin) {
+      limits_.cap_share *= kCaptureShareStep;
+      limits_.budget_bytes = static_cast<int64_t>(limits_.cap_share * static_cast<double>(limits_.cap_bytes));
+      replan();
+      step_.graph_allow();
+      events.push_back({event::kMemoryPlan, plan_fields("capture_oom")});
+    }
+  }
+  // Calibration: the allocator's peak over an eager or capturing step against the prediction (a replay allocates
+  // nothing: its window shows only the live tensors).
+  const bool allocated = step_.graph().last_ran() != StepGraph::Ran::kReplayed;
+  if (calibrations_ < kCalibrationSteps && allocated && ctx.memory != nullptr) {
     const MemoryStats m = ctx.memory->window();
     const double measured = static_cast<double>(m.peak_allocated_bytes);
     if (measured > 0) {
+      ++calibrations_;
       measured_peak_bytes_ = measured;
       const double predicted = plan_.predicted_peak_bytes;
       const double activations = predicted - memory_plan_peak(model_, plan_.batch, 0, plan_.recompute,
@@ -80,7 +99,7 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
         const MemoryPlan before = plan_;
         replan();
         events.push_back({event::kMemoryPlan, plan_fields(plan_ == before ? "calibrated" : "recalibrated")});
-      } else if (ctx.step == kCalibrationSteps) {
+      } else if (calibrations_ == kCalibrationSteps) {
         events.push_back({event::kMemoryPlan, plan_fields("measured")});
       }
     }
@@ -94,12 +113,20 @@ Event MemoryPlanController::on_out_of_memory() {
   return {event::kMemoryPlan, plan_fields("oom")};
 }
 
-Json MemoryPlanController::state() const { return Json{{"activation_scale", model_.activation_scale}}; }
+Json MemoryPlanController::state() const {
+  return Json{{"activation_scale", model_.activation_scale}, {"cap_share", limits_.cap_share}};
+}
 
 void MemoryPlanController::restore(const Json& state) {
   const double scale = state.value("activation_scale", 1.0);
-  if (scale == model_.activation_scale) return;
+  const double share = state.value("cap_share", limits_.cap_share);
+  if (scale == model_.activation_scale && share == limits_.cap_share) return;
   model_.activation_scale = scale;
+  if (limits_.cap_bytes > 0) {
+    limits_.cap_share = share;
+    limits_.budget_bytes = static_cast<int64_t>(share * static_cast<double>(limits_.cap_bytes));
+  }
+  calibrations_ = kCalibrationSteps;  // a resumed run keeps its measured model
   replan();
 }
 

@@ -7,7 +7,10 @@
 //   - Tri-Accel's precision decisions: units promoted to fp32 keep bigger activations (the model is rebuilt for
 //     the new precisions and the plan recomputed);
 //   - out of memory: a planning error. The scale grows by kOomScaleStep, the plan is recomputed, and the trainer
-//     retries the same samples at the same batch.
+//     retries the same samples at the same batch;
+//   - a CUDA-graph capture that ran out of memory (the graph's private pool beside the live tensors: the allocator
+//     reserves more than it allocates): the share of the budget a plan may fill shrinks by kCaptureShareStep, the
+//     plan is recomputed and the step captured again — a budget that fits must not leave the step eager.
 // Every plan is logged as a `memory_plan` event (reason, the levers, predicted and, where measured, measured peak).
 #pragma once
 
@@ -24,6 +27,9 @@ namespace triaccel {
 
 // Growth of the activation scale after an out-of-memory error.
 constexpr double kOomScaleStep = 1.25;
+// Shrinking of the plan's share of the budget after a CUDA-graph capture ran out of memory, and its least value.
+constexpr double kCaptureShareStep = 0.9;
+constexpr double kCaptureShareMin = 0.5;
 // Steps after the start whose measured peak calibrates the model (the warm-up's eager steps and the capture).
 constexpr int64_t kCalibrationSteps = 5;
 // A measured activation peak this much below the model's leaves it alone; one calibration moves the scale by a
@@ -36,6 +42,7 @@ struct MemoryPlanLimits {
   int64_t batch = 0;
   int64_t budget_bytes = 0;        // what the plan may reach (the cap minus the allocator's margin)
   int64_t cap_bytes = 0;           // the vram_budget itself (0: none)
+  double cap_share = 0.9;          // budget_bytes = cap_share · cap_bytes (when cap_bytes > 0)
   PlanConstraints constraints;     // the user's levers; the placement is fixed once the loaders hold the data
   // Tri-Accel without a budget: the limit is the peak the first plan's precisions predict (all 16-bit: AMP's), so
   // that a unit promoted to fp32 pays for its bigger activations with recompute or micro-batches instead of
@@ -77,6 +84,8 @@ class MemoryPlanController final : public StepController {
   Rebuild rebuild_;
   std::vector<Precision> precisions_;  // the step's unit precisions the model was built for
   double measured_peak_bytes_ = 0;     // the last calibration reading
+  int64_t calibrations_ = 0;           // readings taken (eager or capturing steps; replays allocate nothing)
+  int64_t capture_ooms_seen_ = 0;      // the step graph's capture_ooms() when last looked at
 };
 
 }  // namespace triaccel

@@ -169,6 +169,7 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   c.placement = ex.data_placement == PlacementChoice::kHost && gpu ? DataPlacement::kHost : DataPlacement::kDevice;
   setup->limits.batch = config.schedule.batch_size;
   setup->limits.cap_bytes = budget;
+  setup->limits.cap_share = kPlanShareOfCap;
   setup->limits.budget_bytes = static_cast<int64_t>(kPlanShareOfCap * static_cast<double>(budget));
   if (precision_limited && !levers) {
     setup->limits.limit_from_first_model = true;

@@ -24,6 +24,9 @@ StepGraphOptions graph_options(const StepOptions& o, const c10::Device& device, 
   g.warmup_steps = o.warmup_steps;
   g.during_capture = o.during_capture;
   g.before_replay = std::move(before_replay);  // gradients an eager step (a shorter last batch) may have left
+  // A capture refused by an error (e.g. a call from autograd's thread that global mode forbids, as a recompute's
+  // nested backward may make) is retried once in relaxed mode before the step stays eager.
+  g.relaxed_retry = true;
   return g;
 }
 

@@ -69,6 +69,8 @@ class TrainStep {
   void metrics_reset();
   // The step's CUDA graph: whether one is captured, captures, failed captures (train/step_graph.h).
   const StepGraph& graph() const { return graph_; }
+  // A new memory plan: a batch size refused after an out-of-memory capture may be captured again.
+  void graph_allow() { graph_.allow(); }
 
   // Tri-Accel: per-unit precision for the forward (empty: the uniform precision mode). A change drops the captured
   // graph (it is re-captured after one eager step).

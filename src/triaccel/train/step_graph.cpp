@@ -46,6 +46,12 @@ void StepGraph::refuse() {
   drop();
 }
 
+void StepGraph::allow() {
+  if (refused_batch_ == 0) return;
+  refused_batch_ = 0;
+  drop();
+}
+
 bool StepGraph::capture(const Body& body, const at::Tensor& x, const at::Tensor& y) {
 #ifdef TRIACCEL_WITH_CUDA
   auto g = std::make_unique<Graph>();
@@ -82,6 +88,7 @@ bool StepGraph::capture(const Body& body, const at::Tensor& x, const at::Tensor&
 
 void StepGraph::run(const Body& body, const at::Tensor& x, const at::Tensor& y) {
   const int64_t batch = x.size(0);
+  last_ran_ = Ran::kEager;
   if (!options_.enabled || batch != batch_ || batch == refused_batch_) {
     body(x, y);
     return;
@@ -96,11 +103,13 @@ void StepGraph::run(const Body& body, const at::Tensor& x, const at::Tensor& y) 
       body(x, y);  // the capture ran nothing: this step runs eagerly
       return;
     }
+    last_ran_ = Ran::kCaptured;
   } else {
     // Callers may pass views of the static inputs (new Tensor objects, same memory): compare storage, not identity.
     if (x.data_ptr() != graph_->x.data_ptr()) graph_->x.copy_(x);
     if (y.data_ptr() != graph_->y.data_ptr()) graph_->y.copy_(y);
     if (options_.before_replay) options_.before_replay();
+    last_ran_ = Ran::kReplayed;
   }
 #ifdef TRIACCEL_WITH_CUDA
   graph_->graph->replay();

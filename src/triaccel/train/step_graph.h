@@ -54,6 +54,13 @@ class StepGraph {
   void drop();
   // The batch size runs eagerly from now on (an eager step at it ran out of memory: its graph will not fit either).
   void refuse();
+  // Lifts a refusal (the step's memory changed: a new memory plan); the batch size warms up and captures again.
+  void allow();
+
+  // How the last run() ran the body: eagerly (a warm-up or an uncaptured size), captured it, or replayed the graph
+  // (a replay allocates nothing: its memory was measured when it was captured).
+  enum class Ran { kNone, kEager, kCaptured, kReplayed };
+  Ran last_ran() const { return last_ran_; }
 
   bool captured() const;
   int64_t captures() const { return captures_; }
@@ -72,6 +79,7 @@ class StepGraph {
   int64_t capture_ooms_ = 0;
   std::string capture_error_;
   bool relaxed_ = false;
+  Ran last_ran_ = Ran::kNone;
   struct Graph;
   std::unique_ptr<Graph> graph_;
 };
