@@ -17,6 +17,10 @@
 #include "triaccel/train/step.h"
 
 #include <gtest/gtest.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/torch.h>
@@ -356,6 +360,9 @@ TEST(MemoryGpuTest, HostPlacementGivesTheDeviceBatches) {
 TEST(MemoryGpuTest, PlannedStepInACudaGraphMatchesEager) {
   TRIACCEL_SKIP_WITHOUT_GPU();
   const c10::Device gpu(c10::kCUDA, 0);
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());  // captures need a non-default stream
+#endif
   const auto train = [&](bool graphs) {
     torch::manual_seed(3);
     UnitNet net(false);
@@ -448,6 +455,58 @@ TEST(MemoryPlanControllerTest, PaysForAPromotionWithinTheFirstPeak) {
   MemoryPlanController again(first, plan, limits, step, model_for);
   again.restore(c.state());
   EXPECT_DOUBLE_EQ(again.model().activation_scale, 1.25);
+}
+
+// Calibration on made-up readings: the true run needs half the modelled activations and 30 bytes the model missed.
+// After the calibration steps (the session's first step is not read) the plan's prediction equals the truth and
+// the plan fits it; a replayed step is not read.
+class FakeMeter : public MemoryMeter {
+ public:
+  std::function<double()> peak;
+  int windows = 0;
+  MemoryStats window() override {
+    ++windows;
+    MemoryStats m;
+    m.peak_allocated_bytes = static_cast<int64_t>(peak());
+    return m;
+  }
+  void restart() override {}
+};
+
+TEST(MemoryPlanControllerTest, CalibratesScaleAndFixedBytesFromReadings) {
+  UnitNet net(false);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
+  Sgd sgd(named, SgdOptions{});
+  LossScaler scaler(LossScalerOptions{}, torch::kCPU);
+  TrainStep step(net, sgd, scaler, StepOptions{}, torch::kCPU);
+  MemoryModel m = made_up({100, 60, 20}, {2, 10, 6}, {1, 5, 5});
+  m.dataset_bytes = 0;
+  m.allow_host_data = false;
+  MemoryPlanLimits limits;
+  limits.batch = 16;
+  limits.budget_bytes = 2000;
+  const MemoryPlan plan = memory_plan_solve(m, 16, limits.budget_bytes);
+  ASSERT_TRUE(plan.feasible);
+  MemoryPlanController c(m, plan, limits, step, [&](const std::vector<Precision>&) { return m; });
+  const auto truth = [&](const MemoryPlan& p) {
+    MemoryModel t = m;
+    t.activation_scale = 0.5;
+    t.fixed_bytes += 30;
+    return memory_plan_peak(t, p.batch, p.micro_batch, p.recompute, p.data_placement);
+  };
+  FakeMeter meter;
+  meter.peak = [&] { return truth(c.plan()); };
+  StepContext ctx;
+  ctx.memory = &meter;
+  for (int s = 1; s <= 8; ++s) {
+    ctx.step = s;
+    c.after_step(ctx);
+  }
+  EXPECT_EQ(meter.windows, 1 + kCalibrationSteps);  // the first step's window is taken but not read
+  EXPECT_NEAR(c.plan().predicted_peak_bytes, truth(c.plan()), 0.02 * truth(c.plan()));
+  EXPECT_LE(truth(c.plan()), limits.budget_bytes);
+  EXPECT_LT(c.model().activation_scale, 0.9);  // it learned the model over-predicts
 }
 
 class MemoryRunTest : public test::TinyMnistTest {};

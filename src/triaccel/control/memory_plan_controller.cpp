@@ -49,6 +49,7 @@ Json MemoryPlanController::plan_fields(const std::string& reason) const {
   f["reason"] = reason;
   f["budget_bytes"] = limits_.cap_bytes > 0 ? Json(limits_.cap_bytes) : Json();
   f["cap_share"] = limits_.cap_share;
+  f["fixed_offset_bytes"] = offset_;
   f["graph_captures"] = step_.graph().captures();
   f["graph_capture_ooms"] = step_.graph().capture_ooms();
   f["measured_peak_bytes"] = measured_peak_bytes_ > 0 ? Json(static_cast<int64_t>(measured_peak_bytes_)) : Json();
@@ -57,15 +58,20 @@ Json MemoryPlanController::plan_fields(const std::string& reason) const {
 
 Events MemoryPlanController::after_step(StepContext& ctx) {
   Events events;
+  const MemoryPlan ran = plan_;  // the plan the step just ran with
+  const bool first_step = !seen_step_;
+  seen_step_ = true;
   // Tri-Accel changed a unit's precision: its activations change size.
   if (step_.unit_precisions() != precisions_) {
     precisions_ = step_.unit_precisions();
     const double scale = model_.activation_scale;
     model_ = rebuild_(precisions_);
     model_.activation_scale = scale;
+    model_.fixed_bytes += offset_;
     const MemoryPlan before = plan_;
     replan();
     if (!(plan_ == before)) events.push_back({event::kMemoryPlan, plan_fields("precision")});
+    return events;  // this step ran with the old precisions: no calibration reading from it
   }
   // A capture that ran out of memory: the plan may fill less of the budget; the step captures again.
   const int64_t capture_ooms = step_.graph().capture_ooms();
@@ -79,32 +85,60 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
       events.push_back({event::kMemoryPlan, plan_fields("capture_oom")});
     }
   }
-  // Calibration: the allocator's peak over an eager or capturing step against the prediction (a replay allocates
-  // nothing: its window shows only the live tensors).
+  // Calibration: the allocator's peak over an eager or capturing step (a replay allocates nothing: its window shows
+  // only the live tensors). The first step of a session is not read: optimizer state (SGD's momentum) is created at
+  // its end, after its peak.
   const bool allocated = step_.graph().last_ran() != StepGraph::Ran::kReplayed;
-  if (calibrations_ < kCalibrationSteps && allocated && ctx.memory != nullptr) {
-    const MemoryStats m = ctx.memory->window();
-    const double measured = static_cast<double>(m.peak_allocated_bytes);
-    if (measured > 0) {
-      ++calibrations_;
-      measured_peak_bytes_ = measured;
-      const double predicted = plan_.predicted_peak_bytes;
-      const double activations = predicted - memory_plan_peak(model_, plan_.batch, 0, plan_.recompute,
-                                                               plan_.data_placement);
-      // The activations as measured against as modelled: the model's error, in either direction (a reading
-      // within kCalibrationTolerance below the prediction is left alone: it may just miss a transient).
-      const double ratio = activations > 0 ? (measured - (predicted - activations)) / activations : 1;
-      if (ratio > 1 || ratio < 1 - kCalibrationTolerance) {
-        model_.activation_scale *= std::clamp(ratio, kCalibrationMin, kCalibrationMax);
-        const MemoryPlan before = plan_;
-        replan();
-        events.push_back({event::kMemoryPlan, plan_fields(plan_ == before ? "calibrated" : "recalibrated")});
-      } else if (calibrations_ == kCalibrationSteps) {
-        events.push_back({event::kMemoryPlan, plan_fields("measured")});
-      }
-    }
+  if (ctx.memory == nullptr || !allocated || calibrations_ >= kCalibrationSteps) return events;
+  const MemoryStats m = ctx.memory->window();
+  const double measured = static_cast<double>(m.peak_allocated_bytes);
+  if (measured <= 0 || first_step) return events;
+  ++calibrations_;
+  measured_peak_bytes_ = measured;
+  calibrate(ran, measured);
+  const MemoryPlan before = plan_;
+  replan();
+  if (!(plan_ == before)) {
+    events.push_back({event::kMemoryPlan, plan_fields("recalibrated")});
+  } else if (calibrations_ == kCalibrationSteps) {
+    events.push_back({event::kMemoryPlan, plan_fields("measured")});
   }
   return events;
+}
+
+void MemoryPlanController::calibrate(const MemoryPlan& ran, double measured) {
+  // measured = base (modelled) + offset + scale · x, with x the plan's modelled activation bytes at scale 1.
+  MemoryModel unscaled = model_;
+  unscaled.activation_scale = 1;
+  unscaled.fixed_bytes = model_.fixed_bytes - offset_;
+  const double base = memory_plan_peak(unscaled, ran.batch, 0, ran.recompute, ran.data_placement);
+  const double x = memory_plan_peak(unscaled, ran.batch, ran.micro_batch, ran.recompute, ran.data_placement) - base;
+  readings_.emplace_back(x, measured - base);
+  // A least-squares line through the readings when their activations differ enough, else the scale alone.
+  double sx = 0, sy = 0, xmin = readings_[0].first, xmax = xmin;
+  for (const auto& [xi, yi] : readings_) {
+    sx += xi;
+    sy += yi;
+    xmin = std::min(xmin, xi);
+    xmax = std::max(xmax, xi);
+  }
+  const double n = static_cast<double>(readings_.size()), mx = sx / n, my = sy / n;
+  double scale = 0, offset = offset_;
+  if (readings_.size() >= 2 && xmax > kCalibrationSpread * xmin) {
+    double sxy = 0, sxx = 0;
+    for (const auto& [xi, yi] : readings_) {
+      sxy += (xi - mx) * (yi - my);
+      sxx += (xi - mx) * (xi - mx);
+    }
+    scale = sxy / sxx;
+  } else {
+    scale = mx > 0 ? (my - offset) / mx : 1;
+  }
+  scale = std::clamp(scale, kCalibrationMin, kCalibrationMax);
+  offset = std::clamp(my - scale * mx, kOffsetMin, kOffsetMax);
+  model_.activation_scale = scale;
+  offset_ = offset;
+  model_.fixed_bytes = unscaled.fixed_bytes + offset_;
 }
 
 Event MemoryPlanController::on_out_of_memory() {
@@ -114,14 +148,18 @@ Event MemoryPlanController::on_out_of_memory() {
 }
 
 Json MemoryPlanController::state() const {
-  return Json{{"activation_scale", model_.activation_scale}, {"cap_share", limits_.cap_share}};
+  return Json{{"activation_scale", model_.activation_scale}, {"fixed_offset_bytes", offset_},
+              {"cap_share", limits_.cap_share}};
 }
 
 void MemoryPlanController::restore(const Json& state) {
   const double scale = state.value("activation_scale", 1.0);
   const double share = state.value("cap_share", limits_.cap_share);
-  if (scale == model_.activation_scale && share == limits_.cap_share) return;
+  const double offset = state.value("fixed_offset_bytes", 0.0);
+  if (scale == model_.activation_scale && share == limits_.cap_share && offset == offset_) return;
   model_.activation_scale = scale;
+  model_.fixed_bytes += offset - offset_;
+  offset_ = offset;
   if (limits_.cap_bytes > 0) {
     limits_.cap_share = share;
     limits_.budget_bytes = static_cast<int64_t>(share * static_cast<double>(limits_.cap_bytes));

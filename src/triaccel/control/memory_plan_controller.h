@@ -1,9 +1,9 @@
 // The memory planner in the training loop (docs/memory-planner.md): holds the run's cost model and plan, applies the
 // plan's levers to the step engine (micro-batch, recompute; the data placement is the loaders', fixed at the start),
 // and plans again when the model changes:
-//   - calibration: after each of the first steps (eager warm-up, the capture) the allocator's peak is compared with
-//     the prediction; the model's activation scale is set to match it (up, or down when the model over-predicts
-//     by more than kCalibrationTolerance), and the plan is recomputed;
+//   - calibration: after each of the first steps that allocate (eager warm-up, the capture; not a session's first
+//     step, whose optimizer state appears only at its end) the allocator's peak is one reading; a line through the
+//     readings corrects the model's activation scale and its fixed bytes, and the plan is recomputed;
 //   - Tri-Accel's precision decisions: units promoted to fp32 keep bigger activations (the model is rebuilt for
 //     the new precisions and the plan recomputed);
 //   - out of memory: a planning error. The scale grows by kOomScaleStep, the plan is recomputed, and the trainer
@@ -32,11 +32,13 @@ constexpr double kCaptureShareStep = 0.9;
 constexpr double kCaptureShareMin = 0.5;
 // Steps after the start whose measured peak calibrates the model (the warm-up's eager steps and the capture).
 constexpr int64_t kCalibrationSteps = 5;
-// A measured activation peak this much below the model's leaves it alone; one calibration moves the scale by a
-// factor in [kCalibrationMin, kCalibrationMax].
-constexpr double kCalibrationTolerance = 0.1;
-constexpr double kCalibrationMin = 0.5;
-constexpr double kCalibrationMax = 4;
+// Calibration fits measured = modelled base + offset + scale · modelled activations through the readings: both
+// unknowns once the readings' activations differ by kCalibrationSpread, else the scale alone. Bounds of each.
+constexpr double kCalibrationSpread = 1.25;
+constexpr double kCalibrationMin = 0.2;
+constexpr double kCalibrationMax = 5;
+constexpr double kOffsetMin = -64e6;
+constexpr double kOffsetMax = 256e6;
 
 struct MemoryPlanLimits {
   int64_t batch = 0;
@@ -73,6 +75,8 @@ class MemoryPlanController final : public StepController {
 
  private:
   void apply();
+  // Adds a reading (the plan the step ran with, the allocator's peak) and refits the scale and the offset.
+  void calibrate(const MemoryPlan& ran, double measured);
   // Plans again on the current model; UserError naming the floor when nothing fits.
   void replan();
 
@@ -85,6 +89,9 @@ class MemoryPlanController final : public StepController {
   std::vector<Precision> precisions_;  // the step's unit precisions the model was built for
   double measured_peak_bytes_ = 0;     // the last calibration reading
   int64_t calibrations_ = 0;           // readings taken (eager or capturing steps; replays allocate nothing)
+  std::vector<std::pair<double, double>> readings_;  // (modelled activations, measured − modelled base)
+  double offset_ = 0;                  // fixed bytes the model missed (added to model_.fixed_bytes)
+  bool seen_step_ = false;
   int64_t capture_ooms_seen_ = 0;      // the step graph's capture_ooms() when last looked at
 };
 

@@ -550,7 +550,7 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
     attempt_ += 1;
     step_->run(images, labels, lr);
   } catch (const c10::OutOfMemoryError&) {
-    return on_out_of_memory(fault);
+    return on_out_of_memory(fault, count);
   }
   retried_at_min_ = false;
   // Only under inject_faults: reading found_inf is a host sync after every step. Without injected faults a
@@ -561,11 +561,21 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
   return Attempt::kTrained;
 }
 
-Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault) {
+Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count) {
   Progress& p = *progress_;
   attempt_ += fault == FaultKind::kOom ? 1 : 0;  // the injected error came before the increment
   p.oom_retries += 1;
   const Json where{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"injected", fault == FaultKind::kOom}};
+  if (memory_planner_ && step_->graph().captured() && count != step_->graph_batch_size()) {
+    // An eager step of another size (the epoch's short last batch) beside the graph's private pool: not the plan's
+    // error. The graph gives its pool back; the next full batches capture it again.
+    Json fields{{"batch", p.batch}, {"retry_batch", count}, {"action", "graph released"}};
+    for (const auto& [k, v] : where.items()) fields[k] = v;
+    session_.event(event::kOom, p.step, fields);
+    step_->graph_release();
+    memory_cache_release(device_);
+    return Attempt::kRetry;
+  }
   if (memory_planner_) {
     // A planning error: the model under-predicted. A larger activation scale, a new plan, the same samples at the
     // same batch (UserError when no plan fits any more).

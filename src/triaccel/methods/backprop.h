@@ -63,7 +63,7 @@ class Trainer : private MemoryMeter {
   // The loop.
   bool epoch();                            // false: stopped inside the epoch
   Attempt step_with_recovery(int64_t count);
-  Attempt on_out_of_memory(FaultKind fault);
+  Attempt on_out_of_memory(FaultKind fault, int64_t count);
   Attempt on_skipped_step(FaultKind fault, int64_t count);
   void after_step(int64_t count);
   EvalResult evaluate(int64_t batch_size);

@@ -71,6 +71,9 @@ class TrainStep {
   const StepGraph& graph() const { return graph_; }
   // A new memory plan: a batch size refused after an out-of-memory capture may be captured again.
   void graph_allow() { graph_.allow(); }
+  // Frees the captured graph and its pool (an eager step of another size needs the memory); the graph's size warms
+  // up and captures again when it next runs.
+  void graph_release() { graph_.drop(); }
 
   // Tri-Accel: per-unit precision for the forward (empty: the uniform precision mode). A change drops the captured
   // graph (it is re-captured after one eager step).
