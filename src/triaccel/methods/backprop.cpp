@@ -17,6 +17,7 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <numeric>
 
@@ -71,6 +72,8 @@ Json controller_states(const std::vector<std::unique_ptr<StepController>>& contr
 // what is allocated by its rounding and by blocks cached in one pool (the CUDA graph's, the eager steps') while
 // another needs them.
 constexpr double kPlanShareOfCap = 0.9;
+// cuBLAS's workspace under a vram_budget: one 4 MiB chunk (CUBLAS_WORKSPACE_CONFIG's syntax).
+constexpr const char* kBudgetCublasWorkspace = ":4096:1";
 
 // The recompute option as per-unit flags: empty for auto (the planner chooses), all false for none.
 std::vector<bool> recompute_parse(const std::string& text, const Model& model) {
@@ -122,6 +125,9 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   const c10::Device device = session.device();
   const bool gpu = device.is_cuda() || preview;  // planning for a GPU
   const int64_t budget = gpu ? ex.vram_budget_bytes() : 0;
+  // A transient lever: under a budget, cuBLAS's workspace is 4 MiB instead of Hopper's 32 (it comes out of the
+  // caching allocator; set before the first cuBLAS call, which is the model's trace below). A user's setting stays.
+  if (budget > 0 && device.is_cuda()) setenv("CUBLAS_WORKSPACE_CONFIG", kBudgetCublasWorkspace, /*overwrite=*/0);
   const bool levers = ex.micro_batch > 0 || ex.recompute != "auto" || ex.data_placement != PlacementChoice::kAuto;
   const bool elastic = ex.method == Method::kTriAccel && ex.batch_policy == BatchPolicy::kElastic;
   // Tri-Accel's precision promotions, without a budget, may not raise the peak above its 16-bit start's.
@@ -568,11 +574,20 @@ Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count) {
   const Json where{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"injected", fault == FaultKind::kOom}};
   if (memory_planner_ && step_->graph().captured() && count != step_->graph_batch_size()) {
     // An eager step of another size (the epoch's short last batch) beside the graph's private pool: not the plan's
-    // error. The graph gives its pool back; the next full batches capture it again.
-    Json fields{{"batch", p.batch}, {"retry_batch", count}, {"action", "graph released"}};
+    // error. It retries in smaller passes (kept for later epochs); at passes of one sample the graph gives its
+    // pool back and the next full batches capture it again.
+    const int64_t was = step_->eager_micro_batch() > 0 ? step_->eager_micro_batch() : count;
+    const int64_t smaller = was / 2;
+    Json fields{{"batch", p.batch}, {"retry_batch", count},
+                {"action", smaller >= 1 ? c10::str("eager passes of ", smaller) : std::string("graph released")}};
     for (const auto& [k, v] : where.items()) fields[k] = v;
     session_.event(event::kOom, p.step, fields);
-    step_->graph_release();
+    if (smaller >= 1) {
+      step_->set_eager_micro_batch(smaller);
+    } else {
+      step_->set_eager_micro_batch(0);
+      step_->graph_release();
+    }
     memory_cache_release(device_);
     return Attempt::kRetry;
   }

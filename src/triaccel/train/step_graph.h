@@ -27,7 +27,8 @@ struct StepGraphOptions {
   int64_t warmup_steps = 3;       // eager steps at the graph's batch size before the capture
   bool relaxed_retry = false;     // retry a capture refused by an error once in relaxed mode (NeuroFlux's blocks)
   std::function<void()> during_capture;  // tests: called inside the capture before the body (e.g. to fail it)
-  std::function<void()> before_replay;   // e.g. release gradients an eager step left (the graph's live in its pool)
+  // Before a replay and before a capture: e.g. release gradients an eager step left (the graph's live in its pool).
+  std::function<void()> before_replay;
 };
 
 class StepGraph {
