@@ -8,14 +8,14 @@ RUN_ARGS ?=
 ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 12
-# The unit tests under ASan + UBSan: our code instrumented (LibTorch, pip's build, is not), CPU only, every UBSan
+# The sanitizer flags of `make test`: our code instrumented (LibTorch, pip's build, is not), CPU only, every UBSan
 # finding fatal. -fno-sanitize=vptr: the vptr check needs RTTI of LibTorch's classes from the uninstrumented library.
 SAN_FLAGS = -O1 -g1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all -fno-sanitize=vptr
 # detect_leaks=0: LibTorch allocates process-lifetime registries that LeakSanitizer would report at exit.
 # protect_shadow_gap=0: pip's torch loads CUDA libraries, which map memory where ASan's shadow gap would be.
 ASAN_ENV = ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
 
-.PHONY: all setup configure build run test test-asan test-fuzz fuzz-long bench-gpu clean
+.PHONY: all setup configure build run test test-unit test-fuzz fuzz-long gpu-binaries clean
 
 all: build
 
@@ -34,25 +34,36 @@ build: configure
 run: build
 	$(BUILD)/triaccel train --model small-cnn --dataset fashion-mnist --epochs 1 --out runs/default $(RUN_ARGS)
 
-# All tests: the ctest suite (unit, cli, bad_input, crash_resume, pytorch_interop), the unit tests again under
-# ASan/UBSan, and a short fuzz run of every reader (docs/reliability.md).
-test: build
-	cd $(BUILD) && ctest --output-on-failure
-	$(MAKE) test-asan
-	$(MAKE) test-fuzz
-
-test-asan: setup
+# All tests, on one build with ASan + UBSan (our code instrumented; LibTorch, pip's build, is not; CPU only, every
+# UBSan finding fatal): the ctest suite (unit, layers, cli, report_browser, bad_input, crash_resume, signal_stop,
+# pytorch_interop), then a short fuzz run of every reader (docs/reliability.md). One build, not a release build
+# and a sanitizer build: on a 2-core CI machine each takes ~12 minutes.
+test: setup
 	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Asan -DCMAKE_CXX_FLAGS_ASAN="$(SAN_FLAGS)" \
 	  -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" -DTRIACCEL_CUDA=OFF -DTRIACCEL_BUILD_BENCH=OFF
-	cmake --build $(ASAN_BUILD) -j $(JOBS) --target triaccel_tests
-	cd $(ASAN_BUILD) && $(ASAN_ENV) ./triaccel_tests
+	cmake --build $(ASAN_BUILD) -j $(JOBS)
+	cd $(ASAN_BUILD) && $(ASAN_ENV) ctest --output-on-failure -j $(JOBS)
+	$(MAKE) test-fuzz
+
+# The unit tests alone on the release build (quick local checks; GPU tests run where a GPU is).
+test-unit: build
+	cd $(BUILD) && ./triaccel_tests
 
 test-fuzz: setup
 	bash tests/reliability/run_fuzz.sh $(FUZZ_SECONDS) $(FUZZ_BUILD)
+
+# Binaries for the GPU machine, built here with the CUDA kernels (nvcc; no GPU needed): build-cuda/, copied with the
+# Debian libraries they link into .device/ (carried to the device: bench/device_env.sh).
+gpu-binaries: setup
+	cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRIACCEL_CUDA=ON $(CMAKE_FLAGS)
+	cmake --build build-cuda -j $(JOBS)
+	mkdir -p .device/bin .device/lib
+	cp build-cuda/triaccel build-cuda/triaccel_tests .device/bin/
+	cp -L $$(ldd build-cuda/triaccel | awk '/libjpeg|libpng/ {print $$3}') .device/lib/
 
 # The documented long fuzz run (docs/reliability.md): 10 minutes per target.
 fuzz-long: setup
 	bash tests/reliability/run_fuzz.sh 600 $(FUZZ_BUILD)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD) build-cuda

@@ -1,9 +1,10 @@
 # Sourced by the bench/run_*.sh GPU jobs: the library path under which binaries built on the CPU machine (and carried
-# in .device/bin) find the device machine's LibTorch and its CUDA libraries.
+# in .device/bin) find the device machine's LibTorch and its CUDA libraries, and the Debian libjpeg and libpng they
+# link (carried in .device/lib: `make gpu-binaries` copies them; the device machine has other sonames).
 TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
 SITE=$(dirname "$(dirname "$TORCH_LIB")")
 NV_LIBS=$(ls -d "$SITE"/nvidia/*/lib "$SITE"/nvidia/cu13/lib 2>/dev/null | tr '\n' ':')
-export LD_LIBRARY_PATH="$TORCH_LIB:$NV_LIBS/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="$TORCH_LIB:$NV_LIBS/usr/local/cuda/lib64:$(pwd)/.device/lib:${LD_LIBRARY_PATH:-}"
 
 # The binaries to run: BIN=.device/bin when the carried ones run here and include every file named (e.g.
 # bench_optim_step), else a fresh build in build-gpu (several minutes; logs in LOGDIR). Exits on a failed build.

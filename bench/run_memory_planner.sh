@@ -9,6 +9,8 @@
 #            data streamed and with CIFAR-10 resident on the GPU (PT_RESIDENT)
 #   models   EfficientNet-B0 224 b96 (none, 2GB), ViT-Tiny b512 (none, 1GB), GPT-char b64 (none, 0.5GB): 1 epoch
 #   tri      Tri-Accel, ResNet-18 b96, unbudgeted and under 0.5GB, EPOCHS epochs
+#   acc      the accuracy protocol: ResNet-18 b96 amp-bf16, ACC_EPOCHS (15) epochs, seeds ACC_SEEDS (0 1 2),
+#            unbudgeted and under ACC_BUDGET (0.5GB)
 #   grid     GRID ("model:budget ..." pairs) with backprop, 1 epoch each: zero crashes, peak ≤ budget, every sample
 # Binaries: .device/bin (built here with `make gpu-binaries`, carried: carry [".device"]); data: .device/data.
 # Writes $OUT/memory_planner.json ({"bench","gpu","command","commit","rows"}) and $OUT/memory_planner_logs.tgz, and
@@ -32,7 +34,7 @@ has() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 if has tests; then
   TRIACCEL_SOURCE_DIR=$(pwd) "$BIN/triaccel_tests" --gtest_brief=1 \
-    --gtest_filter='MemoryLever*:MemoryPlanner*:MemoryModel*:MemoryGpu*:Loader*:StepGraph*:Trainer*Gpu*:*Cuda*' \
+    --gtest_filter='MemoryLever*:MemoryPlanner*:MemoryModel*:MemoryGpu*:MemoryPlanController*:Loader*:StepGraph*:Trainer*Gpu*:TrainerTest.UnderABudget*:*Cuda*' \
     >"$WORK/unit_tests_gpu.log" 2>&1
   echo "gpu unit tests: exit $?; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$WORK/unit_tests_gpu.log" | tr '\n' ' ')"
   grep -B12 -E '^\[  FAILED  \] [A-Za-z]+\.[A-Za-z]+ \(' "$WORK/unit_tests_gpu.log" | grep -vE '^(frame #|\[ RUN|\[       OK)' | head -40
@@ -44,12 +46,13 @@ train() {
   shift 3
   local b=()
   [ "$budget" != none ] && b=(--vram-budget "$budget")
-  timeout 300 "$BIN/triaccel" train --model "$model" "${b[@]}" --precision amp-bf16 --cudnn-autotune off --seed 0 \
+  timeout 300 "$BIN/triaccel" train --model "$model" "${b[@]}" --precision amp-bf16 --cudnn-autotune off \
+    --seed "${SEED:-0}" \
     --progress lines --log-every 100000 --out "$WORK/runs/$tag" "$@" >"$WORK/runs/$tag.log" 2>&1
   echo "$tag: exit $? $(grep -E '^(memory plan|done)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-220)"
 }
 
-if has r18 || has tri || has grid || has models; then cifar10_bin; fi
+if has r18 || has tri || has grid || has models || has acc; then cifar10_bin; fi
 if has r18; then
   for budget in $BUDGETS; do
     train "r18_b96_$budget" resnet18 "$budget" --dataset cifar10 --data "$DATA" --epochs "$EPOCHS" --batch-size 96
@@ -83,6 +86,14 @@ if has tri; then
       --epochs "$EPOCHS" --batch-size 96
   done
 fi
+if has acc; then
+  for seed in ${ACC_SEEDS:-0 1 2}; do
+    for budget in none "${ACC_BUDGET:-0.5GB}"; do
+      SEED=$seed train "acc_r18_b96_${budget}_s$seed" resnet18 "$budget" --dataset cifar10 --data "$DATA" \
+        --epochs "${ACC_EPOCHS:-15}" --batch-size 96
+    done
+  done
+fi
 if has grid; then
   for pair in $GRID; do
     model=${pair%%:*}
@@ -100,7 +111,7 @@ rows = []
 for ev in sorted(glob.glob(f"{work}/runs/*/events.jsonl")):
     tag = os.path.basename(os.path.dirname(ev))
     events = [json.loads(l) for l in open(ev) if l.strip()]
-    cfg = next((e for e in events if e["event"] == "config"), {})
+    cfg = next((e for e in events if e["event"] == "config"), {}).get("options", {})
     epochs = [e for e in events if e["event"] == "epoch"]
     plans = [e for e in events if e["event"] == "memory_plan"]
     summ = next((e for e in events if e["event"] == "summary"), None)
@@ -108,12 +119,14 @@ for ev in sorted(glob.glob(f"{work}/runs/*/events.jsonl")):
     rows.append({
         "run": tag, "model": cfg.get("model"), "method": cfg.get("method"), "batch": cfg.get("batch_size"),
         "vram_budget": cfg.get("vram_budget") or None, "finished": summ is not None,
+        "epoch_s_first": epochs[0]["epoch_s"] if epochs else None,
         "epoch_s_last": epochs[-1]["epoch_s"] if epochs else None,
+        "eval_s_last": epochs[-1].get("eval_s") if epochs else None,
         "images_per_s_last": epochs[-1]["images_per_s"] if epochs else None,
         "test_acc": epochs[-1]["test_acc"] if epochs else None,
         "peak_vram_gb": summ["peak_vram_gb"] if summ else (epochs[-1]["peak_vram_gb"] if epochs else None),
         "samples_per_epoch": samples, "train_samples": next((e.get("train_samples") for e in events
-                                                             if e["event"] == "config"), None),
+                                                             if e["event"] == "summary"), None),
         "oom_events": sum(e["event"] == "oom" for e in events),
         "graph_captures": epochs[-1].get("graph_captures") if epochs else None,
         "graph_capture_ooms": epochs[-1].get("graph_capture_ooms") if epochs else None,
@@ -125,12 +138,12 @@ pt = [json.load(open(f)) for f in sorted(glob.glob(f"{work}/pytorch_budget_*.jso
 out = {"bench": "memory_planner", "gpu": gpu, "commit": commit, "stages": stages,
        "command": f"COMMIT={commit} STAGES={stages} bash bench/run_memory_planner.sh", "rows": rows, "pytorch": pt}
 json.dump(out, open(dst, "w"), indent=1)
-print(f"{'run':28} {'s/ep':>6} {'img/s':>7} {'peak GB':>8} {'pred GB':>8} {'micro':>5} {'acc':>3} {'rcmp':>4} {'data':>6} {'oom':>3} {'graph':>5} {'c.oom':>5} {'ok':>3}")
+print(f"{'run':28} {'s/ep1':>6} {'s/ep':>6} {'img/s':>7} {'peak GB':>8} {'pred GB':>8} {'meas GB':>8} {'micro':>5} {'acc':>3} {'rcmp':>4} {'data':>6} {'oom':>3} {'graph':>5} {'c.oom':>5} {'ok':>3}")
 for r in rows:
     p = r["plan"] or {}
     pred = p.get("predicted_peak_bytes")
-    print(f"{r['run']:28} {r['epoch_s_last'] or 0:6.2f} {r['images_per_s_last'] or 0:7.0f} {r['peak_vram_gb'] or 0:8.3f} "
-          f"{(pred or 0) / 1e9:8.3f} {p.get('micro_batch', '-')!s:>5} {p.get('accumulation', '-')!s:>3} "
+    print(f"{r['run']:28} {r['epoch_s_first'] or 0:6.2f} {r['epoch_s_last'] or 0:6.2f} {r['images_per_s_last'] or 0:7.0f} {r['peak_vram_gb'] or 0:8.3f} "
+          f"{(pred or 0) / 1e9:8.3f} {(p.get('measured_peak_bytes') or 0) / 1e9:8.3f} {p.get('micro_batch', '-')!s:>5} {p.get('accumulation', '-')!s:>3} "
           f"{len(p.get('recompute', [])):4} {p.get('data_placement', '-')!s:>6} {r['oom_events']:3} "
           f"{r['cuda_graph']!s:>5} {r['graph_capture_ooms']!s:>5} {'yes' if r['finished'] else 'NO':>3}")
 for p in pt:

@@ -321,6 +321,32 @@ TEST(MemoryModelTest, SmallCnnCostsFromItsShapes) {
   for (const auto& [name, t] : model_state(*model)) EXPECT_TRUE(torch::equal(t, before[i++])) << name;
 }
 
+// One unit, Linear(256 → 1024) then tanh, fp32: backward needs the linear's input (allocated before the unit) and
+// tanh's output, 4 KiB a sample; the pre-activation is freed. On CUDA the model reads that from the allocator; the
+// autograd graph's outputs would count the pre-activation too (8 KiB), as on the CPU.
+class WideUnit : public Model {
+ public:
+  WideUnit() : Model("wide-unit") {
+    auto linear = register_module("fc", torch::nn::Linear(256, 1024));
+    std::vector<std::shared_ptr<torch::nn::Module>> modules{linear};
+    unit_add("fc", modules, [linear](const at::Tensor& x) { return torch::tanh(linear->forward(x)); });
+  }
+};
+
+TEST(MemoryModelTest, SavedActivationsAreWhatBackwardKeeps) {
+  WideUnit cpu_net;
+  const MemoryModel graph = memory_model_build(cpu_net, torch::zeros({256}), MemoryModelInputs{}, torch::kCPU);
+  EXPECT_DOUBLE_EQ(graph.units[0].saved_bytes, 2 * 1024 * 4);
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  const c10::Device gpu(c10::kCUDA, 0);
+  WideUnit net;
+  net.to(gpu);
+  const MemoryModel m = memory_model_build(net, torch::zeros({256}, at::TensorOptions().device(gpu)),
+                                           MemoryModelInputs{}, gpu);
+  EXPECT_DOUBLE_EQ(m.units[0].saved_bytes, 1024 * 4);
+  EXPECT_DOUBLE_EQ(m.units[0].input_bytes, 256 * 4);
+}
+
 // GPU: the host-streamed loader gives the device loader's batches bit for bit (order, crops, flips, cutout), also
 // when the batch size changes mid-epoch and across epochs.
 TEST(MemoryGpuTest, HostPlacementGivesTheDeviceBatches) {
@@ -396,6 +422,70 @@ TEST(MemoryGpuTest, PlannedStepInACudaGraphMatchesEager) {
   const auto eager = train(false);
   const auto graphed = train(true);
   for (size_t i = 0; i < eager.size(); ++i) EXPECT_TRUE(at::allclose(eager[i], graphed[i], 1e-5, 1e-6)) << i;
+}
+
+// A capture that runs out of memory shrinks the plan's share of the budget while a plan still fits the smaller
+// share; near the floor (0.9 of the cap fits, 0.81 does not) the graph is given up instead: the share stays, every
+// later step runs eagerly, and no capture is tried again, even after a re-plan.
+TEST(MemoryGpuTest, ACaptureThatNeverFitsNearTheFloorLeavesTheStepEager) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  m.dataset_bytes = 0;
+  m.allow_host_data = false;
+  const double floor = memory_plan_solve(m, 12, 1).floor_bytes;
+  for (const bool near_floor : {false, true}) {
+    torch::manual_seed(3);
+    UnitNet net(false);
+    net.to(gpu);
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
+    Sgd sgd(named, SgdOptions{});
+    LossScaler scaler(LossScalerOptions{}, gpu);
+    int captures = 0;
+    StepOptions so;
+    so.precision = PrecisionMode::kAmpBF16;
+    so.graph_batch_size = 12;
+    so.warmup_steps = 1;
+    so.during_capture = [&captures]() {
+      ++captures;
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "test: no room for the graph's pool");
+    };
+    TrainStep step(net, sgd, scaler, so, gpu);
+    MemoryPlanLimits limits;
+    limits.batch = 12;
+    limits.cap_bytes = static_cast<int64_t>(near_floor ? floor / 0.85 : 4 * floor);
+    limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
+    const MemoryPlan plan = memory_plan_solve(m, 12, limits.budget_bytes);
+    ASSERT_TRUE(plan.feasible);
+    MemoryPlanController c(m, plan, limits, step, [&](const std::vector<Precision>&) { return m; });
+    const at::Tensor x = at::randn({12, 12}, at::TensorOptions().device(gpu));
+    const at::Tensor y = at::randint(0, 5, {12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+    std::vector<std::string> reasons;
+    StepContext ctx;
+    for (int s = 1; s <= 6; ++s) {
+      ctx.step = s;
+      step.run(x, y, 0.05);
+      for (const Event& e : c.after_step(ctx)) reasons.push_back(e.fields["reason"].get<std::string>());
+    }
+    c.on_out_of_memory();  // a re-plan must not allow the graph again
+    step.run(x, y, 0.05);
+    step.run(x, y, 0.05);
+    if (near_floor) {
+      EXPECT_EQ(reasons, std::vector<std::string>{"capture_oom_eager"});
+      EXPECT_DOUBLE_EQ(c.state()["cap_share"].get<double>(), 0.9);
+      EXPECT_EQ(captures, 1);
+    } else {
+      ASSERT_FALSE(reasons.empty());
+      EXPECT_EQ(reasons[0], "capture_oom");
+      EXPECT_LT(c.state()["cap_share"].get<double>(), 0.9);
+      EXPECT_GT(captures, 1);  // it captures again after each shrink
+    }
+    EXPECT_FALSE(step.graph().captured());
+  }
+#endif
 }
 
 // The planner in the loop, on made-up models: a Tri-Accel run without a budget keeps its first (16-bit) peak as the

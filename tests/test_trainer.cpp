@@ -222,6 +222,35 @@ TEST_F(TrainerTest, PeakAfterTheWarmUpHoldsAWholeStepForAdamWAndBaoc) {
   }
 }
 
+// On a GPU under a budget the captured graph gives its pool back before an epoch's short last batch (384 = 4 · 80 +
+// 64), which would not fit beside it under a tight budget, and is captured again in the next epoch: a capture per
+// epoch, no out-of-memory event, every sample once. Without a budget the graph stays for the whole run.
+TEST_F(TrainerTest, UnderABudgetTheGraphMakesRoomForTheShortBatch) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  for (const bool budget : {true, false}) {
+    test::TempDir out(budget ? "run_short_budget" : "run_short_free");
+    Config o = options(out.path());
+    o.set("device", "cuda");
+    o.set("batch_size", "80");
+    if (budget) o.set("vram_budget", "1GB");
+    api::run(o);
+    int64_t captures = 0, ooms = 0;
+    for (const auto& e : events_read(out.file("events.jsonl"))) {
+      if (e["event"] == "epoch") {
+        captures = e["graph_captures"].get<int64_t>();
+        EXPECT_EQ(e["samples"], 384);
+      }
+      if (e["event"] == "oom") ++ooms;
+    }
+    EXPECT_EQ(ooms, 0);
+    if (budget) {
+      EXPECT_GE(captures, 2);
+    } else {
+      EXPECT_EQ(captures, 1);
+    }
+  }
+}
+
 // Cutout (with crop and flip) on the 28×28 images: it changes what is trained, a resumed run still ends bit-exactly
 // where an uninterrupted one does (the squares are a function of seed and epoch), and --cutout may not change on
 // resume.

@@ -2,6 +2,7 @@
 #include "triaccel/control/memory_model.h"
 
 #include "triaccel/control/memory_profile.h"
+#include "triaccel/core/device.h"
 #include "triaccel/train/rng.h"
 
 #include <ATen/ATen.h>
@@ -32,6 +33,58 @@ double positions(const at::Tensor& out) {
   if (out.dim() >= 4) return static_cast<double>(out.size(2) * out.size(3));
   if (out.dim() == 3) return static_cast<double>(out.size(1));
   return 1;
+}
+
+Precision unit_precision(const MemoryModelInputs& in, size_t u, const c10::Device& device) {
+  if (!in.unit_precisions.empty()) return precision_applied(in.unit_precisions[u], device);
+  return in.precision == PrecisionMode::kFP32     ? Precision::kFP32
+         : in.precision == PrecisionMode::kAmpBF16 ? Precision::kBF16
+                                                   : Precision::kFP16;
+}
+
+// The allocator's peak over forward + backward of the whole model at kTraceSmall and kTraceLarge samples: its slope
+// over the modelled activations per sample (the units' saved bytes and backward's transients) is the starting
+// activation scale. The gradients come back as new tensors (autograd::grad): the parameters' .grad are untouched.
+// Out of memory (a budget already capped below even this): the scale stays 1 and calibration corrects it later.
+double measured_activation_scale(Model& model, const at::Tensor& sample, const MemoryModelInputs& in,
+                                 const MemoryModel& m, const c10::Device& device) {
+  double modelled = m.transient_bytes;
+  for (const UnitCost& u : m.units) modelled += u.saved_bytes;
+  if (modelled <= 0) return 1;
+  std::vector<at::Tensor> params;
+  for (const auto& p : model.parameters()) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  const auto& units = model.units();
+  const auto peak_of = [&](int64_t batch) {
+    at::Tensor x = batch_of(sample, batch);
+    device_synchronize(device);
+    const int64_t before = memory_stats(device).allocated_bytes;
+    memory_stats_reset_peak(device);
+    {
+      for (size_t u = 0; u < units.size(); ++u) {
+        const Precision p = unit_precision(in, u, device);
+        if (!in.unit_precisions.empty() && x.is_floating_point()) x = x.to(precision_dtype(p));
+        const AutocastScope autocast(device, precision_mode_of(p));
+        x = units[u].forward(x);
+      }
+      const auto grads = torch::autograd::grad({x.to(at::kFloat).sum()}, params, {}, /*retain_graph=*/false,
+                                               /*create_graph=*/false, /*allow_unused=*/true);
+    }
+    device_synchronize(device);
+    return static_cast<double>(memory_stats(device).peak_allocated_bytes - before);
+  };
+  try {
+    double slope = 0;
+    for (int pass = 0; pass < 2; ++pass) {  // the first pass lets cuDNN pick its algorithms and workspaces settle
+      const double small = peak_of(kTraceSmall), large = peak_of(kTraceLarge);
+      slope = (large - small) / static_cast<double>(kTraceLarge - kTraceSmall);
+    }
+    if (slope <= 0) return 1;
+    return std::clamp(slope / modelled, kMeasuredScaleMin, kMeasuredScaleMax);
+  } catch (const c10::OutOfMemoryError&) {
+    return 1;
+  }
 }
 
 }  // namespace
@@ -71,16 +124,21 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   at::Tensor small = batch_of(sample, kTraceSmall), large = batch_of(sample, kTraceLarge);
   double largest = 0;
   for (size_t u = 0; u < units.size(); ++u) {
-    const Precision p = in.unit_precisions.empty()
-                            ? (in.precision == PrecisionMode::kFP32     ? Precision::kFP32
-                               : in.precision == PrecisionMode::kAmpBF16 ? Precision::kBF16
-                                                                         : Precision::kFP16)
-                            : precision_applied(in.unit_precisions[u], device);
+    const Precision p = unit_precision(in, u, device);
     const auto run = [&](at::Tensor x, double* max_bytes) {
+      // On CUDA the allocator counts what the forward keeps (each saved tensor once, at its real dtype); elsewhere
+      // the autograd graph's recorded outputs stand in for it.
+      const bool measured = device.is_cuda() && max_bytes != nullptr;
+      if (measured) device_synchronize(device);
+      const double before = measured ? static_cast<double>(memory_stats(device).allocated_bytes) : 0;
       if (!in.unit_precisions.empty() && x.is_floating_point()) x = x.to(precision_dtype(p));
       const AutocastScope autocast(device, precision_mode_of(p));
       at::Tensor out = units[u].forward(x);
-      const double graph = autograd_graph_bytes(out, max_bytes);
+      double graph = autograd_graph_bytes(out, max_bytes);
+      if (measured) {
+        device_synchronize(device);
+        graph = static_cast<double>(memory_stats(device).allocated_bytes) - before;
+      }
       return std::make_pair(out.detach(), graph);
     };
     UnitCost c;
@@ -105,6 +163,7 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
     large = out_large;
   }
   m.transient_bytes = 2 * largest;  // backward: a gradient of the largest tensor and the one it produces
+  if (in.measure_scale && device.is_cuda()) m.activation_scale = measured_activation_scale(model, sample, in, m, device);
 
   {
     const torch::NoGradGuard no_grad;

@@ -1,9 +1,13 @@
 // The memory planner's cost model of a run (control/memory_planner.h), built from the model's shapes on any device:
-// each unit runs forward on a zero batch at two sizes, under the precision it trains in, with autograd on, and the
-// tensors its autograd graph records (control/memory_profile.h: autograd_graph_bytes) give its saved activations per
-// sample; its input's bytes, its forward FLOPs (2 · parameters · output positions) and whether it can be recomputed
-// (no dropout) come from the same pass. Weights, gradients, optimizer state, weight casts and the dataset come from
-// the run's configuration. What the allocator then measures corrects it (MemoryModel::activation_scale).
+// each unit runs forward on a zero batch at two sizes, under the precision it trains in, with autograd on, and what it
+// keeps for backward gives its saved activations per sample: on CUDA the allocator's growth over the forward (each
+// saved tensor once, at its dtype), elsewhere the tensors its autograd graph records (control/memory_profile.h:
+// autograd_graph_bytes; on the H100 these were 2.5-4× the allocator's reading for ResNet-18, ViT-Tiny and GPT-char);
+// its input's bytes, its forward FLOPs (2 · parameters · output positions) and whether it can be recomputed (no
+// dropout) come from the same pass. Weights, gradients, optimizer state, weight casts and the dataset come from the
+// run's configuration. On CUDA, before training, the allocator's peak over the whole model's forward + backward at
+// two small batches sets the starting activation scale; what it measures while training corrects it
+// (MemoryModel::activation_scale).
 //
 // Invariant: building the model leaves the weights and buffers exactly as it found them.
 #pragma once
@@ -30,7 +34,14 @@ struct MemoryModelInputs {
   int64_t sample_staging_bytes = 0;    // the device staging of one streamed sample
   bool allow_host_data = true;
   bool for_gpu = false;                // price for a GPU (overheads, workspaces) whatever device traces it
+  // On CUDA: measure the whole model's forward + backward at two small batches and start from that activation
+  // scale (not while training: the step's memory, graph and gradients are live).
+  bool measure_scale = false;
 };
+
+// Bounds of the measured starting activation scale (memory_model_build with measure_scale).
+constexpr double kMeasuredScaleMin = 0.2;
+constexpr double kMeasuredScaleMax = 5;
 
 // Per-micro-batch overhead of a step, in units of one sample's forward + backward: what makes small micro-batches
 // slow on a GPU (launches, an under-filled device). Measured on the H100 for ResNet-18 at 32×32 (bench/results):

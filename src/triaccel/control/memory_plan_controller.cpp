@@ -24,7 +24,12 @@ MemoryPlanController::MemoryPlanController(MemoryModel model, MemoryPlan plan, M
 void MemoryPlanController::apply() {
   step_.set_micro_batch(plan_.micro_batch < plan_.batch ? plan_.micro_batch : 0);
   step_.set_recompute(plan_.recompute);
-  step_.graph_allow();  // the step's memory changed: a size refused before may fit now
+  if (!graph_disabled_) step_.graph_allow();  // the step's memory changed: a size refused before may fit now
+}
+
+void MemoryPlanController::disable_graph() {
+  graph_disabled_ = true;
+  step_.graph_disable();
 }
 
 void MemoryPlanController::replan() {
@@ -35,6 +40,13 @@ void MemoryPlanController::replan() {
         memory_plan_peak(first_model_, limits_.batch, limits_.batch, none, limits_.constraints.placement)));
   }
   MemoryPlan next = memory_plan_solve(model_, limits_.batch, limits_.budget_bytes, limits_.constraints);
+  if (!next.feasible && limits_.cap_bytes > 0 && limits_.cap_share < limits_.initial_share) {
+    // Captures shrank the share and a correction now leaves no plan: give the share back, give the graph up.
+    limits_.cap_share = limits_.initial_share;
+    limits_.budget_bytes = static_cast<int64_t>(limits_.cap_share * static_cast<double>(limits_.cap_bytes));
+    disable_graph();
+    next = memory_plan_solve(model_, limits_.batch, limits_.budget_bytes, limits_.constraints);
+  }
   TRIACCEL_CHECK_INPUT(next.feasible, "no way to train batch ", limits_.batch, " within ", option_ref("vram_budget"),
                        ": after measuring, the run needs at least ", static_cast<int64_t>(std::ceil(next.floor_bytes)),
                        " bytes (", next.floor_bytes / 1e9, " GB) of the ", limits_.budget_bytes,
@@ -73,16 +85,25 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
     if (!(plan_ == before)) events.push_back({event::kMemoryPlan, plan_fields("precision")});
     return events;  // this step ran with the old precisions: no calibration reading from it
   }
-  // A capture that ran out of memory: the plan may fill less of the budget; the step captures again.
+  // A capture that ran out of memory: the plan may fill less of the budget; the step captures again. When the
+  // smaller share leaves no plan, the graph is given up instead: eager steps at the current share.
   const int64_t capture_ooms = step_.graph().capture_ooms();
   if (capture_ooms > capture_ooms_seen_) {
     capture_ooms_seen_ = capture_ooms;
-    if (limits_.cap_bytes > 0 && limits_.cap_share * kCaptureShareStep >= kCaptureShareMin) {
-      limits_.cap_share *= kCaptureShareStep;
-      limits_.budget_bytes = static_cast<int64_t>(limits_.cap_share * static_cast<double>(limits_.cap_bytes));
-      replan();
-      step_.graph_allow();
-      events.push_back({event::kMemoryPlan, plan_fields("capture_oom")});
+    if (limits_.cap_bytes > 0 && !graph_disabled_) {
+      const double share = limits_.cap_share * kCaptureShareStep;
+      const auto bytes = static_cast<int64_t>(share * static_cast<double>(limits_.cap_bytes));
+      if (share >= kCaptureShareMin &&
+          memory_plan_solve(model_, limits_.batch, bytes, limits_.constraints).feasible) {
+        limits_.cap_share = share;
+        limits_.budget_bytes = bytes;
+        replan();
+        step_.graph_allow();
+        events.push_back({event::kMemoryPlan, plan_fields("capture_oom")});
+      } else {
+        disable_graph();
+        events.push_back({event::kMemoryPlan, plan_fields("capture_oom_eager")});
+      }
     }
   }
   // Calibration: the allocator's peak over an eager or capturing step (a replay allocates nothing: its window shows

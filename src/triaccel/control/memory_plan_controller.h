@@ -10,7 +10,9 @@
 //     retries the same samples at the same batch;
 //   - a CUDA-graph capture that ran out of memory (the graph's private pool beside the live tensors: the allocator
 //     reserves more than it allocates): the share of the budget a plan may fill shrinks by kCaptureShareStep, the
-//     plan is recomputed and the step captured again — a budget that fits must not leave the step eager.
+//     plan is recomputed and the step captured again — a budget that fits must not leave the step eager. When the
+//     smaller share leaves no plan (a budget near the floor), the graph is given up instead: eager steps at the
+//     share that fits.
 // Every plan is logged as a `memory_plan` event (reason, the levers, predicted and, where measured, measured peak).
 #pragma once
 
@@ -45,6 +47,7 @@ struct MemoryPlanLimits {
   int64_t budget_bytes = 0;        // what the plan may reach (the cap minus the allocator's margin)
   int64_t cap_bytes = 0;           // the vram_budget itself (0: none)
   double cap_share = 0.9;          // budget_bytes = cap_share · cap_bytes (when cap_bytes > 0)
+  double initial_share = 0.9;      // cap_share before any capture shrank it
   PlanConstraints constraints;     // the user's levers; the placement is fixed once the loaders hold the data
   // Tri-Accel without a budget: the limit is the peak the first plan's precisions predict (all 16-bit: AMP's), so
   // that a unit promoted to fp32 pays for its bigger activations with recompute or micro-batches instead of
@@ -75,6 +78,8 @@ class MemoryPlanController final : public StepController {
 
  private:
   void apply();
+  // The step runs eagerly from now on (no plan leaves room for the graph's pool).
+  void disable_graph();
   // Adds a reading (the plan the step ran with, the allocator's peak) and refits the scale and the offset.
   void calibrate(const MemoryPlan& ran, double measured);
   // Plans again on the current model; UserError naming the floor when nothing fits.
@@ -93,6 +98,7 @@ class MemoryPlanController final : public StepController {
   double offset_ = 0;                  // fixed bytes the model missed (added to model_.fixed_bytes)
   bool seen_step_ = false;
   int64_t capture_ooms_seen_ = 0;      // the step graph's capture_ooms() when last looked at
+  bool graph_disabled_ = false;        // the graph was given up (its pool does not fit beside any plan)
 };
 
 }  // namespace triaccel

@@ -91,8 +91,7 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
   // Micro-batches of at most m samples; their gradients accumulate. With one micro-batch the step is exactly the
   // whole-batch step (no weighting op).
   const int64_t n = images.size(0);
-  const int64_t planned = eager_micro_batch_ > 0 && n != graph_.batch() ? eager_micro_batch_ : options_.micro_batch;
-  const int64_t m = planned > 0 ? std::min(planned, n) : n;
+  const int64_t m = options_.micro_batch > 0 ? std::min(options_.micro_batch, n) : n;
   at::Tensor loss_total;     // (1): the batch's mean loss
   at::Tensor correct_total;  // (1) float32: correct predictions (label elements)
   int64_t label_elements = 0;

@@ -71,6 +71,8 @@ class TrainStep {
   const StepGraph& graph() const { return graph_; }
   // A new memory plan: a batch size refused after an out-of-memory capture may be captured again.
   void graph_allow() { graph_.allow(); }
+  // Every step eager from now on (the memory planner: no plan leaves room for the graph's pool).
+  void graph_disable() { graph_.disable(); }
   // Frees the captured graph and its pool (an eager step of another size needs the memory); the graph's size warms
   // up and captures again when it next runs.
   void graph_release() { graph_.drop(); }
@@ -84,10 +86,6 @@ class TrainStep {
   void set_micro_batch(int64_t micro_batch);
   int64_t micro_batch() const { return options_.micro_batch; }
   void set_recompute(const std::vector<bool>& recompute);
-  // Samples per pass of eager steps at another size than the graph's (an epoch's short last batch, which runs
-  // beside the graph's pool); 0: the micro-batch above. Changes no graph.
-  void set_eager_micro_batch(int64_t micro_batch) { eager_micro_batch_ = micro_batch; }
-  int64_t eager_micro_batch() const { return eager_micro_batch_; }
   const std::vector<bool>& recompute() const { return recompute_; }
   // Drops the captured graph, e.g. after the optimizer's per-tensor lr scales changed.
   void invalidate_graph();
@@ -126,7 +124,6 @@ class TrainStep {
   FaultKind fault_ = FaultKind::kNone;
   std::vector<Precision> unit_precisions_;
   std::vector<bool> recompute_;
-  int64_t eager_micro_batch_ = 0;
   std::vector<std::vector<at::Tensor>> unit_params_, unit_buffers_;  // per unit, for recompute
   bool grad_stats_enabled_ = false;
   GradStatsLayout grad_stats_layout_;

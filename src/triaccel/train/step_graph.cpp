@@ -52,6 +52,11 @@ void StepGraph::allow() {
   drop();
 }
 
+void StepGraph::disable() {
+  options_.enabled = false;
+  drop();
+}
+
 bool StepGraph::capture(const Body& body, const at::Tensor& x, const at::Tensor& y) {
 #ifdef TRIACCEL_WITH_CUDA
   auto g = std::make_unique<Graph>();

@@ -57,6 +57,9 @@ class StepGraph {
   void refuse();
   // Lifts a refusal (the step's memory changed: a new memory plan); the batch size warms up and captures again.
   void allow();
+  // Every step eager from now on, at any batch size (the memory planner gave up on the graph: its pool does not fit
+  // beside the smallest plan). Frees a captured graph.
+  void disable();
 
   // How the last run() ran the body: eagerly (a warm-up or an uncaptured size), captured it, or replayed the graph
   // (a replay allocates nothing: its memory was measured when it was captured).
