@@ -442,11 +442,11 @@ TEST(IdxRead, CorruptGzip) {
 
 TEST(DataLoad, UnknownNameListsTheKnownNames) {
   EXPECT_EQ(user_error_of([] { dataset_load("imagenet", "/tmp"); }),
-            "unknown dataset 'imagenet'; known datasets: cifar10, cifar100, mnist, fashion-mnist, tinyshakespeare");
+            "unknown dataset 'imagenet'; known datasets: cifar10, cifar100, mnist, fashion-mnist, tinyshakespeare, folder");
 }
 
 TEST(DataLoad, DatasetNames) {
-  EXPECT_EQ(dataset_names(), (std::vector<std::string>{"cifar10", "cifar100", "mnist", "fashion-mnist", "tinyshakespeare"}));
+  EXPECT_EQ(dataset_names(), (std::vector<std::string>{"cifar10", "cifar100", "mnist", "fashion-mnist", "tinyshakespeare", "folder"}));
 }
 
 TEST(DataLoad, MnistWithoutFolderAsksForData) {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The issue-7 bad-input corpus through the real CLI (tests/cli/run_cli_tests.sh holds the older cases; none is
 # repeated here): truncated and corrupt dataset files (plain and gzip), wrong magic numbers, labels out of range,
+# image folders (a test class missing from train/, a corrupt JPEG, an empty class folder),
 # empty files, a full disk during a checkpoint write (simulated), invalid flag values, and a --vram-budget below the
 # model's minimum. Each case asserts the exit code, a phrase of the message, and that the message is one line
 # `triaccel: error: ...`; the full-disk case also asserts that the previous checkpoint is byte-identical afterwards
@@ -24,7 +25,7 @@ check() {  # check NAME COMMAND...: a condition that must hold
 
 # Datasets: a good MNIST-layout set (plain and gzip), a good CIFAR-10 set, then one broken copy per case.
 python3 - "$WORK" <<'PY'
-import gzip, os, random, struct, sys
+import gzip, os, random, struct, sys, zlib
 w = sys.argv[1]
 rng = random.Random(0)
 def idx(d, prefix, n, label=None, magic_images=0x803, magic_labels=0x801, gz=False):
@@ -50,6 +51,20 @@ def cifar(d, n=20, label=None):
         open(f"{d}/{name}", "wb").write(recs)
 cifar(f"{w}/cifar")
 cifar(f"{w}/cifar_label", label=10)
+def png(path, side, value):  # an RGB PNG of one colour (stdlib only: zlib and crc32)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+    rows = b"".join(b"\0" + bytes([value, 255 - value, value // 2]) * side for _ in range(side))
+    ihdr = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    open(path, "wb").write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+def images(d):  # --dataset folder: 2 classes, 8 training and 2 test images each
+    for k, cls in enumerate(["cat", "dog"]):
+        for i in range(8): png(f"{d}/train/{cls}/{i}.png", 16, 40 + 120 * k + i)
+        for i in range(2): png(f"{d}/test/{cls}/{i}.png", 16, 44 + 120 * k + i)
+images(f"{w}/folder")
+images(f"{w}/folder_extra_class"); png(f"{w}/folder_extra_class/test/yak/0.png", 16, 0)
+images(f"{w}/folder_corrupt"); open(f"{w}/folder_corrupt/train/dog/bad.jpg", "wb").write(b"\xff\xd8\xff\xe0" + bytes(300))
+images(f"{w}/folder_empty_class"); os.makedirs(f"{w}/folder_empty_class/train/moth")
 PY
 TINY=(--dataset mnist --model small-cnn --device cpu --batch-size 16 --progress off)
 TR=train-images-idx3-ubyte
@@ -82,6 +97,11 @@ mk cifar_empty cifar; : > "$WORK/cifar_empty/test_batch.bin"
 expect cifar_empty 2 "test_batch.bin: file is empty" -- train --dataset cifar10 --data "$WORK/cifar_empty" --device cpu --out "$WORK/o"
 mkdir -p "$WORK/c100"; cp "$WORK/cifar/data_batch_1.bin" "$WORK/c100/train.bin"; cp "$WORK/cifar/test_batch.bin" "$WORK/c100/test.bin"
 expect cifar10_files_as_cifar100 2 "train.bin: size 61460 is not a multiple of the record size 3074 (truncated or not CIFAR-100 binary)" -- train --dataset cifar100 --data "$WORK/c100" --device cpu --out "$WORK/o"
+FOLDER=(--dataset folder --model small-cnn --device cpu --batch-size 4 --progress off)
+expect folder_trains 0 "stopped at step 1" -- train "${FOLDER[@]}" --data "$WORK/folder" --max-steps 1 --out "$WORK/folderrun" --progress lines
+expect folder_test_class_not_trained 2 "folder: class folder $WORK/folder_extra_class/test/yak is not a class of $WORK/folder_extra_class/train" -- train "${FOLDER[@]}" --data "$WORK/folder_extra_class" --out "$WORK/o"
+expect folder_corrupt_jpeg 2 "folder: cannot decode $WORK/folder_corrupt/train/dog/bad.jpg (corrupt or truncated JPEG)" -- train "${FOLDER[@]}" --data "$WORK/folder_corrupt" --out "$WORK/o"
+expect folder_empty_class 2 "folder: class folder $WORK/folder_empty_class/train/moth has no .jpg, .jpeg or .png images" -- train "${FOLDER[@]}" --data "$WORK/folder_empty_class" --out "$WORK/o"
 
 # --- output ---
 expect out_under_a_file 2 "--out $WORK/good/$TR/run: cannot create the folder" -- train "${TINY[@]}" --data "$WORK/good" --out "$WORK/good/$TR/run"

@@ -1,10 +1,12 @@
-// Named datasets: finds the standard files of cifar10, cifar100, mnist and fashion-mnist in a folder, reads both
-// splits with the format readers and computes the per-channel normalisation statistics of the training split.
+// Named datasets: finds the standard files of cifar10, cifar100, mnist and fashion-mnist in a folder (or hands an image
+// folder to folder_read), reads both splits with the format readers and computes the per-channel normalisation
+// statistics of the training split.
 // Invariants: every file is located before any is read, so a missing file is reported by name and folder with the
 // command that fixes it; train and test splits of one dataset have the same (C, H, W) and class count.
 #include "triaccel/data/dataset.h"
 
 #include "triaccel/core/errors.h"
+#include "triaccel/data/folder.h"
 
 #include <sys/stat.h>
 
@@ -144,10 +146,18 @@ DatasetSplits dataset_load_text(const std::string& name, const std::string& dir_
   return text_read(path, name, block_size);
 }
 
+DatasetSplits dataset_load_folder(const std::string& dir) {
+  TRIACCEL_CHECK_INPUT(!dir.empty(), "folder: no data folder given; pass ", option_ref("data_dir"),
+                       " with a folder holding train/<class>/<image> and test/<class>/<image> (or val/), images "
+                       ".jpg, .jpeg or .png");
+  return folder_read(dir);
+}
+
 }  // namespace
 
 const std::vector<std::string>& dataset_names() {
-  static const std::vector<std::string> names = {"cifar10", "cifar100", "mnist", "fashion-mnist", "tinyshakespeare"};
+  static const std::vector<std::string> names = {"cifar10",         "cifar100", "mnist", "fashion-mnist",
+                                                 "tinyshakespeare", "folder"};
   return names;
 }
 
@@ -165,6 +175,8 @@ DatasetSplits dataset_load(const std::string& name, const std::string& dir, int6
     out = dataset_load_cifar10(dir);
   } else if (name == "cifar100") {
     out = dataset_load_cifar100(dir);
+  } else if (name == "folder") {
+    out = dataset_load_folder(dir);
   } else {
     out = dataset_load_idx(name, dir);
   }

@@ -20,7 +20,7 @@ namespace triaccel {
 enum class DatasetKind { kImage, kTokens };
 
 struct Dataset {
-  std::string name;        // "cifar10", "cifar100", "mnist", "fashion-mnist", "tinyshakespeare"
+  std::string name;        // "cifar10", "cifar100", "mnist", "fashion-mnist", "tinyshakespeare", "folder"
   DatasetKind kind = DatasetKind::kImage;
   at::Tensor images;       // (N, C, H, W) uint8, CPU, contiguous; tokens: (N, T) int64 inputs
   at::Tensor labels;       // (N) int64, CPU; tokens: (N, T) int64 next-token targets
@@ -68,6 +68,7 @@ Dataset idx_read(const std::string& images_path, const std::string& labels_path,
 //   cifar100: train.bin, test.bin (also inside cifar-100-binary/)
 //   mnist, fashion-mnist: {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]
 //   tinyshakespeare: input.txt (text_read, windows of block_size + 1 characters)
+//   folder:   train/<class>/<image> and test/<class>/<image> (or val/), JPEG and PNG (folder.h: folder_read, cached)
 // An empty dir means the standard location where a dataset has one: fashion-mnist → /usr/share/datasets/fashion-mnist
 // (Debian's dataset-fashion-mnist); the others need a folder.
 // Unknown names or missing files throw UserError naming what was expected and where.

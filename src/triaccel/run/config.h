@@ -315,7 +315,8 @@ template <typename S, typename V>
 void DataConfig::fields(S& s, V&& v) {
   v(s.dataset, FieldInfo{"dataset", "dataset", nullptr, &dataset_names});
   v(s.data_dir, FieldInfo{"data_dir",
-                          "dataset folder (CIFAR binary files, IDX files, or input.txt for text); default: the "
+                          "dataset folder (CIFAR binary files, IDX files, input.txt for text, or train/<class>/ "
+                          "and test/<class>/ image folders for --dataset folder); default: the "
                           "dataset's standard location (fashion-mnist: /usr/share/datasets/fashion-mnist)",
                           "--data"});
   v(s.block_size, FieldInfo{"block_size", "text datasets: characters per sample = the GPT's context length"});
