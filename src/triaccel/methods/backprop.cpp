@@ -722,10 +722,15 @@ Trainer::EvalResult Trainer::evaluate(int64_t batch_size) {
 }
 
 Trainer::EvalResult Trainer::evaluate_within_budget() {
-  // A planned run's evaluation batch fits what the plan leaves; halving remains for a model that under-predicts.
-  for (int64_t batch = memory_->eval_batch(config_.execution.eval_batch_size);; batch = (batch + 1) / 2) {
+  // A planned run's evaluation batch fits what the plan leaves; halving remains for a model that under-predicts,
+  // and the batch that then fit is kept for the later evaluations (one out-of-memory error a run, not one an epoch).
+  const int64_t planned = memory_->eval_batch(config_.execution.eval_batch_size);
+  int64_t batch = eval_batch_fits_ > 0 ? std::min(planned, eval_batch_fits_) : planned;
+  for (;; batch = (batch + 1) / 2) {
     try {  // under a vram_budget, an evaluation batch that does not fit is halved, not fatal
-      return evaluate(batch);
+      EvalResult result = evaluate(batch);
+      if (batch < planned) eval_batch_fits_ = batch;
+      return result;
     } catch (const c10::OutOfMemoryError&) {
       TRIACCEL_CHECK_INPUT(batch > 1, "out of memory evaluating one sample: raise ", option_ref("vram_budget"));
       session_.event(event::kOom, progress_->step,
