@@ -11,7 +11,8 @@
 #   tri      Tri-Accel, ResNet-18 b96, unbudgeted and under 0.5GB, EPOCHS epochs
 #   acc      the accuracy protocol: ResNet-18 b96 amp-bf16, ACC_EPOCHS (15) epochs, seeds ACC_SEEDS (0 1 2),
 #            unbudgeted and under ACC_BUDGET (0.5GB)
-#   grid     GRID ("model:budget ..." pairs) with backprop, 1 epoch each: zero crashes, peak ≤ budget, every sample
+#   grid     GRID ("model:budget[:method] ...", method default backprop; CIFAR-10 at its native size, ViT-Tiny b512
+#            and GPT-char b64 with AdamW, the others b96), 1 epoch each: zero crashes, peak ≤ budget, every sample
 # Binaries: .device/bin (built here with `make gpu-binaries`, carried: carry [".device"]); data: .device/data.
 # Writes $OUT/memory_planner.json ({"bench","gpu","command","commit","rows"}) and $OUT/memory_planner_logs.tgz, and
 # prints a short table last. Usage: COMMIT=$(git rev-parse --short HEAD) STAGES=... bash bench/run_memory_planner.sh
@@ -44,9 +45,10 @@ fi
 train() {
   local tag=$1 model=$2 budget=$3
   shift 3
+  if [ "$SECONDS" -gt "${DEADLINE:-1000000}" ]; then echo "$tag: skipped (DEADLINE ${DEADLINE} s passed)"; return; fi
   local b=()
   [ "$budget" != none ] && b=(--vram-budget "$budget")
-  timeout 300 "$BIN/triaccel" train --model "$model" "${b[@]}" --precision amp-bf16 --cudnn-autotune off \
+  timeout "${RUN_TIMEOUT:-300}" "$BIN/triaccel" train --model "$model" "${b[@]}" --precision amp-bf16 --cudnn-autotune off \
     --seed "${SEED:-0}" \
     --progress lines --log-every 100000 --out "$WORK/runs/$tag" "$@" >"$WORK/runs/$tag.log" 2>&1
   echo "$tag: exit $? $(grep -E '^(memory plan|done)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-220)"
@@ -95,12 +97,16 @@ if has acc; then
   done
 fi
 if has grid; then
-  for pair in $GRID; do
-    model=${pair%%:*}
-    budget=${pair#*:}
-    extra=(--dataset cifar10 --data "$DATA" --batch-size 96)
-    [ "$model" = efficientnet-b0 ] && extra+=(--image-size 224)
-    train "grid_${model}_$budget" "$model" "$budget" "${extra[@]}" --epochs 1
+  mkdir -p /tmp/shakespeare && cp .device/data/tinyshakespeare/input.txt /tmp/shakespeare/ 2>/dev/null
+  for entry in $GRID; do
+    IFS=: read -r model budget method <<<"$entry"
+    method=${method:-backprop}
+    case $model in
+      vit-tiny) extra=(--dataset cifar10 --data "$DATA" --batch-size 512 --optimizer adamw) ;;
+      gpt-char) extra=(--dataset tinyshakespeare --data /tmp/shakespeare --batch-size 64 --optimizer adamw) ;;
+      *) extra=(--dataset cifar10 --data "$DATA" --batch-size 96) ;;
+    esac
+    train "grid_${model}_${budget}_$method" "$model" "$budget" --method "$method" "${extra[@]}" --epochs 1
   done
 fi
 
@@ -134,18 +140,28 @@ for ev in sorted(glob.glob(f"{work}/runs/*/events.jsonl")):
         "cuda_graph": epochs[-1].get("cuda_graph") if epochs else None,
         "plan": plans[-1] if plans else None, "plans": len(plans),
     })
+def budget_gb(r):
+    b = (r.get("vram_budget") or "").upper().replace("GB", "")
+    try:
+        return float(b)
+    except ValueError:
+        return None
+for r in rows:
+    b = budget_gb(r)
+    r["within_budget"] = None if b is None or r["peak_vram_gb"] is None else r["peak_vram_gb"] <= b
 pt = [json.load(open(f)) for f in sorted(glob.glob(f"{work}/pytorch_budget_*.json"))]
 out = {"bench": "memory_planner", "gpu": gpu, "commit": commit, "stages": stages,
        "command": f"COMMIT={commit} STAGES={stages} bash bench/run_memory_planner.sh", "rows": rows, "pytorch": pt}
 json.dump(out, open(dst, "w"), indent=1)
-print(f"{'run':28} {'s/ep1':>6} {'s/ep':>6} {'img/s':>7} {'peak GB':>8} {'pred GB':>8} {'meas GB':>8} {'micro':>5} {'acc':>3} {'rcmp':>4} {'data':>6} {'oom':>3} {'graph':>5} {'c.oom':>5} {'ok':>3}")
+print(f"{'run':28} {'s/ep1':>6} {'s/ep':>6} {'img/s':>7} {'peak GB':>8} {'pred GB':>8} {'meas GB':>8} {'micro':>5} {'acc':>3} {'rcmp':>4} {'data':>6} {'oom':>3} {'graph':>5} {'c.oom':>5} {'ok':>3} {'<=bud':>5} samples")
 for r in rows:
     p = r["plan"] or {}
     pred = p.get("predicted_peak_bytes")
     print(f"{r['run']:28} {r['epoch_s_first'] or 0:6.2f} {r['epoch_s_last'] or 0:6.2f} {r['images_per_s_last'] or 0:7.0f} {r['peak_vram_gb'] or 0:8.3f} "
           f"{(pred or 0) / 1e9:8.3f} {(p.get('measured_peak_bytes') or 0) / 1e9:8.3f} {p.get('micro_batch', '-')!s:>5} {p.get('accumulation', '-')!s:>3} "
           f"{len(p.get('recompute', [])):4} {p.get('data_placement', '-')!s:>6} {r['oom_events']:3} "
-          f"{r['cuda_graph']!s:>5} {r['graph_capture_ooms']!s:>5} {'yes' if r['finished'] else 'NO':>3}")
+          f"{r['cuda_graph']!s:>5} {r['graph_capture_ooms']!s:>5} {'yes' if r['finished'] else 'NO':>3} "
+          f"{r['within_budget']!s:>5} {','.join(str(n) for n in r['samples_per_epoch'])}")
 for p in pt:
     b = p["best"]
     print(f"pytorch best under {p['cap_gb']} GB ({p['resident_gb']} GB resident): {b['recipe']} k={b['k']} {b['img_s']:.0f} img/s")
