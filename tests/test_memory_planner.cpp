@@ -222,6 +222,27 @@ class UnitNet : public Model {
   }
 };
 
+// A UnitNet on `device` with plain SGD, a loss scaler and the step engine over them (members in construction order:
+// the step refers to the others).
+std::vector<std::pair<std::string, at::Tensor>> named_on(UnitNet& net, const c10::Device& device) {
+  net.to(device);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
+  return named;
+}
+
+struct UnitRig {
+  UnitNet net;
+  Sgd sgd;
+  LossScaler scaler;
+  TrainStep step;
+  UnitRig(bool batch_norm, const StepOptions& so, const c10::Device& device)
+      : net(batch_norm),
+        sgd(named_on(net, device), SgdOptions{}),
+        scaler(LossScalerOptions{}, device),
+        step(net, sgd, scaler, so, device) {}
+};
+
 struct StepRun {
   std::vector<at::Tensor> weights;
   std::vector<at::Tensor> buffers;
@@ -229,15 +250,10 @@ struct StepRun {
 
 StepRun train_steps(int64_t micro_batch, const std::vector<bool>& recompute, bool batch_norm, int steps) {
   torch::manual_seed(3);
-  UnitNet net(batch_norm);
-  net.train();
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
-  Sgd sgd(named, SgdOptions{});
-  LossScaler scaler(LossScalerOptions{}, torch::kCPU);
   StepOptions so;
   so.micro_batch = micro_batch;
-  TrainStep step(net, sgd, scaler, so, torch::kCPU);
+  UnitRig rig(batch_norm, so, torch::kCPU);
+  TrainStep& step = rig.step;
   step.set_recompute(recompute);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
   for (int s = 0; s < steps; ++s) {
@@ -246,8 +262,8 @@ StepRun train_steps(int64_t micro_batch, const std::vector<bool>& recompute, boo
     step.run(x, y, 0.05);
   }
   StepRun out;
-  for (const auto& p : net.parameters()) out.weights.push_back(p.detach().clone());
-  for (const auto& b : net.buffers()) out.buffers.push_back(b.clone());
+  for (const auto& p : rig.net.parameters()) out.weights.push_back(p.detach().clone());
+  for (const auto& b : rig.net.buffers()) out.buffers.push_back(b.clone());
   return out;
 }
 
@@ -391,20 +407,14 @@ TEST(MemoryGpuTest, PlannedStepInACudaGraphMatchesEager) {
 #endif
   const auto train = [&](bool graphs) {
     torch::manual_seed(3);
-    UnitNet net(false);
-    net.to(gpu);
-    net.train();
-    std::vector<std::pair<std::string, at::Tensor>> named;
-    for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
-    Sgd sgd(named, SgdOptions{});
-    LossScaler scaler(LossScalerOptions{}, gpu);
     StepOptions so;
     so.precision = PrecisionMode::kAmpBF16;
     so.cuda_graphs = graphs;
     so.graph_batch_size = 12;
     so.warmup_steps = 1;
     so.micro_batch = 5;
-    TrainStep step(net, sgd, scaler, so, gpu);
+    UnitRig rig(false, so, gpu);
+    TrainStep& step = rig.step;
     step.set_recompute({true, false, true});
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
     const at::Tensor x = at::empty({12, 12}, at::TensorOptions().device(gpu));
@@ -416,7 +426,7 @@ TEST(MemoryGpuTest, PlannedStepInACudaGraphMatchesEager) {
     }
     EXPECT_EQ(step.graph().captured(), graphs);
     std::vector<at::Tensor> w;
-    for (const auto& p : net.parameters()) w.push_back(p.detach().cpu());
+    for (const auto& p : rig.net.parameters()) w.push_back(p.detach().cpu());
     return w;
   };
   const auto eager = train(false);
@@ -438,12 +448,6 @@ TEST(MemoryGpuTest, ACaptureThatNeverFitsNearTheFloorLeavesTheStepEager) {
   const double floor = memory_plan_solve(m, 12, 1).floor_bytes;
   for (const bool near_floor : {false, true}) {
     torch::manual_seed(3);
-    UnitNet net(false);
-    net.to(gpu);
-    std::vector<std::pair<std::string, at::Tensor>> named;
-    for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
-    Sgd sgd(named, SgdOptions{});
-    LossScaler scaler(LossScalerOptions{}, gpu);
     int captures = 0;
     StepOptions so;
     so.precision = PrecisionMode::kAmpBF16;
@@ -453,7 +457,8 @@ TEST(MemoryGpuTest, ACaptureThatNeverFitsNearTheFloorLeavesTheStepEager) {
       ++captures;
       TORCH_CHECK_WITH(OutOfMemoryError, false, "test: no room for the graph's pool");
     };
-    TrainStep step(net, sgd, scaler, so, gpu);
+    UnitRig rig(false, so, gpu);
+    TrainStep& step = rig.step;
     MemoryPlanLimits limits;
     limits.batch = 12;
     limits.cap_bytes = static_cast<int64_t>(near_floor ? floor / 0.85 : 4 * floor);
@@ -493,12 +498,8 @@ TEST(MemoryGpuTest, ACaptureThatNeverFitsNearTheFloorLeavesTheStepEager) {
 // peak; an out-of-memory error raises the activation scale and the limit with it; each change reaches the step
 // engine and the events, and the scale survives a checkpoint.
 TEST(MemoryPlanControllerTest, PaysForAPromotionWithinTheFirstPeak) {
-  UnitNet net(false);
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
-  Sgd sgd(named, SgdOptions{});
-  LossScaler scaler(LossScalerOptions{}, torch::kCPU);
-  TrainStep step(net, sgd, scaler, StepOptions{}, torch::kCPU);
+  UnitRig rig(false, StepOptions{}, torch::kCPU);
+  TrainStep& step = rig.step;
   step.set_unit_precisions({Precision::kBF16, Precision::kBF16, Precision::kBF16});
   const auto model_for = [](const std::vector<Precision>& p) {
     std::vector<double> saved;
@@ -564,12 +565,8 @@ class FakeMeter : public MemoryMeter {
 };
 
 TEST(MemoryPlanControllerTest, CalibratesScaleAndFixedBytesFromReadings) {
-  UnitNet net(false);
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
-  Sgd sgd(named, SgdOptions{});
-  LossScaler scaler(LossScalerOptions{}, torch::kCPU);
-  TrainStep step(net, sgd, scaler, StepOptions{}, torch::kCPU);
+  UnitRig rig(false, StepOptions{}, torch::kCPU);
+  TrainStep& step = rig.step;
   MemoryModel m = made_up({100, 60, 20}, {2, 10, 6}, {1, 5, 5});
   m.dataset_bytes = 0;
   m.allow_host_data = false;

@@ -24,12 +24,7 @@ MemoryPlanController::MemoryPlanController(MemoryModel model, MemoryPlan plan, M
 void MemoryPlanController::apply() {
   step_.set_micro_batch(plan_.micro_batch < plan_.batch ? plan_.micro_batch : 0);
   step_.set_recompute(plan_.recompute);
-  if (!graph_disabled_) step_.graph_allow();  // the step's memory changed: a size refused before may fit now
-}
-
-void MemoryPlanController::disable_graph() {
-  graph_disabled_ = true;
-  step_.graph_disable();
+  step_.graph_allow();  // the step's memory changed: a size refused before may fit now (a disabled graph stays off)
 }
 
 void MemoryPlanController::replan() {
@@ -44,7 +39,7 @@ void MemoryPlanController::replan() {
     // Captures shrank the share and a correction now leaves no plan: give the share back, give the graph up.
     limits_.cap_share = limits_.initial_share;
     limits_.budget_bytes = static_cast<int64_t>(limits_.cap_share * static_cast<double>(limits_.cap_bytes));
-    disable_graph();
+    step_.graph_disable();
     next = memory_plan_solve(model_, limits_.batch, limits_.budget_bytes, limits_.constraints);
   }
   TRIACCEL_CHECK_INPUT(next.feasible, "no way to train batch ", limits_.batch, " within ", option_ref("vram_budget"),
@@ -90,7 +85,7 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
   const int64_t capture_ooms = step_.graph().capture_ooms();
   if (capture_ooms > capture_ooms_seen_) {
     capture_ooms_seen_ = capture_ooms;
-    if (limits_.cap_bytes > 0 && !graph_disabled_) {
+    if (limits_.cap_bytes > 0) {  // a disabled graph captures no more
       const double share = limits_.cap_share * kCaptureShareStep;
       const auto bytes = static_cast<int64_t>(share * static_cast<double>(limits_.cap_bytes));
       if (share >= kCaptureShareMin &&
@@ -101,7 +96,7 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
         step_.graph_allow();
         events.push_back({event::kMemoryPlan, plan_fields("capture_oom")});
       } else {
-        disable_graph();
+        step_.graph_disable();
         events.push_back({event::kMemoryPlan, plan_fields("capture_oom_eager")});
       }
     }

@@ -78,8 +78,6 @@ class MemoryPlanController final : public StepController {
 
  private:
   void apply();
-  // The step runs eagerly from now on (no plan leaves room for the graph's pool).
-  void disable_graph();
   // Adds a reading (the plan the step ran with, the allocator's peak) and refits the scale and the offset.
   void calibrate(const MemoryPlan& ran, double measured);
   // Plans again on the current model; UserError naming the floor when nothing fits.
@@ -98,7 +96,6 @@ class MemoryPlanController final : public StepController {
   double offset_ = 0;                  // fixed bytes the model missed (added to model_.fixed_bytes)
   bool seen_step_ = false;
   int64_t capture_ooms_seen_ = 0;      // the step graph's capture_ooms() when last looked at
-  bool graph_disabled_ = false;        // the graph was given up (its pool does not fit beside any plan)
 };
 
 }  // namespace triaccel
