@@ -613,6 +613,14 @@ TEST_F(MemoryRunTest, ARunWithHandSetLeversTrainsAndReportsThePlan) {
     if (e["event"] == "memory_plan") {
       ++plans;
       EXPECT_EQ(e["recompute"].size(), 1u);
+      // Per unit for the report: block1 holds its input alone, the others their saved activations.
+      ASSERT_TRUE(e["units"].is_array());
+      ASSERT_GE(e["units"].size(), 2u);
+      for (const auto& u : e["units"]) {
+        EXPECT_EQ(u["recompute"].get<bool>(), u["unit"] == "block1") << u.dump();
+        EXPECT_GT(u["activation_bytes"].get<int64_t>(), 0) << u.dump();
+      }
+      EXPECT_GT(e["consumers"]["weights"].get<int64_t>(), 0);
     }
   }
   EXPECT_EQ(plans, 1);

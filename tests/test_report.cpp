@@ -200,8 +200,28 @@ TEST(Report, ChartSeries) {
   text += line(event("plan", 400, 3.8, Json{{"units", {{{"unit", "stem"}, {"format", "adamw-8bit"}, {"bytes", 200},
                                                         {"risk", 0.01}}}},
                                             {"total_bytes", 200}, {"budget_bytes", 300}}));
+  // Memory plans: one from before per-unit figures (not drawn), then two with them (the last is drawn).
+  text += line(event("memory_plan", 0, 0.5, Json{{"reason", "start"}, {"micro_batch", 96}}));
+  const auto mplan = [&](const char* reason, int64_t micro, bool stem_recomputed) {
+    return event("memory_plan", 5, 0.7, Json{{"reason", reason}, {"micro_batch", micro}, {"accumulation", 96 / micro},
+                                            {"data_placement", "host"}, {"predicted_peak_bytes", 400},
+                                            {"units", {{{"unit", "stem"}, {"recompute", stem_recomputed},
+                                                        {"activation_bytes", 30}},
+                                                       {{"unit", "fc"}, {"recompute", false}, {"activation_bytes", 2}}}},
+                                            {"consumers", {{"weights", 100}, {"data", "not a number"}}}});
+  };
+  text += line(mplan("start", 96, false));
+  text += line(mplan("measured", 48, true));
   const RunModel m = run_model_build(run_events_read(run_write(dir, "series", text)));
   const Json& c = m.charts;
+  EXPECT_EQ(c["memory_plan"]["plans"], 2);
+  EXPECT_EQ(c["memory_plan"]["reason"], "measured");
+  EXPECT_EQ(c["memory_plan"]["micro_batch"], 48);
+  EXPECT_EQ(c["memory_plan"]["accumulation"], 2);
+  EXPECT_EQ(c["memory_plan"]["units"][0]["recompute"], true);
+  EXPECT_EQ(c["memory_plan"]["units"][1]["activation_bytes"], 2);
+  EXPECT_EQ(c["memory_plan"]["consumers"], Json({{"weights", 100}}));  // non-numbers dropped
+  EXPECT_TRUE(c["memory_plan"]["measured_peak_bytes"].is_null());
   EXPECT_EQ(c["precision"]["units"], units);
   EXPECT_EQ(c["precision"]["levels"], Json::parse(R"([["fp32","fp16"],["bf16","bf16"]])"));  // applied wins
   EXPECT_EQ(c["precision"]["time_s"], Json::array({1.0, 2.0}));

@@ -32,7 +32,8 @@ render() {
 
 ALL_CHARTS=(--expect-chart loss-epoch --expect-chart acc-epoch --expect-chart loss-time --expect-chart acc-time
             --expect-chart batch-time --expect-chart vram-time --expect-chart precision --expect-chart lambda-max
-            --expect-chart plan-memory --expect-chart plan-risk --expect-chart nf-blocks --expect-chart nf-exit)
+            --expect-chart plan-memory --expect-chart plan-risk --expect-chart memory-plan --expect-chart nf-blocks
+            --expect-chart nf-exit)
 
 # 1. Synthetic runs: every chart kind, and the problems of the broken ones named in the page.
 python3 "$HERE/write_synthetic_runs.py" "$WORK/runs" || fail "write_synthetic_runs.py failed"
@@ -55,7 +56,8 @@ python3 "$HERE/check_report_dom.py" "$WORK/synthetic.dom" "$WORK/synthetic.log" 
   --expect-text "line 5 is not an event" \
   --expect-text "no summary event: the run did not finish" \
   --expect-text "empty; the run wrote no events" \
-  --expect-text "missing: not found; give a run folder" || fail "synthetic report: rendered page check"
+  --expect-text "missing: not found; give a run folder" \
+  --expect-text "micro-batch 48 × 2, data on the host (streamed)" || fail "synthetic report: rendered page check"
 
 # 2. Real runs (H200): Tri-Accel with precision/curvature, fp32 backprop, BAOC with plan events; no NeuroFlux.
 H200=$ROOT/bench/results/h200
@@ -67,6 +69,7 @@ render "$WORK/out/real.html" real
 python3 "$HERE/check_report_dom.py" "$WORK/real.dom" "$WORK/real.log" --runs 3 \
   --expect-chart loss-epoch --expect-chart acc-time --expect-chart vram-time --expect-chart precision \
   --expect-chart lambda-max --expect-chart plan-memory --expect-nodata nf-blocks --expect-nodata nf-exit \
+  --expect-nodata memory-plan \
   --expect-text "no NeuroFlux block events in these runs" --expect-text "r18_tri_s0" || fail "real report: rendered page check"
 
 # 3. The check must catch a page whose drawing throws, and one whose script does not parse.

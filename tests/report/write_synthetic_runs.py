@@ -2,7 +2,7 @@
 """Writes synthetic run folders for the report browser test: one per chart kind, plus broken ones.
 
   tri/      Tri-Accel: config, epoch, precision, curvature, batch (VRAM budget), summary
-  baoc/     BAOC: config, epoch, plan (per-unit formats, bytes, risk), summary
+  baoc/     BAOC: config, epoch, plan (per-unit formats, bytes, risk), a memory plan (per-unit activations), summary
   nf/       NeuroFlux: config, its own plan, block (per-unit local accuracies), exit (the exit curve), summary
   broken/   a line that is not JSON, one that is not an event, a cut-off last line, no summary
   empty/    an empty events.jsonl
@@ -72,6 +72,13 @@ plan_units = [{"unit": u, "format": f, "params": 1000 * (i + 1), "bytes": b, "ri
 baoc = [config("backprop", "amp-bf16")] + epochs(3, 2.0, 9.0, 1.2)
 baoc.insert(2, ev("optim_plan", 50, 6.0, units=plan_units, total_bytes=40900, budget_bytes=45000, adamw_fp32_bytes=160000,
                   total_risk=0.0137, plan=1))
+baoc.insert(3, ev("memory_plan", 0, 1.5, reason="start", batch=96, micro_batch=48, accumulation=2,
+                  recompute=["layer1.0", "layer2.0"], data_placement="host", predicted_peak_bytes=480000000,
+                  measured_peak_bytes=470000000, budget_bytes=500000000, plan_limit_bytes=450000000,
+                  units=[{"unit": u, "recompute": u in ("layer1.0", "layer2.0"), "activation_bytes": b}
+                         for u, b in zip(UNITS, [60e6, 9e6, 50e6, 4e6, 30e6, 1e5])],
+                  consumers={"weights": 44700000, "gradients": 44700000, "optimizer": 44700000, "data": 4000000,
+                             "fixed": 30000000, "transient": 12000000}))
 baoc.append(summary("backprop", 80.5, 9.0, 1.25, precision="amp-bf16"))
 write("baoc", baoc)
 

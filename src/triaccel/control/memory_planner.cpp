@@ -210,6 +210,25 @@ std::vector<std::string> MemoryPlan::recompute_names(const MemoryModel& model) c
 }
 
 Json MemoryPlan::to_json(const MemoryModel& model) const {
+  // Per unit, what its activations hold at the micro-batch (its input alone when recomputed); the consumers that
+  // do not scale with it. The report draws both (report/run_model.h).
+  Json units = Json::array();
+  const double per_micro = static_cast<double>(micro_batch) * model.activation_scale;
+  for (size_t u = 0; u < model.units.size(); ++u) {
+    const UnitCost& c = model.units[u];
+    const bool r = u < recompute.size() && recompute[u];
+    units.push_back(Json{{"unit", c.name},
+                         {"recompute", r},
+                         {"activation_bytes", static_cast<int64_t>(per_micro * (r ? c.input_bytes : c.saved_bytes))}});
+  }
+  const double data = data_placement == DataPlacement::kDevice ? model.dataset_bytes : model.stream_bytes;
+  const auto whole = [](double b) { return static_cast<int64_t>(std::ceil(b)); };
+  const Json consumers{{"weights", whole(model.weights_bytes)},
+                       {"gradients", whole(model.grads_bytes)},
+                       {"optimizer", whole(model.optimizer_bytes)},
+                       {"data", whole(data + static_cast<double>(batch) * model.batch_input_bytes)},
+                       {"fixed", whole(model.fixed_bytes)},
+                       {"transient", whole(per_micro * model.transient_bytes)}};
   return Json{{"feasible", feasible},
               {"batch", batch},
               {"micro_batch", micro_batch},
@@ -220,7 +239,9 @@ Json MemoryPlan::to_json(const MemoryModel& model) const {
               {"plan_limit_bytes", budget_bytes},
               {"floor_bytes", static_cast<int64_t>(std::ceil(floor_bytes))},
               {"predicted_step_s", predicted_step_s},
-              {"activation_scale", model.activation_scale}};
+              {"activation_scale", model.activation_scale},
+              {"units", units},
+              {"consumers", consumers}};
 }
 
 bool MemoryPlan::operator==(const MemoryPlan& o) const {

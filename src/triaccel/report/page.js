@@ -430,6 +430,34 @@
     }
   }
 
+  function drawMemoryPlan() {
+    const grid = section('Memory plan', 'The memory planner\'s last plan of each run: what each unit\'s activations ' +
+                         'hold at the micro-batch (a recomputed unit keeps only its input), beside the other consumers.');
+    const list = withChart('memory_plan');
+    if (!list.length) { noData(grid, 'memory-plan', 'memory_plan events with per-unit figures'); return; }
+    const KEPT = '#2f62a8', RECOMPUTED = '#f2a43a';
+    for (const r of list) {
+      const p = r.charts.memory_plan;
+      const units = p.units.map((u) => u.unit);
+      const others = Object.entries(p.consumers).map(([k, v]) => `${k} ${fmtBytes(v)}`).join(', ');
+      const measured = finite(p.measured_peak_bytes) ? `, measured ${fmtBytes(p.measured_peak_bytes)}` : '';
+      const budget = finite(p.budget_bytes) ? ` of a ${fmtBytes(p.budget_bytes)} budget` : '';
+      const note = `step ${p.step} (${p.reason}): micro-batch ${p.micro_batch} × ${p.accumulation}, data on the ` +
+                   `${p.data_placement === 'host' ? 'host (streamed)' : 'GPU'}; peak predicted ` +
+                   `${fmtBytes(p.predicted_peak_bytes)}${measured}${budget}. Other consumers: ${others}.`;
+      figure(grid, 'memory-plan', `Activations per unit — ${r.name}`, note, (fig) => {
+        fig.appendChild(barChart({id: 'memory-plan', categories: units, yLabel: 'activations (MB)',
+                                  series: [{name: '', color: KEPT,
+                                            colors: p.units.map((u) => (u.recompute ? RECOMPUTED : KEPT)),
+                                            values: p.units.map((u) => (finite(u.activation_bytes)
+                                                                        ? u.activation_bytes / 1e6 : null)),
+                                            label: (v, i) => `${p.units[i].recompute ? 'recomputed' : 'kept'}, ` +
+                                                             fmtBytes(p.units[i].activation_bytes)}]}));
+        legend(fig, [{name: 'kept', color: KEPT, box: true}, {name: 'recomputed', color: RECOMPUTED, box: true}]);
+      }).setAttribute('data-run', r.name);
+    }
+  }
+
   function drawNeuroFlux() {
     const grid = section('NeuroFlux', 'Local learning: each unit\'s auxiliary-head accuracy, and the exit curve ' +
                          '(accuracy of the network cut after each unit).');
@@ -465,7 +493,7 @@
   }
 
   for (const part of [drawProblems, drawTable, drawCurves, drawMemory, drawPrecision, drawCurvature, drawPlan,
-                      drawNeuroFlux]) {
+                      drawMemoryPlan, drawNeuroFlux]) {
     try {
       part();
     } catch (e) {

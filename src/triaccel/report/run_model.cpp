@@ -231,6 +231,38 @@ void plan_fill(const std::vector<Json>& events, Json& charts) {
                         {"total_risk", value_or_null(*last, "total_risk")}};
 }
 
+// The memory planner's last plan with per-unit figures (runs before them logged none): each unit's activations at
+// the micro-batch and whether it is recomputed, the other consumers, the levers, predicted and measured peaks.
+void memory_plan_fill(const std::vector<Json>& events, Json& charts) {
+  const Json* last = nullptr;
+  int64_t plans = 0;
+  for (const auto* p : of_kind(events, event::kMemoryPlan)) {
+    if (!(*p)["units"].is_array() || (*p)["units"].empty()) continue;
+    last = p;
+    ++plans;
+  }
+  if (last == nullptr) return;
+  const Json& e = *last;
+  Json units = Json::array();
+  for (const auto& u : e["units"]) {
+    units.push_back(Json{{"unit", value_or_null(u, "unit")},
+                         {"recompute", u.is_object() && u.value("recompute", false)},
+                         {"activation_bytes", value_or_null(u, "activation_bytes")}});
+  }
+  Json consumers = Json::object();
+  if (e["consumers"].is_object()) {
+    for (const auto& [k, v] : e["consumers"].items()) {
+      if (v.is_number()) consumers[k] = v;
+    }
+  }
+  Json c{{"plans", plans}, {"units", units}, {"consumers", consumers}};
+  for (const char* key : {"step", "reason", "micro_batch", "accumulation", "data_placement", "predicted_peak_bytes",
+                          "measured_peak_bytes", "budget_bytes", "plan_limit_bytes"}) {
+    c[key] = value_or_null(e, key);
+  }
+  charts["memory_plan"] = c;
+}
+
 void neuroflux_fill(const std::vector<Json>& events, Json& charts) {
   Json unit = Json::array(), block = Json::array(), train = Json::array(), hold = Json::array(), test = Json::array();
   for (const auto* b : of_kind(events, event::kBlock)) {
@@ -282,6 +314,7 @@ RunModel run_model_build(const RunEvents& run) {
   precision_fill(run.events, m.charts);
   curvature_fill(run.events, m.charts);
   plan_fill(run.events, m.charts);
+  memory_plan_fill(run.events, m.charts);
   neuroflux_fill(run.events, m.charts);
   return m;
 }
