@@ -2,6 +2,7 @@
 # The memory planner under --vram-budget (docs/memory-planner.md), ours and PyTorch's best recipe side by side in one
 # device call. Stages (STAGES, comma-separated; default "tests,r18,pytorch"):
 #   tests    the GPU unit tests of the planner's levers and the loader (gtest filter), as a log
+#   mutant   .device/bin/triaccel_tests_mutant (a build with deliberate bugs) on MUTANT_FILTER: the tests that fail
 #   r18      ResNet-18 / CIFAR-10 copy, batch 96, amp-bf16, cuDNN heuristics, EPOCHS epochs per budget in BUDGETS
 #            (default: none 0.8GB 0.62GB 0.5GB 0.4GB 0.3GB 0.25GB); s/epoch of the last epoch, the plan, the
 #            measured peak (allocated, training steps) against the predicted one
@@ -39,6 +40,14 @@ if has tests; then
     >"$WORK/unit_tests_gpu.log" 2>&1
   echo "gpu unit tests: exit $?; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$WORK/unit_tests_gpu.log" | tr '\n' ' ')"
   grep -B12 -E '^\[  FAILED  \] [A-Za-z]+\.[A-Za-z]+ \(' "$WORK/unit_tests_gpu.log" | grep -vE '^(frame #|\[ RUN|\[       OK)' | head -40
+fi
+
+# A mutant test binary (built here with a deliberate bug, docs/measuring.md): the GPU tests must fail with it.
+if has mutant && [ -x "$BIN/triaccel_tests_mutant" ]; then
+  TRIACCEL_SOURCE_DIR=$(pwd) "$BIN/triaccel_tests_mutant" --gtest_brief=1 --gtest_filter="${MUTANT_FILTER:-MemoryGpu*}" \
+    >"$WORK/unit_tests_gpu_mutant.log" 2>&1
+  echo "mutant gpu unit tests (must fail): exit $?; failed: $(grep -E '^\[  FAILED  \] [A-Za-z]+\.[A-Za-z]+ \(' \
+    "$WORK/unit_tests_gpu_mutant.log" | awk '{print $4}' | tr '\n' ' ')"
 fi
 
 # train TAG MODEL BUDGET ARGS...: one run; its events stay in $WORK/runs/TAG.

@@ -104,8 +104,11 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
   // Calibration: the allocator's peak over an eager or capturing step (a replay allocates nothing: its window shows
   // only the live tensors). The first step of a session is not read: optimizer state (SGD's momentum) is created at
   // its end, after its peak.
-  const bool allocated = step_.graph().last_ran() != StepGraph::Ran::kReplayed;
-  if (ctx.memory == nullptr || !allocated || calibrations_ >= kCalibrationSteps) return events;
+  // An eager step beside a captured graph (an epoch's short last batch) reads the graph's pool as well: no reading.
+  const StepGraph::Ran ran_as = step_.graph().last_ran();
+  const bool allocated = ran_as != StepGraph::Ran::kReplayed;
+  const bool beside_graph = ran_as == StepGraph::Ran::kEager && step_.graph().captured();
+  if (ctx.memory == nullptr || !allocated || beside_graph || calibrations_ >= kCalibrationSteps) return events;
   const MemoryStats m = ctx.memory->window();
   const double measured = static_cast<double>(m.peak_allocated_bytes);
   if (measured <= 0 || first_step) return events;
