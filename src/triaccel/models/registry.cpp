@@ -3,6 +3,8 @@
 #include "triaccel/core/enum_names.h"
 #include "triaccel/core/errors.h"
 
+#include <deque>
+
 namespace triaccel {
 
 // Each architecture's builder (models/<arch>.cpp).
@@ -12,8 +14,10 @@ std::shared_ptr<Model> small_cnn_create(const ModelOptions& options);
 std::shared_ptr<Model> vit_tiny_create(const ModelOptions& options);
 std::shared_ptr<Model> gpt_char_create(const ModelOptions& options);
 
-const std::vector<ModelEntry>& model_registry() {
-  static const std::vector<ModelEntry> kEntries = {
+namespace {
+
+std::vector<ModelEntry>& registry_entries() {
+  static std::vector<ModelEntry> entries = {
       {"resnet18", "ResNet-18 with the CIFAR stem (11.2 M parameters)", ModelInput::kImage, true, true,
        &resnet18_create},
       {"efficientnet-b0", "EfficientNet-B0 (4.0 M)", ModelInput::kImage, true, true, &efficientnet_b0_create},
@@ -23,16 +27,37 @@ const std::vector<ModelEntry>& model_registry() {
       {"gpt-char", "a character-level GPT (10.8 M; text datasets)", ModelInput::kTokens, false, false,
        &gpt_char_create},
   };
-  return kEntries;
+  return entries;
 }
 
-const std::vector<std::string>& model_names() {
-  static const std::vector<std::string> kNames = [] {
-    std::vector<std::string> names;
-    for (const auto& e : model_registry()) names.emplace_back(e.name);
-    return names;
+std::vector<std::string>& registry_names() {
+  static std::vector<std::string> names = [] {
+    std::vector<std::string> all;
+    for (const auto& e : registry_entries()) all.emplace_back(e.name);
+    return all;
   }();
-  return kNames;
+  return names;
+}
+
+}  // namespace
+
+const std::vector<ModelEntry>& model_registry() { return registry_entries(); }
+
+const std::vector<std::string>& model_names() { return registry_names(); }
+
+void model_register(const ModelEntry& entry) {
+  TRIACCEL_CHECK_INPUT(entry.name != nullptr && entry.name[0] != '\0', "model_register: the model needs a name");
+  TRIACCEL_CHECK_INPUT(entry.create != nullptr, "model_register: model '", entry.name, "' needs a create function");
+  for (const auto& e : registry_entries()) {
+    TRIACCEL_CHECK_INPUT(std::string(e.name) != entry.name, "model_register: a model named '", entry.name,
+                         "' is already registered");
+  }
+  static std::deque<std::string> texts;  // the copied names and descriptions (a deque never moves its elements)
+  ModelEntry copy = entry;
+  copy.name = texts.emplace_back(entry.name).c_str();
+  copy.description = texts.emplace_back(entry.description != nullptr ? entry.description : "").c_str();
+  registry_entries().push_back(copy);
+  registry_names().emplace_back(copy.name);
 }
 
 const ModelEntry& model_entry(const std::string& name) {

@@ -25,11 +25,16 @@ struct ModelEntry {
   std::shared_ptr<Model> (*create)(const ModelOptions& options);
 };
 
-// Every model, in the order --help lists them.
+// Every model, in the order --help lists them: the built-in ones, then those added by model_register.
 const std::vector<ModelEntry>& model_registry();
 // The named entry; UserError naming the `model` option and listing the names for an unknown one.
 const ModelEntry& model_entry(const std::string& name);
 const std::vector<std::string>& model_names();
+
+// Adds a model defined outside the library (a C++ user's own; docs/cpp-package.md): from then on the `model` option
+// accepts entry.name. The name and description are copied. Call it before any run starts (it is not thread-safe).
+// UserError for an empty or already registered name or a null `create`.
+void model_register(const ModelEntry& entry);
 
 // Builds the named model with fresh initialization (uses the global torch RNG; seed it first).
 std::shared_ptr<Model> model_create(const ModelOptions& options);
