@@ -7,10 +7,11 @@ set -euo pipefail
 
 TORCH_VERSION=2.11.0
 TORCHVISION_VERSION=0.26.0
-# chromium: the report's headless-browser test; clang + libclang-rt-14-dev: the libFuzzer targets with ASan/UBSan
-# (make test-fuzz, docs/reliability.md).
+# libjpeg62-turbo-dev, libpng-dev: the image-folder reader; libgloo-dev: the Gloo headers c10d's ProcessGroupGloo
+# includes (the pip wheel's libtorch carries Gloo itself, not its headers); chromium: the report's headless-browser
+# test; clang + libclang-rt-14-dev: the libFuzzer targets with ASan/UBSan (make test-fuzz, docs/reliability.md).
 APT_PACKAGES=(cmake ninja-build g++ make zlib1g-dev nlohmann-json3-dev libcli11-dev libgtest-dev dataset-fashion-mnist
-              chromium clang libclang-rt-14-dev)
+              libjpeg62-turbo-dev libpng-dev libgloo-dev chromium clang libclang-rt-14-dev)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
