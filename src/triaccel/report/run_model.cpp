@@ -237,7 +237,7 @@ void memory_plan_fill(const std::vector<Json>& events, Json& charts) {
   const Json* last = nullptr;
   int64_t plans = 0;
   for (const auto* p : of_kind(events, event::kMemoryPlan)) {
-    if (!(*p)["units"].is_array() || (*p)["units"].empty()) continue;
+    if (!p->contains("units") || !(*p)["units"].is_array() || (*p)["units"].empty()) continue;  // runs from before
     last = p;
     ++plans;
   }
@@ -246,11 +246,12 @@ void memory_plan_fill(const std::vector<Json>& events, Json& charts) {
   Json units = Json::array();
   for (const auto& u : e["units"]) {
     units.push_back(Json{{"unit", value_or_null(u, "unit")},
-                         {"recompute", u.is_object() && u.value("recompute", false)},
+                         {"recompute", u.is_object() && u.contains("recompute") && u["recompute"].is_boolean() &&
+                                           u["recompute"].get<bool>()},
                          {"activation_bytes", value_or_null(u, "activation_bytes")}});
   }
   Json consumers = Json::object();
-  if (e["consumers"].is_object()) {
+  if (e.contains("consumers") && e["consumers"].is_object()) {
     for (const auto& [k, v] : e["consumers"].items()) {
       if (v.is_number()) consumers[k] = v;
     }
