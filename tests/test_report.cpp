@@ -239,6 +239,20 @@ TEST(Report, ChartSeries) {
   EXPECT_FALSE(c.contains("blocks"));
 }
 
+// Events that lack the fields a chart reads (a hand-edited or foreign file) give no chart and no crash: a missing key
+// is read as null (nlohmann's const operator[] on it is undefined behaviour, an assertion in make test's build).
+TEST(Report, EventsWithoutTheirFieldsDrawNothing) {
+  TempDir dir("report_bare");
+  std::string text = line(config("tri-accel"));
+  for (const char* kind : {"precision", "curvature", "optim_plan", "memory_plan", "block", "exit", "stop"}) {
+    text += line(event(kind, 10, 1.0, Json::object()));
+  }
+  const RunModel m = run_model_build(run_events_read(run_write(dir, "bare", text)));
+  for (const char* chart : {"precision", "curvature", "plan", "memory_plan", "blocks", "exits"}) {
+    EXPECT_FALSE(m.charts.contains(chart)) << chart;
+  }
+}
+
 TEST(Report, NeuroFluxSeries) {
   TempDir dir("report_nf");
   std::string text = line(config("neuroflux"));

@@ -20,9 +20,16 @@ std::string text(const Json& j, const char* key) {
   return j[key].get<std::string>();
 }
 
+// j[key] for reading: null when j is not an object or has no such key (nlohmann's const operator[] on a missing key
+// is undefined behaviour, an assertion in make test's build; an events file is the user's and may lack anything).
+const Json& field(const Json& j, const char* key) {
+  static const Json kNull;
+  return j.is_object() && j.contains(key) ? j[key] : kNull;
+}
+
 Json value_or_null(const Json& j, const char* key) {
-  if (!j.is_object() || !j.contains(key) || !(j[key].is_number() || j[key].is_string())) return nullptr;
-  return j[key];
+  const Json& v = field(j, key);
+  return v.is_number() || v.is_string() ? v : Json(nullptr);
 }
 
 Json optional_json(const std::optional<double>& v) { return v ? Json(*v) : Json(nullptr); }
@@ -31,7 +38,7 @@ std::vector<const Json*> of_kind(const std::vector<Json>& events, const char* ki
                                  const char* legacy_kind = nullptr) {
   std::vector<const Json*> out;
   for (const auto& e : events) {
-    if (e["event"] == kind || (legacy_kind != nullptr && e["event"] == legacy_kind)) out.push_back(&e);
+    if (field(e, "event") == kind || (legacy_kind != nullptr && field(e, "event") == legacy_kind)) out.push_back(&e);
   }
   return out;
 }
@@ -90,7 +97,7 @@ void table_row_fill(const RunModel& model, const std::vector<Json>& events, Tabl
   if (events.empty()) return;  // the reader already said why
   const auto stops = of_kind(events, event::kStop);
   const std::string why = !stops.empty()
-                              ? "the run stopped at step " + (*stops.back())["step"].dump() + " (" +
+                              ? "the run stopped at step " + field(*stops.back(), "step").dump() + " (" +
                                     text(*stops.back(), "reason") + "); continue it with `triaccel train --resume RUN_DIR`"
                               : "the run did not finish (it was stopped, crashed or is still running)";
   if (row.source == TableSource::kEpochEvents) {
@@ -153,7 +160,7 @@ void memory_fill(const std::vector<Json>& events, Json& charts) {
 std::vector<std::string> units_union(const std::vector<const Json*>& list) {
   std::vector<std::string> units;
   for (const auto* e : list) {
-    for (const auto& u : strings((*e)["units"])) {
+    for (const auto& u : strings(field(*e, "units"))) {
       if (std::find(units.begin(), units.end(), u) == units.end()) units.push_back(u);
     }
   }
@@ -173,8 +180,8 @@ void precision_fill(const std::vector<Json>& events, Json& charts) {
   for (const auto* e : list) {
     time_s.push_back(value_or_null(*e, "time_s"));
     step.push_back(value_or_null(*e, "step"));
-    const auto names = strings((*e)["units"]);
-    const Json& p = (*e).contains("applied") ? (*e)["applied"] : (*e)["precision"];
+    const auto names = strings(field(*e, "units"));
+    const Json& p = e->contains("applied") ? field(*e, "applied") : field(*e, "precision");
     for (auto& l : levels) l.push_back(nullptr);
     for (size_t i = 0; i < names.size(); ++i) {
       if (p.is_array() && i < p.size() && p[i].is_string()) levels[index_of(units, names[i])].back() = p[i];
@@ -192,9 +199,9 @@ void curvature_fill(const std::vector<Json>& events, Json& charts) {
   std::vector<std::optional<double>> last(units.size());
   std::vector<int64_t> probes(units.size(), 0);
   for (const auto* e : list) {
-    const auto names = strings((*e)["units"]);
-    const Json& lm = (*e)["lambda_max"];
-    for (const auto& p : strings((*e)["probed"])) {
+    const auto names = strings(field(*e, "units"));
+    const Json& lm = field(*e, "lambda_max");
+    for (const auto& p : strings(field(*e, "probed"))) {
       const size_t u = index_of(units, p);
       if (u < units.size()) ++probes[u];
     }
@@ -212,14 +219,14 @@ void plan_fill(const std::vector<Json>& events, Json& charts) {
   const Json* last = nullptr;
   int64_t plans = 0;
   for (const auto* p : of_kind(events, event::kOptimPlan, event::kLegacyPlan)) {
-    const Json& u = (*p)["units"];
+    const Json& u = field(*p, "units");
     if (!u.is_array() || u.empty() || !u[0].is_object() || !u[0].contains("format")) continue;  // not a BAOC plan
     last = p;
     ++plans;
   }
   if (last == nullptr) return;
   Json units = Json::array();
-  for (const auto& u : (*last)["units"]) {
+  for (const auto& u : field(*last, "units")) {
     units.push_back(Json{{"unit", value_or_null(u, "unit")}, {"format", value_or_null(u, "format")},
                          {"params", value_or_null(u, "params")}, {"bytes", value_or_null(u, "bytes")},
                          {"risk", value_or_null(u, "risk")}});
@@ -237,24 +244,23 @@ void memory_plan_fill(const std::vector<Json>& events, Json& charts) {
   const Json* last = nullptr;
   int64_t plans = 0;
   for (const auto* p : of_kind(events, event::kMemoryPlan)) {
-    if (!p->contains("units") || !(*p)["units"].is_array() || (*p)["units"].empty()) continue;  // runs from before
+    const Json& units = field(*p, "units");
+    if (!units.is_array() || units.empty()) continue;  // runs from before per-unit figures
     last = p;
     ++plans;
   }
   if (last == nullptr) return;
   const Json& e = *last;
   Json units = Json::array();
-  for (const auto& u : e["units"]) {
+  for (const auto& u : field(e, "units")) {
+    const Json& recompute = field(u, "recompute");
     units.push_back(Json{{"unit", value_or_null(u, "unit")},
-                         {"recompute", u.is_object() && u.contains("recompute") && u["recompute"].is_boolean() &&
-                                           u["recompute"].get<bool>()},
+                         {"recompute", recompute.is_boolean() && recompute.get<bool>()},
                          {"activation_bytes", value_or_null(u, "activation_bytes")}});
   }
   Json consumers = Json::object();
-  if (e.contains("consumers") && e["consumers"].is_object()) {
-    for (const auto& [k, v] : e["consumers"].items()) {
-      if (v.is_number()) consumers[k] = v;
-    }
+  for (const auto& [k, v] : field(e, "consumers").items()) {
+    if (v.is_number()) consumers[k] = v;
   }
   Json c{{"plans", plans}, {"units", units}, {"consumers", consumers}};
   for (const char* key : {"step", "reason", "micro_batch", "accumulation", "data_placement", "predicted_peak_bytes",
@@ -267,8 +273,8 @@ void memory_plan_fill(const std::vector<Json>& events, Json& charts) {
 void neuroflux_fill(const std::vector<Json>& events, Json& charts) {
   Json unit = Json::array(), block = Json::array(), train = Json::array(), hold = Json::array(), test = Json::array();
   for (const auto* b : of_kind(events, event::kBlock)) {
-    if (!(*b)["local"].is_array()) continue;
-    for (const auto& u : (*b)["local"]) {
+    if (!field(*b, "local").is_array()) continue;
+    for (const auto& u : field(*b, "local")) {
       unit.push_back(value_or_null(u, "unit"));
       block.push_back(value_or_null(*b, "block"));
       train.push_back(value_or_null(u, "train_acc"));
@@ -281,13 +287,13 @@ void neuroflux_fill(const std::vector<Json>& events, Json& charts) {
                             {"test_acc", test}};
   }
   const auto exits = of_kind(events, event::kExit);
-  if (exits.empty() || !(*exits.back())["exits"].is_array() || (*exits.back())["exits"].empty()) return;
+  if (exits.empty() || !field(*exits.back(), "exits").is_array() || field(*exits.back(), "exits").empty()) return;
   const Json& e = *exits.back();
   Json c{{"unit", Json::array()}, {"params", Json::array()}, {"holdout_acc", Json::array()}, {"test_acc", Json::array()}};
-  for (const auto& x : e["exits"]) {
+  for (const auto& x : field(e, "exits")) {
     for (const char* key : {"unit", "params", "holdout_acc", "test_acc"}) c[key].push_back(value_or_null(x, key));
   }
-  c["chosen"] = e.contains("chosen") ? value_or_null(e["chosen"], "index") : Json(nullptr);
+  c["chosen"] = value_or_null(field(e, "chosen"), "index");
   c["tolerance"] = value_or_null(e, "tolerance");
   c["full_params"] = value_or_null(e, "full_params");
   charts["exits"] = c;
