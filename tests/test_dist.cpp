@@ -26,9 +26,9 @@ class EnvScope {
       if (value) setenv(name, value, 1); else unsetenv(name);
     }
   }
-  ~EnvScope() {
-    for (const auto& [name, value] : saved_) {
-      if (value) setenv(name.c_str(), value->c_str(), 1); else unsetenv(name.c_str());
+  ~EnvScope() {  // in reverse: a variable set twice in one scope gets its value from before the scope back
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      if (it->second) setenv(it->first.c_str(), it->second->c_str(), 1); else unsetenv(it->first.c_str());
     }
   }
  private:
@@ -60,6 +60,12 @@ TEST(DistTest, RanksComeFromTheEnvironment) {
       EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
     }
   }
+}
+
+TEST(DistTest, TheEnvironmentIsRestoredAfterEachScope) {
+  EXPECT_EQ(std::getenv("WORLD_SIZE"), nullptr) << "an earlier test left WORLD_SIZE set: every later run would wait "
+                                                   "for ranks that never come";
+  EXPECT_EQ(std::getenv("RANK"), nullptr);
 }
 
 TEST(DistTest, OneProcessIsANoOp) {

@@ -6,8 +6,10 @@
 //           and that table as CSV beside it (docs/report.md)
 // Every error ends the program with one line "triaccel: error: <what and how to fix it>": exit 2 for bad input, 1 for
 // internal errors. Options in library messages are spelled as this CLI's flags. A training stopped by SIGINT or
-// SIGTERM writes a checkpoint and exits 3; a second signal aborts at once (docs/reliability.md).
+// SIGTERM writes a checkpoint and exits 3; a second signal aborts at once (docs/reliability.md). `train --nproc N`
+// starts N data-parallel ranks of this program (api/launch.h); a rank other than 0 marks its error lines with it.
 #include "triaccel/api/api.h"
+#include "triaccel/api/launch.h"
 #include "triaccel/core/errors.h"
 
 #include <CLI/CLI.hpp>
@@ -16,8 +18,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -52,6 +56,12 @@ class ConfigFlags {
   std::map<std::string, std::string> values_;
   std::map<std::string, CLI::Option*> options_;
 };
+
+// "" in a single process or rank 0; " (rank R)" in another data-parallel rank.
+std::string rank_tag() {
+  const char* rank = std::getenv("RANK");
+  return rank == nullptr || *rank == '\0' || std::string(rank) == "0" ? "" : " (rank " + std::string(rank) + ")";
+}
 
 // SIGINT and SIGTERM while training: the first is recorded and the run stops after the step in flight with a
 // checkpoint (exit kExitStopped); a second aborts at once with the signal's default action (the last complete
@@ -180,6 +190,20 @@ int main(int argc, char** argv) {
   }
 
   try {
+    if (train->parsed() && triaccel::api::launch_needed(train_flags.config())) {
+      const Config config = train_flags.config();
+      const triaccel::api::LaunchResult r = triaccel::api::launch(config, std::vector<std::string>(argv, argv + argc));
+      if (r.failed_rank >= 0 && r.exit_code != triaccel::kExitUserError) {  // a bad input was named by the rank
+        const std::string how = r.by_signal ? "was killed by signal " + std::to_string(r.exit_code - 128)
+                                            : "exited with code " + std::to_string(r.exit_code);
+        std::fprintf(stderr,
+                     "triaccel: error: rank %d of %lld %s; the other ranks were stopped; continue from the last "
+                     "checkpoint with --resume %s\n",
+                     r.failed_rank, static_cast<long long>(config.execution.nproc), how.c_str(),
+                     config.output.resume.empty() ? config.output.out.c_str() : config.output.resume.c_str());
+      }
+      return r.exit_code;
+    }
     if (train->parsed()) {
       triaccel::RunHooks hooks;
       hooks.spell_option = flag_spelling;
@@ -206,10 +230,10 @@ int main(int argc, char** argv) {
     }
     return 0;
   } catch (const triaccel::UserError& e) {
-    std::fprintf(stderr, "triaccel: error: %s\n", e.message(flag_spelling).c_str());
+    std::fprintf(stderr, "triaccel: error%s: %s\n", rank_tag().c_str(), e.message(flag_spelling).c_str());
     return triaccel::kExitUserError;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "triaccel: internal error: %s\n", triaccel::error_one_line(e).c_str());
+    std::fprintf(stderr, "triaccel: internal error%s: %s\n", rank_tag().c_str(), triaccel::error_one_line(e).c_str());
     return triaccel::kExitInternalError;
   }
 }

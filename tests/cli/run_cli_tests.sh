@@ -79,6 +79,17 @@ expect nf_bad_tolerance 2 "--nf-exit-tolerance must be in [0, 100]" -- train "${
 expect nf_not_a_cnn 2 "--method neuroflux trains CNNs (resnet18, efficientnet-b0, small-cnn), got --model vit-tiny" -- train "${TINY[@]}" --method neuroflux --model vit-tiny
 expect nf_adamw 2 "--method neuroflux trains every block with the fused SGD" -- train "${TINY[@]}" --method neuroflux --optimizer adamw
 expect nf_bad_profile 2 "--nf-profile must be auto, model or measured, got 'guess'" -- train "${TINY[@]}" --method neuroflux --nf-profile guess
+# Data parallel (docs/distributed.md): --nproc 2 starts two ranks of the binary (Gloo on the CPU); rank 0 alone
+# writes; the run resumes in one process; what it does not support yet is refused once, before any rank starts.
+expect nproc_trains 0 "2 processes" -- train "${TINY[@]}" --nproc 2 --max-steps 2 --out "$WORK/dp" --progress lines
+if [ "$(grep -c '"event":"config"' "$WORK/dp/events.jsonl" 2>/dev/null)" = 1 ] && grep -q '"world_size":2' "$WORK/dp/events.jsonl"; then
+  passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nproc_trains: not one config event with world_size 2"; fi
+expect nproc_resume_one 0 "done: test acc" -- train --resume "$WORK/dp" --progress lines
+expect nproc_tri_accel 2 "--nproc 2 trains with --method backprop only" -- train "${TINY[@]}" --nproc 2 --method tri-accel
+expect nproc_budget 2 "--vram-budget is not supported with --nproc 2" -- train "${TINY[@]}" --nproc 2 --vram-budget 1GB
+expect nproc_zero 2 "--nproc must be in [1, 1024], got 0" -- train "${TINY[@]}" --nproc 0
+WORLD_SIZE=3 RANK=0 expect nproc_not_world 2 "--nproc 2 but this process is one of 3" -- train "${TINY[@]}" --nproc 2 --out "$WORK/dpw"
+
 if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   expect nf_measured_on_cpu 2 "--nf-profile measured needs a CUDA device" -- train "${TINY[@]}" --method neuroflux --nf-profile measured --out "$WORK/nf0"
 fi
@@ -179,6 +190,17 @@ expect tri_accel_gpt 2 "does not support --model gpt-char" -- train "${TEXT[@]}"
 expect vit_on_mnist 0 "stopped at step 1" -- train "${TINY[@]}" --model vit-tiny --max-steps 1 --batch-size 4 --out "$WORK/vit" --progress lines
 # BAOC plans any unit-based model: the character GPT on text.
 expect plan_gpt 0 '"unit":"blocks.0"' -- plan "${TEXT[@]}" --batch-size 16 --plan-warmup 2 --optim-memory-budget 25% --json --out "$WORK/pg"
+
+# Data parallel (docs/distributed.md): --nproc 2 starts two ranks of the binary (Gloo on the CPU); rank 0 alone
+# writes; the run resumes in one process; what it does not support yet is refused once, before any rank starts.
+expect nproc_trains 0 "2 processes" -- train "${TINY[@]}" --nproc 2 --max-steps 2 --out "$WORK/dp" --progress lines
+if [ "$(grep -c '"event":"config"' "$WORK/dp/events.jsonl" 2>/dev/null)" = 1 ] && grep -q '"world_size":2' "$WORK/dp/events.jsonl"; then
+  passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nproc_trains: not one config event with world_size 2"; fi
+expect nproc_resume_one 0 "done: test acc" -- train --resume "$WORK/dp" --progress lines
+expect nproc_tri_accel 2 "--nproc 2 trains with --method backprop only" -- train "${TINY[@]}" --nproc 2 --method tri-accel
+expect nproc_budget 2 "--vram-budget is not supported with --nproc 2" -- train "${TINY[@]}" --nproc 2 --vram-budget 1GB
+expect nproc_zero 2 "--nproc must be in [1, 1024], got 0" -- train "${TINY[@]}" --nproc 0
+WORLD_SIZE=3 RANK=0 expect nproc_not_world 2 "--nproc 2 but this process is one of 3" -- train "${TINY[@]}" --nproc 2 --out "$WORK/dpw"
 
 if ! python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   expect no_gpu 2 "no CUDA GPU is visible" -- train "${TINY[@]}" --device cuda

@@ -2,14 +2,26 @@
 
 #include "triaccel/core/errors.h"
 
+#include <ATen/ATen.h>
+
 // The wheel's libtorch is built with Gloo; its c10d header declares ProcessGroupGloo only under this macro.
 #ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO
 #endif
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef TRIACCEL_WITH_NCCL
+// The wheel's libtorch_cuda carries ProcessGroupNCCL; its header needs this macro and NCCL's nccl.h (the
+// nvidia-nccl wheel's, the version libtorch loads).
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include <cstdlib>
+#include <exception>
 #include <limits>
 
 namespace triaccel {
@@ -32,15 +44,29 @@ DistOptions dist_options_from_env() {
   DistOptions o;
   o.world_size = env_int("WORLD_SIZE", 1, 1, std::numeric_limits<int>::max());
   o.rank = env_int("RANK", 0, 0, o.world_size - 1);
+  o.local_rank = env_int("LOCAL_RANK", o.rank, 0, std::numeric_limits<int>::max());
   o.master_port = env_int("MASTER_PORT", o.master_port, 1, 65535);
   if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != '\0') o.master_addr = addr;
+  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  o.rank0_serves_store = !(agent_store != nullptr && std::string(agent_store) == "True");
   return o;
 }
 
 struct Dist::Group {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  c10::intrusive_ptr<c10d::Backend> nccl;  // null: CUDA tensors through the host
 };
+
+bool Dist::nccl_built() {
+#ifdef TRIACCEL_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool Dist::nccl() const { return group_ && group_->nccl; }
 
 Dist::Dist(const DistOptions& options) : options_(options) {
   TRIACCEL_CHECK_INPUT(options_.world_size >= 1 && options_.rank >= 0 && options_.rank < options_.world_size,
@@ -50,14 +76,23 @@ Dist::Dist(const DistOptions& options) : options_(options) {
   try {
     c10d::TCPStoreOptions so;
     so.port = static_cast<uint16_t>(options_.master_port);
-    so.isServer = options_.rank == 0;
+    so.isServer = options_.rank == 0 && options_.rank0_serves_store;
     so.numWorkers = options_.world_size;
     so.timeout = options_.timeout;
     group_->store = c10::make_intrusive<c10d::TCPStore>(options_.master_addr, so);
     auto go = c10d::ProcessGroupGloo::Options::create();
     go->timeout = options_.timeout;
     go->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(options_.master_addr));
-    group_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(group_->store, options_.rank, options_.world_size, go);
+    group_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("gloo", group_->store), options_.rank, options_.world_size, go);
+#ifdef TRIACCEL_WITH_NCCL
+    if (options_.cuda_device >= 0) {
+      auto no = c10d::ProcessGroupNCCL::Options::create();
+      no->timeout = options_.timeout;
+      group_->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+          c10::make_intrusive<c10d::PrefixStore>("nccl", group_->store), options_.rank, options_.world_size, no);
+    }
+#endif
   } catch (const c10::Error& e) {
     throw UserError(str_cat("rank ", options_.rank, " of ", options_.world_size, " could not join the group at ",
                             options_.master_addr, ":", options_.master_port, " (MASTER_ADDR, MASTER_PORT): ",
@@ -65,7 +100,46 @@ Dist::Dist(const DistOptions& options) : options_(options) {
   }
 }
 
-Dist::~Dist() = default;
+Dist::~Dist() {
+  if (!group_ || !group_->nccl) return;
+  // NCCL's communicators end explicitly (else c10d warns at exit): flushed on a normal end, aborted while an error
+  // unwinds (a peer may be gone, and a flush would wait for it).
+  try {
+    if (std::uncaught_exceptions() > 0) {
+      group_->nccl->abort();
+    } else {
+      group_->nccl->shutdown();
+    }
+  } catch (const std::exception&) {  // a destructor does not throw; the run's own error is already on its way
+  }
+}
+
+namespace {
+
+// Waits for a collective; a group that broke (a rank ended, the network failed) is one line naming this rank.
+template <typename F>
+void run_collective(const DistOptions& o, F&& start) {
+  try {
+    start()->wait();
+  } catch (const std::exception& e) {  // c10::DistBackendError, or Gloo's own I/O exception
+    throw UserError(str_cat("rank ", o.rank, " of ", o.world_size, " lost the data-parallel group (another rank ",
+                            "ended, or the connection between them failed): ", error_one_line(e)));
+  }
+}
+
+// Runs `collective` on `t`, through a host copy when `t` is on a GPU (the Gloo group reduces host memory).
+template <typename F>
+void on_host(at::Tensor& t, F&& collective) {
+  if (!t.is_cuda()) {
+    collective(t);
+    return;
+  }
+  at::Tensor host = t.cpu();
+  collective(host);
+  t.copy_(host);
+}
+
+}  // namespace
 
 // One collective per tensor (c10d's list form means one tensor per device, all of one size); buckets come with the
 // gradient reduction that overlaps backward.
@@ -76,9 +150,49 @@ void Dist::all_reduce_sum(std::vector<at::Tensor>& tensors) {
   o.timeout = options_.timeout;
   for (at::Tensor& t : tensors) {
     TORCH_CHECK(t.is_contiguous(), "Dist::all_reduce_sum: a non-contiguous tensor");
-    std::vector<at::Tensor> one{t};
-    group_->gloo->allreduce(one, o)->wait();
+    if (t.is_cuda() && group_->nccl) {
+      std::vector<at::Tensor> one{t};
+      run_collective(options_, [&] { return group_->nccl->allreduce(one, o); });
+      continue;
+    }
+    on_host(t, [&](at::Tensor& h) {
+      std::vector<at::Tensor> one{h};
+      run_collective(options_, [&] { return group_->gloo->allreduce(one, o); });
+    });
   }
+}
+
+void Dist::all_reduce_sum_packed(const std::vector<at::Tensor>& tensors, double scale) {
+  if (tensors.empty()) return;
+  if (!active()) {
+    if (scale != 1.0) {
+      for (const at::Tensor& t : tensors) t.mul_(scale);
+    }
+    return;
+  }
+  std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device(),
+                "Dist::all_reduce_sum_packed: tensors of one dtype and device");
+    flat.push_back(t.reshape({-1}));
+  }
+  std::vector<at::Tensor> packed{at::cat(flat)};
+  if (scale != 1.0) packed[0].mul_(scale);
+  all_reduce_sum(packed);
+  int64_t offset = 0;
+  for (const at::Tensor& t : tensors) {
+    t.copy_(packed[0].narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+}
+
+std::vector<double> Dist::all_reduce_sum(std::vector<double> values) {
+  if (!active() || values.empty()) return values;
+  std::vector<at::Tensor> t{at::tensor(values, at::kDouble)};
+  all_reduce_sum(t);
+  const double* p = t[0].data_ptr<double>();
+  return std::vector<double>(p, p + values.size());
 }
 
 void Dist::broadcast(std::vector<at::Tensor>& tensors, int root) {
@@ -88,13 +202,20 @@ void Dist::broadcast(std::vector<at::Tensor>& tensors, int root) {
   o.timeout = options_.timeout;
   for (at::Tensor& t : tensors) {
     TORCH_CHECK(t.is_contiguous(), "Dist::broadcast: a non-contiguous tensor");
-    std::vector<at::Tensor> one{t};
-    group_->gloo->broadcast(one, o)->wait();
+    if (t.is_cuda() && group_->nccl) {
+      std::vector<at::Tensor> one{t};
+      run_collective(options_, [&] { return group_->nccl->broadcast(one, o); });
+      continue;
+    }
+    on_host(t, [&](at::Tensor& h) {
+      std::vector<at::Tensor> one{h};
+      run_collective(options_, [&] { return group_->gloo->broadcast(one, o); });
+    });
   }
 }
 
 void Dist::barrier() {
-  if (active()) group_->gloo->barrier()->wait();
+  if (active()) run_collective(options_, [&] { return group_->gloo->barrier(); });
 }
 
 }  // namespace triaccel

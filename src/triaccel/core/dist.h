@@ -1,8 +1,10 @@
 // Data parallelism's seam (../DESIGN "Scale-out", docs/architecture.md): a c10d process group over a TCPStore
 // rendezvous, from a torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or given explicitly.
 // With one process (WORLD_SIZE unset or 1) nothing is created and every collective is a no-op.
-// Backend: c10d's ProcessGroupGloo, on CPU tensors (the pip wheel's libtorch carries Gloo; its headers come from
-// Debian's libgloo-dev). NCCL for CUDA tensors is not wired yet.
+// Backends: c10d's ProcessGroupGloo for host tensors (the pip wheel's libtorch carries Gloo; its headers come from
+// Debian's libgloo-dev), and, in CUDA builds when DistOptions::cuda_device is set, c10d's ProcessGroupNCCL for CUDA
+// tensors: its collectives are ordered on the current stream and do not wait on the host (so a CUDA graph may
+// capture them). CUDA tensors without NCCL go through a host copy and Gloo.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,12 +19,18 @@ namespace triaccel {
 struct DistOptions {
   int rank = 0;
   int world_size = 1;
+  int local_rank = 0;  // the rank among this host's processes: its GPU (LOCAL_RANK)
+  int cuda_device = -1;  // >= 0: CUDA tensors are reduced by NCCL on this GPU (CUDA builds)
+  // Whether rank 0 serves the TCPStore. torchrun's agent serves it itself (TORCHELASTIC_USE_AGENT_STORE=True):
+  // then every rank is a client.
+  bool rank0_serves_store = true;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // rendezvous and each collective
 };
 
-// The ranks a launcher put in the environment (torchrun's variables). world_size 1 when WORLD_SIZE is unset.
+// The ranks a launcher put in the environment (torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+// MASTER_PORT). world_size 1 when WORLD_SIZE is unset; local_rank defaults to rank.
 // UserError naming the variable when one is malformed or out of range (RANK outside [0, WORLD_SIZE)).
 DistOptions dist_options_from_env();
 
@@ -38,9 +46,18 @@ class Dist {
   int rank() const { return options_.rank; }
   int world_size() const { return options_.world_size; }
   bool active() const { return options_.world_size > 1; }
+  // Whether CUDA tensors go through NCCL (without a host sync).
+  bool nccl() const;
+  // Whether this build can reduce CUDA tensors with NCCL.
+  static bool nccl_built();
 
-  // Sums `tensors` (CPU) over the ranks, in place on every rank.
+  // Sums `tensors` over the ranks, in place on every rank: one collective per tensor.
   void all_reduce_sum(std::vector<at::Tensor>& tensors);
+  // Sums `scale` × each tensor over the ranks, in place, in one collective: the tensors (one dtype and device,
+  // contiguous) are packed into one flat buffer and unpacked after. With one process: only the scaling.
+  void all_reduce_sum_packed(const std::vector<at::Tensor>& tensors, double scale = 1.0);
+  // Sums host numbers over the ranks (float64), in place; returns them.
+  std::vector<double> all_reduce_sum(std::vector<double> values);
   // Every rank gets `root`'s values, in place.
   void broadcast(std::vector<at::Tensor>& tensors, int root = 0);
   void barrier();

@@ -329,14 +329,22 @@ Trainer::Trainer(Session& session)
       "triaccel: ", config_.model.model, " on ", config_.data.dataset, " (", train_loader_.size(), " train / ",
       test_loader_.size(), " test), ", session_.model().parameter_count(), " params, ",
       enum_name(config_.execution.precision), ", batch ", config_.schedule.batch_size, ", ",
-      device_long_name(device_), session_.checkpoint() ? ", resumed at step " + std::to_string(p.step) : ""));
+      device_long_name(device_),
+      session_.dist().active() ? c10::str(", ", session_.dist().world_size(), " processes") : std::string(), session_.checkpoint() ? ", resumed at step " + std::to_string(p.step) : ""));
 
   StepOptions so;
   so.precision = config_.execution.precision;
   so.cuda_graphs = config_.execution.cuda_graphs;
-  so.graph_batch_size = config_.schedule.batch_size;
+  so.graph_batch_size = shard(config_.schedule.batch_size).second;  // this rank's share
   so.label_smoothing = config_.optim.label_smoothing;
   so.fault_injection = !faults_.empty();
+  if (session_.dist().active()) {
+    so.grad_reduce = [this](const std::vector<at::Tensor>& grads) {
+      session_.dist().all_reduce_sum_packed(grads, grad_weight_);
+    };
+    // NCCL's all-reduce is ordered on the stream: the graph captures it (with the full batch's constant weight).
+    so.grad_reduce_capturable = session_.dist().nccl();
+  }
   step_ = std::make_unique<TrainStep>(session_.model(), *optimizer_, scaler_, so, device_);
   controllers_build();
 
@@ -344,8 +352,10 @@ Trainer::Trainer(Session& session)
   memory_stats_reset_peak(device_);
   if (progress_->batch <= 0) progress_->batch = config_.schedule.batch_size;
   memory_cap();
-  step_->set_graph_batch_size(progress_->batch);
-  batch_images_ = train_loader_.batch_images_empty(std::max(config_.schedule.batch_size, progress_->batch));
+  step_->set_graph_batch_size(shard(progress_->batch).second);
+  const int64_t world = session_.dist().world_size();  // a rank's share is at most ceil(batch / world)
+  batch_images_ = train_loader_.batch_images_empty((std::max(config_.schedule.batch_size, progress_->batch) + world - 1) /
+                                                   world);
   batch_labels_ = train_loader_.batch_labels_empty(batch_images_.size(0));
   last_lr_ = schedule_lr(schedule_, schedule_position());
 }
@@ -494,7 +504,7 @@ Json Trainer::run() {
   while (p.epoch < config_.schedule.epochs && !stopped_) {
     if (!epoch()) break;  // stopped inside the epoch
     // A request that came during the evaluation stops here, not after the next epoch's first step.
-    if (const StopRequest r = session_.stop_requested(); r != StopRequest::kNone && stop_reason_.empty()) {
+    if (const StopRequest r = stop_agreed(); r != StopRequest::kNone && stop_reason_.empty()) {
       stop_reason_ = stop_reason(r);
       stopped_ = true;
     }
@@ -520,7 +530,7 @@ bool Trainer::epoch() {
     after_step(count);
     const bool last_in_epoch = p.epoch_offset >= train_loader_.size();
     if (config_.schedule.max_steps > 0 && p.step >= config_.schedule.max_steps) stop_reason_ = "max_steps";
-    if (const StopRequest r = session_.stop_requested(); r != StopRequest::kNone) stop_reason_ = stop_reason(r);
+    if (const StopRequest r = stop_agreed(); r != StopRequest::kNone) stop_reason_ = stop_reason(r);
     if (!stop_reason_.empty()) {
       stopped_ = true;
       if (!last_in_epoch) break;
@@ -541,14 +551,18 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
   Progress& p = *progress_;
   // A shorter batch (the epoch's last, or after an out-of-memory retry) uses the front of the full-size buffers:
   // dim 0 is outermost in NCHW and channels_last alike, so the view stays dense and nothing is allocated.
-  at::Tensor images = count == batch_images_.size(0) ? batch_images_ : batch_images_.narrow(0, 0, count);
-  at::Tensor labels = count == batch_labels_.size(0) ? batch_labels_ : batch_labels_.narrow(0, 0, count);
+  // Data parallel: this rank's share of the batch (all of it with one process).
+  std::tie(shard_offset_, shard_count_) = shard(count);
+  grad_weight_ = static_cast<double>(shard_count_) / static_cast<double>(count);
+  const int64_t local = shard_count_;
+  at::Tensor images = local == batch_images_.size(0) ? batch_images_ : batch_images_.narrow(0, 0, local);
+  at::Tensor labels = local == batch_labels_.size(0) ? batch_labels_ : batch_labels_.narrow(0, 0, local);
   const double lr = schedule_lr(schedule_, schedule_position()) *
                     lr_scale_for_batch(batch_rules_.lr_rule, p.batch, config_.schedule.batch_size);
   last_lr_ = lr;
   FaultKind fault = FaultKind::kNone;
   try {  // loading the batch allocates too (resize, augmentation): under a budget it can run out of memory
-    train_loader_.batch_into(p.epoch_offset, count, images, labels);
+    if (local > 0) train_loader_.batch_into(p.epoch_offset + shard_offset_, local, images, labels);
     if (session_.hooks().before_step) session_.hooks().before_step(p.step, count);
     if (!faults_.empty()) {
       fault = faults_.fault_at(p.step, attempt_);
@@ -560,7 +574,7 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
     // Under a budget an eager step of another size (the epoch's short last batch) does not fit beside the graph's
     // private pool (ResNet-18 b96 at 0.4 GB on the H100: out of memory even in passes of one sample): the graph
     // gives its pool back first and is captured again at the next full batches.
-    if (count != step_->graph_batch_size() && step_->graph().captured() && config_.execution.vram_budget_bytes() > 0) {
+    if (local != step_->graph_batch_size() && step_->graph().captured() && config_.execution.vram_budget_bytes() > 0) {
       step_->graph_release();
     }
     step_->run(images, labels, lr);
@@ -581,7 +595,7 @@ Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count) {
   attempt_ += fault == FaultKind::kOom ? 1 : 0;  // the injected error came before the increment
   p.oom_retries += 1;
   const Json where{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"injected", fault == FaultKind::kOom}};
-  if (memory_planner_ && step_->graph().captured() && count != step_->graph_batch_size()) {
+  if (memory_planner_ && step_->graph().captured() && shard_count_ != step_->graph_batch_size()) {
     // An eager step of another size beside the graph's private pool: not the plan's error. The graph gives its
     // pool back; the next full batches capture it again.
     Json fields{{"batch", p.batch}, {"retry_batch", count}, {"action", "graph released"}};
@@ -612,7 +626,7 @@ Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count) {
     Json fields{{"batch", p.batch}, {"retry_batch", p.batch}};
     for (const auto& [k, v] : where.items()) fields[k] = v;
     session_.event(event::kOom, p.step, fields);
-    step_->set_graph_batch_size(p.batch);
+    step_->set_graph_batch_size(shard(p.batch).second);
     return Attempt::kRetry;
   }
   const int64_t smaller = batch_after_oom(batch_rules_, p.batch);
@@ -656,7 +670,7 @@ Trainer::Attempt Trainer::on_skipped_step(FaultKind fault, int64_t count) {
 void Trainer::after_step(int64_t count) {
   Progress& p = *progress_;
   const RunHooks& hooks = session_.hooks();
-  if (hooks.on_batch) hooks.on_batch(p.epoch, p.epoch_offset, count);
+  if (hooks.on_batch) hooks.on_batch(p.epoch, p.epoch_offset + shard_offset_, shard_count_);
   p.epoch_offset += count;
   p.step += 1;
   samples_this_epoch_ += count;
@@ -700,8 +714,18 @@ Trainer::EvalResult Trainer::evaluate(int64_t batch_size) {
   at::Tensor correct_tta = at::zeros({1}, f32);
   const bool flip_tta = config_.execution.tta == Tta::kFlip;
   double predictions = 0;  // label elements: samples, or samples × T for a language model
-  for (int64_t offset = 0; offset < test_loader_.size(); offset += batch_size) {
-    const int64_t count = std::min(batch_size, test_loader_.size() - offset);
+  // Data parallel: every rank evaluates rank 0's model (its BatchNorm statistics) on its share of the test set.
+  Dist& dist = session_.dist();
+  if (dist.active()) {
+    std::vector<at::Tensor> buffers;
+    for (const auto& b : model.buffers()) buffers.push_back(b);
+    dist.broadcast(buffers, 0);
+  }
+  const int64_t n_test = test_loader_.size();
+  const int64_t first = n_test * dist.rank() / dist.world_size();
+  const int64_t end = n_test * (dist.rank() + 1) / dist.world_size();
+  for (int64_t offset = first; offset < end; offset += batch_size) {
+    const int64_t count = std::min(batch_size, end - offset);
     auto [images, labels] = test_loader_.batch(offset, count);
     const AutocastScope autocast(device_, eval_precision_);
     // (count, classes), or (count, T, V) flattened to (count · T, V) for a language model
@@ -716,9 +740,10 @@ Trainer::EvalResult Trainer::evaluate(int64_t batch_size) {
     }
   }
   model.train();
-  const double n = static_cast<double>(test_loader_.size());
-  return {loss_sum.item<double>() / predictions, 100.0 * correct.item<double>() / predictions,
-          flip_tta ? 100.0 * correct_tta.item<double>() / n : -1.0};
+  const std::vector<double> sums = dist.all_reduce_sum(
+      {loss_sum.item<double>(), correct.item<double>(), correct_tta.item<double>(), predictions});
+  const double n = static_cast<double>(n_test);
+  return {sums[0] / sums[3], 100.0 * sums[1] / sums[3], flip_tta ? 100.0 * sums[2] / n : -1.0};
 }
 
 Trainer::EvalResult Trainer::evaluate_within_budget() {
@@ -756,11 +781,14 @@ void Trainer::epoch_end(double train_s) {
   for (const auto& c : controllers_) overhead_s += c->overhead_s();
   const bool tri = config_.execution.method == Method::kTriAccel;
   const StepGraph& graph = step_->graph();
+  // Summed over the ranks (each holds its shares'); samples_this_epoch_ counts the global batches.
+  const std::vector<double> train_sums =
+      session_.dist().all_reduce_sum({step_->loss_sum().item<double>(), step_->correct_sum().item<double>()});
   p.epoch_times.push_back(train_s);
   p.last_epoch = Json{
       {"epoch", p.epoch + 1},
-      {"train_loss", step_->loss_sum().item<double>() / seen},
-      {"train_acc", 100.0 * step_->correct_sum().item<double>() / seen},
+      {"train_loss", train_sums[0] / seen},
+      {"train_acc", 100.0 * train_sums[1] / seen},
       {"test_loss", test.loss},
       {"val_loss", tokens ? Json(test.loss) : Json(nullptr)},
       {"test_acc", test.acc},
@@ -785,7 +813,8 @@ void Trainer::epoch_end(double train_s) {
       {"graph_capture_ooms", graph.capture_ooms()},
       {"graph_capture_error", graph.capture_error().empty() ? Json(nullptr) : Json(graph.capture_error())},
       {"probe_s_total", tri ? Json(overhead_s) : Json(nullptr)},
-      {"memory_plan", memory_plan_brief()}};
+      {"memory_plan", memory_plan_brief()},
+      {"world_size", session_.dist().world_size()}};
   session_.event(event::kEpoch, p.step, p.last_epoch);
   session_.printer().line(c10::str("epoch ", p.epoch + 1, "/", config_.schedule.epochs, ": train loss ",
                                    p.last_epoch["train_loss"].get<double>(), ", test acc ", test.acc, " %, ", train_s,
@@ -797,6 +826,7 @@ void Trainer::epoch_end(double train_s) {
 }
 
 void Trainer::checkpoint() {
+  if (!session_.writer()) return;  // rank 0's: every rank holds the same weights and optimizer state
   Checkpoint c;
   c.config = config_.to_json();
   c.model_arch = config_.model.model;
@@ -827,7 +857,7 @@ Json Trainer::stop() {
 Json Trainer::summary() {
   const Progress& p = *progress_;
   const std::string model_path = session_.out_file("model.pt");
-  model_export_state_dict(session_.model(), model_path);
+  if (session_.writer()) model_export_state_dict(session_.model(), model_path);
   const double epoch_s = mean_of_last(p.epoch_times, 5);
   const double acc = p.last_epoch.value("test_acc", 0.0);
   const int64_t params = session_.model().parameter_count();
@@ -870,14 +900,34 @@ Json Trainer::summary() {
                                       ? Json(static_cast<double>(config_.execution.vram_budget_bytes()) / kGB)
                                       : Json(nullptr)},
                {"memory_plan", memory_plan_brief()},
+               {"world_size", session_.dist().world_size()},
                {"model_path", model_path}};
   session_.event(event::kSummary, p.step, summary);
-  session_.printer().line(c10::str("done: test acc ", acc, " %, ", epoch_s, " s/epoch, peak ", p.peak_vram_gb,
-                                   " GB; events in ", session_.events().path()));
+  if (session_.writer()) {
+    session_.printer().line(c10::str("done: test acc ", acc, " %, ", epoch_s, " s/epoch, peak ", p.peak_vram_gb,
+                                     " GB; events in ", session_.events().path()));
+  }
   return summary;
 }
 
 // --- helpers ---
+
+std::pair<int64_t, int64_t> Trainer::shard(int64_t count) const {
+  const Dist& dist = session_.dist();
+  const int64_t first = count * dist.rank() / dist.world_size();
+  const int64_t end = count * (dist.rank() + 1) / dist.world_size();
+  return {first, end - first};
+}
+
+StopRequest Trainer::stop_agreed() {
+  const StopRequest own = session_.stop_requested();
+  Dist& dist = session_.dist();
+  if (!dist.active()) return own;
+  const std::vector<double> any = dist.all_reduce_sum(
+      {own == StopRequest::kInterrupt ? 1.0 : 0.0, own == StopRequest::kTerminate ? 1.0 : 0.0});
+  if (any[1] > 0) return StopRequest::kTerminate;
+  return any[0] > 0 ? StopRequest::kInterrupt : StopRequest::kNone;
+}
 
 Json Trainer::memory_plan_brief() const {
   if (!memory_planner_) return Json(nullptr);
@@ -891,12 +941,14 @@ Json Trainer::memory_plan_brief() const {
 
 void Trainer::batch_set(int64_t batch) {
   progress_->batch = batch;
-  step_->set_graph_batch_size(batch);
-  if (batch > batch_images_.size(0)) {  // grow the input buffers (the old graph, which used them, is gone)
+  step_->set_graph_batch_size(shard(batch).second);
+  const int64_t world = session_.dist().world_size();
+  const int64_t local_max = (batch + world - 1) / world;  // a rank's largest share
+  if (local_max > batch_images_.size(0)) {  // grow the input buffers (the old graph, which used them, is gone)
     batch_images_ = at::Tensor();
     batch_labels_ = at::Tensor();
-    batch_images_ = train_loader_.batch_images_empty(batch);
-    batch_labels_ = train_loader_.batch_labels_empty(batch);
+    batch_images_ = train_loader_.batch_images_empty(local_max);
+    batch_labels_ = train_loader_.batch_labels_empty(local_max);
   }
 }
 

@@ -7,6 +7,10 @@
 // (control/memory_plan_controller.h) plans the run before the loaders exist (where the data lives), and its
 // controller keeps the step engine on the plan; an out-of-memory error is then a planning error, retried on the same
 // samples at the same batch with a new plan.
+// Data parallel (Session::dist() active, docs/distributed.md): batch_size is the global batch; each step every rank
+// trains its contiguous share of the same batch of the same seeded order, the gradients are summed across ranks
+// (weighted by share) before the non-finite check and the update, so every rank makes the same update; evaluation
+// is sharded too, with rank 0's BatchNorm statistics; only rank 0 writes events, checkpoints and model.pt.
 #pragma once
 
 #include "triaccel/control/batch_controller.h"
@@ -72,6 +76,11 @@ class Trainer : private MemoryMeter {
   void checkpoint();
   Json stop();
   Json summary();
+  // Data parallelism (one process: the whole batch, no-ops).
+  // This rank's part of `count` samples of the global batch: (first, count) relative to the batch.
+  std::pair<int64_t, int64_t> shard(int64_t count) const;
+  // The stop request every rank agrees on: any rank's (a signal may reach one rank only).
+  StopRequest stop_agreed();
   // Helpers.
   void batch_set(int64_t batch);
   Json memory_plan_brief() const;          // the plan in force, for epoch and summary events (null: none)
@@ -98,6 +107,8 @@ class Trainer : private MemoryMeter {
   MemoryPlanController* memory_planner_ = nullptr;  // one of controllers_, when the memory is planned
   int64_t eval_batch_fits_ = 0;  // the evaluation batch that fit after one ran out of memory (0: none yet)
   at::Tensor batch_images_, batch_labels_;  // the step's input buffers (the graph's static inputs)
+  int64_t shard_offset_ = 0, shard_count_ = 0;  // this rank's samples of the current step, in the batch
+  double grad_weight_ = 1;                  // this rank's share of the current global batch
   // Within the current session of the run.
   int64_t samples_this_epoch_ = 0;         // trained this epoch in this session
   int64_t samples_since_log_ = 0;

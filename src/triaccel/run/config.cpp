@@ -197,6 +197,7 @@ void ExecutionConfig::validate() const {
   TRIACCEL_CHECK_INPUT(micro_batch >= 0, option_ref("micro_batch"), " must be >= 0 (0: planned), got ", micro_batch);
   TRIACCEL_CHECK_INPUT(!recompute.empty(), option_ref("recompute"), " must be auto, none or unit names");
   const FaultPlan faults(inject_faults);  // throws naming the bad item
+  TRIACCEL_CHECK_INPUT(nproc >= 1 && nproc <= 1024, option_ref("nproc"), " must be in [1, 1024], got ", nproc);
 }
 
 int64_t ExecutionConfig::vram_budget_bytes() const {
@@ -344,6 +345,7 @@ void Config::validate() const {
     TRIACCEL_CHECK_INPUT(method != Method::kNeuroFlux || !was_given(key), option_ref(key), " applies to ",
                          option_ref("method"), " backprop and tri-accel; neuroflux plans its blocks' batches itself");
   }
+  validate_world(execution.nproc);
   TRIACCEL_CHECK_INPUT(execution.micro_batch <= schedule.batch_size, option_ref("micro_batch"), " ",
                        execution.micro_batch, " is larger than ", option_ref("batch_size"), " ", schedule.batch_size,
                        "; use at most the batch size (or 0 for the planner's choice)");
@@ -415,6 +417,29 @@ std::vector<OptionDoc> Config::options() const {
     out.push_back(std::move(d));
   });
   return out;
+}
+
+void Config::validate_world(int64_t world) const {
+  if (world <= 1) return;
+  // What data parallelism supports so far (docs/distributed.md).
+  const Method method = execution.method;
+  const std::string world_ref = str_cat(option_ref("nproc"), " ", world);
+  TRIACCEL_CHECK_INPUT(method == Method::kBackprop, world_ref, " trains with ", option_ref("method"),
+                       " backprop only so far, got ", enum_name(method), "; use one process");
+  TRIACCEL_CHECK_INPUT(optim.optimizer != OptimizerKind::kBaoc, world_ref, " supports ", option_ref("optimizer"),
+                       " sgd or adamw so far; use one process for baoc");
+  const ExecutionConfig& ex = execution;
+  const std::pair<const char*, bool> set[] = {{"vram_budget", !ex.vram_budget.empty()},
+                                              {"micro_batch", ex.micro_batch > 0},
+                                              {"recompute", ex.recompute != "auto"},
+                                              {"data_placement", ex.data_placement != PlacementChoice::kAuto},
+                                              {"inject_faults", !ex.inject_faults.empty()}};
+  for (const auto& [key, is_set] : set) {
+    TRIACCEL_CHECK_INPUT(!is_set, option_ref(key), " is not supported with ", world_ref,
+                         " yet; drop it, or use one process");
+  }
+  TRIACCEL_CHECK_INPUT(schedule.batch_size >= world, option_ref("batch_size"), " ", schedule.batch_size,
+                       " is smaller than ", world_ref, " (the global batch is split across the processes); raise it");
 }
 
 const std::vector<std::string>& config_identity_keys() {

@@ -85,6 +85,14 @@ struct EnumNames<PlacementChoice> {
       {PlacementChoice::kAuto, "auto"}, {PlacementChoice::kDevice, "device"}, {PlacementChoice::kHost, "host"}};
 };
 
+// The `dist_backend` option: the collectives of data parallelism (auto: NCCL on CUDA, Gloo on the CPU).
+enum class DistBackend { kAuto, kNccl, kGloo };
+template <>
+struct EnumNames<DistBackend> {
+  static constexpr EnumName<DistBackend> kNames[] = {
+      {DistBackend::kAuto, "auto"}, {DistBackend::kNccl, "nccl"}, {DistBackend::kGloo, "gloo"}};
+};
+
 // One option in a field table: its key, help, (rarely) a CLI flag other than `--` + the key with dashes, and for a
 // name looked up in a registry, the registry's names.
 struct FieldInfo {
@@ -172,6 +180,8 @@ struct ExecutionConfig {
   Tta tta = Tta::kOff;
   uint64_t seed = 0;
   std::string inject_faults;     // "": none (train/faults.h)
+  int64_t nproc = 1;             // data-parallel processes on this host (docs/distributed.md)
+  DistBackend dist_backend = DistBackend::kAuto;
 
   template <typename S, typename V>
   static void fields(S& s, V&& v);
@@ -288,6 +298,9 @@ struct Config {
   // Sets one option from a JSON value of its type (Python's int, float, bool, str; enums as their names).
   void set_json(const std::string& key, const Json& value);
   bool was_given(const std::string& key) const { return given.count(key) != 0; }
+  // What a run of `world` data-parallel processes supports (validate() checks it for nproc; a run launched by
+  // torchrun checks its WORLD_SIZE). UserError naming the option that is not supported yet.
+  void validate_world(int64_t world) const;
 
   // Applies the defaults that depend on other options (adamw/baoc: lr 1e-3 and weight decay 1e-2 unless given).
   void resolve();
@@ -395,6 +408,12 @@ void ExecutionConfig::fields(S& s, V&& v) {
   v(s.inject_faults, FieldInfo{"inject_faults",
                                "test faults: KIND@STEP[xN],... (KIND: oom, nan-grad, inf-grad, nan-loss) or "
                                "random:seed=S,oom=P,nan-grad=P,inf-grad=P,nan-loss=P,burst=N (docs/reliability.md)"});
+  v(s.nproc, FieldInfo{"nproc",
+                       "data-parallel processes on this host, one per GPU (the command line starts them; under "
+                       "torchrun leave it 1): batch_size is the global batch, split across them"});
+  v(s.dist_backend, FieldInfo{"dist_backend",
+                              "data parallelism's collectives: nccl (CUDA), gloo (CPU, or CUDA through host "
+                              "memory), auto (nccl on CUDA, gloo on the CPU)"});
 }
 
 template <typename S, typename V>

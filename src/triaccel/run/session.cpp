@@ -5,6 +5,7 @@
 #include "triaccel/models/registry.h"
 
 #include <ATen/Context.h>
+#include <torch/cuda.h>
 #include <torch/utils.h>
 #include <torch/version.h>
 #ifdef TRIACCEL_WITH_CUDA
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <mutex>
 
 namespace triaccel {
 
@@ -29,6 +31,30 @@ namespace {
 const Config& validated(const Config& config) {
   config.validate();
   return config;
+}
+
+// This process's ranks: the hooks' (tests), else the environment's; a session without output (a plan) joins none.
+DistOptions dist_options_for(const RunHooks& hooks, bool output) {
+  if (hooks.dist) return *hooks.dist;
+  return output ? dist_options_from_env() : DistOptions{};
+}
+
+// The rank's device: with several ranks on CUDA, the GPU of its local rank.
+c10::Device rank_device(const Config& config, const DistOptions& dist) {
+  const c10::Device device = device_resolve(config.execution.device);
+  if (dist.world_size <= 1 || !device.is_cuda()) return device;
+  const int64_t gpus = torch::cuda::device_count();
+  TRIACCEL_CHECK_INPUT(dist.local_rank < gpus, "rank ", dist.rank, " has LOCAL_RANK ", dist.local_rank, " but ", gpus,
+                       " GPU", gpus == 1 ? " is" : "s are", " visible; start at most ", gpus, " processes on this "
+                       "host (", option_ref("nproc"), ")");
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(dist.local_rank));
+}
+
+// Seeding and building a model draw from the process's global generator: ranks in threads of one process (tests)
+// take turns, so each builds exactly the weights a process of its own would.
+std::mutex& model_build_mutex() {
+  static std::mutex m;
+  return m;
 }
 
 }  // namespace
@@ -67,19 +93,35 @@ Config config_for_run(const Config& given) {
   }
   // A resumed run continues to the end unless the user sets a new limit.
   if (!given.was_given("max_steps")) out.schedule.max_steps = 0;
+  // It resumes in as many processes as asked now (one unless given): a checkpoint holds no per-rank state.
+  if (!given.was_given("nproc")) out.execution.nproc = 1;
   return out;
 }
 
 Session::Session(const Config& config, const RunHooks& hooks, bool output)
     : config_(validated(config)),
       hooks_(hooks),
+      dist_options_(dist_options_for(hooks, output)),
       clock_(hooks.clock ? *hooks.clock : steady_clock()),
       t_start_(clock_.now_s()),
       t_checkpoint_(t_start_),
-      device_(device_resolve(config_.execution.device)),
+      device_(rank_device(config_, dist_options_)),
       cudnn_benchmark_before_(at::globalContext().benchmarkCuDNN()),
       device_scope_(std::make_unique<DeviceScope>()),
-      printer_(config_.output.progress, hooks.spell_option) {
+      printer_(dist_options_.rank == 0 ? config_.output.progress : ProgressMode::kOff, hooks.spell_option) {
+  const int world = dist_options_.world_size;
+  config_.validate_world(world);
+  TRIACCEL_CHECK_INPUT(config_.execution.nproc == 1 || config_.execution.nproc == world, option_ref("nproc"), " ",
+                       config_.execution.nproc, " but this process is one of ", world,
+                       " (WORLD_SIZE); the command line starts the processes of ", option_ref("nproc"),
+                       " itself: run it without a launcher, or leave ", option_ref("nproc"), " 1 under torchrun");
+  const DistBackend backend = config_.execution.dist_backend;
+  TRIACCEL_CHECK_INPUT(backend != DistBackend::kNccl || (device_.is_cuda() && Dist::nccl_built()),
+                       option_ref("dist_backend"), " nccl needs CUDA devices and a CUDA build of triaccel (this run is "
+                       "on ", device_long_name(device_), "); use gloo or auto");
+  if (device_.is_cuda() && backend != DistBackend::kGloo && Dist::nccl_built()) dist_options_.cuda_device = device_.index();
+  dist_ = std::make_unique<Dist>(dist_options_);  // blocks until every rank has joined
+  output = output && dist_->rank() == 0;
   if (output) {
     directory_prepare_writable(config_.output.out, "out");
     // Temporary files of a process killed mid-write (the files they were to replace are intact).
@@ -98,18 +140,27 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
     at::globalContext().setBenchmarkCuDNN(config_.execution.cudnn_autotune_enabled());
   }
 #endif
-  torch::manual_seed(config_.execution.seed);
-
   data_ = dataset_load(config_.data.dataset, config_.data.data_dir, config_.data.block_size);
   model_options_.name = config_.model.model;
   model_options_.num_classes = data_.train.num_classes;
   model_options_.in_channels = data_.train.channels();
   model_options_.image_size = image_size();
   if (data_.train.kind == DatasetKind::kTokens) model_options_.block_size = data_.train.images.size(1);  // vocab = classes
-  model_ = model_create(model_options_);
+  {
+    const std::lock_guard<std::mutex> lock(model_build_mutex());
+    torch::manual_seed(config_.execution.seed);
+    model_ = model_create(model_options_);
+  }
   model_->to(device_);
   layout_params(*model_);
   model_->train();
+  if (dist_->active()) {  // every rank starts from rank 0's weights (as PyTorch's DDP does)
+    std::vector<at::Tensor> state;
+    for (const auto& p : model_->parameters()) state.push_back(p.data());
+    for (const auto& b : model_->buffers()) state.push_back(b);
+    const torch::NoGradGuard no_grad;
+    dist_->broadcast(state, 0);
+  }
 }
 
 Session::~Session() {
@@ -173,6 +224,7 @@ std::string Session::out_file(const std::string& name) const {
 }
 
 void Session::events_open(const Json& extra) {
+  if (!writer()) return;
   const std::string path = out_file("events.jsonl");
   const bool append = checkpoint_.has_value() && file_exists(path);
   events_ = std::make_unique<EventLog>(path, append);
@@ -181,7 +233,8 @@ void Session::events_open(const Json& extra) {
   Json resolved{{"options", config_.to_json()},
                 {"device", device_long_name(device_)},
                 {"params", model_->parameter_count()},
-                {"units", unit_names}};
+                {"units", unit_names},
+                {"world_size", dist_->world_size()}};
   for (const auto& [k, v] : extra.items()) resolved[k] = v;
   resolved["torch_version"] = TORCH_VERSION;
   const int64_t step = checkpoint_ ? checkpoint_->progress.value("step", int64_t{0}) : 0;

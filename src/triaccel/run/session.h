@@ -1,5 +1,5 @@
 // A Session is what every training method sets up and tears down, in one place: the configuration (validated), the
-// device and its stream, cuDNN's flags (restored when the session ends), the seed, the output folder, the checkpoint
+// data-parallel group (its rank's GPU), the device and its stream, cuDNN's flags (restored when the session ends), the seed, the output folder, the checkpoint
 // to resume from, the dataset, the model (on the device, channels_last where asked, in train mode), the event log,
 // the run's clock, progress output and the memory cap of a vram_budget (lifted when the session ends).
 // A method (methods/backprop.h, methods/neuroflux.h) builds its own loaders, optimizer and loop on top of it.
@@ -13,6 +13,7 @@
 #include "triaccel/control/batch_controller.h"
 #include "triaccel/core/clock.h"
 #include "triaccel/core/device.h"
+#include "triaccel/core/dist.h"
 #include "triaccel/core/events.h"
 #include "triaccel/data/dataset.h"
 #include "triaccel/data/loader.h"
@@ -55,6 +56,9 @@ struct RunHooks {
   const Clock* clock = nullptr;
   // How progress lines spell the options they name (the CLI: its flags; empty: by key).
   OptionSpelling spell_option;
+  // This process's place among data-parallel ranks (tests: ranks in threads); nullopt: from the environment
+  // (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT as the launcher or torchrun set them).
+  std::optional<DistOptions> dist;
 };
 
 // The configuration a run uses: `given` with its dependent defaults resolved (Config::resolve), or, when it resumes
@@ -119,14 +123,21 @@ class Session {
   // Caps the caching allocator at `bytes` until the session ends (a vram_budget on CUDA).
   void memory_cap(int64_t bytes);
 
+  // The data-parallel group (core/dist.h; one process: inactive, every collective a no-op). Only rank 0 writes
+  // files, events and progress (writer()); every rank trains, in lockstep.
+  Dist& dist() { return *dist_; }
+  bool writer() const { return dist_->rank() == 0; }
+
  private:
   Config config_;
   RunHooks hooks_;
+  DistOptions dist_options_;
   const Clock& clock_;
   double t_start_ = 0;
   double elapsed_before_ = 0;
   double t_checkpoint_ = 0;  // session clock at the last checkpoint (or the start)
   c10::Device device_;
+  std::unique_ptr<Dist> dist_;
   bool cudnn_benchmark_before_ = false;
   struct DeviceScope;  // the stream guard
   std::unique_ptr<DeviceScope> device_scope_;

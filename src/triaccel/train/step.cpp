@@ -19,7 +19,7 @@ namespace {
 
 StepGraphOptions graph_options(const StepOptions& o, const c10::Device& device, std::function<void()> before_replay) {
   StepGraphOptions g;
-  g.enabled = o.cuda_graphs && device.is_cuda();
+  g.enabled = o.cuda_graphs && device.is_cuda() && (!o.grad_reduce || o.grad_reduce_capturable);
   g.batch = o.graph_batch_size;
   g.warmup_steps = o.warmup_steps;
   g.during_capture = o.during_capture;
@@ -115,6 +115,16 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
     label_elements += targets.numel();
   }
   const torch::NoGradGuard no_grad;
+  if (n == 0) {  // a data-parallel rank with no samples in this (short) batch: it contributes zero gradients
+    loss_total = at::zeros({1}, last_loss_.options());
+    correct_total = at::zeros({1}, last_loss_.options());
+  }
+  if (options_.grad_reduce) {
+    for (const auto& p : optimizer_.params()) {
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    }
+    options_.grad_reduce(optimizer_.grads());
+  }
   const std::vector<at::Tensor> grads = optimizer_.grads();
   if (options_.fault_injection) {
     for (const auto& g : grads) {
@@ -140,7 +150,8 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
   const at::Tensor zero = at::zeros({1}, loss_sum_.options());
   loss_sum_.add_(at::where(ok, loss_detached.to(at::kFloat) * static_cast<double>(n), zero));
   // Per sample: a sample's share of correct predictions (its correct tokens / T; 0 or 1 for a classifier).
-  const double labels_per_sample = static_cast<double>(label_elements) / static_cast<double>(n);
+  const double labels_per_sample =
+      n > 0 ? static_cast<double>(label_elements) / static_cast<double>(n) : 1.0;
   correct_sum_.add_(at::where(ok, correct_total / labels_per_sample, zero));
 }
 

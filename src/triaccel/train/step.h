@@ -39,6 +39,12 @@ struct StepOptions {
   std::function<void()> during_capture;
   double label_smoothing = 0.0;
   int64_t micro_batch = 0;        // samples per forward/backward pass (0: the whole batch at once)
+  // Data parallelism: called with every parameter's gradient (the ranks' gradients summed in place, each rank's
+  // weighted by its share of the global batch) after backward and before the non-finite check, so an inf/NaN on
+  // any rank skips the step on every rank. Set: gradients are always defined (zeros where this rank's batch left
+  // none, even an empty one), and every step runs eagerly unless grad_reduce_capturable (a host-side collective).
+  std::function<void(const std::vector<at::Tensor>& grads)> grad_reduce;
+  bool grad_reduce_capturable = false;  // grad_reduce only enqueues work on the stream (NCCL): graphs stay on
   // --inject-faults: the step multiplies its loss by a device factor and adds a device value to the first gradient
   // (both neutral unless set_fault() arms them), so NaN/inf faults reach graph replays too. Off: neither op exists.
   bool fault_injection = false;

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Data parallelism on the GPUs of one host (docs/distributed.md): ours at 1 and NPROC GPUs and PyTorch DDP (torchrun,
+# eager) at 1 and NPROC GPUs, same model and per-GPU batch, side by side in one device call. Stages (STAGES,
+# comma-separated; default "scale"):
+#   scale  ResNet-18 CIFAR-10 b512/GPU, ViT-Tiny b512/GPU (AdamW), EfficientNet-B0 at 224 b96/GPU; amp-bf16; ours:
+#          EPOCHS (2) epochs, the last epoch's images/s (global); PyTorch: bench/pytorch_ddp.py, synthetic resident
+#          input, the median of 3 timings of 40 steps
+#   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
+#          512/NPROC): test accuracy and wall time
+# Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
+# $OUT/data_parallel.json ({"bench","gpu","commit","rows"}) and the runs' events, and prints a short table last.
+# Usage: COMMIT=$(git rev-parse --short HEAD) STAGES=scale,acc bash bench/run_data_parallel.sh
+set -uo pipefail
+STAGES=${STAGES:-scale}
+EPOCHS=${EPOCHS:-2}
+ACC_EPOCHS=${ACC_EPOCHS:-30}
+NPROC=${NPROC:-2}
+MODELS=${MODELS:-resnet18 vit-tiny efficientnet-b0}
+FINAL_OUT=${OUT:-out}
+WORK=/tmp/dp_out
+rm -rf "$WORK"
+mkdir -p "$WORK/runs" "$FINAL_OUT"
+source "$(dirname "$0")/device_env.sh"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "gpu: $GPU x $(nvidia-smi -L | wc -l); commit ${COMMIT:-?}; stages $STAGES"
+device_binaries "$WORK"
+cifar10_bin
+has() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+# ours TAG WORLD ARGS...: one run of ours on WORLD GPUs; events in $WORK/runs/TAG.
+ours() {
+  local tag=$1 world=$2
+  shift 2
+  local n=()
+  [ "$world" -gt 1 ] && n=(--nproc "$world")
+  timeout "${RUN_TIMEOUT:-400}" "$BIN/triaccel" train "${n[@]}" --dataset cifar10 --data "$DATA" --precision amp-bf16 \
+    --progress lines --log-every 100000 --out "$WORK/runs/$tag" "$@" >"$WORK/runs/$tag.log" 2>&1
+  echo "$tag: exit $? $(grep -E '^(done|triaccel: error)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-200)"
+}
+
+if has scale; then
+  for model in $MODELS; do
+    case $model in
+      resnet18) per=512; args=(--model resnet18) ;;
+      vit-tiny) per=512; args=(--model vit-tiny --optimizer adamw) ;;
+      efficientnet-b0) per=96; args=(--model efficientnet-b0 --image-size 224) ;;
+    esac
+    for world in $(printf "1\n%s\n" "$NPROC" | sort -un); do
+      ours "scale_${model}_w$world" "$world" "${args[@]}" --batch-size $((per * world)) --epochs "$EPOCHS"
+      torchrun --standalone --nproc_per_node "$world" bench/pytorch_ddp.py --model "$model" --batch "$per" \
+        --out "$WORK/pytorch_ddp.jsonl" >"$WORK/pytorch_${model}_w$world.log" 2>&1
+      echo "pytorch ${model} x$world: exit $? $(tail -1 "$WORK/pytorch_${model}_w$world.log" | cut -c1-160)"
+    done
+  done
+fi
+if has acc; then
+  recipe=(--model resnet18 --epochs "$ACC_EPOCHS" --batch-size 512 --lr 0.4 --warmup-epochs 2 --label-smoothing 0.1)
+  ours acc_r18_w1 1 "${recipe[@]}"
+  ours "acc_r18_w$NPROC" "$NPROC" "${recipe[@]}"
+fi
+
+python3 - "$WORK" "$FINAL_OUT" "$GPU" "${COMMIT:-?}" "$NPROC" <<'PY'
+import glob, json, os, shutil, sys
+work, out, gpu, commit, nproc = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+rows = []
+for d in sorted(glob.glob(f"{work}/runs/*/")):
+    tag = os.path.basename(d.rstrip("/"))
+    ev = [json.loads(l) for l in open(f"{d}/events.jsonl")] if os.path.exists(f"{d}/events.jsonl") else []
+    epochs = [e for e in ev if e["event"] == "epoch"]
+    summ = [e for e in ev if e["event"] == "summary"]
+    world = int(tag.rsplit("_w", 1)[1])
+    rows.append({"system": "triaccel", "tag": tag, "model": tag.split("_")[1], "world_size": world,
+                 "images_per_s": epochs[-1]["images_per_s"] if epochs else None,
+                 "test_acc": summ[0]["test_acc"] if summ else None, "total_s": summ[0]["total_s"] if summ else None,
+                 "epochs": len(epochs), "cuda_graph": epochs[-1].get("cuda_graph") if epochs else None,
+                 "peak_vram_gb": summ[0]["peak_vram_gb"] if summ else None})
+    os.makedirs(f"{out}/events", exist_ok=True)
+    if ev:
+        shutil.copy(f"{d}/events.jsonl", f"{out}/events/{tag}.events.jsonl")
+if os.path.exists(f"{work}/pytorch_ddp.jsonl"):
+    rows += [json.loads(l) for l in open(f"{work}/pytorch_ddp.jsonl")]
+json.dump({"bench": "data_parallel", "gpu": gpu, "commit": commit, "rows": rows}, open(f"{out}/data_parallel.json", "w"),
+          indent=1)
+print(f"{'model':16s} {'ours x1':>9s} {'ours x%d' % nproc:>9s} {'scaling':>8s} {'ddp x1':>9s} {'ddp x%d' % nproc:>9s} {'ddp scal':>8s} {'ours/ddp':>8s}")
+for model in ["resnet18", "vit-tiny", "efficientnet-b0"]:
+    o1 = next((r["images_per_s"] for r in rows if r.get("tag") == f"scale_{model}_w1"), None)
+    on = next((r["images_per_s"] for r in rows if r.get("tag") == f"scale_{model}_w{nproc}"), None)
+    p1 = next((r["images_per_s"] for r in rows if r["system"] == "pytorch-ddp-eager" and r["model"] == model and r["world_size"] == 1), None)
+    pn = next((r["images_per_s"] for r in rows if r["system"] == "pytorch-ddp-eager" and r["model"] == model and r["world_size"] == nproc), None)
+    if not any([o1, on, p1, pn]):
+        continue
+    f = lambda v: f"{v:9.0f}" if v else "        -"
+    q = lambda a, b: f"{a / b:8.2f}" if a and b else "       -"
+    print(f"{model:16s} {f(o1)} {f(on)} {q(on, o1)} {f(p1)} {f(pn)} {q(pn, p1)} {q(on, pn)}")
+for r in rows:
+    if r.get("tag", "").startswith("acc_"):
+        print(f"{r['tag']}: test acc {r['test_acc']} %, total {r['total_s']} s, {r['epochs']} epochs")
+PY

@@ -1,0 +1,205 @@
+// Data parallelism on the CPU (docs/distributed.md): two ranks (threads of this process, each its own Session over
+// one Gloo group) train a BatchNorm-free model to the weights one process trains at the same global batch, each
+// sample once per epoch across the ranks, with only rank 0 writing; a run stopped on two ranks resumes in one
+// process; the options data parallelism does not support yet are refused, naming them.
+#include "test_util.h"
+#include "triaccel/core/events.h"
+#include "triaccel/models/model.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <thread>
+#include <unistd.h>
+
+namespace triaccel {
+namespace {
+
+// "dp-mlp": flatten → Linear(784, 32) → ReLU → Linear(32, classes); no BatchNorm (its per-rank batch statistics
+// would make the ranks' updates differ from one process's by design, as in PyTorch's DDP).
+class DpMlp final : public Model {
+ public:
+  explicit DpMlp(const ModelOptions& options) : Model("dp-mlp") {
+    const int64_t in = options.in_channels * options.image_size * options.image_size;
+    auto fc1 = register_module("fc1", torch::nn::Linear(in, 32));
+    auto fc2 = register_module("fc2", torch::nn::Linear(32, options.num_classes));
+    unit_add("fc1", {fc1}, [fc1](const at::Tensor& x) { return torch::relu(fc1->forward(x.flatten(1))); });
+    unit_add("fc2", {fc2}, [fc2](const at::Tensor& x) { return fc2->forward(x); });
+  }
+};
+
+void dp_mlp_register() {
+  static const bool once = [] {
+    model_register({"dp-mlp", "a BatchNorm-free MLP (tests of data parallelism)", ModelInput::kImage,
+                    /*double_backward=*/true, /*local_learning=*/false,
+                    [](const ModelOptions& o) -> std::shared_ptr<Model> { return std::make_shared<DpMlp>(o); }});
+    return true;
+  }();
+  (void)once;
+}
+
+class DataParallelTest : public test::TinyMnistTest {
+ protected:
+  void SetUp() override { dp_mlp_register(); }
+
+  // 384 training samples at a global batch of 51: 7 batches of 51 (ranks 25 + 26) and one of 27 (13 + 14), so the
+  // ranks' shares differ and the gradient weighting matters.
+  static Config mlp_options(const std::string& out) {
+    Config c = options(out);
+    c.set("model", "dp-mlp");
+    c.set("batch_size", "51");
+    c.set("momentum", "0.9");
+    return c;
+  }
+
+  static RunHooks one_process() {
+    RunHooks h;
+    h.dist = DistOptions{};
+    return h;
+  }
+
+  // Runs `configs[r]` on rank r of a world of configs.size() ranks (threads); returns each rank's result.
+  static std::vector<Json> run_ranks(const std::vector<Config>& configs, std::vector<Spans>* spans = nullptr) {
+    const int world = static_cast<int>(configs.size());
+    static int round = 0;
+    const int port = 21000 + static_cast<int>((getpid() * 7 + 100 * round++) % 20000);
+    std::vector<Json> results(configs.size());
+    std::vector<std::string> errors(configs.size());
+    std::vector<std::thread> threads;
+    if (spans) spans->assign(configs.size(), Spans(2));
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        RunHooks hooks;
+        DistOptions d;
+        d.rank = r;
+        d.world_size = world;
+        d.master_port = port;
+        hooks.dist = d;
+        if (spans) record_batches(hooks, (*spans)[static_cast<size_t>(r)]);
+        try {
+          results[static_cast<size_t>(r)] = api::run(configs[static_cast<size_t>(r)], hooks);
+        } catch (const std::exception& e) {
+          errors[static_cast<size_t>(r)] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < world; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+    return results;
+  }
+
+  // The largest |a - b| / (|a| + 1e-3) over every tensor of two model.pt files with the same names.
+  static double worst_difference(const std::string& a, const std::string& b) {
+    const auto wa = test::state_dict_read(a);
+    const auto wb = test::state_dict_read(b);
+    EXPECT_EQ(wa.size(), wb.size());
+    double worst = 0;
+    for (const auto& [name, t] : wa) {
+      if (!wb.count(name)) {
+        ADD_FAILURE() << name << " missing";
+        continue;
+      }
+      const at::Tensor d = (t - wb.at(name)).abs() / (t.abs() + 1e-3);
+      worst = std::max(worst, d.max().item<double>());
+    }
+    return worst;
+  }
+
+  static std::vector<Json> epochs_of(const std::string& events) {
+    std::vector<Json> out;
+    for (const auto& e : events_read(events)) {
+      if (e["event"] == "epoch") out.push_back(e);
+    }
+    return out;
+  }
+};
+
+TEST_F(DataParallelTest, TwoRanksTrainTheWeightsOfOneProcess) {
+  test::TempDir one("dp_one"), two("dp_two");
+  api::run(mlp_options(one.path()), one_process());
+  std::vector<Spans> spans;
+  const std::vector<Json> results = run_ranks({mlp_options(two.path()), mlp_options(two.path())}, &spans);
+
+  // Same weights to fp32 tolerance (the sums run in another order); an unreduced or unweighted gradient is off by
+  // orders of magnitude more.
+  EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
+  const auto e1 = epochs_of(one.file("events.jsonl"));
+  const auto e2 = epochs_of(two.file("events.jsonl"));
+  ASSERT_EQ(e1.size(), 2u);
+  ASSERT_EQ(e2.size(), 2u);  // rank 1 wrote no events of its own into the shared folder
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_NEAR(e1[i]["train_loss"].get<double>(), e2[i]["train_loss"].get<double>(), 1e-4);
+    EXPECT_NEAR(e1[i]["test_loss"].get<double>(), e2[i]["test_loss"].get<double>(), 1e-4);
+    EXPECT_EQ(e2[i]["samples"], 384);
+    EXPECT_EQ(e2[i]["world_size"], 2);
+  }
+  EXPECT_EQ(results[0]["steps"], 16);
+  EXPECT_EQ(results[1]["steps"], 16);
+
+  // Each rank trained its half of every batch; together every sample once per epoch, none twice.
+  for (size_t epoch = 0; epoch < 2; ++epoch) {
+    std::vector<std::pair<int64_t, int64_t>> both;
+    for (const Spans& s : spans) both.insert(both.end(), s[epoch].begin(), s[epoch].end());
+    std::sort(both.begin(), both.end());
+    expect_every_sample_once(Spans{both}, 384);
+    ASSERT_EQ(spans[0][epoch].size(), 8u);
+    EXPECT_EQ(spans[0][epoch][0], std::make_pair(int64_t{0}, int64_t{25}));
+    EXPECT_EQ(spans[1][epoch][0], std::make_pair(int64_t{25}, int64_t{26}));
+    EXPECT_EQ(spans[1][epoch][7], std::make_pair(int64_t{357 + 13}, int64_t{14}));
+  }
+}
+
+// The same on two GPUs through NCCL, the all-reduce captured in each rank's CUDA graph (needs two GPUs).
+TEST_F(DataParallelTest, TwoGpusTrainTheWeightsOfOneGpu) {
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "fewer than two CUDA GPUs";
+  test::TempDir one("dp_gpu_one"), two("dp_gpu_two");
+  const auto on_gpu = [](Config c) {
+    c.set("device", "cuda");
+    return c;
+  };
+  api::run(on_gpu(mlp_options(one.path())), one_process());
+  run_ranks({on_gpu(mlp_options(two.path())), on_gpu(mlp_options(two.path()))});
+  EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
+  const auto e2 = epochs_of(two.file("events.jsonl"));
+  ASSERT_EQ(e2.size(), 2u);
+  EXPECT_EQ(e2[1]["world_size"], 2);
+  EXPECT_EQ(e2[1]["cuda_graph"], true) << "the step with NCCL's all-reduce was not captured";
+}
+
+TEST_F(DataParallelTest, TwoRanksStoppedResumeInOneProcess) {
+  test::TempDir one("dp_ref"), two("dp_stop");
+  api::run(mlp_options(one.path()), one_process());
+  Config first = mlp_options(two.path());
+  first.set("max_steps", "5");  // inside epoch 1 (8 steps per epoch)
+  const std::vector<Json> stopped = run_ranks({first, first});
+  EXPECT_EQ(stopped[0]["reason"], "max_steps");
+  EXPECT_EQ(stopped[1]["reason"], "max_steps");
+  Config again = mlp_options(two.path());
+  again.set("resume", two.path());
+  const Json summary = api::run(again, one_process());
+  EXPECT_EQ(summary["steps"], 16);
+  EXPECT_EQ(summary["world_size"], 1);
+  EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
+}
+
+TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
+  test::TempDir out("dp_refuse");
+  const auto refused = [&](const char* key, const std::string& value) {
+    Config c = mlp_options(out.path());
+    c.set("nproc", "2");
+    c.set(key, value);
+    return test::error_of([&] { c.validate(); });
+  };
+  EXPECT_NE(refused("method", "tri-accel").find("nproc 2 trains with method backprop only"), std::string::npos);
+  EXPECT_NE(refused("vram_budget", "1GB").find("vram_budget is not supported with nproc 2"), std::string::npos);
+  EXPECT_NE(refused("optimizer", "baoc").find("optimizer sgd or adamw"), std::string::npos);
+  EXPECT_NE(refused("batch_size", "1").find("batch_size 1 is smaller than nproc 2"), std::string::npos);
+  // nproc 2 through the API in a process that is no rank: the command line starts ranks, not api::run.
+  Config c = mlp_options(out.path());
+  c.set("nproc", "2");
+  EXPECT_NE(test::error_of([&] { api::run(c, one_process()); }).find("nproc 2 but this process is one of 1"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace triaccel
