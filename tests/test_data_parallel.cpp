@@ -135,6 +135,11 @@ TEST_F(DataParallelTest, TwoRanksTrainTheWeightsOfOneProcess) {
   }
   EXPECT_EQ(results[0]["steps"], 16);
   EXPECT_EQ(results[1]["steps"], 16);
+  ASSERT_TRUE(e2[1]["rank_peak_vram_gb"].is_array());
+  EXPECT_EQ(e2[1]["rank_peak_vram_gb"].size(), 2u);
+  ASSERT_TRUE(e2[1]["rank_comm_s"].is_array());  // Gloo: host time, each rank's own
+  EXPECT_GT(e2[1]["rank_comm_s"][1].get<double>(), 0.0);
+  EXPECT_TRUE(e1[1]["rank_comm_s"].is_null());
 
   // Each rank trained its half of every batch; together every sample once per epoch, none twice.
   for (size_t epoch = 0; epoch < 2; ++epoch) {
@@ -147,6 +152,18 @@ TEST_F(DataParallelTest, TwoRanksTrainTheWeightsOfOneProcess) {
     EXPECT_EQ(spans[1][epoch][0], std::make_pair(int64_t{25}, int64_t{26}));
     EXPECT_EQ(spans[1][epoch][7], std::make_pair(int64_t{357 + 13}, int64_t{14}));
   }
+}
+
+// Micro-batches and recomputed units on each rank: a rank's micro-batches accumulate before the one reduction, so
+// the weights are still one process's (which runs the whole batch at once).
+TEST_F(DataParallelTest, MicroBatchesAndRecomputeOnEachRankKeepTheWeights) {
+  test::TempDir one("dp_mb_one"), two("dp_mb_two");
+  api::run(mlp_options(one.path()), one_process());
+  Config c = mlp_options(two.path());
+  c.set("micro_batch", "8");
+  c.set("recompute", "fc1");
+  run_ranks({c, c});
+  EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
 }
 
 // The same on two GPUs through NCCL, the all-reduce captured in each rank's CUDA graph (needs two GPUs).
@@ -192,6 +209,7 @@ TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
   };
   EXPECT_NE(refused("method", "tri-accel").find("nproc 2 trains with method backprop only"), std::string::npos);
   EXPECT_NE(refused("vram_budget", "1GB").find("vram_budget is not supported with nproc 2"), std::string::npos);
+  EXPECT_NE(refused("inject_faults", "oom@3").find("inject_faults is not supported"), std::string::npos);
   EXPECT_NE(refused("optimizer", "baoc").find("optimizer sgd or adamw"), std::string::npos);
   EXPECT_NE(refused("batch_size", "1").find("batch_size 1 is smaller than nproc 2"), std::string::npos);
   // nproc 2 through the API in a process that is no rank: the command line starts ranks, not api::run.

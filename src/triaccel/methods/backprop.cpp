@@ -340,7 +340,10 @@ Trainer::Trainer(Session& session)
   so.fault_injection = !faults_.empty();
   if (session_.dist().active()) {
     so.grad_reduce = [this](const std::vector<at::Tensor>& grads) {
+      const bool timed = !session_.dist().nccl();  // a host collective: its time is this rank's wait (a graph's is not)
+      const double t0 = timed ? session_.clock().now_s() : 0;
       session_.dist().all_reduce_sum_packed(grads, grad_weight_);
+      if (timed) comm_s_ += session_.clock().now_s() - t0;
     };
     // NCCL's all-reduce is ordered on the stream: the graph captures it (with the full batch's constant weight).
     so.grad_reduce_capturable = session_.dist().nccl();
@@ -784,6 +787,16 @@ void Trainer::epoch_end(double train_s) {
   // Summed over the ranks (each holds its shares'); samples_this_epoch_ counts the global batches.
   const std::vector<double> train_sums =
       session_.dist().all_reduce_sum({step_->loss_sum().item<double>(), step_->correct_sum().item<double>()});
+  // Every rank's training peak and time in the gradient collective (rank r's in slot r; one process: its own).
+  Dist& dist = session_.dist();
+  const size_t world = static_cast<size_t>(dist.world_size()), rank = static_cast<size_t>(dist.rank());
+  std::vector<double> per_rank(2 * world, 0.0);
+  per_rank[rank] = p.peak_vram_gb;
+  per_rank[world + rank] = comm_s_;
+  per_rank = dist.all_reduce_sum(per_rank);
+  const std::vector<double> rank_peaks(per_rank.begin(), per_rank.begin() + static_cast<long>(world));
+  const std::vector<double> rank_comm(per_rank.begin() + static_cast<long>(world), per_rank.end());
+  comm_s_ = 0;
   p.epoch_times.push_back(train_s);
   p.last_epoch = Json{
       {"epoch", p.epoch + 1},
@@ -814,7 +827,10 @@ void Trainer::epoch_end(double train_s) {
       {"graph_capture_error", graph.capture_error().empty() ? Json(nullptr) : Json(graph.capture_error())},
       {"probe_s_total", tri ? Json(overhead_s) : Json(nullptr)},
       {"memory_plan", memory_plan_brief()},
-      {"world_size", session_.dist().world_size()}};
+      {"world_size", dist.world_size()},
+      {"rank_peak_vram_gb", dist.active() ? Json(rank_peaks) : Json(nullptr)},
+      // Host time in the gradient collective this epoch, per rank (null with NCCL: it runs on the GPU's stream).
+      {"rank_comm_s", dist.active() && !dist.nccl() ? Json(rank_comm) : Json(nullptr)}};
   session_.event(event::kEpoch, p.step, p.last_epoch);
   session_.printer().line(c10::str("epoch ", p.epoch + 1, "/", config_.schedule.epochs, ": train loss ",
                                    p.last_epoch["train_loss"].get<double>(), ", test acc ", test.acc, " %, ", train_s,
