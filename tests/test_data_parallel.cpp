@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <functional>
 #include <thread>
 #include <unistd.h>
 
@@ -59,7 +61,11 @@ class DataParallelTest : public test::TinyMnistTest {
   }
 
   // Runs `configs[r]` on rank r of a world of configs.size() ranks (threads); returns each rank's result.
-  static std::vector<Json> run_ranks(const std::vector<Config>& configs, std::vector<Spans>* spans = nullptr) {
+  // `customize` may change a rank's hooks; with `errors_out` each rank's error ("" for none) is returned there
+  // instead of being expected empty.
+  static std::vector<Json> run_ranks(const std::vector<Config>& configs, std::vector<Spans>* spans = nullptr,
+                                     const std::function<void(int, RunHooks&)>& customize = nullptr,
+                                     std::vector<std::string>* errors_out = nullptr) {
     const int world = static_cast<int>(configs.size());
     static int round = 0;
     const int port = 21000 + static_cast<int>((getpid() * 7 + 100 * round++) % 20000);
@@ -74,8 +80,10 @@ class DataParallelTest : public test::TinyMnistTest {
         d.rank = r;
         d.world_size = world;
         d.master_port = port;
+        d.timeout = std::chrono::seconds(60);  // a broken group fails a test in a minute, not five
         hooks.dist = d;
         if (spans) record_batches(hooks, (*spans)[static_cast<size_t>(r)]);
+        if (customize) customize(r, hooks);
         try {
           results[static_cast<size_t>(r)] = api::run(configs[static_cast<size_t>(r)], hooks);
         } catch (const std::exception& e) {
@@ -84,7 +92,11 @@ class DataParallelTest : public test::TinyMnistTest {
       });
     }
     for (auto& t : threads) t.join();
-    for (int r = 0; r < world; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+    if (errors_out) {
+      *errors_out = errors;
+    } else {
+      for (int r = 0; r < world; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+    }
     return results;
   }
 
@@ -197,6 +209,27 @@ TEST_F(DataParallelTest, TwoRanksStoppedResumeInOneProcess) {
   EXPECT_EQ(summary["steps"], 16);
   EXPECT_EQ(summary["world_size"], 1);
   EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
+}
+
+// Out of memory on one rank is not retried there alone (it would fall out of step with the others): that rank ends
+// with one line naming it and the way on, and the other rank, whose collective lost its peer, ends too.
+TEST_F(DataParallelTest, OutOfMemoryOnOneRankEndsEveryRankWithALine) {
+  test::TempDir out("dp_oom");
+  std::vector<std::string> errors;
+  run_ranks({mlp_options(out.path()), mlp_options(out.path())}, nullptr,
+            [](int rank, RunHooks& hooks) {
+              if (rank != 1) return;
+              hooks.before_step = [](int64_t step, int64_t) {
+                TORCH_CHECK_WITH(OutOfMemoryError, step != 3, "injected by the test");
+              };
+            },
+            &errors);
+  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_NE(errors[1].find("rank 1 of 2 ran out of GPU memory in training at batch_size 51 (26 per rank); resume "
+                           "from the last checkpoint on more GPUs"),
+            std::string::npos)
+      << errors[1];
+  EXPECT_NE(errors[0].find("rank 0 of 2 lost the data-parallel group"), std::string::npos) << errors[0];
 }
 
 TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {

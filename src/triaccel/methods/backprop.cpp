@@ -595,6 +595,9 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
 
 Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count) {
   Progress& p = *progress_;
+  // With several ranks a retry on one rank alone would put it out of step with the others (a different batch, an
+  // extra collective): the run stops with a checkpoint to resume from instead.
+  dist_out_of_memory_check("training");
   attempt_ += fault == FaultKind::kOom ? 1 : 0;  // the injected error came before the increment
   p.oom_retries += 1;
   const Json where{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"injected", fault == FaultKind::kOom}};
@@ -760,6 +763,7 @@ Trainer::EvalResult Trainer::evaluate_within_budget() {
       if (batch < planned) eval_batch_fits_ = batch;
       return result;
     } catch (const c10::OutOfMemoryError&) {
+      dist_out_of_memory_check("evaluation");
       TRIACCEL_CHECK_INPUT(batch > 1, "out of memory evaluating one sample: raise ", option_ref("vram_budget"));
       session_.event(event::kOom, progress_->step,
                      Json{{"phase", "eval"}, {"batch", batch}, {"retry_batch", (batch + 1) / 2}});
@@ -933,6 +937,23 @@ std::pair<int64_t, int64_t> Trainer::shard(int64_t count) const {
   const int64_t first = count * dist.rank() / dist.world_size();
   const int64_t end = count * (dist.rank() + 1) / dist.world_size();
   return {first, end - first};
+}
+
+void Trainer::dist_out_of_memory_check(const char* phase) const {
+  const Dist& dist = session_.dist();
+  if (!dist.active()) return;
+  const std::string where = str_cat("rank ", dist.rank(), " of ", dist.world_size(), " ran out of GPU memory in ", phase);
+  if (std::string(phase) == "evaluation") {
+    throw UserError(str_cat(where, " at ", option_ref("eval_batch_size"), " ", config_.execution.eval_batch_size,
+                            "; resume from the last checkpoint with a smaller one: ", option_ref("resume"), " ",
+                            config_.output.out, " ", option_ref("eval_batch_size"), " N"));
+  }
+  const int64_t batch = config_.schedule.batch_size;
+  throw UserError(str_cat(where, " at ", option_ref("batch_size"), " ", batch, " (",
+                          (batch + dist.world_size() - 1) / dist.world_size(), " per rank); resume from the last "
+                          "checkpoint on more GPUs (a smaller share per rank, the same batch): ", option_ref("resume"),
+                          " ", config_.output.out, " ", option_ref("nproc"), " N, or start again with a smaller ",
+                          option_ref("batch_size")));
 }
 
 StopRequest Trainer::stop_agreed() {

@@ -81,6 +81,9 @@ class Trainer : private MemoryMeter {
   std::pair<int64_t, int64_t> shard(int64_t count) const;
   // The stop request every rank agrees on: any rank's (a signal may reach one rank only).
   StopRequest stop_agreed();
+  // With several ranks an out-of-memory error is not retried (one rank alone would fall out of step): UserError
+  // naming the rank and the batch. A no-op with one process.
+  void dist_out_of_memory_check(const char* phase) const;
   // Helpers.
   void batch_set(int64_t batch);
   Json memory_plan_brief() const;          // the plan in force, for epoch and summary events (null: none)
