@@ -330,7 +330,8 @@ Trainer::Trainer(Session& session)
       test_loader_.size(), " test), ", session_.model().parameter_count(), " params, ",
       enum_name(config_.execution.precision), ", batch ", config_.schedule.batch_size, ", ",
       device_long_name(device_),
-      session_.dist().active() ? c10::str(", ", session_.dist().world_size(), " processes") : std::string(), session_.checkpoint() ? ", resumed at step " + std::to_string(p.step) : ""));
+      session_.dist().active() ? c10::str(", ", session_.dist().world_size(), " processes") : std::string(),
+      session_.checkpoint() ? ", resumed at step " + std::to_string(p.step) : ""));
 
   StepOptions so;
   so.precision = config_.execution.precision;
@@ -357,8 +358,8 @@ Trainer::Trainer(Session& session)
   memory_cap();
   step_->set_graph_batch_size(shard(progress_->batch).second);
   const int64_t world = session_.dist().world_size();  // a rank's share is at most ceil(batch / world)
-  batch_images_ = train_loader_.batch_images_empty((std::max(config_.schedule.batch_size, progress_->batch) + world - 1) /
-                                                   world);
+  const int64_t largest = std::max(config_.schedule.batch_size, progress_->batch);
+  batch_images_ = train_loader_.batch_images_empty((largest + world - 1) / world);
   batch_labels_ = train_loader_.batch_labels_empty(batch_images_.size(0));
   last_lr_ = schedule_lr(schedule_, schedule_position());
 }
@@ -942,7 +943,8 @@ std::pair<int64_t, int64_t> Trainer::shard(int64_t count) const {
 void Trainer::dist_out_of_memory_check(const char* phase) const {
   const Dist& dist = session_.dist();
   if (!dist.active()) return;
-  const std::string where = str_cat("rank ", dist.rank(), " of ", dist.world_size(), " ran out of GPU memory in ", phase);
+  const std::string where =
+      str_cat("rank ", dist.rank(), " of ", dist.world_size(), " ran out of GPU memory in ", phase);
   if (std::string(phase) == "evaluation") {
     throw UserError(str_cat(where, " at ", option_ref("eval_batch_size"), " ", config_.execution.eval_batch_size,
                             "; resume from the last checkpoint with a smaller one: ", option_ref("resume"), " ",

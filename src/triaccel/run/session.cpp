@@ -119,7 +119,9 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
   TRIACCEL_CHECK_INPUT(backend != DistBackend::kNccl || (device_.is_cuda() && Dist::nccl_built()),
                        option_ref("dist_backend"), " nccl needs CUDA devices and a CUDA build of triaccel (this run is "
                        "on ", device_long_name(device_), "); use gloo or auto");
-  if (device_.is_cuda() && backend != DistBackend::kGloo && Dist::nccl_built()) dist_options_.cuda_device = device_.index();
+  if (device_.is_cuda() && backend != DistBackend::kGloo && Dist::nccl_built()) {
+    dist_options_.cuda_device = device_.index();
+  }
   dist_ = std::make_unique<Dist>(dist_options_);  // blocks until every rank has joined
   output = output && dist_->rank() == 0;
   if (output) {
