@@ -84,6 +84,22 @@ TEST(Report, TableRowWithoutSummaryUsesLastFiveEpochs) {
                                     "running); its table row comes from its 7 epoch events");
 }
 
+// A data-parallel run: its ranks from world_size, and the largest rank's peak (rank 0's is the summary's).
+TEST(Report, DataParallelRowHasItsRanksAndTheLargestRankPeak) {
+  TempDir dir("report_dp");
+  Json e1 = epoch(1, 2.0, 50.0, 0.5);
+  e1["world_size"] = 2;
+  e1["rank_peak_vram_gb"] = Json::array({0.5, 0.7});
+  const std::string text = line(config("backprop")) + line(e1) +
+                           line(event("summary", 100, 10.0, Json{{"test_acc", 50.0}, {"epoch_s", 2.0},
+                                                                 {"peak_vram_gb", 0.5}, {"world_size", 2}}));
+  const RunModel m = run_model_build(run_events_read(run_write(dir, "dp", text)));
+  EXPECT_EQ(m.row.ranks, 2);
+  ASSERT_TRUE(m.row.peak_gb.has_value());
+  EXPECT_DOUBLE_EQ(*m.row.peak_gb, 0.7);
+  EXPECT_EQ(run_model_json(m)["row"]["ranks"], 2);
+}
+
 TEST(Report, StoppedRunSaysHowToContinue) {
   TempDir dir("report_stop");
   const std::string text = line(config("backprop")) + line(epoch(1, 2.0, 50.0, 1.0)) +
@@ -292,12 +308,12 @@ TEST(Report, CsvIsExact) {
   b.row.run = "say \"hi\"";
   RunModel c;
   c.row = TableRow{"part", "backprop", "small-cnn", "fashion-mnist", "fp32", std::nullopt, 91.5, 12.0, 0.0,
-                   std::nullopt, TableSource::kEpochEvents};
+                   std::nullopt, TableSource::kEpochEvents, 2};
   EXPECT_EQ(table_csv({a, b, c}),
-            "run,method,model,dataset,precision,epochs,test_acc_pct,epoch_s,peak_vram_gb,eff_score,source\n"
-            "\"r18, seed 0\",tri-accel,resnet18,cifar10,adaptive,15,88.88,1.27593,0.82602,84.331,summary\n"
-            "\"say \"\"hi\"\"\",,,,,,,,,,none\n"
-            "part,backprop,small-cnn,fashion-mnist,fp32,,91.5,12,0,,epoch events\n");
+            "run,method,model,dataset,precision,epochs,test_acc_pct,epoch_s,peak_vram_gb,eff_score,source,ranks\n"
+            "\"r18, seed 0\",tri-accel,resnet18,cifar10,adaptive,15,88.88,1.27593,0.82602,84.331,summary,1\n"
+            "\"say \"\"hi\"\"\",,,,,,,,,,none,1\n"
+            "part,backprop,small-cnn,fashion-mnist,fp32,,91.5,12,0,,epoch events,2\n");
 }
 
 TEST(Report, WriteMakesPageAndCsvBesideIt) {
@@ -313,7 +329,7 @@ TEST(Report, WriteMakesPageAndCsvBesideIt) {
   const ReportResult r = report_write(o);
   EXPECT_EQ(r.csv_path, dir.file("out.csv"));
   EXPECT_EQ(file_read_all(r.csv_path), std::string(kTableCsvHeader) + "\nr<b>1,backprop,resnet18,cifar10,fp32,7,"
-                                                                      "50,2,1,25,summary\nmissing,,,,,,,,,,none\n");
+                                                                      "50,2,1,25,summary,1\nmissing,,,,,,,,,,none,1\n");
   const std::string page = file_read_all(r.html_path);
   EXPECT_NE(page.find("<title>A &amp; B &lt;/script&gt;&lt;runs&gt;</title>"), std::string::npos);
   // The title and the run name must not end the data <script> early: '<' is written as \u003c inside the JSON.

@@ -43,9 +43,9 @@ mkdir -p "$WORK/out"
   --title "synthetic runs" >"$WORK/cli.out" 2>"$WORK/cli.err" || fail "report exited non-zero: $(cat "$WORK/cli.err")"
 grep -q "wrote $WORK/out/synthetic.html and $WORK/out/synthetic.csv (6 runs, 3 with problems" "$WORK/cli.out" ||
   fail "unexpected report output: $(cat "$WORK/cli.out")"
-head -1 "$WORK/out/synthetic.csv" | grep -qx "run,method,model,dataset,precision,epochs,test_acc_pct,epoch_s,peak_vram_gb,eff_score,source" ||
+head -1 "$WORK/out/synthetic.csv" | grep -qx "run,method,model,dataset,precision,epochs,test_acc_pct,epoch_s,peak_vram_gb,eff_score,source,ranks" ||
   fail "report.csv header: $(head -1 "$WORK/out/synthetic.csv")"
-grep -qx "tri,tri-accel,resnet18,cifar10,adaptive,4,82,12,0.8,8.54167,summary" "$WORK/out/synthetic.csv" ||
+grep -qx "tri,tri-accel,resnet18,cifar10,adaptive,4,82,12,0.8,8.54167,summary,1" "$WORK/out/synthetic.csv" ||
   fail "report.csv row for tri: $(grep ^tri, "$WORK/out/synthetic.csv")"
 if grep -Eq '(src|href)="https?:|@import|url\(' "$WORK/out/synthetic.html"; then fail "the page refers to outside resources"; fi
 render "$WORK/out/synthetic.html" synthetic

@@ -263,7 +263,7 @@
   function drawTable() {
     const parent = document.getElementById('table');
     const cols = [['Run', 'run'], ['Method', 'method'], ['Model', 'model'], ['Dataset', 'dataset'],
-                  ['Precision', 'precision'], ['Epochs', 'epochs', 0], ['Test acc (%)', 'test_acc', 2],
+                  ['Precision', 'precision'], ['Ranks', 'ranks', 0], ['Epochs', 'epochs', 0], ['Test acc (%)', 'test_acc', 2],
                   ['s / epoch', 'epoch_s', 2], ['Peak GB', 'peak_gb', 3], ['Efficiency score', 'eff_score', 2],
                   ['Figures from', 'source']];
     const best = {};

@@ -91,6 +91,21 @@ void table_row_fill(const RunModel& model, const std::vector<Json>& events, Tabl
       if (auto p = number(*e, "peak_vram_gb")) row.peak_gb = std::max(row.peak_gb.value_or(*p), *p);
     }
   }
+  // Data parallel: the ranks, and the largest rank's peak.
+  for (const auto* kinds : {&summaries, &epochs}) {
+    if (!kinds->empty()) {
+      if (auto w = number(*kinds->back(), "world_size")) {
+        row.ranks = std::max<int64_t>(row.ranks, static_cast<int64_t>(*w));
+      }
+    }
+  }
+  for (const auto* e : epochs) {
+    const Json peaks = field(*e, "rank_peak_vram_gb");
+    if (!peaks.is_array()) continue;
+    for (const auto& p : peaks) {
+      if (p.is_number()) row.peak_gb = std::max(row.peak_gb.value_or(p.get<double>()), p.get<double>());
+    }
+  }
   if (row.test_acc && row.epoch_s && row.peak_gb && *row.epoch_s > 0 && *row.peak_gb > 0) {
     row.eff_score = *row.test_acc / (*row.epoch_s * *row.peak_gb);
   }
@@ -338,7 +353,8 @@ Json run_model_json(const RunModel& m) {
            {"epoch_s", optional_json(r.epoch_s)},
            {"peak_gb", optional_json(r.peak_gb)},
            {"eff_score", optional_json(r.eff_score)},
-           {"source", table_source_name(r.source)}};
+           {"source", table_source_name(r.source)},
+           {"ranks", r.ranks}};
   return Json{{"name", m.name}, {"file", m.file}, {"problems", m.problems}, {"row", row}, {"charts", m.charts}};
 }
 

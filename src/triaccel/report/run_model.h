@@ -25,6 +25,9 @@ struct TableRow {
   std::optional<double> peak_gb;    // the summary's peak_vram_gb, else the largest epoch peak_vram_gb
   std::optional<double> eff_score;  // test_acc / (epoch_s × peak_gb)
   TableSource source = TableSource::kNone;
+  // Data-parallel ranks (world_size of its events; 1 for runs before it). With several, peak_gb is the largest
+  // rank's peak (the epoch events' rank_peak_vram_gb), the figure a per-GPU budget is about.
+  int64_t ranks = 1;
 };
 
 struct RunModel {

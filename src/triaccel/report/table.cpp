@@ -29,7 +29,7 @@ std::string table_csv(const std::vector<RunModel>& runs) {
     out += csv_field(r.run) + "," + csv_field(r.method) + "," + csv_field(r.model) + "," + csv_field(r.dataset) + "," +
            csv_field(r.precision) + "," + (r.epochs ? std::to_string(*r.epochs) : "") + "," + csv_number(r.test_acc) +
            "," + csv_number(r.epoch_s) + "," + csv_number(r.peak_gb) + "," + csv_number(r.eff_score) + "," +
-           table_source_name(r.source) + "\n";
+           table_source_name(r.source) + "," + std::to_string(r.ranks) + "\n";
   }
   return out;
 }

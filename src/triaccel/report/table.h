@@ -10,7 +10,7 @@
 namespace triaccel {
 
 constexpr const char* kTableCsvHeader =
-    "run,method,model,dataset,precision,epochs,test_acc_pct,epoch_s,peak_vram_gb,eff_score,source";
+    "run,method,model,dataset,precision,epochs,test_acc_pct,epoch_s,peak_vram_gb,eff_score,source,ranks";
 
 std::string table_csv(const std::vector<RunModel>& runs);
 
