@@ -11,9 +11,18 @@ namespace {
 
 // Method auto: backprop when the memory planner fits the budget (or there is none, or no GPU), else NeuroFlux for a
 // model it trains; a model it does not train gets the planner's floor.
-Config method_resolve(Config c) {
+// What a session that only looks (a plan, method auto's probe) takes of the caller's hooks: the program's own data
+// and model, nothing that reacts to steps.
+RunHooks inputs_of(const RunHooks& hooks) {
+  RunHooks out;
+  out.data = hooks.data;
+  out.model = hooks.model;
+  return out;
+}
+
+Config method_resolve(Config c, const RunHooks& hooks) {
   c.execution.method = Method::kBackprop;
-  Session probe(c, RunHooks{}, /*output=*/false);
+  Session probe(c, inputs_of(hooks), /*output=*/false);
   const Json plan = Trainer::memory_plan_preview(probe);
   const bool fits = !probe.device().is_cuda() || plan.is_null() || plan["feasible"].get<bool>();
   if (!fits) {
@@ -32,14 +41,14 @@ Config method_resolve(Config c) {
 
 Json run(const Config& config, const RunHooks& hooks) {
   Config resolved = config_for_run(config);
-  if (resolved.execution.method == Method::kAuto) resolved = method_resolve(resolved);
+  if (resolved.execution.method == Method::kAuto) resolved = method_resolve(resolved, hooks);
   Session session(resolved, hooks);
   if (session.config().execution.method == Method::kNeuroFlux) return neuroflux_train(session);
   Trainer trainer(session);
   return trainer.run();
 }
 
-Json plan(const Config& config) {
+Json plan(const Config& config, const RunHooks& hooks) {
   TRIACCEL_CHECK_INPUT(config.output.resume.empty(), "plan does not take ", option_ref("resume"),
                        " (it plans a fresh run)");
   Config planned = config;
@@ -47,7 +56,7 @@ Json plan(const Config& config) {
   // of the run as configured.
   const bool memory = !config.execution.vram_budget.empty();
   if (!planned.was_given("optimizer") && !memory) planned.optim.optimizer = OptimizerKind::kBaoc;
-  Session session(config_for_run(planned), RunHooks{}, /*output=*/false);
+  Session session(config_for_run(planned), inputs_of(hooks), /*output=*/false);
   const Config& c = session.config();
   Json units = Json::array();
   for (const auto& u : session.model().units()) units.push_back(Json{{"unit", u.name}, {"params", u.parameter_count()}});

@@ -16,8 +16,9 @@ Json run(const Config& config, const RunHooks& hooks = {});
 
 // The plan a run of this configuration would follow, computed without writing any file: the model (parameters,
 // units), the memory budget and, with optimizer baoc (the default here unless `optimizer` is given), the
-// optimizer-state plan (BAOC needs gradient statistics, so that part warms up plan_warmup steps in memory first).
-Json plan(const Config& config);
+// optimizer-state plan (BAOC needs gradient statistics, so that part warms up plan_warmup steps in memory first:
+// they change the weights of a model passed through hooks.model). Of `hooks` it uses the data and model only.
+Json plan(const Config& config, const RunHooks& hooks = {});
 
 // One self-contained HTML page and a CSV table of the runs (report/report.h).
 ReportResult report(const ReportOptions& options);

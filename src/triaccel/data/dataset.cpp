@@ -157,7 +157,7 @@ DatasetSplits dataset_load_folder(const std::string& dir) {
 
 const std::vector<std::string>& dataset_names() {
   static const std::vector<std::string> names = {"cifar10",         "cifar100", "mnist", "fashion-mnist",
-                                                 "tinyshakespeare", "folder"};
+                                                 "tinyshakespeare", "folder",   "tensors"};
   return names;
 }
 
@@ -169,6 +169,9 @@ DatasetSplits dataset_load(const std::string& name, const std::string& dir, int6
   const auto& names = dataset_names();
   TRIACCEL_CHECK_INPUT(std::find(names.begin(), names.end(), name) != names.end(), "unknown dataset '", name,
                        "'; known datasets: ", dataset_join_names(names));
+  TRIACCEL_CHECK_INPUT(name != "tensors", option_ref("dataset"),
+                       " tensors holds images a program passes (Python: triaccel.train(model, train=(images, labels), "
+                       "test=(images, labels))); from the command line give a dataset read from files");
   if (dataset_kind(name) == DatasetKind::kTokens) return dataset_load_text(name, dir, block_size);
   DatasetSplits out;
   if (name == "cifar10") {
@@ -182,6 +185,65 @@ DatasetSplits dataset_load(const std::string& name, const std::string& dir, int6
   }
   out.train.name = name;
   out.test.name = name;
+  dataset_channel_stats(out.train.images, out.mean, out.std);
+  return out;
+}
+
+namespace {
+
+// One split of dataset_from_tensors as the Dataset invariants want it: (N, C, H, W) uint8 and (N) int64 on the CPU.
+Dataset dataset_split_from_tensors(const std::string& split, const at::Tensor& images_in, const at::Tensor& labels_in) {
+  TRIACCEL_CHECK_INPUT(images_in.defined() && labels_in.defined(), split, " needs (images, labels), both tensors");
+  at::Tensor images = images_in.detach().cpu();
+  at::Tensor labels = labels_in.detach().cpu();
+  TRIACCEL_CHECK_INPUT(images.dim() == 3 || images.dim() == 4, split, " images must be (N, C, H, W) or (N, H, W), got ",
+                       images.dim(), " dimensions of shape ", images.sizes());
+  if (images.dim() == 3) images = images.unsqueeze(1);
+  TRIACCEL_CHECK_INPUT(images.size(0) > 0 && images.numel() > 0, split, " holds no images (shape ", images.sizes(), ")");
+  if (images.is_floating_point()) {
+    const double lo = images.min().item<double>();
+    const double hi = images.max().item<double>();
+    TRIACCEL_CHECK_INPUT(lo >= 0.0 && hi <= 1.0, split, " images are floating point with values in [", lo, ", ", hi,
+                         "]; pass pixels in [0, 1] or uint8 in [0, 255], unnormalized (triaccel normalizes each "
+                         "channel with the training split's mean and std)");
+    images = images.mul(255.0).round_().to(at::kByte);  // the loader keeps every dataset as uint8 pixels
+  } else {
+    TRIACCEL_CHECK_INPUT(images.scalar_type() == at::kByte, split, " images must be uint8 or floating point in [0, 1], "
+                         "got ", images.scalar_type());
+  }
+  TRIACCEL_CHECK_INPUT(labels.dim() == 1 && !labels.is_floating_point() && !labels.is_complex() &&
+                           labels.scalar_type() != at::kBool,
+                       split, " labels must be one integer class index per image, shape (N), got ", labels.scalar_type(),
+                       " of shape ", labels.sizes());
+  TRIACCEL_CHECK_INPUT(labels.size(0) == images.size(0), split, " has ", images.size(0), " images but ", labels.size(0),
+                       " labels");
+  labels = labels.to(at::kLong).contiguous();
+  const int64_t low = labels.min().item<int64_t>();
+  TRIACCEL_CHECK_INPUT(low >= 0, split, " labels must be class indices >= 0, found ", low);
+  Dataset out;
+  out.name = "tensors";
+  out.images = images.contiguous();
+  out.labels = labels;
+  return out;
+}
+
+}  // namespace
+
+DatasetSplits dataset_from_tensors(const at::Tensor& train_images, const at::Tensor& train_labels,
+                                   const at::Tensor& test_images, const at::Tensor& test_labels) {
+  DatasetSplits out;
+  out.train = dataset_split_from_tensors("train", train_images, train_labels);
+  out.test = dataset_split_from_tensors("test", test_images, test_labels);
+  TRIACCEL_CHECK_INPUT(out.train.images.sizes().slice(1) == out.test.images.sizes().slice(1),
+                       "train images are ", out.train.images.sizes().slice(1), " (C, H, W) but test images are ",
+                       out.test.images.sizes().slice(1), "; resize them to one size");
+  const int64_t train_classes = out.train.labels.max().item<int64_t>() + 1;
+  const int64_t test_classes = out.test.labels.max().item<int64_t>() + 1;
+  TRIACCEL_CHECK_INPUT(test_classes <= train_classes, "test has class ", test_classes - 1,
+                       " but the training labels go up to ", train_classes - 1,
+                       " only; the model cannot learn a class it never sees");
+  out.train.num_classes = train_classes;
+  out.test.num_classes = train_classes;
   dataset_channel_stats(out.train.images, out.mean, out.std);
   return out;
 }

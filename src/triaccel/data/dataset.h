@@ -69,10 +69,18 @@ Dataset idx_read(const std::string& images_path, const std::string& labels_path,
 //   mnist, fashion-mnist: {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]
 //   tinyshakespeare: input.txt (text_read, windows of block_size + 1 characters)
 //   folder:   train/<class>/<image> and test/<class>/<image> (or val/), JPEG and PNG (folder.h: folder_read, cached)
+//   tensors:  refused: a program passes them (dataset_from_tensors, RunHooks::data)
 // An empty dir means the standard location where a dataset has one: fashion-mnist → /usr/share/datasets/fashion-mnist
 // (Debian's dataset-fashion-mnist); the others need a folder.
 // Unknown names or missing files throw UserError naming what was expected and where.
 DatasetSplits dataset_load(const std::string& name, const std::string& dir, int64_t block_size = kTextBlockSize);
+
+// The dataset "tensors": images and labels a program passes (the Python module's train=(images, labels)). Images
+// (N, C, H, W) or (N, H, W), uint8 or floating point in [0, 1] (stored as uint8 pixels, rounded); labels (N) of any
+// integer type, class indices >= 0; both splits of one image shape. num_classes is the largest training label + 1;
+// a test label above it is refused. Copied to the CPU. UserError naming the split and what is wrong.
+DatasetSplits dataset_from_tensors(const at::Tensor& train_images, const at::Tensor& train_labels,
+                                   const at::Tensor& test_images, const at::Tensor& test_labels);
 
 // Per-channel mean and std of a uint8 image tensor, scaled to [0, 1].
 void dataset_channel_stats(const at::Tensor& images, std::vector<float>& mean, std::vector<float>& std);

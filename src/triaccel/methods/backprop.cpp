@@ -922,6 +922,8 @@ Json Trainer::summary() {
                                       : Json(nullptr)},
                {"memory_plan", memory_plan_brief()},
                {"world_size", session_.dist().world_size()},
+               {"input_mean", session_.data().mean},
+               {"input_std", session_.data().std},
                {"model_path", model_path}};
   session_.event(event::kSummary, p.step, summary);
   if (session_.writer()) {

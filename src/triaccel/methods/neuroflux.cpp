@@ -1145,6 +1145,8 @@ Json NeuroFluxRun::summary(const Json& chosen) {
                {"steps", step_},
                {"total_s", session_.now()},
                {"device", device_long_name(device_)},
+               {"input_mean", session_.data().mean},
+               {"input_std", session_.data().std},
                {"model_path", session_.out_file("model.pt")},
                {"exit_model_path", chosen["path"]}};
   session_.event(event::kSummary, step_, summary);

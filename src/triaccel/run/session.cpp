@@ -142,7 +142,13 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
     at::globalContext().setBenchmarkCuDNN(config_.execution.cudnn_autotune_enabled());
   }
 #endif
-  data_ = dataset_load(config_.data.dataset, config_.data.data_dir, config_.data.block_size);
+  if (hooks_.data) {
+    TRIACCEL_CHECK_INPUT(config_.data.dataset == "tensors", option_ref("dataset"), " is '", config_.data.dataset,
+                         "' but the program passed images of its own; leave ", option_ref("dataset"), " unset");
+    data_ = *hooks_.data;
+  } else {
+    data_ = dataset_load(config_.data.dataset, config_.data.data_dir, config_.data.block_size);
+  }
   model_options_.name = config_.model.model;
   model_options_.num_classes = data_.train.num_classes;
   model_options_.in_channels = data_.train.channels();
@@ -151,7 +157,8 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
   {
     const std::lock_guard<std::mutex> lock(model_build_mutex());
     torch::manual_seed(config_.execution.seed);
-    model_ = model_create(model_options_);
+    model_ = hooks_.model ? hooks_.model(model_options_) : model_create(model_options_);
+    TORCH_CHECK(model_ != nullptr, "the model hook returned no model");
   }
   model_->to(device_);
   layout_params(*model_);

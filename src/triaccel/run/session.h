@@ -59,6 +59,11 @@ struct RunHooks {
   // This process's place among data-parallel ranks (tests: ranks in threads); nullopt: from the environment
   // (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT as the launcher or torchrun set them).
   std::optional<DistOptions> dist;
+  // The dataset "tensors" (images a program passes: dataset_from_tensors); required with it, refused without it.
+  std::shared_ptr<const DatasetSplits> data;
+  // Builds the model instead of the registry's builder for the configured `model` name (which must still be
+  // registered: its entry says what the model supports). The Python module passes the user's own torch.nn.Module here.
+  std::function<std::shared_ptr<Model>(const ModelOptions&)> model;
 };
 
 // The configuration a run uses: `given` with its dependent defaults resolved (Config::resolve), or, when it resumes
