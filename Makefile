@@ -15,7 +15,7 @@ SAN_FLAGS = -O1 -g1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sa
 # protect_shadow_gap=0: pip's torch loads CUDA libraries, which map memory where ASan's shadow gap would be.
 ASAN_ENV = ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
 
-.PHONY: all setup configure build run test test-unit test-fuzz fuzz-long gpu-binaries clean
+.PHONY: all setup configure build python run test test-unit test-fuzz fuzz-long gpu-binaries clean
 
 all: build
 
@@ -29,6 +29,10 @@ configure: setup $(BUILD)/build.ninja
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
+
+# The Python module alone (docs/python.md): build/python/triaccel; use it with PYTHONPATH=build/python.
+python: configure
+	cmake --build $(BUILD) -j $(JOBS) --target python
 
 # The default job: the small CNN on Fashion-MNIST for one epoch on whatever device exists.
 run: build
@@ -54,11 +58,16 @@ test-fuzz: setup
 
 # Binaries for the GPU machine, built here with the CUDA kernels (nvcc; no GPU needed): build-cuda/, copied with the
 # Debian libraries they link into .device/ (carried to the device: bench/device_env.sh).
+# GPU_PYTHON: the interpreter of the GPU machine's Python version (the Python module is built for it, into
+# .device/python; empty: this machine's python3).
+GPU_PYTHON ?=
 gpu-binaries: setup
-	cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRIACCEL_CUDA=ON $(CMAKE_FLAGS)
+	cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRIACCEL_CUDA=ON \
+	  $(if $(GPU_PYTHON),-DTRIACCEL_PYTHON_EXE=$(GPU_PYTHON)) $(CMAKE_FLAGS)
 	cmake --build build-cuda -j $(JOBS)
 	mkdir -p .device/bin .device/lib
 	cp build-cuda/triaccel build-cuda/triaccel_tests .device/bin/
+	if [ -d build-cuda/python/triaccel ]; then rm -rf .device/python && cp -r build-cuda/python .device/python; fi
 	cp -L $$(ldd build-cuda/triaccel | awk '/libjpeg|libpng/ {print $$3}') .device/lib/
 
 # The documented long fuzz run (docs/reliability.md): 10 minutes per target.

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The layering check (docs/architecture.md, "Layers"): every #include "triaccel/<folder>/..." in src/triaccel/ must
 point at the file's own folder or at a lower layer, kernels/ holds CUDA and headers only, and the command line
-(tools/*.cpp) reaches the library through api/ (and core/'s errors) only. Prints one line per violation and exits 1;
+(tools/*.cpp) reaches the library through api/ (and core/'s errors) only, and the Python binding (python/src/)
+through the public header <triaccel/triaccel.h> only. Prints one line per violation and exits 1;
 prints nothing and exits 0 when the tree is clean.
 
 Usage: check_layers.py [REPO_ROOT]       check the tree
@@ -54,6 +55,12 @@ def violations(root):
             for target in INCLUDE.findall(f.read()):
                 if target not in CLI_MAY_INCLUDE:
                     found.append(f"tools/{name} includes triaccel/{target}/ (the CLI calls the library through api/)")
+    binding = os.path.join(root, "python", "src")
+    for name in sorted(os.listdir(binding)) if os.path.isdir(binding) else []:
+        with open(os.path.join(binding, name), errors="replace") as f:
+            text = f.read()
+        for target in INCLUDE.findall(text):
+            found.append(f"python/src/{name} includes triaccel/{target}/ (the binding includes <triaccel/triaccel.h> only)")
     return found
 
 

@@ -10,11 +10,10 @@
 // starts N data-parallel ranks of this program (api/launch.h); a rank other than 0 marks its error lines with it.
 #include "triaccel/api/api.h"
 #include "triaccel/api/launch.h"
+#include "triaccel/api/stop_signals.h"
 #include "triaccel/core/errors.h"
 
 #include <CLI/CLI.hpp>
-
-#include <signal.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -61,37 +60,6 @@ class ConfigFlags {
 std::string rank_tag() {
   const char* rank = std::getenv("RANK");
   return rank == nullptr || *rank == '\0' || std::string(rank) == "0" ? "" : " (rank " + std::string(rank) + ")";
-}
-
-// SIGINT and SIGTERM while training: the first is recorded and the run stops after the step in flight with a
-// checkpoint (exit kExitStopped); a second aborts at once with the signal's default action (the last complete
-// checkpoint stays valid: checkpoints are written to a temporary file and renamed).
-volatile sig_atomic_t g_stop_signal = 0;
-
-void on_stop_signal(int sig) {
-  if (g_stop_signal != 0) {
-    signal(sig, SIG_DFL);
-    raise(sig);
-    return;
-  }
-  g_stop_signal = sig;
-}
-
-void stop_signals_install() {
-  struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-}
-
-triaccel::StopRequest stop_requested() {
-  switch (g_stop_signal) {
-    case SIGINT: return triaccel::StopRequest::kInterrupt;
-    case SIGTERM: return triaccel::StopRequest::kTerminate;
-    default: return triaccel::StopRequest::kNone;
-  }
 }
 
 std::string flag_spelling(const std::string& key) {
@@ -207,8 +175,8 @@ int main(int argc, char** argv) {
     if (train->parsed()) {
       triaccel::RunHooks hooks;
       hooks.spell_option = flag_spelling;
-      hooks.stop_requested = stop_requested;
-      stop_signals_install();
+      hooks.stop_requested = &triaccel::api::StopSignals::requested;
+      const triaccel::api::StopSignals signals;
       const Json result = triaccel::api::run(train_flags.config(), hooks);
       const std::string reason = result.value("reason", std::string());
       if (reason == "sigint" || reason == "sigterm") return triaccel::kExitStopped;

@@ -7,6 +7,8 @@
 #pragma once
 
 #include "triaccel/api/api.h"
+#include "triaccel/api/loop_optimizer.h"
+#include "triaccel/api/stop_signals.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/models/model.h"
 #include "triaccel/models/registry.h"

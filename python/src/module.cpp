@@ -1,0 +1,269 @@
+// The Python module's C++ half, `triaccel._triaccel` (docs/python.md): a user's torch.nn.Module as a triaccel Model
+// whose units call the module's children, tensors as the dataset "tensors", and api::run / plan / report with
+// UserError raised as ValueError. A front end like the CLI: it reaches the library through the public header only.
+//
+// The Model holds the Python module's own tensors (the same TensorImpls, under the same dotted names), so the
+// engine's updates are the module's weights, model.pt has the module's state_dict names, and moving the Model moves
+// the module. The GIL is released while the engine runs; a unit's forward takes it to call Python, so a CUDA-graph
+// replay calls no Python at all.
+#include <triaccel/triaccel.h>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>  // THPVariable_Check
+#include <torch/csrc/utils/pybind.h>                // at::Tensor <-> torch.Tensor
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// The children of one unit (one module, or a parametered child with the parameterless ones after it). Its Python
+// references are dropped under the GIL, so copies of a unit's forward may live on threads that do not hold it.
+struct PyCalls {
+  std::vector<py::object> modules;
+  ~PyCalls() {
+    py::gil_scoped_acquire gil;
+    modules.clear();
+  }
+};
+
+// A module of the tree of names: holds the Python module's tensors at one dotted path ("0", "layer1.0.conv1").
+class Holder : public torch::nn::Module {
+ public:
+  Holder() : torch::nn::Module("python") {}
+  std::map<std::string, std::shared_ptr<Holder>> kids;
+};
+
+class PythonModel final : public triaccel::Model {
+ public:
+  PythonModel() : Model("python") {}
+
+  // Registers one state_dict entry under its dotted name, creating the path's holders in first-seen order (which
+  // keeps Python's state_dict order: a module's own tensors, then its children's).
+  void tensor_add(const std::string& name, const at::Tensor& tensor, bool parameter) {
+    const auto dot = name.rfind('.');
+    torch::nn::Module& owner = dot == std::string::npos ? static_cast<torch::nn::Module&>(*this)
+                                                        : *holder(name.substr(0, dot));
+    const std::string leaf = dot == std::string::npos ? name : name.substr(dot + 1);
+    if (parameter) {
+      owner.register_parameter(leaf, tensor, tensor.requires_grad());
+    } else {
+      owner.register_buffer(leaf, tensor);
+    }
+  }
+
+  // One unit: its name, the Python callables it runs in order, and the dotted paths of the modules that hold its
+  // parameters (each registered by tensor_add before).
+  void unit_add_python(const std::string& name, std::vector<py::object> modules, const std::vector<std::string>& paths) {
+    std::vector<std::shared_ptr<torch::nn::Module>> owners;
+    for (const auto& path : paths) owners.push_back(holder(path));
+    auto calls = std::make_shared<PyCalls>();
+    calls->modules = std::move(modules);
+    const torch::nn::Module* model = this;
+    unit_add(name, owners, [calls, model, name](const at::Tensor& x) { return unit_call(*calls, *model, name, x); });
+  }
+
+ private:
+  std::shared_ptr<Holder> holder(const std::string& path) {
+    std::map<std::string, std::shared_ptr<Holder>>* kids = &roots_;
+    torch::nn::Module* parent = this;
+    std::shared_ptr<Holder> node;
+    size_t start = 0;
+    while (start <= path.size()) {
+      const size_t end = std::min(path.find('.', start), path.size());
+      const std::string part = path.substr(start, end - start);
+      auto it = kids->find(part);
+      if (it == kids->end()) {
+        auto made = std::make_shared<Holder>();
+        parent->register_module(part, made);
+        it = kids->emplace(part, made).first;
+      }
+      node = it->second;
+      parent = node.get();
+      kids = &node->kids;
+      start = end + 1;
+    }
+    return node;
+  }
+
+  // The unit's forward: its modules in order, in the Model's training mode. A Python exception becomes a UserError
+  // naming the unit (its model is the user's input), except an out-of-memory error, which stays one so the engine's
+  // recovery sees it.
+  static at::Tensor unit_call(const PyCalls& calls, const torch::nn::Module& model, const std::string& name,
+                              const at::Tensor& x) {
+    py::gil_scoped_acquire gil;
+    try {
+      const bool training = model.is_training();
+      py::object h = py::cast(x);
+      for (const auto& m : calls.modules) {
+        if (m.attr("training").cast<bool>() != training) m.attr("train")(training);
+        h = m(h);
+      }
+      TRIACCEL_CHECK_INPUT(THPVariable_Check(h.ptr()), "unit '", name, "' returned a ",
+                           py::str(py::type::of(h).attr("__name__")).cast<std::string>(),
+                           ", not a tensor; every unit maps one tensor to the next");
+      return h.cast<at::Tensor>();
+    } catch (py::error_already_set& e) {
+      const std::string type = py::str(e.type().attr("__name__"));
+      const std::string what = py::str(e.value());
+      if (type == "OutOfMemoryError") TORCH_CHECK_WITH(OutOfMemoryError, false, what);
+      throw triaccel::UserError(triaccel::str_cat("unit '", name, "' of the model failed on an input of shape ",
+                                                  x.sizes(), ": ", type, ": ", what.substr(0, what.find('\n'))));
+    }
+  }
+
+  std::map<std::string, std::shared_ptr<Holder>> roots_;
+};
+
+triaccel::Config config_from(const std::string& options_json) {
+  triaccel::Config config;
+  const triaccel::Json options = triaccel::Json::parse(options_json);
+  for (const auto& [key, value] : options.items()) config.set_json(key, value);
+  return config;
+}
+
+// What the Python side passes for a model: units as (name, [modules], [parameter-holding paths]) and the
+// state_dict's entries as (name, tensor, is_parameter).
+using UnitSpec = std::tuple<std::string, std::vector<py::object>, std::vector<std::string>>;
+using StateSpec = std::tuple<std::string, at::Tensor, bool>;
+
+std::shared_ptr<PythonModel> model_from(std::vector<UnitSpec> units, const std::vector<StateSpec>& state) {
+  auto model = std::make_shared<PythonModel>();
+  for (const auto& [name, tensor, parameter] : state) model->tensor_add(name, tensor, parameter);
+  for (auto& [name, modules, paths] : units) model->unit_add_python(name, std::move(modules), paths);
+  return model;
+}
+
+// The hooks that give the engine the program's model and tensors (either may be absent).
+triaccel::RunHooks inputs_hooks(const std::shared_ptr<PythonModel>& model, const py::object& data) {
+  triaccel::RunHooks hooks;
+  if (model) hooks.model = [model](const triaccel::ModelOptions&) { return model; };
+  if (!data.is_none()) {
+    const auto tensors = data.cast<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>>();
+    hooks.data = std::make_shared<const triaccel::DatasetSplits>(triaccel::dataset_from_tensors(
+        std::get<0>(tensors), std::get<1>(tensors), std::get<2>(tensors), std::get<3>(tensors)));
+  }
+  hooks.spell_option = [](const std::string& key) { return key; };
+  return hooks;
+}
+
+std::string train(const std::string& options_json, std::vector<UnitSpec> units, const std::vector<StateSpec>& state,
+                  const py::object& data) {
+  const triaccel::Config config = config_from(options_json);
+  const std::shared_ptr<PythonModel> model = units.empty() ? nullptr : model_from(std::move(units), state);
+  triaccel::RunHooks hooks = inputs_hooks(model, data);
+  hooks.stop_requested = &triaccel::api::StopSignals::requested;
+  triaccel::Json result;
+  {
+    const py::gil_scoped_release nogil;
+    const triaccel::api::StopSignals signals;  // Python's handlers come back when the run returns
+    result = triaccel::api::run(config, hooks);
+  }
+  return result.dump();
+}
+
+std::string plan(const std::string& options_json, std::vector<UnitSpec> units, const std::vector<StateSpec>& state,
+                 const py::object& data) {
+  const triaccel::Config config = config_from(options_json);
+  const std::shared_ptr<PythonModel> model = units.empty() ? nullptr : model_from(std::move(units), state);
+  const triaccel::RunHooks hooks = inputs_hooks(model, data);
+  triaccel::Json result;
+  {
+    const py::gil_scoped_release nogil;
+    result = triaccel::api::plan(config, hooks);
+  }
+  return result.dump();
+}
+
+py::dict report(const std::vector<std::string>& runs, const std::string& output, const std::string& csv,
+                const std::string& title) {
+  triaccel::ReportOptions options;
+  options.runs = runs;
+  options.html = output;
+  options.csv = csv;
+  options.title = title;
+  triaccel::ReportResult r;
+  {
+    const py::gil_scoped_release nogil;
+    r = triaccel::api::report(options);
+  }
+  py::dict out;
+  out["html"] = r.html_path;
+  out["csv"] = r.csv_path;
+  out["runs"] = r.runs.size();
+  return out;
+}
+
+// Every option: (key, default as JSON text, help); the Python side checks names against it.
+std::vector<std::tuple<std::string, std::string, std::string>> options() {
+  std::vector<std::tuple<std::string, std::string, std::string>> out;
+  for (const auto& o : triaccel::Config().options()) out.emplace_back(o.key, o.default_text, o.help);
+  return out;
+}
+
+// triaccel.optim's engine: units as (name, [(parameter name, tensor)]).
+std::unique_ptr<triaccel::api::LoopOptimizer> loop_optimizer_make(
+    const std::vector<triaccel::api::LoopUnit>& units, const std::string& format, double beta1, double beta2,
+    double eps, double weight_decay, const std::string& memory_budget, const std::string& time_budget,
+    const std::string& formats, int64_t plan_warmup, int64_t replan_every) {
+  triaccel::api::LoopOptimizerOptions o;
+  o.format = format;
+  o.adam.beta1 = beta1;
+  o.adam.beta2 = beta2;
+  o.adam.eps = eps;
+  o.adam.weight_decay = weight_decay;
+  o.baoc.memory_budget = memory_budget;
+  o.baoc.time_budget = time_budget;
+  o.baoc.formats = formats;
+  o.baoc.plan_warmup = plan_warmup;
+  o.baoc.replan_every = replan_every;
+  return std::make_unique<triaccel::api::LoopOptimizer>(units, o);
+}
+
+std::shared_ptr<triaccel::Model> python_model_unbuilt(const triaccel::ModelOptions&) {
+  throw triaccel::UserError("the model 'python' is a torch.nn.Module passed to triaccel.train(model, ...); "
+                            "the command line trains the built-in models");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_triaccel, m) {
+  m.doc() = "triaccel's C++ engine (use the triaccel package, not this module)";
+  triaccel::model_register({"python", "a torch.nn.Module passed to triaccel.train (Python)",
+                            triaccel::ModelInput::kImage, /*double_backward=*/true, /*local_learning=*/false,
+                            &python_model_unbuilt});
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const triaccel::UserError& e) {
+      PyErr_SetString(PyExc_ValueError, e.message([](const std::string& key) { return key; }).c_str());
+    }
+  });
+  m.def("train", &train, py::arg("options"), py::arg("units"), py::arg("state"), py::arg("data"));
+  m.def("plan", &plan, py::arg("options"), py::arg("units"), py::arg("state"), py::arg("data"));
+  m.def("report", &report, py::arg("runs"), py::arg("output"), py::arg("csv"), py::arg("title"));
+  m.def("options", &options);
+  using triaccel::api::LoopOptimizer;
+  py::class_<LoopOptimizer>(m, "LoopOptimizer")
+      .def(py::init(&loop_optimizer_make), py::arg("units"), py::arg("format"), py::arg("beta1"), py::arg("beta2"),
+           py::arg("eps"), py::arg("weight_decay"), py::arg("memory_budget"), py::arg("time_budget"),
+           py::arg("formats"), py::arg("plan_warmup"), py::arg("replan_every"))
+      .def("step", &LoopOptimizer::step, py::arg("lr"), py::call_guard<py::gil_scoped_release>())
+      .def("steps", &LoopOptimizer::steps)
+      .def("state_bytes", &LoopOptimizer::state_bytes)
+      .def("adamw_fp32_bytes", &LoopOptimizer::adamw_fp32_bytes)
+      .def("formats", &LoopOptimizer::formats)
+      .def("names", &LoopOptimizer::names)
+      .def("last_plan", [](const LoopOptimizer& o) { return o.last_plan().dump(); })
+      .def("state_tensors", &LoopOptimizer::state_tensors)
+      .def("state_record", [](const LoopOptimizer& o) { return o.state_record().dump(); })
+      .def("load", [](LoopOptimizer& o, const triaccel::NamedTensors& tensors, const std::string& record) {
+        o.load(tensors, triaccel::Json::parse(record));
+      });
+}
