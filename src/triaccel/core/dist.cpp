@@ -139,6 +139,25 @@ void on_host(at::Tensor& t, F&& collective) {
   t.copy_(host);
 }
 
+// Runs `collective(group, {t})` for each tensor t: on NCCL's group for a CUDA tensor where there is one, else on
+// Gloo's, through a host copy for a CUDA tensor.
+template <typename Group, typename F>
+void each_tensor(const DistOptions& o, Group& group, std::vector<at::Tensor>& tensors, const char* what,
+                 F&& collective) {
+  for (at::Tensor& t : tensors) {
+    TORCH_CHECK(t.is_contiguous(), "Dist::", what, ": a non-contiguous tensor");
+    if (t.is_cuda() && group.nccl) {
+      std::vector<at::Tensor> one{t};
+      run_collective(o, [&] { return collective(*group.nccl, one); });
+      continue;
+    }
+    on_host(t, [&](at::Tensor& h) {
+      std::vector<at::Tensor> one{h};
+      run_collective(o, [&] { return collective(*group.gloo, one); });
+    });
+  }
+}
+
 }  // namespace
 
 // One collective per tensor (c10d's list form means one tensor per device, all of one size); buckets come with the
@@ -148,18 +167,8 @@ void Dist::all_reduce_sum(std::vector<at::Tensor>& tensors) {
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::SUM;
   o.timeout = options_.timeout;
-  for (at::Tensor& t : tensors) {
-    TORCH_CHECK(t.is_contiguous(), "Dist::all_reduce_sum: a non-contiguous tensor");
-    if (t.is_cuda() && group_->nccl) {
-      std::vector<at::Tensor> one{t};
-      run_collective(options_, [&] { return group_->nccl->allreduce(one, o); });
-      continue;
-    }
-    on_host(t, [&](at::Tensor& h) {
-      std::vector<at::Tensor> one{h};
-      run_collective(options_, [&] { return group_->gloo->allreduce(one, o); });
-    });
-  }
+  each_tensor(options_, *group_, tensors, "all_reduce_sum",
+              [&](c10d::Backend& pg, std::vector<at::Tensor>& one) { return pg.allreduce(one, o); });
 }
 
 void Dist::all_reduce_sum_packed(const std::vector<at::Tensor>& tensors, double scale) {
@@ -200,18 +209,8 @@ void Dist::broadcast(std::vector<at::Tensor>& tensors, int root) {
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = options_.timeout;
-  for (at::Tensor& t : tensors) {
-    TORCH_CHECK(t.is_contiguous(), "Dist::broadcast: a non-contiguous tensor");
-    if (t.is_cuda() && group_->nccl) {
-      std::vector<at::Tensor> one{t};
-      run_collective(options_, [&] { return group_->nccl->broadcast(one, o); });
-      continue;
-    }
-    on_host(t, [&](at::Tensor& h) {
-      std::vector<at::Tensor> one{h};
-      run_collective(options_, [&] { return group_->gloo->broadcast(one, o); });
-    });
-  }
+  each_tensor(options_, *group_, tensors, "broadcast",
+              [&](c10d::Backend& pg, std::vector<at::Tensor>& one) { return pg.broadcast(one, o); });
 }
 
 void Dist::barrier() {
