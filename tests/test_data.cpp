@@ -442,11 +442,17 @@ TEST(IdxRead, CorruptGzip) {
 
 TEST(DataLoad, UnknownNameListsTheKnownNames) {
   EXPECT_EQ(user_error_of([] { dataset_load("imagenet", "/tmp"); }),
-            "unknown dataset 'imagenet'; known datasets: cifar10, cifar100, mnist, fashion-mnist, tinyshakespeare, folder");
+            "unknown dataset 'imagenet'; known datasets: cifar10, cifar100, mnist, fashion-mnist, tinyshakespeare, folder, tensors");
 }
 
 TEST(DataLoad, DatasetNames) {
-  EXPECT_EQ(dataset_names(), (std::vector<std::string>{"cifar10", "cifar100", "mnist", "fashion-mnist", "tinyshakespeare", "folder"}));
+  EXPECT_EQ(dataset_names(), (std::vector<std::string>{"cifar10", "cifar100", "mnist", "fashion-mnist", "tinyshakespeare", "folder",
+                                                   "tensors"}));
+}
+
+TEST(DataLoad, TensorsAreNotReadFromFiles) {
+  EXPECT_TRUE(message_has(user_error_of([] { dataset_load("tensors", "/tmp"); }),
+                          {"dataset", "tensors holds images a program passes", "triaccel.train"}));
 }
 
 TEST(DataLoad, MnistWithoutFolderAsksForData) {
