@@ -66,7 +66,7 @@ gpu-binaries: setup
 	  $(if $(GPU_PYTHON),-DTRIACCEL_PYTHON_EXE=$(GPU_PYTHON)) $(CMAKE_FLAGS)
 	cmake --build build-cuda -j $(JOBS)
 	mkdir -p .device/bin .device/lib
-	cp build-cuda/triaccel build-cuda/triaccel_tests .device/bin/
+	cp build-cuda/triaccel build-cuda/triaccel_tests build-cuda/bench_curvature .device/bin/
 	if [ -d build-cuda/python/triaccel ]; then rm -rf .device/python && cp -r build-cuda/python .device/python; fi
 	cp -L $$(ldd build-cuda/triaccel | awk '/libjpeg|libpng/ {print $$3}') .device/lib/
 

@@ -7,7 +7,8 @@
 #                cosine): ResNet-18 FP32 / AMP bf16 / AMP fp16 / Tri-Accel over 3 seeds, EfficientNet-B0 at 224×224
 #                over 1 seed, the Table-2 ablation (each component alone, all combined) and the budget runs
 #                (ResNet-18 --vram-budget 1GB, EfficientNet-B0 --vram-budget 3GB).
-# Usage: bash bench/run_tri_accel.sh check|table|extra|r18|r18abl|effb0 (r18: ResNet-18's 12 Table-1 runs only, no
+# Usage: bash bench/run_tri_accel.sh check|table|extra|r18|r18abl|effb0|signals|signals_effb0 (signals: issue 19's
+# ablation on ResNet-18, 3 seeds; signals_effb0: EfficientNet-B0's AMP bf16 and Tri-Accel, seed 0; r18: ResNet-18's 12 Table-1 runs only, no
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
 # and AMP bf16 rows, seed 0). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
@@ -57,6 +58,18 @@ elif [ "$STAGE" = r18abl ]; then  # ResNet-18's Table-2 ablation and its budget 
   job r18_tri_1GB_s0 $R --method tri-accel --vram-budget 1GB $PROTO --seed 0
   job r18_abl_curv_s0 $R --method tri-accel --ta-precision false --ta-batch false $PROTO --seed 0
   job r18_abl_prec_s0 $R --method tri-accel --ta-curvature false --ta-batch false $PROTO --seed 0
+elif [ "$STAGE" = signals ]; then  # issue 19's ablation on ResNet-18: AMP bf16, each signal alone, both; 3 seeds
+  R="--model resnet18"
+  for s in 0 1 2; do
+    job r18_tri_s$s $R --method tri-accel $PROTO --seed $s
+    job r18_prec_s$s $R --method tri-accel --ta-curvature false $PROTO --seed $s
+    job r18_curv_s$s $R --method tri-accel --ta-precision false $PROTO --seed $s
+    job r18_bf16_s$s $R --precision amp-bf16 $PROTO --seed $s
+  done
+elif [ "$STAGE" = signals_effb0 ]; then  # the same on EfficientNet-B0 at 224, seed 0: AMP bf16 and Tri-Accel
+  E="--model efficientnet-b0 --image-size 224"
+  job effb0_tri_s0 $E --method tri-accel $PROTO --seed 0
+  job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
 elif [ "$STAGE" = r18 ]; then  # ResNet-18's Table-1 rows alone (3 seeds x 4 methods), e.g. on one GPU
   for s in 0 1 2; do
     job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s
@@ -102,7 +115,7 @@ worker() {  # GPU index: takes queue lines until none are left
   done
 }
 
-[[ "$STAGE" =~ ^(r18|r18abl|effb0)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
+[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
    echo "unit tests on GPU: exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/unit_tests_gpu.log" | tr '\n' ' ')") &
 # The unit tests take ~10 s on the last GPU; in the table stage its first job is long and only its last 5 epochs
 # are timed. The check stage keeps that GPU for the tests.

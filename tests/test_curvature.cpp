@@ -13,6 +13,7 @@
 #include "triaccel/models/model.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 #ifdef TRIACCEL_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -337,6 +338,32 @@ TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
   for (size_t i = 0; i < probed.size(); ++i) EXPECT_EQ(again[i].eigenvalues, probed[i].eigenvalues);
   std::printf("[ small-cnn ] probe of %zu units (batch 8, k 3, 4 iters): %.3f s; fc λ_max %.4g\n", probed.size(),
               wall, probed.back().lambda_max);
+}
+
+// curv_precision bf16: the products run in bf16 (fp32 accumulation), so every unit's λ_max is the fp32 probe's to
+// bf16's rounding (a few %), not bit-equal: a probe that ignored the option would give identical values, one that
+// left the products' graph in bf16 after the call would change the model (checked by the state test above).
+TEST(CurvatureProbeTest, Bf16ProductsGiveTheFp32EigenvaluesToTheirRounding) {
+  const SingleThreadScope single_thread;
+  auto model = small_cnn_make();
+  auto [images, labels, options] = probe_batch(17, 60);
+  options.top_k = 1;
+  options.tol = 1e-7;
+  const auto fp32 = curvature_probe(*model, images, labels, options);
+  options.precision = ProbePrecision::kBF16;
+  const auto bf16 = curvature_probe(*model, images, labels, options);
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));  // the run's autocast is given back
+  ASSERT_EQ(fp32.size(), bf16.size());
+  double largest_difference = 0;
+  for (size_t i = 0; i < fp32.size(); ++i) {
+    if (fp32[i].eigenvalues.empty()) continue;
+    const double relative = std::abs(bf16[i].lambda_max - fp32[i].lambda_max) / std::abs(fp32[i].lambda_max);
+    EXPECT_LT(relative, 0.05) << fp32[i].unit << ": fp32 " << fp32[i].lambda_max << ", bf16 " << bf16[i].lambda_max;
+    largest_difference = std::max(largest_difference, relative);
+    std::printf("[ small-cnn %s ] λ_max fp32 %.6g bf16 %.6g\n", fp32[i].unit.c_str(), fp32[i].lambda_max,
+                bf16[i].lambda_max);
+  }
+  EXPECT_GT(largest_difference, 1e-5) << "the bf16 probe gave the fp32 values: its arithmetic was not bf16";
 }
 
 #ifdef TRIACCEL_WITH_CUDA

@@ -7,6 +7,7 @@
 #include "triaccel/control/memory_model.h"
 #include "triaccel/control/memory_plan_controller.h"
 #include "triaccel/control/memory_planner.h"
+#include "triaccel/control/precision_controller.h"
 #include "triaccel/core/events.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/methods/backprop.h"
@@ -546,6 +547,74 @@ TEST(MemoryPlanControllerTest, PaysForAPromotionWithinTheFirstPeak) {
   MemoryPlanController again(first, plan, limits, step, model_for);
   again.restore(c.state());
   EXPECT_DOUBLE_EQ(again.model().activation_scale, 1.25);
+}
+
+// The planner answers whether a promotion fits: under the 16-bit peak of PaysForAPromotionWithinTheFirstPeak's
+// made-up model one fp32 unit fits (recomputed); under a budget 5 % below the all-fp32 floor three do not, though
+// the 16-bit model fits there.
+TEST(MemoryPlanControllerTest, FitsAnswersForPrecisionsNotYetApplied) {
+  UnitRig rig(false, StepOptions{}, torch::kCPU);
+  rig.step.set_unit_precisions({Precision::kBF16, Precision::kBF16, Precision::kBF16});
+  const auto model_for = [](const std::vector<Precision>& p) {
+    std::vector<double> saved;
+    for (Precision q : p) saved.push_back(q == Precision::kFP32 ? 40 : 20);
+    MemoryModel m = made_up(saved, {2, 2, 2}, {1, 5, 5});
+    m.dataset_bytes = 0;
+    m.allow_host_data = false;
+    return m;
+  };
+  const MemoryModel first = model_for(rig.step.unit_precisions());
+  MemoryPlanLimits limits;
+  limits.batch = 16;
+  limits.budget_bytes = static_cast<int64_t>(memory_plan_solve(first, 16, 0).predicted_peak_bytes);
+  const MemoryPlan plan = memory_plan_solve(first, 16, limits.budget_bytes);
+  const MemoryPlanController c(first, plan, limits, rig.step, model_for);
+  using P = Precision;
+  EXPECT_TRUE(c.fits({P::kFP32, P::kBF16, P::kBF16}));
+  EXPECT_TRUE(c.fits({P::kFP16, P::kBF16, P::kBF16}));
+  const MemoryModel all_fp32 = model_for({P::kFP32, P::kFP32, P::kFP32});
+  const double fp32_floor = memory_plan_solve(all_fp32, 16, 1).floor_bytes;  // the least any plan needs
+  limits.budget_bytes = static_cast<int64_t>(0.95 * fp32_floor);
+  ASSERT_TRUE(memory_plan_solve(first, 16, limits.budget_bytes).feasible);  // the 16-bit model still fits
+  const MemoryPlanController tight(first, memory_plan_solve(first, 16, limits.budget_bytes), limits, rig.step,
+                                   model_for);
+  EXPECT_FALSE(tight.fits({P::kFP32, P::kFP32, P::kFP32}));
+  EXPECT_EQ(rig.step.unit_precisions(), (std::vector<P>{P::kBF16, P::kBF16, P::kBF16}));  // asking applies nothing
+}
+
+// Tri-Accel's precision controller asks the memory check before raising units: thresholds of 0 put every unit in
+// fp32 by the variance rule; a check that refuses fp32 keeps them where they were, the event says "memory" for
+// each, and the same refused decision is not traced again at the next window. A check that accepts gives fp32 and
+// "high variance".
+TEST(PrecisionControllerTest, APromotionNoPlanFitsIsRefusedAndNamed) {
+  for (const bool accept : {false, true}) {
+    torch::manual_seed(5);
+    UnitRig rig(false, StepOptions{}, torch::kCPU);
+    PrecisionPolicyOptions po;
+    po.tau_low = 0;
+    po.tau_high = 0;
+    PrecisionController c(po, 1, rig.net, rig.sgd, rig.step, torch::kCPU);
+    int asked = 0;
+    c.set_memory_check([&](const std::vector<Precision>& p) {
+      ++asked;
+      EXPECT_EQ(p, std::vector<Precision>(3, Precision::kFP32));
+      return accept;
+    });
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+    Events events;
+    for (int64_t s = 1; s <= 2; ++s) {
+      rig.step.run(at::randn({12, 12}, gen), at::randint(0, 5, {12}, gen), 0.05);
+      StepContext ctx;
+      ctx.step = s;
+      events = c.after_step(ctx);
+    }
+    ASSERT_EQ(events.size(), 1u);
+    const std::string want_reason = accept ? "high variance" : "memory";
+    const Precision want = accept ? Precision::kFP32 : Precision::kBF16;
+    EXPECT_EQ(rig.step.unit_precisions(), std::vector<Precision>(3, want)) << "accept " << accept;
+    for (const auto& r : events[0].fields.at("reason")) EXPECT_EQ(r.get<std::string>(), want_reason);
+    EXPECT_EQ(asked, 1) << "accept " << accept;
+  }
 }
 
 // Calibration on made-up readings: the true run needs half the modelled activations and 30 bytes the model missed.

@@ -29,6 +29,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <set>
 
 namespace triaccel {
 namespace {
@@ -422,21 +423,36 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
   o.set("curv_top_k", "2");
   o.set("curv_max_iters", "3");
   o.set("curv_budget", "0");  // fixed schedule: 12 steps → windows at 2, 4, …, 12; probes at 2 (first window), 6, 10
-  const Json summary = api::run(o, hooks);
+  Config checked = o;
+  checked.set("curv_checkpoint", "true");
+  const Json summary = api::run(checked, hooks);
   int precision_events = 0, curvature_events = 0;
   Json last_precision;
+  std::vector<at::Tensor> probed_weights;  // the first unit's weight in each probe's checkpoint
+  const std::set<std::string> reasons{"calibrating", "low variance", "variance", "high variance", "curvature", "memory"};
   for (const auto& e : events_read(out.file("events.jsonl"))) {
     if (e["event"] == "precision") {
       ++precision_events;
       last_precision = e;
       EXPECT_EQ(e["step"].get<int64_t>() % 2, 0);
+      ASSERT_EQ(e["reason"].size(), 4u);  // why each unit is where it is
+      for (const auto& r : e["reason"]) EXPECT_EQ(reasons.count(r.get<std::string>()), 1u) << r;
     }
     if (e["event"] == "curvature") {
       ++curvature_events;
       ASSERT_EQ(e["lambda_max"].size(), 4u);  // one per unit
       for (const auto& l : e["lr_scale"]) EXPECT_TRUE(l.get<double>() > 0 && l.get<double>() <= 1.0);
+      // What an independent check needs: the probe batch's sample indices and the weights it probed.
+      const auto samples = e["probe_samples"].get<std::vector<int64_t>>();
+      EXPECT_EQ(samples.size(), 16u);
+      EXPECT_EQ(std::set<int64_t>(samples.begin(), samples.end()).size(), 16u);
+      const Checkpoint at_probe = checkpoint_read(e["checkpoint"].get<std::string>());
+      EXPECT_EQ(at_probe.progress["step"], e["step"]);
+      probed_weights.push_back(at_probe.model.front().second);
     }
   }
+  ASSERT_EQ(probed_weights.size(), 3u);
+  EXPECT_FALSE(at::equal(probed_weights[0], probed_weights[1]));  // each probe's own step's weights
   EXPECT_EQ(precision_events, 6);
   EXPECT_EQ(curvature_events, 3);
   EXPECT_TRUE(last_precision["calibrated"].get<bool>());  // after 3 windows

@@ -173,6 +173,9 @@ Events CurvatureController::after_step(StepContext& ctx) {
                                             {"probe_s_total", probe_seconds_},
                                             {"credit_s", probe_credit_s_},
                                             {"next_probe_step", next_probe_step_},
+                                            {"probe_samples", options_.probe_samples},
+                                            {"top_k", options_.probe.top_k},
+                                            {"precision", enum_name(options_.probe.precision)},
                                             {"lr_scaling", options_.lr_scaling}}});
   last_call_s_ = clock_.now_s();  // the probe's own time is not training time
   return events;

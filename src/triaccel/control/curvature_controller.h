@@ -25,6 +25,7 @@ struct CurvatureControllerOptions {
   double alpha = -1;           // α; < 0: 1 / (0.9-quantile of λ_max) once every unit has been probed
   bool lr_scaling = true;      // false: probe for the precision policy only (ablation)
   CurvatureOptions probe;      // k, iterations, batch, T_curv, seed, graphs, clock
+  std::vector<int64_t> probe_samples;  // the dataset indices of the probe batch (for the event)
 };
 
 class CurvatureController final : public StepController {

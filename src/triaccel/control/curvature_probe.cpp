@@ -8,6 +8,7 @@
 #include "triaccel/core/errors.h"
 #include "triaccel/core/clock.h"
 #include "triaccel/control/hvp.h"
+#include "triaccel/models/batch_norm.h"
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -28,7 +29,7 @@ namespace {
 // buffers, the train/eval mode, autocast on the device, and the default generator of the CPU and the device.
 class ModelStateGuard {
  public:
-  ModelStateGuard(Model& model, const c10::Device& device)
+  ModelStateGuard(Model& model, const c10::Device& device, ProbePrecision precision)
       : model_(model), device_(device), was_training_(model.is_training()) {
     at::NoGradGuard no_grad;
     for (const auto& buffer : model_.buffers(/*recurse=*/true)) {
@@ -38,13 +39,22 @@ class ModelStateGuard {
     generator_save(at::Device(at::kCPU));
     if (device_.type() != at::kCPU) generator_save(device_);
     autocast_enabled_ = at::autocast::is_autocast_enabled(device_.type());
-    at::autocast::set_autocast_enabled(device_.type(), false);
+    autocast_dtype_ = at::autocast::get_autocast_dtype(device_.type());
+    // The fused BatchNorm kernel (16-bit inputs) has no second derivative: ATen's BatchNorm for the probe.
+    bn_kernel_enabled_ = batch_norm_kernel_enabled();
+    batch_norm_kernel_set_enabled(false);
+    // The probe's own arithmetic, whatever the training step's autocast was.
+    at::autocast::set_autocast_enabled(device_.type(), precision == ProbePrecision::kBF16);
+    at::autocast::set_autocast_dtype(device_.type(), at::kBFloat16);
   }
 
   void restore() {
     if (restored_) return;
     restored_ = true;
     at::autocast::set_autocast_enabled(device_.type(), autocast_enabled_);
+    at::autocast::set_autocast_dtype(device_.type(), autocast_dtype_);
+    at::autocast::clear_cache();  // the bf16 copies of the weights, if the probe made any
+    batch_norm_kernel_set_enabled(bn_kernel_enabled_);
     for (auto& [generator, state] : generators_) {
       std::lock_guard<std::mutex> lock(generator.mutex());
       generator.set_state(state);
@@ -73,6 +83,8 @@ class ModelStateGuard {
   c10::Device device_;
   bool was_training_;
   bool autocast_enabled_ = false;
+  at::ScalarType autocast_dtype_ = at::kBFloat16;
+  bool bn_kernel_enabled_ = true;
   bool restored_ = false;
   std::vector<at::Tensor> buffers_;
   std::vector<at::Tensor> saved_buffers_;
@@ -104,7 +116,7 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
 
   std::vector<UnitCurvature> result;
   {
-    ModelStateGuard state(model, device);
+    ModelStateGuard state(model, device, options.precision);
     at::AutoGradMode grad_mode(true);
     model.train(true);
 

@@ -2,8 +2,8 @@
 // batch, for learning-rate scaling and precision promotion.
 //
 // Invariants:
-// - One forward pass in train mode (BatchNorm uses batch statistics) with autocast off, so the loss
-//   (cross-entropy) and every Hessian-vector product are in the parameters' precision (fp32 master weights).
+// - One forward pass in train mode (BatchNorm uses batch statistics) with the training step's autocast off; the
+//   products' arithmetic is options.precision (fp32: the parameters' precision, the reference).
 // - Every unit's block is probed from that same loss: each unit computes its first-order gradients once
 //   (create_graph) and then takes up to max_iters products per eigenvalue; the forward graph is kept across units.
 // - The probe leaves the model as it found it: parameters, their .grad, every buffer (BatchNorm running
@@ -13,6 +13,7 @@
 #pragma once
 
 #include "triaccel/core/clock.h"
+#include "triaccel/core/enum_names.h"
 #include "triaccel/models/model.h"
 
 #include <ATen/Tensor.h>
@@ -23,6 +24,18 @@
 
 namespace triaccel {
 
+// The arithmetic of the probe's forward and Hessian-vector products (curv_precision). The power iteration's vectors
+// and Rayleigh quotients stay fp32 in both modes; the parameters are the fp32 master weights.
+//   fp32: fp32 tensors (cuDNN convolutions as PyTorch allows them by default, with TF32 tensor cores): the reference.
+//   bf16: the forward under bf16 autocast, so the products' convolutions and matmuls run in bf16 with fp32
+//         accumulation (the loss and what autocast keeps in fp32 stay fp32).
+enum class ProbePrecision { kFP32, kBF16 };
+template <>
+struct EnumNames<ProbePrecision> {
+  static constexpr EnumName<ProbePrecision> kNames[] = {{ProbePrecision::kFP32, "fp32"},
+                                                        {ProbePrecision::kBF16, "bf16"}};
+};
+
 struct CurvatureOptions {
   int top_k = 5;               // curv_top_k: eigenvalues per unit (paper: 5)
   int max_iters = 20;          // curv_max_iters: power-iteration steps per eigenvalue
@@ -30,6 +43,7 @@ struct CurvatureOptions {
   int64_t batch = 32;          // curv_batch: samples the probe uses (paper: b_curv = 32)
   int64_t every_steps = 200;   // curv_every: training steps between probes (paper: T_curv = 200)
   uint64_t seed = 0;           // start vectors of the power iteration (the run's seed)
+  ProbePrecision precision = ProbePrecision::kFP32;  // curv_precision
   bool cuda_graphs = true;     // cuda_graphs: each unit's products replay a CUDA graph after the first (hvp.h)
   const Clock* clock = nullptr;  // what times the probe and each unit (nullptr: the steady clock)
 

@@ -27,12 +27,26 @@ void MemoryPlanController::apply() {
   step_.graph_allow();  // the step's memory changed: a size refused before may fit now (a disabled graph stays off)
 }
 
+int64_t MemoryPlanController::limit_bytes() const {
+  if (!limits_.limit_from_first_model) return limits_.budget_bytes;
+  MemoryModel first = first_model_;
+  first.activation_scale = model_.activation_scale;
+  const std::vector<bool> none(first.units.size(), false);
+  return static_cast<int64_t>(
+      std::ceil(memory_plan_peak(first, limits_.batch, limits_.batch, none, limits_.constraints.placement)));
+}
+
+bool MemoryPlanController::fits(const std::vector<Precision>& unit_precisions) const {
+  MemoryModel m = rebuild_(unit_precisions);
+  m.activation_scale = model_.activation_scale;
+  m.fixed_bytes += offset_;
+  return memory_plan_solve(m, limits_.batch, limit_bytes(), limits_.constraints).feasible;
+}
+
 void MemoryPlanController::replan() {
   if (limits_.limit_from_first_model) {
     first_model_.activation_scale = model_.activation_scale;
-    const std::vector<bool> none(first_model_.units.size(), false);
-    limits_.budget_bytes = static_cast<int64_t>(std::ceil(
-        memory_plan_peak(first_model_, limits_.batch, limits_.batch, none, limits_.constraints.placement)));
+    limits_.budget_bytes = limit_bytes();
   }
   MemoryPlan next = memory_plan_solve(model_, limits_.batch, limits_.budget_bytes, limits_.constraints);
   if (!next.feasible && limits_.cap_bytes > 0 && limits_.cap_share < limits_.initial_share) {

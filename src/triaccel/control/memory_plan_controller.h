@@ -72,6 +72,9 @@ class MemoryPlanController final : public StepController {
   Json plan_fields(const std::string& reason) const;
   // After an out-of-memory error: a new plan with a larger activation scale. UserError when none fits.
   Event on_out_of_memory();
+  // Whether a plan would fit these unit precisions under the current limit and corrections (Tri-Accel asks before
+  // promoting units, so that a promotion no plan can pay for is refused instead of ending the run).
+  bool fits(const std::vector<Precision>& unit_precisions) const;
 
   const MemoryPlan& plan() const { return plan_; }
   const MemoryModel& model() const { return model_; }
@@ -82,6 +85,8 @@ class MemoryPlanController final : public StepController {
   void calibrate(const MemoryPlan& ran, double measured);
   // Plans again on the current model; UserError naming the floor when nothing fits.
   void replan();
+  // What a plan may reach now: the budget, or without one the first model's peak at the current scale.
+  int64_t limit_bytes() const;
 
   MemoryModel model_;
   MemoryModel first_model_;            // limit_from_first_model: the model the limit comes from

@@ -7,6 +7,35 @@
 
 namespace triaccel {
 
+std::string precision_reason(const PrecisionState& state, size_t u) {
+  if (!state.calibrated) return "calibrating";
+  if (u < state.promoted.size() && state.promoted[u]) return "curvature";
+  switch (state.base[u]) {
+    case Precision::kFP16: return "low variance";
+    case Precision::kFP32: return "high variance";
+    default: return "variance";
+  }
+}
+
+std::vector<Precision> PrecisionController::affordable(const std::vector<Precision>& before,
+                                                       const std::vector<Precision>& wanted) {
+  memory_refused_.assign(wanted.size(), false);
+  bool raised = before.size() != wanted.size();
+  for (size_t u = 0; u < wanted.size() && !raised; ++u) raised = wanted[u] > before[u];
+  if (!fits_ || !raised) return wanted;
+  const bool known_refusal = std::find(refused_.begin(), refused_.end(), wanted) != refused_.end();
+  if (!known_refusal && fits_(wanted)) return wanted;
+  if (!known_refusal) refused_.push_back(wanted);
+  std::vector<Precision> held = wanted;
+  for (size_t u = 0; u < held.size(); ++u) {
+    if (u < before.size() && held[u] > before[u]) {
+      held[u] = before[u];
+      memory_refused_[u] = true;
+    }
+  }
+  return held;
+}
+
 PrecisionController::PrecisionController(PrecisionPolicyOptions policy, int64_t ctrl_every, const Model& model,
                                          Optimizer& optimizer, TrainStep& step, const c10::Device& device)
     : policy_(policy), ctrl_every_(ctrl_every), model_(model), step_(step), device_(device) {
@@ -25,18 +54,22 @@ Events PrecisionController::after_step(StepContext& ctx) {
     const double lambda = ctx.unit_lambda_max.empty() ? -1.0 : ctx.unit_lambda_max[static_cast<size_t>(u)];
     signals.push_back({stats[u][kGradStatsVar].item<double>(), lambda});
   }
-  const std::vector<Precision> before = state_.precision;
+  const std::vector<Precision> before = step_.unit_precisions();
   state_ = precision_policy_step(policy_, state_, signals);
+  state_.precision = affordable(before, state_.precision);
   step_.set_unit_precisions(state_.precision);
   Json units = Json::array(), names = Json::array(), applied = Json::array();
   for (const auto& u : model_.units()) units.push_back(u.name);
-  for (Precision p : state_.precision) {
-    names.push_back(enum_name(p));
-    applied.push_back(enum_name(precision_applied(p, device_)));
+  Json reasons = Json::array();
+  for (size_t u = 0; u < state_.precision.size(); ++u) {
+    names.push_back(enum_name(state_.precision[u]));
+    applied.push_back(enum_name(precision_applied(state_.precision[u], device_)));
+    reasons.push_back(memory_refused_[u] ? std::string("memory") : precision_reason(state_, u));
   }
   events.push_back({event::kPrecision, Json{{"units", units},
                                             {"precision", names},
                                             {"applied", applied},
+                                            {"reason", reasons},
                                             {"grad_var_ema", state_.ema},
                                             {"promoted", state_.promoted},
                                             {"tau_low", state_.tau_low},

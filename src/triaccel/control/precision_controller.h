@@ -2,6 +2,10 @@
 // per-unit gradient variance the step accumulated (train/grad_stats.h) and any λ_max a curvature probe left in the
 // context this step go into the pure policy (control/precision_policy.h); its decision becomes the step's per-unit
 // autocast precision.
+// Memory: with a memory check (the memory planner's, set by the trainer whenever it plans), a decision that raises
+// units' precision is applied only if a plan fits it; otherwise those units stay where they were. The event says
+// why each unit is where it is: "calibrating", "low variance" (fp16), "variance" (bf16), "high variance" (fp32),
+// "curvature" (promoted by λ_max), "memory" (a promotion no plan could pay for).
 #pragma once
 
 #include "triaccel/control/controller.h"
@@ -10,7 +14,17 @@
 #include "triaccel/optim/optimizer.h"
 #include "triaccel/train/step.h"
 
+#include <functional>
+#include <string>
+#include <vector>
+
 namespace triaccel {
+
+// Whether a plan fits these unit precisions (the memory planner's answer).
+using PrecisionMemoryCheck = std::function<bool(const std::vector<Precision>&)>;
+
+// Why the policy put unit u where it is (the reasons above, except "memory", which only the controller knows).
+std::string precision_reason(const PrecisionState& state, size_t u);
 
 class PrecisionController final : public StepController {
  public:
@@ -22,13 +36,22 @@ class PrecisionController final : public StepController {
   Json state() const override;
   void restore(const Json& state) override;
 
+  void set_memory_check(PrecisionMemoryCheck fits) { fits_ = std::move(fits); }
+
  private:
+  // The policy's decision with the raised units the memory check refuses put back where they were (marked in
+  // memory_refused_). A decision refused once is refused again without asking (the check traces the model).
+  std::vector<Precision> affordable(const std::vector<Precision>& before, const std::vector<Precision>& wanted);
+
   PrecisionPolicyOptions policy_;
   int64_t ctrl_every_;
   const Model& model_;
   TrainStep& step_;
   c10::Device device_;
   PrecisionState state_;
+  PrecisionMemoryCheck fits_;
+  std::vector<bool> memory_refused_;              // per unit: held below the policy's decision for memory
+  std::vector<std::vector<Precision>> refused_;   // decisions the check refused
 };
 
 }  // namespace triaccel

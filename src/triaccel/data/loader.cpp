@@ -197,6 +197,12 @@ std::pair<at::Tensor, at::Tensor> Loader::batch(int64_t offset, int64_t count) c
   return {images, labels};
 }
 
+std::vector<int64_t> Loader::sample_indices(int64_t offset, int64_t count) const {
+  TORCH_CHECK(order_.defined(), "Loader::sample_indices before epoch_begin");
+  const at::Tensor ids = order_.narrow(0, offset, count).to(at::kCPU, at::kLong).contiguous();
+  return std::vector<int64_t>(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+}
+
 int64_t Loader::resident_bytes() const {
   const auto bytes = [](const at::Tensor& t) { return t.is_cuda() ? t.numel() * t.element_size() : int64_t{0}; };
   return device_.is_cuda() ? bytes(images_) + bytes(labels_)

@@ -70,6 +70,8 @@ class Loader {
   // asked) and labels (count) int64, on the device.
   void batch_into(int64_t offset, int64_t count, at::Tensor& images, at::Tensor& labels) const;
   std::pair<at::Tensor, at::Tensor> batch(int64_t offset, int64_t count) const;
+  // The dataset indices of samples [offset, offset + count) of the epoch's order: (count) int64 on the CPU.
+  std::vector<int64_t> sample_indices(int64_t offset, int64_t count) const;
   at::Tensor batch_images_empty(int64_t count) const;  // an output buffer of the right shape and format
   at::Tensor batch_labels_empty(int64_t count) const;  // (count) int64, or (count, T) int64 for tokens
 

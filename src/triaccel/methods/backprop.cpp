@@ -400,22 +400,27 @@ void Trainer::restore() {
 
 void Trainer::controllers_build() {
   const TriAccelConfig& ta = config_.tri_accel;
+  PrecisionController* precision_controller = nullptr;
   if (config_.execution.method == Method::kTriAccel) {
     if (ta.ta_curvature || ta.ta_precision) {
       // The fixed curvature batch: the first b_curv samples of epoch 0's (seeded) order.
       train_loader_.epoch_begin(0);
-      auto [images, labels] = train_loader_.batch(0, std::min(ta.curv_batch, train_loader_.size()));
+      const int64_t curv_count = std::min(ta.curv_batch, train_loader_.size());
+      auto [images, labels] = train_loader_.batch(0, curv_count);
       CurvatureControllerOptions co;
+      co.probe_samples = train_loader_.sample_indices(0, curv_count);
       co.ctrl_every = ta.ctrl_every;
       co.budget = ta.curv_budget;
       co.alpha = ta.curv_alpha;
       co.lr_scaling = ta.ta_curvature;
       co.probe.top_k = static_cast<int>(ta.curv_top_k);
       co.probe.max_iters = static_cast<int>(ta.curv_max_iters);
+      co.probe.tol = ta.curv_tol;
       co.probe.batch = ta.curv_batch;
       co.probe.every_steps = ta.curv_every;
       co.probe.seed = config_.execution.seed;
       co.probe.cuda_graphs = config_.execution.cuda_graphs;
+      co.probe.precision = ta.curv_precision;
       co.probe.clock = &session_.clock();
       controllers_.push_back(std::make_unique<CurvatureController>(co, session_.model(), *optimizer_, *step_,
                                                                    images, labels));
@@ -425,8 +430,10 @@ void Trainer::controllers_build() {
       po.tau_low = ta.tau_low;
       po.tau_high = ta.tau_high;
       po.tau_curv = ta.tau_curv;
-      controllers_.push_back(std::make_unique<PrecisionController>(po, ta.ctrl_every, session_.model(), *optimizer_,
-                                                                   *step_, device_));
+      auto precision = std::make_unique<PrecisionController>(po, ta.ctrl_every, session_.model(), *optimizer_, *step_,
+                                                             device_);
+      precision_controller = precision.get();
+      controllers_.push_back(std::move(precision));
     }
   }
   if (config_.optim.optimizer == OptimizerKind::kBaoc) {
@@ -471,6 +478,10 @@ void Trainer::controllers_build() {
         });
     memory_planner_ = planner.get();
     controllers_.push_back(std::move(planner));
+    if (precision_controller != nullptr) {  // a promotion no plan can pay for is refused, not fatal
+      precision_controller->set_memory_check(
+          [planner = memory_planner_](const std::vector<Precision>& p) { return planner->fits(p); });
+    }
   }
   for (auto& c : controllers_) {
     if (progress_->controllers.contains(c->state_key())) c->restore(progress_->controllers[c->state_key()]);
@@ -689,7 +700,13 @@ void Trainer::after_step(int64_t count) {
   ctx.now_s = session_.clock().now_s();
   ctx.memory = this;
   for (auto& c : controllers_) {
-    for (const Event& e : c->after_step(ctx)) session_.event(e.name, p.step, e.fields);
+    for (Event& e : c->after_step(ctx)) {
+      // curv_checkpoint: the weights the probe saw, beside its eigenvalues, for checking them independently.
+      if (config_.tri_accel.curv_checkpoint && e.name == event::kCurvature && e.fields.contains("probed")) {
+        e.fields["checkpoint"] = curvature_checkpoint();
+      }
+      session_.event(e.name, p.step, e.fields);
+    }
   }
   if (ctx.batch != p.batch) batch_set(ctx.batch);
   const bool last_in_epoch = p.epoch_offset >= train_loader_.size();
@@ -846,7 +863,15 @@ void Trainer::epoch_end(double train_s) {
   if (config_.output.checkpoint_every == 0 || p.epoch == config_.schedule.epochs) checkpoint();
 }
 
-void Trainer::checkpoint() {
+std::string Trainer::curvature_checkpoint() {
+  const std::string file = "curvature-step-" + std::to_string(progress_->step) + ".pt";
+  train_time_pause();
+  checkpoint(file);
+  t_epoch_ = session_.clock().now_s();
+  return session_.out_file(file);
+}
+
+void Trainer::checkpoint(const std::string& file) {
   if (!session_.writer()) return;  // rank 0's: every rank holds the same weights and optimizer state
   Checkpoint c;
   c.config = config_.to_json();
@@ -859,7 +884,7 @@ void Trainer::checkpoint() {
   p.elapsed_s = session_.now();
   p.controllers = controller_states(controllers_);
   c.progress = p.to_json();
-  const std::string path = session_.out_file(kCheckpointFile);
+  const std::string path = session_.out_file(file);
   checkpoint_write(path, c);
   session_.checkpoint_written();
   session_.event(event::kCheckpoint, progress_->step,

@@ -73,7 +73,8 @@ class Trainer : private MemoryMeter {
   EvalResult evaluate(int64_t batch_size);
   EvalResult evaluate_within_budget();
   void epoch_end(double train_s);
-  void checkpoint();
+  void checkpoint(const std::string& file = kCheckpointFile);
+  std::string curvature_checkpoint();  // curv_checkpoint: writes curvature-step-N.pt, returns its path
   Json stop();
   Json summary();
   // Data parallelism (one process: the whole batch, no-ops).

@@ -226,6 +226,7 @@ void TriAccelConfig::validate() const {
   TRIACCEL_CHECK_INPUT(curv_budget >= 0 && curv_budget <= 1, option_ref("curv_budget"), " must be in [0, 1], got ",
                        curv_budget);
   TRIACCEL_CHECK_INPUT(curv_max_iters > 0, option_ref("curv_max_iters"), " must be > 0, got ", curv_max_iters);
+  TRIACCEL_CHECK_INPUT(curv_tol >= 0 && curv_tol < 1, option_ref("curv_tol"), " must be in [0, 1), got ", curv_tol);
   TRIACCEL_CHECK_INPUT(tau_low < 0 || tau_high < 0 || tau_low <= tau_high, option_ref("tau_low"), " (", tau_low,
                        ") must not exceed ", option_ref("tau_high"), " (", tau_high, ")");
 }
@@ -389,6 +390,9 @@ Config Config::from_json(const Json& j) {
   config_fields(c, [&](auto& field, const FieldInfo& info, const char*) {
     if (j.contains(info.key)) value_from_json(info.key, j.at(info.key), field);
   });
+  // Written before these options existed, with the values of that time: resumes take the same probes.
+  if (!j.contains("curv_tol")) c.tri_accel.curv_tol = 1e-3;
+  if (!j.contains("curv_top_k")) c.tri_accel.curv_top_k = 5;
   return c;
 }
 

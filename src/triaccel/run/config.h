@@ -10,6 +10,7 @@
 #pragma once
 
 #include "triaccel/control/batch_controller.h"
+#include "triaccel/control/curvature_probe.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/enum_names.h"
 #include "triaccel/core/json.h"
@@ -212,10 +213,13 @@ struct TriAccelConfig {
   int64_t ctrl_every = 50;       // T_ctrl: steps per control window
   int64_t curv_every = 200;      // T_curv: steps between curvature probes
   int64_t curv_batch = 32;       // b_curv
-  int64_t curv_top_k = 5;
+  int64_t curv_top_k = 1;        // λ_max is what the lr scale and the precision promotion use; 5: the paper's k
   int64_t curv_max_iters = 20;
+  double curv_tol = 0.01;        // power iteration stops when λ moves less than this, relative
   double curv_budget = 0.05;     // probes take at most this share of training time (0: every T_curv)
   double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
+  ProbePrecision curv_precision = ProbePrecision::kFP32;  // the probe's arithmetic (control/curvature_probe.h)
+  bool curv_checkpoint = false;  // a checkpoint at each probe's step (the weights it probed)
   double tau_low = -1;
   double tau_high = -1;
   double tau_curv = -1;
@@ -432,12 +436,16 @@ void TriAccelConfig::fields(S& s, V&& v) {
   v(s.ctrl_every, FieldInfo{"ctrl_every", "steps per control window (T_ctrl)"});
   v(s.curv_every, FieldInfo{"curv_every", "steps between curvature probes (T_curv)"});
   v(s.curv_batch, FieldInfo{"curv_batch", "samples in the curvature batch (b_curv)"});
-  v(s.curv_top_k, FieldInfo{"curv_top_k", "Hessian eigenvalues per unit"});
+  v(s.curv_top_k, FieldInfo{"curv_top_k", "Hessian eigenvalues per unit (the paper: 5)"});
   v(s.curv_max_iters, FieldInfo{"curv_max_iters", "power-iteration steps per eigenvalue"});
+  v(s.curv_tol, FieldInfo{"curv_tol", "power iteration stops when the eigenvalue moves less than this, relative"});
   v(s.curv_budget, FieldInfo{"curv_budget",
                              "max share of training time for curvature probes; they are spaced to stay within it "
                              "(0: every curv_every steps)"});
   v(s.curv_alpha, FieldInfo{"curv_alpha", "alpha in lr / (1 + alpha * lambda_max); -1: calibrate"});
+  v(s.curv_precision, FieldInfo{"curv_precision", "arithmetic of the curvature probe's Hessian-vector products"});
+  v(s.curv_checkpoint, FieldInfo{"curv_checkpoint",
+                                 "write curvature-step-N.pt at each probe's step: the weights it probed (true|false)"});
   v(s.tau_low, FieldInfo{"tau_low", "fp16 below this gradient variance; -1: calibrate"});
   v(s.tau_high, FieldInfo{"tau_high", "fp32 at or above this variance; -1: calibrate"});
   v(s.tau_curv, FieldInfo{"tau_curv", "promote precision above this lambda_max; -1: calibrate"});
