@@ -8,7 +8,8 @@
 #                over 1 seed, the Table-2 ablation (each component alone, all combined) and the budget runs
 #                (ResNet-18 --vram-budget 1GB, EfficientNet-B0 --vram-budget 3GB).
 # Usage: bash bench/run_tri_accel.sh check|table|extra|r18|r18abl|effb0|signals|signals_effb0 (signals: issue 19's
-# ablation on ResNet-18, 3 seeds; signals_effb0: EfficientNet-B0's AMP bf16 and Tri-Accel, seed 0; r18: ResNet-18's 12 Table-1 runs only, no
+# ablation on ResNet-18, 3 seeds; signals_effb0: EfficientNet-B0's AMP bf16 and Tri-Accel, seed 0, and ResNet-18's
+# curvature-only rows; r18: ResNet-18's 12 Table-1 runs only, no
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
 # and AMP bf16 rows, seed 0). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
@@ -63,13 +64,17 @@ elif [ "$STAGE" = signals ]; then  # issue 19's ablation on ResNet-18: AMP bf16,
   for s in 0 1 2; do
     job r18_tri_s$s $R --method tri-accel $PROTO --seed $s
     job r18_prec_s$s $R --method tri-accel --ta-curvature false $PROTO --seed $s
-    job r18_curv_s$s $R --method tri-accel --ta-precision false $PROTO --seed $s
+    job r18_curv_s$s $R --method tri-accel --ta-precision false --precision amp-bf16 $PROTO --seed $s
     job r18_bf16_s$s $R --precision amp-bf16 $PROTO --seed $s
   done
-elif [ "$STAGE" = signals_effb0 ]; then  # the same on EfficientNet-B0 at 224, seed 0: AMP bf16 and Tri-Accel
+elif [ "$STAGE" = signals_effb0 ]; then  # EfficientNet-B0 at 224, seed 0: AMP bf16 and Tri-Accel; then ResNet-18's
+  # curvature-only rows again (3 seeds) where a call had them run without AMP
   E="--model efficientnet-b0 --image-size 224"
   job effb0_tri_s0 $E --method tri-accel $PROTO --seed 0
   job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
+  for s in 0 1 2; do
+    job r18_curv_s$s --model resnet18 --method tri-accel --ta-precision false --precision amp-bf16 $PROTO --seed $s
+  done
 elif [ "$STAGE" = r18 ]; then  # ResNet-18's Table-1 rows alone (3 seeds x 4 methods), e.g. on one GPU
   for s in 0 1 2; do
     job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s
