@@ -51,8 +51,8 @@ elif [ "$STAGE" = extra ]; then  # what a 10-minute table call leaves out: Effic
   job r18_tri_1GB_s0 $R --method tri-accel --vram-budget 1GB $PROTO --seed 0
 elif [ "$STAGE" = effb0 ]; then  # EfficientNet-B0 at 224: Tri-Accel and AMP bf16, seed 0, e.g. on one GPU
   E="--model efficientnet-b0 --image-size 224"
-  job effb0_tri_s0 $E --method tri-accel $PROTO --seed 0
-  job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
+  [ -n "${SKIP_EFFB0:-}" ] || job effb0_tri_s0 $E --method tri-accel $PROTO --seed 0
+  [ -n "${SKIP_EFFB0:-}" ] || job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
 elif [ "$STAGE" = r18abl ]; then  # ResNet-18's Table-2 ablation and its budget run alone (seed 0), e.g. on one GPU
   R="--model resnet18"
   job r18_abl_batch_s0 $R --method tri-accel --ta-precision false --ta-curvature false --vram-budget 1GB $PROTO --seed 0
@@ -70,8 +70,8 @@ elif [ "$STAGE" = signals ]; then  # issue 19's ablation on ResNet-18: AMP bf16,
 elif [ "$STAGE" = signals_effb0 ]; then  # EfficientNet-B0 at 224, seed 0: AMP bf16 and Tri-Accel; then ResNet-18's
   # curvature-only rows again (3 seeds) where a call had them run without AMP
   E="--model efficientnet-b0 --image-size 224"
-  job effb0_tri_s0 $E --method tri-accel $PROTO --seed 0
-  job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
+  [ -n "${SKIP_EFFB0:-}" ] || job effb0_tri_s0 $E --method tri-accel $PROTO --seed 0
+  [ -n "${SKIP_EFFB0:-}" ] || job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
   for s in 0 1 2; do
     job r18_curv_s$s --model resnet18 --method tri-accel --ta-precision false --precision amp-bf16 $PROTO --seed $s
   done
@@ -87,8 +87,8 @@ else
   R="--model resnet18"
   job effb0_fp32_s0 $E --precision fp32 $PROTO --seed 0
   job effb0_tri_3GB_s0 $E --method tri-accel $PROTO --seed 0 --vram-budget 3GB
-  job effb0_tri_s0 $E --method tri-accel $PROTO --seed 0
-  job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
+  [ -n "${SKIP_EFFB0:-}" ] || job effb0_tri_s0 $E --method tri-accel $PROTO --seed 0
+  [ -n "${SKIP_EFFB0:-}" ] || job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
   job effb0_fp16_s0 $E --precision amp-fp16 $PROTO --seed 0
   for s in 0 1 2; do
     job r18_fp32_s$s $R --precision fp32 $PROTO --seed $s

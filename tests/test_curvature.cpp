@@ -10,6 +10,7 @@
 #include "triaccel/control/curvature_probe.h"
 
 #include "triaccel/core/errors.h"
+#include "triaccel/models/batch_norm.h"
 #include "triaccel/models/model.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -340,10 +341,12 @@ TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
               wall, probed.back().lambda_max);
 }
 
-// curv_precision bf16: the products run in bf16 (fp32 accumulation), so every unit's λ_max is the fp32 probe's to
-// bf16's rounding (a few %), not bit-equal: a probe that ignored the option would give identical values, one that
-// left the products' graph in bf16 after the call would change the model (checked by the state test above).
-TEST(CurvatureProbeTest, Bf16ProductsGiveTheFp32EigenvaluesToTheirRounding) {
+// ProbePrecision::kBF16 (bench_curvature's comparison; not a run option): the products run in bf16 with fp32
+// accumulation. The output unit's λ_max is the fp32 probe's to bf16's rounding; deeper units' can be far off (here
+// block2: 0.016 against 0.187; on the H100 EfficientNet-B0's units 2–72 %), which is why runs probe in fp32. The
+// call gives back the run's autocast and the fused BatchNorm kernel switch. A probe that ignored the option would
+// give the fp32 values exactly.
+TEST(CurvatureProbeTest, Bf16ProductsAreNotBitEqualAndRestoreTheRunsState) {
   const SingleThreadScope single_thread;
   auto model = small_cnn_make();
   auto [images, labels, options] = probe_batch(17, 60);
@@ -352,18 +355,17 @@ TEST(CurvatureProbeTest, Bf16ProductsGiveTheFp32EigenvaluesToTheirRounding) {
   const auto fp32 = curvature_probe(*model, images, labels, options);
   options.precision = ProbePrecision::kBF16;
   const auto bf16 = curvature_probe(*model, images, labels, options);
-  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));  // the run's autocast is given back
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
+  EXPECT_TRUE(batch_norm_kernel_enabled());
   ASSERT_EQ(fp32.size(), bf16.size());
-  double largest_difference = 0;
+  const UnitCurvature& out32 = fp32.back();
+  const UnitCurvature& out16 = bf16.back();
+  EXPECT_LT(std::abs(out16.lambda_max - out32.lambda_max) / std::abs(out32.lambda_max), 0.05) << out32.unit;
+  EXPECT_NE(out16.lambda_max, out32.lambda_max) << "the bf16 probe gave the fp32 value: its arithmetic was fp32";
   for (size_t i = 0; i < fp32.size(); ++i) {
-    if (fp32[i].eigenvalues.empty()) continue;
-    const double relative = std::abs(bf16[i].lambda_max - fp32[i].lambda_max) / std::abs(fp32[i].lambda_max);
-    EXPECT_LT(relative, 0.05) << fp32[i].unit << ": fp32 " << fp32[i].lambda_max << ", bf16 " << bf16[i].lambda_max;
-    largest_difference = std::max(largest_difference, relative);
     std::printf("[ small-cnn %s ] λ_max fp32 %.6g bf16 %.6g\n", fp32[i].unit.c_str(), fp32[i].lambda_max,
                 bf16[i].lambda_max);
   }
-  EXPECT_GT(largest_difference, 1e-5) << "the bf16 probe gave the fp32 values: its arithmetic was not bf16";
 }
 
 #ifdef TRIACCEL_WITH_CUDA

@@ -550,8 +550,8 @@ TEST(MemoryPlanControllerTest, PaysForAPromotionWithinTheFirstPeak) {
 }
 
 // The planner answers whether a promotion fits: under the 16-bit peak of PaysForAPromotionWithinTheFirstPeak's
-// made-up model one fp32 unit fits (recomputed); under a budget 5 % below the all-fp32 floor three do not, though
-// the 16-bit model fits there.
+// made-up model one fp32 unit fits (recomputed); under a budget between the 16-bit and the all-fp32 floors three
+// do not, though the 16-bit model fits there.
 TEST(MemoryPlanControllerTest, FitsAnswersForPrecisionsNotYetApplied) {
   UnitRig rig(false, StepOptions{}, torch::kCPU);
   rig.step.set_unit_precisions({Precision::kBF16, Precision::kBF16, Precision::kBF16});
@@ -574,7 +574,9 @@ TEST(MemoryPlanControllerTest, FitsAnswersForPrecisionsNotYetApplied) {
   EXPECT_TRUE(c.fits({P::kFP16, P::kBF16, P::kBF16}));
   const MemoryModel all_fp32 = model_for({P::kFP32, P::kFP32, P::kFP32});
   const double fp32_floor = memory_plan_solve(all_fp32, 16, 1).floor_bytes;  // the least any plan needs
-  limits.budget_bytes = static_cast<int64_t>(0.95 * fp32_floor);
+  const double first_floor = memory_plan_solve(first, 16, 1).floor_bytes;
+  ASSERT_LT(first_floor, fp32_floor);
+  limits.budget_bytes = static_cast<int64_t>((first_floor + fp32_floor) / 2);
   ASSERT_TRUE(memory_plan_solve(first, 16, limits.budget_bytes).feasible);  // the 16-bit model still fits
   const MemoryPlanController tight(first, memory_plan_solve(first, 16, limits.budget_bytes), limits, rig.step,
                                    model_for);

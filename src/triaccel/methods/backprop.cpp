@@ -420,7 +420,6 @@ void Trainer::controllers_build() {
       co.probe.every_steps = ta.curv_every;
       co.probe.seed = config_.execution.seed;
       co.probe.cuda_graphs = config_.execution.cuda_graphs;
-      co.probe.precision = ta.curv_precision;
       co.probe.clock = &session_.clock();
       controllers_.push_back(std::make_unique<CurvatureController>(co, session_.model(), *optimizer_, *step_,
                                                                    images, labels));
@@ -702,7 +701,8 @@ void Trainer::after_step(int64_t count) {
   for (auto& c : controllers_) {
     for (Event& e : c->after_step(ctx)) {
       // curv_checkpoint: the weights the probe saw, beside its eigenvalues, for checking them independently.
-      if (config_.tri_accel.curv_checkpoint && e.name == event::kCurvature && e.fields.contains("probed")) {
+      const bool probe = std::string(e.name) == event::kCurvature && e.fields.contains("probed");
+      if (config_.tri_accel.curv_checkpoint && probe) {
         e.fields["checkpoint"] = curvature_checkpoint();
       }
       session_.event(e.name, p.step, e.fields);

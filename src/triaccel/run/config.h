@@ -10,7 +10,6 @@
 #pragma once
 
 #include "triaccel/control/batch_controller.h"
-#include "triaccel/control/curvature_probe.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/enum_names.h"
 #include "triaccel/core/json.h"
@@ -218,7 +217,6 @@ struct TriAccelConfig {
   double curv_tol = 0.01;        // power iteration stops when λ moves less than this, relative
   double curv_budget = 0.05;     // probes take at most this share of training time (0: every T_curv)
   double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
-  ProbePrecision curv_precision = ProbePrecision::kFP32;  // the probe's arithmetic (control/curvature_probe.h)
   bool curv_checkpoint = false;  // a checkpoint at each probe's step (the weights it probed)
   double tau_low = -1;
   double tau_high = -1;
@@ -443,7 +441,6 @@ void TriAccelConfig::fields(S& s, V&& v) {
                              "max share of training time for curvature probes; they are spaced to stay within it "
                              "(0: every curv_every steps)"});
   v(s.curv_alpha, FieldInfo{"curv_alpha", "alpha in lr / (1 + alpha * lambda_max); -1: calibrate"});
-  v(s.curv_precision, FieldInfo{"curv_precision", "arithmetic of the curvature probe's Hessian-vector products"});
   v(s.curv_checkpoint, FieldInfo{"curv_checkpoint",
                                  "write curvature-step-N.pt at each probe's step: the weights it probed (true|false)"});
   v(s.tau_low, FieldInfo{"tau_low", "fp16 below this gradient variance; -1: calibrate"});
