@@ -399,6 +399,16 @@ TEST(CurvatureProbeTest, CudaGraphedProductsGiveTheEagerEigenvalues) {
     torch::cuda::synchronize();
   }
   default_stream = curvature_probe(*model, images, labels, options, nullptr, nullptr, &late);
+  // A warm start converges in a few products, fewer than a capture costs: those products stay eager.
+  std::vector<std::vector<at::Tensor>> warm;
+  std::vector<UnitCurvature> warm_probe;
+  {
+    const c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());
+    curvature_probe(*model, images, labels, options, nullptr, &warm, &late);
+    warm_probe = curvature_probe(*model, images, labels, options, nullptr, &warm, &late);
+    torch::cuda::synchronize();
+  }
+  for (const size_t u : late) EXPECT_FALSE(warm_probe[u].graphed) << warm_probe[u].unit;
   for (const size_t u : late) {
     EXPECT_FALSE(eager[u].graphed) << eager[u].unit;
     EXPECT_TRUE(graphed[u].graphed) << graphed[u].unit;

@@ -475,6 +475,9 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
     EXPECT_GE(e["next_probe_step"].get<int64_t>(), e["step"].get<int64_t>() + o.tri_accel.curv_every);
     // The first budgeted round probes one unit, from the output end, to learn the cost; the others stay unknown.
     EXPECT_EQ(e["probed"], Json::array({"fc"}));
+    // ... twice: the first call pays the one-time set-up, the second gives the cost the schedule plans with. One
+    // call takes at most k × curv_max_iters = 6 products; two take at least 8 (two per eigenvalue each).
+    EXPECT_GT(e["hvp_products"].get<int64_t>(), 6);
     EXPECT_TRUE(e["lambda_max"][0].is_null());
     EXPECT_FALSE(e["lambda_max"][3].is_null());
   }
