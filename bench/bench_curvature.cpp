@@ -13,6 +13,8 @@
 #include "triaccel/core/json.h"
 #include "triaccel/models/registry.h"
 
+#include "bench_util.h"
+
 #include <CLI/CLI.hpp>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -26,13 +28,7 @@ namespace {
 
 using triaccel::Json;
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(item);
-  return out;
-}
+using bench::split;
 
 triaccel::ProbePrecision precision_named(const std::string& name) {
   for (const auto& n : triaccel::EnumNames<triaccel::ProbePrecision>::kNames) {

@@ -17,6 +17,8 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include "bench_util.h"
+
 #include <CLI/CLI.hpp>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -31,13 +33,7 @@ namespace {
 
 using triaccel::Json;
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(item);
-  return out;
-}
+using bench::split;
 
 struct Config {
   std::string model;

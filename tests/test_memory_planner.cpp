@@ -494,6 +494,16 @@ TEST(MemoryGpuTest, ACaptureThatNeverFitsNearTheFloorLeavesTheStepEager) {
 #endif
 }
 
+// A made-up three-unit model whose fp32 units keep twice the activations of 16-bit ones (40 bytes per sample, not 20).
+MemoryModel promotion_model(const std::vector<Precision>& p) {
+  std::vector<double> saved;
+  for (Precision q : p) saved.push_back(q == Precision::kFP32 ? 40 : 20);
+  MemoryModel m = made_up(saved, {2, 2, 2}, {1, 5, 5});
+  m.dataset_bytes = 0;
+  m.allow_host_data = false;
+  return m;
+}
+
 // The planner in the loop, on made-up models: a Tri-Accel run without a budget keeps its first (16-bit) peak as the
 // limit, so a unit promoted to fp32 (twice the activations) is paid for by recomputing it rather than by a higher
 // peak; an out-of-memory error raises the activation scale and the limit with it; each change reaches the step
@@ -502,14 +512,7 @@ TEST(MemoryPlanControllerTest, PaysForAPromotionWithinTheFirstPeak) {
   UnitRig rig(false, StepOptions{}, torch::kCPU);
   TrainStep& step = rig.step;
   step.set_unit_precisions({Precision::kBF16, Precision::kBF16, Precision::kBF16});
-  const auto model_for = [](const std::vector<Precision>& p) {
-    std::vector<double> saved;
-    for (Precision q : p) saved.push_back(q == Precision::kFP32 ? 40 : 20);
-    MemoryModel m = made_up(saved, {2, 2, 2}, {1, 5, 5});
-    m.dataset_bytes = 0;
-    m.allow_host_data = false;
-    return m;
-  };
+  const auto model_for = promotion_model;
   MemoryModel first = model_for(step.unit_precisions());
   MemoryPlanLimits limits;
   limits.batch = 16;
@@ -555,14 +558,7 @@ TEST(MemoryPlanControllerTest, PaysForAPromotionWithinTheFirstPeak) {
 TEST(MemoryPlanControllerTest, FitsAnswersForPrecisionsNotYetApplied) {
   UnitRig rig(false, StepOptions{}, torch::kCPU);
   rig.step.set_unit_precisions({Precision::kBF16, Precision::kBF16, Precision::kBF16});
-  const auto model_for = [](const std::vector<Precision>& p) {
-    std::vector<double> saved;
-    for (Precision q : p) saved.push_back(q == Precision::kFP32 ? 40 : 20);
-    MemoryModel m = made_up(saved, {2, 2, 2}, {1, 5, 5});
-    m.dataset_bytes = 0;
-    m.allow_host_data = false;
-    return m;
-  };
+  const auto model_for = promotion_model;
   const MemoryModel first = model_for(rig.step.unit_precisions());
   MemoryPlanLimits limits;
   limits.batch = 16;

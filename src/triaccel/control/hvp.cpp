@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #ifdef TRIACCEL_WITH_CUDA
@@ -152,17 +153,26 @@ EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, do
   const int count = static_cast<int>(std::min<int64_t>(k, n));
 
   const at::TensorOptions options = op.flat_options();
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  // Start vectors come from a generator of their own, seeded with `seed`: on the CPU in float64 (the reference), on
+  // a GPU there in the parameters' dtype (drawing 4.7M float64 values on the H100 machine's CPU took ~50 ms, more
+  // than a warm probe's products for ResNet-18's layer4 units). Deterministic for a seed on a given device.
+  at::Generator generator;
+  if (options.device().is_cuda()) {
+    generator = at::detail::getCUDAHooks().getNewGenerator(options.device().index());
+    generator.set_current_seed(seed);
+  } else {
+    generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  }
   std::vector<at::Tensor> eigenvectors;  // unit vectors (n), found so far
   std::vector<double> eigenvalues;
 
   for (int j = 0; j < count; ++j) {
-    // Start vectors are drawn in float64 on the CPU so a seed gives the same start on every device; only where no
-    // warm start is given (drawing 4.7M of them took ~50 ms on the H100 machine's CPU, more than a warm probe's
-    // products for ResNet-18's layer4 units). A warm start never leaves the device.
+    // A random start only where no warm start is given; a warm start never leaves the device.
     at::Tensor start;
     if (j < static_cast<int>(warm_start.size()) && warm_start[j].defined() && warm_start[j].numel() == n) {
       start = warm_start[j].detach().reshape({n}).to(options);
+    } else if (options.device().is_cuda()) {
+      start = at::randn({n}, generator, options);
     } else {
       start = at::randn({n}, generator, at::TensorOptions().dtype(at::kDouble)).to(options);
     }

@@ -7,7 +7,8 @@
 // - Parameters the loss does not depend on (or depends on only linearly) contribute zero rows: their HVP is zeros.
 // - The loss's graph is retained, so any number of HVPs can be taken from one loss, and several HvpOperators
 //   (e.g. one per unit) can share one forward pass. Nothing is accumulated into parameters' .grad.
-// - power_iteration_topk is deterministic for a seed: start vectors come from a CPU generator seeded with it.
+// - power_iteration_topk is deterministic for a seed on a given device: start vectors come from a generator of their
+//   own seeded with it (the CPU's in float64 for CPU tensors, the GPU's for CUDA tensors).
 #pragma once
 
 #include <ATen/Tensor.h>
