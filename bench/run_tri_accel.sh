@@ -9,7 +9,7 @@
 #                (ResNet-18 --vram-budget 1GB, EfficientNet-B0 --vram-budget 3GB).
 # Usage: bash bench/run_tri_accel.sh check|table|extra|r18|r18abl|effb0|signals|signals_effb0 (signals: issue 19's
 # ablation on ResNet-18, 3 seeds; signals_effb0: EfficientNet-B0's AMP bf16 and Tri-Accel, seed 0, and ResNet-18's
-# curvature-only rows; r18: ResNet-18's 12 Table-1 runs only, no
+# curvature-only rows; signals_tri: the signals stage's Tri-Accel and AMP bf16 rows alone; r18: ResNet-18's 12 Table-1 runs only, no
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
 # and AMP bf16 rows, seed 0). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
@@ -67,6 +67,11 @@ elif [ "$STAGE" = signals ]; then  # issue 19's ablation on ResNet-18: AMP bf16,
     job r18_curv_s$s $R --method tri-accel --ta-precision false --precision amp-bf16 $PROTO --seed $s
     job r18_bf16_s$s $R --precision amp-bf16 $PROTO --seed $s
   done
+elif [ "$STAGE" = signals_tri ]; then  # ResNet-18's Tri-Accel and AMP bf16 rows of the signals stage alone
+  for s in 0 1 2; do
+    job r18_tri_s$s --model resnet18 --method tri-accel $PROTO --seed $s
+    job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s
+  done
 elif [ "$STAGE" = signals_effb0 ]; then  # EfficientNet-B0 at 224, seed 0: AMP bf16 and Tri-Accel; then ResNet-18's
   # curvature-only rows again (3 seeds) where a call had them run without AMP
   E="--model efficientnet-b0 --image-size 224"
@@ -120,7 +125,7 @@ worker() {  # GPU index: takes queue lines until none are left
   done
 }
 
-[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
+[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0|signals_tri)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
    echo "unit tests on GPU: exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/unit_tests_gpu.log" | tr '\n' ' ')") &
 # The unit tests take ~10 s on the last GPU; in the table stage its first job is long and only its last 5 epochs
 # are timed. The check stage keeps that GPU for the tests.
