@@ -419,10 +419,7 @@ void Trainer::controllers_build() {
       co.probe.batch = ta.curv_batch;
       co.probe.every_steps = ta.curv_every;
       co.probe.seed = config_.execution.seed;
-      // Eager products: a capture's private pool sits on top of the step graph's (ResNet-18 on the H100 at d11f231:
-      // peaks 0.620–0.656 GB against AMP's 0.612 once cold probes captured), and a capture costs about what it
-      // saves over a probe's 5–18 products.
-      co.probe.cuda_graphs = false;
+      co.probe.cuda_graphs = config_.execution.cuda_graphs;
       co.probe.clock = &session_.clock();
       controllers_.push_back(std::make_unique<CurvatureController>(co, session_.model(), *optimizer_, *step_,
                                                                    images, labels));
