@@ -343,15 +343,15 @@ TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
 
 // ProbePrecision::kBF16 (bench_curvature's comparison; not a run option): the products run in bf16 with fp32
 // accumulation. The output unit's λ_max is the fp32 probe's to bf16's rounding; deeper units' can be far off (here
-// block2: 0.016 against 0.187; on the H100 EfficientNet-B0's units 2–72 %), which is why runs probe in fp32. The
+// block2, even in sign; on the H100 EfficientNet-B0's units 2–72 %), which is why runs probe in fp32. The
 // call gives back the run's autocast and the fused BatchNorm kernel switch. A probe that ignored the option would
 // give the fp32 values exactly.
 TEST(CurvatureProbeTest, Bf16ProductsAreNotBitEqualAndRestoreTheRunsState) {
   const SingleThreadScope single_thread;
   auto model = small_cnn_make();
-  auto [images, labels, options] = probe_batch(17, 60);
+  auto [images, labels, options] = probe_batch(17, 25);
   options.top_k = 1;
-  options.tol = 1e-7;
+  options.tol = 1e-5;
   const auto fp32 = curvature_probe(*model, images, labels, options);
   options.precision = ProbePrecision::kBF16;
   const auto bf16 = curvature_probe(*model, images, labels, options);
