@@ -36,18 +36,20 @@ int64_t MemoryPlanController::limit_bytes() const {
       std::ceil(memory_plan_peak(first, limits_.batch, limits_.batch, none, limits_.constraints.placement)));
 }
 
-bool MemoryPlanController::fits(const std::vector<Precision>& unit_precisions) const {
+MemoryModel MemoryPlanController::corrected_model(const std::vector<Precision>& unit_precisions) const {
   MemoryModel m = rebuild_(unit_precisions);
   m.activation_scale = model_.activation_scale;
   m.fixed_bytes += offset_;
-  return memory_plan_solve(m, limits_.batch, limit_bytes(), limits_.constraints).feasible;
+  return m;
+}
+
+bool MemoryPlanController::fits(const std::vector<Precision>& unit_precisions) const {
+  return memory_plan_solve(corrected_model(unit_precisions), limits_.batch, limit_bytes(), limits_.constraints)
+      .feasible;
 }
 
 void MemoryPlanController::replan() {
-  if (limits_.limit_from_first_model) {
-    first_model_.activation_scale = model_.activation_scale;
-    limits_.budget_bytes = limit_bytes();
-  }
+  if (limits_.limit_from_first_model) limits_.budget_bytes = limit_bytes();
   MemoryPlan next = memory_plan_solve(model_, limits_.batch, limits_.budget_bytes, limits_.constraints);
   if (!next.feasible && limits_.cap_bytes > 0 && limits_.cap_share < limits_.initial_share) {
     // Captures shrank the share and a correction now leaves no plan: give the share back, give the graph up.
@@ -85,10 +87,7 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
   // Tri-Accel changed a unit's precision: its activations change size.
   if (step_.unit_precisions() != precisions_) {
     precisions_ = step_.unit_precisions();
-    const double scale = model_.activation_scale;
-    model_ = rebuild_(precisions_);
-    model_.activation_scale = scale;
-    model_.fixed_bytes += offset_;
+    model_ = corrected_model(precisions_);
     const MemoryPlan before = plan_;
     replan();
     if (!(plan_ == before)) events.push_back({event::kMemoryPlan, plan_fields("precision")});

@@ -87,6 +87,8 @@ class MemoryPlanController final : public StepController {
   void replan();
   // What a plan may reach now: the budget, or without one the first model's peak at the current scale.
   int64_t limit_bytes() const;
+  // The model traced for these precisions with the corrections measured so far (activation scale, fixed offset).
+  MemoryModel corrected_model(const std::vector<Precision>& unit_precisions) const;
 
   MemoryModel model_;
   MemoryModel first_model_;            // limit_from_first_model: the model the limit comes from
