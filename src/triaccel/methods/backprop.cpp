@@ -550,9 +550,7 @@ bool Trainer::epoch() {
       if (!last_in_epoch) break;
     }
     if (!last_in_epoch && session_.checkpoint_due(p.step)) {
-      train_time_pause();
-      checkpoint();
-      t_epoch_ = session_.clock().now_s();
+      checkpoint_mid_epoch(kCheckpointFile);
     }
   }
   train_time_pause();
@@ -865,10 +863,14 @@ void Trainer::epoch_end(double train_s) {
 
 std::string Trainer::curvature_checkpoint() {
   const std::string file = "curvature-step-" + std::to_string(progress_->step) + ".pt";
+  checkpoint_mid_epoch(file);
+  return session_.out_file(file);
+}
+
+void Trainer::checkpoint_mid_epoch(const std::string& file) {
   train_time_pause();
   checkpoint(file);
-  t_epoch_ = session_.clock().now_s();
-  return session_.out_file(file);
+  t_epoch_ = session_.clock().now_s();  // the epoch's clock runs again from here
 }
 
 void Trainer::checkpoint(const std::string& file) {

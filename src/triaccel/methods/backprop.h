@@ -75,6 +75,7 @@ class Trainer : private MemoryMeter {
   void epoch_end(double train_s);
   void checkpoint(const std::string& file = kCheckpointFile);
   std::string curvature_checkpoint();  // curv_checkpoint: writes curvature-step-N.pt, returns its path
+  void checkpoint_mid_epoch(const std::string& file);  // the epoch's clock paused while it is written
   Json stop();
   Json summary();
   // Data parallelism (one process: the whole batch, no-ops).

@@ -390,9 +390,9 @@ Config Config::from_json(const Json& j) {
   config_fields(c, [&](auto& field, const FieldInfo& info, const char*) {
     if (j.contains(info.key)) value_from_json(info.key, j.at(info.key), field);
   });
-  // Written before these options existed, with the values of that time: resumes take the same probes.
+  // Written before curv_tol existed, with the tolerance of that time: resumes take the same probes. (curv_top_k was
+  // always written, so an older configuration keeps its own k.)
   if (!j.contains("curv_tol")) c.tri_accel.curv_tol = 1e-3;
-  if (!j.contains("curv_top_k")) c.tri_accel.curv_top_k = 5;
   return c;
 }
 
