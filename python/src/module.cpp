@@ -12,6 +12,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/autograd/python_variable.h>  // THPVariable_Check
 #include <torch/csrc/utils/pybind.h>                // at::Tensor <-> torch.Tensor
+#include <torch/library.h>
 
 #include <map>
 #include <memory>
@@ -226,12 +227,37 @@ std::unique_ptr<triaccel::api::LoopOptimizer> loop_optimizer_make(
   return std::make_unique<triaccel::api::LoopOptimizer>(units, o);
 }
 
+// The torch op triaccel::loop_optimizer_step: one step of the LoopOptimizer named by `handle`, so that torch.compile
+// traces triaccel.optim's step into its graph (an opaque op that mutates the parameters it is given) and a CUDA graph
+// captures it. A user's mistake is raised as Python's ValueError, as the module's other errors are.
+void loop_optimizer_step_op(int64_t handle, at::TensorList params, const c10::List<std::optional<at::Tensor>>& grads,
+                            const at::Tensor& lr) {
+  triaccel::api::LoopOptimizer* opt = triaccel::api::LoopOptimizer::find(handle);
+  TORCH_CHECK_VALUE(opt != nullptr, "triaccel::loop_optimizer_step: no live optimizer has handle ", handle);
+  std::vector<at::Tensor> gs;
+  gs.reserve(grads.size());
+  for (const std::optional<at::Tensor>& g : grads) gs.push_back(g.has_value() ? *g : at::Tensor());
+  try {
+    opt->step(params.vec(), gs, lr);
+  } catch (const triaccel::UserError& e) {
+    TORCH_CHECK_VALUE(false, e.message([](const std::string& key) { return key; }));
+  }
+}
+
 std::shared_ptr<triaccel::Model> python_model_unbuilt(const triaccel::ModelOptions&) {
   throw triaccel::UserError("the model 'python' is a torch.nn.Module passed to triaccel.train(model, ...); "
                             "the command line trains the built-in models");
 }
 
 }  // namespace
+
+TORCH_LIBRARY(triaccel, m) {
+  m.def("loop_optimizer_step(int handle, Tensor(a!)[] params, Tensor?[] grads, Tensor lr) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(triaccel, CompositeExplicitAutograd, m) {
+  m.impl("loop_optimizer_step", &loop_optimizer_step_op);
+}
 
 PYBIND11_MODULE(_triaccel, m) {
   m.doc() = "triaccel's C++ engine (use the triaccel package, not this module)";
@@ -254,8 +280,9 @@ PYBIND11_MODULE(_triaccel, m) {
       .def(py::init(&loop_optimizer_make), py::arg("units"), py::arg("format"), py::arg("beta1"), py::arg("beta2"),
            py::arg("eps"), py::arg("weight_decay"), py::arg("memory_budget"), py::arg("time_budget"),
            py::arg("formats"), py::arg("plan_warmup"), py::arg("replan_every"))
-      .def("step", &LoopOptimizer::step, py::arg("lr"), py::call_guard<py::gil_scoped_release>())
+      .def("step", py::overload_cast<double>(&LoopOptimizer::step), py::arg("lr"), py::call_guard<py::gil_scoped_release>())
       .def("steps", &LoopOptimizer::steps)
+      .def("handle", &LoopOptimizer::handle)
       .def("state_bytes", &LoopOptimizer::state_bytes)
       .def("adamw_fp32_bytes", &LoopOptimizer::adamw_fp32_bytes)
       .def("formats", &LoopOptimizer::formats)

@@ -12,6 +12,11 @@ its fused CUDA kernels on a GPU, their reference on the CPU. BAOC trains in fp32
 it measures each unit's gradient statistics, then gives every unit (the module that owns a parameter) the optimizer-
 state format that fits `memory_budget` at the least risk (docs/baoc.md). Weight decay is decoupled and skips tensors
 of dimension <= 1 (norms, biases). state_dict() / load_state_dict() continue a run exactly.
+
+step() is one torch op, torch.ops.triaccel.loop_optimizer_step, so torch.compile traces it into its graph (no graph
+break) and a CUDA graph can capture it. Give lr as a tensor on the parameters' device (lr=torch.tensor(1e-3,
+device="cuda")) for a captured step to read the current learning rate when it is replayed (a float is copied in when
+the step is captured), and capture BAOC only after its plan (plan_warmup steps, replan_every=0).
 """
 import json
 
@@ -50,10 +55,12 @@ class _LoopOptimizer(torch.optim.Optimizer):
         if not named:
             raise ValueError("the optimizer got no parameters that require gradients")
         super().__init__([p for _, p in named], dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._lr = torch.zeros((), dtype=torch.float32, device=named[0][1].device)
         self._engine = _triaccel.LoopOptimizer(_units(named), state_format, float(betas[0]), float(betas[1]),
                                                float(eps), float(weight_decay), str(memory_budget),
                                                str(time_budget or ""), str(formats or ""), int(plan_warmup),
                                                int(replan_every))
+        self._handle = self._engine.handle()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -61,7 +68,13 @@ class _LoopOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._engine.step(float(self.param_groups[0]["lr"]))
+        group = self.param_groups[0]
+        lr = group["lr"]
+        if not isinstance(lr, torch.Tensor):
+            self._lr.fill_(lr)
+            lr = self._lr
+        params = group["params"]
+        torch.ops.triaccel.loop_optimizer_step(self._handle, params, [p.grad for p in params], lr)
         return loss
 
     @property
@@ -94,6 +107,11 @@ class _LoopOptimizer(torch.optim.Optimizer):
         self._engine.load(list(state_dict["tensors"].items()), json.dumps(state_dict["triaccel"]))
         for group, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
             group.update(saved)
+
+
+@torch.library.register_fake("triaccel::loop_optimizer_step")
+def _loop_optimizer_step_fake(handle, params, grads, lr):
+    return None  # the op updates `params` in place and returns nothing
 
 
 class AdamW(_LoopOptimizer):

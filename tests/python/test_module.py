@@ -205,14 +205,14 @@ def mlp(seed=0):
                          nn.Linear(300, 1))
 
 
-def loop(model, opt, x, y, steps, start=0):
-    """A plain PyTorch loop: full batches, MSE; returns the losses."""
+def loop(model, opt, x, y, steps, step=None):
+    """A plain PyTorch loop: full batches, MSE; `step` replaces opt.step (a compiled one); returns the losses."""
     losses = []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
-        opt.step()
+        (step or opt.step)()
         losses.append(loss.item())
     return losses
 
@@ -283,6 +283,132 @@ class Optim(unittest.TestCase):
             triaccel.optim.AdamW(model.named_parameters(), state_format="adamw-4bit")
         with self.assertRaises(TypeError):
             triaccel.optim.AdamW([{"params": list(model.parameters())}])
+
+
+def compiled_step(opt, graphs, fullgraph=True):
+    """opt.step under torch.compile, through AOTAutograd's functionalization (aot_eager: no code generation, quick on
+    the CPU); fullgraph: a graph break raises. Each graph's code is appended to `graphs`."""
+    def backend(gm, inputs):
+        graphs.append(str(gm.graph))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, inputs)
+    return torch.compile(opt.step, backend=backend, fullgraph=fullgraph)
+
+
+class TorchOp(unittest.TestCase):
+    """triaccel.optim's step is one torch op (triaccel::loop_optimizer_step): torch.compile traces it into its graph,
+    and a CUDA graph captures it (the CudaGraph tests, on a GPU)."""
+
+    def setUp(self):
+        torch._dynamo.reset()
+
+    def test_compiled_step_is_the_eager_step_in_one_graph(self):
+        x, y = regression_task()
+        makers = {"adamw-8bit": lambda m: triaccel.optim.AdamW8bit(m.named_parameters(), lr=1e-3),
+                  "baoc": lambda m: triaccel.optim.BAOC(m.named_parameters(), memory_budget="25%", lr=1e-3,
+                                                        plan_warmup=3)}
+        for name, make in makers.items():
+            with self.subTest(name):
+                torch._dynamo.reset()
+                eager, comp = mlp(), mlp()
+                eager_opt, comp_opt = make(eager), make(comp)
+                graphs = []
+                loop(eager, eager_opt, x, y, 6)
+                loop(comp, comp_opt, x, y, 6, step=compiled_step(comp_opt, graphs))
+                self.assertTrue(torch.equal(flat(eager), flat(comp)))
+                self.assertEqual(comp_opt.formats, eager_opt.formats)  # BAOC planned inside the op, at step 3
+                self.assertEqual(len(graphs), 1)
+                self.assertIn("triaccel.loop_optimizer_step", graphs[0])
+
+    def test_tensor_lr_follows_a_scheduler_without_recompiling(self):
+        x, y = regression_task()
+        a, b = mlp(), mlp()
+        opt_a = triaccel.optim.AdamW(a.named_parameters(), lr=1e-2)
+        opt_b = triaccel.optim.AdamW(b.named_parameters(), lr=torch.tensor(1e-2))
+        sched_a = torch.optim.lr_scheduler.StepLR(opt_a, 1, gamma=0.5)
+        sched_b = torch.optim.lr_scheduler.StepLR(opt_b, 1, gamma=0.5)
+        graphs = []
+        # An LR scheduler wraps opt.step in a function Dynamo does not trace (so for torch.optim's own optimizers
+        # too): the graph is the step's own frame.
+        step_b = compiled_step(opt_b, graphs, fullgraph=False)
+        for _ in range(4):
+            loop(a, opt_a, x, y, 1)
+            sched_a.step()
+            loop(b, opt_b, x, y, 1, step=step_b)
+            sched_b.step()
+        self.assertTrue(torch.equal(flat(a), flat(b)))
+        self.assertEqual(len(graphs), 1)
+        self.assertIn("triaccel.loop_optimizer_step", graphs[0])
+
+    def test_op_takes_copies_in_and_writes_the_update_back(self):
+        # torch.compile's functionalization may hand the op copies of the parameters instead of the parameters.
+        x, y = regression_task()
+        a, b = mlp(), mlp()
+        opt_a = triaccel.optim.AdamW(a.named_parameters(), lr=1e-2)
+        opt_b = triaccel.optim.AdamW(b.named_parameters(), lr=1e-2)
+        for model in (a, b):
+            nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in a.parameters():
+                p.add_(0.5)
+        opt_a.step()
+        params = list(b.parameters())
+        copies = [p.detach() + 0.5 for p in params]
+        torch.ops.triaccel.loop_optimizer_step(opt_b._handle, copies, [p.grad for p in params], torch.tensor(1e-2))
+        self.assertTrue(torch.equal(torch.cat([c.flatten() for c in copies]), flat(a)))
+        self.assertTrue(torch.equal(flat(b), flat(a)))
+
+    def test_op_refuses_what_is_not_its_optimizers(self):
+        model = mlp()
+        opt = triaccel.optim.AdamW(model.named_parameters())
+        params = list(model.parameters())
+        with self.assertRaises(ValueError) as caught:
+            torch.ops.triaccel.loop_optimizer_step(opt._handle, params[:-1], [None] * (len(params) - 1),
+                                                   torch.tensor(1e-3))
+        self.assertIn("built over 8", str(caught.exception))
+        with self.assertRaises(ValueError) as caught:
+            torch.ops.triaccel.loop_optimizer_step(opt._handle, params[::-1], [None] * len(params), torch.tensor(1e-3))
+        self.assertIn("is not like it", str(caught.exception))
+        handle = opt._handle
+        del opt
+        with self.assertRaises(ValueError) as caught:
+            torch.ops.triaccel.loop_optimizer_step(handle, params, [None] * len(params), torch.tensor(1e-3))
+        self.assertIn("no live optimizer", str(caught.exception))
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "needs a GPU")
+class CudaGraph(unittest.TestCase):
+    def test_captured_step_replays_the_eager_steps(self):
+        x, y = (t.cuda() for t in regression_task())
+        makers = {"adamw": triaccel.optim.AdamW, "adamw-8bit": triaccel.optim.AdamW8bit,
+                  "baoc": lambda params, lr: triaccel.optim.BAOC(params, memory_budget="25%", lr=lr, plan_warmup=3)}
+        for name, make in makers.items():
+            with self.subTest(name):
+                models, opts = [mlp().cuda(), mlp().cuda()], []
+                for m in models:
+                    opts.append(make(m.named_parameters(), lr=torch.tensor(1e-3, device="cuda")))
+                    loop(m, opts[-1], x, y, 3)  # BAOC plans at step 3: before it a capture is refused
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    opts[1].step()
+                for i in range(4):
+                    for m, opt in zip(models, opts):
+                        opt.param_groups[0]["lr"].fill_(1e-3 / (i + 1))  # read by the replay
+                        opt.zero_grad(set_to_none=False)  # the captured step reads these gradient tensors
+                        nn.functional.mse_loss(m(x), y).backward()
+                    opts[0].step()
+                    graph.replay()
+                torch.cuda.synchronize()
+                self.assertTrue(torch.equal(flat(models[0]), flat(models[1])))
+
+    def test_baoc_capture_before_its_plan_is_refused(self):
+        x, y = (t.cuda() for t in regression_task())
+        model = mlp().cuda()
+        opt = triaccel.optim.BAOC(model.named_parameters(), memory_budget="25%", lr=1e-3, plan_warmup=3)
+        loop(model, opt, x, y, 1)
+        with self.assertRaises(ValueError) as caught:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                opt.step()
+        self.assertIn("capture after it", str(caught.exception))
 
 
 class Errors(unittest.TestCase):

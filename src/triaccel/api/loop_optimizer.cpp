@@ -1,10 +1,13 @@
 #include "triaccel/api/loop_optimizer.h"
 
+#include "triaccel/core/cuda_graph.h"
 #include "triaccel/core/errors.h"
 
 #include <ATen/ops/zeros_like.h>
 #include <torch/nn/module.h>
 
+#include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace triaccel::api {
@@ -50,7 +53,26 @@ std::vector<std::pair<std::string, at::Tensor>> checked_params(const std::vector
   return out;
 }
 
+// The live optimizers by handle (what the torch op is given: an integer, as an op's schema cannot hold an object).
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, LoopOptimizer*> live;
+  int64_t next = 1;
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
 }  // namespace
+
+LoopOptimizer* LoopOptimizer::find(int64_t handle) {
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mutex);
+  const auto it = r.live.find(handle);
+  return it == r.live.end() ? nullptr : it->second;
+}
 
 LoopOptimizer::LoopOptimizer(const std::vector<LoopUnit>& units, LoopOptimizerOptions options)
     : options_(std::move(options)) {
@@ -64,9 +86,17 @@ LoopOptimizer::LoopOptimizer(const std::vector<LoopUnit>& units, LoopOptimizerOp
   lr_ = at::zeros({1}, f32);
   found_inf_ = at::zeros({1}, f32);
   if (baoc) controller_make(1);
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mutex);
+  handle_ = r.next++;
+  r.live[handle_] = this;
 }
 
-LoopOptimizer::~LoopOptimizer() = default;
+LoopOptimizer::~LoopOptimizer() {
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mutex);
+  r.live.erase(handle_);
+}
 
 void LoopOptimizer::controller_make(int64_t next_step) {
   TRIACCEL_CHECK_INPUT(options_.baoc.plan_warmup >= 1, "plan_warmup must be >= 1, got ", options_.baoc.plan_warmup);
@@ -79,6 +109,48 @@ void LoopOptimizer::step(double lr) {
     if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
   }
   lr_.fill_(lr);
+  update();
+}
+
+void LoopOptimizer::step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                         const at::Tensor& lr) {
+  const std::vector<at::Tensor>& held = optimizer_->params();
+  TRIACCEL_CHECK_INPUT(params.size() == held.size() && grads.size() == held.size(), "the optimizer step got ",
+                       params.size(), " parameters and ", grads.size(), " gradients; it was built over ", held.size(),
+                       ": pass the parameters it was built over, in their order");
+  TRIACCEL_CHECK_INPUT(lr.defined() && lr.numel() == 1 && lr.is_floating_point(),
+                       "lr must be a number or a one-element floating-point tensor");
+  TRIACCEL_CHECK_INPUT(!host_decision_ahead() || !cuda_capture_underway(), "BAOC plans at step ",
+                       options_.baoc.plan_warmup,
+                       " from its gradient statistics, a host decision a CUDA graph cannot hold: run the steps up to "
+                       "the plan eagerly and capture after it, with replan_every 0");
+  const torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> saved(held.size());
+  for (size_t i = 0; i < held.size(); ++i) {
+    at::Tensor p = held[i];
+    TRIACCEL_CHECK_INPUT(params[i].sizes() == p.sizes() && params[i].scalar_type() == p.scalar_type() &&
+                             params[i].device() == p.device(),
+                         "tensor ", i, " given for parameter '", names()[i], "' is not like it (", params[i].sizes(),
+                         " ", c10::toString(params[i].scalar_type()), " on ", params[i].device().str(), ", expected ",
+                         p.sizes(), " ", c10::toString(p.scalar_type()), " on ", p.device().str(), ")");
+    if (!params[i].is_same(p)) p.copy_(params[i]);
+    saved[i] = p.grad();
+    p.mutable_grad() = grads[i].defined() ? grads[i] : at::zeros_like(p);
+  }
+  lr_.copy_(lr.reshape({1}));
+  update();
+  for (size_t i = 0; i < held.size(); ++i) {
+    at::Tensor p = held[i];
+    p.mutable_grad() = saved[i];
+    if (!params[i].is_same(p)) params[i].copy_(p);
+  }
+}
+
+bool LoopOptimizer::host_decision_ahead() const {
+  return controller_ && (steps_ < options_.baoc.plan_warmup || options_.baoc.replan_every > 0);
+}
+
+void LoopOptimizer::update() {
   optimizer_->step(lr_, found_inf_);
   ++steps_;
   if (!controller_) return;

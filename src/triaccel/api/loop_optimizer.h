@@ -5,7 +5,9 @@
 //
 // Weight decay is decoupled and, as everywhere in triaccel, not applied to tensors of dimension <= 1 (norms, biases).
 // A parameter with no gradient at a step counts as a zero gradient (its moments decay), unlike torch.optim, which
-// skips it. step() reads the learning rate from the host: it is not meant to be captured in a CUDA graph.
+// skips it. step(lr) reads the learning rate from the host; the step over given tensors reads it from a tensor and
+// is what the torch op `triaccel::loop_optimizer_step` runs (python/src/module.cpp), so that torch.compile traces it
+// and a CUDA graph can capture it.
 #pragma once
 
 #include "triaccel/control/baoc_controller.h"
@@ -38,7 +40,19 @@ class LoopOptimizer {
 
   // One update from every parameter's .grad() at learning rate `lr`; BAOC plans after it when it is due.
   void step(double lr);
+  // The same update from the tensors the torch op is handed: `params` in the constructor's order, the parameters
+  // themselves or copies of them (torch.compile's functionalization may pass copies: their values are taken in and
+  // the update is written back to them), `grads` their gradients (undefined: zero), `lr` a one-element tensor (on the
+  // parameters' device, so that a captured step reads it when it is replayed). Inside a CUDA-graph capture it is
+  // refused while BAOC has a plan to make (a host decision a graph cannot hold). UserError for tensors that do not
+  // match the parameters.
+  void step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads, const at::Tensor& lr);
+  // Host calls of step (a replayed CUDA graph adds none; the bias correction counts on the device).
   int64_t steps() const { return steps_; }
+
+  // What the torch op names this optimizer by: find(handle()) is this optimizer while it lives, nullptr after.
+  int64_t handle() const { return handle_; }
+  static LoopOptimizer* find(int64_t handle);
 
   int64_t state_bytes() const { return optimizer_->state_bytes(); }
   int64_t adamw_fp32_bytes() const;        // 8 bytes per parameter element
@@ -55,6 +69,8 @@ class LoopOptimizer {
 
  private:
   void controller_make(int64_t next_step);
+  void update();                      // the optimizer's step from the parameters' .grad and lr_, then BAOC's plan
+  bool host_decision_ahead() const;  // BAOC will still plan at some step
 
   LoopOptimizerOptions options_;
   std::shared_ptr<Model> units_model_;  // the units as a Model (what BAOC plans over); holds no forward
@@ -62,6 +78,7 @@ class LoopOptimizer {
   std::unique_ptr<BaocController> controller_;
   at::Tensor lr_, found_inf_;
   int64_t steps_ = 0;
+  int64_t handle_ = 0;
   Json last_plan_;
 };
 

@@ -4,7 +4,9 @@
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
 #include <mutex>
@@ -87,5 +89,16 @@ std::unique_ptr<at::cuda::CUDAGraph> cuda_graph_capture(const std::function<void
   return graph;
 }
 #endif
+
+bool cuda_capture_underway() {
+#ifdef TRIACCEL_WITH_CUDA
+  if (c10::cuda::device_count() == 0) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &status));
+  return status != cudaStreamCaptureStatusNone;
+#else
+  return false;
+#endif
+}
 
 }  // namespace triaccel

@@ -27,4 +27,8 @@ std::unique_ptr<at::cuda::CUDAGraph> cuda_graph_capture(const std::function<void
                                                         std::string* error = nullptr, bool relaxed = false);
 #endif
 
+// Whether the current CUDA stream is being captured into a graph (false in a build without CUDA): for code that must
+// refuse a host decision inside someone else's capture (api/loop_optimizer.h).
+bool cuda_capture_underway();
+
 }  // namespace triaccel
