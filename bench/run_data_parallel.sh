@@ -4,7 +4,7 @@
 # comma-separated; default "scale"):
 #   scale  ResNet-18 CIFAR-10 b512/GPU, ViT-Tiny b512/GPU (AdamW), EfficientNet-B0 at 224 b96/GPU; amp-bf16; ours:
 #          EPOCHS (2) epochs, the last epoch's images/s (global); PyTorch: bench/pytorch_ddp.py, synthetic resident
-#          input, the median of 3 timings of 40 steps
+#          input, the median of 3 timings of 40 steps; ResNet-18 on NPROC GPUs also with --grad-compression bf16
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -47,6 +47,10 @@ if has scale; then
     esac
     for world in $(printf "1\n%s\n" "$NPROC" | sort -un); do
       ours "scale_${model}_w$world" "$world" "${args[@]}" --batch-size $((per * world)) --epochs "$EPOCHS"
+      if [ "$world" -gt 1 ] && [ "$model" = resnet18 ]; then  # gradients in bf16 on the wire
+        ours "scale_${model}-bf16grad_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+          --epochs "$EPOCHS" --grad-compression bf16
+      fi
       torchrun --standalone --nproc_per_node "$world" bench/pytorch_ddp.py --model "$model" --batch "$per" \
         --out "$WORK/pytorch_ddp.jsonl" >"$WORK/pytorch_${model}_w$world.log" 2>&1
       echo "pytorch ${model} x$world: exit $? $(tail -1 "$WORK/pytorch_${model}_w$world.log" | cut -c1-160)"

@@ -171,7 +171,7 @@ void Dist::all_reduce_sum(std::vector<at::Tensor>& tensors) {
               [&](c10d::Backend& pg, std::vector<at::Tensor>& one) { return pg.allreduce(one, o); });
 }
 
-void Dist::all_reduce_sum_packed(const std::vector<at::Tensor>& tensors, double scale) {
+void Dist::all_reduce_sum_packed(const std::vector<at::Tensor>& tensors, double scale, at::ScalarType wire) {
   if (tensors.empty()) return;
   if (!active()) {
     if (scale != 1.0) {
@@ -188,6 +188,7 @@ void Dist::all_reduce_sum_packed(const std::vector<at::Tensor>& tensors, double 
   }
   std::vector<at::Tensor> packed{at::cat(flat)};
   if (scale != 1.0) packed[0].mul_(scale);
+  if (wire != at::ScalarType::Undefined && wire != packed[0].scalar_type()) packed[0] = packed[0].to(wire);
   all_reduce_sum(packed);
   int64_t offset = 0;
   for (const at::Tensor& t : tensors) {

@@ -54,8 +54,11 @@ class Dist {
   // Sums `tensors` over the ranks, in place on every rank: one collective per tensor.
   void all_reduce_sum(std::vector<at::Tensor>& tensors);
   // Sums `scale` × each tensor over the ranks, in place, in one collective: the tensors (one dtype and device,
-  // contiguous) are packed into one flat buffer and unpacked after. With one process: only the scaling.
-  void all_reduce_sum_packed(const std::vector<at::Tensor>& tensors, double scale = 1.0);
+  // contiguous) are packed into one flat buffer and unpacked after. `wire`: the buffer's dtype on the way (e.g.
+  // bfloat16: half the bytes, summed in bfloat16; the scaling comes first, in the tensors' dtype); Undefined: the
+  // tensors' own. With one process: only the scaling.
+  void all_reduce_sum_packed(const std::vector<at::Tensor>& tensors, double scale = 1.0,
+                             at::ScalarType wire = at::ScalarType::Undefined);
   // Sums host numbers over the ranks (float64), in place; returns them.
   std::vector<double> all_reduce_sum(std::vector<double> values);
   // Every rank gets `root`'s values, in place.

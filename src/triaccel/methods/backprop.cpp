@@ -343,7 +343,8 @@ Trainer::Trainer(Session& session)
     so.grad_reduce = [this](const std::vector<at::Tensor>& grads) {
       const bool timed = !session_.dist().nccl();  // a host collective: its time is this rank's wait (a graph's is not)
       const double t0 = timed ? session_.clock().now_s() : 0;
-      session_.dist().all_reduce_sum_packed(grads, grad_weight_);
+      const bool bf16 = config_.execution.grad_compression == GradCompression::kBf16;
+      session_.dist().all_reduce_sum_packed(grads, grad_weight_, bf16 ? at::kBFloat16 : at::ScalarType::Undefined);
       if (timed) comm_s_ += session_.clock().now_s() - t0;
     };
     // NCCL's all-reduce is ordered on the stream: the graph captures it (with the full batch's constant weight).

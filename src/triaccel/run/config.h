@@ -93,6 +93,14 @@ struct EnumNames<DistBackend> {
       {DistBackend::kAuto, "auto"}, {DistBackend::kNccl, "nccl"}, {DistBackend::kGloo, "gloo"}};
 };
 
+// The `grad_compression` option: the format gradients cross the ranks in (bf16: half the bytes, summed in bf16).
+enum class GradCompression { kNone, kBf16 };
+template <>
+struct EnumNames<GradCompression> {
+  static constexpr EnumName<GradCompression> kNames[] = {{GradCompression::kNone, "none"},
+                                                         {GradCompression::kBf16, "bf16"}};
+};
+
 // One option in a field table: its key, help, (rarely) a CLI flag other than `--` + the key with dashes, and for a
 // name looked up in a registry, the registry's names.
 struct FieldInfo {
@@ -182,6 +190,7 @@ struct ExecutionConfig {
   std::string inject_faults;     // "": none (train/faults.h)
   int64_t nproc = 1;             // data-parallel processes on this host (docs/distributed.md)
   DistBackend dist_backend = DistBackend::kAuto;
+  GradCompression grad_compression = GradCompression::kNone;
 
   template <typename S, typename V>
   static void fields(S& s, V&& v);
@@ -416,6 +425,10 @@ void ExecutionConfig::fields(S& s, V&& v) {
   v(s.dist_backend, FieldInfo{"dist_backend",
                               "data parallelism's collectives: nccl (CUDA), gloo (CPU, or CUDA through host "
                               "memory), auto (nccl on CUDA, gloo on the CPU)"});
+  v(s.grad_compression, FieldInfo{"grad_compression",
+                                  "data parallelism's gradients cross the ranks as: none (their own format), bf16 "
+                                  "(half the bytes; each rank's share is scaled first, then cast and summed in bf16, "
+                                  "as DDP's bf16 hook; no effect with one process)"});
 }
 
 template <typename S, typename V>
