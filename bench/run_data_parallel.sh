@@ -5,6 +5,7 @@
 #   scale  ResNet-18 CIFAR-10 b512/GPU, ViT-Tiny b512/GPU (AdamW), EfficientNet-B0 at 224 b96/GPU; amp-bf16; ours:
 #          EPOCHS (2) epochs, the last epoch's images/s (global); PyTorch: bench/pytorch_ddp.py, synthetic resident
 #          input, the median of 3 timings of 40 steps; ResNet-18 on NPROC GPUs also with --grad-compression bf16
+#          and with --sync-bn
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -50,6 +51,8 @@ if has scale; then
       if [ "$world" -gt 1 ] && [ "$model" = resnet18 ]; then  # gradients in bf16 on the wire
         ours "scale_${model}-bf16grad_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
           --epochs "$EPOCHS" --grad-compression bf16
+        ours "scale_${model}-syncbn_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+          --epochs "$EPOCHS" --sync-bn true
       fi
       torchrun --standalone --nproc_per_node "$world" bench/pytorch_ddp.py --model "$model" --batch "$per" \
         --out "$WORK/pytorch_ddp.jsonl" >"$WORK/pytorch_${model}_w$world.log" 2>&1

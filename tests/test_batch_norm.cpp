@@ -118,6 +118,51 @@ TEST(BatchNormDispatchTest, EvalUsesRunningStatsAndCountsNothing) {
   EXPECT_EQ(batches_tracked(bn), 0);
 }
 
+// Synchronized BatchNorm (--sync-bn) over one rank — its sum the identity, its gradient weight 1 — is BatchNorm2d:
+// the same output, input and parameter gradients, running statistics and count (fp32 on the CPU; on a GPU also bf16
+// channels_last input against the module in fp32). It sums 2C + 1 numbers per forward and 2C per backward; outside
+// its scope the module runs again.
+TEST(BatchNormSyncTest, OneRankIsBatchNorm2d) {
+  std::vector<std::pair<at::Device, at::ScalarType>> cases = {{at::kCPU, at::kFloat}};
+  if (torch::cuda::is_available()) cases.push_back({at::Device(at::kCUDA, 0), at::kBFloat16});
+  for (const auto& [device, dtype] : cases) {
+    torch::manual_seed(3);
+    auto bn = bn_make(5);
+    auto reference = bn_clone(bn);
+    bn->to(device);
+    reference->to(device);
+    const at::Tensor x0 = (1 + 2 * torch::randn({6, 5, 4, 4})).to(device);
+    const at::Tensor x = x0.to(dtype).contiguous(at::MemoryFormat::ChannelsLast).requires_grad_(true);
+    const at::Tensor x_ref = x0.to(dtype).to(at::kFloat).requires_grad_(true);
+    const at::Tensor dy = torch::randn({6, 5, 4, 4}).to(device);
+    std::vector<int64_t> summed;
+    BatchNormSync sync;
+    sync.sum = [&](at::Tensor& t) { summed.push_back(t.numel()); };
+    sync.grad_weight = [] { return 1.0; };
+    at::Tensor y;
+    {
+      const BatchNormSyncScope scope(sync);
+      y = batch_norm_forward(bn, x, /*relu=*/true);
+      (y.to(at::kFloat) * dy).sum().backward();
+    }
+    const at::Tensor y_ref = torch::relu(reference->forward(x_ref));
+    (y_ref * dy).sum().backward();
+    const double tol = dtype == at::kFloat ? 1e-5 : 3e-2;  // bf16: the output is rounded to 8 bits of mantissa
+    EXPECT_EQ(y.scalar_type(), dtype);
+    EXPECT_TRUE(torch::allclose(y.to(at::kFloat), y_ref, tol, tol)) << device;
+    EXPECT_TRUE(torch::allclose(x.grad().to(at::kFloat), x_ref.grad(), tol, tol)) << device;
+    EXPECT_TRUE(torch::allclose(bn->weight.grad(), reference->weight.grad(), 1e-4, 1e-4)) << device;
+    EXPECT_TRUE(torch::allclose(bn->bias.grad(), reference->bias.grad(), 1e-4, 1e-4)) << device;
+    EXPECT_TRUE(torch::allclose(bn->running_mean, reference->running_mean, 1e-5, 1e-6)) << device;
+    EXPECT_TRUE(torch::allclose(bn->running_var, reference->running_var, 1e-5, 1e-6)) << device;
+    EXPECT_EQ(batches_tracked(bn), 1);
+    EXPECT_EQ(summed, (std::vector<int64_t>{11, 10}));
+    batch_norm_forward(bn, x.detach(), /*relu=*/false);  // no scope: the module (or the kernel), no sums
+    EXPECT_EQ(summed.size(), 2u);
+    EXPECT_EQ(batches_tracked(bn), 2);
+  }
+}
+
 // Every BatchNorm of the CNNs goes through the dispatch: one training forward counts one batch in each.
 TEST(BatchNormModelTest, TrainingForwardCountsOneBatchInEveryBatchNorm) {
   torch::manual_seed(2);

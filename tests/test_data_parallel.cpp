@@ -194,6 +194,31 @@ TEST_F(DataParallelTest, Bf16CompressedGradientsStayNearOneProcess) {
   EXPECT_NEAR(e2[1]["test_loss"].get<double>(), e1[1]["test_loss"].get<double>(), 2e-3);  // 2e-4 measured
 }
 
+// --sync-bn: BatchNorm normalizes with the global batch's statistics (the ranks' shares are 25 and 26, so the
+// gradient weights enter its backward), so two ranks train the weights and running statistics of one process, which
+// sees the whole batch at once, to fp32 tolerance; with each rank's own statistics (the default) they do not.
+TEST_F(DataParallelTest, SyncBatchNormTrainsTheWeightsOfOneProcess) {
+  test::TempDir one("dp_sbn_one"), two("dp_sbn_two"), own("dp_sbn_own");
+  const auto cnn = [](const std::string& out) {
+    Config c = mlp_options(out);
+    c.set("model", "small-cnn");
+    return c;
+  };
+  api::run(cnn(one.path()), one_process());
+  Config c = cnn(two.path());
+  c.set("sync_bn", "true");
+  run_ranks({c, c});
+  run_ranks({cnn(own.path()), cnn(own.path())});
+  EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
+  EXPECT_GT(worst_difference(one.file("model.pt"), own.file("model.pt")), 1e-2);
+
+  // A last batch of one sample would leave rank 1 with nothing to synchronize: refused before training, by name.
+  c.set("batch_size", "383");
+  std::vector<std::string> errors;
+  run_ranks({c, c}, nullptr, nullptr, &errors);
+  for (const std::string& e : errors) EXPECT_NE(e.find("sync_bn: the last batch of each epoch holds 1 samples"), std::string::npos) << e;
+}
+
 // The same on two GPUs through NCCL, the all-reduce captured in each rank's CUDA graph (needs two GPUs).
 TEST_F(DataParallelTest, TwoGpusTrainTheWeightsOfOneGpu) {
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "fewer than two CUDA GPUs";
@@ -261,6 +286,15 @@ TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
   EXPECT_NE(refused("inject_faults", "oom@3").find("inject_faults is not supported"), std::string::npos);
   EXPECT_NE(refused("optimizer", "baoc").find("optimizer sgd or adamw"), std::string::npos);
   EXPECT_NE(refused("batch_size", "1").find("batch_size 1 is smaller than nproc 2"), std::string::npos);
+  const auto refused_with_sync_bn = [&](const char* key, const std::string& value) {
+    Config c = mlp_options(out.path());
+    c.set("nproc", "2");
+    c.set("sync_bn", "true");
+    c.set(key, value);
+    return test::error_of([&] { c.validate(); });
+  };
+  EXPECT_NE(refused_with_sync_bn("micro_batch", "8").find("drop micro_batch 8"), std::string::npos);
+  EXPECT_NE(refused_with_sync_bn("recompute", "fc1").find("drop recompute fc1"), std::string::npos);
   // nproc 2 through the API in a process that is no rank: the command line starts ranks, not api::run.
   Config c = mlp_options(out.path());
   c.set("nproc", "2");

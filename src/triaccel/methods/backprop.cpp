@@ -351,6 +351,7 @@ Trainer::Trainer(Session& session)
     so.grad_reduce_capturable = session_.dist().nccl();
   }
   step_ = std::make_unique<TrainStep>(session_.model(), *optimizer_, scaler_, so, device_);
+  if (config_.execution.sync_bn && session_.dist().active()) sync_bn_start();
   controllers_build();
 
   // Peak VRAM: allocator peak since here, resident dataset included (it stays allocated for the whole run).
@@ -366,6 +367,25 @@ Trainer::Trainer(Session& session)
 }
 
 Trainer::~Trainer() = default;
+
+void Trainer::sync_bn_start() {
+  // Each BatchNorm sums its statistics over the ranks in every training forward: every rank must run one forward per
+  // step, so no batch may leave a rank without samples.
+  const int64_t world = session_.dist().world_size();
+  const int64_t batch = config_.schedule.batch_size;
+  const int64_t last = train_loader_.size() % batch;
+  TRIACCEL_CHECK_INPUT(last == 0 || last >= world, option_ref("sync_bn"), ": the last batch of each epoch holds ", last,
+                       " samples, fewer than the ", world, " processes, so a process would have none to synchronize; "
+                       "use a ", option_ref("batch_size"), " that leaves at least ", world, " (", train_loader_.size(),
+                       " training samples)");
+  BatchNormSync sync;
+  sync.sum = [this](at::Tensor& t) {
+    std::vector<at::Tensor> one{t};
+    session_.dist().all_reduce_sum(one);
+  };
+  sync.grad_weight = [this] { return grad_weight_; };
+  bn_sync_ = std::make_unique<BatchNormSyncScope>(std::move(sync));
+}
 
 void Trainer::budget_floor_check() const {
   const int64_t budget = config_.execution.vram_budget_bytes();

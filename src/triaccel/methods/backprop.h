@@ -18,6 +18,7 @@
 #include "triaccel/control/memory_plan_controller.h"
 #include "triaccel/core/json.h"
 #include "triaccel/data/loader.h"
+#include "triaccel/models/batch_norm.h"
 #include "triaccel/optim/optimizer.h"
 #include "triaccel/run/session.h"
 #include "triaccel/train/faults.h"
@@ -63,6 +64,7 @@ class Trainer : private MemoryMeter {
   void budget_floor_check() const;
   void restore();
   void controllers_build();
+  void sync_bn_start();
   void memory_cap();
   // The loop.
   bool epoch();                            // false: stopped inside the epoch
@@ -107,6 +109,7 @@ class Trainer : private MemoryMeter {
   const FaultPlan faults_;
   std::unique_ptr<Progress> progress_;
   std::unique_ptr<TrainStep> step_;
+  std::unique_ptr<BatchNormSyncScope> bn_sync_;  // --sync-bn across the ranks (docs/distributed.md)
   BatchControllerOptions batch_rules_;     // out-of-memory halving and the elastic batch share these
   std::vector<std::unique_ptr<StepController>> controllers_;
   MemoryPlanController* memory_planner_ = nullptr;  // one of controllers_, when the memory is planned

@@ -18,6 +18,73 @@ namespace {
 
 std::atomic<bool> g_kernel_enabled{true};
 
+thread_local std::shared_ptr<const BatchNormSync> t_sync;
+
+// Synchronized BatchNorm in float32 (models/batch_norm.h). Inputs: x (N, C, H, W), weight, bias (C); the reducer by
+// address (it lives in its scope, which outlives the step). Saves x, the global mean and inverse std, the global count.
+class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
+ public:
+  static std::vector<at::Tensor> forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                         const at::Tensor& weight, const at::Tensor& bias, int64_t sync_address,
+                                         double eps) {
+    const auto* sync = reinterpret_cast<const BatchNormSync*>(sync_address);
+    const at::Tensor xf = x.to(at::kFloat);
+    const int64_t c = x.size(1);
+    const double local = static_cast<double>(x.numel() / c);
+    at::Tensor sums = at::cat({xf.sum({0, 2, 3}), xf.square().sum({0, 2, 3}), at::full({1}, local, xf.options())});
+    sync->sum(sums);
+    const at::Tensor count = sums.narrow(0, 2 * c, 1);
+    const at::Tensor mean = sums.narrow(0, 0, c) / count;
+    const at::Tensor var = (sums.narrow(0, c, c) / count - mean.square()).clamp_min(0);
+    const at::Tensor invstd = (var + eps).rsqrt();
+    const at::Tensor xhat = (xf - mean.view({1, c, 1, 1})) * invstd.view({1, c, 1, 1});
+    const at::Tensor y = xhat * weight.view({1, c, 1, 1}) + bias.view({1, c, 1, 1});
+    ctx->mark_non_differentiable({mean, var, count});
+    ctx->save_for_backward({x, weight, mean, invstd, count});
+    ctx->saved_data["sync"] = sync_address;
+    return {y.to(x.scalar_type()), mean, var, count};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const int64_t c = x.size(1);
+    const at::Tensor mean = saved[2].view({1, c, 1, 1});
+    const at::Tensor invstd = saved[3].view({1, c, 1, 1});
+    const auto* sync = reinterpret_cast<const BatchNormSync*>(ctx->saved_data["sync"].toInt());
+    const at::Tensor dy = grad_outputs[0].to(at::kFloat);
+    const at::Tensor xhat = (x.to(at::kFloat) - mean) * invstd;
+    const at::Tensor dbias = dy.sum({0, 2, 3});
+    const at::Tensor dweight = (dy * xhat).sum({0, 2, 3});
+    // The global loss's gradient of y is this rank's times its weight w: the sums over every rank of w·dy and
+    // w·dy·xhat, then divided by w again for this rank's own loss.
+    const double w = sync->grad_weight();
+    at::Tensor sums = at::cat({dbias, dweight}) * w;
+    sync->sum(sums);
+    const at::Tensor scale = saved[4] * w;  // global count × w
+    const at::Tensor mean_dy = (sums.narrow(0, 0, c) / scale).view({1, c, 1, 1});
+    const at::Tensor mean_dy_xhat = (sums.narrow(0, c, c) / scale).view({1, c, 1, 1});
+    const at::Tensor dx = (dy - mean_dy - xhat * mean_dy_xhat) * invstd * saved[1].view({1, c, 1, 1});
+    return {dx.to(x.scalar_type()), dweight, dbias, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor sync_batch_norm(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x,
+                           const BatchNormSync& sync) {
+  const auto& o = bn.options;
+  TORCH_CHECK(o.affine() && o.track_running_stats(), "synchronized BatchNorm needs an affine BatchNorm that tracks "
+              "running statistics");
+  const auto out = SyncBatchNormFunction::apply(x, bn.weight, bn.bias, reinterpret_cast<int64_t>(&sync), o.eps());
+  const at::NoGradGuard no_grad;
+  bn.num_batches_tracked.add_(1);
+  const double m = o.momentum().has_value() ? *o.momentum() : 1.0 / bn.num_batches_tracked.item<double>();
+  const at::Tensor n = out[3];
+  bn.running_mean.mul_(1 - m).add_(out[1] * m);
+  bn.running_var.mul_(1 - m).add_(out[2] * (n / (n - 1).clamp_min(1)) * m);
+  return out[0];
+}
+
 #ifdef TRIACCEL_WITH_CUDA
 // Inputs: x (N, C, H, W) bf16 or fp16 channels_last, weight, bias, running_mean, running_var (C) float32; the running
 // stats are updated in place. Output: y (N, C, H, W) channels_last in x's dtype.
@@ -81,7 +148,18 @@ bool batch_norm_kernel_applies(const torch::nn::BatchNorm2dImpl& bn, const at::T
 #endif
 }
 
+BatchNormSyncScope::BatchNormSyncScope(BatchNormSync sync)
+    : sync_(std::make_shared<const BatchNormSync>(std::move(sync))), previous_(t_sync) {
+  t_sync = sync_;
+}
+
+BatchNormSyncScope::~BatchNormSyncScope() { t_sync = previous_; }
+
 at::Tensor batch_norm_forward(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu) {
+  if (t_sync && bn.is_training()) {
+    at::Tensor y = sync_batch_norm(bn, x, *t_sync);
+    return relu ? torch::relu(y) : y;
+  }
 #ifdef TRIACCEL_WITH_CUDA
   if (batch_norm_kernel_applies(bn, x)) {
     if (bn.num_batches_tracked.defined()) {  // as BatchNorm2d::forward in training

@@ -9,6 +9,9 @@
 #include <ATen/Tensor.h>
 #include <torch/nn/modules/batchnorm.h>
 
+#include <functional>
+#include <memory>
+
 namespace triaccel {
 
 // Process-wide switch for A/B runs (default on). Off: every call takes the module path.
@@ -26,5 +29,29 @@ at::Tensor batch_norm_forward(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& 
 inline at::Tensor batch_norm_forward(const torch::nn::BatchNorm2d& bn, const at::Tensor& x, bool relu) {
   return batch_norm_forward(*bn.ptr(), x, relu);
 }
+
+// Synchronized BatchNorm (data parallelism's --sync-bn): while a BatchNormSyncScope lives on a thread, every
+// training-mode batch_norm_forward there normalizes with the statistics of the whole global batch. In forward each
+// channel's sum and sum of squares (and the sample count) are summed over the ranks; in backward the two per-channel
+// sums of the gradient, each rank's weighted by its gradient weight (its share of the batch: the data-parallel
+// reduction weights the parameters' gradients the same way), so the input gradients are the global loss's. The
+// running statistics take the global mean and unbiased variance, identical on every rank. The fused kernel is not
+// used; first-order only.
+struct BatchNormSync {
+  std::function<void(at::Tensor&)> sum;  // sums a tensor over the ranks, in place
+  std::function<double()> grad_weight;   // this rank's weight of its gradients now
+};
+
+class BatchNormSyncScope {
+ public:
+  explicit BatchNormSyncScope(BatchNormSync sync);
+  ~BatchNormSyncScope();
+  BatchNormSyncScope(const BatchNormSyncScope&) = delete;
+  BatchNormSyncScope& operator=(const BatchNormSyncScope&) = delete;
+
+ private:
+  std::shared_ptr<const BatchNormSync> sync_;
+  std::shared_ptr<const BatchNormSync> previous_;
+};
 
 }  // namespace triaccel

@@ -443,6 +443,13 @@ void Config::validate_world(int64_t world) const {
   }
   TRIACCEL_CHECK_INPUT(schedule.batch_size >= world, option_ref("batch_size"), " ", schedule.batch_size,
                        " is smaller than ", world_ref, " (the global batch is split across the processes); raise it");
+  // Synchronized BatchNorm sums each BatchNorm's statistics once per forward on every rank, in lockstep: micro-batches
+  // (their number may differ between ranks) and recomputed units (a second forward) would break it.
+  if (!ex.sync_bn) return;
+  TRIACCEL_CHECK_INPUT(ex.micro_batch == 0, option_ref("sync_bn"), " runs each process's share in one forward; drop ",
+                       option_ref("micro_batch"), " ", ex.micro_batch);
+  TRIACCEL_CHECK_INPUT(ex.recompute == "auto" || ex.recompute == "none", option_ref("sync_bn"),
+                       " runs each unit's forward once; drop ", option_ref("recompute"), " ", ex.recompute);
 }
 
 const std::vector<std::string>& config_identity_keys() {
