@@ -151,8 +151,12 @@ TEST(BatchNormSyncTest, OneRankIsBatchNorm2d) {
     EXPECT_EQ(y.scalar_type(), dtype);
     EXPECT_TRUE(torch::allclose(y.to(at::kFloat), y_ref, tol, tol)) << device;
     EXPECT_TRUE(torch::allclose(x.grad().to(at::kFloat), x_ref.grad(), tol, tol)) << device;
-    EXPECT_TRUE(torch::allclose(bn->weight.grad(), reference->weight.grad(), 1e-4, 1e-4)) << device;
-    EXPECT_TRUE(torch::allclose(bn->bias.grad(), reference->bias.grad(), 1e-4, 1e-4)) << device;
+    // bf16: the gradient reaching the bf16 output is rounded to bf16 too (the reference's stays fp32).
+    const double ptol = dtype == at::kFloat ? 1e-4 : 3e-2;
+    EXPECT_TRUE(torch::allclose(bn->weight.grad(), reference->weight.grad(), ptol, ptol))
+        << device << " " << (bn->weight.grad() - reference->weight.grad()).abs().max().item<double>();
+    EXPECT_TRUE(torch::allclose(bn->bias.grad(), reference->bias.grad(), ptol, ptol))
+        << device << " " << (bn->bias.grad() - reference->bias.grad()).abs().max().item<double>();
     EXPECT_TRUE(torch::allclose(bn->running_mean, reference->running_mean, 1e-5, 1e-6)) << device;
     EXPECT_TRUE(torch::allclose(bn->running_var, reference->running_var, 1e-5, 1e-6)) << device;
     EXPECT_EQ(batches_tracked(bn), 1);
