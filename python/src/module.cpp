@@ -280,7 +280,6 @@ PYBIND11_MODULE(_triaccel, m) {
       .def(py::init(&loop_optimizer_make), py::arg("units"), py::arg("format"), py::arg("beta1"), py::arg("beta2"),
            py::arg("eps"), py::arg("weight_decay"), py::arg("memory_budget"), py::arg("time_budget"),
            py::arg("formats"), py::arg("plan_warmup"), py::arg("replan_every"))
-      .def("step", py::overload_cast<double>(&LoopOptimizer::step), py::arg("lr"), py::call_guard<py::gil_scoped_release>())
       .def("steps", &LoopOptimizer::steps)
       .def("handle", &LoopOptimizer::handle)
       .def("state_bytes", &LoopOptimizer::state_bytes)

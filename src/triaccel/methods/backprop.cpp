@@ -340,11 +340,13 @@ Trainer::Trainer(Session& session)
   so.label_smoothing = config_.optim.label_smoothing;
   so.fault_injection = !faults_.empty();
   if (session_.dist().active()) {
-    so.grad_reduce = [this](const std::vector<at::Tensor>& grads) {
+    const at::ScalarType wire = config_.execution.grad_compression == GradCompression::kBf16
+                                    ? at::kBFloat16
+                                    : at::ScalarType::Undefined;  // the gradients' own dtype
+    so.grad_reduce = [this, wire](const std::vector<at::Tensor>& grads) {
       const bool timed = !session_.dist().nccl();  // a host collective: its time is this rank's wait (a graph's is not)
       const double t0 = timed ? session_.clock().now_s() : 0;
-      const bool bf16 = config_.execution.grad_compression == GradCompression::kBf16;
-      session_.dist().all_reduce_sum_packed(grads, grad_weight_, bf16 ? at::kBFloat16 : at::ScalarType::Undefined);
+      session_.dist().all_reduce_sum_packed(grads, grad_weight_, wire);
       if (timed) comm_s_ += session_.clock().now_s() - t0;
     };
     // NCCL's all-reduce is ordered on the stream: the graph captures it (with the full batch's constant weight).
