@@ -8,6 +8,7 @@
 #include "triaccel/control/memory_plan_controller.h"
 #include "triaccel/control/memory_planner.h"
 #include "triaccel/control/precision_controller.h"
+#include "triaccel/core/device.h"
 #include "triaccel/core/events.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/methods/backprop.h"
@@ -16,6 +17,7 @@
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/recompute.h"
 #include "triaccel/train/step.h"
+#include "triaccel/train/step_graph.h"
 
 #include <gtest/gtest.h>
 #ifdef TRIACCEL_WITH_CUDA
@@ -435,6 +437,91 @@ TEST(MemoryGpuTest, PlannedStepInACudaGraphMatchesEager) {
   for (size_t i = 0; i < eager.size(); ++i) EXPECT_TRUE(at::allclose(eager[i], graphed[i], 1e-5, 1e-6)) << i;
 }
 
+// GPU: with eager_in_pool, an eager step of another batch size while a graph is captured (the epoch's short last
+// batch) takes its memory from the graph's pool: with the default pool emptied, the allocator reserves nothing for
+// its 20 MB temporary (without, it reserves a segment for it); the eager step and the replays after it compute what
+// they should.
+TEST(MemoryGpuTest, AnEagerStepOfAnotherSizeRunsInTheGraphsPool) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  constexpr int64_t kWidth = 1 << 20;  // 4 MB of float32 per sample
+  for (const bool in_pool : {true, false}) {
+    StepGraphOptions o;
+    o.batch = 8;
+    o.warmup_steps = 1;
+    o.eager_in_pool = in_pool;
+    StepGraph graph(o);
+    const at::Tensor out = at::zeros({8}, at::TensorOptions().device(gpu));  // outside the pool: what the body keeps
+    const StepGraph::Body body = [&](const at::Tensor& x, const at::Tensor&) {
+      const at::Tensor scratch = x * 2 + 1;  // a temporary of the batch's size
+      out.narrow(0, 0, x.size(0)).copy_(scratch.sum(1));
+    };
+    const at::Tensor y = at::zeros({8}, at::TensorOptions().dtype(at::kLong).device(gpu));
+    std::vector<int64_t> growth;
+    for (int s = 0; s < 7; ++s) {
+      const int64_t n = s % 3 == 2 ? 5 : 8;  // 8, 8, 5, ...: captured at the second step, a short step after it
+      const at::Tensor x = at::full({n, kWidth}, static_cast<float>(s), at::TensorOptions().device(gpu));
+      const bool short_captured = n == 5 && graph.captured();
+      if (short_captured) memory_cache_release(gpu);
+      const int64_t before = memory_stats(gpu).reserved_bytes;
+      graph.run(body, x, y.narrow(0, 0, n));
+      if (short_captured) growth.push_back(memory_stats(gpu).reserved_bytes - before);
+      // Every sample's sum is (2s + 1) · kWidth, exact in float32.
+      EXPECT_EQ(out.narrow(0, 0, n).cpu().min().item<float>(), static_cast<float>((2 * s + 1) * kWidth)) << s;
+      EXPECT_EQ(out.narrow(0, 0, n).cpu().max().item<float>(), static_cast<float>((2 * s + 1) * kWidth)) << s;
+    }
+    EXPECT_EQ(graph.captures(), 1);
+    ASSERT_EQ(growth.size(), 2u);
+    for (const int64_t g : growth) {
+      if (in_pool) {
+        EXPECT_EQ(g, 0) << "the eager short step reserved memory beside the graph's pool";
+      } else {
+        EXPECT_GE(g, 5 * kWidth * 4) << "the test cannot tell: the step's temporary fit in memory already reserved";
+      }
+    }
+  }
+#endif
+}
+
+// GPU: the trainer's step with its short steps in the graph's pool (eager_in_pool) trains the weights the same
+// steps give eagerly.
+TEST(MemoryGpuTest, ShortStepsInTheGraphsPoolTrainTheEagerWeights) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  const c10::Device gpu(c10::kCUDA, 0);
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+#endif
+  const auto train = [&](bool graphs) {
+    torch::manual_seed(3);
+    StepOptions so;
+    so.precision = PrecisionMode::kAmpBF16;
+    so.cuda_graphs = graphs;
+    so.graph_batch_size = 12;
+    so.warmup_steps = 1;
+    UnitRig rig(false, so, gpu);
+    TrainStep& step = rig.step;
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+    const at::Tensor x = at::empty({12, 12}, at::TensorOptions().device(gpu));
+    const at::Tensor y = at::empty({12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+    for (int s = 0; s < 9; ++s) {
+      const int64_t n = s % 3 == 2 ? 7 : 12;  // a short step after the capture, between replays
+      x.copy_(at::randn({12, 12}, gen));
+      y.copy_(at::randint(0, 5, {12}, gen));
+      step.run(x.narrow(0, 0, n), y.narrow(0, 0, n), 0.05);
+    }
+    EXPECT_EQ(step.graph().captured(), graphs);
+    if (graphs) EXPECT_EQ(step.graph().captures(), 1);
+    std::vector<at::Tensor> w;
+    for (const auto& p : rig.net.parameters()) w.push_back(p.detach().cpu());
+    return w;
+  };
+  const auto eager = train(false);
+  const auto graphed = train(true);
+  for (size_t i = 0; i < eager.size(); ++i) EXPECT_TRUE(at::allclose(eager[i], graphed[i], 1e-5, 1e-6)) << i;
+}
+
 // A capture that runs out of memory shrinks the plan's share of the budget while a plan still fits the smaller
 // share; near the floor (0.9 of the cap fits, 0.81 does not) the graph is given up instead: the share stays, every
 // later step runs eagerly, and no capture is tried again, even after a re-plan.
@@ -491,6 +578,74 @@ TEST(MemoryGpuTest, ACaptureThatNeverFitsNearTheFloorLeavesTheStepEager) {
     }
     EXPECT_FALSE(step.graph().captured());
   }
+#endif
+}
+
+// A memory meter whose readings the test makes up.
+class FakeMeter : public MemoryMeter {
+ public:
+  std::function<double()> peak;
+  int windows = 0;
+  MemoryStats window() override {
+    ++windows;
+    MemoryStats m;
+    m.peak_allocated_bytes = static_cast<int64_t>(peak());
+    return m;
+  }
+  void restart() override {}
+};
+
+// GPU: a capture that runs out of memory allocated up to the cap before it failed; its step is no calibration
+// reading (the meter reads a peak far above any plan's on exactly those steps: read, it would end the run with "no
+// way to train"), and the plan's measured peak never holds it.
+TEST(MemoryGpuTest, AFailedCaptureIsNoCalibrationReading) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  m.dataset_bytes = 0;
+  m.allow_host_data = false;
+  bool failed_now = false;
+  int failures = 0;
+  StepOptions so;
+  so.precision = PrecisionMode::kAmpBF16;
+  so.graph_batch_size = 12;
+  so.warmup_steps = 1;
+  so.during_capture = [&]() {
+    if (failures >= 2) return;  // the first two captures fail, the third succeeds
+    ++failures;
+    failed_now = true;
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "test: the capture filled the cap");
+  };
+  UnitRig rig(false, so, gpu);
+  TrainStep& step = rig.step;
+  MemoryPlanLimits limits;
+  limits.batch = 12;
+  limits.cap_bytes = static_cast<int64_t>(100 * memory_plan_solve(m, 12, 1).floor_bytes);
+  limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
+  const MemoryPlan plan = memory_plan_solve(m, 12, limits.budget_bytes);
+  ASSERT_TRUE(plan.feasible);
+  MemoryPlanController c(m, plan, limits, step, [&](const std::vector<Precision>&) { return m; });
+  const double truth = plan.predicted_peak_bytes;
+  FakeMeter meter;
+  meter.peak = [&] { return failed_now ? 1e12 : truth; };
+  StepContext ctx;
+  ctx.memory = &meter;
+  const at::Tensor x = at::randn({12, 12}, at::TensorOptions().device(gpu));
+  const at::Tensor y = at::randint(0, 5, {12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  for (int s = 1; s <= 12; ++s) {
+    failed_now = false;
+    ctx.step = s;
+    step.run(x, y, 0.05);
+    c.after_step(ctx);
+    const Json f = c.plan_fields("test");
+    if (f["measured_peak_bytes"].is_number()) EXPECT_LT(f["measured_peak_bytes"].get<double>(), 1e11) << s;
+    EXPECT_LT(c.plan_measured_peak_bytes(), 1e11) << s;
+  }
+  EXPECT_EQ(failures, 2);
+  EXPECT_TRUE(step.graph().captured());
+  EXPECT_LT(c.model().activation_scale, 2.0);
 #endif
 }
 
@@ -618,19 +773,6 @@ TEST(PrecisionControllerTest, APromotionNoPlanFitsIsRefusedAndNamed) {
 // Calibration on made-up readings: the true run needs half the modelled activations and 30 bytes the model missed.
 // After the calibration steps (the session's first step is not read) the plan's prediction equals the truth and
 // the plan fits it; a replayed step is not read.
-class FakeMeter : public MemoryMeter {
- public:
-  std::function<double()> peak;
-  int windows = 0;
-  MemoryStats window() override {
-    ++windows;
-    MemoryStats m;
-    m.peak_allocated_bytes = static_cast<int64_t>(peak());
-    return m;
-  }
-  void restart() override {}
-};
-
 TEST(MemoryPlanControllerTest, CalibratesScaleAndFixedBytesFromReadings) {
   UnitRig rig(false, StepOptions{}, torch::kCPU);
   TrainStep& step = rig.step;
@@ -657,8 +799,10 @@ TEST(MemoryPlanControllerTest, CalibratesScaleAndFixedBytesFromReadings) {
     ctx.step = s;
     c.after_step(ctx);
   }
-  EXPECT_EQ(meter.windows, 1 + kCalibrationSteps);  // the first step's window is taken but not read
+  EXPECT_EQ(meter.windows, 8);  // every eager step: the first one's taken but not read, then 5 readings, then the plan's
   EXPECT_NEAR(c.plan().predicted_peak_bytes, truth(c.plan()), 0.02 * truth(c.plan()));
+  // After calibration the plan's own steps measure it (what the prediction is checked against in the results).
+  EXPECT_DOUBLE_EQ(c.plan_measured_peak_bytes(), static_cast<double>(static_cast<int64_t>(truth(c.plan()))));
   EXPECT_LE(truth(c.plan()), limits.budget_bytes);
   EXPECT_LT(c.model().activation_scale, 0.9);  // it learned the model over-predicts
 }

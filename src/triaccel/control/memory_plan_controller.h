@@ -14,6 +14,7 @@
 //     smaller share leaves no plan (a budget near the floor), the graph is given up instead: eager steps at the
 //     share that fits.
 // Every plan is logged as a `memory_plan` event (reason, the levers, predicted and, where measured, measured peak).
+// After calibration, steps that allocate under the current plan keep measuring it (plan_measured_peak_bytes).
 #pragma once
 
 #include "triaccel/control/controller.h"
@@ -77,6 +78,10 @@ class MemoryPlanController final : public StepController {
   bool fits(const std::vector<Precision>& unit_precisions) const;
 
   const MemoryPlan& plan() const { return plan_; }
+  // The allocator's peak over the steps that allocated (eager, capturing; not replays, not a step beside a graph,
+  // not one whose capture failed) while the current plan was in force; 0 before one did. What its prediction is
+  // checked against.
+  double plan_measured_peak_bytes() const { return plan_measured_peak_bytes_; }
   const MemoryModel& model() const { return model_; }
 
  private:
@@ -98,6 +103,7 @@ class MemoryPlanController final : public StepController {
   Rebuild rebuild_;
   std::vector<Precision> precisions_;  // the step's unit precisions the model was built for
   double measured_peak_bytes_ = 0;     // the last calibration reading
+  double plan_measured_peak_bytes_ = 0;  // plan_measured_peak_bytes()
   int64_t calibrations_ = 0;           // readings taken (eager or capturing steps; replays allocate nothing)
   std::vector<std::pair<double, double>> readings_;  // (modelled activations, measured − modelled base)
   double offset_ = 0;                  // fixed bytes the model missed (added to model_.fixed_bytes)

@@ -88,6 +88,25 @@ std::unique_ptr<at::cuda::CUDAGraph> cuda_graph_capture(const std::function<void
   }
   return graph;
 }
+
+void cuda_graph_pool_run(at::cuda::CUDAGraph& graph, const std::function<void()>& body) {
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  const at::cuda::MempoolId_t pool = graph.pool();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  // Routed by stream, as a capture is: autograd's device thread runs backward on the same stream, other streams (a
+  // host-streamed loader's copies) keep the default pool. Routing takes a use of the pool, given back at the end.
+  c10::cuda::CUDACachingAllocator::beginAllocateToPool(device, pool,
+                                                       [stream](cudaStream_t s) { return s == stream; });
+  struct Routed {
+    c10::DeviceIndex device;
+    at::cuda::MempoolId_t pool;
+    ~Routed() {
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
+      c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+    }
+  } routed{device, pool};
+  body();
+}
 #endif
 
 bool cuda_capture_underway() {

@@ -606,12 +606,9 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
       step_->set_fault(fault);
     }
     attempt_ += 1;
-    // Under a budget an eager step of another size (the epoch's short last batch) does not fit beside the graph's
-    // private pool (ResNet-18 b96 at 0.4 GB on the H100: out of memory even in passes of one sample): the graph
-    // gives its pool back first and is captured again at the next full batches.
-    if (local != step_->graph_batch_size() && step_->graph().captured() && config_.execution.vram_budget_bytes() > 0) {
-      step_->graph_release();
-    }
+    // An eager step of another size (the epoch's short last batch) takes its memory from the captured graph's pool
+    // (train/step_graph.h): beside it, under a budget, it did not fit (ResNet-18 b96 at 0.4 GB on the H100: out of
+    // memory even in passes of one sample), and releasing the graph cost a capture an epoch (0.96× at 0.8 GB).
     step_->run(images, labels, lr);
   } catch (const c10::OutOfMemoryError&) {
     return on_out_of_memory(fault, count);
@@ -633,6 +630,8 @@ Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count) {
   attempt_ += fault == FaultKind::kOom ? 1 : 0;  // the injected error came before the increment
   p.oom_retries += 1;
   const Json where{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"injected", fault == FaultKind::kOom}};
+  // The failed attempt allocated up to the cap: its peak counts for the run, not as the retry's calibration reading.
+  if (memory_planner_) window();
   if (memory_planner_ && step_->graph().captured() && shard_count_ != step_->graph_batch_size()) {
     // An eager step of another size beside the graph's private pool: not the plan's error. The graph gives its
     // pool back; the next full batches capture it again.
@@ -795,10 +794,14 @@ Trainer::EvalResult Trainer::evaluate_within_budget() {
   // A planned run's evaluation batch fits what the plan leaves; halving remains for a model that under-predicts,
   // and the batch that then fit is kept for the later evaluations (one out-of-memory error a run, not one an epoch).
   const int64_t planned = memory_->eval_batch(config_.execution.eval_batch_size);
+  step_->grads_release();  // the last step's gradients (the size of the weights) are not needed to evaluate
   int64_t batch = eval_batch_fits_ > 0 ? std::min(planned, eval_batch_fits_) : planned;
   for (;; batch = (batch + 1) / 2) {
     try {  // under a vram_budget, an evaluation batch that does not fit is halved, not fatal
-      EvalResult result = evaluate(batch);
+      // In the training graph's pool: its scratch memory is idle between epochs (beside it, evaluation under a
+      // budget ran at batches small enough to fit there, 5× slower).
+      EvalResult result;
+      step_->in_graph_pool([&]() { result = evaluate(batch); });
       if (batch < planned) eval_batch_fits_ = batch;
       return result;
     } catch (const c10::OutOfMemoryError&) {
@@ -814,7 +817,10 @@ Trainer::EvalResult Trainer::evaluate_within_budget() {
 void Trainer::epoch_end(double train_s) {
   Progress& p = *progress_;
   // Peak VRAM is the training peak (the measured period); evaluation's own peak is reported beside it.
-  p.peak_vram_gb = std::max(p.peak_vram_gb, static_cast<double>(memory_stats(device_).peak_allocated_bytes) / kGB);
+  // This epoch's training steps (since the reset after the last evaluation); peak_vram_gb is the run's so far, which
+  // holds the memory planner's calibration steps (other plans) in its first epoch.
+  const double epoch_peak_gb = static_cast<double>(memory_stats(device_).peak_allocated_bytes) / kGB;
+  p.peak_vram_gb = std::max(p.peak_vram_gb, epoch_peak_gb);
   memory_stats_reset_peak(device_);
   const double t_eval = session_.clock().now_s();
   const EvalResult test = evaluate_within_budget();
@@ -859,6 +865,7 @@ void Trainer::epoch_end(double train_s) {
       {"lr", last_lr_},
       {"batch", p.batch},
       {"peak_vram_gb", p.peak_vram_gb},
+      {"epoch_peak_vram_gb", epoch_peak_gb},
       {"eval_peak_vram_gb", eval_peak_gb},
       {"alloc_retries", memory_stats(device_).alloc_retries},  // since the start (core/device.h)
       {"skipped_steps", scaler_.skipped_steps().item<double>()},
@@ -1027,7 +1034,10 @@ Json Trainer::memory_plan_brief() const {
               {"accumulation", plan.accumulation},
               {"recompute", plan.recompute_names(memory_planner_->model())},
               {"data_placement", enum_name(plan.data_placement)},
-              {"predicted_peak_gb", plan.predicted_peak_bytes / kGB}};
+              {"predicted_peak_gb", plan.predicted_peak_bytes / kGB},
+              {"measured_peak_gb", memory_planner_->plan_measured_peak_bytes() > 0
+                                       ? Json(memory_planner_->plan_measured_peak_bytes() / kGB)
+                                       : Json(nullptr)}};
 }
 
 void Trainer::batch_set(int64_t batch) {

@@ -24,6 +24,10 @@ StepGraphOptions graph_options(const StepOptions& o, const c10::Device& device, 
   g.warmup_steps = o.warmup_steps;
   g.during_capture = o.during_capture;
   g.before_replay = std::move(before_replay);  // gradients an eager step (a shorter last batch) may have left
+  // The step's eager run at another batch size leaves only its gradients (released before a replay); what else it
+  // writes (weights, optimizer state, the scaler, the metrics, BatchNorm statistics) exists before and is updated in
+  // place. So that run takes its memory from the graph's pool instead of needing its own beside it.
+  g.eager_in_pool = true;
   // A capture refused by an error (e.g. a call from autograd's thread that global mode forbids, as a recompute's
   // nested backward may make) is retried once in relaxed mode before the step stays eager.
   g.relaxed_retry = true;

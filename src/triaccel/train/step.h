@@ -82,6 +82,9 @@ class TrainStep {
   // Frees the captured graph and its pool (an eager step of another size needs the memory); the graph's size warms
   // up and captures again when it next runs.
   void graph_release() { graph_.drop(); }
+  // Runs `fn` (an evaluation) with its allocations from the captured graph's pool, as eager steps of another batch
+  // size run (train/step_graph.h: in_pool); just `fn` when no graph is captured. `fn` must keep nothing it allocates.
+  void in_graph_pool(const std::function<void()>& fn) { graph_.in_pool(fn); }
 
   // Tri-Accel: per-unit precision for the forward (empty: the uniform precision mode). A change drops the captured
   // graph (it is re-captured after one eager step).
@@ -107,9 +110,12 @@ class TrainStep {
   // The window's per-unit mean statistics, (U, kGradStatsColumns) float32 on the CPU (syncs), and resets the sums.
   at::Tensor grad_stats_take();
 
+  // Drops the parameters' gradients (zero_grad(set_to_none=True)); every step makes fresh ones. Between epochs this
+  // frees what the last step left (its gradients, in the graph's pool after a short batch) for the evaluation.
+  void grads_release();
+
  private:
   void body(const at::Tensor& images, const at::Tensor& labels);
-  void grads_release();
   at::Tensor forward(const at::Tensor& images);
   // One unit's forward at its precision (autocast set inside, so that a recompute in backward sets it again).
   at::Tensor unit_forward(size_t u, const at::Tensor& x) const;

@@ -94,11 +94,21 @@ bool StepGraph::capture(const Body& body, const at::Tensor& x, const at::Tensor&
   return false;
 }
 
+void StepGraph::in_pool(const std::function<void()>& fn) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (graph_ && options_.eager_in_pool) {
+    cuda_graph_pool_run(*graph_->graph, fn);
+    return;
+  }
+#endif
+  fn();
+}
+
 void StepGraph::run(const Body& body, const at::Tensor& x, const at::Tensor& y) {
   const int64_t batch = x.size(0);
   last_ran_ = Ran::kEager;
   if (!options_.enabled || batch != batch_ || batch == refused_batch_) {
-    body(x, y);
+    in_pool([&]() { body(x, y); });
     return;
   }
   if (!graph_) {

@@ -9,7 +9,10 @@
 // full warm-up, in relaxed capture mode (core/cuda_graph.h). Off CUDA, or with `enabled` false, every step is eager.
 //
 // Invariants: one graph at a time (a new batch size frees the old graph and its pool first, so a budget never
-// holds two pools); what the body reads besides its two inputs must keep its address while the graph lives.
+// holds two pools); what the body reads besides its two inputs must keep its address while the graph lives. With
+// `eager_in_pool`, an eager step of another batch size while a graph is captured allocates from the graph's pool
+// (core/cuda_graph.h: cuda_graph_pool_run): so the body may create no lasting state that its captured work does not
+// create too — anything that changes the step's work drops the graph first (invalidate).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -29,6 +32,10 @@ struct StepGraphOptions {
   std::function<void()> during_capture;  // tests: called inside the capture before the body (e.g. to fail it)
   // Before a replay and before a capture: e.g. release gradients an eager step left (the graph's live in its pool).
   std::function<void()> before_replay;
+  // Eager steps of another batch size while a graph is captured take their memory from the graph's private pool
+  // (the epoch's short last batch under a budget did not fit beside it). Only for a body whose eager run leaves
+  // nothing in the pool that outlives the next replay but what before_replay releases (TrainStep: its gradients).
+  bool eager_in_pool = false;
 };
 
 class StepGraph {
@@ -43,6 +50,11 @@ class StepGraph {
   // One step of `body` on (x, y): a replay when captured and x has the graph's batch size (x and y are copied into
   // the static inputs unless they are them), else warm-up, capture or an eager step.
   void run(const Body& body, const at::Tensor& x, const at::Tensor& y);
+
+  // Runs `fn` with its allocations on the current stream taken from the captured graph's private pool (just `fn`
+  // when none is captured, off CUDA, or without eager_in_pool): an evaluation between two epochs reuses the
+  // memory the replays use as scratch. `fn` must leave nothing allocated that outlives it.
+  void in_pool(const std::function<void()>& fn);
 
   // The batch size whose steps are captured (0: none). A new size drops the graph; it is captured after one eager
   // step at that size.
