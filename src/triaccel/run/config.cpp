@@ -430,8 +430,8 @@ void Config::validate_world(int64_t world) const {
   const std::string world_ref = str_cat(option_ref("nproc"), " ", world);
   TRIACCEL_CHECK_INPUT(method == Method::kBackprop, world_ref, " trains with ", option_ref("method"),
                        " backprop only so far, got ", enum_name(method), "; use one process");
-  TRIACCEL_CHECK_INPUT(optim.optimizer != OptimizerKind::kBaoc, world_ref, " supports ", option_ref("optimizer"),
-                       " sgd or adamw so far; use one process for baoc");
+  // (optimizer baoc is fine: its statistics come from the reduced gradient and its plan from them and from tables,
+  // so every rank makes the same plans.)
   const ExecutionConfig& ex = execution;
   // (micro_batch and recompute are fine: a rank's micro-batches accumulate before the one reduction.)
   const std::pair<const char*, bool> set[] = {{"vram_budget", !ex.vram_budget.empty()},
