@@ -3,6 +3,7 @@
 // sample once per epoch across the ranks, with only rank 0 writing; a run stopped on two ranks resumes in one
 // process; the options data parallelism does not support yet are refused, naming them.
 #include "test_util.h"
+#include "triaccel/core/clock.h"
 #include "triaccel/core/events.h"
 #include "triaccel/models/model.h"
 
@@ -274,6 +275,81 @@ TEST_F(DataParallelTest, BaocOnTwoRanksMakesTheOneProcessPlans) {
   EXPECT_LT(worst, 1e-3);  // 2.8e-6 measured
 }
 
+// Tri-Accel on two ranks: the precision policy reads the reduced gradient's statistics, the same on every rank; the
+// curvature schedule reads each rank's clock, and the probe's results its own timing, so rank 0's choice of units
+// and its eigenvalues are taken by every rank. Here the ranks' measurements disagree as much as they can: rank 0
+// grants probes 1 % of its training time, rank 1 all of it (a clock that ran fast in training and slow in probes).
+// Left to itself rank 1 would probe at other steps and scale its learning rates differently; both ranks end with the
+// same weights bit for bit. With the fixed schedule (curv_budget 0) the two ranks decide as one process does.
+TEST_F(DataParallelTest, TriAccelOnTwoRanksDecidesAsOne) {
+  const auto configure = [](Config c, const std::string& budget) {
+    c.set("method", "tri-accel");
+    c.set("ctrl_every", "2");
+    c.set("curv_every", "4");
+    c.set("curv_batch", "16");
+    c.set("curv_top_k", "2");
+    c.set("curv_max_iters", "3");
+    c.set("curv_budget", budget);
+    return c;
+  };
+  const auto weights_of = [](const std::shared_ptr<Model>& m) {
+    std::vector<at::Tensor> w;
+    for (const auto& p : m->parameters()) w.push_back(p.detach().clone());
+    return w;
+  };
+  {
+    test::TempDir two("dp_tri_clock");
+    const FixedStepClock clock0(1e-3), clock1(1e-3);
+    std::vector<std::shared_ptr<Model>> models(2);
+    run_ranks({configure(mlp_options(two.path()), "0.01"), configure(mlp_options(two.path()), "1")}, nullptr,
+              [&](int r, RunHooks& h) {
+      h.clock = r == 0 ? &clock0 : &clock1;
+      h.model = [&models, r](const ModelOptions& o) -> std::shared_ptr<Model> {
+        models[static_cast<size_t>(r)] = std::make_shared<DpMlp>(o);
+        return models[static_cast<size_t>(r)];
+      };
+    });
+    ASSERT_TRUE(models[0] && models[1]);
+    const auto w0 = weights_of(models[0]), w1 = weights_of(models[1]);
+    for (size_t i = 0; i < w0.size(); ++i) EXPECT_TRUE(at::equal(w0[i], w1[i])) << "parameter " << i;
+    int probes = 0;
+    for (const auto& e : events_read(two.file("events.jsonl"))) probes += e["event"] == "curvature" ? 1 : 0;
+    EXPECT_GT(probes, 0);
+  }
+  test::TempDir one("dp_tri_one"), two("dp_tri_two");
+  api::run(configure(mlp_options(one.path()), "0"), one_process());
+  const Config c = configure(mlp_options(two.path()), "0");
+  run_ranks({c, c});
+  // The units run bf16 (on the CPU, fp16 decisions too): a rank's gradient of 25 samples and one process's of 51
+  // round differently, so the weights are near, not equal (a weight near 0 moves relatively most); the test loss
+  // and every decision are one process's.
+  const auto e1 = epochs_of(one.file("events.jsonl")), e2 = epochs_of(two.file("events.jsonl"));
+  ASSERT_EQ(e2.size(), 2u);
+  EXPECT_NEAR(e2[1]["test_loss"].get<double>(), e1[1]["test_loss"].get<double>(), 1e-2);
+  const auto decisions = [](const std::string& events, const char* kind, const char* field) {
+    std::vector<Json> out;
+    for (const auto& e : events_read(events)) {
+      if (e["event"] == kind) out.push_back(e[field]);
+    }
+    return out;
+  };
+  EXPECT_EQ(decisions(one.file("events.jsonl"), "precision", "precision"),
+            decisions(two.file("events.jsonl"), "precision", "precision"));
+  EXPECT_EQ(decisions(one.file("events.jsonl"), "curvature", "probed"),
+            decisions(two.file("events.jsonl"), "curvature", "probed"));
+  const auto l1 = decisions(one.file("events.jsonl"), "curvature", "lambda_max");
+  const auto l2 = decisions(two.file("events.jsonl"), "curvature", "lambda_max");
+  ASSERT_EQ(l1.size(), l2.size());
+  ASSERT_FALSE(l1.empty());
+  for (size_t i = 0; i < l1.size(); ++i) {
+    for (size_t u = 0; u < l1[i].size(); ++u) {
+      if (l1[i][u].is_null()) continue;
+      const double a = l1[i][u].get<double>(), b = l2[i][u].get<double>();
+      EXPECT_NEAR(a, b, 0.05 * std::abs(a) + 1e-6) << "probe " << i << ", unit " << u;
+    }
+  }
+}
+
 // The same on two GPUs through NCCL, the all-reduce captured in each rank's CUDA graph (needs two GPUs).
 TEST_F(DataParallelTest, TwoGpusTrainTheWeightsOfOneGpu) {
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "fewer than two CUDA GPUs";
@@ -336,7 +412,8 @@ TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
     c.set(key, value);
     return test::error_of([&] { c.validate(); });
   };
-  EXPECT_NE(refused("method", "tri-accel").find("nproc 2 trains with method backprop only"), std::string::npos);
+  EXPECT_NE(refused("method", "auto").find("nproc 2 trains with method backprop or tri-accel only"),
+            std::string::npos) << refused("method", "auto");
   EXPECT_NE(refused("vram_budget", "1GB").find("vram_budget is not supported with nproc 2"), std::string::npos);
   EXPECT_NE(refused("inject_faults", "oom@3").find("inject_faults is not supported"), std::string::npos);
   EXPECT_NE(refused("batch_size", "1").find("batch_size 1 is smaller than nproc 2"), std::string::npos);

@@ -12,6 +12,7 @@
 #include "triaccel/core/json.h"
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace triaccel {
@@ -35,6 +36,10 @@ struct StepContext {
   // this step (empty: none), which the precision policy reads.
   std::vector<double> unit_lambda_max;
   MemoryMeter* memory = nullptr;
+  // Data parallelism: every rank gets rank 0's values (the same count on every rank). A controller whose decision
+  // reads a per-rank measurement (a clock, a probe's timing) takes rank 0's through it, so that every rank decides
+  // alike. Null with one process.
+  std::function<std::vector<double>(std::vector<double>)> agree;
 };
 
 class StepController {

@@ -86,6 +86,34 @@ std::vector<size_t> CurvatureController::units_due() {
   return chosen;
 }
 
+void CurvatureController::agree_results(const StepContext& ctx, const std::vector<size_t>& chosen,
+                                        std::vector<UnitCurvature>* curv, double* seconds) const {
+  // Every rank probed the same weights on the same samples; rank 0's eigenvalues and timings for all, so that the lr
+  // scales, the promotions and the schedule's costs are bit for bit the same on every rank.
+  const auto k = static_cast<size_t>(options_.probe.top_k);
+  std::vector<double> flat{*seconds};
+  for (size_t u : chosen) {
+    const UnitCurvature& c = (*curv)[u];
+    flat.push_back(c.seconds);
+    flat.push_back(static_cast<double>(c.iterations));
+    flat.push_back(c.lambda_max);
+    flat.push_back(static_cast<double>(c.eigenvalues.size()));
+    for (size_t i = 0; i < k; ++i) flat.push_back(i < c.eigenvalues.size() ? c.eigenvalues[i] : 0.0);
+  }
+  flat = ctx.agree(std::move(flat));
+  size_t at = 0;
+  *seconds = flat[at++];
+  for (size_t u : chosen) {
+    UnitCurvature& c = (*curv)[u];
+    c.seconds = flat[at++];
+    c.iterations = static_cast<int>(flat[at++]);
+    c.lambda_max = flat[at++];
+    const auto n = static_cast<size_t>(flat[at++]);
+    c.eigenvalues.assign(flat.begin() + static_cast<long>(at), flat.begin() + static_cast<long>(at + n));
+    at += k;
+  }
+}
+
 Events CurvatureController::after_step(StepContext& ctx) {
   Events events;
   if (last_call_s_ >= 0) probe_credit_s_ += options_.budget * (ctx.now_s - last_call_s_);
@@ -95,7 +123,17 @@ Events CurvatureController::after_step(StepContext& ctx) {
     last_call_s_ = ctx.now_s;
     return events;
   }
-  const std::vector<size_t> chosen = units_due();
+  std::vector<size_t> chosen = units_due();
+  const size_t n_all = model_.units().size();
+  if (ctx.agree) {  // the credit follows each rank's clock: rank 0's choice for every rank
+    std::vector<double> mask(n_all, 0.0);
+    for (size_t u : chosen) mask[u] = 1.0;
+    mask = ctx.agree(std::move(mask));
+    chosen.clear();
+    for (size_t u = 0; u < n_all; ++u) {
+      if (mask[u] != 0) chosen.push_back(u);
+    }
+  }
   next_probe_step_ = ctx.step + options_.probe.every_steps;
   if (chosen.empty()) {  // not enough credit yet: try again after the next T_curv
     last_call_s_ = ctx.now_s;
@@ -124,7 +162,11 @@ Events CurvatureController::after_step(StepContext& ctx) {
         curv[u].seconds = again_s;  // the cost the schedule plans with
       }
     }
+    if (ctx.agree) agree_results(ctx, chosen, &curv, &seconds);
   } catch (const c10::OutOfMemoryError&) {
+    // With several ranks a skip on one rank alone would put it out of step: the error ends the run (a rank that dies
+    // ends the job; the last checkpoint resumes).
+    if (ctx.agree) throw;
     // Under a tight --vram-budget the probe may not fit beside the captured step: skip it, train on.
     memory_cache_release(probe_images_.device());
     events.push_back({event::kCurvature, Json{{"skipped", "out of memory"}, {"next_probe_step", next_probe_step_}}});

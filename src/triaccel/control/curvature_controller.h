@@ -44,6 +44,9 @@ class CurvatureController final : public StepController {
 
  private:
   std::vector<size_t> units_due();  // this round's units; advances nothing
+  // Data parallelism: rank 0's probe results (eigenvalues, products, seconds of `chosen`) on every rank.
+  void agree_results(const StepContext& ctx, const std::vector<size_t>& chosen, std::vector<UnitCurvature>* curv,
+                     double* seconds) const;
   void apply_lr_scales();
 
   CurvatureControllerOptions options_;

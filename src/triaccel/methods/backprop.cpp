@@ -130,9 +130,11 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   if (budget > 0 && device.is_cuda()) setenv("CUBLAS_WORKSPACE_CONFIG", kBudgetCublasWorkspace, /*overwrite=*/0);
   const bool levers = ex.micro_batch > 0 || ex.recompute != "auto" || ex.data_placement != PlacementChoice::kAuto;
   const bool elastic = ex.method == Method::kTriAccel && ex.batch_policy == BatchPolicy::kElastic;
-  // Tri-Accel's precision promotions, without a budget, may not raise the peak above its 16-bit start's.
+  // Tri-Accel's precision promotions, without a budget, may not raise the peak above its 16-bit start's. Not with
+  // several ranks yet: the plan follows each rank's allocator readings, so promotions could be refused on one rank
+  // and not on another (docs/distributed.md).
   const bool precision_limited = budget == 0 && gpu && !preview && ex.method == Method::kTriAccel &&
-                                 config.tri_accel.ta_precision && !elastic;
+                                 config.tri_accel.ta_precision && !elastic && session.dist().world_size() == 1;
   setup->planned = levers || (budget > 0 && !elastic) || precision_limited;
   if (!setup->planned) return setup;
 
@@ -718,6 +720,12 @@ void Trainer::after_step(int64_t count) {
   ctx.batch = p.batch;
   ctx.now_s = session_.clock().now_s();
   ctx.memory = this;
+  if (session_.dist().active()) {
+    ctx.agree = [&dist = session_.dist()](std::vector<double> values) {
+      if (dist.rank() != 0) std::fill(values.begin(), values.end(), 0.0);
+      return dist.all_reduce_sum(std::move(values));
+    };
+  }
   for (auto& c : controllers_) {
     for (Event& e : c->after_step(ctx)) {
       // curv_checkpoint: the weights the probe saw, beside its eigenvalues, for checking them independently.

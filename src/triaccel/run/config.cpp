@@ -428,8 +428,9 @@ void Config::validate_world(int64_t world) const {
   // What data parallelism supports so far (docs/distributed.md).
   const Method method = execution.method;
   const std::string world_ref = str_cat(option_ref("nproc"), " ", world);
-  TRIACCEL_CHECK_INPUT(method == Method::kBackprop, world_ref, " trains with ", option_ref("method"),
-                       " backprop only so far, got ", enum_name(method), "; use one process");
+  TRIACCEL_CHECK_INPUT(method == Method::kBackprop || method == Method::kTriAccel, world_ref, " trains with ",
+                       option_ref("method"), " backprop or tri-accel only so far, got ", enum_name(method),
+                       "; use one process");
   // (optimizer baoc is fine: its statistics come from the reduced gradient and its plan from them and from tables,
   // so every rank makes the same plans.)
   const ExecutionConfig& ex = execution;
