@@ -807,6 +807,59 @@ TEST(MemoryPlanControllerTest, CalibratesScaleAndFixedBytesFromReadings) {
   EXPECT_LT(c.model().activation_scale, 0.9);  // it learned the model over-predicts
 }
 
+// After calibration a plan whose own peak is off its prediction by more than 5 % has the scale refit on its reading
+// (a few times at most): over-predicted, the plan stays and its prediction is corrected; under-predicted past the
+// limit, a new plan that fits. A plan within 5 % changes nothing.
+TEST(MemoryPlanControllerTest, APlanOffItsPredictionAfterCalibrationIsRecalibrated) {
+  UnitRig rig(false, StepOptions{}, torch::kCPU);
+  TrainStep& step = rig.step;
+  MemoryModel m = made_up({100, 60, 20}, {2, 10, 6}, {1, 5, 5});
+  m.dataset_bytes = 0;
+  m.allow_host_data = false;
+  MemoryPlanLimits limits;
+  limits.batch = 16;
+  limits.budget_bytes = 2000;
+  MemoryPlanController c(m, memory_plan_solve(m, 16, limits.budget_bytes), limits, step,
+                         [&](const std::vector<Precision>&) { return m; });
+  double true_scale = 0.5;
+  const auto truth = [&](const MemoryPlan& p) {
+    MemoryModel t = m;
+    t.activation_scale = true_scale;
+    t.fixed_bytes += 30;
+    return memory_plan_peak(t, p.batch, p.micro_batch, p.recompute, p.data_placement);
+  };
+  FakeMeter meter;
+  meter.peak = [&] { return truth(c.plan()); };
+  StepContext ctx;
+  ctx.memory = &meter;
+  std::vector<std::string> reasons;
+  const auto steps = [&](int from, int to) {
+    for (int s = from; s <= to; ++s) {
+      ctx.step = s;
+      for (const Event& e : c.after_step(ctx)) reasons.push_back(e.fields["reason"].get<std::string>());
+    }
+  };
+  steps(1, 8);  // calibrated on the true model
+  ASSERT_NEAR(c.plan().predicted_peak_bytes, truth(c.plan()), 0.02 * truth(c.plan()));
+  reasons.clear();
+  steps(9, 12);  // within 5 %: nothing more
+  EXPECT_TRUE(reasons.empty());
+  const MemoryPlan kept = c.plan();
+  true_scale = 0.3;  // what the calibration saw no longer holds (a plan that recomputes other units)
+  steps(13, 20);
+  EXPECT_EQ(reasons, std::vector<std::string>{"remeasured"});
+  EXPECT_TRUE(c.plan() == kept);
+  EXPECT_NEAR(c.plan().predicted_peak_bytes, truth(c.plan()), 1.0);  // the meter reads whole bytes
+  reasons.clear();
+  true_scale = 2.0;  // under-predicted: the plan no longer fits its limit
+  steps(21, 30);
+  ASSERT_FALSE(reasons.empty());
+  EXPECT_EQ(reasons[0], "recalibrated");
+  EXPECT_FALSE(c.plan() == kept);
+  EXPECT_LE(truth(c.plan()), limits.budget_bytes);
+  EXPECT_NEAR(c.plan().predicted_peak_bytes, truth(c.plan()), kPredictionTolerance * truth(c.plan()));
+}
+
 class MemoryRunTest : public test::TinyMnistTest {};
 
 // On the CPU the levers can be set by hand: a run with micro-batches of 24 and a recomputed unit trains every

@@ -40,6 +40,10 @@ constexpr int64_t kCalibrationSteps = 5;
 constexpr double kCalibrationSpread = 1.25;
 constexpr double kCalibrationMin = 0.2;
 constexpr double kCalibrationMax = 5;
+// After calibration: a plan whose own peak is off its prediction by more than this share adds its reading to the
+// calibration, at most kRecalibrations times in a run.
+constexpr double kPredictionTolerance = 0.05;
+constexpr int64_t kRecalibrations = 3;
 constexpr double kOffsetMin = -64e6;
 constexpr double kOffsetMax = 256e6;
 
@@ -105,6 +109,7 @@ class MemoryPlanController final : public StepController {
   double measured_peak_bytes_ = 0;     // the last calibration reading
   double plan_measured_peak_bytes_ = 0;  // plan_measured_peak_bytes()
   int64_t calibrations_ = 0;           // readings taken (eager or capturing steps; replays allocate nothing)
+  int64_t recalibrations_ = 0;         // readings added after calibration (a plan off its prediction)
   std::vector<std::pair<double, double>> readings_;  // (modelled activations, measured − modelled base)
   double offset_ = 0;                  // fixed bytes the model missed (added to model_.fixed_bytes)
   bool seen_step_ = false;
