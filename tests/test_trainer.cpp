@@ -500,8 +500,9 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
 // recorded by it): one SGD checkpoint at step 5 and one Tri-Accel checkpoint (fixed probe schedule) at step 7, on
 // the same tiny dataset this fixture writes. On a CPU like the one that recorded them (same vector ISA, same thread
 // count) the weights must be bit for bit the same; elsewhere floating-point reductions round differently, and every
-// tensor must agree within 1e-4 of its largest value (1 against 2 threads here: 3e-7; the schedule one step off:
-// 0.24). A change in the step's arithmetic, the data order, the schedule, the controllers' state or the checkpoint's
+// tensor must agree within 1e-3 of its largest value plus 2e-5 (1 against 2 threads here: 3e-7; Tri-Accel's bf16
+// units on an AMD EPYC with AVX512-BF16, whose bf16 products round otherwise: 1.9e-4, and 8.9e-6 on a BatchNorm
+// running mean of largest value 1.4e-3; the schedule one step off: 0.24). A change in the step's arithmetic, the data order, the schedule, the controllers' state or the checkpoint's
 // reading moves the weights far more. TRIACCEL_TEST_OTHER_CPU=1 takes the other CPU's path here.
 TEST_F(TrainerTest, CheckpointsOfTheFormerLayoutResumeToTheSameWeights) {
   for (const std::string kind : {"sgd", "tri_accel"}) {
@@ -533,7 +534,7 @@ TEST_F(TrainerTest, CheckpointsOfTheFormerLayoutResumeToTheSameWeights) {
       } else {
         const at::Tensor ref = reference.at(name).to(t.scalar_type());
         const double scale = std::max(ref.abs().max().item<double>(), 1e-12);
-        EXPECT_LE((t - ref).abs().max().item<double>(), 1e-4 * scale)
+        EXPECT_LE((t - ref).abs().max().item<double>(), 1e-3 * scale + 2e-5)
             << kind << ": " << name << " far from the former binary's resume (another CPU: "
             << at::get_cpu_capability() << ", " << at::get_num_threads() << " threads)";
       }
