@@ -770,94 +770,86 @@ TEST(PrecisionControllerTest, APromotionNoPlanFitsIsRefusedAndNamed) {
   }
 }
 
-// Calibration on made-up readings: the true run needs half the modelled activations and 30 bytes the model missed.
-// After the calibration steps (the session's first step is not read) the plan's prediction equals the truth and
-// the plan fits it; a replayed step is not read.
-TEST(MemoryPlanControllerTest, CalibratesScaleAndFixedBytesFromReadings) {
-  UnitRig rig(false, StepOptions{}, torch::kCPU);
-  TrainStep& step = rig.step;
-  MemoryModel m = made_up({100, 60, 20}, {2, 10, 6}, {1, 5, 5});
-  m.dataset_bytes = 0;
-  m.allow_host_data = false;
-  MemoryPlanLimits limits;
-  limits.batch = 16;
-  limits.budget_bytes = 2000;
-  const MemoryPlan plan = memory_plan_solve(m, 16, limits.budget_bytes);
-  ASSERT_TRUE(plan.feasible);
-  MemoryPlanController c(m, plan, limits, step, [&](const std::vector<Precision>&) { return m; });
-  const auto truth = [&](const MemoryPlan& p) {
+// The calibration tests' rig: a made-up model whose true run needs `true_scale` of the modelled activations and 30
+// bytes the model missed, a controller planning it under 2000 bytes, and a meter that reads the truth of the plan in
+// force.
+struct CalibrationRig {
+  UnitRig rig{false, StepOptions{}, torch::kCPU};
+  MemoryModel m = [] {
+    MemoryModel made = made_up({100, 60, 20}, {2, 10, 6}, {1, 5, 5});
+    made.dataset_bytes = 0;
+    made.allow_host_data = false;
+    return made;
+  }();
+  MemoryPlanLimits limits = [] {
+    MemoryPlanLimits l;
+    l.batch = 16;
+    l.budget_bytes = 2000;
+    return l;
+  }();
+  MemoryPlanController c{m, memory_plan_solve(m, 16, limits.budget_bytes), limits, rig.step,
+                         [this](const std::vector<Precision>&) { return m; }};
+  double true_scale = 0.5;
+  FakeMeter meter;
+  StepContext ctx;
+  std::vector<std::string> reasons;  // of the events after_step returned
+
+  CalibrationRig() {
+    meter.peak = [this] { return truth(c.plan()); };
+    ctx.memory = &meter;
+  }
+  double truth(const MemoryPlan& p) const {
     MemoryModel t = m;
-    t.activation_scale = 0.5;
+    t.activation_scale = true_scale;
     t.fixed_bytes += 30;
     return memory_plan_peak(t, p.batch, p.micro_batch, p.recompute, p.data_placement);
-  };
-  FakeMeter meter;
-  meter.peak = [&] { return truth(c.plan()); };
-  StepContext ctx;
-  ctx.memory = &meter;
-  for (int s = 1; s <= 8; ++s) {
-    ctx.step = s;
-    c.after_step(ctx);
   }
-  EXPECT_EQ(meter.windows, 8);  // every eager step: the first one's taken but not read, then 5 readings, then the plan's
-  EXPECT_NEAR(c.plan().predicted_peak_bytes, truth(c.plan()), 0.02 * truth(c.plan()));
+  void steps(int from, int to) {
+    for (int s = from; s <= to; ++s) {
+      ctx.step = s;
+      for (const Event& e : c.after_step(ctx)) reasons.push_back(e.fields["reason"].get<std::string>());
+    }
+  }
+};
+
+// Calibration on made-up readings: after the calibration steps (the session's first step is not read) the plan's
+// prediction equals the truth and the plan fits it.
+TEST(MemoryPlanControllerTest, CalibratesScaleAndFixedBytesFromReadings) {
+  CalibrationRig r;
+  r.steps(1, 8);
+  const MemoryPlan& plan = r.c.plan();
+  EXPECT_EQ(r.meter.windows, 8);  // every eager step: the first one's taken but not read, then 5 readings, then the plan's
+  EXPECT_NEAR(plan.predicted_peak_bytes, r.truth(plan), 0.02 * r.truth(plan));
   // After calibration the plan's own steps measure it (what the prediction is checked against in the results).
-  EXPECT_DOUBLE_EQ(c.plan_measured_peak_bytes(), static_cast<double>(static_cast<int64_t>(truth(c.plan()))));
-  EXPECT_LE(truth(c.plan()), limits.budget_bytes);
-  EXPECT_LT(c.model().activation_scale, 0.9);  // it learned the model over-predicts
+  EXPECT_DOUBLE_EQ(r.c.plan_measured_peak_bytes(), static_cast<double>(static_cast<int64_t>(r.truth(plan))));
+  EXPECT_LE(r.truth(plan), r.limits.budget_bytes);
+  EXPECT_LT(r.c.model().activation_scale, 0.9);  // it learned the model over-predicts
 }
 
 // After calibration a plan whose own peak is off its prediction by more than 5 % has the scale refit on its reading
 // (a few times at most): over-predicted, the plan stays and its prediction is corrected; under-predicted past the
 // limit, a new plan that fits. A plan within 5 % changes nothing.
 TEST(MemoryPlanControllerTest, APlanOffItsPredictionAfterCalibrationIsRecalibrated) {
-  UnitRig rig(false, StepOptions{}, torch::kCPU);
-  TrainStep& step = rig.step;
-  MemoryModel m = made_up({100, 60, 20}, {2, 10, 6}, {1, 5, 5});
-  m.dataset_bytes = 0;
-  m.allow_host_data = false;
-  MemoryPlanLimits limits;
-  limits.batch = 16;
-  limits.budget_bytes = 2000;
-  MemoryPlanController c(m, memory_plan_solve(m, 16, limits.budget_bytes), limits, step,
-                         [&](const std::vector<Precision>&) { return m; });
-  double true_scale = 0.5;
-  const auto truth = [&](const MemoryPlan& p) {
-    MemoryModel t = m;
-    t.activation_scale = true_scale;
-    t.fixed_bytes += 30;
-    return memory_plan_peak(t, p.batch, p.micro_batch, p.recompute, p.data_placement);
-  };
-  FakeMeter meter;
-  meter.peak = [&] { return truth(c.plan()); };
-  StepContext ctx;
-  ctx.memory = &meter;
-  std::vector<std::string> reasons;
-  const auto steps = [&](int from, int to) {
-    for (int s = from; s <= to; ++s) {
-      ctx.step = s;
-      for (const Event& e : c.after_step(ctx)) reasons.push_back(e.fields["reason"].get<std::string>());
-    }
-  };
-  steps(1, 8);  // calibrated on the true model
-  ASSERT_NEAR(c.plan().predicted_peak_bytes, truth(c.plan()), 0.02 * truth(c.plan()));
-  reasons.clear();
-  steps(9, 12);  // within 5 %: nothing more
-  EXPECT_TRUE(reasons.empty());
-  const MemoryPlan kept = c.plan();
-  true_scale = 0.3;  // what the calibration saw no longer holds (a plan that recomputes other units)
-  steps(13, 20);
-  EXPECT_EQ(reasons, std::vector<std::string>{"remeasured"});
-  EXPECT_TRUE(c.plan() == kept);
-  EXPECT_NEAR(c.plan().predicted_peak_bytes, truth(c.plan()), 1.0);  // the meter reads whole bytes
-  reasons.clear();
-  true_scale = 2.0;  // under-predicted: the plan no longer fits its limit
-  steps(21, 30);
-  ASSERT_FALSE(reasons.empty());
-  EXPECT_EQ(reasons[0], "recalibrated");
-  EXPECT_FALSE(c.plan() == kept);
-  EXPECT_LE(truth(c.plan()), limits.budget_bytes);
-  EXPECT_NEAR(c.plan().predicted_peak_bytes, truth(c.plan()), kPredictionTolerance * truth(c.plan()));
+  CalibrationRig r;
+  r.steps(1, 8);  // calibrated on the true model
+  ASSERT_NEAR(r.c.plan().predicted_peak_bytes, r.truth(r.c.plan()), 0.02 * r.truth(r.c.plan()));
+  r.reasons.clear();
+  r.steps(9, 12);  // within 5 %: nothing more
+  EXPECT_TRUE(r.reasons.empty());
+  const MemoryPlan kept = r.c.plan();
+  r.true_scale = 0.3;  // what the calibration saw no longer holds (a plan that recomputes other units)
+  r.steps(13, 20);
+  EXPECT_EQ(r.reasons, std::vector<std::string>{"remeasured"});
+  EXPECT_TRUE(r.c.plan() == kept);
+  EXPECT_NEAR(r.c.plan().predicted_peak_bytes, r.truth(r.c.plan()), 1.0);  // the meter reads whole bytes
+  r.reasons.clear();
+  r.true_scale = 2.0;  // under-predicted: the plan no longer fits its limit
+  r.steps(21, 30);
+  ASSERT_FALSE(r.reasons.empty());
+  EXPECT_EQ(r.reasons[0], "recalibrated");
+  EXPECT_FALSE(r.c.plan() == kept);
+  EXPECT_LE(r.truth(r.c.plan()), r.limits.budget_bytes);
+  EXPECT_NEAR(r.c.plan().predicted_peak_bytes, r.truth(r.c.plan()), kPredictionTolerance * r.truth(r.c.plan()));
 }
 
 class MemoryRunTest : public test::TinyMnistTest {};
