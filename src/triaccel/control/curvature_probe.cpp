@@ -18,6 +18,7 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <mutex>
 
@@ -41,8 +42,7 @@ class ModelStateGuard {
     autocast_enabled_ = at::autocast::is_autocast_enabled(device_.type());
     autocast_dtype_ = at::autocast::get_autocast_dtype(device_.type());
     // The fused BatchNorm kernel (16-bit inputs) has no second derivative: ATen's BatchNorm for the probe.
-    bn_kernel_enabled_ = batch_norm_kernel_enabled();
-    batch_norm_kernel_set_enabled(false);
+    bn_kernel_off_.emplace();
     // The probe's own arithmetic, whatever the training step's autocast was.
     at::autocast::set_autocast_enabled(device_.type(), precision == ProbePrecision::kBF16);
     at::autocast::set_autocast_dtype(device_.type(), at::kBFloat16);
@@ -54,7 +54,7 @@ class ModelStateGuard {
     at::autocast::set_autocast_enabled(device_.type(), autocast_enabled_);
     at::autocast::set_autocast_dtype(device_.type(), autocast_dtype_);
     at::autocast::clear_cache();  // the bf16 copies of the weights, if the probe made any
-    batch_norm_kernel_set_enabled(bn_kernel_enabled_);
+    bn_kernel_off_.reset();
     for (auto& [generator, state] : generators_) {
       std::lock_guard<std::mutex> lock(generator.mutex());
       generator.set_state(state);
@@ -84,7 +84,7 @@ class ModelStateGuard {
   bool was_training_;
   bool autocast_enabled_ = false;
   at::ScalarType autocast_dtype_ = at::kBFloat16;
-  bool bn_kernel_enabled_ = true;
+  std::optional<BatchNormKernelOff> bn_kernel_off_;
   bool restored_ = false;
   std::vector<at::Tensor> buffers_;
   std::vector<at::Tensor> saved_buffers_;

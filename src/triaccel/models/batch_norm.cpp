@@ -17,6 +17,7 @@ namespace triaccel {
 namespace {
 
 std::atomic<bool> g_kernel_enabled{true};
+thread_local int t_kernel_off = 0;  // BatchNormKernelOff scopes alive on this thread
 
 thread_local std::shared_ptr<const BatchNormSync> t_sync;
 
@@ -125,7 +126,11 @@ bool on_device_float(const at::Tensor& t, const at::Tensor& x) {
 
 void batch_norm_kernel_set_enabled(bool enabled) { g_kernel_enabled.store(enabled); }
 
-bool batch_norm_kernel_enabled() { return g_kernel_enabled.load(); }
+bool batch_norm_kernel_enabled() { return g_kernel_enabled.load() && t_kernel_off == 0; }
+
+BatchNormKernelOff::BatchNormKernelOff() { ++t_kernel_off; }
+
+BatchNormKernelOff::~BatchNormKernelOff() { --t_kernel_off; }
 
 bool batch_norm_kernel_applies(const torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x) {
 #ifdef TRIACCEL_WITH_CUDA

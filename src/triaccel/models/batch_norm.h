@@ -16,7 +16,19 @@ namespace triaccel {
 
 // Process-wide switch for A/B runs (default on). Off: every call takes the module path.
 void batch_norm_kernel_set_enabled(bool enabled);
+// The switch, and no BatchNormKernelOff alive on the calling thread.
 bool batch_norm_kernel_enabled();
+
+// The kernel off on the calling thread while this lives, whatever the switch (the curvature probe: the kernel has no
+// second derivative). Per thread, so that data-parallel ranks run as threads of one process (the tests) do not undo
+// each other's setting; the forward, which picks the path, runs on the thread that holds it. Nests.
+class BatchNormKernelOff {
+ public:
+  BatchNormKernelOff();
+  ~BatchNormKernelOff();
+  BatchNormKernelOff(const BatchNormKernelOff&) = delete;
+  BatchNormKernelOff& operator=(const BatchNormKernelOff&) = delete;
+};
 
 // True when batch_norm_forward(bn, x, ·) runs the kernel: the kernel is compiled in and enabled; bn is training,
 // tracks running stats, is affine, has a fixed momentum; its weight, bias, running_mean and running_var are
