@@ -18,9 +18,9 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
-#include <optional>
 #include <cmath>
 #include <mutex>
+#include <optional>
 
 namespace triaccel {
 

@@ -40,8 +40,8 @@ constexpr int64_t kCalibrationSteps = 5;
 constexpr double kCalibrationSpread = 1.25;
 constexpr double kCalibrationMin = 0.2;
 constexpr double kCalibrationMax = 5;
-// After calibration: a plan whose own peak is off its prediction by more than this share adds its reading to the
-// calibration, at most kRecalibrations times in a run.
+// After calibration: a plan whose own peak is off its prediction by more than this share has the scale refit on that
+// reading, at most kRecalibrations times in a run.
 constexpr double kPredictionTolerance = 0.05;
 constexpr int64_t kRecalibrations = 3;
 constexpr double kOffsetMin = -64e6;
