@@ -85,7 +85,7 @@ expect nproc_trains 0 "2 processes" -- train "${TINY[@]}" --nproc 2 --max-steps 
 if [ "$(grep -c '"event":"config"' "$WORK/dp/events.jsonl" 2>/dev/null)" = 1 ] && grep -q '"world_size":2' "$WORK/dp/events.jsonl"; then
   passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nproc_trains: not one config event with world_size 2"; fi
 expect nproc_resume_one 0 "done: test acc" -- train --resume "$WORK/dp" --progress lines
-expect nproc_tri_accel 2 "--nproc 2 trains with --method backprop only" -- train "${TINY[@]}" --nproc 2 --method tri-accel
+expect nproc_neuroflux 2 "--nproc 2 trains with --method backprop or tri-accel only" -- train "${TINY[@]}" --nproc 2 --method neuroflux
 expect nproc_budget 2 "--vram-budget is not supported with --nproc 2" -- train "${TINY[@]}" --nproc 2 --vram-budget 1GB
 expect nproc_zero 2 "--nproc must be in [1, 1024], got 0" -- train "${TINY[@]}" --nproc 0
 # The same binary under torchrun (the cluster launcher's environment; its agent serves the store).
