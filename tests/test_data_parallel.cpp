@@ -225,15 +225,7 @@ TEST_F(DataParallelTest, SyncBatchNormTrainsTheWeightsOfOneProcess) {
 // per-unit formats, the same state bytes on each rank) and train its weights to fp32 tolerance.
 TEST_F(DataParallelTest, BaocOnTwoRanksMakesTheOneProcessPlans) {
   test::TempDir one("dp_baoc_one"), two("dp_baoc_two");
-  const auto configure = [](Config c) {
-    c.set("optimizer", "baoc");
-    c.set("lr", "2e-3");
-    c.set("weight_decay", "0.01");
-    c.set("plan_warmup", "2");
-    c.set("replan_every", "3");
-    c.set("optim_memory_budget", "20%");
-    return c;
-  };
+  const auto configure = [](Config c) { return with_optimizer(std::move(c), "baoc"); };
   api::run(configure(mlp_options(one.path())), one_process());
   const Config c = configure(mlp_options(two.path()));
   const std::vector<Json> results = run_ranks({c, c});
@@ -282,16 +274,7 @@ TEST_F(DataParallelTest, BaocOnTwoRanksMakesTheOneProcessPlans) {
 // Left to itself rank 1 would probe at other steps and scale its learning rates differently; both ranks end with the
 // same weights bit for bit. With the fixed schedule (curv_budget 0) the two ranks decide as one process does.
 TEST_F(DataParallelTest, TriAccelOnTwoRanksDecidesAsOne) {
-  const auto configure = [](Config c, const std::string& budget) {
-    c.set("method", "tri-accel");
-    c.set("ctrl_every", "2");
-    c.set("curv_every", "4");
-    c.set("curv_batch", "16");
-    c.set("curv_top_k", "2");
-    c.set("curv_max_iters", "3");
-    c.set("curv_budget", budget);
-    return c;
-  };
+  const auto configure = [](Config c, const std::string& budget) { return with_tri_accel(std::move(c), budget); };
   const auto weights_of = [](const std::shared_ptr<Model>& m) {
     std::vector<at::Tensor> w;
     for (const auto& p : m->parameters()) w.push_back(p.detach().clone());

@@ -400,41 +400,61 @@ TEST(MemoryGpuTest, HostPlacementGivesTheDeviceBatches) {
   }
 }
 
+// GPU: `steps` steps of the three-unit rig at batch 12 (every third one of `short_batch` samples when it is > 0), amp
+// bf16, with or without the step's CUDA graph (captured after one warm-up step); the weights after them.
+struct GpuRigRun {
+  std::vector<at::Tensor> weights;
+  bool captured = false;
+  int64_t captures = 0;
+};
+GpuRigRun gpu_rig_steps(bool graphs, int64_t micro_batch, const std::vector<bool>& recompute, int steps,
+                        int64_t short_batch) {
+  const c10::Device gpu(c10::kCUDA, 0);
+  torch::manual_seed(3);
+  StepOptions so;
+  so.precision = PrecisionMode::kAmpBF16;
+  so.cuda_graphs = graphs;
+  so.graph_batch_size = 12;
+  so.warmup_steps = 1;
+  so.micro_batch = micro_batch;
+  UnitRig rig(false, so, gpu);
+  TrainStep& step = rig.step;
+  step.set_recompute(recompute);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  const at::Tensor x = at::empty({12, 12}, at::TensorOptions().device(gpu));
+  const at::Tensor y = at::empty({12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  for (int s = 0; s < steps; ++s) {
+    const int64_t n = short_batch > 0 && s % 3 == 2 ? short_batch : 12;
+    x.copy_(at::randn({12, 12}, gen));
+    y.copy_(at::randint(0, 5, {12}, gen));
+    step.run(x.narrow(0, 0, n), y.narrow(0, 0, n), 0.05);
+  }
+  GpuRigRun out;
+  for (const auto& p : rig.net.parameters()) out.weights.push_back(p.detach().cpu());
+  out.captured = step.graph().captured();
+  out.captures = step.graph().captures();
+  return out;
+}
+
+void expect_same_weights(const GpuRigRun& eager, const GpuRigRun& graphed) {
+  ASSERT_EQ(eager.weights.size(), graphed.weights.size());
+  for (size_t i = 0; i < eager.weights.size(); ++i) {
+    EXPECT_TRUE(at::allclose(eager.weights[i], graphed.weights[i], 1e-5, 1e-6)) << i;
+  }
+}
+
 // GPU: a step with micro-batches and recomputed units, captured in a CUDA graph and replayed, trains the weights
 // the same step gives eagerly.
 TEST(MemoryGpuTest, PlannedStepInACudaGraphMatchesEager) {
   TRIACCEL_SKIP_WITHOUT_GPU();
-  const c10::Device gpu(c10::kCUDA, 0);
 #ifdef TRIACCEL_WITH_CUDA
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());  // captures need a non-default stream
 #endif
-  const auto train = [&](bool graphs) {
-    torch::manual_seed(3);
-    StepOptions so;
-    so.precision = PrecisionMode::kAmpBF16;
-    so.cuda_graphs = graphs;
-    so.graph_batch_size = 12;
-    so.warmup_steps = 1;
-    so.micro_batch = 5;
-    UnitRig rig(false, so, gpu);
-    TrainStep& step = rig.step;
-    step.set_recompute({true, false, true});
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
-    const at::Tensor x = at::empty({12, 12}, at::TensorOptions().device(gpu));
-    const at::Tensor y = at::empty({12}, at::TensorOptions().dtype(at::kLong).device(gpu));
-    for (int s = 0; s < 6; ++s) {
-      x.copy_(at::randn({12, 12}, gen));
-      y.copy_(at::randint(0, 5, {12}, gen));
-      step.run(x, y, 0.05);
-    }
-    EXPECT_EQ(step.graph().captured(), graphs);
-    std::vector<at::Tensor> w;
-    for (const auto& p : rig.net.parameters()) w.push_back(p.detach().cpu());
-    return w;
-  };
-  const auto eager = train(false);
-  const auto graphed = train(true);
-  for (size_t i = 0; i < eager.size(); ++i) EXPECT_TRUE(at::allclose(eager[i], graphed[i], 1e-5, 1e-6)) << i;
+  const GpuRigRun eager = gpu_rig_steps(false, 5, {true, false, true}, 6, 0);
+  const GpuRigRun graphed = gpu_rig_steps(true, 5, {true, false, true}, 6, 0);
+  EXPECT_FALSE(eager.captured);
+  EXPECT_TRUE(graphed.captured);
+  expect_same_weights(eager, graphed);
 }
 
 // GPU: with eager_in_pool, an eager step of another batch size while a graph is captured (the epoch's short last
@@ -489,37 +509,16 @@ TEST(MemoryGpuTest, AnEagerStepOfAnotherSizeRunsInTheGraphsPool) {
 // steps give eagerly.
 TEST(MemoryGpuTest, ShortStepsInTheGraphsPoolTrainTheEagerWeights) {
   TRIACCEL_SKIP_WITHOUT_GPU();
-  const c10::Device gpu(c10::kCUDA, 0);
 #ifdef TRIACCEL_WITH_CUDA
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
 #endif
-  const auto train = [&](bool graphs) {
-    torch::manual_seed(3);
-    StepOptions so;
-    so.precision = PrecisionMode::kAmpBF16;
-    so.cuda_graphs = graphs;
-    so.graph_batch_size = 12;
-    so.warmup_steps = 1;
-    UnitRig rig(false, so, gpu);
-    TrainStep& step = rig.step;
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
-    const at::Tensor x = at::empty({12, 12}, at::TensorOptions().device(gpu));
-    const at::Tensor y = at::empty({12}, at::TensorOptions().dtype(at::kLong).device(gpu));
-    for (int s = 0; s < 9; ++s) {
-      const int64_t n = s % 3 == 2 ? 7 : 12;  // a short step after the capture, between replays
-      x.copy_(at::randn({12, 12}, gen));
-      y.copy_(at::randint(0, 5, {12}, gen));
-      step.run(x.narrow(0, 0, n), y.narrow(0, 0, n), 0.05);
-    }
-    EXPECT_EQ(step.graph().captured(), graphs);
-    if (graphs) EXPECT_EQ(step.graph().captures(), 1);
-    std::vector<at::Tensor> w;
-    for (const auto& p : rig.net.parameters()) w.push_back(p.detach().cpu());
-    return w;
-  };
-  const auto eager = train(false);
-  const auto graphed = train(true);
-  for (size_t i = 0; i < eager.size(); ++i) EXPECT_TRUE(at::allclose(eager[i], graphed[i], 1e-5, 1e-6)) << i;
+  // Batches 12, 12, 7, ...: a short step after the capture, between replays.
+  const GpuRigRun eager = gpu_rig_steps(false, 0, {}, 9, 7);
+  const GpuRigRun graphed = gpu_rig_steps(true, 0, {}, 9, 7);
+  EXPECT_FALSE(eager.captured);
+  EXPECT_TRUE(graphed.captured);
+  EXPECT_EQ(graphed.captures, 1);
+  expect_same_weights(eager, graphed);
 }
 
 // A capture that runs out of memory shrinks the plan's share of the budget while a plan still fits the smaller

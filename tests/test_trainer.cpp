@@ -149,15 +149,7 @@ TEST_F(TrainerTest, CheckpointsByTimeOnTheRunsClock) {
 TEST_F(TrainerTest, ResumeMidEpochIsBitExactWithAdamWAndBaoc) {
   for (const std::string optimizer : {"adamw", "baoc"}) {
     test::TempDir a("run_opt_a"), b("run_opt_b");
-    auto configure = [&](Config o) {
-      o.set("optimizer", optimizer);
-      o.set("lr", "2e-3");
-      o.set("weight_decay", "0.01");
-      o.set("plan_warmup", "2");
-      o.set("replan_every", "3");
-      o.set("optim_memory_budget", "20%");
-      return o;
-    };
+    auto configure = [&](Config o) { return with_optimizer(std::move(o), optimizer); };
     api::run(configure(options(a.path())));
     Config first = configure(options(b.path()));
     first.set("max_steps", "4");
@@ -411,14 +403,8 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
   FixedStepClock clock(1e-3);
   RunHooks hooks;
   hooks.clock = &clock;
-  Config o = options(out.path());
-  o.set("method", "tri-accel");
-  o.set("ctrl_every", "2");
-  o.set("curv_every", "4");
-  o.set("curv_batch", "16");
-  o.set("curv_top_k", "2");
-  o.set("curv_max_iters", "3");
-  o.set("curv_budget", "0");  // fixed schedule: 12 steps → windows at 2, 4, …, 12; probes at 2 (first window), 6, 10
+  // The fixed schedule: 12 steps → windows at 2, 4, …, 12; probes at 2 (first window), 6, 10.
+  Config o = with_tri_accel(options(out.path()), "0");
   Config checked = o;
   checked.set("curv_checkpoint", "true");
   const Json summary = api::run(checked, hooks);

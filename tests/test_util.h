@@ -132,6 +132,34 @@ class TinyMnistTest : public ::testing::Test {
                       {"out", out}});
   }
 
+  // A Tri-Accel loop small enough for these runs: a control window every 2 steps, probes every 4 of 16 samples, k = 2,
+  // at most 3 products per eigenvalue; `curv_budget` "0" is the fixed schedule.
+  static Config with_tri_accel(Config c, const std::string& curv_budget) {
+    for (const auto& [key, text] : {std::pair<const char*, std::string>{"method", "tri-accel"},
+                                    {"ctrl_every", "2"},
+                                    {"curv_every", "4"},
+                                    {"curv_batch", "16"},
+                                    {"curv_top_k", "2"},
+                                    {"curv_max_iters", "3"},
+                                    {"curv_budget", curv_budget}}) {
+      c.set(key, text);
+    }
+    return c;
+  }
+  // An AdamW-family optimizer with BAOC's cadence for these runs: it plans after 2 steps and again every 3, within
+  // 20 % of fp32 AdamW's state (lr 2e-3, weight decay 0.01).
+  static Config with_optimizer(Config c, const std::string& optimizer) {
+    for (const auto& [key, text] : {std::pair<const char*, std::string>{"optimizer", optimizer},
+                                    {"lr", "2e-3"},
+                                    {"weight_decay", "0.01"},
+                                    {"plan_warmup", "2"},
+                                    {"replan_every", "3"},
+                                    {"optim_memory_budget", "20%"}}) {
+      c.set(key, text);
+    }
+    return c;
+  }
+
   // Per epoch, the (offset, count) of every batch the trainer reported through RunHooks::on_batch.
   using Spans = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
   static void record_batches(RunHooks& hooks, Spans& spans) {
