@@ -340,6 +340,21 @@ TEST(MemoryModelTest, SmallCnnCostsFromItsShapes) {
   for (const auto& [name, t] : model_state(*model)) EXPECT_TRUE(torch::equal(t, before[i++])) << name;
 }
 
+// The evaluation batch counts everything the allocator holds as taken (the graph's pool was cut for the step), and
+// takes at least the step's micro-batch, which fits in the blocks the step's own forward used.
+TEST(MemoryModelTest, TheEvaluationBatchFitsBesideWhatIsHeld) {
+  MemoryModel m = made_up({10, 10}, {4, 8}, {1, 1});  // widest input 8: 3 · 8 + 4 / 2 = 26 bytes a sample
+  m.activation_scale = 1;
+  EXPECT_DOUBLE_EQ(memory_model_eval_per_sample(m), 26);
+  // 1000 held of a 3600 cap: 2600 / 26 = 100 samples in new segments.
+  EXPECT_EQ(memory_model_eval_batch(m, 3600, 1000, 16, 1000), 100);
+  EXPECT_EQ(memory_model_eval_batch(m, 3600, 1000, 16, 64), 64);     // never above what was asked
+  EXPECT_EQ(memory_model_eval_batch(m, 3600, 3500, 16, 1000), 16);   // no room: the step's micro-batch
+  EXPECT_EQ(memory_model_eval_batch(m, 3600, 4000, 0, 1000), 1);     // held above the cap: one sample
+  m.activation_scale = 2;  // a calibrated scale applies to evaluation too
+  EXPECT_EQ(memory_model_eval_batch(m, 3600, 1000, 16, 1000), 50);
+}
+
 // One unit, Linear(256 → 1024) then tanh, fp32: backward needs the linear's input (allocated before the unit) and
 // tanh's output, 4 KiB a sample; the pre-activation is freed. On CUDA the model reads that from the allocator; the
 // autograd graph's outputs would count the pre-activation too (8 KiB), as on the CPU.

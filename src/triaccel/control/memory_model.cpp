@@ -181,4 +181,12 @@ double memory_model_eval_per_sample(const MemoryModel& model) {
   return model.activation_scale * (3 * widest + model.transient_bytes / 2);
 }
 
+int64_t memory_model_eval_batch(const MemoryModel& model, int64_t cap_bytes, int64_t held_bytes, int64_t micro_batch,
+                                int64_t asked) {
+  const double per_sample = memory_model_eval_per_sample(model);
+  const double room = static_cast<double>(cap_bytes - held_bytes);
+  const int64_t fresh = per_sample > 0 && room > 0 ? static_cast<int64_t>(room / per_sample) : 0;
+  return std::clamp<int64_t>(std::max(fresh, micro_batch), 1, asked);
+}
+
 }  // namespace triaccel

@@ -60,4 +60,12 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
 // Bytes per sample an evaluation pass needs (no autograd: the largest unit input and output alive at once).
 double memory_model_eval_per_sample(const MemoryModel& model);
 
+// The largest evaluation batch (at most `asked`) that fits beside what the caching allocator holds. `held_bytes`
+// (everything reserved, the CUDA graph's pool included) counts as taken: the pool's free blocks were cut for the
+// training step's tensors, so an evaluation batch larger than the step's `micro_batch` needs new segments
+// (room = cap − held, at eval_per_sample each). Up to `micro_batch` samples it fits in the blocks the step's own
+// forward used, whatever the room. At least 1.
+int64_t memory_model_eval_batch(const MemoryModel& model, int64_t cap_bytes, int64_t held_bytes, int64_t micro_batch,
+                                int64_t asked);
+
 }  // namespace triaccel

@@ -108,13 +108,12 @@ struct Trainer::MemorySetup {
   at::Tensor sample;                  // one input sample on the device (the model's trace)
   DataPlacement placement = DataPlacement::kDevice;
 
-  // The largest evaluation batch (at most `asked`) the budget leaves room for; `asked` without a budget.
-  int64_t eval_batch(int64_t asked) const {
-    if (!planned || limits.cap_bytes <= 0) return asked;
-    const double room = static_cast<double>(limits.budget_bytes) - memory_plan_peak(model, 0, 0, {}, placement);
-    const double per_sample = memory_model_eval_per_sample(model);
-    if (per_sample <= 0) return asked;
-    return std::clamp<int64_t>(static_cast<int64_t>(room / per_sample), 1, asked);
+  // The largest evaluation batch (at most `asked`) that fits beside the `held_bytes` the allocator reserves, the
+  // step's pool included (memory_model_eval_batch); `asked` without a budget.
+  bool budgeted() const { return planned && limits.cap_bytes > 0; }
+  int64_t eval_batch(int64_t asked, int64_t held_bytes, int64_t micro_batch) const {
+    if (!budgeted()) return asked;
+    return memory_model_eval_batch(model, limits.cap_bytes, held_bytes, micro_batch, asked);
   }
 };
 
@@ -801,8 +800,16 @@ Trainer::EvalResult Trainer::evaluate(int64_t batch_size) {
 Trainer::EvalResult Trainer::evaluate_within_budget() {
   // A planned run's evaluation batch fits what the plan leaves; halving remains for a model that under-predicts,
   // and the batch that then fit is kept for the later evaluations (one out-of-memory error a run, not one an epoch).
-  const int64_t planned = memory_->eval_batch(config_.execution.eval_batch_size);
   step_->grads_release();  // the last step's gradients (the size of the weights) are not needed to evaluate
+  if (eval_batch_ == 0) {
+    // Planned once, on what the first evaluation finds held: the cache of other plans' calibration steps is
+    // returned first (what stays is the graph's pool and the live tensors). Later evaluations reuse the segments
+    // the first one added, at the same batch.
+    if (memory_->budgeted()) memory_cache_release(device_);
+    const int64_t micro = step_->micro_batch() > 0 ? step_->micro_batch() : shard(progress_->batch).second;
+    eval_batch_ = memory_->eval_batch(config_.execution.eval_batch_size, memory_stats(device_).reserved_bytes, micro);
+  }
+  const int64_t planned = eval_batch_;
   int64_t batch = eval_batch_fits_ > 0 ? std::min(planned, eval_batch_fits_) : planned;
   for (;; batch = (batch + 1) / 2) {
     try {  // under a vram_budget, an evaluation batch that does not fit is halved, not fatal
