@@ -145,6 +145,8 @@ for ev in sorted(glob.glob(f"{work}/runs/*/events.jsonl")):
         "samples_per_epoch": samples, "train_samples": next((e.get("train_samples") for e in events
                                                              if e["event"] == "summary"), None),
         "oom_events": sum(e["event"] == "oom" for e in events),
+        "eval_oom_events": sum(e["event"] == "oom" and e.get("phase") == "eval" for e in events),
+        "eval_batch": epochs[-1].get("eval_batch") if epochs else None,
         "graph_captures": epochs[-1].get("graph_captures") if epochs else None,
         "graph_capture_ooms": epochs[-1].get("graph_capture_ooms") if epochs else None,
         "graph_capture_error": epochs[-1].get("graph_capture_error") if epochs else None,
@@ -176,12 +178,12 @@ pt = [json.load(open(f)) for f in sorted(glob.glob(f"{work}/pytorch_budget_*.jso
 out = {"bench": "memory_planner", "gpu": gpu, "commit": commit, "stages": stages,
        "command": f"COMMIT={commit} STAGES={stages} bash bench/run_memory_planner.sh", "rows": rows, "pytorch": pt}
 json.dump(out, open(dst, "w"), indent=1)
-print(f"{'run':28} {'s/ep1':>6} {'s/ep':>6} {'eval s':>6} {'img/s':>7} {'peak GB':>8} {'pred GB':>8} {'meas GB':>8} {'ratio':>5} {'micro':>5} {'acc':>3} {'rcmp':>4} {'data':>6} {'oom':>3} {'graph':>5} {'c.oom':>5} {'ok':>3} {'<=bud':>5} samples")
+print(f"{'run':28} {'s/ep1':>6} {'s/ep':>6} {'eval s':>6} {'ev.b':>5} {'ev.oom':>6} {'img/s':>7} {'peak GB':>8} {'pred GB':>8} {'meas GB':>8} {'ratio':>5} {'micro':>5} {'acc':>3} {'rcmp':>4} {'data':>6} {'oom':>3} {'graph':>5} {'c.oom':>5} {'ok':>3} {'<=bud':>5} samples")
 for r in rows:
     p = r["plan"] or {}
     pred = (r["predicted_peak_gb"] or 0) * 1e9
     ratio = f"{r['peak_over_predicted']:5.3f}" if r['peak_over_predicted'] else '    -'
-    print(f"{r['run']:28} {r['epoch_s_first'] or 0:6.2f} {r['epoch_s_last'] or 0:6.2f} {r['eval_s_last'] or 0:6.3f} {r['images_per_s_last'] or 0:7.0f} {r['peak_vram_gb'] or 0:8.3f} "
+    print(f"{r['run']:28} {r['epoch_s_first'] or 0:6.2f} {r['epoch_s_last'] or 0:6.2f} {r['eval_s_last'] or 0:6.3f} {r['eval_batch'] or 0:5} {r['eval_oom_events']:6} {r['images_per_s_last'] or 0:7.0f} {r['peak_vram_gb'] or 0:8.3f} "
           f"{(pred or 0) / 1e9:8.3f} {r['plan_measured_peak_gb'] or 0:8.3f} {ratio} {p.get('micro_batch', '-')!s:>5} {p.get('accumulation', '-')!s:>3} "
           f"{len(p.get('recompute', [])):4} {p.get('data_placement', '-')!s:>6} {r['oom_events']:3} "
           f"{r['cuda_graph']!s:>5} {r['graph_capture_ooms']!s:>5} {'yes' if r['finished'] else 'NO':>3} "

@@ -11,7 +11,8 @@
 # ablation on ResNet-18, 3 seeds; signals_effb0: EfficientNet-B0's AMP bf16 and Tri-Accel, seed 0, and ResNet-18's
 # curvature-only rows; signals_tri: the signals stage's Tri-Accel and AMP bf16 rows alone; r18: ResNet-18's 12 Table-1 runs only, no
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
-# and AMP bf16 rows, seed 0). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
+# and AMP bf16 rows, seed 0; lockstep: ResNet-18's Tri-Accel with lockstep rounds and with per-unit probes beside AMP
+# bf16, seeds SEEDS (0)). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
 set -uo pipefail
 STAGE=${1:-table}
@@ -80,6 +81,12 @@ elif [ "$STAGE" = signals_effb0 ]; then  # EfficientNet-B0 at 224, seed 0: AMP b
   for s in 0 1 2; do
     job r18_curv_s$s --model resnet18 --method tri-accel --ta-precision false --precision amp-bf16 $PROTO --seed $s
   done
+elif [ "$STAGE" = lockstep ]; then  # issue 19: lockstep probe rounds (the default on a GPU) against per-unit probes
+  for s in ${SEEDS:-0}; do
+    job r18_tri_s$s --model resnet18 --method tri-accel $PROTO --seed $s
+    job r18_tri_perunit_s$s --model resnet18 --method tri-accel --curv-lockstep off $PROTO --seed $s
+    job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s
+  done
 elif [ "$STAGE" = r18 ]; then  # ResNet-18's Table-1 rows alone (3 seeds x 4 methods), e.g. on one GPU
   for s in 0 1 2; do
     job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s
@@ -125,7 +132,7 @@ worker() {  # GPU index: takes queue lines until none are left
   done
 }
 
-[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0|signals_tri)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
+[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0|signals_tri|lockstep)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
    echo "unit tests on GPU: exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/unit_tests_gpu.log" | tr '\n' ' ')") &
 # The unit tests take ~10 s on the last GPU; in the table stage its first job is long and only its last 5 epochs
 # are timed. The check stage keeps that GPU for the tests.

@@ -282,6 +282,44 @@ TEST(CurvatureProbeTest, ProbingLateUnitsAloneGivesTheSameEigenvalues) {
   }
 }
 
+// Lockstep rounds are curvature_probe with k = 1: every unit's eigenvalue and product count, from a cold start and
+// again from the last round's vectors (a warm start, in fewer products); the model is left as found.
+TEST(CurvatureRoundTest, LockstepRoundsGiveTheProbesEigenvalues) {
+  const SingleThreadScope single_thread;
+  auto model = small_cnn_make();
+  auto [images, labels, options] = probe_batch(17, 30);
+  options.top_k = 1;
+  options.tol = 1e-3;  // units stop at different products: each keeps its own count
+  std::vector<std::pair<std::string, at::Tensor>> before;
+  for (const auto& [name, tensor] : model_state(*model)) before.emplace_back(name, tensor.clone());
+  std::vector<std::vector<at::Tensor>> warm;
+  const auto cold = curvature_probe(*model, images, labels, options, nullptr, &warm);
+  const auto warm_probe = curvature_probe(*model, images, labels, options, nullptr, &warm);
+  CurvatureRound round(*model, images, labels, options);
+  double seconds = -1;
+  const auto first = round.run(&seconds);
+  const auto second = round.run();
+  EXPECT_GE(seconds, 0.0);
+  EXPECT_FALSE(round.graphed());  // the CPU: eager passes
+  ASSERT_EQ(first.size(), cold.size());
+  int cold_products = 0, warm_products = 0;
+  for (size_t u = 0; u < cold.size(); ++u) {
+    EXPECT_TRUE(first[u].probed);
+    EXPECT_EQ(first[u].iterations, cold[u].iterations) << cold[u].unit;
+    EXPECT_EQ(second[u].iterations, warm_probe[u].iterations) << cold[u].unit;
+    EXPECT_NEAR(first[u].lambda_max, cold[u].lambda_max, 1e-6 * std::abs(cold[u].lambda_max) + 1e-9) << cold[u].unit;
+    EXPECT_NEAR(second[u].lambda_max, warm_probe[u].lambda_max, 1e-6 * std::abs(warm_probe[u].lambda_max) + 1e-9)
+        << cold[u].unit;
+    EXPECT_EQ(first[u].converged, cold[u].converged) << cold[u].unit;
+    cold_products += first[u].iterations;
+    warm_products += second[u].iterations;
+  }
+  EXPECT_LT(warm_products * 2, cold_products);
+  size_t i = 0;
+  for (const auto& [name, tensor] : model_state(*model)) EXPECT_TRUE(at::equal(tensor, before[i++].second)) << name;
+  for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
+}
+
 TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
   const SingleThreadScope single_thread;
   auto model = small_cnn_make();
@@ -422,6 +460,53 @@ TEST(CurvatureProbeTest, CudaGraphedProductsGiveTheEagerEigenvalues) {
     std::printf("[ resnet18 %s ] λ eager %.6g graphed %.6g (%d products)\n", eager[u].unit.c_str(),
                 eager[u].lambda_max, graphed[u].lambda_max, graphed[u].iterations);
   }
+}
+
+// The captured pass reads the weights as they are at each replay: after an in-place update (what the optimizer does)
+// a replayed round gives the eager round's eigenvalues at the new weights, not the old ones.
+TEST(CurvatureRoundTest, ReplayedPassesReadTheCurrentWeights) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(23);
+  ModelOptions model_options;
+  model_options.name = "resnet18";
+  auto model = model_create(model_options);
+  model->to(torch::kCUDA);
+  const at::Tensor images = torch::randn({16, 3, 32, 32}, torch::kCUDA);
+  const at::Tensor labels = torch::randint(0, 10, {16}, torch::TensorOptions().device(torch::kCUDA).dtype(at::kLong));
+  CurvatureOptions options;
+  options.top_k = 1;
+  options.max_iters = 4;
+  options.tol = 0.0;
+  options.batch = 16;
+  torch::cuda::synchronize();
+  const c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());
+  CurvatureOptions eager_options = options;
+  eager_options.cuda_graphs = false;
+  CurvatureRound graphed(*model, images, labels, options);
+  CurvatureRound eager(*model, images, labels, eager_options);
+  graphed.run();
+  const auto old_weights = eager.run();
+  ASSERT_TRUE(graphed.graphed());
+  EXPECT_FALSE(eager.graphed());
+  EXPECT_GT(graphed.graph_bytes(), 0);
+  {
+    const torch::NoGradGuard no_grad;
+    for (auto& p : model->parameters()) p.mul_(1.5);  // in place, as an optimizer step
+  }
+  const auto replayed = graphed.run();
+  const auto reference = eager.run();
+  torch::cuda::synchronize();
+  EXPECT_GT(graphed.replay_s(), 0.0);
+  int moved = 0;  // units whose eigenvalue the update changed: a replay of stale weights would miss them
+  for (size_t u = 0; u < reference.size(); ++u) {
+    EXPECT_NEAR(replayed[u].lambda_max, reference[u].lambda_max, 1e-3 * std::abs(reference[u].lambda_max) + 1e-6)
+        << reference[u].unit;
+    EXPECT_EQ(replayed[u].iterations, reference[u].iterations) << reference[u].unit;
+    moved += std::abs(reference[u].lambda_max - old_weights[u].lambda_max) > 0.05 * std::abs(reference[u].lambda_max);
+    std::printf("[ resnet18 %s ] λ eager %.6g replayed %.6g\n", reference[u].unit.c_str(), reference[u].lambda_max,
+                replayed[u].lambda_max);
+  }
+  EXPECT_GE(moved, 3);
 }
 #endif
 

@@ -395,6 +395,32 @@ TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
   EXPECT_NEAR(last_epoch["lr"].get<double>(), 0.05 * 0.5 * (1 + std::cos(M_PI * 8.5 / 9)), 1e-9);
 }
 
+// Lockstep rounds (--curv-lockstep on, k = 1): every probe event covers every unit, so α is calibrated at the first
+// one and the lr scales leave 1 there; the schedule spaces whole rounds by the last round's cost.
+TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
+  test::TempDir out("run_lockstep");
+  FixedStepClock clock(1e-3);
+  RunHooks hooks;
+  hooks.clock = &clock;
+  Config o = with_tri_accel(options(out.path()), "0.5");
+  o.set("curv_top_k", "1");
+  o.set("curv_lockstep", "on");
+  api::run(o, hooks);
+  int probes = 0;
+  for (const auto& e : events_read(out.file("events.jsonl"))) {
+    if (e["event"] != "curvature") continue;
+    ++probes;
+    EXPECT_TRUE(e["lockstep"].get<bool>());
+    EXPECT_EQ(e["probed"].size(), 4u);
+    for (const auto& l : e["lambda_max"]) EXPECT_FALSE(l.is_null());
+    EXPECT_GT(e["alpha"].get<double>(), 0.0);
+    EXPECT_GT(e["round_cost_s"].get<double>(), 0.0);
+    const auto scales = e["lr_scale"].get<std::vector<double>>();
+    EXPECT_LT(*std::min_element(scales.begin(), scales.end()), 1.0);
+  }
+  EXPECT_GE(probes, 2);
+}
+
 // The Tri-Accel loop on the CPU: probes and precision windows happen on schedule, thresholds calibrate, the
 // decisions reach the events, and a resumed run restores the controllers' state. Time comes from a clock that
 // advances 1 ms per reading, so the time-budgeted probe schedule depends on the work done, not on the machine's load.

@@ -67,10 +67,12 @@ std::vector<size_t> CurvatureController::units_due() {
   // 3.4x fc on the H100); the very first round probes one unit to learn the cost.
   const size_t n_units = model_.units().size();
   std::vector<size_t> chosen;
-  if (options_.budget <= 0) {
+  // Lockstep: a whole round while the last steady round's cost fits the credit (the first round to measure it).
+  if (options_.budget <= 0 || (options_.lockstep && (round_cost_s_ < 0 || round_cost_s_ <= probe_credit_s_))) {
     for (size_t u = 0; u < n_units; ++u) chosen.push_back(u);
     return chosen;
   }
+  if (options_.lockstep) return chosen;
   double known_max = -1;
   for (double c : unit_cost_s_) known_max = std::max(known_max, c);
   double credit = probe_credit_s_;
@@ -114,6 +116,48 @@ void CurvatureController::agree_results(const StepContext& ctx, const std::vecto
   }
 }
 
+std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>& chosen, double* seconds) {
+  const CudnnHeuristics heuristics;
+  if (options_.lockstep) {
+    if (!round_) round_ = std::make_unique<CurvatureRound>(model_, probe_images_, probe_labels_, options_.probe);
+    const bool first = !round_->graphed();
+    std::vector<UnitCurvature> curv = round_->run(seconds);
+    if (first && round_->graphed() && options_.budget > 0) {
+      // The round that captured the pass paid for cuDNN's fp32 plans, an eager pass and the capture; a second round
+      // from its vectors measures what later rounds cost (both are charged).
+      double again_s = 0;
+      std::vector<UnitCurvature> again = round_->run(&again_s);
+      for (size_t u = 0; u < curv.size(); ++u) again[u].iterations += curv[u].iterations;
+      *seconds += again_s;
+      curv = std::move(again);
+      round_cost_s_ = again_s;
+    } else {
+      round_cost_s_ = *seconds;
+    }
+    return curv;
+  }
+  const bool bootstrap = std::all_of(unit_cost_s_.begin(), unit_cost_s_.end(), [](double c) { return c < 0; });
+  std::vector<UnitCurvature> curv =
+      curvature_probe(model_, probe_images_, probe_labels_, options_.probe, seconds, &warm_start_, &chosen);
+  if (bootstrap && options_.budget > 0) {
+    // The first probe pays once for cuDNN's fp32 plans of every layer (ResNet-18 on the H100: fc's first probe
+    // 0.25–0.39 s, later ones ~10 ms). Estimating the other units from it starved the schedule: two or three units
+    // probed in 15 epochs. Probing the unit again from its warm start measures its steady cost (charged to the
+    // credit too).
+    double again_s = 0;
+    const auto again =
+        curvature_probe(model_, probe_images_, probe_labels_, options_.probe, &again_s, &warm_start_, &chosen);
+    *seconds += again_s;
+    for (size_t u : chosen) {
+      const int first_products = curv[u].iterations;
+      curv[u] = again[u];
+      curv[u].iterations += first_products;
+      curv[u].seconds = again_s;  // the cost the schedule plans with
+    }
+  }
+  return curv;
+}
+
 Events CurvatureController::after_step(StepContext& ctx) {
   Events events;
   if (last_call_s_ >= 0) probe_credit_s_ += options_.budget * (ctx.now_s - last_call_s_);
@@ -140,28 +184,10 @@ Events CurvatureController::after_step(StepContext& ctx) {
     return events;
   }
   const size_t n_units = model_.units().size();
-  const bool bootstrap = std::all_of(unit_cost_s_.begin(), unit_cost_s_.end(), [](double c) { return c < 0; });
   double seconds = 0;
   std::vector<UnitCurvature> curv;
   try {
-    const CudnnHeuristics heuristics;
-    curv = curvature_probe(model_, probe_images_, probe_labels_, options_.probe, &seconds, &warm_start_, &chosen);
-    if (bootstrap && options_.budget > 0) {
-      // The first probe pays once for cuDNN's fp32 plans of every layer (ResNet-18 on the H100: fc's first probe
-      // 0.25–0.39 s, later ones ~10 ms). Estimating the other units from it starved the schedule: two or three
-      // units probed in 15 epochs. Probing the unit again from its warm start measures its steady cost (charged to
-      // the credit too).
-      double again_s = 0;
-      const auto again =
-          curvature_probe(model_, probe_images_, probe_labels_, options_.probe, &again_s, &warm_start_, &chosen);
-      seconds += again_s;
-      for (size_t u : chosen) {
-        const int first_products = curv[u].iterations;
-        curv[u] = again[u];
-        curv[u].iterations += first_products;
-        curv[u].seconds = again_s;  // the cost the schedule plans with
-      }
-    }
+    curv = probe(chosen, &seconds);
     if (ctx.agree) agree_results(ctx, chosen, &curv, &seconds);
   } catch (const c10::OutOfMemoryError&) {
     // With several ranks a skip on one rank alone would put it out of step: the error ends the run (a rank that dies
@@ -235,7 +261,10 @@ Events CurvatureController::after_step(StepContext& ctx) {
                                             {"probe_samples", options_.probe_samples},
                                             {"top_k", options_.probe.top_k},
                                             {"precision", enum_name(options_.probe.precision)},
-                                            {"lr_scaling", options_.lr_scaling}}});
+                                            {"lr_scaling", options_.lr_scaling},
+                                            {"lockstep", options_.lockstep},
+                                            {"round_cost_s", round_cost_s_ >= 0 ? Json(round_cost_s_) : Json()},
+                                            {"probe_graph_bytes", round_ ? Json(round_->graph_bytes()) : Json()}}});
   last_call_s_ = clock_.now_s();  // the probe's own time is not training time
   return events;
 }
@@ -245,7 +274,8 @@ Json CurvatureController::state() const {
               {"probe_seconds", probe_seconds_}, {"probes", probes_},
               {"next_probe_step", next_probe_step_}, {"probe_credit_s", probe_credit_s_},
               {"unit_cost_s", unit_cost_s_},     {"unit_lambda", unit_lambda_},
-              {"unit_probed", unit_probed_},     {"next_unit", next_unit_}};
+              {"unit_probed", unit_probed_},     {"next_unit", next_unit_},
+              {"round_cost_s", round_cost_s_}};
 }
 
 void CurvatureController::restore(const Json& j) {
@@ -262,6 +292,7 @@ void CurvatureController::restore(const Json& j) {
       unit_probed_ = j.at("unit_probed").get<std::vector<bool>>();
       next_unit_ = j.at("next_unit").get<int64_t>();
     }
+    if (j.contains("round_cost_s")) round_cost_s_ = j.at("round_cost_s").get<double>();
   } catch (const Json::exception&) {
     throw UserError(str_cat("checkpoint has an unreadable Tri-Accel state; resume with the same ",
                             option_ref("method"), " or start afresh"));

@@ -1,7 +1,7 @@
 // Tri-Accel's curvature component (paper §3.2; docs/tri-accel.md), as a StepController: at the first control window,
-// then at windows at least curv_every steps apart, a CurvatureProbe on a fixed batch — of every unit (budget 0) or
-// of the next units, round-robin from the output end, whose cost fits a credit that accrues at budget × training
-// time (so probes stay within that share of it) — then per-unit η_l = η0 / (1 + α·λ_max,l) as the optimizer's
+// then at windows at least curv_every steps apart, a CurvatureProbe on a fixed batch — of every unit (budget 0, or
+// lockstep rounds while a round's cost fits the credit) or of the next units, round-robin from the output end, whose
+// cost fits a credit that accrues at budget × training time (so probes stay within that share of it) — then per-unit η_l = η0 / (1 + α·λ_max,l) as the optimizer's
 // per-tensor lr scales (when lr scaling is on), and λ_max of the probed units left in the step's context for the
 // precision policy (control/precision_controller.h). Time comes from the injected clock only.
 #pragma once
@@ -15,6 +15,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <memory>
 #include <vector>
 
 namespace triaccel {
@@ -25,6 +26,9 @@ struct CurvatureControllerOptions {
   double alpha = -1;           // α; < 0: 1 / (0.9-quantile of λ_max) once every unit has been probed
   bool lr_scaling = true;      // false: probe for the precision policy only (ablation)
   CurvatureOptions probe;      // k, iterations, batch, T_curv, seed, graphs, clock
+  // Every unit each round, by one CurvatureRound (k = 1; its pass replays a CUDA graph on a GPU); the schedule then
+  // plans whole rounds with the last steady round's cost.
+  bool lockstep = false;
   std::vector<int64_t> probe_samples;  // the dataset indices of the probe batch (for the event)
 };
 
@@ -48,6 +52,9 @@ class CurvatureController final : public StepController {
   void agree_results(const StepContext& ctx, const std::vector<size_t>& chosen, std::vector<UnitCurvature>* curv,
                      double* seconds) const;
   void apply_lr_scales();
+  // This round's probe: the lockstep round, or curvature_probe of `chosen` (probed twice at the first round, to plan
+  // with the steady cost).
+  std::vector<UnitCurvature> probe(const std::vector<size_t>& chosen, double* seconds);
 
   CurvatureControllerOptions options_;
   const Clock& clock_;
@@ -68,6 +75,8 @@ class CurvatureController final : public StepController {
   double last_call_s_ = -1;
   double probe_seconds_ = 0;
   int64_t probes_ = 0;
+  std::unique_ptr<CurvatureRound> round_;  // lockstep: made at the first round, held for the run
+  double round_cost_s_ = -1;              // lockstep: seconds of the last steady round; < 0 unknown
 };
 
 }  // namespace triaccel

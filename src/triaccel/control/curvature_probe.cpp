@@ -4,9 +4,10 @@
 // written back after, so probing never perturbs training.
 #include "triaccel/control/curvature_probe.h"
 
+#include "triaccel/core/clock.h"
+#include "triaccel/core/cuda_graph.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
-#include "triaccel/core/clock.h"
 #include "triaccel/control/hvp.h"
 #include "triaccel/models/batch_norm.h"
 
@@ -14,8 +15,13 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/Context.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -202,6 +208,242 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
   }
   device_synchronize(device);
   if (wall_seconds != nullptr) *wall_seconds = clock.now_s() - start;
+  return result;
+}
+
+struct CurvatureRound::State {
+  State(Model& m, CurvatureOptions o) : model(m), options(std::move(o)) {}
+  Model& model;
+  CurvatureOptions options;
+  at::Tensor x, y;                                 // the probe batch, (n, C, H, W) and (n)
+  std::vector<std::vector<at::Tensor>> params;     // per unit: its parameters that require grad
+  std::vector<at::Tensor> all_params;              // all of them, in unit order
+  std::vector<int64_t> offset, numel;              // per unit: its slice of the flat vectors
+  at::Tensor v, w;                                 // (Σ numel): a pass reads v and writes w = per-unit H_uu·v_u
+  bool started = false;                            // v holds the last round's vectors
+#ifdef TRIACCEL_WITH_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+#endif
+  bool graph_tried = false;
+  std::vector<const void*> storage;                // the parameters' data at the capture
+  int64_t graph_bytes = 0;
+  double replay_s = -1;
+
+  at::Tensor slice(const at::Tensor& flat, size_t u) const { return flat.narrow(0, offset[u], numel[u]); }
+
+  // One pass: the forward, the first-order gradients with their graph, one product per unit into w.
+  void pass() {
+    const auto& units = model.units();
+    at::Tensor h = x;
+    for (const Unit& unit : units) h = unit.forward(h);
+    if (at::isReducedFloatingType(h.scalar_type())) h = h.to(at::kFloat);
+    const at::Tensor loss = at::cross_entropy_loss(h, y);
+    const std::vector<at::Tensor> grads = torch::autograd::grad({loss}, all_params, /*grad_outputs=*/{},
+                                                                /*retain_graph=*/true, /*create_graph=*/true,
+                                                                /*allow_unused=*/true);
+    size_t next = 0;
+    for (size_t u = 0; u < units.size(); ++u) {
+      const std::vector<at::Tensor>& ps = params[u];
+      if (ps.empty()) continue;
+      const HvpOperator op(ps, std::vector<at::Tensor>(grads.begin() + static_cast<long>(next),
+                                                       grads.begin() + static_cast<long>(next + ps.size())));
+      next += ps.size();
+      std::vector<at::Tensor> pieces;
+      int64_t at_elem = offset[u];
+      for (const auto& p : ps) {
+        pieces.push_back(v.narrow(0, at_elem, p.numel()).view(p.sizes()));
+        at_elem += p.numel();
+      }
+      const std::vector<at::Tensor> hv = op.apply(pieces);
+      at_elem = offset[u];
+      for (size_t j = 0; j < ps.size(); ++j) {
+        w.narrow(0, at_elem, ps[j].numel()).copy_(hv[j].reshape({-1}));
+        at_elem += ps[j].numel();
+      }
+    }
+  }
+
+  std::vector<const void*> storage_now() const {
+    std::vector<const void*> out;
+    for (const auto& p : all_params) out.push_back(p.data_ptr());
+    return out;
+  }
+
+  bool has_graph() const {
+#ifdef TRIACCEL_WITH_CUDA
+    return graph != nullptr;
+#else
+    return false;
+#endif
+  }
+
+  // The pass, replayed when captured; captured after an eager one when wanted. True when it was a replay.
+  bool run_pass() {
+#ifdef TRIACCEL_WITH_CUDA
+    if (graph) {
+      graph->replay();
+      return true;
+    }
+    pass();
+    const bool capturable = options.cuda_graphs && x.is_cuda() &&
+                            c10::cuda::getCurrentCUDAStream() != c10::cuda::getDefaultCUDAStream();
+    if (capturable && !graph_tried) {
+      graph_tried = true;
+      memory_cache_release(x.device());  // as the capture does: what stays reserved after it is the graph's pool
+      const int64_t before = memory_stats(x.device()).reserved_bytes;
+      graph = cuda_graph_capture([&]() { pass(); });  // records, runs nothing: w keeps the eager pass's values
+      if (graph) {
+        graph_bytes = memory_stats(x.device()).reserved_bytes - before;
+        storage = storage_now();
+      }
+    }
+    return false;
+#else
+    pass();
+    return false;
+#endif
+  }
+};
+
+CurvatureRound::CurvatureRound(Model& model, const at::Tensor& images, const at::Tensor& labels,
+                               CurvatureOptions options)
+    : s_(std::make_unique<State>(model, std::move(options))) {
+  State& s = *s_;
+  s.options.validate();
+  TORCH_CHECK(s.options.top_k == 1, "CurvatureRound: top_k must be 1 (lockstep power iteration has no deflation)");
+  TORCH_CHECK(images.dim() == 4 && labels.dim() == 1 && labels.size(0) == images.size(0) && images.size(0) >= 1,
+              "CurvatureRound: images must be (N, C, H, W) and labels (N), got ", images.sizes(), " and ",
+              labels.sizes());
+  const int64_t n = std::min(s.options.batch, images.size(0));
+  s.x = images.narrow(0, 0, n).clone();
+  s.y = labels.narrow(0, 0, n).to(at::kLong).clone();
+  int64_t total = 0;
+  for (const Unit& unit : model.units()) {
+    std::vector<at::Tensor> ps;
+    int64_t count = 0;
+    for (const auto& p : unit.parameters()) {
+      if (!p.requires_grad()) continue;
+      ps.push_back(p);
+      s.all_params.push_back(p);
+      count += p.numel();
+    }
+    s.offset.push_back(total);
+    s.numel.push_back(count);
+    total += count;
+    s.params.push_back(std::move(ps));
+  }
+  TORCH_CHECK(!s.all_params.empty(), "CurvatureRound: the model has no parameters to probe");
+  const at::TensorOptions flat = s.all_params.front().options().requires_grad(false);
+  s.v = at::zeros({total}, flat);
+  s.w = at::zeros({total}, flat);
+}
+
+CurvatureRound::~CurvatureRound() = default;
+
+bool CurvatureRound::graphed() const { return s_->has_graph(); }
+int64_t CurvatureRound::graph_bytes() const { return s_->graph_bytes; }
+double CurvatureRound::replay_s() const { return s_->replay_s; }
+
+std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
+  State& s = *s_;
+  const Clock& clock = s.options.clock ? *s.options.clock : steady_clock();
+  const double start = clock.now_s();
+  const c10::Device device = s.x.device();
+  const auto& units = s.model.units();
+  const size_t n_units = units.size();
+  std::vector<double> lambda(n_units, 0.0);
+  std::vector<int> iterations(n_units, 0);
+  std::vector<bool> done(n_units, false), converged(n_units, false);
+  for (size_t u = 0; u < n_units; ++u) done[u] = converged[u] = s.numel[u] == 0;
+  {
+    ModelStateGuard state(s.model, device, s.options.precision);
+    at::AutoGradMode grad_mode(true);
+    s.model.train(true);
+#ifdef TRIACCEL_WITH_CUDA
+    if (s.graph && s.storage != s.storage_now()) {  // a parameter has new storage: the graph reads the old one
+      s.graph.reset();
+      s.graph_tried = false;
+      s.graph_bytes = 0;
+    }
+#endif
+    if (!s.started) {  // unit u starts from a seeded random vector, as curvature_probe's unit u does
+      at::NoGradGuard no_grad;
+      for (size_t u = 0; u < n_units; ++u) {
+        if (s.numel[u] == 0) continue;
+        const uint64_t seed = s.options.seed + u;
+        at::Tensor start_v;
+        if (device.is_cuda()) {
+          at::Generator gen = at::detail::getCUDAHooks().getNewGenerator(device.index());
+          gen.set_current_seed(seed);
+          start_v = at::randn({s.numel[u]}, gen, s.v.options());
+        } else {
+          at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+          start_v = at::randn({s.numel[u]}, gen, at::TensorOptions().dtype(at::kDouble)).to(s.v.options());
+        }
+        s.slice(s.v, u).copy_(start_v / start_v.norm());
+      }
+      s.started = true;
+    }
+    double replay_total = 0;
+    int replays = 0;
+    for (int it = 0; it < s.options.max_iters; ++it) {
+      if (std::all_of(done.begin(), done.end(), [](bool d) { return d; })) break;
+      const double t0 = clock.now_s();
+      const bool replayed = s.run_pass();
+      at::NoGradGuard no_grad;
+      std::vector<at::Tensor> stats;  // per active unit: the Rayleigh quotient and ‖H·v‖, read in one transfer
+      for (size_t u = 0; u < n_units; ++u) {
+        if (done[u]) continue;
+        const at::Tensor vu = s.slice(s.v, u), wu = s.slice(s.w, u);
+        stats.push_back(at::dot(vu, wu) / at::dot(vu, vu));
+        stats.push_back(wu.norm());
+      }
+      const at::Tensor host = at::stack(stats).to(at::kDouble).cpu();
+      if (replayed) {
+        replay_total += clock.now_s() - t0;
+        ++replays;
+      }
+      const double* h = host.data_ptr<double>();
+      for (size_t u = 0; u < n_units; ++u) {
+        if (done[u]) continue;
+        const double previous = lambda[u];
+        lambda[u] = *h++;
+        const double w_norm = *h++;
+        ++iterations[u];
+        if (w_norm == 0.0 || !std::isfinite(w_norm)) {
+          done[u] = true;
+          converged[u] = std::isfinite(lambda[u]);
+          continue;
+        }
+        s.slice(s.v, u).copy_(s.slice(s.w, u) / w_norm);
+        if (it > 0 && std::abs(lambda[u] - previous) <= s.options.tol * std::abs(lambda[u])) {
+          done[u] = true;
+          converged[u] = true;
+        }
+      }
+    }
+    if (replays > 0) s.replay_s = replay_total / replays;
+    state.restore();
+  }
+  device_synchronize(device);
+  const double round_s = clock.now_s() - start;
+  int total_products = 0;
+  for (int i : iterations) total_products += i;
+  std::vector<UnitCurvature> result;
+  for (size_t u = 0; u < n_units; ++u) {
+    UnitCurvature entry;
+    entry.unit = units[u].name;
+    entry.converged = converged[u];
+    entry.iterations = iterations[u];
+    entry.graphed = s.has_graph();
+    if (s.numel[u] > 0) {
+      entry.eigenvalues = {lambda[u]};
+      entry.lambda_max = lambda[u];
+      entry.seconds = total_products > 0 ? round_s * iterations[u] / total_products : 0.0;
+    }
+    result.push_back(std::move(entry));
+  }
+  if (wall_seconds != nullptr) *wall_seconds = round_s;
   return result;
 }
 

@@ -19,6 +19,7 @@
 #include <ATen/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -77,5 +78,37 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
                                            const CurvatureOptions& options, double* wall_seconds = nullptr,
                                            std::vector<std::vector<at::Tensor>>* warm_start = nullptr,
                                            const std::vector<size_t>* only_units = nullptr);
+
+// Every unit's top eigenvalue (k = 1) in lockstep, by an object that lives across Tri-Accel's probe rounds on a GPU.
+// A power iteration is one pass of: the forward on the probe batch, the first-order gradients with their graph, and
+// one Hessian-vector product per unit; every unit advances one product per pass, with one host synchronization per
+// pass. On CUDA (options.cuda_graphs, a non-default current stream) the pass is captured in a CUDA graph after the
+// first round's first pass (eager: cuBLAS and cuDNN set up there) and replayed for every later pass of every round:
+// the probe batch is fixed and the optimizer updates the parameters in place, so a replay reads the current weights,
+// and the products cost their GPU work without autograd's host work. A parameter that moved to new storage drops the
+// graph (captured again). Each round starts from the last round's vectors (warm start; the first from seed + i for
+// unit i). The estimate is curvature_probe's with top_k = 1 (CurvatureRoundTest compares them), and the model is
+// left as found, as there. The graph's private pool (graph_bytes) is held until the object goes.
+class CurvatureRound {
+ public:
+  // images/labels as for curvature_probe; the first min(options.batch, N) samples are copied in once.
+  CurvatureRound(Model& model, const at::Tensor& images, const at::Tensor& labels, CurvatureOptions options);
+  ~CurvatureRound();
+  CurvatureRound(const CurvatureRound&) = delete;
+  CurvatureRound& operator=(const CurvatureRound&) = delete;
+
+  // One round: one entry per unit, all probed; `seconds` of a unit is its share of the round (the round's time split
+  // by its products). wall_seconds as curvature_probe's.
+  std::vector<UnitCurvature> run(double* wall_seconds = nullptr);
+
+  bool graphed() const;
+  int64_t graph_bytes() const;  // reserved by the graph's pool at its capture (0: no graph)
+  // Seconds of one replayed pass in the last round (< 0: none replayed): what a warm round costs per iteration.
+  double replay_s() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
 
 }  // namespace triaccel

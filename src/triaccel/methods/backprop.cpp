@@ -445,6 +445,10 @@ void Trainer::controllers_build() {
       co.probe.seed = config_.execution.seed;
       co.probe.cuda_graphs = config_.execution.cuda_graphs;
       co.probe.clock = &session_.clock();
+      // Lockstep rounds hold their graph's pool for the run: not beside a budget's plan, which does not count it.
+      co.lockstep = ta.curv_lockstep == Toggle::kOn ||
+                    (ta.curv_lockstep == Toggle::kAuto && device_.is_cuda() && ta.curv_top_k == 1 &&
+                     config_.execution.cuda_graphs && config_.execution.vram_budget_bytes() == 0);
       controllers_.push_back(std::make_unique<CurvatureController>(co, session_.model(), *optimizer_, *step_,
                                                                    images, labels));
     }
@@ -882,6 +886,7 @@ void Trainer::epoch_end(double train_s) {
       {"peak_vram_gb", p.peak_vram_gb},
       {"epoch_peak_vram_gb", epoch_peak_gb},
       {"eval_peak_vram_gb", eval_peak_gb},
+      {"eval_batch", eval_batch_fits_ > 0 ? std::min(eval_batch_, eval_batch_fits_) : eval_batch_},
       {"alloc_retries", memory_stats(device_).alloc_retries},  // since the start (core/device.h)
       {"skipped_steps", scaler_.skipped_steps().item<double>()},
       {"faults", p.fault_counters()},

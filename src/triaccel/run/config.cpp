@@ -223,6 +223,9 @@ void TriAccelConfig::validate() const {
   TRIACCEL_CHECK_INPUT(curv_batch > 0, option_ref("curv_batch"), " must be > 0, got ", curv_batch);
   TRIACCEL_CHECK_INPUT(curv_top_k > 0 && curv_top_k <= 64, option_ref("curv_top_k"), " must be in [1, 64], got ",
                        curv_top_k);
+  TRIACCEL_CHECK_INPUT(curv_lockstep != Toggle::kOn || curv_top_k == 1, option_ref("curv_lockstep"),
+                       " on needs ", option_ref("curv_top_k"), " 1 (lockstep power iteration finds the top eigenvalue "
+                       "only), got ", curv_top_k);
   TRIACCEL_CHECK_INPUT(curv_budget >= 0 && curv_budget <= 1, option_ref("curv_budget"), " must be in [0, 1], got ",
                        curv_budget);
   TRIACCEL_CHECK_INPUT(curv_max_iters > 0, option_ref("curv_max_iters"), " must be > 0, got ", curv_max_iters);

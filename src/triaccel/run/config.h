@@ -226,6 +226,7 @@ struct TriAccelConfig {
   int64_t curv_max_iters = 20;
   double curv_tol = 0.01;        // power iteration stops when λ moves less than this, relative
   double curv_budget = 0.05;     // probes take at most this share of training time (0: every T_curv)
+  Toggle curv_lockstep = Toggle::kAuto;  // every unit each round, one CUDA graph per power-iteration step
   double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
   bool curv_checkpoint = false;  // a checkpoint at each probe's step (the weights it probed)
   double tau_low = -1;
@@ -458,6 +459,10 @@ void TriAccelConfig::fields(S& s, V&& v) {
   v(s.curv_budget, FieldInfo{"curv_budget",
                              "max share of training time for curvature probes; they are spaced to stay within it "
                              "(0: every curv_every steps)"});
+  v(s.curv_lockstep, FieldInfo{"curv_lockstep",
+                               "probe every unit each round in lockstep, one captured pass per power-iteration step "
+                               "(auto: on a GPU with curv_top_k 1, cuda_graphs and no vram_budget; on needs "
+                               "curv_top_k 1)"});
   v(s.curv_alpha, FieldInfo{"curv_alpha", "alpha in lr / (1 + alpha * lambda_max); -1: calibrate"});
   v(s.curv_checkpoint, FieldInfo{"curv_checkpoint",
                                  "write curvature-step-N.pt at each probe's step: the weights it probed (true|false)"});
