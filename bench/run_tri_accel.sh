@@ -12,7 +12,7 @@
 # curvature-only rows; signals_tri: the signals stage's Tri-Accel and AMP bf16 rows alone; r18: ResNet-18's 12 Table-1 runs only, no
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
 # and AMP bf16 rows, seed 0; lockstep: ResNet-18's Tri-Accel with lockstep rounds and with per-unit probes beside AMP
-# bf16, seeds SEEDS (0)). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
+# bf16, seeds SEEDS (0); chunks: lockstep rounds at each --curv-chunk in CHUNKS). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
 set -uo pipefail
 STAGE=${1:-table}
@@ -87,6 +87,12 @@ elif [ "$STAGE" = lockstep ]; then  # issue 19: lockstep probe rounds (the defau
     job r18_tri_perunit_s$s --model resnet18 --method tri-accel --curv-lockstep off $PROTO --seed $s
     job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s
   done
+elif [ "$STAGE" = chunks ]; then  # lockstep rounds at each --curv-chunk in CHUNKS (8 16 32) beside AMP bf16, seed 0;
+  # EXTRA flags last (e.g. "--epochs 3 --warmup-epochs 1")
+  for c in ${CHUNKS:-8 16 32}; do
+    job r18_tri_chunk${c}_s0 --model resnet18 --method tri-accel $PROTO --seed 0 --curv-chunk $c ${EXTRA:-}
+  done
+  job r18_bf16_s0 --model resnet18 --precision amp-bf16 $PROTO --seed 0 ${EXTRA:-}
 elif [ "$STAGE" = r18 ]; then  # ResNet-18's Table-1 rows alone (3 seeds x 4 methods), e.g. on one GPU
   for s in 0 1 2; do
     job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s
@@ -132,7 +138,7 @@ worker() {  # GPU index: takes queue lines until none are left
   done
 }
 
-[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0|signals_tri|lockstep)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
+[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0|signals_tri|lockstep|chunks)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
    echo "unit tests on GPU: exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/unit_tests_gpu.log" | tr '\n' ' ')") &
 # The unit tests take ~10 s on the last GPU; in the table stage its first job is long and only its last 5 epochs
 # are timed. The check stage keeps that GPU for the tests.

@@ -120,20 +120,13 @@ std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>&
   const CudnnHeuristics heuristics;
   if (options_.lockstep) {
     if (!round_) round_ = std::make_unique<CurvatureRound>(model_, probe_images_, probe_labels_, options_.probe);
-    const bool first = !round_->graphed();
     std::vector<UnitCurvature> curv = round_->run(seconds);
-    if (first && round_->graphed() && options_.budget > 0) {
-      // The round that captured the pass paid for cuDNN's fp32 plans, an eager pass and the capture; a second round
-      // from its vectors measures what later rounds cost (both are charged).
-      double again_s = 0;
-      std::vector<UnitCurvature> again = round_->run(&again_s);
-      for (size_t u = 0; u < curv.size(); ++u) again[u].iterations += curv[u].iterations;
-      *seconds += again_s;
-      curv = std::move(again);
-      round_cost_s_ = again_s;
-    } else {
-      round_cost_s_ = *seconds;
-    }
+    // The schedule plans with what a round of replays costs: the round that ran its first pass eagerly (cuBLAS and
+    // cuDNN set up there, paid once) and captured the pass is charged all of it but planned as if that pass had been
+    // a replay too.
+    const CurvatureRound::Timing& t = round_->timing();
+    round_cost_s_ = *seconds - t.eager_s - t.capture_s + std::max(t.replay_s, 0.0);
+    if (round_cost_s_ <= 0) round_cost_s_ = *seconds;
     return curv;
   }
   const bool bootstrap = std::all_of(unit_cost_s_.begin(), unit_cost_s_.end(), [](double c) { return c < 0; });
@@ -227,7 +220,8 @@ Events CurvatureController::after_step(StepContext& ctx) {
   const bool all_known = std::all_of(unit_probed_.begin(), unit_probed_.end(), [](bool b) { return b; });
   if (options_.lr_scaling) {
     if (alpha_ < 0 && options_.alpha >= 0) alpha_ = options_.alpha;
-    if (alpha_ < 0 && all_known) {
+    // Lockstep: the first round stops after a few passes from random vectors; α waits for the second.
+    if (alpha_ < 0 && all_known && (!options_.lockstep || probes_ >= 2)) {
       // No manual tuning: α so that the 0.9-quantile unit gets half its rate (flat units keep nearly all of theirs),
       // fixed once every unit has been probed.
       std::vector<double> positive;
@@ -264,9 +258,21 @@ Events CurvatureController::after_step(StepContext& ctx) {
                                             {"lr_scaling", options_.lr_scaling},
                                             {"lockstep", options_.lockstep},
                                             {"round_cost_s", round_cost_s_ >= 0 ? Json(round_cost_s_) : Json()},
-                                            {"probe_graph_bytes", round_ ? Json(round_->graph_bytes()) : Json()}}});
+                                            {"round", round_json()}}});
   last_call_s_ = clock_.now_s();  // the probe's own time is not training time
   return events;
+}
+
+Json CurvatureController::round_json() const {
+  if (!round_) return Json();
+  const CurvatureRound::Timing& t = round_->timing();
+  return Json{{"passes", t.passes},
+              {"eager_s", t.eager_s},
+              {"capture_s", t.capture_s},
+              {"replay_s", t.replay_s >= 0 ? Json(t.replay_s) : Json()},
+              {"graphed", round_->graphed()},
+              {"graph_bytes", round_->graph_bytes()},
+              {"chunk", options_.probe.chunk}};
 }
 
 Json CurvatureController::state() const {

@@ -52,6 +52,7 @@ class CurvatureController final : public StepController {
   void agree_results(const StepContext& ctx, const std::vector<size_t>& chosen, std::vector<UnitCurvature>* curv,
                      double* seconds) const;
   void apply_lr_scales();
+  Json round_json() const;  // the last lockstep round's passes, times and graph (null without one)
   // This round's probe: the lockstep round, or curvature_probe of `chosen` (probed twice at the first round, to plan
   // with the steady cost).
   std::vector<UnitCurvature> probe(const std::vector<size_t>& chosen, double* seconds);

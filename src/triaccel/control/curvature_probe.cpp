@@ -105,6 +105,7 @@ void CurvatureOptions::validate() const {
   TRIACCEL_CHECK_INPUT(tol >= 0 && std::isfinite(tol), "curvature probe: tol must be a number >= 0, got ", tol);
   TRIACCEL_CHECK_INPUT(batch >= 1, option_ref("curv_batch"), " must be >= 1, got ", batch);
   TRIACCEL_CHECK_INPUT(every_steps >= 1, option_ref("curv_every"), " must be >= 1, got ", every_steps);
+  TRIACCEL_CHECK_INPUT(chunk >= 0, option_ref("curv_chunk"), " must be >= 0, got ", chunk);
 }
 
 std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& images, const at::Tensor& labels,
@@ -227,17 +228,28 @@ struct CurvatureRound::State {
   bool graph_tried = false;
   std::vector<const void*> storage;                // the parameters' data at the capture
   int64_t graph_bytes = 0;
-  double replay_s = -1;
+  CurvatureRound::Timing timing;                   // of the last round
 
   at::Tensor slice(const at::Tensor& flat, size_t u) const { return flat.narrow(0, offset[u], numel[u]); }
 
-  // One pass: the forward, the first-order gradients with their graph, one product per unit into w.
+  // One pass: per chunk, the forward, the first-order gradients with their graph, one product per unit added to w.
   void pass() {
+    const int64_t n = x.size(0);
+    const int64_t chunk = options.chunk > 0 ? std::min(options.chunk, n) : n;
+    for (int64_t first = 0; first < n; first += chunk) {
+      const int64_t count = std::min(chunk, n - first);
+      chunk_pass(x.narrow(0, first, count), y.narrow(0, first, count), static_cast<double>(count) / n, first == 0);
+    }
+  }
+
+  // One chunk's products, `weight` (its share of the batch) times its mean loss's, written to w (`first`) or added.
+  void chunk_pass(const at::Tensor& xc, const at::Tensor& yc, double weight, bool first) {
     const auto& units = model.units();
-    at::Tensor h = x;
+    at::Tensor h = xc;
     for (const Unit& unit : units) h = unit.forward(h);
     if (at::isReducedFloatingType(h.scalar_type())) h = h.to(at::kFloat);
-    const at::Tensor loss = at::cross_entropy_loss(h, y);
+    at::Tensor loss = at::cross_entropy_loss(h, yc);
+    if (weight != 1.0) loss = loss * weight;
     const std::vector<at::Tensor> grads = torch::autograd::grad({loss}, all_params, /*grad_outputs=*/{},
                                                                 /*retain_graph=*/true, /*create_graph=*/true,
                                                                 /*allow_unused=*/true);
@@ -257,7 +269,12 @@ struct CurvatureRound::State {
       const std::vector<at::Tensor> hv = op.apply(pieces);
       at_elem = offset[u];
       for (size_t j = 0; j < ps.size(); ++j) {
-        w.narrow(0, at_elem, ps[j].numel()).copy_(hv[j].reshape({-1}));
+        at::Tensor out = w.narrow(0, at_elem, ps[j].numel());
+        if (first) {
+          out.copy_(hv[j].reshape({-1}));
+        } else {
+          out.add_(hv[j].reshape({-1}));
+        }
         at_elem += ps[j].numel();
       }
     }
@@ -278,17 +295,21 @@ struct CurvatureRound::State {
   }
 
   // The pass, replayed when captured; captured after an eager one when wanted. True when it was a replay.
-  bool run_pass() {
+  bool run_pass(const Clock& clock) {
 #ifdef TRIACCEL_WITH_CUDA
     if (graph) {
       graph->replay();
       return true;
     }
+    const double t0 = clock.now_s();
     pass();
+    device_synchronize(x.device());
+    timing.eager_s += clock.now_s() - t0;
     const bool capturable = options.cuda_graphs && x.is_cuda() &&
                             c10::cuda::getCurrentCUDAStream() != c10::cuda::getDefaultCUDAStream();
     if (capturable && !graph_tried) {
       graph_tried = true;
+      const double t1 = clock.now_s();
       memory_cache_release(x.device());  // as the capture does: what stays reserved after it is the graph's pool
       const int64_t before = memory_stats(x.device()).reserved_bytes;
       graph = cuda_graph_capture([&]() { pass(); });  // records, runs nothing: w keeps the eager pass's values
@@ -296,10 +317,13 @@ struct CurvatureRound::State {
         graph_bytes = memory_stats(x.device()).reserved_bytes - before;
         storage = storage_now();
       }
+      timing.capture_s = clock.now_s() - t1;
     }
     return false;
 #else
+    const double t0 = clock.now_s();
     pass();
+    timing.eager_s += clock.now_s() - t0;
     return false;
 #endif
   }
@@ -342,7 +366,7 @@ CurvatureRound::~CurvatureRound() = default;
 
 bool CurvatureRound::graphed() const { return s_->has_graph(); }
 int64_t CurvatureRound::graph_bytes() const { return s_->graph_bytes; }
-double CurvatureRound::replay_s() const { return s_->replay_s; }
+const CurvatureRound::Timing& CurvatureRound::timing() const { return s_->timing; }
 
 std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
   State& s = *s_;
@@ -366,6 +390,8 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
       s.graph_bytes = 0;
     }
 #endif
+    s.timing = Timing{};
+    const bool cold = !s.started;
     if (!s.started) {  // unit u starts from a seeded random vector, as curvature_probe's unit u does
       at::NoGradGuard no_grad;
       for (size_t u = 0; u < n_units; ++u) {
@@ -386,10 +412,12 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
     }
     double replay_total = 0;
     int replays = 0;
-    for (int it = 0; it < s.options.max_iters; ++it) {
+    const int passes = cold ? std::min(s.options.max_iters, kColdRoundPasses) : s.options.max_iters;
+    for (int it = 0; it < passes; ++it) {
       if (std::all_of(done.begin(), done.end(), [](bool d) { return d; })) break;
       const double t0 = clock.now_s();
-      const bool replayed = s.run_pass();
+      const bool replayed = s.run_pass(clock);
+      ++s.timing.passes;
       at::NoGradGuard no_grad;
       std::vector<at::Tensor> stats;  // per active unit: the Rayleigh quotient and ‖H·v‖, read in one transfer
       for (size_t u = 0; u < n_units; ++u) {
@@ -422,7 +450,7 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
         }
       }
     }
-    if (replays > 0) s.replay_s = replay_total / replays;
+    if (replays > 0) s.timing.replay_s = replay_total / replays;
     state.restore();
   }
   device_synchronize(device);

@@ -48,6 +48,7 @@ struct CurvatureOptions {
   uint64_t seed = 0;           // start vectors of the power iteration (the run's seed)
   ProbePrecision precision = ProbePrecision::kFP32;
   bool cuda_graphs = true;     // cuda_graphs: each unit's products replay a CUDA graph after the first (hvp.h)
+  int64_t chunk = 0;           // curv_chunk: CurvatureRound's samples per forward/backward (0: the whole batch)
   const Clock* clock = nullptr;  // what times the probe and each unit (nullptr: the steady clock)
 
   // Throws UserError naming the flag and the bad value.
@@ -89,6 +90,10 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
 // graph (captured again). Each round starts from the last round's vectors (warm start; the first from seed + i for
 // unit i). The estimate is curvature_probe's with top_k = 1 (CurvatureRoundTest compares them), and the model is
 // left as found, as there. The graph's private pool (graph_bytes) is held until the object goes.
+// options.chunk splits the batch into chunks run one after the other within a pass: H·v is the sum over chunks of
+// each chunk's mean-loss H·v weighted by its share of the batch — the whole batch's H·v for a model without
+// BatchNorm, with BatchNorm statistics per chunk otherwise — and the memory is one chunk's autograd graphs.
+// The first round (from random vectors) stops after kColdRoundPasses passes; the next rounds continue from there.
 class CurvatureRound {
  public:
   // images/labels as for curvature_probe; the first min(options.batch, N) samples are copied in once.
@@ -101,10 +106,19 @@ class CurvatureRound {
   // by its products). wall_seconds as curvature_probe's.
   std::vector<UnitCurvature> run(double* wall_seconds = nullptr);
 
+  static constexpr int kColdRoundPasses = 4;
+
   bool graphed() const;
   int64_t graph_bytes() const;  // reserved by the graph's pool at its capture (0: no graph)
-  // Seconds of one replayed pass in the last round (< 0: none replayed): what a warm round costs per iteration.
-  double replay_s() const;
+  // Where the last round's time went: its passes, the eager ones (the first, which sets up cuBLAS and cuDNN) and the
+  // capture, and one replayed pass (< 0: none replayed) — what a warm round costs per pass.
+  struct Timing {
+    int passes = 0;
+    double eager_s = 0;
+    double capture_s = 0;
+    double replay_s = -1;
+  };
+  const Timing& timing() const;
 
  private:
   struct State;

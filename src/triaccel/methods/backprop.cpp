@@ -445,6 +445,7 @@ void Trainer::controllers_build() {
       co.probe.seed = config_.execution.seed;
       co.probe.cuda_graphs = config_.execution.cuda_graphs;
       co.probe.clock = &session_.clock();
+      co.probe.chunk = ta.curv_chunk;
       // Lockstep rounds hold their graph's pool for the run: not beside a budget's plan, which does not count it.
       co.lockstep = ta.curv_lockstep == Toggle::kOn ||
                     (ta.curv_lockstep == Toggle::kAuto && device_.is_cuda() && ta.curv_top_k == 1 &&

@@ -227,6 +227,7 @@ struct TriAccelConfig {
   double curv_tol = 0.01;        // power iteration stops when λ moves less than this, relative
   double curv_budget = 0.05;     // probes take at most this share of training time (0: every T_curv)
   Toggle curv_lockstep = Toggle::kAuto;  // every unit each round, one CUDA graph per power-iteration step
+  int64_t curv_chunk = 8;        // lockstep: samples per forward/backward of a pass (its memory); 0: curv_batch
   double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
   bool curv_checkpoint = false;  // a checkpoint at each probe's step (the weights it probed)
   double tau_low = -1;
@@ -463,6 +464,9 @@ void TriAccelConfig::fields(S& s, V&& v) {
                                "probe every unit each round in lockstep, one captured pass per power-iteration step "
                                "(auto: on a GPU with curv_top_k 1, cuda_graphs and no vram_budget; on needs "
                                "curv_top_k 1)"});
+  v(s.curv_chunk, FieldInfo{"curv_chunk",
+                            "lockstep rounds: samples per forward/backward within a pass, which sets the probe's memory "
+                            "(BatchNorm statistics per chunk; 0: the whole curv_batch)"});
   v(s.curv_alpha, FieldInfo{"curv_alpha", "alpha in lr / (1 + alpha * lambda_max); -1: calibrate"});
   v(s.curv_checkpoint, FieldInfo{"curv_checkpoint",
                                  "write curvature-step-N.pt at each probe's step: the weights it probed (true|false)"});
