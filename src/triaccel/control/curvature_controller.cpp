@@ -121,9 +121,8 @@ std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>&
   if (options_.lockstep) {
     if (!round_) round_ = std::make_unique<CurvatureRound>(model_, probe_images_, probe_labels_, options_.probe);
     std::vector<UnitCurvature> curv = round_->run(seconds);
-    // The schedule plans with what a round of replays costs: the round that ran its first pass eagerly (cuBLAS and
-    // cuDNN set up there, paid once) and captured the pass is charged all of it but planned as if that pass had been
-    // a replay too.
+    // The schedule plans with what a round of replays costs: the round that captured the pass (and ran it eagerly
+    // where the capture came second) is charged all of it but planned as if those had been replays too.
     const CurvatureRound::Timing& t = round_->timing();
     round_cost_s_ = *seconds - t.eager_s - t.capture_s + std::max(t.replay_s, 0.0);
     if (round_cost_s_ <= 0) round_cost_s_ = *seconds;
@@ -220,8 +219,7 @@ Events CurvatureController::after_step(StepContext& ctx) {
   const bool all_known = std::all_of(unit_probed_.begin(), unit_probed_.end(), [](bool b) { return b; });
   if (options_.lr_scaling) {
     if (alpha_ < 0 && options_.alpha >= 0) alpha_ = options_.alpha;
-    // Lockstep: the first round stops after a few passes from random vectors; α waits for the second.
-    if (alpha_ < 0 && all_known && (!options_.lockstep || probes_ >= 2)) {
+    if (alpha_ < 0 && all_known) {
       // No manual tuning: α so that the 0.9-quantile unit gets half its rate (flat units keep nearly all of theirs),
       // fixed once every unit has been probed.
       std::vector<double> positive;

@@ -227,7 +227,7 @@ struct TriAccelConfig {
   double curv_tol = 0.01;        // power iteration stops when λ moves less than this, relative
   double curv_budget = 0.05;     // probes take at most this share of training time (0: every T_curv)
   Toggle curv_lockstep = Toggle::kAuto;  // every unit each round, one CUDA graph per power-iteration step
-  int64_t curv_chunk = 8;        // lockstep: samples per forward/backward of a pass (its memory); 0: curv_batch
+  int64_t curv_chunk = 16;       // lockstep: samples per forward/backward of a pass (its memory); 0: curv_batch
   double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
   bool curv_checkpoint = false;  // a checkpoint at each probe's step (the weights it probed)
   double tau_low = -1;
