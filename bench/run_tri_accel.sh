@@ -11,7 +11,7 @@
 # ablation on ResNet-18, 3 seeds; signals_effb0: EfficientNet-B0's AMP bf16 and Tri-Accel, seed 0, and ResNet-18's
 # curvature-only rows; signals_tri: the signals stage's Tri-Accel and AMP bf16 rows alone; r18: ResNet-18's 12 Table-1 runs only, no
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
-# and AMP bf16 rows, seed 0; lockstep: ResNet-18's Tri-Accel with lockstep rounds and with per-unit probes beside AMP
+# and AMP bf16 rows, seed 0, EXTRA flags last; lockstep: ResNet-18's Tri-Accel with lockstep rounds and with per-unit probes beside AMP
 # bf16, seeds SEEDS (0); chunks: lockstep rounds at each --curv-chunk in CHUNKS). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
 set -uo pipefail
@@ -52,8 +52,8 @@ elif [ "$STAGE" = extra ]; then  # what a 10-minute table call leaves out: Effic
   job r18_tri_1GB_s0 $R --method tri-accel --vram-budget 1GB $PROTO --seed 0
 elif [ "$STAGE" = effb0 ]; then  # EfficientNet-B0 at 224: Tri-Accel and AMP bf16, seed 0, e.g. on one GPU
   E="--model efficientnet-b0 --image-size 224"
-  [ -n "${SKIP_EFFB0:-}" ] || job effb0_tri_s0 $E --method tri-accel $PROTO --seed 0
-  [ -n "${SKIP_EFFB0:-}" ] || job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
+  [ -n "${SKIP_EFFB0:-}" ] || job effb0_tri_s0 $E --method tri-accel $PROTO --seed 0 ${EXTRA:-}
+  [ -n "${SKIP_EFFB0:-}" ] || job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0 ${EXTRA:-}
 elif [ "$STAGE" = r18abl ]; then  # ResNet-18's Table-2 ablation and its budget run alone (seed 0), e.g. on one GPU
   R="--model resnet18"
   job r18_abl_batch_s0 $R --method tri-accel --ta-precision false --ta-curvature false --vram-budget 1GB $PROTO --seed 0
