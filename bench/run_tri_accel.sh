@@ -81,16 +81,17 @@ elif [ "$STAGE" = signals_effb0 ]; then  # EfficientNet-B0 at 224, seed 0: AMP b
   for s in 0 1 2; do
     job r18_curv_s$s --model resnet18 --method tri-accel --ta-precision false --precision amp-bf16 $PROTO --seed $s
   done
-elif [ "$STAGE" = lockstep ]; then  # issue 19: lockstep probe rounds (the default on a GPU) against per-unit probes
+elif [ "$STAGE" = lockstep ]; then  # issue 19: lockstep probe rounds against per-unit probes (the default)
   for s in ${SEEDS:-0}; do
+    job r18_tri_lockstep_s$s --model resnet18 --method tri-accel --curv-lockstep true $PROTO --seed $s
     job r18_tri_s$s --model resnet18 --method tri-accel $PROTO --seed $s
-    job r18_tri_perunit_s$s --model resnet18 --method tri-accel --curv-lockstep off $PROTO --seed $s
     job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s
   done
 elif [ "$STAGE" = chunks ]; then  # lockstep rounds at each --curv-chunk in CHUNKS (8 16 32) beside AMP bf16, seed 0;
   # EXTRA flags last (e.g. "--epochs 3 --warmup-epochs 1")
   for c in ${CHUNKS:-8 16 32}; do
-    job r18_tri_chunk${c}_s0 --model resnet18 --method tri-accel $PROTO --seed 0 --curv-chunk $c ${EXTRA:-}
+    job r18_tri_chunk${c}_s0 --model resnet18 --method tri-accel --curv-lockstep true $PROTO --seed 0 --curv-chunk $c \
+      ${EXTRA:-}
   done
   job r18_bf16_s0 --model resnet18 --precision amp-bf16 $PROTO --seed 0 ${EXTRA:-}
 elif [ "$STAGE" = r18 ]; then  # ResNet-18's Table-1 rows alone (3 seeds x 4 methods), e.g. on one GPU

@@ -633,11 +633,13 @@ TEST_F(NeuroFluxRunTest, RunsOnTheGpuWithinItsBudget) {
   test::TempDir out("neuroflux_gpu");
   Config o = options(out.path());
   o.set("device", "cuda");
-  // 200 MB on top of what earlier tests in this process still hold (the cap counts every allocation; on the H200
-  // 262 MB were held when this ran after the rest of the suite).
+  // 200 MB on top of what earlier tests in this process still hold (on the H200 262 MB were held when this ran after
+  // the rest of the suite). The cap counts what the allocator reserves, which after releasing its cache is more than
+  // what is allocated where a CUDA graph's pool is still alive (budgeted on allocated bytes this failed on the H100
+  // after the curvature and step-graph tests).
   const c10::Device gpu(c10::kCUDA, 0);
   memory_cache_release(gpu);
-  const int64_t budget = memory_stats(gpu).allocated_bytes + 200'000'000;
+  const int64_t budget = memory_stats(gpu).reserved_bytes + 200'000'000;
   o.set("vram_budget", std::to_string(budget));
   o.set("precision", "amp-bf16");
   const Json summary = api::run(o);

@@ -395,7 +395,7 @@ TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
   EXPECT_NEAR(last_epoch["lr"].get<double>(), 0.05 * 0.5 * (1 + std::cos(M_PI * 8.5 / 9)), 1e-9);
 }
 
-// Lockstep rounds (--curv-lockstep on, k = 1): every probe event covers every unit, so α is calibrated at the first
+// Lockstep rounds (--curv-lockstep true, k = 1): every probe event covers every unit, so α is calibrated at the first
 // and the lr scales leave 1 there; the schedule spaces whole rounds by the last round's cost (here on a clock of 1 ms
 // a reading, with the whole time as budget).
 TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
@@ -405,7 +405,7 @@ TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
   hooks.clock = &clock;
   Config o = with_tri_accel(options(out.path()), "1");
   o.set("curv_top_k", "1");
-  o.set("curv_lockstep", "on");
+  o.set("curv_lockstep", "true");
   api::run(o, hooks);
   int probes = 0;
   for (const auto& e : events_read(out.file("events.jsonl"))) {

@@ -225,8 +225,8 @@ void TriAccelConfig::validate() const {
                        curv_top_k);
   TRIACCEL_CHECK_INPUT(curv_chunk >= 0, option_ref("curv_chunk"), " must be >= 0 (0: the whole ",
                        option_ref("curv_batch"), "), got ", curv_chunk);
-  TRIACCEL_CHECK_INPUT(curv_lockstep != Toggle::kOn || curv_top_k == 1, option_ref("curv_lockstep"),
-                       " on needs ", option_ref("curv_top_k"), " 1 (lockstep power iteration finds the top eigenvalue "
+  TRIACCEL_CHECK_INPUT(!curv_lockstep || curv_top_k == 1, option_ref("curv_lockstep"),
+                       " true needs ", option_ref("curv_top_k"), " 1 (lockstep power iteration finds the top eigenvalue "
                        "only), got ", curv_top_k);
   TRIACCEL_CHECK_INPUT(curv_budget >= 0 && curv_budget <= 1, option_ref("curv_budget"), " must be in [0, 1], got ",
                        curv_budget);

@@ -226,7 +226,7 @@ struct TriAccelConfig {
   int64_t curv_max_iters = 20;
   double curv_tol = 0.01;        // power iteration stops when λ moves less than this, relative
   double curv_budget = 0.05;     // probes take at most this share of training time (0: every T_curv)
-  Toggle curv_lockstep = Toggle::kAuto;  // every unit each round, one CUDA graph per power-iteration step
+  bool curv_lockstep = false;    // every unit each round, one captured pass per power-iteration step
   int64_t curv_chunk = 16;       // lockstep: samples per forward/backward of a pass (its memory); 0: curv_batch
   double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
   bool curv_checkpoint = false;  // a checkpoint at each probe's step (the weights it probed)
@@ -461,9 +461,8 @@ void TriAccelConfig::fields(S& s, V&& v) {
                              "max share of training time for curvature probes; they are spaced to stay within it "
                              "(0: every curv_every steps)"});
   v(s.curv_lockstep, FieldInfo{"curv_lockstep",
-                               "probe every unit each round in lockstep, one captured pass per power-iteration step "
-                               "(auto: on a GPU with curv_top_k 1, cuda_graphs and no vram_budget; on needs "
-                               "curv_top_k 1)"});
+                               "probe every unit each round in lockstep, a CUDA graph replayed per power-iteration "
+                               "step; needs curv_top_k 1 (true|false)"});
   v(s.curv_chunk, FieldInfo{"curv_chunk",
                             "lockstep rounds: samples per forward/backward within a pass, which sets the probe's memory "
                             "(BatchNorm statistics per chunk; 0: the whole curv_batch)"});
