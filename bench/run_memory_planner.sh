@@ -8,7 +8,8 @@
 #            last plan's measured peak (allocated, over its eager and capturing steps) against its prediction (ratio)
 #   pytorch  bench/pytorch_budget.py at PT_CAP (0.5): PyTorch's best recipe at batch 96 under the same cap, with the
 #            data streamed and with CIFAR-10 resident on the GPU (PT_RESIDENT)
-#   models   EfficientNet-B0 224 b96 (none, 2GB), ViT-Tiny b512 (none, 1GB), GPT-char b64 (none, 0.5GB): 1 epoch
+#   models   EfficientNet-B0 224 b96 (EFFB0_BUDGETS: none 2GB), ViT-Tiny b512 (VIT_BUDGETS: none 1GB), GPT-char b64
+#            (GPT_BUDGETS: none 0.5GB): 1 epoch
 #   tri      Tri-Accel, ResNet-18 b96, unbudgeted and under 0.5GB, EPOCHS epochs
 #   acc      the accuracy protocol: ResNet-18 b96 amp-bf16, ACC_EPOCHS (15) epochs, seeds ACC_SEEDS (0 1 2),
 #            unbudgeted and under ACC_BUDGET (0.5GB)
@@ -78,15 +79,15 @@ if has pytorch; then
 fi
 if has models; then
   mkdir -p /tmp/shakespeare && cp .device/data/tinyshakespeare/input.txt /tmp/shakespeare/ 2>/dev/null
-  for budget in none 2GB; do
+  for budget in ${EFFB0_BUDGETS:-none 2GB}; do
     train "effb0_b96_$budget" efficientnet-b0 "$budget" --dataset cifar10 --data "$DATA" --image-size 224 \
       --epochs 1 --batch-size 96
   done
-  for budget in none 1GB; do
+  for budget in ${VIT_BUDGETS:-none 1GB}; do
     train "vit_b512_$budget" vit-tiny "$budget" --dataset cifar10 --data "$DATA" --epochs 1 --batch-size 512 \
       --optimizer adamw
   done
-  for budget in none 0.5GB; do
+  for budget in ${GPT_BUDGETS:-none 0.5GB}; do
     train "gpt_b64_$budget" gpt-char "$budget" --dataset tinyshakespeare --data /tmp/shakespeare --epochs 1 \
       --batch-size 64 --optimizer adamw
   done
