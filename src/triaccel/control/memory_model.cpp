@@ -157,23 +157,6 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
       const at::Tensor again = run(large, nullptr).first;
       c.recomputable = again.sizes() == out_large.sizes() &&
                        at::allclose(again.to(at::kFloat), out_large.to(at::kFloat), 1e-3, 1e-3);
-      // An evaluation's forward: on CUDA the allocator's peak above the input, per sample (the slope between the two
-      // trace batches); elsewhere two tensors the size of the wider of its input and output.
-      c.eval_bytes = 2 * std::max(c.input_bytes, static_cast<double>(bytes_per_sample(out_large)));
-      if (device.is_cuda()) {
-        const auto eval_peak = [&](const at::Tensor& x) {
-          device_synchronize(device);
-          const double before = static_cast<double>(memory_stats(device).allocated_bytes);
-          memory_stats_reset_peak(device);
-          at::Tensor in_dtype = !in.unit_precisions.empty() && x.is_floating_point() ? x.to(precision_dtype(p)) : x;
-          const AutocastScope autocast(device, precision_mode_of(p));
-          { const at::Tensor out = units[u].forward(in_dtype); }
-          device_synchronize(device);
-          return static_cast<double>(memory_stats(device).peak_allocated_bytes) - before;
-        };
-        const double e_small = eval_peak(small), e_large = eval_peak(large);
-        c.eval_bytes = std::max(0.0, (e_large - e_small) / static_cast<double>(kTraceLarge - kTraceSmall));
-      }
     }
     m.units.push_back(c);
     small = out_small;
@@ -193,9 +176,9 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
 }
 
 double memory_model_eval_per_sample(const MemoryModel& model) {
-  double most = 0;
-  for (const UnitCost& u : model.units) most = std::max(most, u.input_bytes + u.eval_bytes);
-  return model.activation_scale * most;
+  double widest = 0;
+  for (const UnitCost& u : model.units) widest = std::max(widest, u.input_bytes);
+  return model.activation_scale * (3 * widest + model.transient_bytes / 2);
 }
 
 int64_t memory_model_eval_batch(const MemoryModel& model, int64_t cap_bytes, int64_t held_bytes, int64_t micro_batch,

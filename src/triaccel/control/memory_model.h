@@ -57,8 +57,7 @@ constexpr double kGpuFixedTransientBytes = 48e6;
 MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const MemoryModelInputs& inputs,
                                const c10::Device& device);
 
-// Bytes per sample an evaluation pass needs: the most any unit's input and its forward's allocations (without
-// autograd) hold at once (UnitCost::eval_bytes: measured on CUDA; elsewhere twice the wider of its input and output).
+// Bytes per sample an evaluation pass needs (no autograd: the largest unit input and output alive at once).
 double memory_model_eval_per_sample(const MemoryModel& model);
 
 // The largest evaluation batch (at most `asked`) that fits beside what the caching allocator holds. `held_bytes`

@@ -37,7 +37,6 @@ struct UnitCost {
   std::string name;
   double saved_bytes = 0;   // activations kept for backward, at the precision the unit runs in
   double input_bytes = 0;   // the unit's input (kept instead when the unit is recomputed)
-  double eval_bytes = 0;    // what its forward without autograd allocates above its input, output included
   double flops = 0;         // forward FLOPs (the recompute's price, relative to the other units)
   bool recomputable = true; // false: its forward is not repeatable (dropout, stochastic depth)
 };
