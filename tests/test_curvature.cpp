@@ -452,15 +452,25 @@ TEST(CurvatureProbeTest, Bf16ProductsAreNotBitEqualAndRestoreTheRunsState) {
 // the eager probe's (same kernels on the same saved tensors), every unit with parameters reports graphed, and on
 // the default stream (where a capture is not allowed) the probe stays eager. A graph that replayed stale inputs
 // (v not copied in) or read a freed output would give different eigenvalues; one never captured fails `graphed`.
-TEST(CurvatureProbeTest, CudaGraphedProductsGiveTheEagerEigenvalues) {
-  TRIACCEL_SKIP_WITHOUT_GPU();
-  torch::manual_seed(21);
+// ResNet-18 on the GPU (weights from `seed`) and a batch of 16 random CIFAR-sized images and labels.
+struct GpuProbeRig {
+  std::shared_ptr<Model> model;
+  at::Tensor images;  // (16, 3, 32, 32)
+  at::Tensor labels;  // (16)
+};
+GpuProbeRig resnet18_on_gpu(uint64_t seed) {
+  torch::manual_seed(seed);
   ModelOptions model_options;
   model_options.name = "resnet18";
-  auto model = model_create(model_options);
-  model->to(torch::kCUDA);
-  const at::Tensor images = torch::randn({16, 3, 32, 32}, torch::kCUDA);
-  const at::Tensor labels = torch::randint(0, 10, {16}, torch::TensorOptions().device(torch::kCUDA).dtype(at::kLong));
+  GpuProbeRig rig{model_create(model_options), torch::randn({16, 3, 32, 32}, torch::kCUDA),
+                  torch::randint(0, 10, {16}, torch::TensorOptions().device(torch::kCUDA).dtype(at::kLong))};
+  rig.model->to(torch::kCUDA);
+  return rig;
+}
+
+TEST(CurvatureProbeTest, CudaGraphedProductsGiveTheEagerEigenvalues) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  const auto [model, images, labels] = resnet18_on_gpu(21);
   CurvatureOptions options;
   options.top_k = 2;
   options.max_iters = 6;
@@ -507,13 +517,7 @@ TEST(CurvatureProbeTest, CudaGraphedProductsGiveTheEagerEigenvalues) {
 // a replayed round gives the eager round's eigenvalues at the new weights, not the old ones.
 TEST(CurvatureRoundTest, ReplayedPassesReadTheCurrentWeights) {
   TRIACCEL_SKIP_WITHOUT_GPU();
-  torch::manual_seed(23);
-  ModelOptions model_options;
-  model_options.name = "resnet18";
-  auto model = model_create(model_options);
-  model->to(torch::kCUDA);
-  const at::Tensor images = torch::randn({16, 3, 32, 32}, torch::kCUDA);
-  const at::Tensor labels = torch::randint(0, 10, {16}, torch::TensorOptions().device(torch::kCUDA).dtype(at::kLong));
+  const auto [model, images, labels] = resnet18_on_gpu(23);
   CurvatureOptions options;
   options.top_k = 1;
   options.max_iters = 4;
