@@ -814,15 +814,13 @@ Trainer::EvalResult Trainer::evaluate_within_budget() {
     const int64_t micro = step_->micro_batch() > 0 ? step_->micro_batch() : shard(progress_->batch).second;
     eval_batch_ = memory_->eval_batch(config_.execution.eval_batch_size, memory_stats(device_).reserved_bytes, micro);
   }
-  const int64_t planned = eval_batch_;
-  int64_t batch = eval_batch_fits_ > 0 ? std::min(planned, eval_batch_fits_) : planned;
-  for (;; batch = (batch + 1) / 2) {
+  for (int64_t batch = eval_batch_;; batch = (batch + 1) / 2) {
     try {  // under a vram_budget, an evaluation batch that does not fit is halved, not fatal
       // In the training graph's pool: its scratch memory is idle between epochs (beside it, evaluation under a
       // budget ran at batches small enough to fit there, 5× slower).
       EvalResult result;
       step_->in_graph_pool([&]() { result = evaluate(batch); });
-      if (batch < planned) eval_batch_fits_ = batch;
+      eval_batch_ = batch;  // the batch that fit, for the later evaluations
       return result;
     } catch (const c10::OutOfMemoryError&) {
       dist_out_of_memory_check("evaluation");
@@ -887,7 +885,7 @@ void Trainer::epoch_end(double train_s) {
       {"peak_vram_gb", p.peak_vram_gb},
       {"epoch_peak_vram_gb", epoch_peak_gb},
       {"eval_peak_vram_gb", eval_peak_gb},
-      {"eval_batch", eval_batch_fits_ > 0 ? std::min(eval_batch_, eval_batch_fits_) : eval_batch_},
+      {"eval_batch", eval_batch_},
       {"alloc_retries", memory_stats(device_).alloc_retries},  // since the start (core/device.h)
       {"skipped_steps", scaler_.skipped_steps().item<double>()},
       {"faults", p.fault_counters()},
