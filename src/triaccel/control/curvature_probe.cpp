@@ -15,8 +15,6 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/Context.h>
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 #ifdef TRIACCEL_WITH_CUDA
@@ -260,22 +258,14 @@ struct CurvatureRound::State {
       const HvpOperator op(ps, std::vector<at::Tensor>(grads.begin() + static_cast<long>(next),
                                                        grads.begin() + static_cast<long>(next + ps.size())));
       next += ps.size();
-      std::vector<at::Tensor> pieces;
-      int64_t at_elem = offset[u];
-      for (const auto& p : ps) {
-        pieces.push_back(v.narrow(0, at_elem, p.numel()).view(p.sizes()));
-        at_elem += p.numel();
-      }
-      const std::vector<at::Tensor> hv = op.apply(pieces);
-      at_elem = offset[u];
+      const std::vector<at::Tensor> hv = op.apply(flat_pieces(slice(v, u), ps));
+      std::vector<at::Tensor> out = flat_pieces(slice(w, u), ps);
       for (size_t j = 0; j < ps.size(); ++j) {
-        at::Tensor out = w.narrow(0, at_elem, ps[j].numel());
         if (first) {
-          out.copy_(hv[j].reshape({-1}));
+          out[j].copy_(hv[j]);
         } else {
-          out.add_(hv[j].reshape({-1}));
+          out[j].add_(hv[j]);
         }
-        at_elem += ps[j].numel();
       }
     }
   }
@@ -404,16 +394,7 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
       at::NoGradGuard no_grad;
       for (size_t u = 0; u < n_units; ++u) {
         if (s.numel[u] == 0) continue;
-        const uint64_t seed = s.options.seed + u;
-        at::Tensor start_v;
-        if (device.is_cuda()) {
-          at::Generator gen = at::detail::getCUDAHooks().getNewGenerator(device.index());
-          gen.set_current_seed(seed);
-          start_v = at::randn({s.numel[u]}, gen, s.v.options());
-        } else {
-          at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-          start_v = at::randn({s.numel[u]}, gen, at::TensorOptions().dtype(at::kDouble)).to(s.v.options());
-        }
+        const at::Tensor start_v = StartVectors(s.options.seed + u, s.v.options()).next(s.numel[u]);
         s.slice(s.v, u).copy_(start_v / start_v.norm());
       }
       s.started = true;

@@ -122,15 +122,19 @@ at::Tensor HvpOperator::apply_flat(const at::Tensor& v) const {
 #endif
 }
 
-at::Tensor HvpOperator::apply_flat_eager(const at::Tensor& v) const {
+std::vector<at::Tensor> flat_pieces(const at::Tensor& flat, const std::vector<at::Tensor>& params) {
   std::vector<at::Tensor> pieces;
-  pieces.reserve(params_.size());
+  pieces.reserve(params.size());
   int64_t offset = 0;
-  for (const auto& p : params_) {
-    pieces.push_back(v.narrow(0, offset, p.numel()).view(p.sizes()));
+  for (const auto& p : params) {
+    pieces.push_back(flat.narrow(0, offset, p.numel()).view(p.sizes()));
     offset += p.numel();
   }
-  std::vector<at::Tensor> hv = apply(pieces);
+  return pieces;
+}
+
+at::Tensor HvpOperator::apply_flat_eager(const at::Tensor& v) const {
+  std::vector<at::Tensor> hv = apply(flat_pieces(v, params_));
   for (auto& t : hv) t = t.reshape({-1});
   return at::cat(hv);  // (n)
 }
@@ -138,6 +142,22 @@ at::Tensor HvpOperator::apply_flat_eager(const at::Tensor& v) const {
 std::vector<at::Tensor> hessian_vector_product(const at::Tensor& loss, const std::vector<at::Tensor>& params,
                                                const std::vector<at::Tensor>& v) {
   return HvpOperator(loss, params).apply(v);
+}
+
+StartVectors::StartVectors(uint64_t seed, const at::TensorOptions& options) : options_(options) {
+  // Drawing 4.7M float64 values on the H100 machine's CPU took ~50 ms, more than a warm probe's products for
+  // ResNet-18's layer4 units: on a GPU the draw stays there, in the parameters' dtype.
+  if (options_.device().is_cuda()) {
+    generator_ = at::detail::getCUDAHooks().getNewGenerator(options_.device().index());
+    generator_.set_current_seed(seed);
+  } else {
+    generator_ = at::make_generator<at::CPUGeneratorImpl>(seed);
+  }
+}
+
+at::Tensor StartVectors::next(int64_t n) {
+  if (options_.device().is_cuda()) return at::randn({n}, generator_, options_);
+  return at::randn({n}, generator_, at::TensorOptions().dtype(at::kDouble)).to(options_);
 }
 
 EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, double tol, uint64_t seed,
@@ -153,16 +173,7 @@ EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, do
   const int count = static_cast<int>(std::min<int64_t>(k, n));
 
   const at::TensorOptions options = op.flat_options();
-  // Start vectors come from a generator of their own, seeded with `seed`: on the CPU in float64 (the reference), on
-  // a GPU there in the parameters' dtype (drawing 4.7M float64 values on the H100 machine's CPU took ~50 ms, more
-  // than a warm probe's products for ResNet-18's layer4 units). Deterministic for a seed on a given device.
-  at::Generator generator;
-  if (options.device().is_cuda()) {
-    generator = at::detail::getCUDAHooks().getNewGenerator(options.device().index());
-    generator.set_current_seed(seed);
-  } else {
-    generator = at::make_generator<at::CPUGeneratorImpl>(seed);
-  }
+  StartVectors starts(seed, options);
   std::vector<at::Tensor> eigenvectors;  // unit vectors (n), found so far
   std::vector<double> eigenvalues;
 
@@ -171,10 +182,8 @@ EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, do
     at::Tensor start;
     if (j < static_cast<int>(warm_start.size()) && warm_start[j].defined() && warm_start[j].numel() == n) {
       start = warm_start[j].detach().reshape({n}).to(options);
-    } else if (options.device().is_cuda()) {
-      start = at::randn({n}, generator, options);
     } else {
-      start = at::randn({n}, generator, at::TensorOptions().dtype(at::kDouble)).to(options);
+      start = starts.next(n);
     }
     at::Tensor v = orthogonalized(start, eigenvectors);  // (n)
     v = v / v.norm();

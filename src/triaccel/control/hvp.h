@@ -12,6 +12,7 @@
 #pragma once
 
 #include <ATen/Tensor.h>
+#include <ATen/core/Generator.h>
 
 #include <cstdint>
 #include <memory>
@@ -24,6 +25,9 @@ namespace triaccel {
 // to take many products from one loss.
 std::vector<at::Tensor> hessian_vector_product(const at::Tensor& loss, const std::vector<at::Tensor>& params,
                                                const std::vector<at::Tensor>& v);
+
+// Views of `flat` (a vector of Σ numel elements) shaped as each of `params`, in order: the layout of apply_flat.
+std::vector<at::Tensor> flat_pieces(const at::Tensor& flat, const std::vector<at::Tensor>& params);
 
 // H for one parameter group as a linear operator: the first-order gradients g = ∂loss/∂θ are computed once
 // (with create_graph), then each apply(v) is one backward of Σ_i g_i·v_i.
@@ -66,6 +70,19 @@ class HvpOperator {
   bool graph_wanted_ = false;
   mutable bool graph_tried_ = false;
   mutable std::shared_ptr<Graph> graph_;
+};
+
+// The power iteration's random start vectors for a seed: drawn one after another from a generator of their own,
+// on the CPU in float64 (the reference) and cast to `options`, on a GPU there in `options`' dtype. Deterministic for
+// a seed on a given device.
+class StartVectors {
+ public:
+  StartVectors(uint64_t seed, const at::TensorOptions& options);
+  at::Tensor next(int64_t n);  // (n), not normalized
+
+ private:
+  at::TensorOptions options_;
+  at::Generator generator_;
 };
 
 struct EigenResult {
