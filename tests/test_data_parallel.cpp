@@ -179,6 +179,24 @@ TEST_F(DataParallelTest, MicroBatchesAndRecomputeOnEachRankKeepTheWeights) {
   EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
 }
 
+// The gradient buckets (train/grad_buckets.h): at 0.05 MiB the MLP's gradients make two buckets (fc1's 100 kB weight
+// alone, the rest), the first started while backward runs, here with micro-batches and a recomputed unit too; at 0 one
+// collective after backward. Both train one process's weights (the default, 25 MiB, is the test above).
+TEST_F(DataParallelTest, SmallBucketsAndOneCollectiveAfterBackwardKeepTheWeights) {
+  test::TempDir one("dp_bk_one"), small("dp_bk_small"), after("dp_bk_after");
+  api::run(mlp_options(one.path()), one_process());
+  Config c = mlp_options(small.path());
+  c.set("grad_bucket_mb", "0.05");
+  c.set("micro_batch", "8");
+  c.set("recompute", "fc2");
+  run_ranks({c, c});
+  EXPECT_LT(worst_difference(one.file("model.pt"), small.file("model.pt")), 1e-3);
+  Config d = mlp_options(after.path());
+  d.set("grad_bucket_mb", "0");
+  run_ranks({d, d});
+  EXPECT_LT(worst_difference(one.file("model.pt"), after.file("model.pt")), 1e-3);
+}
+
 // Gradients crossing the ranks in bf16 (grad_compression): the test loss stays at one process's, but the weights are
 // not the fp32 reduction's (within 1e-3 of one process, 2e-5 measured): the compression happened.
 TEST_F(DataParallelTest, Bf16CompressedGradientsStayNearOneProcess) {

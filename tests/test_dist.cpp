@@ -73,19 +73,22 @@ TEST(DistTest, OneProcessIsANoOp) {
   EXPECT_FALSE(dist.active());
   std::vector<at::Tensor> t{torch::full({3}, 2.0f)};
   dist.all_reduce_sum(t);
+  dist.all_reduce_sum_start(t[0]).wait();
   dist.broadcast(t);
   dist.barrier();
   EXPECT_TRUE(torch::equal(t[0], torch::full({3}, 2.0f)));
 }
 
 // Two ranks: rank r holds (r + 1) in a tensor of 4 and r·10 in one of 2 (tensors of different sizes in one call);
-// after the sum every rank holds 3 and 10; after a broadcast from rank 1 every rank holds rank 1's values.
+// after the sum every rank holds 3 and 10 (and so for two sums started at once); a maximum gives each number's
+// largest; after a broadcast from rank 1 every rank holds rank 1's values.
 TEST(DistTest, TwoGlooRanksSumAndBroadcast) {
   DistOptions base;
   base.world_size = 2;
   base.master_port = 20000 + static_cast<int>(getpid() % 20000);  // ctest -j runs test binaries side by side
   base.timeout = std::chrono::seconds(60);
-  std::vector<std::vector<at::Tensor>> sums(2), casts(2);
+  std::vector<std::vector<at::Tensor>> sums(2), casts(2), started(2);
+  std::vector<std::vector<double>> maxima(2);
   std::vector<std::string> errors(2);
   std::vector<std::thread> ranks;
   for (int r = 0; r < 2; ++r) {
@@ -97,6 +100,15 @@ TEST(DistTest, TwoGlooRanksSumAndBroadcast) {
         std::vector<at::Tensor> t{torch::full({4}, static_cast<float>(r + 1)), torch::full({2}, 10.0f * r)};
         dist.all_reduce_sum(t);
         sums[r] = t;
+        // Two sums in flight at once (as gradient buckets during backward), waited for in reverse order.
+        at::Tensor a1 = torch::full({5}, static_cast<float>(r + 1)), a2 = torch::full({1000}, 2.0f * r);
+        DistWork w1 = dist.all_reduce_sum_start(a1);
+        DistWork w2 = dist.all_reduce_sum_start(a2);
+        w2.wait();
+        w1.wait();
+        w1.wait();  // a second wait does nothing
+        started[r] = {a1, a2};
+        maxima[r] = dist.all_reduce_max({static_cast<double>(r), 5.0 - r, -1.0});
         std::vector<at::Tensor> b{torch::full({3}, static_cast<float>(7 * r))};
         dist.broadcast(b, 1);
         casts[r] = b;
@@ -112,6 +124,9 @@ TEST(DistTest, TwoGlooRanksSumAndBroadcast) {
     EXPECT_TRUE(torch::equal(sums[r][0], torch::full({4}, 3.0f))) << r;
     EXPECT_TRUE(torch::equal(sums[r][1], torch::full({2}, 10.0f))) << r;
     EXPECT_TRUE(torch::equal(casts[r][0], torch::full({3}, 7.0f))) << r;
+    EXPECT_TRUE(torch::equal(started[r][0], torch::full({5}, 3.0f))) << r;
+    EXPECT_TRUE(torch::equal(started[r][1], torch::full({1000}, 2.0f))) << r;
+    EXPECT_EQ(maxima[r], (std::vector<double>{1.0, 5.0, -1.0})) << r;
   }
 }
 

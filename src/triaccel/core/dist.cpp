@@ -116,15 +116,34 @@ Dist::~Dist() {
 
 namespace {
 
-// Waits for a collective; a group that broke (a rank ended, the network failed) is one line naming this rank.
+// A group that broke (a rank ended, the network failed), as one line naming this rank.
+UserError group_lost(const DistOptions& o, const std::exception& e) {
+  return UserError(str_cat("rank ", o.rank, " of ", o.world_size, " lost the data-parallel group (another rank ",
+                           "ended, or the connection between them failed): ", error_one_line(e)));
+}
+
+// Waits for a collective (c10d::DistBackendError, or Gloo's own I/O exception, become group_lost).
+void collective_wait(const DistOptions& o, const c10::intrusive_ptr<c10d::Work>& work) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    throw group_lost(o, e);
+  }
+}
+
+// Starts a collective.
+template <typename F>
+c10::intrusive_ptr<c10d::Work> collective_start(const DistOptions& o, F&& start) {
+  try {
+    return start();
+  } catch (const std::exception& e) {
+    throw group_lost(o, e);
+  }
+}
+
 template <typename F>
 void run_collective(const DistOptions& o, F&& start) {
-  try {
-    start()->wait();
-  } catch (const std::exception& e) {  // c10::DistBackendError, or Gloo's own I/O exception
-    throw UserError(str_cat("rank ", o.rank, " of ", o.world_size, " lost the data-parallel group (another rank ",
-                            "ended, or the connection between them failed): ", error_one_line(e)));
-  }
+  collective_wait(o, collective_start(o, std::forward<F>(start)));
 }
 
 // Runs `collective` on `t`, through a host copy when `t` is on a GPU (the Gloo group reduces host memory).
@@ -171,38 +190,48 @@ void Dist::all_reduce_sum(std::vector<at::Tensor>& tensors) {
               [&](c10d::Backend& pg, std::vector<at::Tensor>& one) { return pg.allreduce(one, o); });
 }
 
-void Dist::all_reduce_sum_packed(const std::vector<at::Tensor>& tensors, double scale, at::ScalarType wire) {
-  if (tensors.empty()) return;
-  if (!active()) {
-    if (scale != 1.0) {
-      for (const at::Tensor& t : tensors) t.mul_(scale);
-    }
-    return;
-  }
-  std::vector<at::Tensor> flat;
-  flat.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) {
-    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device(),
-                "Dist::all_reduce_sum_packed: tensors of one dtype and device");
-    flat.push_back(t.reshape({-1}));
-  }
-  std::vector<at::Tensor> packed{at::cat(flat)};
-  if (scale != 1.0) packed[0].mul_(scale);
-  if (wire != at::ScalarType::Undefined && wire != packed[0].scalar_type()) packed[0] = packed[0].to(wire);
-  all_reduce_sum(packed);
-  int64_t offset = 0;
-  for (const at::Tensor& t : tensors) {
-    t.copy_(packed[0].narrow(0, offset, t.numel()).view(t.sizes()));
-    offset += t.numel();
-  }
+DistWork Dist::all_reduce_sum_start(const at::Tensor& t) {
+  if (!active()) return DistWork();
+  TORCH_CHECK(t.is_contiguous(), "Dist::all_reduce_sum_start: a non-contiguous tensor");
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::SUM;
+  o.timeout = options_.timeout;
+  const bool nccl = t.is_cuda() && group_->nccl;
+  // c10d takes the tensors by reference; the list lives with the work until its wait.
+  auto tensors = std::make_shared<std::vector<at::Tensor>>(1, nccl || !t.is_cuda() ? t : t.cpu());
+  c10d::Backend& pg = nccl ? *group_->nccl : static_cast<c10d::Backend&>(*group_->gloo);
+  const c10::intrusive_ptr<c10d::Work> work =
+      collective_start(options_, [&] { return pg.allreduce(*tensors, o); });
+  return DistWork([options = options_, work, tensors, t] {
+    collective_wait(options, work);
+    if (!(*tensors)[0].is_same(t)) t.copy_((*tensors)[0]);  // the host copy back to the GPU
+  });
 }
+
+namespace {
+
+// `op` over the ranks of host numbers (float64) through Gloo, in place; returns them.
+std::vector<double> host_all_reduce(const DistOptions& options, c10d::ProcessGroupGloo& gloo,
+                                    std::vector<double> values, c10d::ReduceOp::RedOpType op) {
+  std::vector<at::Tensor> t{at::tensor(values, at::kDouble)};
+  c10d::AllreduceOptions o;
+  o.reduceOp = op;
+  o.timeout = options.timeout;
+  run_collective(options, [&] { return gloo.allreduce(t, o); });
+  const double* p = t[0].data_ptr<double>();
+  return std::vector<double>(p, p + values.size());
+}
+
+}  // namespace
 
 std::vector<double> Dist::all_reduce_sum(std::vector<double> values) {
   if (!active() || values.empty()) return values;
-  std::vector<at::Tensor> t{at::tensor(values, at::kDouble)};
-  all_reduce_sum(t);
-  const double* p = t[0].data_ptr<double>();
-  return std::vector<double>(p, p + values.size());
+  return host_all_reduce(options_, *group_->gloo, std::move(values), c10d::ReduceOp::SUM);
+}
+
+std::vector<double> Dist::all_reduce_max(std::vector<double> values) {
+  if (!active() || values.empty()) return values;
+  return host_all_reduce(options_, *group_->gloo, std::move(values), c10d::ReduceOp::MAX);
 }
 
 void Dist::broadcast(std::vector<at::Tensor>& tensors, int root) {

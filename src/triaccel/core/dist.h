@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,6 +35,24 @@ struct DistOptions {
 // UserError naming the variable when one is malformed or out of range (RANK outside [0, WORLD_SIZE)).
 DistOptions dist_options_from_env();
 
+// A collective under way (Dist::all_reduce_sum_start): wait() returns once its result is in place — on NCCL, once
+// the current stream is ordered after it. A second wait() does nothing; an empty DistWork (one process) waits for
+// nothing.
+class DistWork {
+ public:
+  DistWork() = default;
+  explicit DistWork(std::function<void()> wait) : wait_(std::move(wait)) {}
+  void wait() {
+    if (!wait_) return;
+    const std::function<void()> w = std::move(wait_);
+    wait_ = nullptr;
+    w();
+  }
+
+ private:
+  std::function<void()> wait_;
+};
+
 class Dist {
  public:
   // Joins the group: blocks until every rank has (rank 0 serves the store). UserError naming MASTER_ADDR and
@@ -53,14 +72,14 @@ class Dist {
 
   // Sums `tensors` over the ranks, in place on every rank: one collective per tensor.
   void all_reduce_sum(std::vector<at::Tensor>& tensors);
-  // Sums `scale` × each tensor over the ranks, in place, in one collective: the tensors (one dtype and device,
-  // contiguous) are packed into one flat buffer and unpacked after. `wire`: the buffer's dtype on the way (e.g.
-  // bfloat16: half the bytes, summed in bfloat16; the scaling comes first, in the tensors' dtype); Undefined: the
-  // tensors' own. With one process: only the scaling.
-  void all_reduce_sum_packed(const std::vector<at::Tensor>& tensors, double scale = 1.0,
-                             at::ScalarType wire = at::ScalarType::Undefined);
+  // Starts summing the contiguous `t` over the ranks, in place, and returns at once: the caller goes on (backward,
+  // say) while it runs, and must not touch `t` until the returned work's wait(). Collectives start in the same order
+  // on every rank. A CUDA tensor without NCCL is copied to the host here and back in wait().
+  DistWork all_reduce_sum_start(const at::Tensor& t);
   // Sums host numbers over the ranks (float64), in place; returns them.
   std::vector<double> all_reduce_sum(std::vector<double> values);
+  // Each number's largest value over the ranks (float64; the same count on every rank).
+  std::vector<double> all_reduce_max(std::vector<double> values);
   // Every rank gets `root`'s values, in place.
   void broadcast(std::vector<at::Tensor>& tensors, int root = 0);
   void barrier();

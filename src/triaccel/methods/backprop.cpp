@@ -340,19 +340,7 @@ Trainer::Trainer(Session& session)
   so.graph_batch_size = shard(config_.schedule.batch_size).second;  // this rank's share
   so.label_smoothing = config_.optim.label_smoothing;
   so.fault_injection = !faults_.empty();
-  if (session_.dist().active()) {
-    const at::ScalarType wire = config_.execution.grad_compression == GradCompression::kBf16
-                                    ? at::kBFloat16
-                                    : at::ScalarType::Undefined;  // the gradients' own dtype
-    so.grad_reduce = [this, wire](const std::vector<at::Tensor>& grads) {
-      const bool timed = !session_.dist().nccl();  // a host collective: its time is this rank's wait (a graph's is not)
-      const double t0 = timed ? session_.clock().now_s() : 0;
-      session_.dist().all_reduce_sum_packed(grads, grad_weight_, wire);
-      if (timed) comm_s_ += session_.clock().now_s() - t0;
-    };
-    // NCCL's all-reduce is ordered on the stream: the graph captures it (with the full batch's constant weight).
-    so.grad_reduce_capturable = session_.dist().nccl();
-  }
+  if (session_.dist().active()) grad_reduce_set(so.grad_reduce);
   step_ = std::make_unique<TrainStep>(session_.model(), *optimizer_, scaler_, so, device_);
   if (config_.execution.sync_bn && session_.dist().active()) sync_bn_start();
   controllers_build();
@@ -370,6 +358,27 @@ Trainer::Trainer(Session& session)
 }
 
 Trainer::~Trainer() = default;
+
+void Trainer::grad_reduce_set(StepOptions::GradReduce& reduce) {
+  const bool nccl = session_.dist().nccl();
+  reduce.buckets.bucket_bytes = static_cast<int64_t>(config_.execution.grad_bucket_mb * 1024 * 1024);
+  reduce.buckets.wire = config_.execution.grad_compression == GradCompression::kBf16
+                            ? at::kBFloat16
+                            : at::ScalarType::Undefined;  // the gradients' own dtype
+  reduce.weight = [this] { return grad_weight_; };
+  reduce.start = [this, nccl](const at::Tensor& flat) {
+    DistWork work = session_.dist().all_reduce_sum_start(flat);
+    if (nccl) return work;  // ordered on the GPU's stream: no host time to count
+    // A host collective: what counts is this rank's wait for it, the part backward did not hide.
+    return DistWork([this, work]() mutable {
+      const double t0 = session_.clock().now_s();
+      work.wait();
+      comm_s_ += session_.clock().now_s() - t0;
+    });
+  };
+  // NCCL's all-reduce is ordered on the stream: the graph captures it (with the full batch's constant weight).
+  reduce.capturable = nccl;
+}
 
 void Trainer::sync_bn_start() {
   // Each BatchNorm sums its statistics over the ranks in every training forward: every rank must run one forward per

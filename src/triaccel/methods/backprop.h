@@ -65,6 +65,8 @@ class Trainer : private MemoryMeter {
   void restore();
   void controllers_build();
   void sync_bn_start();
+  // Data parallelism: the gradients' sum over the ranks, in buckets overlapped with backward (train/grad_buckets.h).
+  void grad_reduce_set(StepOptions::GradReduce& reduce);
   void memory_cap();
   // The loop.
   bool epoch();                            // false: stopped inside the epoch
@@ -117,7 +119,7 @@ class Trainer : private MemoryMeter {
   at::Tensor batch_images_, batch_labels_;  // the step's input buffers (the graph's static inputs)
   int64_t shard_offset_ = 0, shard_count_ = 0;  // this rank's samples of the current step, in the batch
   double grad_weight_ = 1;                  // this rank's share of the current global batch
-  double comm_s_ = 0;                       // this epoch's host time in the gradient collective
+  double comm_s_ = 0;                       // this epoch's host time waiting for the gradient collectives
   // Within the current session of the run.
   int64_t samples_this_epoch_ = 0;         // trained this epoch in this session
   int64_t samples_since_log_ = 0;

@@ -198,6 +198,9 @@ void ExecutionConfig::validate() const {
   TRIACCEL_CHECK_INPUT(!recompute.empty(), option_ref("recompute"), " must be auto, none or unit names");
   const FaultPlan faults(inject_faults);  // throws naming the bad item
   TRIACCEL_CHECK_INPUT(nproc >= 1 && nproc <= 1024, option_ref("nproc"), " must be in [1, 1024], got ", nproc);
+  TRIACCEL_CHECK_INPUT(std::isfinite(grad_bucket_mb) && grad_bucket_mb >= 0 && grad_bucket_mb <= 4096,
+                       option_ref("grad_bucket_mb"), " must be in [0, 4096] MiB (0: one collective after backward), "
+                       "got ", grad_bucket_mb);
 }
 
 int64_t ExecutionConfig::vram_budget_bytes() const {

@@ -191,6 +191,7 @@ struct ExecutionConfig {
   int64_t nproc = 1;             // data-parallel processes on this host (docs/distributed.md)
   DistBackend dist_backend = DistBackend::kAuto;
   GradCompression grad_compression = GradCompression::kNone;
+  double grad_bucket_mb = 25;    // data parallelism's gradient buckets (MiB; 0: one collective after backward)
   bool sync_bn = false;
 
   template <typename S, typename V>
@@ -432,6 +433,11 @@ void ExecutionConfig::fields(S& s, V&& v) {
                                   "data parallelism's gradients cross the ranks as: none (their own format), bf16 "
                                   "(half the bytes; each rank's share is scaled first, then cast and summed in bf16, "
                                   "as DDP's bf16 hook; no effect with one process)"});
+  v(s.grad_bucket_mb, FieldInfo{"grad_bucket_mb",
+                                "data parallelism: the gradients are summed over the ranks in buckets of about this "
+                                "many MiB, each started as soon as backward has produced its gradients, so the "
+                                "communication overlaps the rest of backward (as DDP's bucket_cap_mb); 0: one "
+                                "collective after backward"});
   v(s.sync_bn, FieldInfo{"sync_bn",
                          "data parallelism: BatchNorm normalizes with the whole global batch's statistics (summed "
                          "over the ranks in forward and backward) instead of each rank's own; no effect with one "

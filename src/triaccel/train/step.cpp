@@ -19,7 +19,7 @@ namespace {
 
 StepGraphOptions graph_options(const StepOptions& o, const c10::Device& device, std::function<void()> before_replay) {
   StepGraphOptions g;
-  g.enabled = o.cuda_graphs && device.is_cuda() && (!o.grad_reduce || o.grad_reduce_capturable);
+  g.enabled = o.cuda_graphs && device.is_cuda() && (!o.grad_reduce.start || o.grad_reduce.capturable);
   g.batch = o.graph_batch_size;
   g.warmup_steps = o.warmup_steps;
   g.during_capture = o.during_capture;
@@ -52,6 +52,10 @@ TrainStep::TrainStep(Model& model, Optimizer& optimizer, LossScaler& scaler, Ste
   for (const auto& b : model_.buffers()) {
     buffers_.push_back(b);
     buffers_before_.push_back(at::empty_like(b));
+  }
+  if (options_.grad_reduce.start) {
+    grad_buckets_ = std::make_unique<GradBuckets>(optimizer_.params(), options_.grad_reduce.buckets,
+                                                  options_.grad_reduce.start);
   }
   if (options_.fault_injection) {
     loss_fault_ = at::ones({1}, f32);
@@ -111,6 +115,7 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
                                              options_.label_smoothing);
     if (options_.fault_injection) loss = loss * loss_fault_;
     if (!whole) loss = loss * (static_cast<double>(len) / static_cast<double>(n));  // the micro-batch's share
+    if (grad_buckets_ && start + len >= n) grad_buckets_->arm(options_.grad_reduce.weight());  // the last: reduces
     scaler_.scale(loss).backward();
     const torch::NoGradGuard no_grad;
     const at::Tensor correct = logits.detach().argmax(1).eq(targets).sum().to(at::kFloat);
@@ -123,11 +128,9 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
     loss_total = at::zeros({1}, last_loss_.options());
     correct_total = at::zeros({1}, last_loss_.options());
   }
-  if (options_.grad_reduce) {
-    for (const auto& p : optimizer_.params()) {
-      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-    }
-    options_.grad_reduce(optimizer_.grads());
+  if (grad_buckets_) {
+    if (n == 0) grad_buckets_->arm(options_.grad_reduce.weight());  // no backward ran: every bucket starts here
+    grad_buckets_->finish();
   }
   const std::vector<at::Tensor> grads = optimizer_.grads();
   if (options_.fault_injection) {

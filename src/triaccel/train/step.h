@@ -15,6 +15,7 @@
 #include "triaccel/models/model.h"
 #include "triaccel/optim/optimizer.h"
 #include "triaccel/train/faults.h"
+#include "triaccel/train/grad_buckets.h"
 #include "triaccel/train/grad_stats.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/precision.h"
@@ -39,12 +40,17 @@ struct StepOptions {
   std::function<void()> during_capture;
   double label_smoothing = 0.0;
   int64_t micro_batch = 0;        // samples per forward/backward pass (0: the whole batch at once)
-  // Data parallelism: called with every parameter's gradient (the ranks' gradients summed in place, each rank's
-  // weighted by its share of the global batch) after backward and before the non-finite check, so an inf/NaN on
-  // any rank skips the step on every rank. Set: gradients are always defined (zeros where this rank's batch left
-  // none, even an empty one), and every step runs eagerly unless grad_reduce_capturable (a host-side collective).
-  std::function<void(const std::vector<at::Tensor>& grads)> grad_reduce;
-  bool grad_reduce_capturable = false;  // grad_reduce only enqueues work on the stream (NCCL): graphs stay on
+  // Data parallelism: the ranks' gradients summed, each rank's weighted by its share of the global batch, in
+  // buckets started while the last micro-batch's backward runs (train/grad_buckets.h), all of them waited for before
+  // the non-finite check, so an inf/NaN on any rank skips the step on every rank. Set (grad_reduce.start): gradients
+  // are always defined (zeros where this rank's batch left none, even an empty one), and every step runs eagerly
+  // unless grad_reduce.capturable.
+  struct GradReduce {
+    GradBucketStart start;           // one bucket's sum over the ranks (Dist::all_reduce_sum_start)
+    std::function<double()> weight;  // this rank's share of the global batch in the step about to run
+    GradBucketsOptions buckets;
+    bool capturable = false;  // start only enqueues work on the stream (NCCL): graphs stay on
+  } grad_reduce;
   // --inject-faults: the step multiplies its loss by a device factor and adds a device value to the first gradient
   // (both neutral unless set_fault() arms them), so NaN/inf faults reach graph replays too. Off: neither op exists.
   bool fault_injection = false;
@@ -141,6 +147,7 @@ class TrainStep {
   GradStatsLayout grad_stats_layout_;
   at::Tensor grad_stats_sum_;    // (U, kGradStatsColumns) float32 on device
   at::Tensor grad_stats_steps_;  // (1) float32: non-skipped steps summed
+  std::unique_ptr<GradBuckets> grad_buckets_;  // data parallelism (options_.grad_reduce.start set)
   StepGraph graph_;
 };
 

@@ -1,0 +1,186 @@
+#include "triaccel/train/grad_buckets.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/utils.h>
+
+namespace triaccel {
+
+struct GradBuckets::State {
+  struct Bucket {
+    std::vector<size_t> params;    // indices into State::params
+    std::vector<int64_t> offsets;  // each one's first element in `flat`
+    at::Tensor flat;               // (elements), the gradients' dtype and device
+    at::Tensor wire;               // (elements) in the wire dtype; undefined: `flat` is sent
+    int64_t pending = 0;           // gradients still to come in this pass
+    bool started = false;
+    DistWork work;
+  };
+
+  std::vector<at::Tensor> params;
+  std::vector<size_t> bucket_of, slot_of;  // per parameter: its bucket, its place in the bucket
+  std::vector<char> filled;                // per parameter: copied in this pass
+  std::vector<Bucket> buckets;
+  std::vector<std::vector<size_t>> layout;  // buckets' parameter lists (buckets())
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // kept alive, so their hooks stay
+  std::vector<uintptr_t> hook_keys;  // accumulators[i]'s hook
+  GradBucketStart start;
+  bool armed = false;
+  double weight = 1.0;
+  size_t next = 0;  // the next bucket to start
+  int64_t started_during_backward = 0;
+
+  at::Tensor slot(size_t i) const {
+    const Bucket& b = buckets[bucket_of[i]];
+    const at::Tensor& p = params[i];
+    return b.flat.narrow(0, b.offsets[slot_of[i]], p.numel()).view(p.sizes());
+  }
+
+  // The bucket's sum over the ranks, started (its unfilled slots take what their .grad holds, or zeros).
+  void bucket_start(Bucket& b) {
+    const torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      const size_t i = b.params[k];
+      if (filled[i]) continue;
+      const at::Tensor& g = params[i].grad();
+      if (g.defined()) {
+        slot(i).copy_(g);
+      } else {
+        slot(i).zero_();
+      }
+    }
+    if (weight != 1.0) b.flat.mul_(weight);
+    if (b.wire.defined()) b.wire.copy_(b.flat);
+    b.work = start(b.wire.defined() ? b.wire : b.flat);
+    b.started = true;
+  }
+
+  // Calls back after parameter `index`'s gradient accumulator ran (its .grad holds this pass's total).
+  class AccumulatedHook final : public torch::autograd::FunctionPostHook {
+   public:
+    AccumulatedHook(std::weak_ptr<State> state, size_t index) : state_(std::move(state)), index_(index) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list& /*inputs*/) override {
+      if (const auto state = state_.lock()) state->gradient_ready(index_);
+      return outputs;
+    }
+
+   private:
+    std::weak_ptr<State> state_;
+    size_t index_;
+  };
+
+  // From a hook: parameter i's gradient is accumulated for this pass.
+  void gradient_ready(size_t i) {
+    if (!armed) return;
+    Bucket& b = buckets[bucket_of[i]];
+    TORCH_CHECK(!b.started, "GradBuckets: a gradient came in after its bucket's reduction started");
+    {
+      const torch::NoGradGuard no_grad;
+      slot(i).copy_(params[i].grad());
+    }
+    if (filled[i]) return;  // accumulated twice in one pass: the slot holds the newer total
+    filled[i] = 1;
+    if (--b.pending > 0) return;
+    while (next < buckets.size() && buckets[next].pending == 0) {
+      bucket_start(buckets[next++]);
+      ++started_during_backward;
+    }
+  }
+};
+
+GradBuckets::GradBuckets(std::vector<at::Tensor> params, GradBucketsOptions options, GradBucketStart start)
+    : state_(std::make_shared<State>()) {
+  State& s = *state_;
+  s.params = std::move(params);
+  s.start = std::move(start);
+  const size_t n = s.params.size();
+  s.bucket_of.assign(n, 0);
+  s.slot_of.assign(n, 0);
+  s.filled.assign(n, 0);
+  // Last parameter first; a new bucket past the byte cap or at a change of dtype or device.
+  std::vector<int64_t> elements;
+  int64_t bytes = 0;
+  for (size_t k = n; k-- > 0;) {
+    const at::Tensor& p = s.params[k];
+    const int64_t pb = p.numel() * static_cast<int64_t>(p.element_size());
+    const bool fresh = s.buckets.empty() ||
+                       (options.bucket_bytes > 0 && bytes > 0 && bytes + pb > options.bucket_bytes) ||
+                       p.scalar_type() != s.params[s.buckets.back().params[0]].scalar_type() ||
+                       p.device() != s.params[s.buckets.back().params[0]].device();
+    if (fresh) {
+      s.buckets.emplace_back();
+      elements.push_back(0);
+      bytes = 0;
+    }
+    State::Bucket& b = s.buckets.back();
+    s.bucket_of[k] = s.buckets.size() - 1;
+    s.slot_of[k] = b.params.size();
+    b.params.push_back(k);
+    b.offsets.push_back(elements.back());
+    elements.back() += p.numel();
+    bytes += pb;
+  }
+  for (size_t j = 0; j < s.buckets.size(); ++j) {
+    State::Bucket& b = s.buckets[j];
+    const at::Tensor& first = s.params[b.params[0]];
+    b.flat = at::zeros({elements[j]}, first.options());
+    if (options.wire != at::ScalarType::Undefined && options.wire != first.scalar_type()) {
+      b.wire = at::zeros({elements[j]}, first.options().dtype(options.wire));
+    }
+    b.pending = static_cast<int64_t>(b.params.size());
+    s.layout.push_back(b.params);
+  }
+  if (options.bucket_bytes <= 0) return;  // one bucket, started after backward: no hooks
+  const std::weak_ptr<State> weak = state_;
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(s.params[i].requires_grad(), "GradBuckets: parameter ", i, " does not require a gradient");
+    std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(s.params[i]);
+    TORCH_CHECK(acc, "GradBuckets: parameter ", i, " has no gradient accumulator (not a leaf)");
+    s.hook_keys.push_back(acc->add_post_hook(std::make_unique<State::AccumulatedHook>(weak, i)));
+    s.accumulators.push_back(std::move(acc));
+  }
+}
+
+GradBuckets::~GradBuckets() {
+  State& s = *state_;
+  for (size_t i = 0; i < s.accumulators.size(); ++i) s.accumulators[i]->del_post_hook(s.hook_keys[i]);
+}
+
+void GradBuckets::arm(double weight) {
+  State& s = *state_;
+  s.armed = true;
+  s.weight = weight;
+  s.started_during_backward = 0;
+}
+
+void GradBuckets::finish() {
+  State& s = *state_;
+  s.armed = false;
+  while (s.next < s.buckets.size()) s.bucket_start(s.buckets[s.next++]);
+  const torch::NoGradGuard no_grad;
+  for (State::Bucket& b : s.buckets) {
+    b.work.wait();
+    if (b.wire.defined()) b.flat.copy_(b.wire);
+  }
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    at::Tensor& p = s.params[i];
+    if (!p.grad().defined()) p.mutable_grad() = at::empty_like(p);
+    p.mutable_grad().copy_(s.slot(i));
+  }
+  for (State::Bucket& b : s.buckets) {
+    b.pending = static_cast<int64_t>(b.params.size());
+    b.started = false;
+  }
+  std::fill(s.filled.begin(), s.filled.end(), 0);
+  s.next = 0;
+  s.weight = 1.0;
+}
+
+const std::vector<std::vector<size_t>>& GradBuckets::buckets() const { return state_->layout; }
+
+int64_t GradBuckets::started_during_backward() const { return state_->started_during_backward; }
+
+}  // namespace triaccel

@@ -1,0 +1,62 @@
+// Data parallelism's gradient reduction, overlapped with backward (docs/distributed.md), in the way of DDP's Reducer:
+// the parameters are laid, last first (the order backward produces their gradients), into buckets of about
+// `bucket_bytes` of gradients, each a flat buffer allocated once. A hook on each parameter's gradient accumulator
+// copies the accumulated gradient into its bucket during the backward pass that reduces (the step's last
+// micro-batch: arm()); a bucket whose gradients are all in is scaled by this rank's share of the global batch and its
+// sum over the ranks started at once, while backward goes on with the layers before it. finish(), after that pass,
+// starts what is left, waits for every bucket and writes the sums into the parameters' gradients.
+//
+// Invariants:
+// - Buckets start strictly in index order, whatever order the gradients come in: every rank issues the same
+//   collectives in the same order (a rank with an empty share, which runs no backward, starts them all in finish()).
+// - A parameter whose gradient did not come in that pass reduces what its .grad holds (earlier micro-batches'), or
+//   zeros when it has none; after finish() every parameter's gradient is defined and holds the weighted sum.
+// - Scaling comes first, in the gradients' dtype, then the cast to `wire` (bf16 compression, as DDP's bf16 hook).
+// - Hooks outside an armed pass (the curvature probe's products, evaluation) do nothing.
+// With bucket_bytes 0 no hook is installed: one bucket holds every gradient and starts in finish(), after backward.
+#pragma once
+
+#include "triaccel/core/dist.h"
+
+#include <ATen/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace triaccel {
+
+// Starts the sum over the ranks of `flat` in place (Dist::all_reduce_sum_start); the returned work waits for it.
+using GradBucketStart = std::function<DistWork(const at::Tensor& flat)>;
+
+struct GradBucketsOptions {
+  int64_t bucket_bytes = 0;  // > 0: buckets of about this many gradient bytes, started during backward; 0: one, after
+  at::ScalarType wire = at::ScalarType::Undefined;  // the dtype the sums run in (kBFloat16: compression); Undefined:
+                                                    // the gradients' own
+};
+
+class GradBuckets {
+ public:
+  // `params`: the optimizer's parameters, in its order (their gradients' dtype and device make the buckets').
+  GradBuckets(std::vector<at::Tensor> params, GradBucketsOptions options, GradBucketStart start);
+  ~GradBuckets();
+  GradBuckets(const GradBuckets&) = delete;
+  GradBuckets& operator=(const GradBuckets&) = delete;
+
+  // The next backward pass reduces: its gradients go to the buckets as they come, each rank's scaled by `weight`.
+  void arm(double weight);
+  // After that pass (or instead of it, for a rank without samples): the rest of the buckets, the waits, the sums in
+  // the gradients. Disarms.
+  void finish();
+
+  // Each bucket's parameters (indices into `params`), in the order they start.
+  const std::vector<std::vector<size_t>>& buckets() const;
+  // How many buckets the last reducing pass started from its hooks, while backward ran (the rest started in finish()).
+  int64_t started_during_backward() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;  // the hooks hold it weakly: a hook outliving this object does nothing
+};
+
+}  // namespace triaccel
