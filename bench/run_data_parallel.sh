@@ -5,7 +5,8 @@
 #   scale  ResNet-18 CIFAR-10 b512/GPU, ViT-Tiny b512/GPU (AdamW), EfficientNet-B0 at 224 b96/GPU; amp-bf16; ours:
 #          EPOCHS (2) epochs, the last epoch's images/s (global); PyTorch: bench/pytorch_ddp.py, synthetic resident
 #          input, the median of 3 timings of 40 steps; ResNet-18 on NPROC GPUs also with --grad-compression bf16
-#          and with --sync-bn
+#          and with --sync-bn and under --vram-budget DP_BUDGET (1GB); every model on NPROC GPUs also with
+#          --grad-bucket-mb 0 (one collective after backward, against the default overlapped buckets)
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -54,6 +55,14 @@ if has scale; then
         ours "scale_${model}-syncbn_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
           --epochs "$EPOCHS" --sync-bn true
       fi
+      if [ "$world" -gt 1 ]; then  # one collective after backward: what the overlapped buckets are measured against
+        ours "scale_${model}-nobucket_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+          --epochs "$EPOCHS" --grad-bucket-mb 0
+      fi
+      if [ "$world" -gt 1 ] && [ "$model" = resnet18 ]; then  # a budget on every GPU: each rank's peak under it
+        ours "scale_${model}-budget_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+          --epochs "$EPOCHS" --vram-budget "${DP_BUDGET:-1GB}"
+      fi
       torchrun --standalone --nproc_per_node "$world" bench/pytorch_ddp.py --model "$model" --batch "$per" \
         --out "$WORK/pytorch_ddp.jsonl" >"$WORK/pytorch_${model}_w$world.log" 2>&1
       echo "pytorch ${model} x$world: exit $? $(tail -1 "$WORK/pytorch_${model}_w$world.log" | cut -c1-160)"
@@ -80,7 +89,8 @@ for d in sorted(glob.glob(f"{work}/runs/*/")):
                  "images_per_s": epochs[-1]["images_per_s"] if epochs else None,
                  "test_acc": summ[0]["test_acc"] if summ else None, "total_s": summ[0]["total_s"] if summ else None,
                  "epochs": len(epochs), "cuda_graph": epochs[-1].get("cuda_graph") if epochs else None,
-                 "peak_vram_gb": summ[0]["peak_vram_gb"] if summ else None})
+                 "peak_vram_gb": summ[0]["peak_vram_gb"] if summ else None,
+                 "rank_peak_vram_gb": epochs[-1].get("rank_peak_vram_gb") if epochs else None})
     os.makedirs(f"{out}/events", exist_ok=True)
     if ev:
         shutil.copy(f"{d}/events.jsonl", f"{out}/events/{tag}.events.jsonl")
@@ -99,6 +109,14 @@ for model in ["resnet18", "vit-tiny", "efficientnet-b0"]:
     f = lambda v: f"{v:9.0f}" if v else "        -"
     q = lambda a, b: f"{a / b:8.2f}" if a and b else "       -"
     print(f"{model:16s} {f(o1)} {f(on)} {q(on, o1)} {f(p1)} {f(pn)} {q(pn, p1)} {q(on, pn)}")
+for model in ["resnet18", "vit-tiny", "efficientnet-b0"]:
+    on = next((r["images_per_s"] for r in rows if r.get("tag") == f"scale_{model}_w{nproc}"), None)
+    nb = next((r["images_per_s"] for r in rows if r.get("tag") == f"scale_{model}-nobucket_w{nproc}"), None)
+    if on and nb:
+        print(f"{model}: buckets overlapped {on:.0f} img/s, one collective after backward {nb:.0f} ({on / nb:.2f}x)")
+for r in rows:
+    if "-budget_" in r.get("tag", ""):
+        print(f"{r['tag']}: {r['images_per_s']} img/s, rank peaks {r['rank_peak_vram_gb']} GB")
 for r in rows:
     if r.get("tag", "").startswith("acc_"):
         print(f"{r['tag']}: test acc {r['test_acc']} %, total {r['total_s']} s, {r['epochs']} epochs")

@@ -415,7 +415,9 @@ TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
   };
   EXPECT_NE(refused("method", "auto").find("nproc 2 trains with method backprop or tri-accel only"),
             std::string::npos) << refused("method", "auto");
-  EXPECT_NE(refused("vram_budget", "1GB").find("vram_budget is not supported with nproc 2"), std::string::npos);
+  EXPECT_EQ(refused("vram_budget", "1GB"), "<no error>");  // each rank plans its share; the ranks agree on readings
+  EXPECT_NE(refused("batch_policy", "elastic").find("batch_policy elastic follows one process's memory"),
+            std::string::npos) << refused("batch_policy", "elastic");
   EXPECT_NE(refused("inject_faults", "oom@3").find("inject_faults is not supported"), std::string::npos);
   EXPECT_NE(refused("batch_size", "1").find("batch_size 1 is smaller than nproc 2"), std::string::npos);
   const auto refused_with_sync_bn = [&](const char* key, const std::string& value) {
@@ -427,6 +429,8 @@ TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
   };
   EXPECT_NE(refused_with_sync_bn("micro_batch", "8").find("drop micro_batch 8"), std::string::npos);
   EXPECT_NE(refused_with_sync_bn("recompute", "fc1").find("drop recompute fc1"), std::string::npos);
+  EXPECT_NE(refused_with_sync_bn("vram_budget", "1GB").find("which a vram_budget may split into micro-batches"),
+            std::string::npos);
   // nproc 2 through the API in a process that is no rank: the command line starts ranks, not api::run.
   Config c = mlp_options(out.path());
   c.set("nproc", "2");

@@ -9,6 +9,7 @@
 #include "triaccel/control/memory_planner.h"
 #include "triaccel/control/precision_controller.h"
 #include "triaccel/core/device.h"
+#include "triaccel/core/dist.h"
 #include "triaccel/core/events.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/methods/backprop.h"
@@ -31,6 +32,8 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <thread>
+#include <unistd.h>
 
 namespace triaccel {
 namespace {
@@ -864,6 +867,84 @@ TEST(MemoryPlanControllerTest, APlanOffItsPredictionAfterCalibrationIsRecalibrat
   EXPECT_FALSE(r.c.plan() == kept);
   EXPECT_LE(r.truth(r.c.plan()), r.limits.budget_bytes);
   EXPECT_NEAR(r.c.plan().predicted_peak_bytes, r.truth(r.c.plan()), kPredictionTolerance * r.truth(r.c.plan()));
+}
+
+// Runs body(rank, dist) on two ranks (threads, each its own Dist over one Gloo group); returns their errors.
+std::vector<std::string> on_two_ranks(const std::function<void(int, Dist&)>& body) {
+  static int round = 0;
+  DistOptions base;
+  base.world_size = 2;
+  base.master_port = 43000 + static_cast<int>((getpid() * 3 + 50 * round++) % 9000);
+  base.timeout = std::chrono::seconds(60);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        DistOptions o = base;
+        o.rank = r;
+        Dist dist(o);
+        body(r, dist);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  return errors;
+}
+
+// Data parallelism: two ranks whose traces differ (rank 1's unit 1 keeps more, its unit 2 cannot be recomputed, its
+// fixed bytes are higher) agree on one model, each number the larger, the flag the stricter.
+TEST(MemoryPlanControllerTest, RanksAgreeOnTheLargerModel) {
+  std::vector<MemoryModel> models(2);
+  const auto errors = on_two_ranks([&](int r, Dist& dist) {
+    MemoryModel m = made_up({100, r == 0 ? 60.0 : 75.0, 20}, {2, 10, 6}, {1, 5, 5});
+    m.fixed_bytes = r == 0 ? 500 : 400;
+    m.units[2].recomputable = r == 0;
+    memory_model_agree(m, [&](std::vector<double> v) { return dist.all_reduce_max(std::move(v)); });
+    models[static_cast<size_t>(r)] = m;
+  });
+  EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
+  for (const MemoryModel& m : models) {
+    EXPECT_EQ(m.units[1].saved_bytes, 75);
+    EXPECT_EQ(m.units[0].saved_bytes, 100);
+    EXPECT_EQ(m.fixed_bytes, 500);
+    EXPECT_TRUE(m.units[0].recomputable);
+    EXPECT_FALSE(m.units[2].recomputable);
+  }
+}
+
+// Data parallelism: two ranks whose allocators read differently (rank 1's run needs 1.5 × the modelled activations,
+// rank 0's 0.5 ×) calibrate alike when they agree on the worst reading each step: one plan (micro-batch, recompute),
+// one model, within the budget on the rank that needs more. Alone, each rank's calibration makes a plan of its own.
+TEST(MemoryPlanControllerTest, TwoRanksWithDifferentReadingsAgreeOnOnePlan) {
+  const double scales[2] = {0.5, 1.5};
+  std::vector<MemoryPlan> alone(2);
+  for (size_t r = 0; r < 2; ++r) {
+    CalibrationRig rig;
+    rig.true_scale = scales[r];
+    rig.steps(1, 8);
+    alone[r] = rig.c.plan();
+  }
+  ASSERT_FALSE(alone[0] == alone[1]) << "the readings must lead to different plans for the agreement to matter";
+
+  std::vector<MemoryPlan> agreed(2);
+  std::vector<double> scale(2), fits(2);
+  const auto errors = on_two_ranks([&](int r, Dist& dist) {
+    CalibrationRig rig;
+    rig.true_scale = scales[r];
+    rig.c.set_agree([&](std::vector<double> v) { return dist.all_reduce_max(std::move(v)); });
+    rig.steps(1, 8);
+    agreed[static_cast<size_t>(r)] = rig.c.plan();
+    scale[static_cast<size_t>(r)] = rig.c.model().activation_scale;
+    fits[static_cast<size_t>(r)] = rig.truth(rig.c.plan()) <= static_cast<double>(rig.limits.budget_bytes);
+  });
+  ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
+  EXPECT_TRUE(agreed[0] == agreed[1]);
+  EXPECT_TRUE(agreed[1] == alone[1]);  // the worst rank's plan
+  EXPECT_EQ(scale[0], scale[1]);
+  EXPECT_EQ(fits, (std::vector<double>{1, 1}));
 }
 
 class MemoryRunTest : public test::TinyMnistTest {};

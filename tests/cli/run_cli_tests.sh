@@ -87,8 +87,13 @@ if [ "$(grep -c '"event":"config"' "$WORK/dp/events.jsonl" 2>/dev/null)" = 1 ] &
   passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nproc_trains: not one config event with world_size 2"; fi
 expect nproc_resume_one 0 "done: test acc" -- train --resume "$WORK/dp" --progress lines
 expect nproc_neuroflux 2 "--nproc 2 trains with --method backprop or tri-accel only" -- train "${TINY[@]}" --nproc 2 --method neuroflux
-expect nproc_budget 2 "--vram-budget is not supported with --nproc 2" -- train "${TINY[@]}" --nproc 2 --vram-budget 1GB
+expect nproc_budget_sync_bn 2 "--sync-bn runs each process's share in one forward, which a --vram-budget may split into micro-batches" -- train "${TINY[@]}" --nproc 2 --vram-budget 1GB --sync-bn true
+expect nproc_elastic 2 "--batch-policy elastic follows one process's memory; with --nproc 2 use --batch-policy fixed" -- train "${TINY[@]}" --nproc 2 --method tri-accel --vram-budget 1GB --batch-policy elastic
 expect nproc_zero 2 "--nproc must be in [1, 1024], got 0" -- train "${TINY[@]}" --nproc 0
+expect bucket_negative 2 "--grad-bucket-mb must be in [0, 4096] MiB (0: one collective after backward), got -1" -- train "${TINY[@]}" --grad-bucket-mb -1
+# Small gradient buckets (several per step, started during backward) and a budget (ignored on the CPU, with a note)
+# on two ranks.
+expect nproc_buckets 0 "2 processes" -- train "${TINY[@]}" --nproc 2 --max-steps 2 --grad-bucket-mb 0.01 --vram-budget 1GB --out "$WORK/dpb" --progress lines
 # The same binary under torchrun (the cluster launcher's environment; its agent serves the store).
 if python3 -c 'import torch.distributed.run' 2>/dev/null; then
   out=$(timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node 2 --no-python "$CLI" train "${TINY[@]}" \

@@ -111,7 +111,8 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   m.weights_bytes = 4.0 * static_cast<double>(n);
   m.grads_bytes = 4.0 * static_cast<double>(n);
   m.optimizer_bytes = static_cast<double>(in.optimizer_state_bytes);
-  m.fixed_bytes = (any16 ? 2.0 * static_cast<double>(n) : 0.0) + (in.for_gpu ? kGpuFixedTransientBytes : 0.0);
+  m.fixed_bytes = (any16 ? 2.0 * static_cast<double>(n) : 0.0) + (in.for_gpu ? kGpuFixedTransientBytes : 0.0) +
+                  static_cast<double>(in.grad_reduce_bytes);
   m.dataset_bytes = static_cast<double>(in.dataset_device_bytes);
   m.stream_bytes = static_cast<double>(in.dataset_stream_bytes);
   m.batch_input_bytes = static_cast<double>(in.sample_input_bytes);
@@ -173,6 +174,32 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   model.train(was_training);
   rng_restore(rng, device);
   return m;
+}
+
+void memory_model_agree(MemoryModel& model,
+                        const std::function<std::vector<double>(std::vector<double>)>& max_over_ranks) {
+  // Every number in one list, each a quantity whose largest value is the safe one (flags as "forbidden" = 1).
+  std::vector<double*> fields = {&model.weights_bytes, &model.grads_bytes,      &model.optimizer_bytes,
+                                 &model.fixed_bytes,   &model.dataset_bytes,    &model.stream_bytes,
+                                 &model.batch_input_bytes, &model.transient_bytes, &model.activation_scale,
+                                 &model.overhead_s,    &model.per_sample_s,     &model.stream_per_sample_s,
+                                 &model.forward_share};
+  for (UnitCost& u : model.units) {
+    fields.push_back(&u.saved_bytes);
+    fields.push_back(&u.input_bytes);
+    fields.push_back(&u.flops);
+  }
+  std::vector<double> values;
+  for (const double* f : fields) values.push_back(*f);
+  for (const UnitCost& u : model.units) values.push_back(u.recomputable ? 0.0 : 1.0);
+  values.push_back(model.allow_host_data ? 0.0 : 1.0);
+  values = max_over_ranks(std::move(values));
+  TORCH_CHECK(values.size() == fields.size() + model.units.size() + 1, "memory_model_agree: ", values.size(),
+              " numbers back");
+  size_t k = 0;
+  for (double* f : fields) *f = values[k++];
+  for (UnitCost& u : model.units) u.recomputable = values[k++] == 0.0;
+  model.allow_host_data = values[k] == 0.0;
 }
 
 double memory_model_eval_per_sample(const MemoryModel& model) {

@@ -20,6 +20,7 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace triaccel {
@@ -32,6 +33,7 @@ struct MemoryModelInputs {
   int64_t dataset_stream_bytes = 0;    // what stays on the device when they are streamed from the host
   int64_t sample_input_bytes = 0;      // one sample of the step's static input and labels
   int64_t sample_staging_bytes = 0;    // the device staging of one streamed sample
+  int64_t grad_reduce_bytes = 0;       // data parallelism: the gradient buckets (train/grad_buckets.h), held always
   bool allow_host_data = true;
   bool for_gpu = false;                // price for a GPU (overheads, workspaces) whatever device traces it
   // On CUDA: measure the whole model's forward + backward at two small batches and start from that activation
@@ -56,6 +58,12 @@ constexpr double kGpuFixedTransientBytes = 48e6;
 // `sample`: one input sample (C, H, W) float or (T) int64, on the model's device.
 MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const MemoryModelInputs& inputs,
                                const c10::Device& device);
+
+// Data parallelism: every rank's model made the same, each number the largest any rank measured (a unit that cannot
+// be recomputed on one rank is not recomputed on any; host data only where every rank allows it). `max_over_ranks`
+// (Dist::all_reduce_max) takes the same count of numbers on every rank: the ranks trace the same model.
+void memory_model_agree(MemoryModel& model,
+                        const std::function<std::vector<double>(std::vector<double>)>& max_over_ranks);
 
 // Bytes per sample an evaluation pass needs (no autograd: the largest unit input and output alive at once).
 double memory_model_eval_per_sample(const MemoryModel& model);

@@ -96,40 +96,44 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
     if (!(plan_ == before)) events.push_back({event::kMemoryPlan, plan_fields("precision")});
     return events;  // this step ran with the old precisions: no calibration reading from it
   }
-  // A capture that ran out of memory: the plan may fill less of the budget; the step captures again. When the
-  // smaller share leaves no plan, the graph is given up instead: eager steps at the current share.
+  // This rank's observations: whether a capture ran out of memory, and the allocator's peak over an eager or
+  // capturing step (a replay allocates nothing: its window shows only the live tensors). An eager step beside a
+  // captured graph (an epoch's short last batch) reads the graph's pool as well: no reading.
   const int64_t capture_ooms = step_.graph().capture_ooms();
-  const bool capture_failed = capture_ooms > capture_ooms_seen_;
-  if (capture_failed) {
-    capture_ooms_seen_ = capture_ooms;
-    if (limits_.cap_bytes > 0) {  // a disabled graph captures no more
-      const double share = limits_.cap_share * kCaptureShareStep;
-      const auto bytes = static_cast<int64_t>(share * static_cast<double>(limits_.cap_bytes));
-      if (share >= kCaptureShareMin &&
-          memory_plan_solve(model_, limits_.batch, bytes, limits_.constraints).feasible) {
-        limits_.cap_share = share;
-        limits_.budget_bytes = bytes;
-        replan();
-        step_.graph_allow();
-        events.push_back({event::kMemoryPlan, plan_fields("capture_oom")});
-      } else {
-        step_.graph_disable();
-        events.push_back({event::kMemoryPlan, plan_fields("capture_oom_eager")});
-      }
-    }
-  }
-  // Calibration: the allocator's peak over an eager or capturing step (a replay allocates nothing: its window shows
-  // only the live tensors). The first step of a session is not read: optimizer state (SGD's momentum) is created at
-  // its end, after its peak.
-  // An eager step beside a captured graph (an epoch's short last batch) reads the graph's pool as well: no reading.
+  bool capture_failed = capture_ooms > capture_ooms_seen_;
+  capture_ooms_seen_ = capture_ooms;
   const StepGraph::Ran ran_as = step_.graph().last_ran();
   const bool allocated = ran_as != StepGraph::Ran::kReplayed;
   const bool beside_graph = ran_as == StepGraph::Ran::kEager && step_.graph().captured();
-  // A capture that ran out of memory allocated up to the cap before it failed: not the plan's peak (at 0.4 GB on the
-  // H100 such a reading, 0.366 GB for a plan that peaks at 0.28, pulled the calibration 16 % high).
-  if (ctx.memory == nullptr || !allocated || beside_graph) return events;
-  const MemoryStats m = ctx.memory->window();
-  const double measured = static_cast<double>(m.peak_allocated_bytes);
+  double measured = 0;
+  if (ctx.memory != nullptr && allocated && !beside_graph) {
+    measured = static_cast<double>(ctx.memory->window().peak_allocated_bytes);
+  }
+  if (agree_) {  // several ranks: the worst rank's, so that every rank decides alike
+    const std::vector<double> worst = agree_({capture_failed ? 1.0 : 0.0, measured});
+    capture_failed = worst.at(0) > 0;
+    measured = worst.at(1);
+  }
+  // A capture that ran out of memory: the plan may fill less of the budget; the step captures again. When the
+  // smaller share leaves no plan, the graph is given up instead: eager steps at the current share.
+  if (capture_failed && limits_.cap_bytes > 0) {  // a disabled graph captures no more
+    const double share = limits_.cap_share * kCaptureShareStep;
+    const auto bytes = static_cast<int64_t>(share * static_cast<double>(limits_.cap_bytes));
+    if (share >= kCaptureShareMin && memory_plan_solve(model_, limits_.batch, bytes, limits_.constraints).feasible) {
+      limits_.cap_share = share;
+      limits_.budget_bytes = bytes;
+      replan();
+      step_.graph_allow();
+      events.push_back({event::kMemoryPlan, plan_fields("capture_oom")});
+    } else {
+      step_.graph_disable();
+      events.push_back({event::kMemoryPlan, plan_fields("capture_oom_eager")});
+    }
+  }
+  // Calibration reads the peak. The first step of a session is not read: optimizer state (SGD's momentum) is created
+  // at its end, after its peak. A capture that ran out of memory allocated up to the cap before it failed: not the
+  // plan's peak (at 0.4 GB on the H100 such a reading, 0.366 GB for a plan that peaks at 0.28, pulled the
+  // calibration 16 % high).
   if (measured <= 0 || first_step || capture_failed) return events;
   if (calibrations_ >= kCalibrationSteps) {  // calibrated: the steps that allocate under the plan measure it
     if (!(ran == plan_)) return events;

@@ -13,6 +13,10 @@
 //     plan is recomputed and the step captured again — a budget that fits must not leave the step eager. When the
 //     smaller share leaves no plan (a budget near the floor), the graph is given up instead: eager steps at the
 //     share that fits.
+// Data parallelism (set_agree): each rank measures its own allocator, and every step the ranks agree on the worst
+// reading (the largest peak; a capture that ran out of memory on any rank), so every rank's controller sees the same
+// readings and, from the same model (memory_model_agree), makes the same plans: one micro-batch, one set of
+// recomputed units, each rank's peak within the budget.
 // Every plan is logged as a `memory_plan` event (reason, the levers, predicted and, where measured, measured peak).
 // After calibration, steps that allocate under the current plan keep measuring it (plan_measured_peak_bytes).
 #pragma once
@@ -81,6 +85,11 @@ class MemoryPlanController final : public StepController {
   // promoting units, so that a promotion no plan can pay for is refused instead of ending the run).
   bool fits(const std::vector<Precision>& unit_precisions) const;
 
+  // Data parallelism: each number's largest value over the ranks (Dist::all_reduce_max), called once after every
+  // step on every rank. Unset: one process.
+  using Agree = std::function<std::vector<double>(std::vector<double>)>;
+  void set_agree(Agree max_over_ranks) { agree_ = std::move(max_over_ranks); }
+
   const MemoryPlan& plan() const { return plan_; }
   // The allocator's peak over the steps that allocated (eager, capturing; not replays, not a step beside a graph,
   // not one whose capture failed) while the current plan was in force; 0 before one did. What its prediction is
@@ -105,6 +114,7 @@ class MemoryPlanController final : public StepController {
   MemoryPlanLimits limits_;
   TrainStep& step_;
   Rebuild rebuild_;
+  Agree agree_;
   std::vector<Precision> precisions_;  // the step's unit precisions the model was built for
   double measured_peak_bytes_ = 0;     // the last calibration reading
   double plan_measured_peak_bytes_ = 0;  // plan_measured_peak_bytes()

@@ -99,6 +99,17 @@ std::vector<bool> recompute_parse(const std::string& text, const Model& model) {
 
 }  // namespace
 
+namespace {
+
+// Data parallelism: each number's largest value over the ranks (what the memory planner's ranks agree through);
+// null with one process.
+MemoryPlanController::Agree max_over_ranks(Session& session) {
+  if (!session.dist().active()) return nullptr;
+  return [&dist = session.dist()](std::vector<double> values) { return dist.all_reduce_max(std::move(values)); };
+}
+
+}  // namespace
+
 struct Trainer::MemorySetup {
   bool planned = false;               // a MemoryPlanController keeps the step on `plan`
   MemoryModelInputs inputs;
@@ -130,8 +141,8 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   const bool levers = ex.micro_batch > 0 || ex.recompute != "auto" || ex.data_placement != PlacementChoice::kAuto;
   const bool elastic = ex.method == Method::kTriAccel && ex.batch_policy == BatchPolicy::kElastic;
   // Tri-Accel's precision promotions, without a budget, may not raise the peak above its 16-bit start's. Not with
-  // several ranks yet: the plan follows each rank's allocator readings, so promotions could be refused on one rank
-  // and not on another (docs/distributed.md).
+  // several ranks yet: the ranks' agreement on the planner's readings has not run on GPUs, the only place this does
+  // (docs/distributed.md).
   const bool precision_limited = budget == 0 && gpu && !preview && ex.method == Method::kTriAccel &&
                                  config.tri_accel.ta_precision && !elastic && session.dist().world_size() == 1;
   setup->planned = levers || (budget > 0 && !elastic) || precision_limited;
@@ -167,16 +178,21 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   }
   in.allow_host_data = gpu;
   in.for_gpu = gpu;
+  // Several ranks: the gradient buckets hold a copy of every fp32 gradient (and a bf16 one to send, compressed).
+  const int64_t world = std::max<int64_t>(session.dist().world_size(), ex.nproc);
+  if (world > 1) in.grad_reduce_bytes = (ex.grad_compression == GradCompression::kBf16 ? 6 : 4) * n;
   MemoryModelInputs first = in;
   first.measure_scale = true;  // on CUDA, before the loaders exist (rebuilds while training do not measure)
   setup->model = memory_model_build(model, setup->sample, first, device);
+  if (const auto agree = max_over_ranks(session)) memory_model_agree(setup->model, agree);
 
   PlanConstraints& c = setup->limits.constraints;
   c.micro_batch = ex.micro_batch;
   c.recompute = recompute_parse(ex.recompute, model);
   c.placement_fixed = ex.data_placement != PlacementChoice::kAuto || !gpu;
   c.placement = ex.data_placement == PlacementChoice::kHost && gpu ? DataPlacement::kHost : DataPlacement::kDevice;
-  setup->limits.batch = config.schedule.batch_size;
+  // Each rank plans for its share of the global batch (the larger one where they differ); `plan` previews --nproc.
+  setup->limits.batch = (config.schedule.batch_size + world - 1) / world;
   setup->limits.cap_bytes = budget;
   setup->limits.cap_share = kPlanShareOfCap;
   setup->limits.initial_share = kPlanShareOfCap;
@@ -188,7 +204,9 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   }
   setup->plan = memory_plan_solve(setup->model, setup->limits.batch, setup->limits.budget_bytes, c);
   TRIACCEL_CHECK_INPUT(preview || setup->plan.feasible, option_ref("vram_budget"), " ", ex.vram_budget,
-                       " is below this run's floor: batch ", setup->limits.batch, " of ", config.model.model,
+                       " is below this run's floor: batch ", setup->limits.batch,
+                       world > 1 ? c10::str(" (a process's share of ", config.schedule.batch_size, ")") : "", " of ",
+                       config.model.model,
                        " needs at least ", static_cast<int64_t>(std::ceil(setup->plan.floor_bytes / kPlanShareOfCap)),
                        " bytes (", setup->plan.floor_bytes / kPlanShareOfCap / kGB, " GB) with micro-batches of 1, "
                        "every unit recomputed and the data streamed",
@@ -511,8 +529,11 @@ void Trainer::controllers_build() {
         m.model, m.plan, m.limits, *step_, [this](const std::vector<Precision>& precisions) {
           MemoryModelInputs in = memory_->inputs;
           in.unit_precisions = precisions;
-          return memory_model_build(session_.model(), memory_->sample, in, device_);
+          MemoryModel rebuilt = memory_model_build(session_.model(), memory_->sample, in, device_);
+          if (const auto agree = max_over_ranks(session_)) memory_model_agree(rebuilt, agree);
+          return rebuilt;
         });
+    planner->set_agree(max_over_ranks(session_));
     memory_planner_ = planner.get();
     controllers_.push_back(std::move(planner));
     if (precision_controller != nullptr) {  // a promotion no plan can pay for is refused, not fatal

@@ -442,19 +442,20 @@ void Config::validate_world(int64_t world) const {
   // (optimizer baoc is fine: its statistics come from the reduced gradient and its plan from them and from tables,
   // so every rank makes the same plans.)
   const ExecutionConfig& ex = execution;
-  // (micro_batch and recompute are fine: a rank's micro-batches accumulate before the one reduction.)
-  const std::pair<const char*, bool> set[] = {{"vram_budget", !ex.vram_budget.empty()},
-                                              {"data_placement", ex.data_placement != PlacementChoice::kAuto},
-                                              {"inject_faults", !ex.inject_faults.empty()}};
-  for (const auto& [key, is_set] : set) {
-    TRIACCEL_CHECK_INPUT(!is_set, option_ref(key), " is not supported with ", world_ref,
-                         " yet; drop it, or use one process");
-  }
+  // (micro_batch and recompute are fine: a rank's micro-batches accumulate before the one reduction. So is a
+  // vram_budget: each rank plans its share of the batch, and the ranks agree on the worst rank's readings.)
+  TRIACCEL_CHECK_INPUT(ex.inject_faults.empty(), option_ref("inject_faults"), " is not supported with ", world_ref,
+                       " yet; drop it, or use one process");
+  TRIACCEL_CHECK_INPUT(ex.batch_policy == BatchPolicy::kFixed, option_ref("batch_policy"), " elastic follows one "
+                       "process's memory; with ", world_ref, " use ", option_ref("batch_policy"), " fixed (the memory "
+                       "planner splits each process's share into micro-batches instead)");
   TRIACCEL_CHECK_INPUT(schedule.batch_size >= world, option_ref("batch_size"), " ", schedule.batch_size,
                        " is smaller than ", world_ref, " (the global batch is split across the processes); raise it");
   // Synchronized BatchNorm sums each BatchNorm's statistics once per forward on every rank, in lockstep: micro-batches
   // (their number may differ between ranks) and recomputed units (a second forward) would break it.
   if (!ex.sync_bn) return;
+  TRIACCEL_CHECK_INPUT(ex.vram_budget.empty(), option_ref("sync_bn"), " runs each process's share in one forward, "
+                       "which a ", option_ref("vram_budget"), " may split into micro-batches; drop one of them");
   TRIACCEL_CHECK_INPUT(ex.micro_batch == 0, option_ref("sync_bn"), " runs each process's share in one forward; drop ",
                        option_ref("micro_batch"), " ", ex.micro_batch);
   TRIACCEL_CHECK_INPUT(ex.recompute == "auto" || ex.recompute == "none", option_ref("sync_bn"),
