@@ -10,7 +10,6 @@
 
 #include <cstdlib>
 #include <optional>
-#include <thread>
 #include <unistd.h>
 
 namespace triaccel {
@@ -83,42 +82,27 @@ TEST(DistTest, OneProcessIsANoOp) {
 // after the sum every rank holds 3 and 10 (and so for two sums started at once); a maximum gives each number's
 // largest; after a broadcast from rank 1 every rank holds rank 1's values.
 TEST(DistTest, TwoGlooRanksSumAndBroadcast) {
-  DistOptions base;
-  base.world_size = 2;
-  base.master_port = 20000 + static_cast<int>(getpid() % 20000);  // ctest -j runs test binaries side by side
-  base.timeout = std::chrono::seconds(60);
   std::vector<std::vector<at::Tensor>> sums(2), casts(2), started(2);
   std::vector<std::vector<double>> maxima(2);
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < 2; ++r) {
-    ranks.emplace_back([&, r] {
-      try {
-        DistOptions o = base;
-        o.rank = r;
-        Dist dist(o);
-        std::vector<at::Tensor> t{torch::full({4}, static_cast<float>(r + 1)), torch::full({2}, 10.0f * r)};
-        dist.all_reduce_sum(t);
-        sums[r] = t;
-        // Two sums in flight at once (as gradient buckets during backward), waited for in reverse order.
-        at::Tensor a1 = torch::full({5}, static_cast<float>(r + 1)), a2 = torch::full({1000}, 2.0f * r);
-        DistWork w1 = dist.all_reduce_sum_start(a1);
-        DistWork w2 = dist.all_reduce_sum_start(a2);
-        w2.wait();
-        w1.wait();
-        w1.wait();  // a second wait does nothing
-        started[r] = {a1, a2};
-        maxima[r] = dist.all_reduce_max({static_cast<double>(r), 5.0 - r, -1.0});
-        std::vector<at::Tensor> b{torch::full({3}, static_cast<float>(7 * r))};
-        dist.broadcast(b, 1);
-        casts[r] = b;
-        dist.barrier();
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : ranks) t.join();
+  // ctest -j runs test binaries side by side: a port of this process's own.
+  const auto errors = test::on_two_ranks(20000 + static_cast<int>(getpid() % 20000), [&](int r, Dist& dist) {
+    std::vector<at::Tensor> t{torch::full({4}, static_cast<float>(r + 1)), torch::full({2}, 10.0f * r)};
+    dist.all_reduce_sum(t);
+    sums[r] = t;
+    // Two sums in flight at once (as gradient buckets during backward), waited for in reverse order.
+    at::Tensor a1 = torch::full({5}, static_cast<float>(r + 1)), a2 = torch::full({1000}, 2.0f * r);
+    DistWork w1 = dist.all_reduce_sum_start(a1);
+    DistWork w2 = dist.all_reduce_sum_start(a2);
+    w2.wait();
+    w1.wait();
+    w1.wait();  // a second wait does nothing
+    started[r] = {a1, a2};
+    maxima[r] = dist.all_reduce_max({static_cast<double>(r), 5.0 - r, -1.0});
+    std::vector<at::Tensor> b{torch::full({3}, static_cast<float>(7 * r))};
+    dist.broadcast(b, 1);
+    casts[r] = b;
+    dist.barrier();
+  });
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
     EXPECT_TRUE(torch::equal(sums[r][0], torch::full({4}, 3.0f))) << r;

@@ -32,7 +32,6 @@
 #include <cmath>
 #include <limits>
 #include <random>
-#include <thread>
 #include <unistd.h>
 
 namespace triaccel {
@@ -869,36 +868,17 @@ TEST(MemoryPlanControllerTest, APlanOffItsPredictionAfterCalibrationIsRecalibrat
   EXPECT_NEAR(r.c.plan().predicted_peak_bytes, r.truth(r.c.plan()), kPredictionTolerance * r.truth(r.c.plan()));
 }
 
-// Runs body(rank, dist) on two ranks (threads, each its own Dist over one Gloo group); returns their errors.
-std::vector<std::string> on_two_ranks(const std::function<void(int, Dist&)>& body) {
+// A store port for the next two-rank test of this file (ctest -j runs test binaries side by side).
+int next_port() {
   static int round = 0;
-  DistOptions base;
-  base.world_size = 2;
-  base.master_port = 43000 + static_cast<int>((getpid() * 3 + 50 * round++) % 9000);
-  base.timeout = std::chrono::seconds(60);
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < 2; ++r) {
-    ranks.emplace_back([&, r] {
-      try {
-        DistOptions o = base;
-        o.rank = r;
-        Dist dist(o);
-        body(r, dist);
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : ranks) t.join();
-  return errors;
+  return 43000 + static_cast<int>((getpid() * 3 + 50 * round++) % 9000);
 }
 
 // Data parallelism: two ranks whose traces differ (rank 1's unit 1 keeps more, its unit 2 cannot be recomputed, its
 // fixed bytes are higher) agree on one model, each number the larger, the flag the stricter.
 TEST(MemoryPlanControllerTest, RanksAgreeOnTheLargerModel) {
   std::vector<MemoryModel> models(2);
-  const auto errors = on_two_ranks([&](int r, Dist& dist) {
+  const auto errors = test::on_two_ranks(next_port(), [&](int r, Dist& dist) {
     MemoryModel m = made_up({100, r == 0 ? 60.0 : 75.0, 20}, {2, 10, 6}, {1, 5, 5});
     m.fixed_bytes = r == 0 ? 500 : 400;
     m.units[2].recomputable = r == 0;
@@ -931,7 +911,7 @@ TEST(MemoryPlanControllerTest, TwoRanksWithDifferentReadingsAgreeOnOnePlan) {
 
   std::vector<MemoryPlan> agreed(2);
   std::vector<double> scale(2), fits(2);
-  const auto errors = on_two_ranks([&](int r, Dist& dist) {
+  const auto errors = test::on_two_ranks(next_port(), [&](int r, Dist& dist) {
     CalibrationRig rig;
     rig.true_scale = scales[r];
     rig.c.set_agree([&](std::vector<double> v) { return dist.all_reduce_max(std::move(v)); });

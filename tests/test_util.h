@@ -52,6 +52,7 @@ inline std::string source_dir() {
 #include <torch/serialize.h>
 
 #include "triaccel/api/api.h"
+#include "triaccel/core/dist.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/core/io.h"
 #include "triaccel/run/config.h"
@@ -63,6 +64,7 @@ inline std::string source_dir() {
 #include <functional>
 #include <initializer_list>
 #include <map>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -215,6 +217,31 @@ class DeterministicCudnn {
   at::Context& ctx_ = at::globalContext();
   bool det_ = ctx_.deterministicCuDNN(), bench_ = ctx_.benchmarkCuDNN(), tf32_ = ctx_.allowTF32CuDNN();
 };
+
+// Runs body(rank, dist) on two ranks (threads of this process, each its own Dist over one Gloo group whose store is
+// at `port` on this host; a broken group fails in a minute); returns each rank's error ("" for none).
+inline std::vector<std::string> on_two_ranks(int port, const std::function<void(int, Dist&)>& body) {
+  DistOptions base;
+  base.world_size = 2;
+  base.master_port = port;
+  base.timeout = std::chrono::seconds(60);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        DistOptions o = base;
+        o.rank = r;
+        Dist dist(o);
+        body(r, dist);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  return errors;
+}
 
 // The message of the UserError that f throws, or "<no error>".
 inline std::string error_of(const std::function<void()>& f) {
