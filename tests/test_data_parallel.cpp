@@ -197,6 +197,26 @@ TEST_F(DataParallelTest, SmallBucketsAndOneCollectiveAfterBackwardKeepTheWeights
   EXPECT_LT(worst_difference(one.file("model.pt"), after.file("model.pt")), 1e-3);
 }
 
+// A batch of 383 leaves the epoch's last batch one sample: rank 0 has none, runs no backward and starts both buckets
+// after it (zeros, weight 0), while rank 1 starts its first bucket from a hook during backward. The collectives still
+// match in order, and the weights are one process's.
+TEST_F(DataParallelTest, ARankWithoutSamplesSendsZerosInTheSameOrder) {
+  test::TempDir one("dp_empty_one"), two("dp_empty_two");
+  Config c1 = mlp_options(one.path());
+  c1.set("batch_size", "383");
+  api::run(c1, one_process());
+  Config c = mlp_options(two.path());
+  c.set("batch_size", "383");
+  c.set("grad_bucket_mb", "0.05");
+  std::vector<Spans> spans;
+  run_ranks({c, c}, &spans);
+  EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
+  ASSERT_EQ(spans[1][0].size(), 2u);
+  EXPECT_EQ(spans[1][0][1], std::make_pair(int64_t{383}, int64_t{1}));  // rank 1 trained the last sample
+  EXPECT_EQ(spans[0][0].size(), 2u);
+  EXPECT_EQ(spans[0][0][1].second, 0);  // rank 0's share of it: none
+}
+
 // Gradients crossing the ranks in bf16 (grad_compression): the test loss stays at one process's, but the weights are
 // not the fp32 reduction's (within 1e-3 of one process, 2e-5 measured): the compression happened.
 TEST_F(DataParallelTest, Bf16CompressedGradientsStayNearOneProcess) {
