@@ -97,10 +97,6 @@ std::vector<bool> recompute_parse(const std::string& text, const Model& model) {
   return flags;
 }
 
-}  // namespace
-
-namespace {
-
 // Data parallelism: each number's largest value over the ranks (what the memory planner's ranks agree through);
 // null with one process.
 MemoryPlanController::Agree max_over_ranks(Session& session) {
