@@ -194,7 +194,9 @@ std::vector<StateFormat> BaocOptimizer::formats() const {
 int64_t BaocOptimizer::state_bytes() const {
   const auto f = formats();
   int64_t total = 0;
-  for (size_t i = 0; i < params().size(); ++i) total += state_format_bytes(f[i], params()[i].sizes().vec());
+  for (size_t i = 0; i < params().size(); ++i) {
+    if (owned(i)) total += state_format_bytes(f[i], params()[i].sizes().vec());
+  }
   return total;
 }
 
@@ -213,22 +215,38 @@ BaocTensorState BaocOptimizer::state_make(size_t i, StateFormat f, const at::Ten
   return s;
 }
 
+BaocTensorState BaocOptimizer::state_host_temporary(size_t i) const {
+  const torch::NoGradGuard no_grad;
+  BaocTensorState s = state_make(i, states_[i].format, {}, {});  // on the device, one tensor's at a time
+  for (at::Tensor* t : {&s.m, &s.v, &s.m_absmax, &s.v_absmax, &s.v_row, &s.v_col}) {
+    if (t->defined()) *t = t->cpu();
+  }
+  return s;
+}
+
 void BaocOptimizer::state_init() {
   if (initialized_) return;
   const torch::NoGradGuard no_grad;
   states_.clear();
-  for (size_t i = 0; i < params().size(); ++i) states_.push_back(state_make(i, pending_formats_[i], {}, {}));
+  for (size_t i = 0; i < params().size(); ++i) {
+    if (owned(i)) {
+      states_.push_back(state_make(i, pending_formats_[i], {}, {}));
+    } else {  // another process's (sharded state): the format alone
+      states_.emplace_back();
+      states_.back().format = pending_formats_[i];
+    }
+  }
   initialized_ = true;
 }
 
 at::Tensor BaocOptimizer::m_float(size_t i) const {
-  if (!initialized_) return {};
+  if (!initialized_ || !owned(i)) return {};
   const BaocTensorState& s = states_[i];
   return moment_decode(state_format_traits(s.format).m, s, false, params()[i], map_signed_);
 }
 
 at::Tensor BaocOptimizer::v_float(size_t i) const {
-  if (!initialized_) return {};
+  if (!initialized_ || !owned(i)) return {};
   const BaocTensorState& s = states_[i];
   return moment_decode(state_format_traits(s.format).v, s, true, params()[i], map_unsigned_);
 }
@@ -236,6 +254,7 @@ at::Tensor BaocOptimizer::v_float(size_t i) const {
 void BaocOptimizer::formats_set(const std::vector<StateFormat>& formats) {
   TORCH_CHECK(formats.size() == params().size(), "formats_set: ", formats.size(), " formats for ", params().size(),
               " tensors");
+  TORCH_CHECK(!sharded(), "BaocOptimizer::formats_set: sharded state is not re-planned yet");
   if (!initialized_) {
     pending_formats_ = formats;
     return;
@@ -274,7 +293,9 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
     const AdamStepHyper hyper{static_cast<float>(options_.beta1), static_cast<float>(options_.beta2),
                               static_cast<float>(options_.eps)};
     std::map<StateFormat, std::vector<size_t>> groups;
-    for (size_t i = 0; i < params().size(); ++i) groups[states_[i].format].push_back(i);
+    for (size_t i = 0; i < params().size(); ++i) {
+      if (owned(i)) groups[states_[i].format].push_back(i);
+    }
     for (const auto& [format, idx] : groups) {
       std::vector<at::Tensor> ps, gs, ms, vs, mas, vas;
       std::vector<float> wds, scales, ks;
@@ -338,6 +359,7 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
   const at::Tensor counts_cpu = counts_.cpu();
   const double lr_value = lr.item<double>();
   for (size_t i = 0; i < params().size(); ++i) {
+    if (!owned(i)) continue;
     const auto row = static_cast<int64_t>(i);
     baoc_tensor_step_reference(states_[i], params()[i], g[i], lr_value * lr_scales()[i], weight_decays()[i],
                                counts_cpu[row][0].item<double>(), counts_cpu[row][1].item<double>(), options_,
@@ -384,6 +406,7 @@ void baoc_tensor_step_reference(BaocTensorState& s, const at::Tensor& p, const a
 
 void BaocOptimizer::stream_stats_enable(bool on) {
   if (on == stats_on_) return;
+  TORCH_CHECK(!on || !sharded(), "BaocOptimizer: the statistics window needs every tensor's state (not sharded)");
   stats_on_ = on;
   stats_prev_.clear();
   if (!stats_have_prev_.defined()) stats_have_prev_ = at::zeros({1}, counts_.options());
@@ -448,7 +471,9 @@ Optimizer::NamedTensors BaocOptimizer::state_tensors() {
     for (size_t i = 0; i < params().size(); ++i) out.emplace_back(names()[i] + ".g_prev", stats_prev_[i]);
   }
   for (size_t i = 0; i < states_.size(); ++i) {
-    const BaocTensorState& s = states_[i];
+    // Another process's tensor: host temporaries of its format's shapes, its owner's values gathered into them
+    // (train/param_shards.h).
+    const BaocTensorState s = owned(i) ? states_[i] : state_host_temporary(i);
     const std::pair<const char*, const at::Tensor*> fields[] = {{".m", &s.m},           {".v", &s.v},
                                                                 {".m_absmax", &s.m_absmax}, {".v_absmax", &s.v_absmax},
                                                                 {".v_row", &s.v_row},   {".v_col", &s.v_col}};

@@ -96,6 +96,8 @@ class BaocOptimizer final : public Optimizer {
 
  private:
   BaocTensorState state_make(size_t i, StateFormat f, const at::Tensor& m32, const at::Tensor& v32) const;
+  // Tensor i's state in its format, zero, on the host (sharded state: what a checkpoint gathers its owner's into).
+  BaocTensorState state_host_temporary(size_t i) const;
   void stream_stats_add(const std::vector<at::Tensor>& grads, const at::Tensor& found_inf);
 
   BaocOptions options_;

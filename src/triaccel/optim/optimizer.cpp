@@ -16,7 +16,16 @@ Optimizer::Optimizer(const std::vector<std::pair<std::string, at::Tensor>>& name
     params_.push_back(p);
     weight_decays_.push_back(p.dim() <= 1 ? 0.f : static_cast<float>(weight_decay));
     lr_scales_.push_back(1.f);
+    owned_.push_back(true);
   }
+}
+
+void Optimizer::set_owned(std::vector<bool> owned) {
+  TORCH_CHECK(owned.size() == params_.size(), kind_, "::set_owned: ", owned.size(), " flags for ", params_.size(),
+              " parameters");
+  owned_ = std::move(owned);
+  sharded_ = false;
+  for (bool o : owned_) sharded_ = sharded_ || !o;
 }
 
 void Optimizer::set_lr_scales(std::vector<float> scales) {

@@ -7,6 +7,9 @@
 // parameters' device and never synchronizes with the device on CUDA (so the step can be captured in a CUDA graph);
 // state tensors keep their addresses between steps (a conversion of state, e.g. a BAOC re-plan, changes them, and the
 // caller then drops its captured graph); a step with found_inf != 0 changes nothing.
+// Sharded state (ZeRO stage 1, train/param_shards.h): a parameter this process does not own has no state here and
+// step() leaves it alone (its owner's update reaches it by broadcast); state_tensors() still lists its entries, as
+// host temporaries of the right shapes, so a checkpoint can gather them from their owners.
 #pragma once
 
 #include "triaccel/core/enum_names.h"
@@ -40,6 +43,11 @@ class Optimizer {
   // captured CUDA graph must be re-captured after a change.
   void set_lr_scales(std::vector<float> scales);
   const std::vector<float>& lr_scales() const { return lr_scales_; }
+  // ZeRO stage 1: which parameters this process keeps state for and updates (all of them by default). Set before
+  // the first step or state_init.
+  void set_owned(std::vector<bool> owned);
+  bool owned(size_t i) const { return owned_[i]; }
+  bool sharded() const { return sharded_; }
 
   // Bytes of optimizer state (what the memory planner and the summary count).
   virtual int64_t state_bytes() const = 0;
@@ -61,6 +69,8 @@ class Optimizer {
   std::vector<at::Tensor> params_;
   std::vector<float> weight_decays_;
   std::vector<float> lr_scales_;
+  std::vector<bool> owned_;
+  bool sharded_ = false;
 };
 
 // The `optimizer` option.

@@ -24,36 +24,54 @@ Sgd::Sgd(const std::vector<std::pair<std::string, at::Tensor>>& named_params, Sg
 
 int64_t Sgd::state_bytes() const {
   int64_t n = 0;
-  for (const auto& p : params()) n += p.numel();
+  for (size_t i = 0; i < params().size(); ++i) n += owned(i) ? params()[i].numel() : 0;
   return 4 * n;  // the momentum buffers (allocated at the first step, whatever the momentum)
 }
 
 void Sgd::state_init() {
-  if (!momenta_.empty()) return;
+  if (initialized_) return;
   const torch::NoGradGuard no_grad;
-  for (const auto& p : params()) momenta_.push_back(at::zeros_like(p));  // keeps p's memory format
+  momenta_.clear();
+  for (size_t i = 0; i < params().size(); ++i) {
+    momenta_.push_back(owned(i) ? at::zeros_like(params()[i]) : at::Tensor());  // keeps p's memory format
+  }
+  initialized_ = true;
 }
 
 Optimizer::NamedTensors Sgd::state_tensors() {
   state_init();
   NamedTensors out;
-  for (size_t i = 0; i < names().size(); ++i) out.emplace_back(names()[i] + ".momentum", momenta_[i]);
+  for (size_t i = 0; i < names().size(); ++i) {
+    // Another process's parameter: a host temporary its owner's values are gathered into (train/param_shards.h).
+    const at::Tensor m = owned(i) ? momenta_[i] : at::zeros(params()[i].sizes(), at::kFloat);
+    out.emplace_back(names()[i] + ".momentum", m);
+  }
   return out;
 }
 
 void Sgd::step(const at::Tensor& lr, const at::Tensor& found_inf) {
-  const auto g = grads_required();
+  const auto all = grads_required();
   state_init();
   const torch::NoGradGuard no_grad;
+  // The parameters this process updates (all of them unless the state is sharded).
+  std::vector<at::Tensor> p, g, m;
+  std::vector<float> wd, scale;
+  for (size_t i = 0; i < params().size(); ++i) {
+    if (!owned(i)) continue;
+    p.push_back(params()[i]);
+    g.push_back(all[i]);
+    m.push_back(momenta_[i]);
+    wd.push_back(weight_decays()[i]);
+    scale.push_back(lr_scales()[i]);
+  }
+  if (p.empty()) return;
 #ifdef TRIACCEL_WITH_CUDA
-  if (!params().empty() && params()[0].is_cuda()) {
-    sgd_step_cuda(params(), g, momenta_, weight_decays(), lr_scales(), lr, found_inf,
-                  static_cast<float>(options_.momentum), options_.nesterov);
+  if (p[0].is_cuda()) {
+    sgd_step_cuda(p, g, m, wd, scale, lr, found_inf, static_cast<float>(options_.momentum), options_.nesterov);
     return;
   }
 #endif
-  sgd_step_reference(params(), g, momenta_, weight_decays(), lr_scales(), lr, found_inf,
-                     static_cast<float>(options_.momentum), options_.nesterov);
+  sgd_step_reference(p, g, m, wd, scale, lr, found_inf, static_cast<float>(options_.momentum), options_.nesterov);
 }
 
 void sgd_step_reference(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,

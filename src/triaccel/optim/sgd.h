@@ -36,8 +36,9 @@ class Sgd final : public Optimizer {
   const SgdOptions& options() const { return options_; }
   // Creates the momentum buffers if the first step has not yet (a checkpoint load needs them).
   void state_init();
-  const std::vector<at::Tensor>& momenta() const { return momenta_; }  // same order as names(); empty before state_init
-  // 4 bytes per parameter: the momentum buffers (whether or not they exist yet).
+  // Same order as names(); empty before state_init, undefined for a parameter this process does not own.
+  const std::vector<at::Tensor>& momenta() const { return momenta_; }
+  // 4 bytes per owned parameter: the momentum buffers (whether or not they exist yet).
   int64_t state_bytes() const override;
   // "<param name>.momentum" for every parameter.
   NamedTensors state_tensors() override;
@@ -45,6 +46,7 @@ class Sgd final : public Optimizer {
  private:
   SgdOptions options_;
   std::vector<at::Tensor> momenta_;
+  bool initialized_ = false;
 };
 
 // The math of one step in plain ATen ops (the reference for the CUDA kernel).
