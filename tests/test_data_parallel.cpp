@@ -371,7 +371,8 @@ TEST_F(DataParallelTest, TriAccelOnTwoRanksDecidesAsOne) {
   }
 }
 
-// The same on two GPUs through NCCL, the all-reduce captured in each rank's CUDA graph (needs two GPUs).
+// The same on two GPUs through NCCL, the all-reduce captured in each rank's CUDA graph, also with the optimizer
+// state sharded (needs two GPUs).
 TEST_F(DataParallelTest, TwoGpusTrainTheWeightsOfOneGpu) {
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "fewer than two CUDA GPUs";
   test::TempDir one("dp_gpu_one"), two("dp_gpu_two");
@@ -386,6 +387,15 @@ TEST_F(DataParallelTest, TwoGpusTrainTheWeightsOfOneGpu) {
   ASSERT_EQ(e2.size(), 2u);
   EXPECT_EQ(e2[1]["world_size"], 2);
   EXPECT_EQ(e2[1]["cuda_graph"], true) << "the step with NCCL's all-reduce was not captured";
+  // Sharded optimizer state: the owners' broadcasts after the update are captured too.
+  test::TempDir zero("dp_gpu_zero");
+  Config z = on_gpu(mlp_options(zero.path()));
+  z.set("shard_optimizer", "on");
+  run_ranks({z, z});
+  EXPECT_LT(worst_difference(one.file("model.pt"), zero.file("model.pt")), 1e-3);
+  const auto ez = epochs_of(zero.file("events.jsonl"));
+  ASSERT_EQ(ez.size(), 2u);
+  EXPECT_EQ(ez[1]["cuda_graph"], true) << "the step with the owners' broadcasts was not captured";
 }
 
 TEST_F(DataParallelTest, TwoRanksStoppedResumeInOneProcess) {
@@ -402,6 +412,49 @@ TEST_F(DataParallelTest, TwoRanksStoppedResumeInOneProcess) {
   EXPECT_EQ(summary["steps"], 16);
   EXPECT_EQ(summary["world_size"], 1);
   EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
+}
+
+// ZeRO stage 1 (shard_optimizer on): each rank keeps and updates the optimizer state of its half of the parameters
+// and broadcasts them after the step. The weights are one process's, for SGD's momentum and AdamW's moments alike;
+// each rank reports its own state (fc1's weight is rank 0's, the rest rank 1's: 25 088 and 362 of 25 450
+// parameters); and a run stopped on two sharded ranks resumes in one process, from a checkpoint that gathered every
+// rank's state (a checkpoint of rank 0's shard alone would restart fc2's moments at zero and miss the weights).
+TEST_F(DataParallelTest, ShardedOptimizerStateTrainsTheWeightsOfOneProcess) {
+  for (const std::string optimizer : {"sgd", "adamw"}) {
+    const auto configure = [&](const std::string& out) {
+      Config c = mlp_options(out);
+      if (optimizer == "adamw") {
+        c.set("optimizer", "adamw");
+        c.set("lr", "2e-3");
+      }
+      c.set("shard_optimizer", "on");
+      return c;
+    };
+    test::TempDir one("dp_zero_one_" + optimizer), two("dp_zero_two_" + optimizer),
+        stop("dp_zero_stop_" + optimizer);
+    Config single = configure(one.path());
+    single.set("shard_optimizer", "auto");  // no effect with one process
+    const Json reference = api::run(single, one_process());
+    const std::vector<Json> results = run_ranks({configure(two.path()), configure(two.path())});
+    EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3) << optimizer;
+    const int64_t full = reference["optim_state_bytes"].get<int64_t>();
+    const int64_t per_element = optimizer == "sgd" ? 4 : 8;
+    EXPECT_EQ(full, per_element * 25450);
+    EXPECT_EQ(results[0]["optim_state_bytes"], per_element * 25088) << optimizer;
+    EXPECT_EQ(results[1]["optim_state_bytes"], per_element * 362) << optimizer;
+    EXPECT_EQ(results[0]["optim_state_sharded"], true);
+    EXPECT_EQ(reference["optim_state_sharded"], false);
+
+    Config first = configure(stop.path());
+    first.set("max_steps", "5");
+    run_ranks({first, first});
+    Config again = configure(stop.path());
+    again.set("resume", stop.path());
+    again.set("shard_optimizer", "auto");
+    const Json resumed = api::run(again, one_process());
+    EXPECT_EQ(resumed["steps"], 16);
+    EXPECT_LT(worst_difference(one.file("model.pt"), stop.file("model.pt")), 1e-3) << optimizer;
+  }
 }
 
 // Out of memory on one rank is not retried there alone (it would fall out of step with the others): that rank ends
@@ -439,6 +492,10 @@ TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
   EXPECT_NE(refused("batch_policy", "elastic").find("batch_policy elastic follows one process's memory"),
             std::string::npos) << refused("batch_policy", "elastic");
   EXPECT_NE(refused("inject_faults", "oom@3").find("inject_faults is not supported"), std::string::npos);
+  Config baoc = with_optimizer(mlp_options(out.path()), "baoc");
+  baoc.set("shard_optimizer", "on");
+  EXPECT_NE(test::error_of([&] { baoc.validate(); }).find("shard_optimizer on does not combine with optimizer baoc"),
+            std::string::npos);
   EXPECT_NE(refused("batch_size", "1").find("batch_size 1 is smaller than nproc 2"), std::string::npos);
   const auto refused_with_sync_bn = [&](const char* key, const std::string& value) {
     Config c = mlp_options(out.path());

@@ -986,5 +986,32 @@ TEST_F(MemoryRunTest, PlanWithABudgetGivesTheMemoryPlanOnTheCpu) {
   EXPECT_GT(small["floor_bytes"].get<int64_t>(), 1800000);
 }
 
+// With several ranks the optimizer state's shard (ZeRO-1) is a lever the planner takes first: at a budget just under
+// what the plan with AdamW's whole state needs in one pass, `auto` shards the state and keeps each rank's share in
+// one pass, while `off` has to split it or recompute; with room to spare nothing is sharded.
+TEST_F(MemoryRunTest, PlanOnTwoRanksShardsTheOptimizerStateBeforeTheOtherLevers) {
+  Config o = options("unused");
+  o.set("nproc", "2");
+  o.set("optimizer", "adamw");
+  o.set("lr", "1e-3");
+  o.set("vram_budget", "1GB");
+  const Json roomy = api::plan(o)["memory_plan"];
+  EXPECT_FALSE(roomy["shard_optimizer"].get<bool>());
+  EXPECT_EQ(roomy["micro_batch"], 32);  // the rank's share of 64, in one pass
+  const double share = roomy["plan_limit_bytes"].get<double>() / roomy["budget_bytes"].get<double>();
+  const double need = roomy["predicted_peak_bytes"].get<double>();
+  o.set("vram_budget", std::to_string(static_cast<int64_t>((need - 2000) / share)));
+  o.set("shard_optimizer", "off");
+  const Json whole = api::plan(o)["memory_plan"];
+  EXPECT_FALSE(whole["shard_optimizer"].get<bool>());
+  EXPECT_TRUE(whole["micro_batch"].get<int64_t>() < 32 || !whole["recompute"].empty()) << whole.dump();
+  o.set("shard_optimizer", "auto");
+  const Json sharded = api::plan(o)["memory_plan"];
+  EXPECT_TRUE(sharded["shard_optimizer"].get<bool>());
+  EXPECT_EQ(sharded["micro_batch"], 32) << sharded.dump();
+  EXPECT_TRUE(sharded["recompute"].empty()) << sharded.dump();
+  EXPECT_LT(sharded["predicted_peak_bytes"].get<double>(), need - 2000);
+}
+
 }  // namespace
 }  // namespace triaccel

@@ -11,6 +11,7 @@
 #include "triaccel/models/model.h"
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/train/checkpoint.h"
+#include "triaccel/train/param_shards.h"
 #include "triaccel/train/rng.h"
 
 #include <ATen/ATen.h>
@@ -104,10 +105,27 @@ MemoryPlanController::Agree max_over_ranks(Session& session) {
   return [&dist = session.dist()](std::vector<double> values) { return dist.all_reduce_max(std::move(values)); };
 }
 
+// Each parameter's element count, in the optimizer's order (the model's named parameters).
+std::vector<int64_t> parameter_numels(Model& model) {
+  std::vector<int64_t> out;
+  for (const auto& item : model.named_parameters()) out.push_back(item.value().numel());
+  return out;
+}
+
+// Whether the configuration allows sharding the optimizer state over `world` ranks (ZeRO stage 1): several ranks,
+// an optimizer that keeps state, not BAOC (whose re-plans read every tensor's state), and not shard_optimizer off.
+bool shard_possible(const Config& config, int64_t world) {
+  const OptimConfig& o = config.optim;
+  const bool stateful = o.optimizer != OptimizerKind::kSgd || o.momentum > 0;
+  return world > 1 && stateful && o.optimizer != OptimizerKind::kBaoc &&
+         config.execution.shard_optimizer != Toggle::kOff;
+}
+
 }  // namespace
 
 struct Trainer::MemorySetup {
   bool planned = false;               // a MemoryPlanController keeps the step on `plan`
+  bool shard_optimizer = false;       // ZeRO stage 1 (train/param_shards.h)
   MemoryModelInputs inputs;
   MemoryModel model;
   MemoryPlan plan;
@@ -142,6 +160,9 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   const bool precision_limited = budget == 0 && gpu && !preview && ex.method == Method::kTriAccel &&
                                  config.tri_accel.ta_precision && !elastic && session.dist().world_size() == 1;
   setup->planned = levers || (budget > 0 && !elastic) || precision_limited;
+  const int64_t world = std::max<int64_t>(session.dist().world_size(), ex.nproc);
+  const bool shard_possible_here = shard_possible(config, world);
+  setup->shard_optimizer = shard_possible_here && ex.shard_optimizer == Toggle::kOn;
   if (!setup->planned) return setup;
 
   Model& model = session.model();
@@ -175,7 +196,6 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   in.allow_host_data = gpu;
   in.for_gpu = gpu;
   // Several ranks: the gradient buckets hold a copy of every fp32 gradient (and a bf16 one to send, compressed).
-  const int64_t world = std::max<int64_t>(session.dist().world_size(), ex.nproc);
   if (world > 1) in.grad_reduce_bytes = (ex.grad_compression == GradCompression::kBf16 ? 6 : 4) * n;
   MemoryModelInputs first = in;
   first.measure_scale = true;  // on CUDA, before the loaders exist (rebuilds while training do not measure)
@@ -199,6 +219,31 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
                                                                      .predicted_peak_bytes));
   }
   setup->plan = memory_plan_solve(setup->model, setup->limits.batch, setup->limits.budget_bytes, c);
+  // Sharded optimizer state, a lever of its own: asked for, or (auto) when the plan with the whole state on every
+  // rank needs another lever or fits nowhere and the plan with the rank's shard is faster or fits where that does
+  // not. Every rank decides alike (the same agreed model).
+  const MemoryPlan& whole = setup->plan;
+  const bool lever_used = !whole.feasible || whole.accumulation > 1 ||
+                          whole.data_placement == DataPlacement::kHost ||
+                          std::find(whole.recompute.begin(), whole.recompute.end(), true) != whole.recompute.end();
+  if (shard_possible_here && (setup->shard_optimizer || (ex.shard_optimizer == Toggle::kAuto && lever_used))) {
+    const std::vector<int64_t> numels = parameter_numels(model);
+    const std::vector<int> owners = shard_owners(numels, static_cast<int>(world));
+    const ShardSizes sizes = shard_sizes(numels, owners, in.optimizer_state_bytes / std::max<int64_t>(n, 1));
+    const int64_t staging = shard_staging_bytes(shard_buckets(numels, owners, sizes.bucket_bytes));
+    MemorySetup sharded = *setup;
+    sharded.model.optimizer_bytes = static_cast<double>(sizes.state_bytes);
+    sharded.model.fixed_bytes += static_cast<double>(staging);
+    sharded.inputs.optimizer_state_bytes = sizes.state_bytes;
+    sharded.inputs.grad_reduce_bytes += staging;
+    sharded.plan = memory_plan_solve(sharded.model, setup->limits.batch, setup->limits.budget_bytes, c);
+    const bool better = sharded.plan.feasible &&
+                        (!whole.feasible || sharded.plan.predicted_step_s < whole.predicted_step_s);
+    if (setup->shard_optimizer || better) {
+      *setup = std::move(sharded);
+      setup->shard_optimizer = true;
+    }
+  }
   TRIACCEL_CHECK_INPUT(preview || setup->plan.feasible, option_ref("vram_budget"), " ", ex.vram_budget,
                        " is below this run's floor: batch ", setup->limits.batch,
                        world > 1 ? c10::str(" (a process's share of ", config.schedule.batch_size, ")") : "", " of ",
@@ -219,6 +264,7 @@ Json Trainer::memory_plan_preview(Session& session) {
   Json j = m->plan.to_json(m->model);
   j["budget_bytes"] = m->limits.cap_bytes > 0 ? Json(m->limits.cap_bytes) : Json();
   j["profile"] = "modelled";
+  j["shard_optimizer"] = m->shard_optimizer;
   Json units = Json::array();
   for (size_t u = 0; u < m->model.units.size(); ++u) {
     const UnitCost& c = m->model.units[u];
@@ -320,6 +366,20 @@ Trainer::Trainer(Session& session)
   std::vector<std::pair<std::string, at::Tensor>> named_params;
   for (const auto& item : session_.model().named_parameters()) named_params.emplace_back(item.key(), item.value());
   optimizer_ = optimizer_create(config_.optim.optimizer, named_params, config_.optim.optimizer_options());
+  if (memory_->shard_optimizer && session_.dist().active()) {
+    Dist& dist = session_.dist();
+    std::vector<int64_t> numels;
+    for (const auto& p : optimizer_->params()) numels.push_back(p.numel());
+    const std::vector<int> owners = shard_owners(numels, dist.world_size());
+    const int64_t per_element = optimizer_->state_bytes() / std::max<int64_t>(session_.model().parameter_count(), 1);
+    param_shards_ = std::make_unique<ParamShards>(
+        optimizer_->params(), owners, dist.rank(), shard_sizes(numels, owners, per_element).bucket_bytes,
+        [&dist](at::Tensor& t, int root) {
+          std::vector<at::Tensor> one{t};
+          dist.broadcast(one, root);
+        });
+    optimizer_->set_owned(param_shards_->owned());
+  }
   budget_floor_check();
 
   const int64_t steps_per_epoch = train_loader_.steps_per_epoch();
@@ -355,6 +415,7 @@ Trainer::Trainer(Session& session)
   so.label_smoothing = config_.optim.label_smoothing;
   so.fault_injection = !faults_.empty();
   if (session_.dist().active()) grad_reduce_set(so.grad_reduce);
+  if (param_shards_) so.after_update = [this] { param_shards_->sync(); };
   step_ = std::make_unique<TrainStep>(session_.model(), *optimizer_, scaler_, so, device_);
   if (config_.execution.sync_bn && session_.dist().active()) sync_bn_start();
   controllers_build();
@@ -573,7 +634,7 @@ Json Trainer::run() {
   while (p.epoch < config_.schedule.epochs && !stopped_) {
     if (!epoch()) break;  // stopped inside the epoch
     // A request that came during the evaluation stops here, not after the next epoch's first step.
-    if (const StopRequest r = stop_agreed(); r != StopRequest::kNone && stop_reason_.empty()) {
+    if (const StopRequest r = stop_agreed().first; r != StopRequest::kNone && stop_reason_.empty()) {
       stop_reason_ = stop_reason(r);
       stopped_ = true;
     }
@@ -599,12 +660,13 @@ bool Trainer::epoch() {
     after_step(count);
     const bool last_in_epoch = p.epoch_offset >= train_loader_.size();
     if (config_.schedule.max_steps > 0 && p.step >= config_.schedule.max_steps) stop_reason_ = "max_steps";
-    if (const StopRequest r = stop_agreed(); r != StopRequest::kNone) stop_reason_ = stop_reason(r);
+    const auto [stop, checkpoint_due] = stop_agreed(p.step);
+    if (stop != StopRequest::kNone) stop_reason_ = stop_reason(stop);
     if (!stop_reason_.empty()) {
       stopped_ = true;
       if (!last_in_epoch) break;
     }
-    if (!last_in_epoch && session_.checkpoint_due(p.step)) {
+    if (!last_in_epoch && checkpoint_due) {
       checkpoint_mid_epoch(kCheckpointFile);
     }
   }
@@ -949,12 +1011,17 @@ void Trainer::checkpoint_mid_epoch(const std::string& file) {
 }
 
 void Trainer::checkpoint(const std::string& file) {
-  if (!session_.writer()) return;  // rank 0's: every rank holds the same weights and optimizer state
+  NamedTensors optimizer_state;
+  if (param_shards_) {  // every rank takes part: each parameter's state comes from its owner
+    optimizer_state = optimizer_->state_tensors();
+    param_shards_->gather(optimizer_state, optimizer_->names());
+  }
+  if (!session_.writer()) return;  // rank 0's: every rank holds the same weights (and state, once gathered)
   Checkpoint c;
   c.config = config_.to_json();
   c.model_arch = config_.model.model;
   c.model = model_state(session_.model());
-  c.optimizer = optimizer_->state_tensors();
+  c.optimizer = param_shards_ ? std::move(optimizer_state) : optimizer_->state_tensors();
   c.scaler = scaler_state(scaler_);
   c.rng = rng_state(device_);
   Progress p = *progress_;
@@ -1001,7 +1068,8 @@ Json Trainer::summary() {
                {"params", params},
                {"method", enum_name(config_.execution.method)},
                {"optimizer", enum_name(config_.optim.optimizer)},
-               {"optim_state_bytes", optimizer_->state_bytes()},
+               {"optim_state_bytes", optimizer_->state_bytes()},  // this rank's, with sharded state
+               {"optim_state_sharded", param_shards_ != nullptr},
                {"adamw_fp32_state_bytes", 8 * params},
                {"peak_vram_warmup_gb", p.peak_vram_warmup_gb >= 0 ? Json(p.peak_vram_warmup_gb) : Json(nullptr)},
                {"peak_vram_from_step", sgd ? 0 : config_.baoc.plan_warmup},
@@ -1062,14 +1130,18 @@ void Trainer::dist_out_of_memory_check(const char* phase) const {
                           option_ref("batch_size")));
 }
 
-StopRequest Trainer::stop_agreed() {
+std::pair<StopRequest, bool> Trainer::stop_agreed(int64_t step) {
   const StopRequest own = session_.stop_requested();
+  const bool due = step >= 0 && session_.checkpoint_due(step);
   Dist& dist = session_.dist();
-  if (!dist.active()) return own;
-  const std::vector<double> any = dist.all_reduce_sum(
-      {own == StopRequest::kInterrupt ? 1.0 : 0.0, own == StopRequest::kTerminate ? 1.0 : 0.0});
-  if (any[1] > 0) return StopRequest::kTerminate;
-  return any[0] > 0 ? StopRequest::kInterrupt : StopRequest::kNone;
+  if (!dist.active()) return {own, due};
+  const std::vector<double> any = dist.all_reduce_sum({own == StopRequest::kInterrupt ? 1.0 : 0.0,
+                                                       own == StopRequest::kTerminate ? 1.0 : 0.0,
+                                                       dist.rank() == 0 && due ? 1.0 : 0.0});
+  const StopRequest stop = any[1] > 0   ? StopRequest::kTerminate
+                           : any[0] > 0 ? StopRequest::kInterrupt
+                                        : StopRequest::kNone;
+  return {stop, any[2] > 0};
 }
 
 Json Trainer::memory_plan_brief() const {

@@ -31,6 +31,8 @@
 
 namespace triaccel {
 
+class ParamShards;
+
 class Trainer : private MemoryMeter {
  public:
   explicit Trainer(Session& session);
@@ -85,8 +87,10 @@ class Trainer : private MemoryMeter {
   // Data parallelism (one process: the whole batch, no-ops).
   // This rank's part of `count` samples of the global batch: (first, count) relative to the batch.
   std::pair<int64_t, int64_t> shard(int64_t count) const;
-  // The stop request every rank agrees on: any rank's (a signal may reach one rank only).
-  StopRequest stop_agreed();
+  // What every rank agrees on after a step: the stop request (any rank's: a signal may reach one rank only), and
+  // whether a mid-epoch checkpoint is due after `step` (rank 0's clock decides, so every rank takes part in the
+  // sharded state's gather; step < 0: none asked).
+  std::pair<StopRequest, bool> stop_agreed(int64_t step = -1);
   // With several ranks an out-of-memory error is not retried (one rank alone would fall out of step): UserError
   // naming the rank and the batch. A no-op with one process.
   void dist_out_of_memory_check(const char* phase) const;
@@ -112,6 +116,7 @@ class Trainer : private MemoryMeter {
   std::unique_ptr<Progress> progress_;
   std::unique_ptr<TrainStep> step_;
   std::unique_ptr<BatchNormSyncScope> bn_sync_;  // --sync-bn across the ranks (docs/distributed.md)
+  std::unique_ptr<ParamShards> param_shards_;      // optimizer state sharded across the ranks (ZeRO stage 1)
   BatchControllerOptions batch_rules_;     // out-of-memory halving and the elastic batch share these
   std::vector<std::unique_ptr<StepController>> controllers_;
   MemoryPlanController* memory_planner_ = nullptr;  // one of controllers_, when the memory is planned

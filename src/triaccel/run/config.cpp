@@ -348,6 +348,10 @@ void Config::validate() const {
                        " fp32 or amp-bf16, got amp-fp16");
   TRIACCEL_CHECK_INPUT(optim.optimizer != OptimizerKind::kBaoc || method == Method::kBackprop, option_ref("optimizer"),
                        " baoc needs ", option_ref("method"), " backprop");
+  TRIACCEL_CHECK_INPUT(optim.optimizer != OptimizerKind::kBaoc || execution.shard_optimizer != Toggle::kOn,
+                       option_ref("shard_optimizer"), " on does not combine with ", option_ref("optimizer"),
+                       " baoc yet (its re-plans read every tensor's state); use ", option_ref("optimizer"),
+                       " adamw or sgd, or ", option_ref("shard_optimizer"), " off");
   TRIACCEL_CHECK_INPUT(execution.inject_faults.empty() || method != Method::kNeuroFlux, option_ref("inject_faults"),
                        " applies to ", option_ref("method"), " backprop and tri-accel, not neuroflux");
   for (const char* key : {"micro_batch", "recompute", "data_placement", "batch_policy"}) {

@@ -192,6 +192,7 @@ struct ExecutionConfig {
   DistBackend dist_backend = DistBackend::kAuto;
   GradCompression grad_compression = GradCompression::kNone;
   double grad_bucket_mb = 25;    // data parallelism's gradient buckets (MiB; 0: one collective after backward)
+  Toggle shard_optimizer = Toggle::kAuto;  // ZeRO stage 1 (auto: when a vram_budget on several ranks binds)
   bool sync_bn = false;
 
   template <typename S, typename V>
@@ -438,6 +439,12 @@ void ExecutionConfig::fields(S& s, V&& v) {
                                 "many MiB, each started as soon as backward has produced its gradients, so the "
                                 "communication overlaps the rest of backward (as DDP's bucket_cap_mb); 0: one "
                                 "collective after backward"});
+  v(s.shard_optimizer, FieldInfo{"shard_optimizer",
+                                 "data parallelism: each process keeps and updates the optimizer state of 1/N of the "
+                                 "parameters and broadcasts them after the step (ZeRO stage 1: the state's memory "
+                                 "divided by the processes, one more collective per step); auto: on when a "
+                                 "vram_budget would otherwise need micro-batches, recompute or streamed data; no "
+                                 "effect with one process"});
   v(s.sync_bn, FieldInfo{"sync_bn",
                          "data parallelism: BatchNorm normalizes with the whole global batch's statistics (summed "
                          "over the ranks in forward and backward) instead of each rank's own; no effect with one "

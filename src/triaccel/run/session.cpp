@@ -111,7 +111,8 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
       printer_(dist_options_.rank == 0 ? config_.output.progress : ProgressMode::kOff, hooks.spell_option) {
   const int world = dist_options_.world_size;
   config_.validate_world(world);
-  TRIACCEL_CHECK_INPUT(config_.execution.nproc == 1 || config_.execution.nproc == world, option_ref("nproc"), " ",
+  // (A session without output — `plan` — previews nproc processes from this one.)
+  TRIACCEL_CHECK_INPUT(!output || config_.execution.nproc == 1 || config_.execution.nproc == world, option_ref("nproc"), " ",
                        config_.execution.nproc, " but this process is one of ", world,
                        " (WORLD_SIZE); the command line starts the processes of ", option_ref("nproc"),
                        " itself: run it without a launcher, or leave ", option_ref("nproc"), " 1 under torchrun");

@@ -149,6 +149,7 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
     grad_stats_steps_.add_(ok.to(at::kFloat));
   }
   optimizer_.step(lr_, scaler_.found_inf());
+  if (options_.after_update) options_.after_update();
   scaler_.update();
   const at::Tensor loss_detached = loss_total.reshape({1});
   last_loss_.copy_(loss_detached);

@@ -51,6 +51,9 @@ struct StepOptions {
     GradBucketsOptions buckets;
     bool capturable = false;  // start only enqueues work on the stream (NCCL): graphs stay on
   } grad_reduce;
+  // Data parallelism with the optimizer state sharded (train/param_shards.h): runs after the optimizer's update, on
+  // every rank (the owners' parameters broadcast); inside the captured graph when grad_reduce.capturable.
+  std::function<void()> after_update;
   // --inject-faults: the step multiplies its loss by a device factor and adds a device value to the first gradient
   // (both neutral unless set_fault() arms them), so NaN/inf faults reach graph replays too. Off: neither op exists.
   bool fault_injection = false;
