@@ -2,11 +2,13 @@
 # Data parallelism on the GPUs of one host (docs/distributed.md): ours at 1 and NPROC GPUs and PyTorch DDP (torchrun,
 # eager) at 1 and NPROC GPUs, same model and per-GPU batch, side by side in one device call. Stages (STAGES,
 # comma-separated; default "scale"):
+#   check  the data-parallel unit tests on the GPUs (NCCL, the captured step; $OUT/dp_tests.log)
 #   scale  ResNet-18 CIFAR-10 b512/GPU, ViT-Tiny b512/GPU (AdamW), EfficientNet-B0 at 224 b96/GPU; amp-bf16; ours:
 #          EPOCHS (2) epochs, the last epoch's images/s (global); PyTorch: bench/pytorch_ddp.py, synthetic resident
 #          input, the median of 3 timings of 40 steps; ResNet-18 on NPROC GPUs also with --grad-compression bf16
-#          and with --sync-bn and under --vram-budget DP_BUDGET (1GB); every model on NPROC GPUs also with
-#          --grad-bucket-mb 0 (one collective after backward, against the default overlapped buckets)
+#          and with --sync-bn, under --vram-budget DP_BUDGET (1GB), Tri-Accel under the same budget, and with
+#          --shard-optimizer on (ZeRO-1; ViT-Tiny's AdamW too); every model on NPROC GPUs also with --grad-bucket-mb 0
+#          (one collective after backward, against the default overlapped buckets)
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -25,7 +27,7 @@ mkdir -p "$WORK/runs" "$FINAL_OUT"
 source "$(dirname "$0")/device_env.sh"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $GPU x $(nvidia-smi -L | wc -l); commit ${COMMIT:-?}; stages $STAGES"
-device_binaries "$WORK"
+device_binaries "$WORK" triaccel_tests
 cifar10_bin
 has() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
@@ -40,6 +42,11 @@ ours() {
   echo "$tag: exit $? $(grep -E '^(done|triaccel: error)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-200)"
 }
 
+if has check; then
+  timeout 300 "$BIN/triaccel_tests" --gtest_filter='DataParallel*:GradBuckets*:ParamShards*:ShardOwners*:ShardBuckets*:DistTest*' \
+    >"$FINAL_OUT/dp_tests.log" 2>&1
+  echo "unit tests: exit $? $(grep -E '^\[  (PASSED|FAILED)' "$FINAL_OUT/dp_tests.log" | tr '\n' ' ')"
+fi
 if has scale; then
   for model in $MODELS; do
     case $model in
@@ -62,6 +69,12 @@ if has scale; then
       if [ "$world" -gt 1 ] && [ "$model" = resnet18 ]; then  # a budget on every GPU: each rank's peak under it
         ours "scale_${model}-budget_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
           --epochs "$EPOCHS" --vram-budget "${DP_BUDGET:-1GB}"
+        ours "scale_${model}-tribudget_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+          --epochs "$EPOCHS" --vram-budget "${DP_BUDGET:-1GB}" --method tri-accel
+      fi
+      if [ "$world" -gt 1 ] && [ "$model" != efficientnet-b0 ]; then  # ZeRO-1: each rank keeps 1/N of the state
+        ours "scale_${model}-zero_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+          --epochs "$EPOCHS" --shard-optimizer on
       fi
       torchrun --standalone --nproc_per_node "$world" bench/pytorch_ddp.py --model "$model" --batch "$per" \
         --out "$WORK/pytorch_ddp.jsonl" >"$WORK/pytorch_${model}_w$world.log" 2>&1
@@ -85,7 +98,10 @@ for d in sorted(glob.glob(f"{work}/runs/*/")):
     epochs = [e for e in ev if e["event"] == "epoch"]
     summ = [e for e in ev if e["event"] == "summary"]
     world = int(tag.rsplit("_w", 1)[1])
+    summary = summ[0] if summ else {}
     rows.append({"system": "triaccel", "tag": tag, "model": tag.split("_")[1], "world_size": world,
+                 "optim_state_bytes": summary.get("optim_state_bytes"),
+                 "optim_state_sharded": summary.get("optim_state_sharded"),
                  "images_per_s": epochs[-1]["images_per_s"] if epochs else None,
                  "test_acc": summ[0]["test_acc"] if summ else None, "total_s": summ[0]["total_s"] if summ else None,
                  "epochs": len(epochs), "cuda_graph": epochs[-1].get("cuda_graph") if epochs else None,
@@ -115,8 +131,9 @@ for model in ["resnet18", "vit-tiny", "efficientnet-b0"]:
     if on and nb:
         print(f"{model}: buckets overlapped {on:.0f} img/s, one collective after backward {nb:.0f} ({on / nb:.2f}x)")
 for r in rows:
-    if "-budget_" in r.get("tag", ""):
-        print(f"{r['tag']}: {r['images_per_s']} img/s, rank peaks {r['rank_peak_vram_gb']} GB")
+    if any(k in r.get("tag", "") for k in ("-budget_", "-tribudget_", "-zero_", "-syncbn_", "-bf16grad_")):
+        print(f"{r['tag']}: {r['images_per_s']} img/s, rank peaks {r['rank_peak_vram_gb']} GB, "
+              f"state {r['optim_state_bytes']} B (sharded {r['optim_state_sharded']}), graph {r['cuda_graph']}")
 for r in rows:
     if r.get("tag", "").startswith("acc_"):
         print(f"{r['tag']}: test acc {r['test_acc']} %, total {r['total_s']} s, {r['epochs']} epochs")
