@@ -12,7 +12,8 @@
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
-# $OUT/data_parallel.json ({"bench","gpu","commit","rows"}) and the runs' events, and prints a short table last.
+# $OUT/data_parallel.json ({"bench","gpu","commit","rows"}) and $OUT/dp_runs.tar.gz (every run's events and log),
+# and prints a short table last.
 # Usage: COMMIT=$(git rev-parse --short HEAD) STAGES=scale,acc bash bench/run_data_parallel.sh
 set -uo pipefail
 STAGES=${STAGES:-scale}
@@ -89,7 +90,7 @@ if has acc; then
 fi
 
 python3 - "$WORK" "$FINAL_OUT" "$GPU" "${COMMIT:-?}" "$NPROC" <<'PY'
-import glob, json, os, shutil, sys
+import glob, json, os, sys, tarfile
 work, out, gpu, commit, nproc = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 rows = []
 for d in sorted(glob.glob(f"{work}/runs/*/")):
@@ -107,11 +108,16 @@ for d in sorted(glob.glob(f"{work}/runs/*/")):
                  "epochs": len(epochs), "cuda_graph": epochs[-1].get("cuda_graph") if epochs else None,
                  "peak_vram_gb": summ[0]["peak_vram_gb"] if summ else None,
                  "rank_peak_vram_gb": epochs[-1].get("rank_peak_vram_gb") if epochs else None})
-    os.makedirs(f"{out}/events", exist_ok=True)
-    if ev:
-        shutil.copy(f"{d}/events.jsonl", f"{out}/events/{tag}.events.jsonl")
 if os.path.exists(f"{work}/pytorch_ddp.jsonl"):
     rows += [json.loads(l) for l in open(f"{work}/pytorch_ddp.jsonl")]
+# Every run's events and log, and the PyTorch logs, in one file (the device returns at most 8).
+with tarfile.open(f"{out}/dp_runs.tar.gz", "w:gz") as tar:
+    for d in sorted(glob.glob(f"{work}/runs/*/")):
+        tag = os.path.basename(d.rstrip("/"))
+        if os.path.exists(f"{d}/events.jsonl"):
+            tar.add(f"{d}/events.jsonl", arcname=f"{tag}.events.jsonl")
+    for f in sorted(glob.glob(f"{work}/runs/*.log") + glob.glob(f"{work}/pytorch_*.log")):
+        tar.add(f, arcname=os.path.basename(f))
 json.dump({"bench": "data_parallel", "gpu": gpu, "commit": commit, "rows": rows}, open(f"{out}/data_parallel.json", "w"),
           indent=1)
 print(f"{'model':16s} {'ours x1':>9s} {'ours x%d' % nproc:>9s} {'scaling':>8s} {'ddp x1':>9s} {'ddp x%d' % nproc:>9s} {'ddp scal':>8s} {'ours/ddp':>8s}")
