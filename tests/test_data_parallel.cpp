@@ -79,6 +79,7 @@ class DataParallelTest : public test::TinyMnistTest {
         RunHooks hooks;
         DistOptions d;
         d.rank = r;
+        d.local_rank = r;  // its own GPU where there are several
         d.world_size = world;
         d.master_port = port;
         d.timeout = std::chrono::seconds(60);  // a broken group fails a test in a minute, not five

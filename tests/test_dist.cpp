@@ -80,9 +80,10 @@ TEST(DistTest, OneProcessIsANoOp) {
 
 // Two ranks: rank r holds (r + 1) in a tensor of 4 and r·10 in one of 2 (tensors of different sizes in one call);
 // after the sum every rank holds 3 and 10 (and so for two sums started at once); a maximum gives each number's
-// largest; after a broadcast from rank 1 every rank holds rank 1's values.
+// largest; after a broadcast from rank 1 every rank holds rank 1's values, also in a channels_last tensor (a CNN's
+// weight on the GPU: sent in memory order, its layout kept).
 TEST(DistTest, TwoGlooRanksSumAndBroadcast) {
-  std::vector<std::vector<at::Tensor>> sums(2), casts(2), started(2);
+  std::vector<std::vector<at::Tensor>> sums(2), casts(2), started(2), layouts(2);
   std::vector<std::vector<double>> maxima(2);
   // ctest -j runs test binaries side by side: a port of this process's own.
   const auto errors = test::on_two_ranks(20000 + static_cast<int>(getpid() % 20000), [&](int r, Dist& dist) {
@@ -101,6 +102,10 @@ TEST(DistTest, TwoGlooRanksSumAndBroadcast) {
     std::vector<at::Tensor> b{torch::full({3}, static_cast<float>(7 * r))};
     dist.broadcast(b, 1);
     casts[r] = b;
+    std::vector<at::Tensor> w{(torch::arange(2 * 3 * 2 * 2, torch::kFloat).view({2, 3, 2, 2}) + 100 * r)
+                                  .contiguous(at::MemoryFormat::ChannelsLast)};
+    dist.broadcast(w, 1);
+    layouts[r] = w;
     dist.barrier();
   });
   for (int r = 0; r < 2; ++r) {
@@ -108,6 +113,8 @@ TEST(DistTest, TwoGlooRanksSumAndBroadcast) {
     EXPECT_TRUE(torch::equal(sums[r][0], torch::full({4}, 3.0f))) << r;
     EXPECT_TRUE(torch::equal(sums[r][1], torch::full({2}, 10.0f))) << r;
     EXPECT_TRUE(torch::equal(casts[r][0], torch::full({3}, 7.0f))) << r;
+    EXPECT_TRUE(torch::equal(layouts[r][0], torch::arange(24, torch::kFloat).view({2, 3, 2, 2}) + 100)) << r;
+    EXPECT_TRUE(layouts[r][0].is_contiguous(at::MemoryFormat::ChannelsLast)) << r;
     EXPECT_TRUE(torch::equal(started[r][0], torch::full({5}, 3.0f))) << r;
     EXPECT_TRUE(torch::equal(started[r][1], torch::full({1000}, 2.0f))) << r;
     EXPECT_EQ(maxima[r], (std::vector<double>{1.0, 5.0, -1.0})) << r;

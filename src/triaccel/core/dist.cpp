@@ -163,8 +163,11 @@ void on_host(at::Tensor& t, F&& collective) {
 template <typename Group, typename F>
 void each_tensor(const DistOptions& o, Group& group, std::vector<at::Tensor>& tensors, const char* what,
                  F&& collective) {
-  for (at::Tensor& t : tensors) {
-    TORCH_CHECK(t.is_contiguous(), "Dist::", what, ": a non-contiguous tensor");
+  for (at::Tensor& given : tensors) {
+    // A dense tensor in another layout (a channels_last weight) as its storage's elements in memory order: every rank
+    // holds the same layout, so element-wise collectives match element for element.
+    TORCH_CHECK(given.is_non_overlapping_and_dense(), "Dist::", what, ": a tensor with gaps or overlaps");
+    at::Tensor t = given.is_contiguous() ? given : given.as_strided({given.numel()}, {1}, given.storage_offset());
     if (t.is_cuda() && group.nccl) {
       std::vector<at::Tensor> one{t};
       run_collective(o, [&] { return collective(*group.nccl, one); });
