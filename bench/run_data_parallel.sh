@@ -84,7 +84,10 @@ if has scale; then
   done
 fi
 if has acc; then
-  recipe=(--model resnet18 --epochs "$ACC_EPOCHS" --batch-size 512 --lr 0.4 --warmup-epochs 2 --label-smoothing 0.1)
+  # ACC_ARGS: extra flags for both runs (e.g. "--checkpoint-every 100000": one checkpoint at the end instead of one
+  # per epoch, 0.4 s each for ResNet-18, which neither run can share between GPUs).
+  recipe=(--model resnet18 --epochs "$ACC_EPOCHS" --batch-size 512 --lr 0.4 --warmup-epochs 2 --label-smoothing 0.1
+          ${ACC_ARGS:-})
   ours acc_r18_w1 1 "${recipe[@]}"
   ours "acc_r18_w$NPROC" "$NPROC" "${recipe[@]}"
 fi
