@@ -46,7 +46,7 @@ int64_t shard_staging_bytes(const std::vector<ParamShardBucket>& buckets);
 
 // What sharding leaves on the rank that owns most, given each parameter's element count, the owners and the
 // optimizer's state bytes per element (SGD's momentum 4, AdamW 8): that rank's state bytes, and the buckets' cap,
-// 4 MiB (ResNet-18 on two ranks: about ten broadcasts per step) or a quarter of the state the rank no longer keeps,
+// 4 MiB (ResNet-18 on two ranks: 12 broadcasts per step) or a quarter of the state the rank no longer keeps,
 // whichever is less, so that the staging buffer never takes back more than a quarter of the saving.
 struct ShardSizes {
   int64_t state_bytes = 0;
