@@ -9,6 +9,9 @@
 #          and with --sync-bn, under --vram-budget DP_BUDGET (1GB), Tri-Accel under the same budget, and with
 #          --shard-optimizer on (ZeRO-1; ViT-Tiny's AdamW too); every model on NPROC GPUs also with --grad-bucket-mb 0
 #          (one collective after backward, against the default overlapped buckets)
+#   steady ResNet-18 and ViT-Tiny (MODELS) as in scale, 3 epochs, a progress line every 10 steps: the median images/s
+#          of the windows inside an epoch (no epoch boundary, evaluation or short last batch in them), at 1 and NPROC
+#          GPUs: the steps' own scaling, as PyTorch's timed steps measure it
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -83,6 +86,18 @@ if has scale; then
     done
   done
 fi
+if has steady; then
+  for model in $MODELS; do
+    case $model in
+      resnet18) args=(--model resnet18) ;;
+      vit-tiny) args=(--model vit-tiny --optimizer adamw) ;;
+      *) continue ;;
+    esac
+    for world in $(printf "1\n%s\n" "$NPROC" | sort -un); do
+      ours "steady_${model}_w$world" "$world" "${args[@]}" --batch-size $((512 * world)) --epochs 3 --log-every 10
+    done
+  done
+fi
 if has acc; then
   # ACC_ARGS: extra flags for both runs (e.g. "--checkpoint-every 100000": one checkpoint at the end instead of one
   # per epoch, 0.4 s each for ResNet-18, which neither run can share between GPUs).
@@ -121,6 +136,18 @@ with tarfile.open(f"{out}/dp_runs.tar.gz", "w:gz") as tar:
             tar.add(f"{d}/events.jsonl", arcname=f"{tag}.events.jsonl")
     for f in sorted(glob.glob(f"{work}/runs/*.log") + glob.glob(f"{work}/pytorch_*.log")):
         tar.add(f, arcname=os.path.basename(f))
+# steady_*: the median images/s of the progress windows inside an epoch (the previous line in the same epoch, and
+# not the epoch's last line, whose window holds the short last batch).
+import re, statistics
+for f in sorted(glob.glob(f"{work}/runs/steady_*.log")):
+    tag = os.path.basename(f)[:-4]
+    lines = [tuple(map(float, m.groups())) for m in
+             re.finditer(r"epoch (\d+)/\d+ step (\d+)/(\d+) loss \S+ lr \S+ (\d+) img/s", open(f).read())]
+    clean = [v for prev, (e, d, t, v) in zip(lines, lines[1:]) if prev[0] == e and d < t]
+    for r in rows:
+        if r.get("tag") == tag:
+            r["steady_images_per_s"] = statistics.median(clean) if clean else None
+            r["steady_windows"] = len(clean)
 json.dump({"bench": "data_parallel", "gpu": gpu, "commit": commit, "rows": rows}, open(f"{out}/data_parallel.json", "w"),
           indent=1)
 print(f"{'model':16s} {'ours x1':>9s} {'ours x%d' % nproc:>9s} {'scaling':>8s} {'ddp x1':>9s} {'ddp x%d' % nproc:>9s} {'ddp scal':>8s} {'ours/ddp':>8s}")
@@ -143,6 +170,11 @@ for r in rows:
     if any(k in r.get("tag", "") for k in ("-budget_", "-tribudget_", "-zero_", "-syncbn_", "-bf16grad_")):
         print(f"{r['tag']}: {r['images_per_s']} img/s, rank peaks {r['rank_peak_vram_gb']} GB, "
               f"state {r['optim_state_bytes']} B (sharded {r['optim_state_sharded']}), graph {r['cuda_graph']}")
+for model in ["resnet18", "vit-tiny"]:
+    s1 = next((r.get("steady_images_per_s") for r in rows if r.get("tag") == f"steady_{model}_w1"), None)
+    sn = next((r.get("steady_images_per_s") for r in rows if r.get("tag") == f"steady_{model}_w{nproc}"), None)
+    if s1 and sn:
+        print(f"{model} steady steps: {s1:.0f} img/s on 1 GPU, {sn:.0f} on {nproc} ({sn / s1:.2f}x)")
 for r in rows:
     if r.get("tag", "").startswith("acc_"):
         print(f"{r['tag']}: test acc {r['test_acc']} %, total {r['total_s']} s, {r['epochs']} epochs")
