@@ -156,6 +156,35 @@ TEST_F(GradBucketsTest, AnUnusedLayerAndAnEmptyShareReduceZerosOrWhatTheyHold) {
   for (const auto& p : params) EXPECT_EQ(p.grad().abs().max().item<float>(), 0.0f);
 }
 
+// A channels_last convolution weight (a CNN's on the GPU): its gradient after finish() is its place in the bucket,
+// laid out as the weight, holding the doubled gradient; the bucket's memory is the gradient's (no copy back).
+TEST(GradBucketsLayoutTest, AGradientIsItsBucketSlotInTheParametersLayout) {
+  torch::manual_seed(5);
+  const at::Tensor w = torch::randn({4, 3, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast).set_requires_grad(true);
+  const at::Tensor b = torch::randn({4}).set_requires_grad(true);
+  const at::Tensor x = torch::randn({2, 3, 5, 5}).contiguous(at::MemoryFormat::ChannelsLast);
+  const auto loss = [&] { return at::conv2d(x, w, b).square().sum(); };
+  loss().backward();
+  const at::Tensor ref_w = w.grad().clone(), ref_b = b.grad().clone();
+  w.mutable_grad() = at::Tensor();
+  b.mutable_grad() = at::Tensor();
+  at::Tensor flat;
+  GradBuckets buckets({w, b}, GradBucketsOptions{1 << 20, at::ScalarType::Undefined}, [&](const at::Tensor& t) {
+    flat = t;
+    at::Tensor u = t;
+    return DistWork([u]() mutable { u.mul_(2); });
+  });
+  buckets.arm(1.0);
+  loss().backward();
+  buckets.finish();
+  EXPECT_TRUE(at::allclose(w.grad(), ref_w * 2, 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(b.grad(), ref_b * 2, 1e-5, 1e-5));
+  EXPECT_EQ(w.grad().strides(), w.strides()) << "the slot keeps the weight's channels_last layout";
+  ASSERT_TRUE(flat.defined());
+  EXPECT_TRUE(w.grad().is_alias_of(flat));
+  EXPECT_TRUE(b.grad().is_alias_of(flat));
+}
+
 TEST_F(GradBucketsTest, ZeroBytesIsOneBucketStartedAfterBackward) {
   const at::Tensor x = torch::randn({8, 16});
   const std::vector<at::Tensor> ref = reference(x);

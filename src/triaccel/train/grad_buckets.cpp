@@ -32,10 +32,12 @@ struct GradBuckets::State {
   size_t next = 0;  // the next bucket to start
   int64_t started_during_backward = 0;
 
+  // Parameter i's place in its bucket, laid out as the parameter (its strides: a channels_last weight's too), so that
+  // after the reduction it stands as the parameter's gradient without a copy.
   at::Tensor slot(size_t i) const {
     const Bucket& b = buckets[bucket_of[i]];
     const at::Tensor& p = params[i];
-    return b.flat.narrow(0, b.offsets[slot_of[i]], p.numel()).view(p.sizes());
+    return b.flat.as_strided(p.sizes(), p.strides(), b.flat.storage_offset() + b.offsets[slot_of[i]]);
   }
 
   // The bucket's sum over the ranks, started (its unfilled slots take what their .grad holds, or zeros).
@@ -105,6 +107,7 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params, GradBucketsOptions opti
   int64_t bytes = 0;
   for (size_t k = n; k-- > 0;) {
     const at::Tensor& p = s.params[k];
+    TORCH_CHECK(p.is_non_overlapping_and_dense(), "GradBuckets: parameter ", k, " is not dense");
     const int64_t pb = p.numel() * static_cast<int64_t>(p.element_size());
     const bool fresh = s.buckets.empty() ||
                        (options.bucket_bytes > 0 && bytes > 0 && bytes + pb > options.bucket_bytes) ||
@@ -165,11 +168,8 @@ void GradBuckets::finish() {
     b.work.wait();
     if (b.wire.defined()) b.flat.copy_(b.wire);
   }
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    at::Tensor& p = s.params[i];
-    if (!p.grad().defined()) p.mutable_grad() = at::empty_like(p);
-    p.mutable_grad().copy_(s.slot(i));
-  }
+  // Each gradient becomes its slot, a view of the bucket (no copy kernel per parameter); the next step releases it.
+  for (size_t i = 0; i < s.params.size(); ++i) s.params[i].mutable_grad() = s.slot(i);
   for (State::Bucket& b : s.buckets) {
     b.pending = static_cast<int64_t>(b.params.size());
     b.started = false;

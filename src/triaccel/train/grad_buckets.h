@@ -4,13 +4,16 @@
 // copies the accumulated gradient into its bucket during the backward pass that reduces (the step's last
 // micro-batch: arm()); a bucket whose gradients are all in is scaled by this rank's share of the global batch and its
 // sum over the ranks started at once, while backward goes on with the layers before it. finish(), after that pass,
-// starts what is left, waits for every bucket and writes the sums into the parameters' gradients.
+// starts what is left, waits for every bucket and makes each parameter's gradient a view of its place in its bucket
+// (laid out as the parameter), so the sums are read where they were reduced, without a copy back.
 //
 // Invariants:
 // - Buckets start strictly in index order, whatever order the gradients come in: every rank issues the same
 //   collectives in the same order (a rank with an empty share, which runs no backward, starts them all in finish()).
 // - A parameter whose gradient did not come in that pass reduces what its .grad holds (earlier micro-batches'), or
-//   zeros when it has none; after finish() every parameter's gradient is defined and holds the weighted sum.
+//   zeros when it has none; after finish() every parameter's gradient is defined, holds the weighted sum, and aliases
+//   the bucket until the next step releases it (TrainStep releases gradients before every backward, so no backward
+//   accumulates into a bucket).
 // - Scaling comes first, in the gradients' dtype, then the cast to `wire` (bf16 compression, as DDP's bf16 hook).
 // - Hooks outside an armed pass (the curvature probe's products, evaluation) do nothing.
 // With bucket_bytes 0 no hook is installed: one bucket holds every gradient and starts in finish(), after backward.
