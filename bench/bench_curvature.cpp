@@ -5,7 +5,10 @@
 // λ_1..k with their relative difference to the first precision's (the reference). Synthetic input, random weights
 // after a few SGD steps (so the Hessian is not the initialization's), batch b_curv.
 // Usage: bench_curvature [--model resnet18] [--image-size 32] [--precisions fp32,bf16] [--top-k 1] [--iters 20]
-//                        [--batch 32] [--units all|name,name] [--out FILE]
+//                        [--batch 32] [--units all|name,name] [--estimators hessian,fisher] [--rounds 4]
+//                        [--chunk 16] [--out FILE]
+// --estimators: also whole rounds of every unit (CurvatureRound) per estimator; --precisions "" skips the per-unit
+// probes.
 #include "triaccel/control/curvature_probe.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/enum_names.h"
@@ -43,7 +46,9 @@ int main(int argc, char** argv) {
   CLI::App app{"bench_curvature: the curvature probe's cost and eigenvalues per unit, per probe precision"};
   std::string model_name = "resnet18", precisions = "fp32,bf16", units_arg = "all", out;
   int64_t image_size = 32, batch = 32, train_steps = 20;
-  int top_k = 1, iters = 20;
+  std::string estimators_arg;
+  int top_k = 1, iters = 20, rounds = 4;
+  int64_t chunk = 16;
   double tol = 1e-3;
   bool graphs = true;
   app.add_option("--model", model_name)->capture_default_str();
@@ -56,6 +61,10 @@ int main(int argc, char** argv) {
   app.add_option("--train-steps", train_steps, "SGD steps on random data before probing")->capture_default_str();
   app.add_option("--units", units_arg, "all, or unit names")->capture_default_str();
   app.add_option("--cuda-graphs", graphs)->capture_default_str();
+  app.add_option("--estimators", estimators_arg, "whole rounds per estimator (hessian,fisher); empty: none")
+      ->capture_default_str();
+  app.add_option("--rounds", rounds, "rounds per estimator, the first cold")->capture_default_str();
+  app.add_option("--chunk", chunk, "the Hessian rounds' samples per forward/backward")->capture_default_str();
   app.add_option("--out", out, "JSON file");
   CLI11_PARSE(app, argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe as they are printed
@@ -146,9 +155,49 @@ int main(int argc, char** argv) {
                           {"converged", c.converged}});
     }
   }
+  // Whole rounds per estimator (every unit, k = 1, as --curv-estimator and --curv-lockstep run them): the first
+  // (cold, with the capture) and `rounds - 1` warm ones, each round's time and passes, and the last round's λ per
+  // unit beside the first estimator's.
+  Json round_rows = Json::array();
+  std::vector<std::vector<triaccel::UnitCurvature>> last_rounds;
+  const auto estimators = split(estimators_arg);
+  for (const auto& name : estimators) {
+    triaccel::CurvatureOptions co;
+    co.top_k = 1;
+    co.max_iters = iters;
+    co.tol = tol;
+    co.batch = batch;
+    co.chunk = chunk;
+    co.cuda_graphs = graphs;
+    co.estimator = triaccel::enum_parse<triaccel::CurvatureEstimator>(name, "curv_estimator");
+    triaccel::CurvatureRound round(*model, images, labels, co);
+    Json times = Json::array(), passes = Json::array();
+    std::vector<triaccel::UnitCurvature> last;
+    for (int r = 0; r < rounds; ++r) {
+      double s = 0;
+      last = round.run(&s);
+      times.push_back(s);
+      passes.push_back(round.timing().passes);
+      std::printf("round %-8s %d: %8.1f ms, %d passes, replayed pass %.2f ms, graph %.1f MB\n", name.c_str(), r,
+                  1e3 * s, round.timing().passes, 1e3 * round.timing().replay_s, round.graph_bytes() / 1e6);
+    }
+    Json lambda = Json::array();
+    for (const auto& c : last) lambda.push_back(c.lambda_max);
+    round_rows.push_back(Json{{"estimator", name}, {"round_s", times}, {"passes", passes},
+                              {"replay_s", round.timing().replay_s}, {"graph_bytes", round.graph_bytes()},
+                              {"lambda_max", lambda}});
+    last_rounds.push_back(std::move(last));
+  }
+  for (size_t u = 0; !last_rounds.empty() && u < last_rounds[0].size(); ++u) {
+    std::printf("%-10s", last_rounds[0][u].unit.c_str());
+    for (size_t e = 0; e < last_rounds.size(); ++e) {
+      std::printf(" %s λ %10.4g", estimators[e].c_str(), last_rounds[e][u].lambda_max);
+    }
+    std::printf("\n");
+  }
   const Json result{{"model", model_name}, {"image_size", image_size}, {"batch", batch}, {"top_k", top_k},
                     {"iters", iters},      {"tol", tol},               {"cuda_graphs", graphs},
-                    {"device", device.str()}, {"rows", rows}};
+                    {"device", device.str()}, {"rows", rows},          {"rounds", round_rows}};
   if (!out.empty()) triaccel::file_write_atomic(out, result.dump(1));
   return 0;
 }

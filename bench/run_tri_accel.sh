@@ -12,7 +12,8 @@
 # curvature-only rows; signals_tri: the signals stage's Tri-Accel and AMP bf16 rows alone; r18: ResNet-18's 12 Table-1 runs only, no
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
 # and AMP bf16 rows, seed 0, EXTRA flags last; lockstep: ResNet-18's Tri-Accel with lockstep rounds and with per-unit probes beside AMP
-# bf16, seeds SEEDS (0); chunks: lockstep rounds at each --curv-chunk in CHUNKS). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
+# bf16, seeds SEEDS (0); chunks: lockstep rounds at each --curv-chunk in CHUNKS; fisher: the Fisher estimator, see
+# its stage). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
 set -uo pipefail
 STAGE=${1:-table}
@@ -87,6 +88,19 @@ elif [ "$STAGE" = lockstep ]; then  # issue 19: lockstep probe rounds against pe
     job r18_tri_s$s --model resnet18 --method tri-accel $PROTO --seed $s
     job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s
   done
+elif [ "$STAGE" = fisher ]; then  # issue 19: the Fisher estimator (--curv-estimator fisher), ResNet-18, seeds SEEDS
+  # (0 1 2): Tri-Accel, the curvature lr alone under AMP bf16, AMP bf16; FISHER_EFFB0=1 adds EfficientNet-B0 at 224
+  # (seed 0: Tri-Accel with the Fisher and AMP bf16, queued first)
+  F="--curv-estimator fisher"
+  if [ -n "${FISHER_EFFB0:-}" ]; then
+    job effb0_tri_fisher_s0 --model efficientnet-b0 --image-size 224 --method tri-accel $F $PROTO --seed 0
+    job effb0_bf16_s0 --model efficientnet-b0 --image-size 224 --precision amp-bf16 $PROTO --seed 0
+  fi
+  for s in ${SEEDS:-0 1 2}; do
+    job r18_tri_fisher_s$s --model resnet18 --method tri-accel $F $PROTO --seed $s ${EXTRA:-}
+    job r18_curvf_s$s --model resnet18 --method tri-accel --ta-precision false --precision amp-bf16 $F $PROTO --seed $s ${EXTRA:-}
+    job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s ${EXTRA:-}
+  done
 elif [ "$STAGE" = chunks ]; then  # lockstep rounds at each --curv-chunk in CHUNKS (8 16 32) beside AMP bf16, seed 0;
   # EXTRA flags last (e.g. "--epochs 3 --warmup-epochs 1")
   for c in ${CHUNKS:-8 16 32}; do
@@ -139,7 +153,7 @@ worker() {  # GPU index: takes queue lines until none are left
   done
 }
 
-[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0|signals_tri|lockstep|chunks)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
+[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0|signals_tri|lockstep|chunks|fisher)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
    echo "unit tests on GPU: exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/unit_tests_gpu.log" | tr '\n' ' ')") &
 # The unit tests take ~10 s on the last GPU; in the table stage its first job is long and only its last 5 epochs
 # are timed. The check stage keeps that GPU for the tests.

@@ -18,6 +18,8 @@ PAPER_T1 = {  # CIFAR-10, Table 1: acc %, s/epoch, GB, efficiency score
 PAPER_T2 = {"standard": 0.350, "batch": 0.321, "precision": 0.310, "full": 0.307}  # ResNet-18 VRAM GB
 METHOD_LABEL = {"fp32": "FP32", "bf16": "AMP bf16", "fp16": "AMP fp16", "tri": "Tri-Accel",
                 "prec": "Tri-Accel precision only", "curv": "Tri-Accel curvature lr only",
+                "tri_fisher": "Tri-Accel, Fisher curvature", "curvf": "Tri-Accel curvature lr only, Fisher",
+                "precf": "Tri-Accel precision only (Fisher run's settings)",
                 "tri_1GB": "Tri-Accel, --vram-budget 1GB", "tri_3GB": "Tri-Accel, --vram-budget 3GB"}
 
 

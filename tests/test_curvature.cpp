@@ -361,6 +361,97 @@ TEST(CurvatureRoundTest, ChunksWeightedByTheirShareGiveTheWholeBatchsProducts) {
   }
 }
 
+// Each unit's per-sample gradients at the given labels, (n, numel_u) float64: the rows of the explicit Fisher block.
+std::vector<at::Tensor> per_sample_gradients(Model& model, const at::Tensor& images, const at::Tensor& labels) {
+  std::vector<std::vector<at::Tensor>> rows(model.units().size());
+  for (int64_t i = 0; i < images.size(0); ++i) {
+    at::Tensor h = images.narrow(0, i, 1);
+    for (const Unit& unit : model.units()) h = unit.forward(h);
+    const at::Tensor loss = at::cross_entropy_loss(h, labels.narrow(0, i, 1));
+    for (size_t u = 0; u < model.units().size(); ++u) {
+      const auto grads = torch::autograd::grad({loss}, model.units()[u].parameters(), {}, /*retain_graph=*/true);
+      rows[u].push_back(flat_cat(grads));
+    }
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& r : rows) out.push_back(at::stack(r));
+  return out;
+}
+
+// The Fisher estimator's rounds against the explicit Monte-Carlo Fisher of a tiny model in float64: at the labels the
+// round drew, each unit's λ is the top eigenvalue of (1/n) Σ g_i g_iᵀ, computed here independently through its dual,
+// the n×n Gram matrix (1/n) G Gᵀ, which has the same nonzero eigenvalues. The second round draws new labels and
+// continues from the first's vectors.
+TEST(CurvatureRoundTest, FisherRoundsGiveTheExplicitSampledFishersTopEigenvalue) {
+  const SingleThreadScope single_thread;
+  torch::manual_seed(5);
+  TanhMlp model;
+  model.to(at::kDouble);
+  auto [images, labels, options] = probe_batch(29, 400);
+  images = images.to(at::kDouble);
+  options.top_k = 1;
+  options.tol = 1e-13;
+  options.estimator = CurvatureEstimator::kFisher;
+  CurvatureRound round(model, images, labels, options);
+  const auto first = round.run();
+  const at::Tensor first_labels = round.labels().clone();
+  EXPECT_LE(round.timing().passes, CurvatureRound::kColdRoundPasses);
+  const auto second = round.run();
+  EXPECT_FALSE(at::equal(first_labels, round.labels()));  // drawn afresh each round
+  EXPECT_TRUE(model.is_training());                       // eval mode for the round only
+  const auto rows = per_sample_gradients(model, images, round.labels());
+  ASSERT_EQ(second.size(), 2u);
+  for (size_t u = 0; u < second.size(); ++u) {
+    const at::Tensor gram = rows[u].matmul(rows[u].t()) / static_cast<double>(images.size(0));
+    const double expected = at::linalg_eigvalsh(gram).max().item<double>();
+    EXPECT_GT(expected, 1e-6) << second[u].unit;
+    EXPECT_NEAR(second[u].lambda_max, expected, 1e-8 * expected) << second[u].unit;
+    EXPECT_TRUE(second[u].converged) << second[u].unit;
+    std::printf("[ tanh-mlp %s ] Fisher λ %.8g, explicit %.8g (%d passes)\n", second[u].unit.c_str(),
+                second[u].lambda_max, expected, second[u].iterations);
+  }
+}
+
+// The labels are drawn from the model's own prediction, not taken from the batch: with the output biased to class 3
+// every draw is 3; and for the output layer, where the Hessian block is exactly the Gauss-Newton block (the logits are
+// linear in its weights), the Fisher over many draws (each input repeated 16 times) comes close to the Hessian's λ.
+TEST(CurvatureRoundTest, FisherLabelsComeFromTheModelAndApproachTheOutputLayersHessian) {
+  const SingleThreadScope single_thread;
+  torch::manual_seed(7);
+  TanhMlp model;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
+  const at::Tensor inputs = at::randn({24, 1, 28, 28}, gen);
+  const at::Tensor truth = at::randint(0, 10, {24}, gen, at::kLong);
+  CurvatureOptions options;
+  options.top_k = 1;
+  options.max_iters = 60;
+  options.tol = 1e-7;
+  options.batch = 24 * 16;
+  CurvatureRound hessian(model, inputs, truth, options);
+  options.estimator = CurvatureEstimator::kFisher;
+  CurvatureRound fisher(model, inputs.repeat({16, 1, 1, 1}), truth.repeat({16}), options);
+  hessian.run();
+  fisher.run();
+  const auto h = hessian.run();
+  const auto f = fisher.run();
+  const double relative = std::abs(f[1].lambda_max - h[1].lambda_max) / h[1].lambda_max;
+  std::printf("[ tanh-mlp out ] Hessian λ %.6g, Fisher λ %.6g (%.1f %%); hidden: %.6g vs %.6g\n", h[1].lambda_max,
+              f[1].lambda_max, 100 * relative, h[0].lambda_max, f[0].lambda_max);
+  EXPECT_LT(relative, 0.2);  // 10.7 % measured: the top eigenvalue of a sampled matrix lies above its mean's
+
+  {
+    const at::NoGradGuard no_grad;
+    auto out_bias = model.named_parameters()["out.bias"];
+    out_bias.zero_();
+    out_bias[3] = 40.0;
+  }
+  CurvatureOptions small = options;
+  small.batch = 8;
+  CurvatureRound biased(model, inputs, truth, small);
+  biased.run();
+  EXPECT_TRUE(at::all(biased.labels() == 3).item<bool>()) << biased.labels();
+}
+
 TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
   const SingleThreadScope single_thread;
   auto model = small_cnn_make();

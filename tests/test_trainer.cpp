@@ -398,28 +398,34 @@ TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
 // Lockstep rounds (--curv-lockstep true, k = 1): every probe event covers every unit, so α is calibrated at the first
 // and the lr scales leave 1 there; the schedule spaces whole rounds by the last round's cost (here on a clock of 1 ms
 // a reading, with the whole time as budget).
+// The Fisher estimator (--curv-estimator fisher) runs the same rounds.
 TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
-  test::TempDir out("run_lockstep");
-  FixedStepClock clock(1e-3);
-  RunHooks hooks;
-  hooks.clock = &clock;
-  Config o = with_tri_accel(options(out.path()), "1");
-  o.set("curv_top_k", "1");
-  o.set("curv_lockstep", "true");
-  api::run(o, hooks);
-  int probes = 0;
-  for (const auto& e : events_read(out.file("events.jsonl"))) {
-    if (e["event"] != "curvature") continue;
-    ++probes;
-    EXPECT_TRUE(e["lockstep"].get<bool>());
-    EXPECT_EQ(e["probed"].size(), 4u);
-    for (const auto& l : e["lambda_max"]) EXPECT_FALSE(l.is_null());
-    EXPECT_GT(e["round_cost_s"].get<double>(), 0.0);
-    EXPECT_GT(e["alpha"].get<double>(), 0.0);
-    const auto scales = e["lr_scale"].get<std::vector<double>>();
-    EXPECT_LT(*std::min_element(scales.begin(), scales.end()), 1.0);
+  for (const std::string estimator : {"hessian", "fisher"}) {
+    SCOPED_TRACE(estimator);
+    test::TempDir out("run_lockstep_" + estimator);
+    FixedStepClock clock(1e-3);
+    RunHooks hooks;
+    hooks.clock = &clock;
+    Config o = with_tri_accel(options(out.path()), "1");
+    o.set("curv_top_k", "1");
+    if (estimator == "hessian") o.set("curv_lockstep", "true");
+    o.set("curv_estimator", estimator);
+    api::run(o, hooks);
+    int probes = 0;
+    for (const auto& e : events_read(out.file("events.jsonl"))) {
+      if (e["event"] != "curvature") continue;
+      ++probes;
+      EXPECT_TRUE(e["lockstep"].get<bool>());
+      EXPECT_EQ(e["estimator"], estimator);
+      EXPECT_EQ(e["probed"].size(), 4u);
+      for (const auto& l : e["lambda_max"]) EXPECT_FALSE(l.is_null());
+      EXPECT_GT(e["round_cost_s"].get<double>(), 0.0);
+      EXPECT_GT(e["alpha"].get<double>(), 0.0);
+      const auto scales = e["lr_scale"].get<std::vector<double>>();
+      EXPECT_LT(*std::min_element(scales.begin(), scales.end()), 1.0);
+    }
+    EXPECT_GE(probes, 2);
   }
-  EXPECT_GE(probes, 2);
 }
 
 // The Tri-Accel loop on the CPU: probes and precision windows happen on schedule, thresholds calibrate, the

@@ -255,6 +255,7 @@ Events CurvatureController::after_step(StepContext& ctx) {
                                             {"precision", enum_name(options_.probe.precision)},
                                             {"lr_scaling", options_.lr_scaling},
                                             {"lockstep", options_.lockstep},
+                                            {"estimator", enum_name(options_.probe.estimator)},
                                             {"round_cost_s", round_cost_s_ >= 0 ? Json(round_cost_s_) : Json()},
                                             {"round", round_json()}}});
   last_call_s_ = clock_.now_s();  // the probe's own time is not training time

@@ -210,6 +210,11 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
   return result;
 }
 
+namespace {
+// The Fisher rounds' label draws have a generator of their own, apart from the start vectors' (seed + unit index).
+constexpr uint64_t kLabelSeedOffset = 0x9e3779b97f4a7c15ULL;
+}  // namespace
+
 struct CurvatureRound::State {
   State(Model& m, CurvatureOptions o) : model(m), options(std::move(o)) {}
   Model& model;
@@ -218,7 +223,14 @@ struct CurvatureRound::State {
   std::vector<std::vector<at::Tensor>> params;     // per unit: its parameters that require grad
   std::vector<at::Tensor> all_params;              // all of them, in unit order
   std::vector<int64_t> offset, numel;              // per unit: its slice of the flat vectors
-  at::Tensor v, w;                                 // (Σ numel): a pass reads v and writes w = per-unit H_uu·v_u
+  // The only large tensor kept between passes and rounds: v, (Σ numel), each unit's current unit vector. A pass makes
+  // w = per-unit H_uu·v_u (kFisher: F_uu·v_u) as its own tensor — inside the graph's pool when captured, so between
+  // rounds the training steps do not carry it — and ends by writing each unit's Rayleigh quotient and ‖w_u‖ to
+  // `stats` and, for the units `active` marks, v_u = w_u / ‖w_u‖.
+  at::Tensor v;
+  at::Tensor stats;                                // (2 · units): per unit vᵀw / vᵀv, then ‖w‖
+  at::Tensor active;                               // (units) bool, written by the host before each pass
+  std::unique_ptr<StartVectors> label_draws;       // kFisher: the rounds' label draws
   bool started = false;                            // v holds the last round's vectors
 #ifdef TRIACCEL_WITH_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph;
@@ -230,18 +242,79 @@ struct CurvatureRound::State {
 
   at::Tensor slice(const at::Tensor& flat, size_t u) const { return flat.narrow(0, offset[u], numel[u]); }
 
-  // One pass: per chunk, the forward, the first-order gradients with their graph, one product per unit added to w.
-  void pass() {
-    const int64_t n = x.size(0);
-    const int64_t chunk = options.chunk > 0 ? std::min(options.chunk, n) : n;
-    for (int64_t first = 0; first < n; first += chunk) {
-      const int64_t count = std::min(chunk, n - first);
-      chunk_pass(x.narrow(0, first, count), y.narrow(0, first, count), static_cast<double>(count) / n, first == 0);
-    }
+  bool fisher() const { return options.estimator == CurvatureEstimator::kFisher; }
+
+  // kFisher: y = one label per sample drawn from the model's softmax (eval mode, no graph), by inverting its CDF at a
+  // uniform draw.
+  void draw_labels() {
+    const at::NoGradGuard no_grad;
+    at::Tensor h = x;
+    for (const Unit& unit : model.units()) h = unit.forward(h);
+    const at::Tensor cdf = at::softmax(h.to(at::kFloat), 1).cumsum(1);          // (n, classes)
+    const at::Tensor u = label_draws->uniform(x.size(0)).to(cdf.options());     // (n)
+    y.copy_((cdf < u.unsqueeze(1)).sum(1).clamp_max(cdf.size(1) - 1));
   }
 
-  // One chunk's products, `weight` (its share of the batch) times its mean loss's, written to w (`first`) or added.
-  void chunk_pass(const at::Tensor& xc, const at::Tensor& yc, double weight, bool first) {
+  // kFisher's products: per sample i, the gradient g of its loss at the drawn label; each unit's w_u += g_u (g_u·v_u);
+  // then w /= n.
+  void fisher_products(at::Tensor& w) {
+    const auto& units = model.units();
+    const int64_t n = x.size(0);
+    at::Tensor g = at::empty_like(v);  // one sample's gradient, flat
+    for (int64_t i = 0; i < n; ++i) {
+      at::Tensor h = x.narrow(0, i, 1);
+      for (const Unit& unit : units) h = unit.forward(h);
+      if (at::isReducedFloatingType(h.scalar_type())) h = h.to(at::kFloat);
+      const at::Tensor loss = at::cross_entropy_loss(h, y.narrow(0, i, 1));
+      const std::vector<at::Tensor> grads = torch::autograd::grad({loss}, all_params, /*grad_outputs=*/{},
+                                                                  /*retain_graph=*/false, /*create_graph=*/false,
+                                                                  /*allow_unused=*/true);
+      const at::NoGradGuard no_grad;
+      std::vector<at::Tensor> flat;
+      for (size_t j = 0; j < grads.size(); ++j) {
+        flat.push_back(grads[j].defined() ? grads[j].reshape({-1}).to(g.scalar_type())
+                                          : at::zeros({all_params[j].numel()}, g.options()));
+      }
+      at::cat_out(g, flat);
+      for (size_t u = 0; u < units.size(); ++u) {
+        if (numel[u] == 0) continue;
+        const at::Tensor gu = slice(g, u);
+        slice(w, u).addcmul_(gu, at::dot(gu, slice(v, u)));
+      }
+    }
+    const at::NoGradGuard no_grad;
+    w.div_(static_cast<double>(n));
+  }
+
+  // One pass: one product per unit into w (kHessian: per chunk, the forward, the first-order gradients with their
+  // graph, the products added), then the statistics and the active units' next vectors.
+  void pass() {
+    at::Tensor w = at::zeros_like(v);
+    if (fisher()) {
+      fisher_products(w);
+    } else {
+      const int64_t n = x.size(0);
+      const int64_t chunk = options.chunk > 0 ? std::min(options.chunk, n) : n;
+      for (int64_t first = 0; first < n; first += chunk) {
+        const int64_t count = std::min(chunk, n - first);
+        chunk_products(x.narrow(0, first, count), y.narrow(0, first, count), static_cast<double>(count) / n, w);
+      }
+    }
+    const at::NoGradGuard no_grad;
+    std::vector<at::Tensor> parts;
+    for (size_t u = 0; u < numel.size(); ++u) {
+      if (numel[u] == 0) continue;
+      const at::Tensor vu = slice(v, u), wu = slice(w, u);
+      const at::Tensor norm = wu.norm();
+      parts.push_back(at::dot(vu, wu) / at::dot(vu, vu));
+      parts.push_back(norm);
+      vu.copy_(at::where(active[static_cast<int64_t>(u)].logical_and(norm > 0), wu / norm, vu));
+    }
+    stats.copy_(at::stack(parts));
+  }
+
+  // One chunk's products, `weight` (its share of the batch) times its mean loss's, added to w.
+  void chunk_products(const at::Tensor& xc, const at::Tensor& yc, double weight, at::Tensor& w) {
     const auto& units = model.units();
     at::Tensor h = xc;
     for (const Unit& unit : units) h = unit.forward(h);
@@ -260,13 +333,7 @@ struct CurvatureRound::State {
       next += ps.size();
       const std::vector<at::Tensor> hv = op.apply(flat_pieces(slice(v, u), ps));
       std::vector<at::Tensor> out = flat_pieces(slice(w, u), ps);
-      for (size_t j = 0; j < ps.size(); ++j) {
-        if (first) {
-          out[j].copy_(hv[j]);
-        } else {
-          out[j].add_(hv[j]);
-        }
-      }
+      for (size_t j = 0; j < ps.size(); ++j) out[j].add_(hv[j]);
     }
   }
 
@@ -357,7 +424,11 @@ CurvatureRound::CurvatureRound(Model& model, const at::Tensor& images, const at:
   TORCH_CHECK(!s.all_params.empty(), "CurvatureRound: the model has no parameters to probe");
   const at::TensorOptions flat = s.all_params.front().options().requires_grad(false);
   s.v = at::zeros({total}, flat);
-  s.w = at::zeros({total}, flat);
+  int64_t probed_units = 0;
+  for (int64_t c : s.numel) probed_units += c > 0 ? 1 : 0;
+  s.stats = at::zeros({2 * probed_units}, flat);
+  s.active = at::zeros({static_cast<int64_t>(s.numel.size())}, flat.dtype(at::kBool));
+  if (s.fisher()) s.label_draws = std::make_unique<StartVectors>(s.options.seed + kLabelSeedOffset, flat);
 }
 
 CurvatureRound::~CurvatureRound() = default;
@@ -365,6 +436,7 @@ CurvatureRound::~CurvatureRound() = default;
 bool CurvatureRound::graphed() const { return s_->has_graph(); }
 int64_t CurvatureRound::graph_bytes() const { return s_->graph_bytes; }
 const CurvatureRound::Timing& CurvatureRound::timing() const { return s_->timing; }
+const at::Tensor& CurvatureRound::labels() const { return s_->y; }
 
 std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
   State& s = *s_;
@@ -380,7 +452,8 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
   {
     ModelStateGuard state(s.model, device, s.options.precision);
     at::AutoGradMode grad_mode(true);
-    s.model.train(true);
+    s.model.train(!s.fisher());
+    if (s.fisher()) s.draw_labels();  // into the tensor the passes (and a captured pass) read
 #ifdef TRIACCEL_WITH_CUDA
     if (s.graph && s.storage != s.storage_now()) {  // a parameter has new storage: the graph reads the old one
       s.graph.reset();
@@ -404,35 +477,35 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
     const int passes = cold ? std::min(s.options.max_iters, kColdRoundPasses) : s.options.max_iters;
     for (int it = 0; it < passes; ++it) {
       if (std::all_of(done.begin(), done.end(), [](bool d) { return d; })) break;
+      {
+        std::vector<uint8_t> active(n_units);
+        for (size_t u = 0; u < n_units; ++u) active[u] = done[u] ? 0 : 1;
+        const at::NoGradGuard no_grad;
+        s.active.copy_(at::tensor(at::ArrayRef<uint8_t>(active)).to(at::kBool));
+      }
       const double t0 = clock.now_s();
       const bool replayed = s.run_pass(clock);
       ++s.timing.passes;
-      at::NoGradGuard no_grad;
-      std::vector<at::Tensor> stats;  // per active unit: the Rayleigh quotient and ‖H·v‖, read in one transfer
-      for (size_t u = 0; u < n_units; ++u) {
-        if (done[u]) continue;
-        const at::Tensor vu = s.slice(s.v, u), wu = s.slice(s.w, u);
-        stats.push_back(at::dot(vu, wu) / at::dot(vu, vu));
-        stats.push_back(wu.norm());
-      }
-      const at::Tensor host = at::stack(stats).to(at::kDouble).cpu();
+      // Per unit with parameters: the Rayleigh quotient and ‖H·v‖ (the pass moved the active units' v), in one read.
+      const at::Tensor host = s.stats.to(at::kDouble).cpu();
       if (replayed) {
         replay_total += clock.now_s() - t0;
         ++replays;
       }
       const double* h = host.data_ptr<double>();
       for (size_t u = 0; u < n_units; ++u) {
+        if (s.numel[u] == 0) continue;
+        const double quotient = *h++;
+        const double w_norm = *h++;
         if (done[u]) continue;
         const double previous = lambda[u];
-        lambda[u] = *h++;
-        const double w_norm = *h++;
+        lambda[u] = quotient;
         ++iterations[u];
         if (w_norm == 0.0 || !std::isfinite(w_norm)) {
           done[u] = true;
           converged[u] = std::isfinite(lambda[u]);
           continue;
         }
-        s.slice(s.v, u).copy_(s.slice(s.w, u) / w_norm);
         if (it > 0 && std::abs(lambda[u] - previous) <= s.options.tol * std::abs(lambda[u])) {
           done[u] = true;
           converged[u] = true;

@@ -39,6 +39,21 @@ struct EnumNames<ProbePrecision> {
                                                         {ProbePrecision::kBF16, "bf16"}};
 };
 
+// What a unit's curvature is the top eigenvalue of (docs/tri-accel.md "Two estimators"):
+//   hessian: the unit's block of the Hessian of the probe batch's mean loss, in train mode (BatchNorm on the batch's
+//            statistics), by Hessian-vector products (double backward): the paper's definition, the reference.
+//   fisher:  the unit's block of the Monte-Carlo Fisher F = (1/n) Σ_i g_i g_iᵀ, g_i the gradient of sample i's loss
+//            at a label drawn from the model's own prediction, in eval mode (BatchNorm on its running statistics, so
+//            the samples are independent). For softmax cross-entropy its expectation over the drawn labels is the
+//            generalized Gauss-Newton matrix, the positive part of the Hessian that sets its top eigenvalues; it
+//            costs n one-sample forward/backward passes per power-iteration step and no double backward.
+enum class CurvatureEstimator { kHessian, kFisher };
+template <>
+struct EnumNames<CurvatureEstimator> {
+  static constexpr EnumName<CurvatureEstimator> kNames[] = {{CurvatureEstimator::kHessian, "hessian"},
+                                                            {CurvatureEstimator::kFisher, "fisher"}};
+};
+
 struct CurvatureOptions {
   int top_k = 5;               // curv_top_k: eigenvalues per unit (paper: 5)
   int max_iters = 20;          // curv_max_iters: power-iteration steps per eigenvalue
@@ -49,6 +64,7 @@ struct CurvatureOptions {
   ProbePrecision precision = ProbePrecision::kFP32;
   bool cuda_graphs = true;     // cuda_graphs: each unit's products replay a CUDA graph after the first (hvp.h)
   int64_t chunk = 0;           // curv_chunk: CurvatureRound's samples per forward/backward (0: the whole batch)
+  CurvatureEstimator estimator = CurvatureEstimator::kHessian;  // CurvatureRound's; curvature_probe is the Hessian's
   const Clock* clock = nullptr;  // what times the probe and each unit (nullptr: the steady clock)
 
   // Throws UserError naming the flag and the bad value.
@@ -89,12 +105,19 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
 // and the products cost their GPU work without autograd's host work. A parameter that moved to new storage drops the
 // graph (captured again). Each round starts from the last round's vectors (warm start; the first from seed + i for
 // unit i). The estimate is curvature_probe's with top_k = 1 (CurvatureRoundTest compares them), and the model is
-// left as found, as there. The graph's private pool (graph_bytes) is held until the object goes.
+// left as found, as there. The graph's private pool (graph_bytes) is held until the object goes; between passes
+// and rounds the object keeps one vector of the probed parameters' size (the units' current vectors): the products
+// and the per-sample gradients are the pass's own tensors (in the pool when captured).
 // options.chunk splits the batch into chunks run one after the other within a pass: H·v is the sum over chunks of
 // each chunk's mean-loss H·v weighted by its share of the batch — the whole batch's H·v for a model without
 // BatchNorm, with BatchNorm statistics per chunk otherwise — and the memory is one chunk's autograd graphs.
 // The first round (from random vectors) stops after kColdRoundPasses passes; the next rounds continue from there.
 // The pass's GPU work is the floor of a round's cost (ResNet-18 at b_curv 32, fp32, all ten units: 53 ms a pass).
+// options.estimator kFisher: the same rounds on the Monte-Carlo Fisher blocks (CurvatureEstimator). Each round first
+// draws one label per sample from the model's softmax in eval mode (a generator of its own, seeded with
+// options.seed, advancing round by round), kept for the round's passes; a pass is then one eval-mode forward and
+// backward per sample, each unit's w += g_u (g_u·v_u), divided by n at the end (chunk does not apply). The model is in
+// eval mode during the round (restored after), so dropout is off and BatchNorm reads its running statistics.
 class CurvatureRound {
  public:
   // images/labels as for curvature_probe; the first min(options.batch, N) samples are copied in once.
@@ -111,6 +134,8 @@ class CurvatureRound {
 
   bool graphed() const;
   int64_t graph_bytes() const;  // reserved by the graph's pool at its capture (0: no graph)
+  // The labels the passes read, (n) int64: kFisher's last round's draws (the batch's own before the first round).
+  const at::Tensor& labels() const;
   // Where the last round's time went: its passes, the eager ones and the capture (at the first round), and one
   // replayed pass (< 0: none replayed) — what a warm round costs per pass.
   struct Timing {

@@ -160,6 +160,11 @@ at::Tensor StartVectors::next(int64_t n) {
   return at::randn({n}, generator_, at::TensorOptions().dtype(at::kDouble)).to(options_);
 }
 
+at::Tensor StartVectors::uniform(int64_t n) {
+  if (options_.device().is_cuda()) return at::rand({n}, generator_, options_);
+  return at::rand({n}, generator_, at::TensorOptions().dtype(at::kDouble)).to(options_);
+}
+
 EigenResult power_iteration_topk(const HvpOperator& op, int k, int max_iters, double tol, uint64_t seed,
                                  const std::vector<at::Tensor>& warm_start) {
   TORCH_CHECK(k >= 1, "power_iteration_topk: k must be >= 1, got ", k);

@@ -79,6 +79,7 @@ class StartVectors {
  public:
   StartVectors(uint64_t seed, const at::TensorOptions& options);
   at::Tensor next(int64_t n);  // (n), not normalized
+  at::Tensor uniform(int64_t n);  // (n) in [0, 1) from the same generator (the Fisher round's label draws)
 
  private:
   at::TensorOptions options_;

@@ -533,7 +533,8 @@ void Trainer::controllers_build() {
       // Off by default: a first round costs more than a short run's share (ResNet-18 on the H100: 1.6 s, 7 % of the
       // 15-epoch protocol; EfficientNet-B0 at 224: 79 s), and its graph's pool (0.33 GB, 5.8 GB) is not in the
       // memory plan (docs/tri-accel.md).
-      co.lockstep = ta.curv_lockstep;
+      co.lockstep = ta.curv_lockstep || ta.curv_estimator == CurvatureEstimator::kFisher;
+      co.probe.estimator = ta.curv_estimator;
       controllers_.push_back(std::make_unique<CurvatureController>(co, session_.model(), *optimizer_, *step_,
                                                                    images, labels));
     }

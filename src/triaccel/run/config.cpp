@@ -231,6 +231,9 @@ void TriAccelConfig::validate() const {
   TRIACCEL_CHECK_INPUT(!curv_lockstep || curv_top_k == 1, option_ref("curv_lockstep"),
                        " true needs ", option_ref("curv_top_k"), " 1 (lockstep power iteration finds the top eigenvalue "
                        "only), got ", curv_top_k);
+  TRIACCEL_CHECK_INPUT(curv_estimator != CurvatureEstimator::kFisher || curv_top_k == 1, option_ref("curv_estimator"),
+                       " fisher needs ", option_ref("curv_top_k"), " 1 (its lockstep rounds find the top eigenvalue "
+                       "only), got ", curv_top_k);
   TRIACCEL_CHECK_INPUT(curv_budget >= 0 && curv_budget <= 1, option_ref("curv_budget"), " must be in [0, 1], got ",
                        curv_budget);
   TRIACCEL_CHECK_INPUT(curv_max_iters > 0, option_ref("curv_max_iters"), " must be > 0, got ", curv_max_iters);

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "triaccel/control/batch_controller.h"
+#include "triaccel/control/curvature_probe.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/enum_names.h"
 #include "triaccel/core/json.h"
@@ -229,6 +230,7 @@ struct TriAccelConfig {
   double curv_tol = 0.01;        // power iteration stops when λ moves less than this, relative
   double curv_budget = 0.05;     // probes take at most this share of training time (0: every T_curv)
   bool curv_lockstep = false;    // every unit each round, one captured pass per power-iteration step
+  CurvatureEstimator curv_estimator = CurvatureEstimator::kHessian;  // fisher: lockstep rounds on the MC Fisher
   int64_t curv_chunk = 16;       // lockstep: samples per forward/backward of a pass (its memory); 0: curv_batch
   double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
   bool curv_checkpoint = false;  // a checkpoint at each probe's step (the weights it probed)
@@ -476,6 +478,10 @@ void TriAccelConfig::fields(S& s, V&& v) {
   v(s.curv_lockstep, FieldInfo{"curv_lockstep",
                                "probe every unit each round in lockstep, a CUDA graph replayed per power-iteration "
                                "step; needs curv_top_k 1 (true|false)"});
+  v(s.curv_estimator, FieldInfo{"curv_estimator",
+                                "what a unit's curvature is the top eigenvalue of: hessian (the paper's, by "
+                                "Hessian-vector products) or fisher (the Monte-Carlo Fisher = Gauss-Newton block, by "
+                                "one-sample gradients; every unit each round, like curv_lockstep; needs curv_top_k 1)"});
   v(s.curv_chunk, FieldInfo{"curv_chunk",
                             "lockstep rounds: samples per forward/backward within a pass, which sets the probe's memory "
                             "(BatchNorm statistics per chunk; 0: the whole curv_batch)"});
