@@ -13,7 +13,7 @@
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
 # and AMP bf16 rows, seed 0, EXTRA flags last; lockstep: ResNet-18's Tri-Accel with lockstep rounds and with per-unit probes beside AMP
 # bf16, seeds SEEDS (0); chunks: lockstep rounds at each --curv-chunk in CHUNKS; fisher: the Fisher estimator, see
-# its stage). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
+# its stage; costs: precision-only's levers one at a time, seed 0). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
 set -uo pipefail
 STAGE=${1:-table}
@@ -101,6 +101,13 @@ elif [ "$STAGE" = fisher ]; then  # issue 19: the Fisher estimator (--curv-estim
     job r18_curvf_s$s --model resnet18 --method tri-accel --ta-precision false --precision amp-bf16 $F $PROTO --seed $s ${EXTRA:-}
     job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s ${EXTRA:-}
   done
+elif [ "$STAGE" = costs ]; then  # issue 19: where precision-only's time goes, seed 0 (each lever alone against AMP)
+  R="--model resnet18"
+  job r18_bf16_s0 $R --precision amp-bf16 $PROTO --seed 0
+  job r18_prec_s0 $R --method tri-accel --ta-curvature false $PROTO --seed 0
+  job r18_prec_norecompute_s0 $R --method tri-accel --ta-curvature false --recompute none $PROTO --seed 0
+  job r18_prec_autotune_s0 $R --method tri-accel --ta-curvature false --cudnn-autotune on $PROTO --seed 0
+  job r18_curvf_s0 $R --method tri-accel --ta-precision false --precision amp-bf16 --curv-estimator fisher $PROTO --seed 0
 elif [ "$STAGE" = chunks ]; then  # lockstep rounds at each --curv-chunk in CHUNKS (8 16 32) beside AMP bf16, seed 0;
   # EXTRA flags last (e.g. "--epochs 3 --warmup-epochs 1")
   for c in ${CHUNKS:-8 16 32}; do
@@ -153,7 +160,7 @@ worker() {  # GPU index: takes queue lines until none are left
   done
 }
 
-[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0|signals_tri|lockstep|chunks|fisher)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
+[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0|signals_tri|lockstep|chunks|fisher|costs)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
    echo "unit tests on GPU: exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/unit_tests_gpu.log" | tr '\n' ' ')") &
 # The unit tests take ~10 s on the last GPU; in the table stage its first job is long and only its last 5 epochs
 # are timed. The check stage keeps that GPU for the tests.

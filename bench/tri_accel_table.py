@@ -19,7 +19,8 @@ PAPER_T2 = {"standard": 0.350, "batch": 0.321, "precision": 0.310, "full": 0.307
 METHOD_LABEL = {"fp32": "FP32", "bf16": "AMP bf16", "fp16": "AMP fp16", "tri": "Tri-Accel",
                 "prec": "Tri-Accel precision only", "curv": "Tri-Accel curvature lr only",
                 "tri_fisher": "Tri-Accel, Fisher curvature", "curvf": "Tri-Accel curvature lr only, Fisher",
-                "precf": "Tri-Accel precision only (Fisher run's settings)",
+                "prec_norecompute": "Tri-Accel precision only, --recompute none",
+                "prec_autotune": "Tri-Accel precision only, --cudnn-autotune on",
                 "tri_1GB": "Tri-Accel, --vram-budget 1GB", "tri_3GB": "Tri-Accel, --vram-budget 3GB"}
 
 
