@@ -6,7 +6,7 @@
 // after a few SGD steps (so the Hessian is not the initialization's), batch b_curv.
 // Usage: bench_curvature [--model resnet18] [--image-size 32] [--precisions fp32,bf16] [--top-k 1] [--iters 20]
 //                        [--batch 32] [--units all|name,name] [--estimators hessian,fisher] [--rounds 4]
-//                        [--chunk 16] [--out FILE]
+//                        [--chunk -1] [--out FILE]
 // --estimators: also whole rounds of every unit (CurvatureRound) per estimator; --precisions "" skips the per-unit
 // probes.
 #include "triaccel/control/curvature_probe.h"
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   int64_t image_size = 32, batch = 32, train_steps = 20;
   std::string estimators_arg;
   int top_k = 1, iters = 20, rounds = 4;
-  int64_t chunk = 16;
+  int64_t chunk = -1;
   double tol = 1e-3;
   bool graphs = true;
   app.add_option("--model", model_name)->capture_default_str();
@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   app.add_option("--estimators", estimators_arg, "whole rounds per estimator (hessian,fisher); empty: none")
       ->capture_default_str();
   app.add_option("--rounds", rounds, "rounds per estimator, the first cold")->capture_default_str();
-  app.add_option("--chunk", chunk, "the Hessian rounds' samples per forward/backward")->capture_default_str();
+  app.add_option("--chunk", chunk, "the rounds' samples per forward/backward (-1: the estimator's)")->capture_default_str();
   app.add_option("--out", out, "JSON file");
   CLI11_PARSE(app, argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe as they are printed

@@ -271,7 +271,7 @@ Json CurvatureController::round_json() const {
               {"replay_s", t.replay_s >= 0 ? Json(t.replay_s) : Json()},
               {"graphed", round_->graphed()},
               {"graph_bytes", round_->graph_bytes()},
-              {"chunk", options_.probe.chunk}};
+              {"chunk", round_->chunk()}};
 }
 
 Json CurvatureController::state() const {

@@ -103,7 +103,7 @@ void CurvatureOptions::validate() const {
   TRIACCEL_CHECK_INPUT(tol >= 0 && std::isfinite(tol), "curvature probe: tol must be a number >= 0, got ", tol);
   TRIACCEL_CHECK_INPUT(batch >= 1, option_ref("curv_batch"), " must be >= 1, got ", batch);
   TRIACCEL_CHECK_INPUT(every_steps >= 1, option_ref("curv_every"), " must be >= 1, got ", every_steps);
-  TRIACCEL_CHECK_INPUT(chunk >= 0, option_ref("curv_chunk"), " must be >= 0, got ", chunk);
+  TRIACCEL_CHECK_INPUT(chunk >= -1, option_ref("curv_chunk"), " must be >= -1, got ", chunk);
 }
 
 std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& images, const at::Tensor& labels,
@@ -223,14 +223,15 @@ struct CurvatureRound::State {
   std::vector<std::vector<at::Tensor>> params;     // per unit: its parameters that require grad
   std::vector<at::Tensor> all_params;              // all of them, in unit order
   std::vector<int64_t> offset, numel;              // per unit: its slice of the flat vectors
-  // The only large tensor kept between passes and rounds: v, (Σ numel), each unit's current unit vector. A pass makes
-  // w = per-unit H_uu·v_u (kFisher: F_uu·v_u) as its own tensor — inside the graph's pool when captured, so between
-  // rounds the training steps do not carry it — and ends by writing each unit's Rayleigh quotient and ‖w_u‖ to
-  // `stats` and, for the units `active` marks, v_u = w_u / ‖w_u‖.
+  // v, (Σ numel): each unit's current unit vector, the only large tensor kept between passes and rounds — in host
+  // memory (pinned) for a GPU model, so the training steps between rounds do not carry it. A pass copies it to the
+  // device, makes w = per-unit H_uu·v_u (kFisher: F_uu·v_u), writes each unit's Rayleigh quotient and ‖w_u‖ to
+  // `stats` and, for the units `active` marks, v_u = w_u / ‖w_u‖, and copies v back; its device tensors are its own
+  // (in the graph's pool when captured).
   at::Tensor v;
   at::Tensor stats;                                // (2 · units): per unit vᵀw / vᵀv, then ‖w‖
   at::Tensor active;                               // (units) bool, written by the host before each pass
-  std::unique_ptr<StartVectors> label_draws;       // kFisher: the rounds' label draws
+  at::Tensor label_u;                              // kFisher: (n) uniform draws, one per sample, fixed for the run
   bool started = false;                            // v holds the last round's vectors
 #ifdef TRIACCEL_WITH_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph;
@@ -243,29 +244,41 @@ struct CurvatureRound::State {
   at::Tensor slice(const at::Tensor& flat, size_t u) const { return flat.narrow(0, offset[u], numel[u]); }
 
   bool fisher() const { return options.estimator == CurvatureEstimator::kFisher; }
+  // Samples per forward/backward, within [1, n].
+  int64_t chunk() const {
+    const int64_t n = x.size(0);
+    const int64_t c = options.chunk >= 0 ? options.chunk : (fisher() ? kFisherChunk : kHessianChunk);
+    return c > 0 ? std::min(c, n) : n;
+  }
 
-  // kFisher: y = one label per sample drawn from the model's softmax (eval mode, no graph), by inverting its CDF at a
-  // uniform draw.
+  // kFisher: y = one label per sample drawn from the model's current softmax (eval mode, no graph), by inverting its
+  // CDF at the sample's fixed uniform draw. The same draws every round (common random numbers): a label moves only
+  // where the model's prediction moved across it, so each round's Fisher is near the last one's and the warm start
+  // holds, while every round's labels are a draw from the model as it is then.
   void draw_labels() {
     const at::NoGradGuard no_grad;
     at::Tensor h = x;
     for (const Unit& unit : model.units()) h = unit.forward(h);
-    const at::Tensor cdf = at::softmax(h.to(at::kFloat), 1).cumsum(1);          // (n, classes)
-    const at::Tensor u = label_draws->uniform(x.size(0)).to(cdf.options());     // (n)
-    y.copy_((cdf < u.unsqueeze(1)).sum(1).clamp_max(cdf.size(1) - 1));
+    const at::Tensor cdf = at::softmax(h.to(at::kFloat), 1).cumsum(1);  // (n, classes)
+    y.copy_((cdf < label_u.to(cdf.options()).unsqueeze(1)).sum(1).clamp_max(cdf.size(1) - 1));
   }
 
-  // kFisher's products: per sample i, the gradient g of its loss at the drawn label; each unit's w_u += g_u (g_u·v_u);
-  // then w /= n.
-  void fisher_products(at::Tensor& w) {
+  // kFisher's products: per chunk k of m samples, the gradient s_k of the sum of its samples' losses at the drawn
+  // labels; each unit's w_u += s_k,u (s_k,u·v_u); then w /= n. The samples' gradients at labels drawn from the model
+  // have mean zero and are independent (eval mode), so E[s_k s_kᵀ] = Σ_{i∈k} F_i: (1/n) Σ_k s_k s_kᵀ is the samples'
+  // Fisher for any m (m = 1: exactly (1/n) Σ_i g_i g_iᵀ), at the cost of n/m forward/backward passes.
+  void fisher_products(const at::Tensor& vf, at::Tensor& w) {
     const auto& units = model.units();
     const int64_t n = x.size(0);
-    at::Tensor g = at::empty_like(v);  // one sample's gradient, flat
-    for (int64_t i = 0; i < n; ++i) {
-      at::Tensor h = x.narrow(0, i, 1);
+    const int64_t m = chunk();
+    at::Tensor g = at::empty_like(vf);  // one chunk's gradient, flat
+    for (int64_t first = 0; first < n; first += m) {
+      const int64_t count = std::min(m, n - first);
+      at::Tensor h = x.narrow(0, first, count);
       for (const Unit& unit : units) h = unit.forward(h);
       if (at::isReducedFloatingType(h.scalar_type())) h = h.to(at::kFloat);
-      const at::Tensor loss = at::cross_entropy_loss(h, y.narrow(0, i, 1));
+      const at::Tensor loss =
+          at::cross_entropy_loss(h, y.narrow(0, first, count), /*weight=*/{}, at::Reduction::Sum);
       const std::vector<at::Tensor> grads = torch::autograd::grad({loss}, all_params, /*grad_outputs=*/{},
                                                                   /*retain_graph=*/false, /*create_graph=*/false,
                                                                   /*allow_unused=*/true);
@@ -279,7 +292,7 @@ struct CurvatureRound::State {
       for (size_t u = 0; u < units.size(); ++u) {
         if (numel[u] == 0) continue;
         const at::Tensor gu = slice(g, u);
-        slice(w, u).addcmul_(gu, at::dot(gu, slice(v, u)));
+        slice(w, u).addcmul_(gu, at::dot(gu, slice(vf, u)));
       }
     }
     const at::NoGradGuard no_grad;
@@ -289,32 +302,42 @@ struct CurvatureRound::State {
   // One pass: one product per unit into w (kHessian: per chunk, the forward, the first-order gradients with their
   // graph, the products added), then the statistics and the active units' next vectors.
   void pass() {
-    at::Tensor w = at::zeros_like(v);
+    at::Tensor vf = v;  // v itself on the CPU
+#ifdef TRIACCEL_WITH_CUDA
+    if (x.is_cuda()) {
+      vf = at::empty(v.sizes(), v.options().device(x.device()).pinned_memory(false));
+      cuda_copy_pinned_async(vf, v);
+    }
+#endif
+    at::Tensor w = at::zeros_like(vf);
     if (fisher()) {
-      fisher_products(w);
+      fisher_products(vf, w);
     } else {
       const int64_t n = x.size(0);
-      const int64_t chunk = options.chunk > 0 ? std::min(options.chunk, n) : n;
-      for (int64_t first = 0; first < n; first += chunk) {
-        const int64_t count = std::min(chunk, n - first);
-        chunk_products(x.narrow(0, first, count), y.narrow(0, first, count), static_cast<double>(count) / n, w);
+      const int64_t m = chunk();
+      for (int64_t first = 0; first < n; first += m) {
+        const int64_t count = std::min(m, n - first);
+        chunk_products(x.narrow(0, first, count), y.narrow(0, first, count), static_cast<double>(count) / n, vf, w);
       }
     }
     const at::NoGradGuard no_grad;
     std::vector<at::Tensor> parts;
     for (size_t u = 0; u < numel.size(); ++u) {
       if (numel[u] == 0) continue;
-      const at::Tensor vu = slice(v, u), wu = slice(w, u);
+      const at::Tensor vu = slice(vf, u), wu = slice(w, u);
       const at::Tensor norm = wu.norm();
       parts.push_back(at::dot(vu, wu) / at::dot(vu, vu));
       parts.push_back(norm);
       vu.copy_(at::where(active[static_cast<int64_t>(u)].logical_and(norm > 0), wu / norm, vu));
     }
     stats.copy_(at::stack(parts));
+#ifdef TRIACCEL_WITH_CUDA
+    if (x.is_cuda()) cuda_copy_pinned_async(v, vf);
+#endif
   }
 
   // One chunk's products, `weight` (its share of the batch) times its mean loss's, added to w.
-  void chunk_products(const at::Tensor& xc, const at::Tensor& yc, double weight, at::Tensor& w) {
+  void chunk_products(const at::Tensor& xc, const at::Tensor& yc, double weight, const at::Tensor& vf, at::Tensor& w) {
     const auto& units = model.units();
     at::Tensor h = xc;
     for (const Unit& unit : units) h = unit.forward(h);
@@ -331,7 +354,7 @@ struct CurvatureRound::State {
       const HvpOperator op(ps, std::vector<at::Tensor>(grads.begin() + static_cast<long>(next),
                                                        grads.begin() + static_cast<long>(next + ps.size())));
       next += ps.size();
-      const std::vector<at::Tensor> hv = op.apply(flat_pieces(slice(v, u), ps));
+      const std::vector<at::Tensor> hv = op.apply(flat_pieces(slice(vf, u), ps));
       std::vector<at::Tensor> out = flat_pieces(slice(w, u), ps);
       for (size_t j = 0; j < ps.size(); ++j) out[j].add_(hv[j]);
     }
@@ -423,12 +446,13 @@ CurvatureRound::CurvatureRound(Model& model, const at::Tensor& images, const at:
   }
   TORCH_CHECK(!s.all_params.empty(), "CurvatureRound: the model has no parameters to probe");
   const at::TensorOptions flat = s.all_params.front().options().requires_grad(false);
-  s.v = at::zeros({total}, flat);
+  // v on the host for a GPU model (pinned: its copies are recorded in the captured pass).
+  s.v = at::zeros({total}, flat.device(at::kCPU).pinned_memory(flat.device().is_cuda()));
   int64_t probed_units = 0;
   for (int64_t c : s.numel) probed_units += c > 0 ? 1 : 0;
   s.stats = at::zeros({2 * probed_units}, flat);
   s.active = at::zeros({static_cast<int64_t>(s.numel.size())}, flat.dtype(at::kBool));
-  if (s.fisher()) s.label_draws = std::make_unique<StartVectors>(s.options.seed + kLabelSeedOffset, flat);
+  if (s.fisher()) s.label_u = StartVectors(s.options.seed + kLabelSeedOffset, flat).uniform(n);
 }
 
 CurvatureRound::~CurvatureRound() = default;
@@ -437,6 +461,7 @@ bool CurvatureRound::graphed() const { return s_->has_graph(); }
 int64_t CurvatureRound::graph_bytes() const { return s_->graph_bytes; }
 const CurvatureRound::Timing& CurvatureRound::timing() const { return s_->timing; }
 const at::Tensor& CurvatureRound::labels() const { return s_->y; }
+int64_t CurvatureRound::chunk() const { return s_->chunk(); }
 
 std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
   State& s = *s_;
@@ -467,7 +492,7 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
       at::NoGradGuard no_grad;
       for (size_t u = 0; u < n_units; ++u) {
         if (s.numel[u] == 0) continue;
-        const at::Tensor start_v = StartVectors(s.options.seed + u, s.v.options()).next(s.numel[u]);
+        const at::Tensor start_v = StartVectors(s.options.seed + u, s.stats.options()).next(s.numel[u]);
         s.slice(s.v, u).copy_(start_v / start_v.norm());
       }
       s.started = true;

@@ -54,6 +54,11 @@ struct EnumNames<CurvatureEstimator> {
                                                             {CurvatureEstimator::kFisher, "fisher"}};
 };
 
+// The rounds' samples per forward/backward by default: the Hessian's memory (a chunk's double-backward graph; H100,
+// ResNet-18: a 325 MB pool at 16), the Fisher's rank (n/m terms) and cost (n/m one-chunk passes per power step).
+constexpr int64_t kHessianChunk = 16;
+constexpr int64_t kFisherChunk = 4;
+
 struct CurvatureOptions {
   int top_k = 5;               // curv_top_k: eigenvalues per unit (paper: 5)
   int max_iters = 20;          // curv_max_iters: power-iteration steps per eigenvalue
@@ -63,7 +68,9 @@ struct CurvatureOptions {
   uint64_t seed = 0;           // start vectors of the power iteration (the run's seed)
   ProbePrecision precision = ProbePrecision::kFP32;
   bool cuda_graphs = true;     // cuda_graphs: each unit's products replay a CUDA graph after the first (hvp.h)
-  int64_t chunk = 0;           // curv_chunk: CurvatureRound's samples per forward/backward (0: the whole batch)
+  // curv_chunk: CurvatureRound's samples per forward/backward (0: the whole batch; -1: the estimator's own,
+  // kHessianChunk or kFisherChunk).
+  int64_t chunk = 0;
   CurvatureEstimator estimator = CurvatureEstimator::kHessian;  // CurvatureRound's; curvature_probe is the Hessian's
   const Clock* clock = nullptr;  // what times the probe and each unit (nullptr: the steady clock)
 
@@ -134,6 +141,7 @@ class CurvatureRound {
 
   bool graphed() const;
   int64_t graph_bytes() const;  // reserved by the graph's pool at its capture (0: no graph)
+  int64_t chunk() const;        // samples per forward/backward in a pass (options.chunk resolved)
   // The labels the passes read, (n) int64: kFisher's last round's draws (the batch's own before the first round).
   const at::Tensor& labels() const;
   // Where the last round's time went: its passes, the eager ones and the capture (at the first round), and one

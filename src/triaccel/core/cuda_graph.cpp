@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
 #include <mutex>
@@ -106,6 +107,19 @@ void cuda_graph_pool_run(at::cuda::CUDAGraph& graph, const std::function<void()>
     }
   } routed{device, pool};
   body();
+}
+#endif
+
+#ifdef TRIACCEL_WITH_CUDA
+void cuda_copy_pinned_async(const at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes() &&
+                  dst.scalar_type() == src.scalar_type() && dst.is_cuda() != src.is_cuda() &&
+                  (dst.is_cuda() ? src.is_pinned() : dst.is_pinned()),
+              "cuda_copy_pinned_async: needs contiguous tensors of one size and dtype, one pinned on the host and one "
+              "on a GPU");
+  const auto kind = dst.is_cuda() ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+  C10_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.nbytes(), kind,
+                                 c10::cuda::getCurrentCUDAStream().stream()));
 }
 #endif
 

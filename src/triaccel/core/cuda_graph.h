@@ -3,6 +3,7 @@
 #pragma once
 
 #ifdef TRIACCEL_WITH_CUDA
+#include <ATen/Tensor.h>
 #include <ATen/cuda/CUDAGraph.h>
 #endif
 
@@ -33,6 +34,12 @@ std::unique_ptr<at::cuda::CUDAGraph> cuda_graph_capture(const std::function<void
 // again (a replay overwrites the pool), so `body` may create no lasting state — no tensor it keeps, no lazily made
 // buffer; a caller's tensors that `body` writes in place are not in the pool and are safe.
 void cuda_graph_pool_run(at::cuda::CUDAGraph& graph, const std::function<void()>& body);
+
+// dst = src for two contiguous tensors of the same size and dtype, one in pinned host memory, the other on the
+// current CUDA device: one cudaMemcpyAsync on the current stream, recorded as a copy node when the stream is being
+// captured (each replay then reads or writes the host memory as it is then). The caller keeps the host tensor alive
+// while any copy may run. No caching-allocator bookkeeping: the host tensor must not be freed and reused under it.
+void cuda_copy_pinned_async(const at::Tensor& dst, const at::Tensor& src);
 #endif
 
 // Whether the current CUDA stream is being captured into a graph (false in a build without CUDA): for code that must

@@ -226,8 +226,8 @@ void TriAccelConfig::validate() const {
   TRIACCEL_CHECK_INPUT(curv_batch > 0, option_ref("curv_batch"), " must be > 0, got ", curv_batch);
   TRIACCEL_CHECK_INPUT(curv_top_k > 0 && curv_top_k <= 64, option_ref("curv_top_k"), " must be in [1, 64], got ",
                        curv_top_k);
-  TRIACCEL_CHECK_INPUT(curv_chunk >= 0, option_ref("curv_chunk"), " must be >= 0 (0: the whole ",
-                       option_ref("curv_batch"), "), got ", curv_chunk);
+  TRIACCEL_CHECK_INPUT(curv_chunk >= -1, option_ref("curv_chunk"), " must be >= -1 (0: the whole ",
+                       option_ref("curv_batch"), "; -1: the estimator's), got ", curv_chunk);
   TRIACCEL_CHECK_INPUT(!curv_lockstep || curv_top_k == 1, option_ref("curv_lockstep"),
                        " true needs ", option_ref("curv_top_k"), " 1 (lockstep power iteration finds the top eigenvalue "
                        "only), got ", curv_top_k);

@@ -231,7 +231,7 @@ struct TriAccelConfig {
   double curv_budget = 0.05;     // probes take at most this share of training time (0: every T_curv)
   bool curv_lockstep = false;    // every unit each round, one captured pass per power-iteration step
   CurvatureEstimator curv_estimator = CurvatureEstimator::kHessian;  // fisher: lockstep rounds on the MC Fisher
-  int64_t curv_chunk = 16;       // lockstep: samples per forward/backward of a pass (its memory); 0: curv_batch
+  int64_t curv_chunk = -1;       // lockstep: samples per forward/backward; 0: curv_batch; -1: hessian 16, fisher 4
   double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
   bool curv_checkpoint = false;  // a checkpoint at each probe's step (the weights it probed)
   double tau_low = -1;
@@ -483,8 +483,9 @@ void TriAccelConfig::fields(S& s, V&& v) {
                                 "Hessian-vector products) or fisher (the Monte-Carlo Fisher = Gauss-Newton block, by "
                                 "one-sample gradients; every unit each round, like curv_lockstep; needs curv_top_k 1)"});
   v(s.curv_chunk, FieldInfo{"curv_chunk",
-                            "lockstep rounds: samples per forward/backward within a pass, which sets the probe's memory "
-                            "(BatchNorm statistics per chunk; 0: the whole curv_batch)"});
+                            "lockstep rounds: samples per forward/backward within a pass, which sets the Hessian's "
+                            "memory (BatchNorm statistics per chunk) and the Fisher's cost and rank (0: the whole "
+                            "curv_batch; -1: hessian 16, fisher 4)"});
   v(s.curv_alpha, FieldInfo{"curv_alpha", "alpha in lr / (1 + alpha * lambda_max); -1: calibrate"});
   v(s.curv_checkpoint, FieldInfo{"curv_checkpoint",
                                  "write curvature-step-N.pt at each probe's step: the weights it probed (true|false)"});
