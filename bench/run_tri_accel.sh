@@ -107,7 +107,7 @@ elif [ "$STAGE" = costs ]; then  # issue 19: where precision-only's time goes, s
   job r18_prec_s0 $R --method tri-accel --ta-curvature false $PROTO --seed 0
   job r18_prec_norecompute_s0 $R --method tri-accel --ta-curvature false --recompute none $PROTO --seed 0
   job r18_prec_autotune_s0 $R --method tri-accel --ta-curvature false --cudnn-autotune on $PROTO --seed 0
-  job r18_curvf_s0 $R --method tri-accel --ta-precision false --precision amp-bf16 --curv-estimator fisher $PROTO --seed 0
+  job r18_tri_fisher_budget2_s0 $R --method tri-accel --curv-estimator fisher --curv-budget 0.02 $PROTO --seed 0
 elif [ "$STAGE" = chunks ]; then  # lockstep rounds at each --curv-chunk in CHUNKS (8 16 32) beside AMP bf16, seed 0;
   # EXTRA flags last (e.g. "--epochs 3 --warmup-epochs 1")
   for c in ${CHUNKS:-8 16 32}; do
