@@ -38,6 +38,8 @@ expect last_flag_wins 2 "--batch-size must be > 0, got 0" -- train "${TINY[@]}" 
 expect bad_lr_rule 2 "--lr-batch-rule must be none, linear or sqrt, got 'cube'" -- train "${TINY[@]}" --lr-batch-rule cube
 expect bad_curv_budget 2 "--curv-budget must be in [0, 1], got 2" -- train "${TINY[@]}" --method tri-accel --curv-budget 2
 expect lockstep_top_k 2 "--curv-lockstep true needs --curv-top-k 1 (lockstep power iteration finds the top eigenvalue only), got 5" -- train "${TINY[@]}" --method tri-accel --curv-lockstep true --curv-top-k 5
+expect fisher_top_k 2 "--curv-estimator fisher needs --curv-top-k 1 (its lockstep rounds find the top eigenvalue only), got 3" -- train "${TINY[@]}" --method tri-accel --curv-estimator fisher --curv-top-k 3
+expect bad_estimator 2 "--curv-estimator must be hessian or fisher, got 'gauss'" -- train "${TINY[@]}" --method tri-accel --curv-estimator gauss
 expect bad_device 2 "--device must be auto, cpu or cuda" -- train "${TINY[@]}" --device tpu
 expect warmup_too_long 2 "--warmup-epochs must be -1 (auto) or in [0, --epochs = 1], got 3" -- train "${TINY[@]}" --warmup-epochs 3
 expect bad_lr_decay 2 "--lr-decay must be cosine or linear, got 'step'" -- train "${TINY[@]}" --lr-decay step
