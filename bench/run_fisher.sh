@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 19's Fisher estimator on one GPU, in one device call: the curvature unit tests on the GPU, bench_curvature's
-# whole rounds (ResNet-18 at 32: the Hessian's and the Fisher's, λ per unit side by side, each round's time; with
+# whole rounds (ResNet-18 at 32: the Hessian's and the Fisher's, λ per unit side by side, each round's time, and the
+# Fisher's one sample per forward/backward (--chunk 1) against its default 4; with
 # EFFB0=1 also EfficientNet-B0 at 224, the Fisher's only), then `run_tri_accel.sh fisher` (the 15-epoch protocol:
 # Tri-Accel with the Fisher, its curvature lr alone under AMP bf16, AMP bf16; SEEDS, FISHER_EFFB0 pass through).
 # Usage: COMMIT=<hash> OUT=dir [SEEDS="0 1 2"] [START_BUDGET_S=330] bash bench/run_fisher.sh
@@ -13,6 +14,8 @@ device_binaries "$FINAL_OUT" bench_curvature triaccel_tests
 echo "curvature unit tests on the GPU: exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$FINAL_OUT/unit_tests_gpu.log" | tr '\n' ' ')"
 "$BIN/bench_curvature" --model resnet18 --precisions "" --estimators hessian,fisher --rounds 4 --iters 20 --tol 0.01 \
   --out "$FINAL_OUT/rounds_r18.json" | tee "$FINAL_OUT/rounds_r18.txt"
+"$BIN/bench_curvature" --model resnet18 --precisions "" --estimators fisher --chunk 1 --rounds 3 --iters 20 --tol 0.01 \
+  --out "$FINAL_OUT/rounds_r18_fisher_chunk1.json" | tail -12 | tee "$FINAL_OUT/rounds_r18_fisher_chunk1.txt"
 if [ -n "${EFFB0:-}" ]; then
   "$BIN/bench_curvature" --model efficientnet-b0 --image-size 224 --precisions "" --estimators fisher --rounds 3 \
     --iters 20 --tol 0.01 --out "$FINAL_OUT/rounds_effb0.json" | tee "$FINAL_OUT/rounds_effb0.txt"
