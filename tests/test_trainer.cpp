@@ -395,10 +395,11 @@ TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
   EXPECT_NEAR(last_epoch["lr"].get<double>(), 0.05 * 0.5 * (1 + std::cos(M_PI * 8.5 / 9)), 1e-9);
 }
 
-// Lockstep rounds (--curv-lockstep true, k = 1): every probe event covers every unit, so α is calibrated at the first
-// and the lr scales leave 1 there; the schedule spaces whole rounds by the last round's cost (here on a clock of 1 ms
-// a reading, with the whole time as budget).
-// The Fisher estimator (--curv-estimator fisher) runs the same rounds.
+// Lockstep rounds (--curv-lockstep true, k = 1; --curv-estimator fisher runs them too): every probe event covers every
+// unit, so α is calibrated at the first and the lr scales leave 1 there. The run's length is known, so the budget is
+// the whole run's: after the first round the rounds it pays for are spread evenly over the steps left, each planned
+// with the last round's cost (here on a clock of 1 ms a reading, where a round costs ~15 steps: the whole time as
+// budget, 8 epochs of 6 steps).
 TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
   for (const std::string estimator : {"hessian", "fisher"}) {
     SCOPED_TRACE(estimator);
@@ -408,13 +409,16 @@ TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
     hooks.clock = &clock;
     Config o = with_tri_accel(options(out.path()), "1");
     o.set("curv_top_k", "1");
+    o.set("epochs", "8");
     if (estimator == "hessian") o.set("curv_lockstep", "true");
     o.set("curv_estimator", estimator);
     api::run(o, hooks);
-    int probes = 0;
+    std::vector<int64_t> steps;
+    Json last;
     for (const auto& e : events_read(out.file("events.jsonl"))) {
       if (e["event"] != "curvature") continue;
-      ++probes;
+      steps.push_back(e["step"].get<int64_t>());
+      last = e;
       EXPECT_TRUE(e["lockstep"].get<bool>());
       EXPECT_EQ(e["estimator"], estimator);
       EXPECT_EQ(e["probed"].size(), 4u);
@@ -423,8 +427,19 @@ TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
       EXPECT_GT(e["alpha"].get<double>(), 0.0);
       const auto scales = e["lr_scale"].get<std::vector<double>>();
       EXPECT_LT(*std::min_element(scales.begin(), scales.end()), 1.0);
+      std::printf("[ %s ] round at step %ld: %.3f s (planned %.3f), next at %ld, %.3f s of %.3f s training\n",
+                  estimator.c_str(), static_cast<long>(e["step"].get<int64_t>()), e["probe_s"].get<double>(),
+                  e["round_cost_s"].get<double>(), static_cast<long>(e["next_probe_step"].get<int64_t>()),
+                  e["probe_s_total"].get<double>(), e["training_s"].get<double>());
     }
-    EXPECT_GE(probes, 2);
+    ASSERT_GE(steps.size(), 3u);
+    // Spread over the whole run: no gap longer than half of it, a round in its last third, and the rounds paid for
+    // within the run's budget plus one planned round (the plan follows the step time as it is measured).
+    for (size_t i = 1; i < steps.size(); ++i) EXPECT_LE(steps[i] - steps[i - 1], 24);
+    EXPECT_GE(steps.back(), 32);
+    const double training_per_step = last["training_s"].get<double>() / static_cast<double>(steps.back());
+    EXPECT_LE(last["probe_s_total"].get<double>(),
+              training_per_step * 48 + last["round_cost_s"].get<double>());
   }
 }
 

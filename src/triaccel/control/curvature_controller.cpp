@@ -68,7 +68,9 @@ std::vector<size_t> CurvatureController::units_due() {
   const size_t n_units = model_.units().size();
   std::vector<size_t> chosen;
   // Lockstep: a whole round while the last steady round's cost fits the credit (the first round to measure it).
-  if (options_.budget <= 0 || (options_.lockstep && (round_cost_s_ < 0 || round_cost_s_ <= probe_credit_s_))) {
+  const bool spread = options_.lockstep && options_.total_steps > 0 && options_.budget > 0;  // due is affordable
+  if (options_.budget <= 0 || spread ||
+      (options_.lockstep && (round_cost_s_ < 0 || round_cost_s_ <= probe_credit_s_))) {
     for (size_t u = 0; u < n_units; ++u) chosen.push_back(u);
     return chosen;
   }
@@ -124,8 +126,15 @@ std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>&
     // The schedule plans with what a round of replays costs: the round that captured the pass (and ran it eagerly
     // where the capture came second) is charged all of it but planned as if those had been replays too.
     const CurvatureRound::Timing& t = round_->timing();
-    round_cost_s_ = *seconds - t.eager_s - t.capture_s + std::max(t.replay_s, 0.0);
-    if (round_cost_s_ <= 0) round_cost_s_ = *seconds;
+    if (t.capture_s > 0 || t.eager_s > 0) {
+      // The first round (cold, with the capture, its first replays paying for the graph's upload): plan the next as a
+      // warm round of warm_passes passes at the fastest replay, plus this round's time outside its passes.
+      const int warm = options_.probe.warm_passes > 0 ? options_.probe.warm_passes : options_.probe.max_iters;
+      const double pass_s = t.fastest_replay_s > 0 ? t.fastest_replay_s : t.passes_s / std::max(t.passes, 1);
+      round_cost_s_ = warm * pass_s + std::max(0.0, *seconds - t.passes_s - t.capture_s);
+    } else {
+      round_cost_s_ = *seconds;
+    }
     return curv;
   }
   const bool bootstrap = std::all_of(unit_cost_s_.begin(), unit_cost_s_.end(), [](double c) { return c < 0; });
@@ -152,7 +161,10 @@ std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>&
 
 Events CurvatureController::after_step(StepContext& ctx) {
   Events events;
-  if (last_call_s_ >= 0) probe_credit_s_ += options_.budget * (ctx.now_s - last_call_s_);
+  if (last_call_s_ >= 0) {
+    probe_credit_s_ += options_.budget * (ctx.now_s - last_call_s_);
+    training_s_ += ctx.now_s - last_call_s_;
+  }
   const bool window = ctx.step % options_.ctrl_every == 0;
   const bool due = window && (next_probe_step_ < 0 || ctx.step >= next_probe_step_);
   if (!due) {
@@ -193,6 +205,7 @@ Events CurvatureController::after_step(StepContext& ctx) {
   }
   probe_seconds_ += seconds;
   probe_credit_s_ -= seconds;
+  if (options_.lockstep && options_.total_steps > 0 && options_.budget > 0) next_probe_step_ = spread_next_step(ctx.step);
   probes_ += 1;
   next_unit_ += static_cast<int64_t>(chosen.size());
   ctx.unit_lambda_max.assign(n_units, -1.0);
@@ -248,6 +261,7 @@ Events CurvatureController::after_step(StepContext& ctx) {
                                             {"hvp_products", products},
                                             {"hvp_graphed_units", graphed},
                                             {"probe_s_total", probe_seconds_},
+                                            {"training_s", training_s_},
                                             {"credit_s", probe_credit_s_},
                                             {"next_probe_step", next_probe_step_},
                                             {"probe_samples", options_.probe_samples},
@@ -260,6 +274,16 @@ Events CurvatureController::after_step(StepContext& ctx) {
                                             {"round", round_json()}}});
   last_call_s_ = clock_.now_s();  // the probe's own time is not training time
   return events;
+}
+
+int64_t CurvatureController::spread_next_step(int64_t step) const {
+  const int64_t steps_left = options_.total_steps - step;
+  const double step_s = step > 0 ? training_s_ / static_cast<double>(step) : 0.0;
+  const double left_s = options_.budget * step_s * static_cast<double>(options_.total_steps) - probe_seconds_;
+  const double rounds = round_cost_s_ > 0 ? std::floor(left_s / round_cost_s_) : 0.0;
+  if (steps_left <= 0 || rounds < 1) return options_.total_steps + 1;  // none left to pay for
+  const auto gap = static_cast<int64_t>(static_cast<double>(steps_left) / (rounds + 1));
+  return step + std::max(options_.probe.every_steps, gap);
 }
 
 Json CurvatureController::round_json() const {
@@ -280,7 +304,7 @@ Json CurvatureController::state() const {
               {"next_probe_step", next_probe_step_}, {"probe_credit_s", probe_credit_s_},
               {"unit_cost_s", unit_cost_s_},     {"unit_lambda", unit_lambda_},
               {"unit_probed", unit_probed_},     {"next_unit", next_unit_},
-              {"round_cost_s", round_cost_s_}};
+              {"round_cost_s", round_cost_s_},   {"training_s", training_s_}};
 }
 
 void CurvatureController::restore(const Json& j) {
@@ -298,6 +322,7 @@ void CurvatureController::restore(const Json& j) {
       next_unit_ = j.at("next_unit").get<int64_t>();
     }
     if (j.contains("round_cost_s")) round_cost_s_ = j.at("round_cost_s").get<double>();
+    if (j.contains("training_s")) training_s_ = j.at("training_s").get<double>();
   } catch (const Json::exception&) {
     throw UserError(str_cat("checkpoint has an unreadable Tri-Accel state; resume with the same ",
                             option_ref("method"), " or start afresh"));

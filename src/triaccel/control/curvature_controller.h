@@ -29,6 +29,12 @@ struct CurvatureControllerOptions {
   // Every unit each round, by one CurvatureRound (k = 1; its pass replays a CUDA graph on a GPU); the schedule then
   // plans whole rounds with the last steady round's cost.
   bool lockstep = false;
+  // Lockstep rounds with a run of known length (the trainer's total steps; 0: unknown): the budget is the whole run's
+  // — budget × (training time per step so far × total_steps) — and the rounds it pays for after the first are spread
+  // evenly over the steps left (never closer than curvature.every_steps), instead of each waiting for the credit the
+  // steps before it accrued. The first round's one-time cost (the capture) is then paid by the whole run, not by the
+  // steps after it: with the credit alone, a 15-epoch ResNet-18 run probed 1–3 times (H100, docs/tri-accel.md).
+  int64_t total_steps = 0;
   std::vector<int64_t> probe_samples;  // the dataset indices of the probe batch (for the event)
 };
 
@@ -78,6 +84,8 @@ class CurvatureController final : public StepController {
   int64_t probes_ = 0;
   std::unique_ptr<CurvatureRound> round_;  // lockstep: made at the first round, held for the run
   double round_cost_s_ = -1;              // lockstep: seconds of the last steady round; < 0 unknown
+  double training_s_ = 0;                 // training time so far (the clock between calls, probes excluded)
+  int64_t spread_next_step(int64_t step) const;  // lockstep with total_steps: the next round's step
 };
 
 }  // namespace triaccel

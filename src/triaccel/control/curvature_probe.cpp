@@ -499,7 +499,8 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
     }
     double replay_total = 0;
     int replays = 0;
-    const int passes = cold ? std::min(s.options.max_iters, kColdRoundPasses) : s.options.max_iters;
+    const int warm_passes = s.options.warm_passes > 0 ? s.options.warm_passes : s.options.max_iters;
+    const int passes = std::min(s.options.max_iters, cold ? kColdRoundPasses : warm_passes);
     for (int it = 0; it < passes; ++it) {
       if (std::all_of(done.begin(), done.end(), [](bool d) { return d; })) break;
       {
@@ -513,9 +514,12 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
       ++s.timing.passes;
       // Per unit with parameters: the Rayleigh quotient and ‖H·v‖ (the pass moved the active units' v), in one read.
       const at::Tensor host = s.stats.to(at::kDouble).cpu();
+      const double pass_s = clock.now_s() - t0;
+      s.timing.passes_s += pass_s;
       if (replayed) {
-        replay_total += clock.now_s() - t0;
+        replay_total += pass_s;
         ++replays;
+        if (s.timing.fastest_replay_s < 0 || pass_s < s.timing.fastest_replay_s) s.timing.fastest_replay_s = pass_s;
       }
       const double* h = host.data_ptr<double>();
       for (size_t u = 0; u < n_units; ++u) {

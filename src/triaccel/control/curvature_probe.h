@@ -71,6 +71,7 @@ struct CurvatureOptions {
   // curv_chunk: CurvatureRound's samples per forward/backward (0: the whole batch; -1: the estimator's own,
   // kHessianChunk or kFisherChunk).
   int64_t chunk = 0;
+  int warm_passes = 0;         // CurvatureRound: a warm round's most passes (0: max_iters)
   CurvatureEstimator estimator = CurvatureEstimator::kHessian;  // CurvatureRound's; curvature_probe is the Hessian's
   const Clock* clock = nullptr;  // what times the probe and each unit (nullptr: the steady clock)
 
@@ -151,6 +152,8 @@ class CurvatureRound {
     double eager_s = 0;
     double capture_s = 0;
     double replay_s = -1;
+    double fastest_replay_s = -1;  // the quickest replayed pass (the first replays of a graph pay for its upload)
+    double passes_s = 0;           // all passes, each with its statistics read
   };
   const Timing& timing() const;
 
