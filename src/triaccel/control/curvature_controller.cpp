@@ -276,9 +276,14 @@ Events CurvatureController::after_step(StepContext& ctx) {
   return events;
 }
 
-int64_t CurvatureController::spread_next_step(int64_t step) const {
+int64_t CurvatureController::spread_next_step(int64_t step) {
   const int64_t steps_left = options_.total_steps - step;
-  const double step_s = step > 0 ? training_s_ / static_cast<double>(step) : 0.0;
+  const bool since_last = last_round_step_ >= 0 && step > last_round_step_;
+  const double step_s = since_last ? (training_s_ - last_round_training_s_) / static_cast<double>(step - last_round_step_)
+                        : step > 0 ? training_s_ / static_cast<double>(step)
+                                   : 0.0;
+  last_round_step_ = step;
+  last_round_training_s_ = training_s_;
   const double left_s = options_.budget * step_s * static_cast<double>(options_.total_steps) - probe_seconds_;
   const double rounds = round_cost_s_ > 0 ? std::floor(left_s / round_cost_s_) : 0.0;
   if (steps_left <= 0 || rounds < 1) return options_.total_steps + 1;  // none left to pay for
@@ -304,7 +309,8 @@ Json CurvatureController::state() const {
               {"next_probe_step", next_probe_step_}, {"probe_credit_s", probe_credit_s_},
               {"unit_cost_s", unit_cost_s_},     {"unit_lambda", unit_lambda_},
               {"unit_probed", unit_probed_},     {"next_unit", next_unit_},
-              {"round_cost_s", round_cost_s_},   {"training_s", training_s_}};
+              {"round_cost_s", round_cost_s_},   {"training_s", training_s_},
+              {"last_round_step", last_round_step_}, {"last_round_training_s", last_round_training_s_}};
 }
 
 void CurvatureController::restore(const Json& j) {
@@ -322,7 +328,11 @@ void CurvatureController::restore(const Json& j) {
       next_unit_ = j.at("next_unit").get<int64_t>();
     }
     if (j.contains("round_cost_s")) round_cost_s_ = j.at("round_cost_s").get<double>();
-    if (j.contains("training_s")) training_s_ = j.at("training_s").get<double>();
+    if (j.contains("training_s")) {
+      training_s_ = j.at("training_s").get<double>();
+      last_round_step_ = j.at("last_round_step").get<int64_t>();
+      last_round_training_s_ = j.at("last_round_training_s").get<double>();
+    }
   } catch (const Json::exception&) {
     throw UserError(str_cat("checkpoint has an unreadable Tri-Accel state; resume with the same ",
                             option_ref("method"), " or start afresh"));

@@ -85,7 +85,11 @@ class CurvatureController final : public StepController {
   std::unique_ptr<CurvatureRound> round_;  // lockstep: made at the first round, held for the run
   double round_cost_s_ = -1;              // lockstep: seconds of the last steady round; < 0 unknown
   double training_s_ = 0;                 // training time so far (the clock between calls, probes excluded)
-  int64_t spread_next_step(int64_t step) const;  // lockstep with total_steps: the next round's step
+  int64_t last_round_step_ = -1;          // lockstep with total_steps: the last round's step and training_s_ then
+  double last_round_training_s_ = 0;
+  // Lockstep with total_steps: the next round's step, with the step time measured since the last round (the first
+  // steps, with their set-up and capture, ran 12x slower than the steady ones: a run-long average planned too many).
+  int64_t spread_next_step(int64_t step);
 };
 
 }  // namespace triaccel
