@@ -396,10 +396,10 @@ TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
 }
 
 // Lockstep rounds (--curv-lockstep true, k = 1; --curv-estimator fisher runs them too): every probe event covers every
-// unit, so α is calibrated at the first and the lr scales leave 1 there. The run's length is known, so the budget is
-// the whole run's: after the first round the rounds it pays for are spread evenly over the steps left, each planned
-// with the last round's cost (here on a clock of 1 ms a reading, where a round costs ~15 steps: the whole time as
-// budget, 8 epochs of 6 steps).
+// unit, so α is calibrated at the first and the lr scales leave 1 there. The run's length is known, so the first
+// round's cost is paid off over the whole run (the credit advanced by it, shrinking to 0 at the end): on a clock of
+// 1 ms a reading, a 50 % budget and 8 epochs of 6 steps, rounds at steps 2, 22, 42; with the credit alone the second
+// waited until step 30 (a gap of 28 steps, which this test refuses).
 TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
   for (const std::string estimator : {"hessian", "fisher"}) {
     SCOPED_TRACE(estimator);
@@ -407,7 +407,7 @@ TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
     FixedStepClock clock(1e-3);
     RunHooks hooks;
     hooks.clock = &clock;
-    Config o = with_tri_accel(options(out.path()), "1");
+    Config o = with_tri_accel(options(out.path()), "0.5");
     o.set("curv_top_k", "1");
     o.set("epochs", "8");
     if (estimator == "hessian") o.set("curv_lockstep", "true");
@@ -433,13 +433,13 @@ TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
                   e["probe_s_total"].get<double>(), e["training_s"].get<double>());
     }
     ASSERT_GE(steps.size(), 3u);
-    // Spread over the whole run: no gap longer than half of it, a round in its last third, and the rounds paid for
-    // within the run's budget plus one planned round (the plan follows the step time as it is measured).
+    // An even pace over the whole run: no gap longer than half of it, a round in its last third, and the rounds
+    // within the run's budget plus one round.
     for (size_t i = 1; i < steps.size(); ++i) EXPECT_LE(steps[i] - steps[i - 1], 24);
     EXPECT_GE(steps.back(), 32);
     const double training_per_step = last["training_s"].get<double>() / static_cast<double>(steps.back());
     EXPECT_LE(last["probe_s_total"].get<double>(),
-              training_per_step * 48 + last["round_cost_s"].get<double>());
+              0.5 * training_per_step * 48 + last["round_cost_s"].get<double>());
   }
 }
 

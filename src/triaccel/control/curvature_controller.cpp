@@ -60,7 +60,7 @@ void CurvatureController::apply_lr_scales() {
   step_.invalidate_graph();  // the scales travel by value into the captured kernel
 }
 
-std::vector<size_t> CurvatureController::units_due() {
+std::vector<size_t> CurvatureController::units_due(int64_t step) {
   // All units on the fixed schedule (budget 0); else the next ones, round-robin from the output end (their products
   // are the cheapest), while their cost fits the credit. A unit never probed is estimated at twice the dearest probed
   // one (the next unit in the order sits deeper, so its products backpropagate further: ResNet-18's layer4.1 cost
@@ -68,9 +68,8 @@ std::vector<size_t> CurvatureController::units_due() {
   const size_t n_units = model_.units().size();
   std::vector<size_t> chosen;
   // Lockstep: a whole round while the last steady round's cost fits the credit (the first round to measure it).
-  const bool spread = options_.lockstep && options_.total_steps > 0 && options_.budget > 0;  // due is affordable
-  if (options_.budget <= 0 || spread ||
-      (options_.lockstep && (round_cost_s_ < 0 || round_cost_s_ <= probe_credit_s_))) {
+  if (options_.budget <= 0 ||
+      (options_.lockstep && (round_cost_s_ < 0 || round_cost_s_ <= probe_credit_s_ + advance_s(step)))) {
     for (size_t u = 0; u < n_units; ++u) chosen.push_back(u);
     return chosen;
   }
@@ -171,7 +170,7 @@ Events CurvatureController::after_step(StepContext& ctx) {
     last_call_s_ = ctx.now_s;
     return events;
   }
-  std::vector<size_t> chosen = units_due();
+  std::vector<size_t> chosen = units_due(ctx.step);
   const size_t n_all = model_.units().size();
   if (ctx.agree) {  // the credit follows each rank's clock: rank 0's choice for every rank
     std::vector<double> mask(n_all, 0.0);
@@ -211,7 +210,7 @@ Events CurvatureController::after_step(StepContext& ctx) {
   }
   probe_seconds_ += seconds;
   probe_credit_s_ -= seconds;
-  if (options_.lockstep && options_.total_steps > 0 && options_.budget > 0) next_probe_step_ = spread_next_step(ctx.step);
+  if (options_.lockstep && first_round_s_ < 0) first_round_s_ = seconds;
   probes_ += 1;
   next_unit_ += static_cast<int64_t>(chosen.size());
   ctx.unit_lambda_max.assign(n_units, -1.0);
@@ -282,23 +281,9 @@ Events CurvatureController::after_step(StepContext& ctx) {
   return events;
 }
 
-int64_t CurvatureController::spread_next_step(int64_t step) {
-  const int64_t steps_left = options_.total_steps - step;
-  const bool since_last = last_round_step_ >= 0 && step > last_round_step_;
-  const double step_s = since_last ? (training_s_ - last_round_training_s_) / static_cast<double>(step - last_round_step_)
-                        : step > 0 ? training_s_ / static_cast<double>(step)
-                                   : 0.0;
-  const bool first = last_round_step_ < 0;
-  last_round_step_ = step;
-  last_round_training_s_ = training_s_;
-  // After the first round the step time is not known yet (the first steps set up and capture; a CUDA-graph step's
-  // clock runs ahead of its GPU work until something waits): one round a T_curv later measures it.
-  if (first) return step + options_.probe.every_steps;
-  const double left_s = options_.budget * step_s * static_cast<double>(options_.total_steps) - probe_seconds_;
-  const double rounds = round_cost_s_ > 0 ? std::floor(left_s / round_cost_s_) : 0.0;
-  if (steps_left <= 0 || rounds < 1) return options_.total_steps + 1;  // none left to pay for
-  const auto gap = static_cast<int64_t>(static_cast<double>(steps_left) / (rounds + 1));
-  return step + std::max(options_.probe.every_steps, gap);
+double CurvatureController::advance_s(int64_t step) const {
+  if (options_.total_steps <= 0 || first_round_s_ < 0 || step >= options_.total_steps) return 0.0;
+  return first_round_s_ * static_cast<double>(options_.total_steps - step) / static_cast<double>(options_.total_steps);
 }
 
 Json CurvatureController::round_json() const {
@@ -320,7 +305,7 @@ Json CurvatureController::state() const {
               {"unit_cost_s", unit_cost_s_},     {"unit_lambda", unit_lambda_},
               {"unit_probed", unit_probed_},     {"next_unit", next_unit_},
               {"round_cost_s", round_cost_s_},   {"training_s", training_s_},
-              {"last_round_step", last_round_step_}, {"last_round_training_s", last_round_training_s_}};
+              {"first_round_s", first_round_s_}};
 }
 
 void CurvatureController::restore(const Json& j) {
@@ -340,8 +325,7 @@ void CurvatureController::restore(const Json& j) {
     if (j.contains("round_cost_s")) round_cost_s_ = j.at("round_cost_s").get<double>();
     if (j.contains("training_s")) {
       training_s_ = j.at("training_s").get<double>();
-      last_round_step_ = j.at("last_round_step").get<int64_t>();
-      last_round_training_s_ = j.at("last_round_training_s").get<double>();
+      first_round_s_ = j.at("first_round_s").get<double>();
     }
   } catch (const Json::exception&) {
     throw UserError(str_cat("checkpoint has an unreadable Tri-Accel state; resume with the same ",
