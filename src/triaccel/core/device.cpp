@@ -6,11 +6,14 @@
 #include <torch/cuda.h>
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
+#include <string>
 
 namespace triaccel {
 
@@ -73,7 +76,27 @@ void memory_cap_set(const c10::Device& device, int64_t bytes) {
 #endif
 }
 
-MemoryCapScope::MemoryCapScope(const c10::Device& device, int64_t bytes) : device_(device) {
+namespace {
+
+bool user_names_expandable_segments() {
+  for (const char* name : {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr && std::string(v).find("expandable_segments") != std::string::npos) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool memory_expandable_segments() {
+#ifdef TRIACCEL_WITH_CUDA
+  return c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();
+#else
+  return false;
+#endif
+}
+
+MemoryCapScope::MemoryCapScope(const c10::Device& device, int64_t bytes, bool expandable) : device_(device) {
 #ifdef TRIACCEL_WITH_CUDA
   if (device.is_cuda()) {
     at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
@@ -81,11 +104,18 @@ MemoryCapScope::MemoryCapScope(const c10::Device& device, int64_t bytes) : devic
   }
 #endif
   memory_cap_set(device, bytes);
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda() && expandable && !memory_expandable_segments() && !user_names_expandable_segments()) {
+    c10::CachingAllocator::setAllocatorSettings("expandable_segments:True");
+    expandable_set_ = true;
+  }
+#endif
 }
 
 MemoryCapScope::~MemoryCapScope() {
 #ifdef TRIACCEL_WITH_CUDA
   if (device_.is_cuda()) c10::cuda::CUDACachingAllocator::setMemoryFraction(previous_fraction_, device_.index());
+  if (expandable_set_) c10::CachingAllocator::setAllocatorSettings("expandable_segments:False");
 #endif
 }
 
