@@ -5,7 +5,12 @@
 #   mutant   .device/bin/triaccel_tests_mutant (a build with deliberate bugs) on MUTANT_FILTER: the tests that fail
 #   r18      ResNet-18 / CIFAR-10 copy, batch 96, amp-bf16, cuDNN heuristics, EPOCHS epochs per budget in BUDGETS
 #            (default: none 0.8GB 0.62GB 0.5GB 0.4GB 0.3GB 0.25GB); s/epoch of the last epoch, the plan, the
-#            last plan's measured peak (allocated, over its eager and capturing steps) against its prediction (ratio)
+#            last plan's measured peak (allocated, over its eager and capturing steps) against its prediction (ratio).
+#            ALLOC_CONFS (e.g. "default expandable_segments:True"): each budget again under each PYTORCH_ALLOC_CONF
+#            ("default": unset), tagged with the setting's first letters
+#   peak     the Tri-Accel protocol (ResNet-18 b96, 15 epochs, seed 0) unbudgeted: AMP bf16, Tri-Accel precision
+#            only, Tri-Accel; TRIACCEL_TRACE_PEAK=1 prints the steps and phases that raised the allocator's peak
+#            (the precision-only run's lines from epoch 10 on are shown)
 #   pytorch  bench/pytorch_budget.py at PT_CAP (0.5): PyTorch's best recipe at batch 96 under the same cap, with the
 #            data streamed and with CIFAR-10 resident on the GPU (PT_RESIDENT)
 #   models   EfficientNet-B0 224 b96 (EFFB0_BUDGETS: none 2GB), ViT-Tiny b512 (VIT_BUDGETS: none 1GB), GPT-char b64
@@ -37,7 +42,7 @@ has() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 if has tests; then
   TRIACCEL_SOURCE_DIR=$(pwd) "$BIN/triaccel_tests" --gtest_brief=1 \
-    --gtest_filter='MemoryLever*:MemoryPlanner*:MemoryModel*:MemoryGpu*:MemoryPlanController*:Loader*:StepGraph*:Trainer*Gpu*:TrainerTest.UnderABudget*:TrainerTest.TheShortBatch*:*Cuda*' \
+    --gtest_filter='MemoryLever*:MemoryPlanner*:MemoryModel*:MemoryGpu*:MemoryPlanController*:Loader*:StepGraph*:Trainer*Gpu*:TrainerTest.UnderABudget*:TrainerTest.TheShortBatch*:*Cuda*:CurvatureController*:CurvatureRound*' \
     >"$WORK/unit_tests_gpu.log" 2>&1
   echo "gpu unit tests: exit $?; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$WORK/unit_tests_gpu.log" | tr '\n' ' ')"
   grep -B12 -E '^\[  FAILED  \] [A-Za-z]+\.[A-Za-z]+ \(' "$WORK/unit_tests_gpu.log" | grep -vE '^(frame #|\[ RUN|\[       OK)' | head -40
@@ -66,9 +71,33 @@ train() {
 
 if has r18 || has tri || has grid || has models || has acc; then cifar10_bin; fi
 if has r18; then
-  for budget in $BUDGETS; do
-    train "r18_b96_$budget" resnet18 "$budget" --dataset cifar10 --data "$DATA" --epochs "$EPOCHS" --batch-size 96
+  for conf in ${ALLOC_CONFS:-default}; do
+    suffix=""
+    [ "$conf" != default ] && suffix="_${conf:0:6}"
+    for budget in $BUDGETS; do
+      if [ "$conf" = default ]; then
+        train "r18_b96_$budget$suffix" resnet18 "$budget" --dataset cifar10 --data "$DATA" --epochs "$EPOCHS" --batch-size 96
+      else
+        PYTORCH_ALLOC_CONF=$conf train "r18_b96_$budget$suffix" resnet18 "$budget" --dataset cifar10 --data "$DATA" \
+          --epochs "$EPOCHS" --batch-size 96
+      fi
+    done
   done
+fi
+if has peak; then
+  PROTO=(--dataset cifar10 --data "$DATA" --batch-size 96 --lr 0.075 --label-smoothing 0.1 --epochs 15 --warmup-epochs 5
+    --seed 0 --progress lines --log-every 100000)
+  for run in amp_bf16 tri_prec tri; do
+    case $run in
+      amp_bf16) flags=(--precision amp-bf16) ;;
+      tri_prec) flags=(--method tri-accel --ta-curvature false) ;;
+      tri) flags=(--method tri-accel) ;;
+    esac
+    TRIACCEL_TRACE_PEAK=1 timeout 300 "$BIN/triaccel" train --model resnet18 "${flags[@]}" "${PROTO[@]}" \
+      --out "$WORK/runs/peak_$run" >"$WORK/runs/peak_$run.log" 2>&1
+    echo "peak_$run: exit $?; $(grep -E '^done' "$WORK/runs/peak_$run.log" | cut -c1-160)"
+  done
+  grep '^peak trace' "$WORK/runs/peak_tri_prec.log" | awk '$6 >= 10' | head -30
 fi
 if has pytorch; then
   for resident in $PT_RESIDENT; do
@@ -148,6 +177,7 @@ for ev in sorted(glob.glob(f"{work}/runs/*/events.jsonl")):
         "oom_events": sum(e["event"] == "oom" for e in events),
         "eval_oom_events": sum(e["event"] == "oom" and e.get("phase") == "eval" for e in events),
         "eval_batch": epochs[-1].get("eval_batch") if epochs else None,
+        "alloc_retries": epochs[-1].get("alloc_retries") if epochs else None,
         "graph_captures": epochs[-1].get("graph_captures") if epochs else None,
         "graph_capture_ooms": epochs[-1].get("graph_capture_ooms") if epochs else None,
         "graph_capture_error": epochs[-1].get("graph_capture_error") if epochs else None,
@@ -179,7 +209,7 @@ pt = [json.load(open(f)) for f in sorted(glob.glob(f"{work}/pytorch_budget_*.jso
 out = {"bench": "memory_planner", "gpu": gpu, "commit": commit, "stages": stages,
        "command": f"COMMIT={commit} STAGES={stages} bash bench/run_memory_planner.sh", "rows": rows, "pytorch": pt}
 json.dump(out, open(dst, "w"), indent=1)
-print(f"{'run':28} {'s/ep1':>6} {'s/ep':>6} {'eval s':>6} {'ev.b':>5} {'ev.oom':>6} {'img/s':>7} {'peak GB':>8} {'pred GB':>8} {'meas GB':>8} {'ratio':>5} {'micro':>5} {'acc':>3} {'rcmp':>4} {'data':>6} {'oom':>3} {'graph':>5} {'c.oom':>5} {'ok':>3} {'<=bud':>5} samples")
+print(f"{'run':28} {'s/ep1':>6} {'s/ep':>6} {'eval s':>6} {'ev.b':>5} {'ev.oom':>6} {'img/s':>7} {'peak GB':>8} {'pred GB':>8} {'meas GB':>8} {'ratio':>5} {'micro':>5} {'acc':>3} {'rcmp':>4} {'data':>6} {'oom':>3} {'graph':>5} {'c.oom':>5} {'ok':>3} {'<=bud':>5} {'retry':>5} samples")
 for r in rows:
     p = r["plan"] or {}
     pred = (r["predicted_peak_gb"] or 0) * 1e9
@@ -188,7 +218,7 @@ for r in rows:
           f"{(pred or 0) / 1e9:8.3f} {r['plan_measured_peak_gb'] or 0:8.3f} {ratio} {p.get('micro_batch', '-')!s:>5} {p.get('accumulation', '-')!s:>3} "
           f"{len(p.get('recompute', [])):4} {p.get('data_placement', '-')!s:>6} {r['oom_events']:3} "
           f"{r['cuda_graph']!s:>5} {r['graph_capture_ooms']!s:>5} {'yes' if r['finished'] else 'NO':>3} "
-          f"{r['within_budget']!s:>5} {','.join(str(n) for n in r['samples_per_epoch'])}")
+          f"{r['within_budget']!s:>5} {r['alloc_retries']!s:>5} {','.join(str(n) for n in r['samples_per_epoch'])}")
 for p in pt:
     b = p["best"]
     print(f"pytorch best under {p['cap_gb']} GB ({p['resident_gb']} GB resident): {b['recipe']} k={b['k']} {b['img_s']:.0f} img/s")

@@ -7,11 +7,15 @@
 // and 1e-8 (diagonal) relative tolerances.
 #include "test_util.h"
 #include "triaccel/control/hvp.h"
+#include "triaccel/control/curvature_controller.h"
 #include "triaccel/control/curvature_probe.h"
 
 #include "triaccel/core/errors.h"
 #include "triaccel/models/batch_norm.h"
 #include "triaccel/models/model.h"
+#include "triaccel/optim/sgd.h"
+#include "triaccel/train/loss_scaler.h"
+#include "triaccel/train/step.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
@@ -519,6 +523,98 @@ TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
   for (size_t i = 0; i < probed.size(); ++i) EXPECT_EQ(again[i].eigenvalues, probed[i].eigenvalues);
   std::printf("[ small-cnn ] probe of %zu units (batch 8, k 3, 4 iters): %.3f s; fc λ_max %.4g\n", probed.size(),
               wall, probed.back().lambda_max);
+}
+
+TEST(CurvatureControllerTest, ProbeSamplesFittingTheRoom) {
+  EXPECT_EQ(probe_samples_fitting(100, 10, -1, 32), 32);   // no limit: every sample
+  EXPECT_EQ(probe_samples_fitting(100, 10, 250, 32), 15);  // (250 − 100) / 10
+  EXPECT_EQ(probe_samples_fitting(100, 10, 1e9, 32), 32);  // at most the batch
+  EXPECT_EQ(probe_samples_fitting(100, 10, 119, 32), 0);   // not even kMinProbeSamples
+  EXPECT_EQ(probe_samples_fitting(100, 0, 250, 32), 32);   // nothing per sample: all or nothing
+  EXPECT_EQ(probe_samples_fitting(300, 0, 250, 32), 0);
+}
+
+// A memory meter whose room and readings the test makes up: measure() runs the probe and returns the next reading.
+class ScriptedMeter : public MemoryMeter {
+ public:
+  double room = -1;
+  std::vector<double> readings;
+  size_t measured = 0;
+  MemoryStats window() override { return {}; }
+  void restart() override {}
+  double room_bytes() override { return room; }
+  double measure(const std::function<void()>& fn) override {
+    fn();
+    return readings.at(measured++);
+  }
+};
+
+// The probe's batch is sized to the room the run's plan leaves: the first time a unit is the earliest probed, two
+// one-product probes (2 and 4 samples: 120 and 140 bytes, so 100 fixed + 10 a sample) measure it; room 250 gives
+// 15 of the 32 samples. A probe above its prediction (15 samples measured at 300 against 250) raises the unit's fixed
+// bytes, and the next probe shrinks to 10 samples; room for less than 2 samples skips the probe. Without a limit
+// the whole batch, measured once.
+TEST(CurvatureControllerTest, AProbeUsesTheSamplesThatFitTheRoomThePlanLeaves) {
+  const SingleThreadScope single_thread;
+  auto model = small_cnn_make();
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& item : model->named_parameters()) named.emplace_back(item.key(), item.value());
+  Sgd sgd(named, SgdOptions{});
+  LossScaler scaler(LossScalerOptions{}, torch::kCPU);
+  TrainStep step(*model, sgd, scaler, StepOptions{}, torch::kCPU);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+  const at::Tensor images = at::randn({32, 1, 28, 28}, gen);
+  const at::Tensor labels = at::randint(0, 10, {32}, gen, at::kLong);
+  const auto make = [&]() {
+    CurvatureControllerOptions co;
+    co.ctrl_every = 1;
+    co.budget = 0;  // every unit at every probe: the stem is always the earliest
+    co.lr_scaling = false;
+    co.probe.top_k = 1;
+    co.probe.max_iters = 2;
+    co.probe.batch = 32;
+    co.probe.every_steps = 1;
+    for (int64_t i = 0; i < 32; ++i) co.probe_samples.push_back(100 + i);
+    return std::make_unique<CurvatureController>(co, *model, sgd, step, images, labels);
+  };
+  const auto probe_at = [&](CurvatureController& c, ScriptedMeter& meter, int64_t at_step) {
+    StepContext ctx;
+    ctx.step = at_step;
+    ctx.batch = 8;
+    ctx.memory = &meter;
+    const Events events = c.after_step(ctx);
+    EXPECT_EQ(events.size(), 1u);
+    return events.empty() ? Json() : events[0].fields;
+  };
+  {
+    auto c = make();
+    ScriptedMeter meter;
+    meter.room = 250;
+    meter.readings = {120, 140, 300, 200};
+    const Json first = probe_at(*c, meter, 1);
+    EXPECT_EQ(meter.measured, 3u);  // 2 and 4 samples, then the probe
+    ASSERT_TRUE(first.contains("probe_samples"));
+    EXPECT_EQ(first["probe_samples"].size(), 15u);
+    EXPECT_EQ(first["probe_samples"][0].get<int64_t>(), 100);
+    EXPECT_DOUBLE_EQ(first["probe_bytes"].get<double>(), 300.0);
+    EXPECT_DOUBLE_EQ(first["room_bytes"].get<double>(), 250.0);
+    const Json second = probe_at(*c, meter, 2);  // fixed now 150: (250 − 150) / 10
+    EXPECT_EQ(meter.measured, 4u);
+    EXPECT_EQ(second["probe_samples"].size(), 10u);
+    meter.room = 165;  // (165 − 150) / 10 = 1 sample
+    const Json third = probe_at(*c, meter, 3);
+    EXPECT_EQ(third["skipped"].get<std::string>(), "no memory");
+    EXPECT_EQ(meter.measured, 4u);
+  }
+  {
+    auto c = make();
+    ScriptedMeter meter;
+    meter.readings = {500};
+    const Json whole = probe_at(*c, meter, 1);
+    EXPECT_EQ(meter.measured, 1u);
+    EXPECT_EQ(whole["probe_samples"].size(), 32u);
+    EXPECT_TRUE(whole["room_bytes"].is_null());
+  }
 }
 
 // ProbePrecision::kBF16 (bench_curvature's comparison; not a run option): the products run in bf16 with fp32

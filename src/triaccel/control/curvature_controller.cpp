@@ -13,6 +13,11 @@
 namespace triaccel {
 namespace {
 
+// The dataset indices of the samples a probe used: the first `samples` of the probe batch's.
+std::vector<int64_t> probe_samples_used(const std::vector<int64_t>& all, int64_t samples) {
+  return {all.begin(), all.begin() + std::min<int64_t>(samples, static_cast<int64_t>(all.size()))};
+}
+
 Json unit_names_json(const Model& model) {
   Json names = Json::array();
   for (const auto& u : model.units()) names.push_back(u.name);
@@ -50,6 +55,48 @@ CurvatureController::CurvatureController(CurvatureControllerOptions options, Mod
   unit_cost_s_.assign(n_units, -1.0);
   unit_lambda_.assign(n_units, 0.0);
   unit_probed_.assign(n_units, false);
+  unit_probe_fixed_.assign(n_units, -1.0);
+  unit_probe_slope_.assign(n_units, -1.0);
+}
+
+int64_t probe_samples_fitting(double fixed_bytes, double slope_bytes, double room_bytes, int64_t full) {
+  if (room_bytes < 0) return full;
+  const double fit = slope_bytes > 0 ? std::floor((room_bytes - fixed_bytes) / slope_bytes)
+                                     : (fixed_bytes <= room_bytes ? static_cast<double>(full) : 0.0);
+  if (fit < static_cast<double>(kMinProbeSamples)) return 0;
+  return std::min<int64_t>(full, static_cast<int64_t>(fit));
+}
+
+int64_t CurvatureController::probe_samples_for(StepContext& ctx, const std::vector<size_t>& chosen,
+                                               double* seconds) {
+  const int64_t full = std::min(options_.probe.batch, probe_images_.size(0));
+  last_room_bytes_ = -1;
+  if (ctx.memory == nullptr || chosen.empty()) return full;
+  const double room = ctx.memory->room_bytes();
+  if (room < 0) return full;
+  last_room_bytes_ = room;
+  const size_t first = *std::min_element(chosen.begin(), chosen.end());
+  if (unit_probe_slope_[first] < 0) {
+    // Two one-product probes (no graph, no warm start) measure what this earliest unit costs a probe.
+    CurvatureOptions small = options_.probe;
+    small.top_k = 1;
+    small.max_iters = 1;
+    small.cuda_graphs = false;
+    double bytes[2] = {0, 0};
+    const int64_t sizes[2] = {kMinProbeSamples, 2 * kMinProbeSamples};
+    for (int i = 0; i < 2; ++i) {
+      small.batch = std::min(sizes[i], full);
+      double s = 0;
+      bytes[i] = ctx.memory->measure([&]() {
+        (void)curvature_probe(model_, probe_images_, probe_labels_, small, &s, nullptr, &chosen);
+      });
+      *seconds += s;
+    }
+    const double slope = std::max(0.0, (bytes[1] - bytes[0]) / static_cast<double>(kMinProbeSamples));
+    unit_probe_slope_[first] = slope;
+    unit_probe_fixed_[first] = std::max(0.0, bytes[0] - slope * static_cast<double>(kMinProbeSamples));
+  }
+  return probe_samples_fitting(unit_probe_fixed_[first], unit_probe_slope_[first], room, full);
 }
 
 void CurvatureController::apply_lr_scales() {
@@ -117,7 +164,8 @@ void CurvatureController::agree_results(const StepContext& ctx, const std::vecto
   }
 }
 
-std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>& chosen, double* seconds) {
+std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>& chosen, int64_t samples,
+                                                      double* seconds) {
   const CudnnHeuristics heuristics;
   if (options_.lockstep) {
     if (!round_) round_ = std::make_unique<CurvatureRound>(model_, probe_images_, probe_labels_, options_.probe);
@@ -137,16 +185,17 @@ std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>&
     return curv;
   }
   const bool bootstrap = std::all_of(unit_cost_s_.begin(), unit_cost_s_.end(), [](double c) { return c < 0; });
+  CurvatureOptions sized = options_.probe;
+  sized.batch = samples;
   std::vector<UnitCurvature> curv =
-      curvature_probe(model_, probe_images_, probe_labels_, options_.probe, seconds, &warm_start_, &chosen);
+      curvature_probe(model_, probe_images_, probe_labels_, sized, seconds, &warm_start_, &chosen);
   if (bootstrap && options_.budget > 0) {
     // The first probe pays once for cuDNN's fp32 plans of every layer (ResNet-18 on the H100: fc's first probe
     // 0.25–0.39 s, later ones ~10 ms). Estimating the other units from it starved the schedule: two or three units
     // probed in 15 epochs. Probing the unit again from its warm start measures its steady cost (charged to the
     // credit too).
     double again_s = 0;
-    const auto again =
-        curvature_probe(model_, probe_images_, probe_labels_, options_.probe, &again_s, &warm_start_, &chosen);
+    const auto again = curvature_probe(model_, probe_images_, probe_labels_, sized, &again_s, &warm_start_, &chosen);
     *seconds += again_s;
     for (size_t u : chosen) {
       const int first_products = curv[u].iterations;
@@ -195,8 +244,36 @@ Events CurvatureController::after_step(StepContext& ctx) {
   training_s_ += synced_s - ctx.now_s;
   double seconds = 0;
   std::vector<UnitCurvature> curv;
+  int64_t samples = std::min(options_.probe.batch, probe_images_.size(0));
+  double probe_bytes = -1;  // what the probe allocated above what was held (< 0: not measured)
+  double sizing_s = 0;      // the measuring probes' seconds (a unit's first time as the earliest)
   try {
-    curv = probe(chosen, &seconds);
+    if (!options_.lockstep) {
+      samples = probe_samples_for(ctx, chosen, &sizing_s);
+      // Rank 0's size for every rank (each measured its own memory).
+      if (ctx.agree) samples = static_cast<int64_t>(ctx.agree({static_cast<double>(samples)})[0]);
+    }
+    if (samples == 0) {
+      // Not even kMinProbeSamples fit beside what the run holds: no probe this time; the credit keeps accruing.
+      events.push_back({event::kCurvature, Json{{"skipped", "no memory"}, {"room_bytes", last_room_bytes_},
+                                                {"next_probe_step", next_probe_step_}}});
+      probe_seconds_ += sizing_s;
+      probe_credit_s_ -= sizing_s;
+      last_call_s_ = clock_.now_s();
+      return events;
+    }
+    if (ctx.memory != nullptr && !options_.lockstep) {
+      probe_bytes = ctx.memory->measure([&]() { curv = probe(chosen, samples, &seconds); });
+      // A probe above its prediction: its earliest unit's fixed bytes take the difference.
+      const size_t first = *std::min_element(chosen.begin(), chosen.end());
+      if (unit_probe_slope_[first] >= 0) {
+        const double predicted = unit_probe_fixed_[first] + unit_probe_slope_[first] * static_cast<double>(samples);
+        if (probe_bytes > predicted) unit_probe_fixed_[first] += probe_bytes - predicted;
+      }
+    } else {
+      curv = probe(chosen, samples, &seconds);
+    }
+    seconds += sizing_s;
     if (ctx.agree) agree_results(ctx, chosen, &curv, &seconds);
   } catch (const c10::OutOfMemoryError&) {
     // With several ranks a skip on one rank alone would put it out of step: the error ends the run (a rank that dies
@@ -269,7 +346,9 @@ Events CurvatureController::after_step(StepContext& ctx) {
                                             {"training_s", training_s_},
                                             {"credit_s", probe_credit_s_},
                                             {"next_probe_step", next_probe_step_},
-                                            {"probe_samples", options_.probe_samples},
+                                            {"probe_samples", probe_samples_used(options_.probe_samples, samples)},
+                                            {"probe_bytes", probe_bytes >= 0 ? Json(probe_bytes) : Json()},
+                                            {"room_bytes", last_room_bytes_ >= 0 ? Json(last_room_bytes_) : Json()},
                                             {"top_k", options_.probe.top_k},
                                             {"precision", enum_name(options_.probe.precision)},
                                             {"lr_scaling", options_.lr_scaling},

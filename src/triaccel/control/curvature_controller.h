@@ -38,6 +38,11 @@ struct CurvatureControllerOptions {
   std::vector<int64_t> probe_samples;  // the dataset indices of the probe batch (for the event)
 };
 
+// A probe's samples that fit `room_bytes` when it allocates fixed + slope · samples: at most `full`, 0 when not even
+// kMinProbeSamples fit. room_bytes < 0 (no limit): `full`.
+constexpr int64_t kMinProbeSamples = 2;
+int64_t probe_samples_fitting(double fixed_bytes, double slope_bytes, double room_bytes, int64_t full);
+
 class CurvatureController final : public StepController {
  public:
   // probe_images/labels: the fixed curvature batch (b_curv samples), on the model's device.
@@ -59,9 +64,14 @@ class CurvatureController final : public StepController {
                      double* seconds) const;
   void apply_lr_scales();
   Json round_json() const;  // the last lockstep round's passes, times and graph (null without one)
-  // This round's probe: the lockstep round, or curvature_probe of `chosen` (probed twice at the first round, to plan
-  // with the steady cost).
-  std::vector<UnitCurvature> probe(const std::vector<size_t>& chosen, double* seconds);
+  // This round's probe: the lockstep round, or curvature_probe of `chosen` on the first `samples` of the probe batch
+  // (probed twice at the first round, to plan with the steady cost).
+  std::vector<UnitCurvature> probe(const std::vector<size_t>& chosen, int64_t samples, double* seconds);
+  // The probe's samples that fit the memory the run's plan leaves (StepContext::memory's room; all of them without
+  // a limit or a meter). A probe's memory is set by its earliest unit (the graph it keeps for the double backward
+  // runs from there to the loss): the first time a unit is the earliest, two one-product probes of 2 and 4 samples
+  // measure its bytes per sample and fixed bytes. Adds their seconds to `seconds`.
+  int64_t probe_samples_for(StepContext& ctx, const std::vector<size_t>& chosen, double* seconds);
 
   CurvatureControllerOptions options_;
   const Clock& clock_;
@@ -76,6 +86,9 @@ class CurvatureController final : public StepController {
   std::vector<double> unit_cost_s_;    // per unit: seconds of its last probe; < 0 unknown
   std::vector<double> unit_lambda_;    // per unit: last λ_max
   std::vector<bool> unit_probed_;      // per unit: probed at least once
+  // Per unit, as the earliest unit of a probe: the bytes it allocates, fixed + per sample (< 0: not measured yet).
+  std::vector<double> unit_probe_fixed_, unit_probe_slope_;
+  double last_room_bytes_ = -1;        // the room the last probe was sized for (< 0: none)
   int64_t next_unit_ = 0;              // round-robin position
   double alpha_ = -1;
   int64_t next_probe_step_ = -1;       // < 0: at the first control window

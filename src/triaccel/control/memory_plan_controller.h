@@ -91,6 +91,8 @@ class MemoryPlanController final : public StepController {
   void set_agree(Agree max_over_ranks) { agree_ = std::move(max_over_ranks); }
 
   const MemoryPlan& plan() const { return plan_; }
+  // What a plan may reach now: the budget, or without one the first model's peak at the current scale.
+  int64_t limit_bytes() const;
   // The allocator's peak over the steps that allocated (eager, capturing; not replays, not a step beside a graph,
   // not one whose capture failed) while the current plan was in force; 0 before one did. What its prediction is
   // checked against.
@@ -103,8 +105,6 @@ class MemoryPlanController final : public StepController {
   void calibrate(const MemoryPlan& ran, double measured);
   // Plans again on the current model; UserError naming the floor when nothing fits.
   void replan();
-  // What a plan may reach now: the budget, or without one the first model's peak at the current scale.
-  int64_t limit_bytes() const;
   // The model traced for these precisions with the corrections measured so far (activation scale, fixed offset).
   MemoryModel corrected_model(const std::vector<Precision>& unit_precisions) const;
 

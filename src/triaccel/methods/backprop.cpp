@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cmath>
+#include <cstdio>
 #include <numeric>
 
 namespace triaccel {
@@ -717,6 +718,7 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
     return on_out_of_memory(fault, count);
   }
   retried_at_min_ = false;
+  peak_trace("step");
   // Only under inject_faults: reading found_inf is a host sync after every step. Without injected faults a
   // non-finite step is skipped on the device as GradScaler does (counted in skipped_steps, samples not retried).
   if (!faults_.empty() && step_->last_step_skipped()) return on_skipped_step(fault, count);
@@ -838,6 +840,7 @@ void Trainer::after_step(int64_t count) {
     }
   }
   if (ctx.batch != p.batch) batch_set(ctx.batch);
+  peak_trace("controllers");
   const bool last_in_epoch = p.epoch_offset >= train_loader_.size();
   if (p.step % config_.output.log_every == 0 || last_in_epoch) {
     const double loss = step_->last_loss().item<double>();  // syncs
@@ -934,14 +937,15 @@ void Trainer::epoch_end(double train_s) {
   // Peak VRAM is the training peak (the measured period); evaluation's own peak is reported beside it.
   // This epoch's training steps (since the reset after the last evaluation); peak_vram_gb is the run's so far, which
   // holds the memory planner's calibration steps (other plans) in its first epoch.
-  const double epoch_peak_gb = static_cast<double>(memory_stats(device_).peak_allocated_bytes) / kGB;
+  const double epoch_peak_gb = static_cast<double>(peak_now()) / kGB;
   p.peak_vram_gb = std::max(p.peak_vram_gb, epoch_peak_gb);
-  memory_stats_reset_peak(device_);
+  peak_reset();
   const double t_eval = session_.clock().now_s();
   const EvalResult test = evaluate_within_budget();
   const double eval_s = session_.clock().now_s() - t_eval;
   const double eval_peak_gb = static_cast<double>(memory_stats(device_).peak_allocated_bytes) / kGB;
-  memory_stats_reset_peak(device_);
+  peak_trace("evaluation");
+  peak_reset();
   const double seen = static_cast<double>(std::max<int64_t>(samples_this_epoch_, 1));
   const bool tokens = session_.data().train.kind == DatasetKind::kTokens;
   double overhead_s = 0;
@@ -1042,6 +1046,18 @@ void Trainer::checkpoint(const std::string& file) {
   session_.checkpoint_written();
   session_.event(event::kCheckpoint, progress_->step,
                  Json{{"path", path}, {"epoch", progress_->epoch}, {"epoch_offset", progress_->epoch_offset}});
+  peak_trace("checkpoint");
+}
+
+void Trainer::peak_trace(const char* phase) {
+  if (!trace_peak_) return;
+  const int64_t peak = peak_now();
+  if (peak <= traced_peak_ + static_cast<int64_t>(1e6)) return;
+  std::fprintf(stderr, "peak trace: step %lld epoch %lld offset %lld after %s: peak %.6f GB (was %.6f), now %.6f GB\n",
+               static_cast<long long>(progress_->step), static_cast<long long>(progress_->epoch),
+               static_cast<long long>(progress_->epoch_offset), phase, static_cast<double>(peak) / kGB,
+               static_cast<double>(traced_peak_) / kGB, static_cast<double>(memory_stats(device_).allocated_bytes) / kGB);
+  traced_peak_ = peak;
 }
 
 Json Trainer::stop() {
@@ -1187,17 +1203,67 @@ double Trainer::schedule_position() const {
 }
 
 MemoryStats Trainer::window() {
-  const MemoryStats m = memory_stats(device_);
+  MemoryStats m = memory_stats(device_);
+  m.peak_allocated_bytes = std::max(m.peak_allocated_bytes, window_carry_);
   progress_->peak_vram_gb = std::max(progress_->peak_vram_gb, static_cast<double>(m.peak_allocated_bytes) / kGB);
   memory_stats_reset_peak(device_);
+  window_carry_ = 0;
   return m;
 }
 
 void Trainer::restart() {
   Progress& p = *progress_;
-  p.peak_vram_warmup_gb = std::max(p.peak_vram_gb, static_cast<double>(memory_stats(device_).peak_allocated_bytes) / kGB);
+  p.peak_vram_warmup_gb = std::max(p.peak_vram_gb, static_cast<double>(peak_now()) / kGB);
   p.peak_vram_gb = 0;
+  peak_reset();
+}
+
+int64_t Trainer::peak_now() const {
+  return std::max({memory_stats(device_).peak_allocated_bytes, window_carry_, transient_carry_});
+}
+
+void Trainer::peak_reset() {
   memory_stats_reset_peak(device_);
+  window_carry_ = 0;
+  transient_carry_ = 0;
+  traced_peak_ = 0;
+}
+
+double Trainer::room_bytes() {
+  if (memory_planner_ == nullptr || !device_.is_cuda()) return -1;
+  // Under a budget the cap binds what the allocator reserves (the graph's pool included; the cache of free blocks is
+  // returned first); without one the limit is AMP's predicted peak, of allocated bytes as the run's peak is.
+  const bool budgeted = memory_->budgeted();
+  if (budgeted) memory_cache_release(device_);
+  const MemoryStats m = memory_stats(device_);
+  const auto held = static_cast<double>(budgeted ? m.reserved_bytes : m.allocated_bytes);
+  return static_cast<double>(memory_planner_->limit_bytes()) - held;
+}
+
+double Trainer::measure(const std::function<void()>& fn) {
+  if (!device_.is_cuda()) {
+    fn();
+    return 0;
+  }
+  device_synchronize(device_);
+  const MemoryStats before = memory_stats(device_);
+  window_carry_ = std::max(window_carry_, before.peak_allocated_bytes);
+  memory_stats_reset_peak(device_);
+  const auto fold = [&]() {
+    const int64_t peak = memory_stats(device_).peak_allocated_bytes;
+    transient_carry_ = std::max(transient_carry_, peak);
+    progress_->peak_vram_gb = std::max(progress_->peak_vram_gb, static_cast<double>(peak) / kGB);
+    memory_stats_reset_peak(device_);
+    return peak;
+  };
+  try {
+    fn();
+  } catch (...) {
+    fold();
+    throw;
+  }
+  device_synchronize(device_);
+  return static_cast<double>(fold() - before.allocated_bytes);
 }
 
 }  // namespace triaccel

@@ -26,6 +26,7 @@
 #include "triaccel/train/schedule.h"
 #include "triaccel/train/step.h"
 
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -99,8 +100,17 @@ class Trainer : private MemoryMeter {
   Json memory_plan_brief() const;          // the plan in force, for epoch and summary events (null: none)
   double schedule_position() const;
   void train_time_pause();                 // the epoch clock stops (evaluation, a checkpoint)
+  // TRIACCEL_TRACE_PEAK=1 (a developer's diagnostic): one stderr line whenever the allocator's peak rose by over
+  // 1 MB since the last look, naming the step and the phase that raised it (after a step, after the controllers,
+  // after a checkpoint, after an evaluation).
+  void peak_trace(const char* phase);
   MemoryStats window() override;           // MemoryMeter
   void restart() override;
+  double room_bytes() override;
+  double measure(const std::function<void()>& fn) override;
+  // The allocator's peak since its last reset, with what measure() and window() reset away since the epoch's start.
+  int64_t peak_now() const;
+  void peak_reset();                       // the allocator's peak and the carried peaks, for a new period
 
   Session& session_;
   const Config& config_;
@@ -128,6 +138,10 @@ class Trainer : private MemoryMeter {
   // Within the current session of the run.
   int64_t samples_this_epoch_ = 0;         // trained this epoch in this session
   int64_t samples_since_log_ = 0;
+  bool trace_peak_ = std::getenv("TRIACCEL_TRACE_PEAK") != nullptr;  // peak_trace() prints
+  int64_t window_carry_ = 0;     // the current window's peak that measure() reset away
+  int64_t transient_carry_ = 0;  // measure()'s peaks this epoch
+  int64_t traced_peak_ = 0;     // the peak peak_trace() last saw
   double t_epoch_ = 0, t_log_ = 0;         // session clock at the epoch's (or last pause's) start, last log line
   double last_lr_ = 0;
   bool retried_at_min_ = false;            // an out-of-memory retry at the minimum batch is allowed once in a row
