@@ -522,43 +522,40 @@ TEST(MemoryGpuTest, AnEagerStepOfAnotherSizeRunsInTheGraphsPool) {
 #endif
 }
 
-// GPU: under a budget's cap, memory freed inside a segment that still holds a live block goes back to the cap (the
-// scope's expandable segments). 20 blocks of 4 MB (mid-size blocks share 20 MB segments), four of every five freed:
-// 16 MB live, 80 MB reserved. A 56 MB block then needs a new segment: past a cap of 96 MB above what was reserved,
-// and nothing is wholly free to return, so the plain allocator runs out of memory; with expandable segments the
-// freed pages are unmapped and the block fits.
+// GPU: under a budget's cap, memory freed inside a segment that still holds a live block serves a later, larger
+// block (the scope's expandable segments). A 60 MB block is freed, a 12 MB block is cut from its segment and kept,
+// then a 56 MB block is asked for under a cap 100 MB above what was reserved: the plain allocator needs a new 56 MB
+// segment (116 MB in all) and has nothing wholly free to return, so it runs out of memory; an expandable segment
+// grows the free 48 MB after the kept block by one 20 MB chunk (80 MB in all) and fits it.
 TEST(MemoryGpuTest, UnderABudgetFreedMemoryInsideSegmentsGoesBackToTheCap) {
   TRIACCEL_SKIP_WITHOUT_GPU();
 #ifdef TRIACCEL_WITH_CUDA
   const c10::Device gpu(c10::kCUDA, 0);
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
   constexpr int64_t kMB = 1 << 20;
+  const auto bytes = [&](int64_t mb) { return at::empty({mb * kMB}, at::TensorOptions().dtype(at::kByte).device(gpu)); };
   const auto fragment_then_allocate = [&](bool expandable) {
     memory_cache_release(gpu);
     const int64_t base = memory_stats(gpu).reserved_bytes;
-    const MemoryCapScope cap(gpu, base + 96 * kMB, expandable);
+    const MemoryCapScope cap(gpu, base + 100 * kMB, expandable);
     EXPECT_EQ(memory_expandable_segments(), expandable);
-    std::vector<at::Tensor> kept;
-    {
-      std::vector<at::Tensor> blocks;
-      for (int i = 0; i < 20; ++i) blocks.push_back(at::empty({4 * kMB}, at::TensorOptions().dtype(at::kByte).device(gpu)));
-      for (int i = 0; i < 20; i += 5) kept.push_back(blocks[static_cast<size_t>(i)]);
-    }
     bool fit = true;
-    try {
-      const at::Tensor big = at::empty({56 * kMB}, at::TensorOptions().dtype(at::kByte).device(gpu));
-      big.fill_(1);
-    } catch (const c10::OutOfMemoryError&) {
-      fit = false;
+    {
+      (void)bytes(60);                  // freed at once: its segment stays cached
+      const at::Tensor kept = bytes(12);  // cut from the cached 60 MB
+      try {
+        bytes(56).fill_(1);
+      } catch (const c10::OutOfMemoryError&) {
+        fit = false;
+      }
     }
-    kept.clear();
     memory_cache_release(gpu);
     return fit;
   };
   if (std::getenv("PYTORCH_ALLOC_CONF") == nullptr && std::getenv("PYTORCH_CUDA_ALLOC_CONF") == nullptr) {
     EXPECT_FALSE(fragment_then_allocate(false)) << "the test cannot tell: the plain allocator fit the block";
   }
-  EXPECT_TRUE(fragment_then_allocate(true)) << "freed pages inside segments did not go back to the cap";
+  EXPECT_TRUE(fragment_then_allocate(true)) << "the freed memory inside the segment did not serve the block";
   EXPECT_FALSE(memory_expandable_segments()) << "the scope's setting outlived it";
 #endif
 }
