@@ -787,6 +787,14 @@ TEST(MemoryPlanControllerTest, FitsAnswersForPrecisionsNotYetApplied) {
                                    model_for);
   EXPECT_FALSE(tight.fits({P::kFP32, P::kFP32, P::kFP32}));
   EXPECT_EQ(rig.step.unit_precisions(), (std::vector<P>{P::kBF16, P::kBF16, P::kBF16}));  // asking applies nothing
+  // A trace of the promoted model that runs out of memory (under a budget, beside the run's tensors) answers "does
+  // not fit" instead of ending the run.
+  const MemoryPlanController no_room(first, plan, limits, rig.step, [&](const std::vector<Precision>& p) {
+    if (p[0] == P::kFP32) TORCH_CHECK_WITH(OutOfMemoryError, false, "made-up: the trace did not fit");
+    return model_for(p);
+  });
+  EXPECT_FALSE(no_room.fits({P::kFP32, P::kBF16, P::kBF16}));
+  EXPECT_TRUE(no_room.fits({P::kFP16, P::kBF16, P::kBF16}));
 }
 
 // Tri-Accel's precision controller asks the memory check before raising units: thresholds of 0 put every unit in

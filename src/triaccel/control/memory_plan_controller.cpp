@@ -2,6 +2,8 @@
 
 #include "triaccel/core/errors.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -44,8 +46,12 @@ MemoryModel MemoryPlanController::corrected_model(const std::vector<Precision>& 
 }
 
 bool MemoryPlanController::fits(const std::vector<Precision>& unit_precisions) const {
-  return memory_plan_solve(corrected_model(unit_precisions), limits_.batch, limit_bytes(), limits_.constraints)
-      .feasible;
+  try {
+    return memory_plan_solve(corrected_model(unit_precisions), limits_.batch, limit_bytes(), limits_.constraints)
+        .feasible;
+  } catch (const c10::OutOfMemoryError&) {
+    return false;  // not even the trace of the promoted model fit beside the run: no room to pay for it
+  }
 }
 
 void MemoryPlanController::replan() {
