@@ -164,6 +164,35 @@ void CurvatureController::agree_results(const StepContext& ctx, const std::vecto
   }
 }
 
+std::vector<UnitCurvature> CurvatureController::probe_sized(StepContext& ctx, const std::vector<size_t>& chosen,
+                                                            int64_t* samples, double* probe_bytes, double* seconds) {
+  *samples = std::min(options_.probe.batch, probe_images_.size(0));
+  double sizing_s = 0;  // the measuring probes' seconds (a unit's first time as the earliest)
+  if (!options_.lockstep) {
+    *samples = probe_samples_for(ctx, chosen, &sizing_s);
+    // Rank 0's size for every rank (each measured its own memory).
+    if (ctx.agree) *samples = static_cast<int64_t>(ctx.agree({static_cast<double>(*samples)})[0]);
+  }
+  std::vector<UnitCurvature> curv;
+  if (*samples == 0) {
+    *seconds = sizing_s;
+    return curv;
+  }
+  if (ctx.memory != nullptr && !options_.lockstep) {
+    *probe_bytes = ctx.memory->measure([&]() { curv = probe(chosen, *samples, seconds); });
+    // A probe above its prediction: its earliest unit's fixed bytes take the difference.
+    const size_t first = *std::min_element(chosen.begin(), chosen.end());
+    if (unit_probe_slope_[first] >= 0) {
+      const double predicted = unit_probe_fixed_[first] + unit_probe_slope_[first] * static_cast<double>(*samples);
+      if (*probe_bytes > predicted) unit_probe_fixed_[first] += *probe_bytes - predicted;
+    }
+  } else {
+    curv = probe(chosen, *samples, seconds);
+  }
+  *seconds += sizing_s;
+  return curv;
+}
+
 std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>& chosen, int64_t samples,
                                                       double* seconds) {
   const CudnnHeuristics heuristics;
@@ -244,36 +273,19 @@ Events CurvatureController::after_step(StepContext& ctx) {
   training_s_ += synced_s - ctx.now_s;
   double seconds = 0;
   std::vector<UnitCurvature> curv;
-  int64_t samples = std::min(options_.probe.batch, probe_images_.size(0));
+  int64_t samples = 0;
   double probe_bytes = -1;  // what the probe allocated above what was held (< 0: not measured)
-  double sizing_s = 0;      // the measuring probes' seconds (a unit's first time as the earliest)
   try {
-    if (!options_.lockstep) {
-      samples = probe_samples_for(ctx, chosen, &sizing_s);
-      // Rank 0's size for every rank (each measured its own memory).
-      if (ctx.agree) samples = static_cast<int64_t>(ctx.agree({static_cast<double>(samples)})[0]);
-    }
+    curv = probe_sized(ctx, chosen, &samples, &probe_bytes, &seconds);
     if (samples == 0) {
       // Not even kMinProbeSamples fit beside what the run holds: no probe this time; the credit keeps accruing.
       events.push_back({event::kCurvature, Json{{"skipped", "no memory"}, {"room_bytes", last_room_bytes_},
                                                 {"next_probe_step", next_probe_step_}}});
-      probe_seconds_ += sizing_s;
-      probe_credit_s_ -= sizing_s;
+      probe_seconds_ += seconds;
+      probe_credit_s_ -= seconds;
       last_call_s_ = clock_.now_s();
       return events;
     }
-    if (ctx.memory != nullptr && !options_.lockstep) {
-      probe_bytes = ctx.memory->measure([&]() { curv = probe(chosen, samples, &seconds); });
-      // A probe above its prediction: its earliest unit's fixed bytes take the difference.
-      const size_t first = *std::min_element(chosen.begin(), chosen.end());
-      if (unit_probe_slope_[first] >= 0) {
-        const double predicted = unit_probe_fixed_[first] + unit_probe_slope_[first] * static_cast<double>(samples);
-        if (probe_bytes > predicted) unit_probe_fixed_[first] += probe_bytes - predicted;
-      }
-    } else {
-      curv = probe(chosen, samples, &seconds);
-    }
-    seconds += sizing_s;
     if (ctx.agree) agree_results(ctx, chosen, &curv, &seconds);
   } catch (const c10::OutOfMemoryError&) {
     // With several ranks a skip on one rank alone would put it out of step: the error ends the run (a rank that dies

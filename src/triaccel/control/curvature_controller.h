@@ -72,6 +72,10 @@ class CurvatureController final : public StepController {
   // runs from there to the loss): the first time a unit is the earliest, two one-product probes of 2 and 4 samples
   // measure its bytes per sample and fixed bytes. Adds their seconds to `seconds`.
   int64_t probe_samples_for(StepContext& ctx, const std::vector<size_t>& chosen, double* seconds);
+  // probe() at the samples that fit (`samples`; 0: none fit, nothing probed), measured on the meter where there is
+  // one (`probe_bytes`), `seconds` with the measuring probes'. Rank 0's size on every rank.
+  std::vector<UnitCurvature> probe_sized(StepContext& ctx, const std::vector<size_t>& chosen, int64_t* samples,
+                                         double* probe_bytes, double* seconds);
 
   CurvatureControllerOptions options_;
   const Clock& clock_;
