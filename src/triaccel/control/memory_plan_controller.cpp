@@ -32,7 +32,7 @@ void MemoryPlanController::apply() {
 int64_t MemoryPlanController::limit_bytes() const {
   if (!limits_.limit_from_first_model) return limits_.budget_bytes;
   MemoryModel first = first_model_;
-  first.activation_scale = limit_scale_ >= 0 ? limit_scale_ : model_.activation_scale;
+  first.activation_scale = model_.activation_scale;
   const std::vector<bool> none(first.units.size(), false);
   return static_cast<int64_t>(
       std::ceil(memory_plan_peak(first, limits_.batch, limits_.batch, none, limits_.constraints.placement)));
@@ -174,7 +174,6 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
   ++calibrations_;
   measured_peak_bytes_ = measured;
   calibrate(ran, measured);
-  if (calibrations_ == kCalibrationSteps) limit_scale_ = model_.activation_scale;
   const MemoryPlan before = plan_;
   replan();
   if (ran == plan_) plan_measured_peak_bytes_ = std::max(plan_measured_peak_bytes_, measured);
@@ -223,21 +222,19 @@ void MemoryPlanController::calibrate(const MemoryPlan& ran, double measured) {
 
 Event MemoryPlanController::on_out_of_memory() {
   model_.activation_scale *= kOomScaleStep;
-  if (limit_scale_ >= 0) limit_scale_ *= kOomScaleStep;
   replan();
   return {event::kMemoryPlan, plan_fields("oom")};
 }
 
 Json MemoryPlanController::state() const {
   return Json{{"activation_scale", model_.activation_scale}, {"fixed_offset_bytes", offset_},
-              {"cap_share", limits_.cap_share}, {"limit_scale", limit_scale_}};
+              {"cap_share", limits_.cap_share}};
 }
 
 void MemoryPlanController::restore(const Json& state) {
   const double scale = state.value("activation_scale", 1.0);
   const double share = state.value("cap_share", limits_.cap_share);
   const double offset = state.value("fixed_offset_bytes", 0.0);
-  limit_scale_ = state.value("limit_scale", scale);  // checkpoints before it: the scale they planned with
   if (scale == model_.activation_scale && share == limits_.cap_share && offset == offset_) return;
   model_.activation_scale = scale;
   model_.fixed_bytes += offset - offset_;

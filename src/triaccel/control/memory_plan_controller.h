@@ -60,8 +60,7 @@ struct MemoryPlanLimits {
   PlanConstraints constraints;     // the user's levers; the placement is fixed once the loaders hold the data
   // Tri-Accel without a budget: the limit is the peak the first plan's precisions predict (all 16-bit: AMP's), so
   // that a unit promoted to fp32 pays for its bigger activations with recompute or micro-batches instead of
-  // raising the peak. Kept equal to that prediction at calibration's activation scale (and an out-of-memory
-  // error's): later refits move the plans' predictions, not the limit.
+  // raising the peak. Kept equal to that prediction as the model is calibrated.
   bool limit_from_first_model = false;
 };
 
@@ -123,10 +122,6 @@ class MemoryPlanController final : public StepController {
   int64_t recalibrations_ = 0;         // readings added after calibration (a plan off its prediction)
   std::vector<std::pair<double, double>> readings_;  // (modelled activations, measured − modelled base)
   double offset_ = 0;                  // fixed bytes the model missed (added to model_.fixed_bytes)
-  // limit_from_first_model: the activation scale the limit is computed at — calibration's, grown by out-of-memory
-  // errors — so that a refit on a later plan's reading (a capture after a precision change that peaked above its
-  // prediction) does not move the limit up with it (< 0: the current scale, before calibration ends).
-  double limit_scale_ = -1;
   bool seen_step_ = false;
   int64_t capture_ooms_seen_ = 0;      // the step graph's capture_ooms() when last looked at
 };
