@@ -1,6 +1,7 @@
 #include "triaccel/core/dist.h"
 
 #include "triaccel/core/errors.h"
+#include "triaccel/core/flat_view.h"
 
 #include <ATen/ATen.h>
 
@@ -166,8 +167,7 @@ void each_tensor(const DistOptions& o, Group& group, std::vector<at::Tensor>& te
   for (at::Tensor& given : tensors) {
     // A dense tensor in another layout (a channels_last weight) as its storage's elements in memory order: every rank
     // holds the same layout, so element-wise collectives match element for element.
-    TORCH_CHECK(given.is_non_overlapping_and_dense(), "Dist::", what, ": a tensor with gaps or overlaps");
-    at::Tensor t = given.is_contiguous() ? given : given.as_strided({given.numel()}, {1}, given.storage_offset());
+    at::Tensor t = given.is_contiguous() ? given : memory_flat(given, what);
     if (t.is_cuda() && group.nccl) {
       std::vector<at::Tensor> one{t};
       run_collective(o, [&] { return collective(*group.nccl, one); });

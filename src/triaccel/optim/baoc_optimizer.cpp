@@ -1,6 +1,7 @@
 #include "triaccel/optim/baoc_optimizer.h"
 
 #include "triaccel/core/errors.h"
+#include "triaccel/core/flat_view.h"
 #include "triaccel/optim/quant8.h"
 #include "triaccel/core/named_tensors.h"
 #ifdef TRIACCEL_WITH_CUDA
@@ -22,10 +23,7 @@ namespace {
 constexpr double kFactoredEps = 1e-30;  // added to g² before the row/column means (Adafactor's ε1)
 
 // A dense tensor's elements in memory order (the order of 8-bit blocks), as a 1-D view.
-at::Tensor memory_flat(const at::Tensor& t) {
-  TORCH_CHECK(t.is_non_overlapping_and_dense(), "BaocOptimizer: tensors must be dense");
-  return t.as_strided({t.numel()}, {1}, t.storage_offset());
-}
+at::Tensor memory_flat(const at::Tensor& t) { return triaccel::memory_flat(t, "BaocOptimizer"); }
 
 // g in p's memory layout (a copy only if the layouts differ).
 at::Tensor like_param(const at::Tensor& g, const at::Tensor& p) {

@@ -1,5 +1,7 @@
 #include "triaccel/train/param_shards.h"
 
+#include "triaccel/core/flat_view.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/utils.h>
@@ -10,11 +12,7 @@
 namespace triaccel {
 namespace {
 
-// A dense tensor's elements in memory order, as a contiguous 1-D view of its storage (a channels_last weight too).
-at::Tensor memory_flat(const at::Tensor& t) {
-  TORCH_CHECK(t.is_non_overlapping_and_dense(), "ParamShards: parameters must be dense");
-  return t.as_strided({t.numel()}, {1}, t.storage_offset());
-}
+at::Tensor memory_flat(const at::Tensor& t) { return triaccel::memory_flat(t, "ParamShards"); }
 
 }  // namespace
 
