@@ -205,7 +205,7 @@ std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>&
     if (t.capture_s > 0 || t.eager_s > 0) {
       // The first round (cold, with the capture, its first replays paying for the graph's upload): plan the next as a
       // warm round of warm_passes passes at the fastest replay, plus this round's time outside its passes.
-      const int warm = options_.probe.warm_passes > 0 ? options_.probe.warm_passes : options_.probe.max_iters;
+      const int warm = options_.probe.warm_round_passes();
       const double pass_s = t.fastest_replay_s > 0 ? t.fastest_replay_s : t.passes_s / std::max(t.passes, 1);
       round_cost_s_ = warm * pass_s + std::max(0.0, *seconds - t.passes_s - t.capture_s);
     } else {

@@ -499,8 +499,7 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
     }
     double replay_total = 0;
     int replays = 0;
-    const int warm_passes = s.options.warm_passes > 0 ? s.options.warm_passes : s.options.max_iters;
-    const int passes = std::min(s.options.max_iters, cold ? kColdRoundPasses : warm_passes);
+    const int passes = std::min(s.options.max_iters, cold ? kColdRoundPasses : s.options.warm_round_passes());
     for (int it = 0; it < passes; ++it) {
       if (std::all_of(done.begin(), done.end(), [](bool d) { return d; })) break;
       {

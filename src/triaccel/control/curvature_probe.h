@@ -77,6 +77,8 @@ struct CurvatureOptions {
 
   // Throws UserError naming the flag and the bad value.
   void validate() const;
+  // A warm round's most passes: warm_passes, or max_iters when it is 0.
+  int warm_round_passes() const { return warm_passes > 0 ? warm_passes : max_iters; }
 };
 
 struct UnitCurvature {
