@@ -32,3 +32,9 @@ cifar10_bin() {
     python3 .device/data/build_cifar10_bin.py "$DATA" >/dev/null 2>&1 || { echo "CIFAR conversion failed"; exit 1; }
   fi
 }
+
+# The Tri-Accel protocol's flags (docs/tri-accel.md: SGD momentum 0.9 nesterov, wd 5e-4, lr 0.075 at batch 96, label
+# smoothing 0.1, 5 warm-up epochs then cosine, 15 epochs in all) on the CIFAR-10 copy; after cifar10_bin.
+tri_accel_protocol() {
+  echo "--dataset cifar10 --data $DATA --batch-size 96 --lr 0.075 --label-smoothing 0.1 --epochs 15 --warmup-epochs 5"
+}

@@ -85,8 +85,7 @@ if has r18; then
   done
 fi
 if has peak; then
-  PROTO=(--dataset cifar10 --data "$DATA" --batch-size 96 --lr 0.075 --label-smoothing 0.1 --epochs 15 --warmup-epochs 5
-    --seed 0 --progress lines --log-every 100000)
+  read -ra PROTO <<<"$(tri_accel_protocol) --seed 0 --progress lines --log-every 100000"
   for run in amp_bf16 tri_prec tri; do
     case $run in
       amp_bf16) flags=(--precision amp-bf16) ;;

@@ -28,9 +28,8 @@ device_binaries "$OUT" triaccel_tests
 
 cifar10_bin
 
-# The protocol's recipe for every method: SGD momentum 0.9 (nesterov), wd 5e-4, lr 0.075 at batch 96, label
-# smoothing 0.1, 5 warm-up epochs then cosine, 15 epochs in all.
-PROTO="--dataset cifar10 --data $DATA --batch-size 96 --lr 0.075 --label-smoothing 0.1 --epochs 15 --warmup-epochs 5"
+# The protocol's recipe for every method (bench/device_env.sh).
+PROTO=$(tri_accel_protocol)
 QUEUE=$OUT/queue
 : >"$QUEUE"
 job() { echo "$*" >>"$QUEUE"; }  # name, then train flags
