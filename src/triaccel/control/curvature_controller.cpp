@@ -116,14 +116,14 @@ std::vector<size_t> CurvatureController::units_due(int64_t step) {
   std::vector<size_t> chosen;
   // Lockstep: a whole round while the last steady round's cost fits the credit (the first round to measure it).
   if (options_.budget <= 0 ||
-      (options_.lockstep && (round_cost_s_ < 0 || round_cost_s_ <= probe_credit_s_ + advance_s(step)))) {
+      (options_.lockstep && (round_cost_s_ < 0 || round_cost_s_ <= credit_s() + advance_s(step)))) {
     for (size_t u = 0; u < n_units; ++u) chosen.push_back(u);
     return chosen;
   }
   if (options_.lockstep) return chosen;
   double known_max = -1;
   for (double c : unit_cost_s_) known_max = std::max(known_max, c);
-  double credit = probe_credit_s_;
+  double credit = credit_s();
   for (size_t n = 0; n < n_units; ++n) {
     const auto k = static_cast<int64_t>(n_units);
     const size_t u = n_units - 1 - static_cast<size_t>((next_unit_ + static_cast<int64_t>(n)) % k);
@@ -239,7 +239,6 @@ std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>&
 Events CurvatureController::after_step(StepContext& ctx) {
   Events events;
   if (last_call_s_ >= 0) {
-    probe_credit_s_ += options_.budget * (ctx.now_s - last_call_s_);
     training_s_ += ctx.now_s - last_call_s_;
   }
   const bool window = ctx.step % options_.ctrl_every == 0;
@@ -269,7 +268,6 @@ Events CurvatureController::after_step(StepContext& ctx) {
   // Fisher round's measured time).
   device_synchronize(probe_images_.device());
   const double synced_s = clock_.now_s();
-  probe_credit_s_ += options_.budget * (synced_s - ctx.now_s);
   training_s_ += synced_s - ctx.now_s;
   double seconds = 0;
   std::vector<UnitCurvature> curv;
@@ -282,7 +280,6 @@ Events CurvatureController::after_step(StepContext& ctx) {
       events.push_back({event::kCurvature, Json{{"skipped", "no memory"}, {"room_bytes", last_room_bytes_},
                                                 {"next_probe_step", next_probe_step_}}});
       probe_seconds_ += seconds;
-      probe_credit_s_ -= seconds;
       last_call_s_ = clock_.now_s();
       return events;
     }
@@ -298,7 +295,6 @@ Events CurvatureController::after_step(StepContext& ctx) {
     return events;
   }
   probe_seconds_ += seconds;
-  probe_credit_s_ -= seconds;
   if (options_.lockstep && first_round_s_ < 0) first_round_s_ = seconds;
   probes_ += 1;
   next_unit_ += static_cast<int64_t>(chosen.size());
@@ -356,7 +352,7 @@ Events CurvatureController::after_step(StepContext& ctx) {
                                             {"hvp_graphed_units", graphed},
                                             {"probe_s_total", probe_seconds_},
                                             {"training_s", training_s_},
-                                            {"credit_s", probe_credit_s_},
+                                            {"credit_s", credit_s()},
                                             {"next_probe_step", next_probe_step_},
                                             {"probe_samples", probe_samples_used(options_.probe_samples, samples)},
                                             {"probe_bytes", probe_bytes >= 0 ? Json(probe_bytes) : Json()},
@@ -392,7 +388,7 @@ Json CurvatureController::round_json() const {
 Json CurvatureController::state() const {
   return Json{{"unit_lr_scale", unit_lr_scale_}, {"alpha", alpha_},
               {"probe_seconds", probe_seconds_}, {"probes", probes_},
-              {"next_probe_step", next_probe_step_}, {"probe_credit_s", probe_credit_s_},
+              {"next_probe_step", next_probe_step_}, {"probe_credit_s", credit_s()},
               {"unit_cost_s", unit_cost_s_},     {"unit_lambda", unit_lambda_},
               {"unit_probed", unit_probed_},     {"next_unit", next_unit_},
               {"round_cost_s", round_cost_s_},   {"training_s", training_s_},
@@ -407,7 +403,10 @@ void CurvatureController::restore(const Json& j) {
     probes_ = j.at("probes").get<int64_t>();
     next_probe_step_ = j.at("next_probe_step").get<int64_t>();
     if (j.contains("unit_cost_s")) {  // absent in checkpoints written before the time-budgeted schedule
-      probe_credit_s_ = j.at("probe_credit_s").get<double>();
+      // Checkpoints before training_s: the training time their credit accrued over.
+      if (!j.contains("training_s") && options_.budget > 0) {
+        training_s_ = (j.at("probe_credit_s").get<double>() + probe_seconds_) / options_.budget;
+      }
       unit_cost_s_ = j.at("unit_cost_s").get<std::vector<double>>();
       unit_lambda_ = j.at("unit_lambda").get<std::vector<double>>();
       unit_probed_ = j.at("unit_probed").get<std::vector<bool>>();

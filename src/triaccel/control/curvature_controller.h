@@ -86,7 +86,6 @@ class CurvatureController final : public StepController {
   std::vector<int64_t> unit_of_param_;  // optimizer.params() index → unit index
   std::vector<std::vector<at::Tensor>> warm_start_;  // per unit: the last probe's eigenvectors (not checkpointed)
   std::vector<double> unit_lr_scale_;
-  double probe_credit_s_ = 0;
   std::vector<double> unit_cost_s_;    // per unit: seconds of its last probe; < 0 unknown
   std::vector<double> unit_lambda_;    // per unit: last λ_max
   std::vector<bool> unit_probed_;      // per unit: probed at least once
@@ -102,6 +101,8 @@ class CurvatureController final : public StepController {
   std::unique_ptr<CurvatureRound> round_;  // lockstep: made at the first round, held for the run
   double round_cost_s_ = -1;              // lockstep: seconds of the last steady round; < 0 unknown
   double training_s_ = 0;                 // training time so far (the clock between calls, probes excluded)
+  // The probe credit: budget × training time, less the probes' seconds (what a probe may still spend).
+  double credit_s() const { return options_.budget * training_s_ - probe_seconds_; }
   double first_round_s_ = -1;             // lockstep: the first round's seconds (< 0: none yet)
   double advance_s(int64_t step) const;   // lockstep with total_steps: the first round's share still unpaid
 };
