@@ -8,7 +8,9 @@
 #          input, the median of 3 timings of 40 steps; ResNet-18 on NPROC GPUs also with --grad-compression bf16
 #          and with --sync-bn, under --vram-budget DP_BUDGET (1GB), Tri-Accel under the same budget, and with
 #          --shard-optimizer on (ZeRO-1; ViT-Tiny's AdamW too); every model on NPROC GPUs also with --grad-bucket-mb 0
-#          (one collective after backward, against the default overlapped buckets)
+#          (one collective after backward, against the default overlapped buckets). VARIANTS=buckets runs, of those
+#          rows, only the bucket sizes (ResNet-18 on NPROC GPUs with --grad-bucket-mb 4 and 0): a call for the scaling
+#          figures alone
 #   steady ResNet-18 and ViT-Tiny (MODELS) as in scale, 3 epochs, a progress line every 10 steps: the median images/s
 #          of the windows inside an epoch (no epoch boundary, evaluation or short last batch in them), at 1 and NPROC
 #          GPUs: the steps' own scaling, as PyTorch's timed steps measure it
@@ -24,6 +26,7 @@ EPOCHS=${EPOCHS:-2}
 ACC_EPOCHS=${ACC_EPOCHS:-30}
 NPROC=${NPROC:-2}
 MODELS=${MODELS:-resnet18 vit-tiny efficientnet-b0}
+VARIANTS=${VARIANTS:-all}
 FINAL_OUT=${OUT:-out}
 WORK=/tmp/dp_out
 rm -rf "$WORK"
@@ -60,25 +63,34 @@ if has scale; then
     esac
     for world in $(printf "1\n%s\n" "$NPROC" | sort -un); do
       ours "scale_${model}_w$world" "$world" "${args[@]}" --batch-size $((per * world)) --epochs "$EPOCHS"
-      if [ "$world" -gt 1 ] && [ "$model" = resnet18 ]; then  # gradients in bf16 on the wire
-        ours "scale_${model}-bf16grad_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
-          --epochs "$EPOCHS" --grad-compression bf16
-        ours "scale_${model}-syncbn_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
-          --epochs "$EPOCHS" --sync-bn true
-      fi
-      if [ "$world" -gt 1 ]; then  # one collective after backward: what the overlapped buckets are measured against
-        ours "scale_${model}-nobucket_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
-          --epochs "$EPOCHS" --grad-bucket-mb 0
-      fi
-      if [ "$world" -gt 1 ] && [ "$model" = resnet18 ]; then  # a budget on every GPU: each rank's peak under it
-        ours "scale_${model}-budget_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
-          --epochs "$EPOCHS" --vram-budget "${DP_BUDGET:-1GB}"
-        ours "scale_${model}-tribudget_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
-          --epochs "$EPOCHS" --vram-budget "${DP_BUDGET:-1GB}" --method tri-accel
-      fi
-      if [ "$world" -gt 1 ] && [ "$model" != efficientnet-b0 ]; then  # ZeRO-1: each rank keeps 1/N of the state
-        ours "scale_${model}-zero_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
-          --epochs "$EPOCHS" --shard-optimizer on
+      if [ "$VARIANTS" = buckets ]; then
+        if [ "$world" -gt 1 ] && [ "$model" = resnet18 ]; then  # smaller buckets; one collective after backward
+          ours "scale_${model}-bucket4_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+            --epochs "$EPOCHS" --grad-bucket-mb 4
+          ours "scale_${model}-nobucket_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+            --epochs "$EPOCHS" --grad-bucket-mb 0
+        fi
+      else
+        if [ "$world" -gt 1 ] && [ "$model" = resnet18 ]; then  # gradients in bf16 on the wire
+          ours "scale_${model}-bf16grad_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+            --epochs "$EPOCHS" --grad-compression bf16
+          ours "scale_${model}-syncbn_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+            --epochs "$EPOCHS" --sync-bn true
+        fi
+        if [ "$world" -gt 1 ]; then  # one collective after backward: what the overlapped buckets are measured against
+          ours "scale_${model}-nobucket_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+            --epochs "$EPOCHS" --grad-bucket-mb 0
+        fi
+        if [ "$world" -gt 1 ] && [ "$model" = resnet18 ]; then  # a budget on every GPU: each rank's peak under it
+          ours "scale_${model}-budget_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+            --epochs "$EPOCHS" --vram-budget "${DP_BUDGET:-1GB}"
+          ours "scale_${model}-tribudget_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+            --epochs "$EPOCHS" --vram-budget "${DP_BUDGET:-1GB}" --method tri-accel
+        fi
+        if [ "$world" -gt 1 ] && [ "$model" != efficientnet-b0 ]; then  # ZeRO-1: each rank keeps 1/N of the state
+          ours "scale_${model}-zero_w$world" "$world" "${args[@]}" --batch-size $((per * world)) \
+            --epochs "$EPOCHS" --shard-optimizer on
+        fi
       fi
       torchrun --standalone --nproc_per_node "$world" bench/pytorch_ddp.py --model "$model" --batch "$per" \
         --out "$WORK/pytorch_ddp.jsonl" >"$WORK/pytorch_${model}_w$world.log" 2>&1
@@ -163,9 +175,10 @@ for model in ["resnet18", "vit-tiny", "efficientnet-b0"]:
     print(f"{model:16s} {f(o1)} {f(on)} {q(on, o1)} {f(p1)} {f(pn)} {q(pn, p1)} {q(on, pn)}")
 for model in ["resnet18", "vit-tiny", "efficientnet-b0"]:
     on = next((r["images_per_s"] for r in rows if r.get("tag") == f"scale_{model}_w{nproc}"), None)
-    nb = next((r["images_per_s"] for r in rows if r.get("tag") == f"scale_{model}-nobucket_w{nproc}"), None)
-    if on and nb:
-        print(f"{model}: buckets overlapped {on:.0f} img/s, one collective after backward {nb:.0f} ({on / nb:.2f}x)")
+    for tag, what in (("nobucket", "one collective after backward"), ("bucket4", "4 MB buckets")):
+        nb = next((r["images_per_s"] for r in rows if r.get("tag") == f"scale_{model}-{tag}_w{nproc}"), None)
+        if on and nb:
+            print(f"{model}: 25 MB buckets overlapped {on:.0f} img/s, {what} {nb:.0f} ({on / nb:.2f}x)")
 for r in rows:
     if any(k in r.get("tag", "") for k in ("-budget_", "-tribudget_", "-zero_", "-syncbn_", "-bf16grad_")):
         print(f"{r['tag']}: {r['images_per_s']} img/s, rank peaks {r['rank_peak_vram_gb']} GB, "

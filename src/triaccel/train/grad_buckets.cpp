@@ -15,7 +15,6 @@ struct GradBuckets::State {
     at::Tensor flat;               // (elements), the gradients' dtype and device
     at::Tensor wire;               // (elements) in the wire dtype; undefined: `flat` is sent
     int64_t pending = 0;           // gradients still to come in this pass
-    bool started = false;
     DistWork work;
   };
 
@@ -29,7 +28,7 @@ struct GradBuckets::State {
   GradBucketStart start;
   bool armed = false;
   double weight = 1.0;
-  size_t next = 0;  // the next bucket to start
+  size_t next = 0;  // the next bucket to start: those before it have started
   int64_t started_during_backward = 0;
 
   // Parameter i's place in its bucket, laid out as the parameter (its strides: a channels_last weight's too), so that
@@ -40,23 +39,27 @@ struct GradBuckets::State {
     return b.flat.as_strided(p.sizes(), p.strides(), b.flat.storage_offset() + b.offsets[slot_of[i]]);
   }
 
-  // The bucket's sum over the ranks, started (its unfilled slots take what their .grad holds, or zeros).
+  // The bucket's sum over the ranks, started. Its gradients go into their slots in one multi-tensor copy (a kernel
+  // per ~100 tensors instead of one per parameter: ResNet-18's 62 copies were ~0.2 ms of a 6.9 ms step); a slot
+  // whose parameter has no gradient (not reached by this pass nor by earlier micro-batches) takes zeros.
   void bucket_start(Bucket& b) {
     const torch::NoGradGuard no_grad;
-    for (size_t k = 0; k < b.params.size(); ++k) {
-      const size_t i = b.params[k];
-      if (filled[i]) continue;
+    std::vector<at::Tensor> slots, grads;
+    slots.reserve(b.params.size());
+    grads.reserve(b.params.size());
+    for (const size_t i : b.params) {
       const at::Tensor& g = params[i].grad();
       if (g.defined()) {
-        slot(i).copy_(g);
+        slots.push_back(slot(i));
+        grads.push_back(g);
       } else {
         slot(i).zero_();
       }
     }
+    if (!slots.empty()) at::_foreach_copy_(slots, grads);
     if (weight != 1.0) b.flat.mul_(weight);
     if (b.wire.defined()) b.wire.copy_(b.flat);
     b.work = start(b.wire.defined() ? b.wire : b.flat);
-    b.started = true;
   }
 
   // Calls back after parameter `index`'s gradient accumulator ran (its .grad holds this pass's total).
@@ -74,18 +77,15 @@ struct GradBuckets::State {
     size_t index_;
   };
 
-  // From a hook: parameter i's gradient is accumulated for this pass.
+  // From a hook: parameter i's gradient is accumulated for this pass (its .grad holds the total so far; the bucket
+  // reads it when it starts, once all of its parameters came in).
   void gradient_ready(size_t i) {
     if (!armed) return;
-    Bucket& b = buckets[bucket_of[i]];
-    TORCH_CHECK(!b.started, "GradBuckets: a gradient came in after its bucket's reduction started");
-    {
-      const torch::NoGradGuard no_grad;
-      slot(i).copy_(params[i].grad());
-    }
-    if (filled[i]) return;  // accumulated twice in one pass: the slot holds the newer total
+    const size_t j = bucket_of[i];
+    TORCH_CHECK(j >= next, "GradBuckets: a gradient came in after its bucket's reduction started");
+    if (filled[i]) return;  // accumulated twice in one pass: the bucket reads the newer total
     filled[i] = 1;
-    if (--b.pending > 0) return;
+    if (--buckets[j].pending > 0) return;
     while (next < buckets.size() && buckets[next].pending == 0) {
       bucket_start(buckets[next++]);
       ++started_during_backward;
@@ -170,10 +170,7 @@ void GradBuckets::finish() {
   }
   // Each gradient becomes its slot, a view of the bucket (no copy kernel per parameter); the next step releases it.
   for (size_t i = 0; i < s.params.size(); ++i) s.params[i].mutable_grad() = s.slot(i);
-  for (State::Bucket& b : s.buckets) {
-    b.pending = static_cast<int64_t>(b.params.size());
-    b.started = false;
-  }
+  for (State::Bucket& b : s.buckets) b.pending = static_cast<int64_t>(b.params.size());
   std::fill(s.filled.begin(), s.filled.end(), 0);
   s.next = 0;
   s.weight = 1.0;

@@ -1,9 +1,9 @@
 // Data parallelism's gradient reduction, overlapped with backward (docs/distributed.md), in the way of DDP's Reducer:
 // the parameters are laid, last first (the order backward produces their gradients), into buckets of about
 // `bucket_bytes` of gradients, each a flat buffer allocated once. A hook on each parameter's gradient accumulator
-// copies the accumulated gradient into its bucket during the backward pass that reduces (the step's last
-// micro-batch: arm()); a bucket whose gradients are all in is scaled by this rank's share of the global batch and its
-// sum over the ranks started at once, while backward goes on with the layers before it. finish(), after that pass,
+// counts its gradient in during the backward pass that reduces (the step's last micro-batch: arm()); a bucket whose
+// gradients are all in copies them into its buffer (one multi-tensor copy), is scaled by this rank's share of the
+// global batch and its sum over the ranks started at once, while backward goes on with the layers before it. finish(), after that pass,
 // starts what is left, waits for every bucket and makes each parameter's gradient a view of its place in its bucket
 // (laid out as the parameter), so the sums are read where they were reduced, without a copy back.
 //
