@@ -14,6 +14,8 @@
 #   steady ResNet-18 and ViT-Tiny (MODELS) as in scale, 3 epochs, a progress line every 10 steps: the median images/s
 #          of the windows inside an epoch (no epoch boundary, evaluation or short last batch in them), at 1 and NPROC
 #          GPUs: the steps' own scaling, as PyTorch's timed steps measure it
+#   pair   ResNet-18 and ViT-Tiny (MODELS) as in steady, NPROC independent one-GPU runs at once, one per GPU: what
+#          the GPUs and the host lose when they all train side by side, without any communication
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -110,6 +112,20 @@ if has steady; then
     done
   done
 fi
+if has pair; then
+  for model in $MODELS; do
+    case $model in
+      resnet18) args=(--model resnet18) ;;
+      vit-tiny) args=(--model vit-tiny --optimizer adamw) ;;
+      *) continue ;;
+    esac
+    for gpu in $(seq 0 $((NPROC - 1))); do
+      CUDA_VISIBLE_DEVICES=$gpu ours "pair_${model}_gpu${gpu}_w1" 1 "${args[@]}" --batch-size 512 --epochs 3 \
+        --log-every 10 &
+    done
+    wait
+  done
+fi
 if has acc; then
   # ACC_ARGS: extra flags for both runs (e.g. "--checkpoint-every 100000": one checkpoint at the end instead of one
   # per epoch, 0.4 s each for ResNet-18, which neither run can share between GPUs).
@@ -151,7 +167,7 @@ with tarfile.open(f"{out}/dp_runs.tar.gz", "w:gz") as tar:
 # steady_*: the median images/s of the progress windows inside an epoch (the previous line in the same epoch, and
 # not the epoch's last line, whose window holds the short last batch).
 import re, statistics
-for f in sorted(glob.glob(f"{work}/runs/steady_*.log")):
+for f in sorted(glob.glob(f"{work}/runs/steady_*.log") + glob.glob(f"{work}/runs/pair_*.log")):
     tag = os.path.basename(f)[:-4]
     lines = [tuple(map(float, m.groups())) for m in
              re.finditer(r"epoch (\d+)/\d+ step (\d+)/(\d+) loss \S+ lr \S+ (\d+) img/s", open(f).read())]
@@ -188,6 +204,11 @@ for model in ["resnet18", "vit-tiny"]:
     sn = next((r.get("steady_images_per_s") for r in rows if r.get("tag") == f"steady_{model}_w{nproc}"), None)
     if s1 and sn:
         print(f"{model} steady steps: {s1:.0f} img/s on 1 GPU, {sn:.0f} on {nproc} ({sn / s1:.2f}x)")
+for r in rows:
+    if r.get("tag", "").startswith("pair_"):
+        s1 = next((q.get("steady_images_per_s") for q in rows if q.get("tag") == f"steady_{r['model']}_w1"), None)
+        alone = f" ({r['steady_images_per_s'] / s1:.3f}x the run alone)" if s1 and r.get("steady_images_per_s") else ""
+        print(f"{r['tag']}: steady {r.get('steady_images_per_s')} img/s beside the other GPUs' runs{alone}")
 for r in rows:
     if r.get("tag", "").startswith("acc_"):
         print(f"{r['tag']}: test acc {r['test_acc']} %, total {r['total_s']} s, {r['epochs']} epochs")
