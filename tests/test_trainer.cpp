@@ -443,6 +443,42 @@ TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
   }
 }
 
+// GPU, without a memory planner (Tri-Accel's curvature alone, AMP bf16 steps): a probe takes the samples that fit
+// under the training steps' own peak, so the run peaks where the same steps without probes do. 128 probe samples of
+// fp32 double backward need several times what a step of 64 bf16 samples holds: a probe with every sample raised
+// the run's peak above the plain run's.
+TEST_F(TrainerTest, WithoutAPlanAProbeStaysInsideTheStepsPeak) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  FixedStepClock clock(1e-3);
+  RunHooks hooks;
+  hooks.clock = &clock;
+  const auto gpu_run = [](Config c) {
+    c.set("device", "cuda");
+    c.set("precision", "amp-bf16");
+    c.set("cudnn_autotune", "off");  // both runs' convolutions alike
+    return c;
+  };
+  test::TempDir plain_dir("run_room_plain");
+  const Json plain = api::run(gpu_run(options(plain_dir.path())), hooks);
+  test::TempDir out("run_room_probed");
+  Config probed = gpu_run(with_tri_accel(options(out.path()), "0"));
+  probed.set("ta_precision", "false");
+  probed.set("curv_batch", "128");
+  const Json summary = api::run(probed, hooks);
+  int probes = 0;
+  for (const auto& e : events_read(out.file("events.jsonl"))) {
+    if (e["event"] != "curvature" || !e.contains("probed")) continue;
+    ++probes;
+    ASSERT_TRUE(e["room_bytes"].is_number()) << e.dump();
+    const auto samples = e["probe_samples"].get<std::vector<int64_t>>();
+    EXPECT_GE(samples.size(), 2u);
+    EXPECT_LT(samples.size(), 128u);  // trimmed to the room
+  }
+  EXPECT_GT(probes, 0);
+  EXPECT_LE(summary["peak_vram_gb"].get<double>(), plain["peak_vram_gb"].get<double>() * 1.02 + 1e-3)
+      << "probed " << summary["peak_vram_gb"] << " GB, plain " << plain["peak_vram_gb"] << " GB";
+}
+
 // The Tri-Accel loop on the CPU: probes and precision windows happen on schedule, thresholds calibrate, the
 // decisions reach the events, and a resumed run restores the controllers' state. Time comes from a clock that
 // advances 1 ms per reading, so the time-budgeted probe schedule depends on the work done, not on the machine's load.

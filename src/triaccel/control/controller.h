@@ -27,7 +27,8 @@ class MemoryMeter {
   // Starts the run's measured period anew: the peak so far is kept apart as the warm-up's.
   virtual void restart() = 0;
   // Bytes a transient beside the training steps (a curvature probe) may allocate on top of what the run holds now
-  // and stay inside the run's memory plan (the memory planner's limit); < 0: no limit known (no planner, the CPU).
+  // and stay inside the run's memory plan (the memory planner's limit), or without a planner inside the training
+  // steps' own peak so far; < 0: no limit known (the CPU, or no step measured yet).
   virtual double room_bytes() { return -1; }
   // Runs `fn` (such a transient) and returns the most it allocated above what was allocated when it began (0 on the
   // CPU). Its peak counts for the run's and the epoch's peak, not for the current window (the steps' readings).

@@ -944,6 +944,7 @@ void Trainer::epoch_end(double train_s) {
   // holds the memory planner's calibration steps (other plans) in its first epoch.
   const double epoch_peak_gb = static_cast<double>(peak_now()) / kGB;
   p.peak_vram_gb = std::max(p.peak_vram_gb, epoch_peak_gb);
+  steps_peak_ = steps_peak_now();  // before the evaluation, whose peak is not the steps'
   peak_reset();
   const double t_eval = session_.clock().now_s();
   const EvalResult test = evaluate_within_budget();
@@ -1211,6 +1212,7 @@ MemoryStats Trainer::window() {
   MemoryStats m = memory_stats(device_);
   m.peak_allocated_bytes = std::max(m.peak_allocated_bytes, window_carry_);
   progress_->peak_vram_gb = std::max(progress_->peak_vram_gb, static_cast<double>(m.peak_allocated_bytes) / kGB);
+  steps_peak_ = std::max(steps_peak_, m.peak_allocated_bytes);
   memory_stats_reset_peak(device_);
   window_carry_ = 0;
   return m;
@@ -1220,11 +1222,17 @@ void Trainer::restart() {
   Progress& p = *progress_;
   p.peak_vram_warmup_gb = std::max(p.peak_vram_gb, static_cast<double>(peak_now()) / kGB);
   p.peak_vram_gb = 0;
+  steps_peak_ = steps_peak_now();
   peak_reset();
 }
 
 int64_t Trainer::peak_now() const {
   return std::max({memory_stats(device_).peak_allocated_bytes, window_carry_, transient_carry_});
+}
+
+// Since the allocator's last reset only steps ran: every transient (measure()) and every evaluation resets it after.
+int64_t Trainer::steps_peak_now() const {
+  return std::max({steps_peak_, window_carry_, memory_stats(device_).peak_allocated_bytes});
 }
 
 void Trainer::peak_reset() {
@@ -1235,7 +1243,13 @@ void Trainer::peak_reset() {
 }
 
 double Trainer::room_bytes() {
-  if (memory_planner_ == nullptr || !device_.is_cuda()) return -1;
+  if (!device_.is_cuda()) return -1;
+  if (memory_planner_ == nullptr) {
+    // No plan: a transient stays inside the peak the training steps reached, so a probe never raises the run's.
+    const int64_t steps = steps_peak_now();
+    if (steps <= 0) return -1;
+    return static_cast<double>(steps - memory_stats(device_).allocated_bytes);
+  }
   // Under a budget the cap binds what the allocator reserves (the graph's pool included; the cache of free blocks is
   // returned first); without one the limit is AMP's predicted peak, of allocated bytes as the run's peak is.
   const bool budgeted = memory_->budgeted();

@@ -110,6 +110,8 @@ class Trainer : private MemoryMeter {
   double measure(const std::function<void()>& fn) override;
   // The allocator's peak since its last reset, with what measure() and window() reset away since the epoch's start.
   int64_t peak_now() const;
+  // The training steps' peak in this session so far: measure()'s transients and evaluations left out.
+  int64_t steps_peak_now() const;
   void peak_reset();                       // the allocator's peak and the carried peaks, for a new period
 
   Session& session_;
@@ -141,6 +143,7 @@ class Trainer : private MemoryMeter {
   bool trace_peak_ = std::getenv("TRIACCEL_TRACE_PEAK") != nullptr;  // peak_trace() prints
   int64_t window_carry_ = 0;     // the current window's peak that measure() reset away
   int64_t transient_carry_ = 0;  // measure()'s peaks this epoch
+  int64_t steps_peak_ = 0;       // the training steps' peak before the allocator's last reset (steps_peak_now())
   int64_t traced_peak_ = 0;     // the peak peak_trace() last saw
   double t_epoch_ = 0, t_log_ = 0;         // session clock at the epoch's (or last pause's) start, last log line
   double last_lr_ = 0;
