@@ -13,7 +13,7 @@
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
 # and AMP bf16 rows, seed 0, EXTRA flags last; lockstep: ResNet-18's Tri-Accel with lockstep rounds and with per-unit probes beside AMP
 # bf16, seeds SEEDS (0); chunks: lockstep rounds at each --curv-chunk in CHUNKS; fisher: the Fisher estimator, see
-# its stage; costs: precision-only's levers one at a time, seed 0). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
+# its stage; costs: precision-only's levers one at a time, seed 0; curv: curvature-lr-only beside AMP bf16, SEEDS). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
 set -uo pipefail
 STAGE=${1:-table}
@@ -99,6 +99,11 @@ elif [ "$STAGE" = fisher ]; then  # issue 19: the Fisher estimator (--curv-estim
     job r18_tri_fisher_s$s --model resnet18 --method tri-accel $F $PROTO --seed $s ${EXTRA:-}
     job r18_curvf_s$s --model resnet18 --method tri-accel --ta-precision false --precision amp-bf16 $F $PROTO --seed $s ${EXTRA:-}
     job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s ${EXTRA:-}
+  done
+elif [ "$STAGE" = curv ]; then  # ResNet-18's curvature-lr-only rows beside AMP bf16, seeds SEEDS (0): no planner
+  for s in ${SEEDS:-0}; do
+    job r18_curv_s$s --model resnet18 --method tri-accel --ta-precision false --precision amp-bf16 $PROTO --seed $s
+    job r18_bf16_s$s --model resnet18 --precision amp-bf16 $PROTO --seed $s
   done
 elif [ "$STAGE" = costs ]; then  # issue 19: where precision-only's time goes, seed 0 (each lever alone against AMP)
   R="--model resnet18"

@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -444,39 +445,48 @@ TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
 }
 
 // GPU, without a memory planner (Tri-Accel's curvature alone, AMP bf16 steps): a probe takes the samples that fit
-// under the training steps' own peak, so the run peaks where the same steps without probes do. 128 probe samples of
-// fp32 double backward need several times what a step of 64 bf16 samples holds: a probe with every sample raised
-// the run's peak above the plain run's.
+// under the training steps' own peak, so the run peaks where the same steps without probes do, up to the first
+// probe's prediction error (two small probes, a straight line; a probe above it raises the unit's fixed bytes). 128
+// probe samples of fp32 double backward need several times what a step of 64 bf16 samples holds: with every sample
+// the probed run peaked at 1.9x the plain one. Each run starts without cuBLAS's workspaces (32 MiB a stream on
+// Hopper, kept by the process): the second run of a process otherwise starts with the first one's.
 TEST_F(TrainerTest, WithoutAPlanAProbeStaysInsideTheStepsPeak) {
   TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
   FixedStepClock clock(1e-3);
   RunHooks hooks;
   hooks.clock = &clock;
-  const auto gpu_run = [](Config c) {
+  const auto gpu_run = [&hooks](Config c) {
     c.set("device", "cuda");
     c.set("precision", "amp-bf16");
     c.set("cudnn_autotune", "off");  // both runs' convolutions alike
-    return c;
+    at::cuda::clearCublasWorkspaces();
+    return api::run(c, hooks);
   };
   test::TempDir plain_dir("run_room_plain");
-  const Json plain = api::run(gpu_run(options(plain_dir.path())), hooks);
+  const Json plain = gpu_run(options(plain_dir.path()));
   test::TempDir out("run_room_probed");
-  Config probed = gpu_run(with_tri_accel(options(out.path()), "0"));
+  Config probed = with_tri_accel(options(out.path()), "0");
   probed.set("ta_precision", "false");
   probed.set("curv_batch", "128");
-  const Json summary = api::run(probed, hooks);
+  const Json summary = gpu_run(probed);
   int probes = 0;
+  std::string seen;  // each probe's samples, bytes and room, for the failure messages
   for (const auto& e : events_read(out.file("events.jsonl"))) {
     if (e["event"] != "curvature" || !e.contains("probed")) continue;
     ++probes;
     ASSERT_TRUE(e["room_bytes"].is_number()) << e.dump();
     const auto samples = e["probe_samples"].get<std::vector<int64_t>>();
+    seen += c10::str(" [step ", e["step"].get<int64_t>(), ": ", samples.size(), " samples, ",
+                     e["probe_bytes"].get<double>(), " of ", e["room_bytes"].get<double>(), " bytes]");
     EXPECT_GE(samples.size(), 2u);
-    EXPECT_LT(samples.size(), 128u);  // trimmed to the room
+    EXPECT_LT(samples.size(), 128u) << seen;  // trimmed to the room
   }
   EXPECT_GT(probes, 0);
-  EXPECT_LE(summary["peak_vram_gb"].get<double>(), plain["peak_vram_gb"].get<double>() * 1.02 + 1e-3)
-      << "probed " << summary["peak_vram_gb"] << " GB, plain " << plain["peak_vram_gb"] << " GB";
+  // The first probe's error was 1.2–2 MB on the H100 (in a process of other tests, the plain run peaked at 18 MB).
+  EXPECT_LE(summary["peak_vram_gb"].get<double>(), plain["peak_vram_gb"].get<double>() * 1.05 + 0.004)
+      << "probed " << summary["peak_vram_gb"] << " GB, plain " << plain["peak_vram_gb"] << " GB;" << seen;
+#endif
 }
 
 // The Tri-Accel loop on the CPU: probes and precision windows happen on schedule, thresholds calibrate, the

@@ -77,11 +77,13 @@ int64_t CurvatureController::probe_samples_for(StepContext& ctx, const std::vect
   last_room_bytes_ = room;
   const size_t first = *std::min_element(chosen.begin(), chosen.end());
   if (unit_probe_slope_[first] < 0) {
-    // Two one-product probes (no graph, no warm start) measure what this earliest unit costs a probe.
+    // Two small probes (no warm start) measure what this earliest unit costs a probe: as the probe runs, with its
+    // eigenvalues and its products' CUDA graph (captured at the second product), whose pool holds as much as the
+    // eager product again; two products per eigenvalue. (One eager product each under-predicted a probe with
+    // graphs and k = 2 by half: the run's peak doubled on the GPU, TrainerTest.WithoutAPlanAProbeStaysInsideTheStepsPeak.)
     CurvatureOptions small = options_.probe;
-    small.top_k = 1;
-    small.max_iters = 1;
-    small.cuda_graphs = false;
+    small.max_iters = std::min(small.max_iters, 2);
+    small.tol = 0;  // both products, whatever the first one gives
     double bytes[2] = {0, 0};
     const int64_t sizes[2] = {kMinProbeSamples, 2 * kMinProbeSamples};
     for (int i = 0; i < 2; ++i) {
