@@ -100,13 +100,17 @@ if has scale; then
     done
   done
 fi
+# steady_args MODEL: the steady and pair stages' flags for MODEL in `args` (ResNet-18 and ViT-Tiny); 1 for the others.
+steady_args() {
+  case $1 in
+    resnet18) args=(--model resnet18) ;;
+    vit-tiny) args=(--model vit-tiny --optimizer adamw) ;;
+    *) return 1 ;;
+  esac
+}
 if has steady; then
   for model in $MODELS; do
-    case $model in
-      resnet18) args=(--model resnet18) ;;
-      vit-tiny) args=(--model vit-tiny --optimizer adamw) ;;
-      *) continue ;;
-    esac
+    steady_args "$model" || continue
     for world in $(printf "1\n%s\n" "$NPROC" | sort -un); do
       ours "steady_${model}_w$world" "$world" "${args[@]}" --batch-size $((512 * world)) --epochs 3 --log-every 10
     done
@@ -114,11 +118,7 @@ if has steady; then
 fi
 if has pair; then
   for model in $MODELS; do
-    case $model in
-      resnet18) args=(--model resnet18) ;;
-      vit-tiny) args=(--model vit-tiny --optimizer adamw) ;;
-      *) continue ;;
-    esac
+    steady_args "$model" || continue
     for gpu in $(seq 0 $((NPROC - 1))); do
       CUDA_VISIBLE_DEVICES=$gpu ours "pair_${model}_gpu${gpu}_w1" 1 "${args[@]}" --batch-size 512 --epochs 3 \
         --log-every 10 &
