@@ -13,7 +13,7 @@
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
 # and AMP bf16 rows, seed 0, EXTRA flags last; lockstep: ResNet-18's Tri-Accel with lockstep rounds and with per-unit probes beside AMP
 # bf16, seeds SEEDS (0); chunks: lockstep rounds at each --curv-chunk in CHUNKS; fisher: the Fisher estimator, see
-# its stage; costs: precision-only's levers one at a time, seed 0; curv: curvature-lr-only beside AMP bf16, SEEDS). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
+# its stage; costs: precision-only's levers one at a time, seed 0; curv: curvature-lr-only beside AMP bf16, SEEDS; effb0_abl: EfficientNet-B0's single-signal rows beside AMP bf16). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
 set -uo pipefail
 STAGE=${1:-table}
@@ -81,6 +81,11 @@ elif [ "$STAGE" = signals_effb0 ]; then  # EfficientNet-B0 at 224, seed 0: AMP b
   for s in 0 1 2; do
     job r18_curv_s$s --model resnet18 --method tri-accel --ta-precision false --precision amp-bf16 $PROTO --seed $s
   done
+elif [ "$STAGE" = effb0_abl ]; then  # EfficientNet-B0 at 224, seed 0: AMP bf16 and each signal alone
+  E="--model efficientnet-b0 --image-size 224"
+  job effb0_prec_s0 $E --method tri-accel --ta-curvature false $PROTO --seed 0
+  job effb0_curv_s0 $E --method tri-accel --ta-precision false --precision amp-bf16 $PROTO --seed 0
+  job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
 elif [ "$STAGE" = lockstep ]; then  # issue 19: lockstep probe rounds against per-unit probes (the default)
   for s in ${SEEDS:-0}; do
     job r18_tri_lockstep_s$s --model resnet18 --method tri-accel --curv-lockstep true $PROTO --seed $s
