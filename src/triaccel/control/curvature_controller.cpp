@@ -77,10 +77,9 @@ int64_t CurvatureController::probe_samples_for(StepContext& ctx, const std::vect
   last_room_bytes_ = room;
   const size_t first = *std::min_element(chosen.begin(), chosen.end());
   if (unit_probe_slope_[first] < 0) {
-    // Two small probes (no warm start) measure what this earliest unit costs a probe: as the probe runs, with its
-    // eigenvalues and its products' CUDA graph (captured at the second product), whose pool holds as much as the
-    // eager product again; two products per eigenvalue. (One eager product each under-predicted a probe with
-    // graphs and k = 2 by half: the run's peak doubled on the GPU, TrainerTest.WithoutAPlanAProbeStaysInsideTheStepsPeak.)
+    // Two small probes (no warm start) measure what this earliest unit costs a probe, run as the probe runs: its k
+    // eigenvalues and its products' CUDA graph (captured at the second product, its pool part of the probe's
+    // memory); two products per eigenvalue. One eager product each left the graph's pool and the deflation out.
     CurvatureOptions small = options_.probe;
     small.max_iters = std::min(small.max_iters, 2);
     small.tol = 0;  // both products, whatever the first one gives

@@ -1245,7 +1245,7 @@ void Trainer::peak_reset() {
 double Trainer::room_bytes() {
   if (!device_.is_cuda()) return -1;
   if (memory_planner_ == nullptr) {
-    // No plan: a transient stays inside the peak the training steps reached, so a probe never raises the run's.
+    // No plan: a transient is sized to stay inside the peak the training steps reached (to its prediction's error).
     const int64_t steps = steps_peak_now();
     if (steps <= 0) return -1;
     return static_cast<double>(steps - memory_stats(device_).allocated_bytes);

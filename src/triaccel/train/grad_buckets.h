@@ -3,9 +3,10 @@
 // `bucket_bytes` of gradients, each a flat buffer allocated once. A hook on each parameter's gradient accumulator
 // counts its gradient in during the backward pass that reduces (the step's last micro-batch: arm()); a bucket whose
 // gradients are all in copies them into its buffer (one multi-tensor copy), is scaled by this rank's share of the
-// global batch and its sum over the ranks started at once, while backward goes on with the layers before it. finish(), after that pass,
-// starts what is left, waits for every bucket and makes each parameter's gradient a view of its place in its bucket
-// (laid out as the parameter), so the sums are read where they were reduced, without a copy back.
+// global batch and its sum over the ranks started at once, while backward goes on with the layers before it.
+// finish(), after that pass, starts what is left, waits for every bucket and makes each parameter's gradient a view
+// of its place in its bucket (laid out as the parameter), so the sums are read where they were reduced, without a
+// copy back.
 //
 // Invariants:
 // - Buckets start strictly in index order, whatever order the gradients come in: every rank issues the same
