@@ -19,7 +19,10 @@
 #   acc      the accuracy protocol: ResNet-18 b96 amp-bf16, ACC_EPOCHS (15) epochs, seeds ACC_SEEDS (0 1 2),
 #            unbudgeted and under ACC_BUDGET (0.5GB)
 #   grid     GRID ("model:budget[:method] ...", method default backprop; CIFAR-10 at its native size, ViT-Tiny b512
-#            and GPT-char b64 with AdamW, the others b96), 1 epoch each: zero crashes, peak ≤ budget, every sample
+#            and GPT-char b64 with AdamW, the others b96), 1 epoch each: zero crashes, peak ≤ budget, every sample.
+#            GRID_BINS ("triaccel" by default; e.g. "triaccel_base triaccel"): every entry under each binary of
+#            .device/bin, tagged with the binary's name when it is not triaccel (an A/B in one call). NeuroFlux rows
+#            list their blocks: planned and used batch, predicted and measured peak, out-of-memory retries, seconds
 # Binaries: .device/bin (built here with `make gpu-binaries`, carried: carry [".device"]); data: .device/data.
 # Writes $OUT/memory_planner.json ({"bench","gpu","command","commit","rows"}) and $OUT/memory_planner_logs.tgz, and
 # prints a short table last. Usage: COMMIT=$(git rev-parse --short HEAD) STAGES=... bash bench/run_memory_planner.sh
@@ -63,7 +66,7 @@ train() {
   if [ "$SECONDS" -gt "${DEADLINE:-1000000}" ]; then echo "$tag: skipped (DEADLINE ${DEADLINE} s passed)"; return; fi
   local b=()
   [ "$budget" != none ] && b=(--vram-budget "$budget")
-  timeout "${RUN_TIMEOUT:-300}" "$BIN/triaccel" train --model "$model" "${b[@]}" --precision amp-bf16 --cudnn-autotune off \
+  timeout "${RUN_TIMEOUT:-300}" "$BIN/${TRIACCEL_BIN:-triaccel}" train --model "$model" "${b[@]}" --precision amp-bf16 --cudnn-autotune off \
     --seed "${SEED:-0}" \
     --progress lines --log-every 100000 --out "$WORK/runs/$tag" "$@" >"$WORK/runs/$tag.log" 2>&1
   echo "$tag: exit $? $(grep -E '^(memory plan|done)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-220)"
@@ -144,7 +147,12 @@ if has grid; then
       gpt-char) extra=(--dataset tinyshakespeare --data /tmp/shakespeare --batch-size 64 --optimizer adamw) ;;
       *) extra=(--dataset cifar10 --data "$DATA" --batch-size 96) ;;
     esac
-    train "grid_${model}_${budget}_$method" "$model" "$budget" --method "$method" "${extra[@]}" --epochs 1
+    for bin in ${GRID_BINS:-triaccel}; do
+      suffix=""
+      [ "$bin" != triaccel ] && suffix="_${bin#triaccel_}"
+      TRIACCEL_BIN=$bin train "grid_${model}_${budget}_$method$suffix" "$model" "$budget" --method "$method" \
+        "${extra[@]}" --epochs 1
+    done
   done
 fi
 
@@ -184,6 +192,18 @@ for ev in sorted(glob.glob(f"{work}/runs/*/events.jsonl")):
         "plan": plans[-1] if plans else None, "plans": len(plans),
         "epoch_plan": epochs[-1].get("memory_plan") if epochs else None,
     })
+    blocks = [e for e in events if e["event"] == "block"]
+    if blocks:  # NeuroFlux: per block, what was planned and what ran
+        rows[-1].update({
+            "train_s": summ.get("train_s") if summ else None, "test_acc": summ.get("test_acc") if summ else None,
+            "blocks": [{"batch": b["batch"], "planned_batch": (b.get("replan") or {}).get("planned_batch", b["batch"]),
+                        "final_batch": b["final_batch"], "pass_batch": b.get("pass_batch"),
+                        "predicted_gb": b["predicted_gb"], "peak_vram_gb": b["peak_vram_gb"],
+                        "train_s": b["train_s"], "cache_s": b["cache_s"], "cuda_graph": b["cuda_graph"],
+                        "alloc_retries": b["alloc_retries"]} for b in blocks],
+            "oom": [{k: e.get(k) for k in ("block", "pass", "batch", "retry_batch", "allocated_gb", "reserved_gb",
+                                           "error")} for e in events if e["event"] == "oom"],
+        })
 def budget_gb(r):
     b = (r.get("vram_budget") or "").upper().replace("GB", "")
     try:
@@ -218,6 +238,13 @@ for r in rows:
           f"{len(p.get('recompute', [])):4} {p.get('data_placement', '-')!s:>6} {r['oom_events']:3} "
           f"{r['cuda_graph']!s:>5} {r['graph_capture_ooms']!s:>5} {'yes' if r['finished'] else 'NO':>3} "
           f"{r['within_budget']!s:>5} {r['alloc_retries']!s:>5} {','.join(str(n) for n in r['samples_per_epoch'])}")
+for r in rows:
+    if r.get("blocks"):
+        bl = r["blocks"]
+        print(f"{r['run']}: train {r['train_s'] or 0:.2f} s, acc {r['test_acc']}, oom {r['oom_events']}; blocks "
+              "planned>used/final (pass) peak/pred GB: " + " ".join(
+                  f"{b['planned_batch']}>{b['batch']}/{b['final_batch']}({b['pass_batch']}) "
+                  f"{b['peak_vram_gb']:.3f}/{b['predicted_gb']:.3f}" for b in bl))
 for p in pt:
     b = p["best"]
     print(f"pytorch best under {p['cap_gb']} GB ({p['resident_gb']} GB resident): {b['recipe']} k={b['k']} {b['img_s']:.0f} img/s")

@@ -240,6 +240,74 @@ TEST(PartitionerTest, TighterBudgetMeansSmallerBatchesAndFewerHeadFilters) {
   EXPECT_GT(prev_level, 0);  // the tightest budget dropped filters
 }
 
+// Every unit and head stays on the device while a block trains: a block's bytes count the other units' weights and
+// their widest heads (an H100 run at 0.3 GB planned ResNet-18's layer1.0 without layer2..4's 44 MB and ran out of
+// memory at its planned batch).
+TEST(PartitionerTest, ABlockCountsTheOtherUnitsWeightsAndHeads) {
+  const MemoryProfile p = fake_profile({4e5, 2e5, 1e5}, {100000, 200000, 5000});
+  PartitionOptions o;
+  o.samples = 50000;
+  o.budget_bytes = 2e8;
+  o.base_bytes = 3e6;
+  const BlockPlan bp = block_plan(p, o, 0, 1);
+  ASSERT_GT(bp.batch, 0);
+  const auto l = static_cast<size_t>(bp.head_level);
+  const UnitProfile& u0 = p.units[0];
+  const double others = 4.0 * (200000 + 1000) + 4.0 * 5000;  // unit 1 with its widest head; unit 2 has none
+  const double own = 12.0 * static_cast<double>(u0.params + u0.head_params[l]) + u0.train.fixed_bytes +
+                     u0.head_train[l].fixed_bytes;
+  const double per_sample = u0.train.per_sample_bytes + u0.head_train[l].per_sample_bytes +
+                            1.5 * static_cast<double>(u0.in_bytes) + 0.5 * static_cast<double>(u0.out_bytes);
+  EXPECT_NEAR(bp.bytes, o.base_bytes + others + own + per_sample * static_cast<double>(bp.batch), 1.0);
+}
+
+// The block's batch re-planned from the allocator's reading at its start: the modelled reading keeps the plan; more
+// held than modelled gives the largest batch that still fits; less never grows the batch.
+TEST(PartitionerTest, ReplanFromTheHeldBytesKeepsTheBlockUnderTheBudget) {
+  const MemoryProfile p = fake_profile({4e5, 2e5, 1e5}, {100000, 200000, 5000});
+  PartitionOptions o;
+  o.samples = 50000;
+  o.budget_bytes = 2e8;
+  o.base_bytes = 3e6;
+  const BlockPlan bp = block_plan(p, o, 1, 2);
+  ASSERT_GT(bp.batch, 16);
+  const double own_fixed = block_own_fixed_bytes(p, o, bp);
+  const double head = static_cast<double>(p.units[1].head_params[static_cast<size_t>(bp.head_level)]);
+  // Held when the block starts, as modelled: the data, units 0 and 2 with their widest heads, unit 1 and its head.
+  const double modelled_held = o.base_bytes + 4.0 * (100000 + 1000) + 4.0 * 5000 + 4.0 * (200000 + head);
+  const double per_sample = (bp.bytes - modelled_held - own_fixed) / static_cast<double>(bp.batch);
+  const BlockPlan same = block_replan_for_held(p, o, bp, modelled_held);
+  EXPECT_EQ(same.batch, bp.batch);
+  EXPECT_NEAR(same.bytes, bp.bytes, 1.0);
+
+  const double held = modelled_held + 0.3 * (o.safety * o.budget_bytes - modelled_held);
+  const BlockPlan lower = block_replan_for_held(p, o, bp, held);
+  EXPECT_LT(lower.batch, bp.batch);
+  EXPECT_GE(lower.batch, 16);
+  EXPECT_EQ(lower.batch % 8, 0);
+  EXPECT_NEAR(lower.bytes, held + own_fixed + per_sample * static_cast<double>(lower.batch), 1.0);
+  EXPECT_LE(lower.bytes, o.safety * o.budget_bytes);
+  EXPECT_GT(lower.bytes + 8 * per_sample, o.safety * o.budget_bytes);  // the largest multiple of 8 that fits
+
+  EXPECT_EQ(block_replan_for_held(p, o, bp, 0).batch, bp.batch);
+  EXPECT_EQ(block_replan_for_held(p, o, bp, o.budget_bytes).batch, 0);
+}
+
+// After an out-of-memory error the batch is re-planned with the per-sample bytes the failure shows, not halved:
+// 192 with 0.2 of a 0.3 GB budget held needs ≥ 0.1 GB / 192 a sample, so 0.07 GB of room gives 134 → 128.
+TEST(PartitionerTest, OutOfMemoryRetryBatchComesFromTheCorrectedModel) {
+  PartitionOptions o;
+  o.samples = 50000;
+  o.budget_bytes = 3e8;
+  EXPECT_EQ(oom_retry_batch(192, 2e8, o), 128);
+  EXPECT_EQ(oom_retry_batch(192, 0, o), 168);  // 172.8, a multiple of 8
+  EXPECT_EQ(oom_retry_batch(24, 2e8, o), 16);
+  EXPECT_EQ(oom_retry_batch(4, 2e8, o), 2);
+  EXPECT_EQ(oom_retry_batch(2, 2e8, o), 0);     // nothing below min_batch
+  EXPECT_EQ(oom_retry_batch(192, 3e8, o), 0);   // the fixed bytes alone fill the budget
+  EXPECT_EQ(oom_retry_batch(17, 0, o), 15);     // below the failed batch even where rounding would not be
+}
+
 TEST(NeuroFluxTest, UnitGradientDoesNotDependOnLaterUnits) {
   auto model = small_cnn();
   torch::manual_seed(1);

@@ -16,41 +16,62 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kForwardShare = 1.0 / 3.0;  // a forward pass is about a third of a training step's work
 
 struct BlockCost {
-  double fixed = 0;
+  double held = 0;   // base + the other units' and heads' weights: allocated before the block starts
+  double own = 0;    // the block's weights, gradients and momenta, its units' and heads' fixed bytes
+  double weights = 0;  // of `own`: the block's weights (allocated before it starts too)
   double per_sample = 0;
   double work = 0;  // per-sample bytes of the block's units in one training step (heads excluded: see partitioner.h)
+  double fixed() const { return held + own; }
 };
+
+double widest_head_params(const UnitProfile& up) {
+  double most = 0;
+  for (int64_t h : up.head_params) most = std::max(most, static_cast<double>(h));
+  return most;
+}
 
 BlockCost block_cost(const MemoryProfile& p, const PartitionOptions& o, int64_t first, int64_t end, int64_t level) {
   BlockCost c;
-  c.fixed = o.base_bytes;
+  c.held = o.base_bytes;
+  for (int64_t u = 0; u < static_cast<int64_t>(p.units.size()); ++u) {
+    if (u >= first && u < end) continue;
+    const UnitProfile& up = p.units[static_cast<size_t>(u)];
+    c.held += 4 * (static_cast<double>(up.params) + widest_head_params(up));
+  }
   for (int64_t u = first; u < end; ++u) {
     const UnitProfile& up = p.units[static_cast<size_t>(u)];
     double params = static_cast<double>(up.params);
-    c.fixed += up.train.fixed_bytes;
+    c.own += up.train.fixed_bytes;
     c.per_sample += up.train.per_sample_bytes;
     c.work += up.train.per_sample_bytes;
     if (!up.head_train.empty()) {
       const auto l = static_cast<size_t>(level);
       params += static_cast<double>(up.head_params[l]);
-      c.fixed += up.head_train[l].fixed_bytes;
+      c.own += up.head_train[l].fixed_bytes;
       c.per_sample += up.head_train[l].per_sample_bytes;
     }
-    c.fixed += 3 * 4 * params;
+    c.own += 3 * 4 * params;
+    c.weights += 4 * params;
   }
   c.per_sample += 1.5 * static_cast<double>(p.units[static_cast<size_t>(first)].in_bytes) +
                   0.5 * static_cast<double>(p.units[static_cast<size_t>(end - 1)].out_bytes);
   return c;
 }
 
-int64_t batch_that_fits(const BlockCost& c, const PartitionOptions& o) {
-  const double room = o.safety * o.budget_bytes - c.fixed;
-  if (room <= 0 || c.per_sample <= 0) return 0;
-  double b = std::floor(room / c.per_sample);
+// The largest batch with fixed + B · per_sample under safety × budget, capped at max_batch (and the epoch), rounded
+// down to a multiple of 8 from 16 up; 0 below min_batch.
+int64_t batch_in_room(double fixed, double per_sample, const PartitionOptions& o) {
+  const double room = o.safety * o.budget_bytes - fixed;
+  if (room <= 0 || per_sample <= 0) return 0;
+  double b = std::floor(room / per_sample);
   b = std::min(b, static_cast<double>(std::min(o.max_batch, std::max<int64_t>(o.samples, o.min_batch))));
   auto batch = static_cast<int64_t>(b);
   if (batch >= 16) batch -= batch % 8;
   return batch >= o.min_batch ? batch : 0;
+}
+
+int64_t batch_that_fits(const BlockCost& c, const PartitionOptions& o) {
+  return batch_in_room(c.fixed(), c.per_sample, o);
 }
 
 }  // namespace
@@ -77,7 +98,7 @@ BlockPlan block_plan(const MemoryProfile& p, const PartitionOptions& o, int64_t 
     if (best.batch >= o.target_batch) break;
   }
   if (best.batch == 0) return best;
-  best.bytes = cost.fixed + cost.per_sample * static_cast<double>(best.batch);
+  best.bytes = cost.fixed() + cost.per_sample * static_cast<double>(best.batch);
   const auto n = static_cast<double>(o.samples);
   const double step_work = n * cost.work / o.bytes_per_s;
   best.time_s = static_cast<double>(o.epochs) * step_work * (1 + o.sat_batch / static_cast<double>(best.batch));
@@ -138,12 +159,35 @@ double partition_min_budget(const MemoryProfile& p, const PartitionOptions& o) {
       double block_need = kInf;
       for (int64_t level = 0; level < (has_heads ? kAuxLevels : 1); ++level) {
         const BlockCost c = block_cost(p, o, i, j, level);
-        block_need = std::min(block_need, c.fixed + c.per_sample * static_cast<double>(o.min_batch));
+        block_need = std::min(block_need, c.fixed() + c.per_sample * static_cast<double>(o.min_batch));
       }
       need[static_cast<size_t>(j)] = std::min(need[static_cast<size_t>(j)], std::max(need[static_cast<size_t>(i)], block_need));
     }
   }
   return need[static_cast<size_t>(n)] / o.safety;
+}
+
+double block_own_fixed_bytes(const MemoryProfile& p, const PartitionOptions& o, const BlockPlan& block) {
+  const BlockCost c = block_cost(p, o, block.first, block.end, block.head_level);
+  return c.own - c.weights;
+}
+
+BlockPlan block_replan_for_held(const MemoryProfile& p, const PartitionOptions& o, const BlockPlan& block,
+                                double held_bytes) {
+  const BlockCost c = block_cost(p, o, block.first, block.end, block.head_level);
+  const double fixed = held_bytes + c.own - c.weights;
+  BlockPlan out = block;
+  out.batch = std::min(block.batch, batch_in_room(fixed, c.per_sample, o));
+  out.bytes = fixed + c.per_sample * static_cast<double>(out.batch);
+  return out;
+}
+
+int64_t oom_retry_batch(int64_t batch, double fixed_bytes, const PartitionOptions& o) {
+  const double room = o.budget_bytes - fixed_bytes;
+  if (batch <= o.min_batch || room <= 0) return 0;
+  PartitionOptions at_most = o;
+  at_most.max_batch = batch - 1;
+  return batch_in_room(fixed_bytes, room / static_cast<double>(batch), at_most);
 }
 
 }  // namespace triaccel

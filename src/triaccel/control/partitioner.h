@@ -3,10 +3,13 @@
 // time is smallest. A pure function of a MemoryProfile and options: testable on the CPU with made-up profiles.
 //
 // Memory of block [s, e) at batch B, heads at level L (one level per block):
-//   base + Σ_u 3·4·(params_u + head_params_u(L)) + Σ_u (train_u + head_u(L)).fixed
+//   base + Σ_{u∉[s,e)} 4·(params_u + max_L head_params_u(L))
+//        + Σ_{u∈[s,e)} 3·4·(params_u + head_params_u(L)) + Σ_u (train_u + head_u(L)).fixed
 //        + B · ( Σ_u (train_u + head_u(L)).per_sample + in_bytes_s · 1.5 + out_bytes_{e-1} · 0.5 )
-// (every unit of a block runs forward with a detached input, the local losses are summed and one backward frees
-// all graphs; the input batch is held in fp32 and its bf16 staging copy, the block's output in bf16 for the cache).
+// (every unit and head stays on the device while any block trains, so the other units' weights and their heads —
+// at their widest level, not yet chosen — are held too; every unit of a block runs forward with a detached input,
+// the local losses are summed and one backward frees all graphs; the input batch is held in fp32 and its bf16
+// staging copy, the block's output in bf16 for the cache).
 // The batch is the largest that fits, capped at max_batch and rounded down to a multiple of 8 from 16 up.
 // The head level per block: the most filters whose batch reaches target_batch, else the smallest head (no conv).
 // Predicted time (seconds): per epoch Σ_u N · w_u · (1 + sat_batch / B) with w_u = per-sample work, modelled as the
@@ -64,5 +67,22 @@ Partition partition_plan(const MemoryProfile& profile, const PartitionOptions& o
 
 // The smallest budget (bytes, before the safety factor is applied) under which some partition fits.
 double partition_min_budget(const MemoryProfile& profile, const PartitionOptions& options);
+
+// The block re-planned from the allocator's reading when it starts: `held_bytes` are allocated then (the data, every
+// unit's and head's weights, caches on the device, library workspaces: what the plan modelled as base and other
+// weights, now read), and the block adds its own gradients and momenta, its units' and heads' fixed bytes and
+// B · per-sample bytes. Its batch becomes the largest under safety × budget, rounded as the plan's and at most the
+// planned one (0 when not even min_batch fits), its bytes the prediction at that batch.
+BlockPlan block_replan_for_held(const MemoryProfile& profile, const PartitionOptions& options, const BlockPlan& block,
+                                double held_bytes);
+
+// The block's own fixed bytes on top of what is held at its start (see block_replan_for_held).
+double block_own_fixed_bytes(const MemoryProfile& profile, const PartitionOptions& options, const BlockPlan& block);
+
+// The batch to retry with after an out-of-memory error at `batch`: the per-sample bytes corrected so that the failed
+// batch needs the whole budget (fixed + batch · per_sample' = budget, the least the failure shows), then the largest
+// batch under safety × budget: batch · (safety · budget − fixed) / (budget − fixed), rounded down as the plan's and
+// below `batch`; 0 when it would go below min_batch. `fixed_bytes`: what the step needs at any batch.
+int64_t oom_retry_batch(int64_t batch, double fixed_bytes, const PartitionOptions& options);
 
 }  // namespace triaccel

@@ -11,6 +11,7 @@
 #include "triaccel/control/batch_controller.h"
 #include "triaccel/control/memory_profile.h"
 #include "triaccel/control/partitioner.h"
+#include "triaccel/core/bytes.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/core/io.h"
@@ -202,6 +203,15 @@ int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<in
 
 namespace {
 
+// An out-of-memory event's reading of the allocator, and the error's first line (what was asked for, what was free).
+Json oom_reading(const c10::OutOfMemoryError& e, const c10::Device& device) {
+  const MemoryStats m = memory_stats(device);
+  std::string what = e.what_without_backtrace();
+  what = what.substr(0, std::min(what.find('\n'), size_t{400}));
+  return Json{{"allocated_gb", static_cast<double>(m.allocated_bytes) / kGB},
+              {"reserved_gb", static_cast<double>(m.reserved_bytes) / kGB}, {"error", what}};
+}
+
 Json cache_place_or_null(const std::unique_ptr<ActivationCache>& cache) {
   return cache ? Json(cache_place_name(cache->place())) : Json(nullptr);
 }
@@ -226,6 +236,7 @@ struct BlockResult {
   ActivationCache::IoStats train_io;
   Json input_place;  // where the block's input cache lives ("device", "host"); null for block 0 (the data)
   int64_t alloc_retries_before = 0;  // the allocator's retries when the block started
+  Json replan;                       // the block's batch re-planned at its start from the allocator (null: as planned)
   bool stopped = false;              // stopped inside the block (a stop request); its checkpoint is written
 };
 
@@ -297,6 +308,7 @@ class NeuroFluxRun {
   // Per-unit exit accuracies on the held-out and test splits, filled as blocks finish.
   std::vector<double> hold_acc_, test_acc_;
   ActivationCache::IoStats pass_io_;  // host caches' transfers in the last cache pass
+  int64_t pass_batch_ = 0;            // the cache pass's batch: the block's, lower after an out-of-memory retry
 };
 
 NeuroFluxRun::NeuroFluxRun(Session& session)
@@ -496,6 +508,7 @@ double NeuroFluxRun::cache_pass(size_t b, CachePlace* place) {
   const double t0 = session_.clock().now_s();
   pass_io_ = ActivationCache::IoStats{};
   const BlockPlan& bp = plan_.blocks[b];
+  pass_batch_ = bp.batch;
   const bool last = b + 1 == plan_.blocks.size();
   const torch::NoGradGuard no_grad;
   model_.eval();
@@ -534,7 +547,10 @@ void NeuroFluxRun::cache_pass_split(size_t b, SplitInput& in, std::vector<double
     out = std::make_unique<ActivationCache>(n, out_shape, place, device_, plain_lo_.channels_last);
   }
   at::Tensor correct = at::zeros({bp.end - bp.first}, at::TensorOptions().dtype(at::kFloat).device(device_));
-  int64_t pass_batch = bp.batch;  // halved when a batch of the pass runs out of memory (it is then redone)
+  // A batch of the pass that runs out of memory is redone at a batch re-planned from what was held when the split's
+  // pass started (oom_retry_batch); the later splits keep that batch.
+  const auto held = static_cast<double>(memory_stats(device_).allocated_bytes);
+  int64_t& pass_batch = pass_batch_;
   for (int64_t offset = 0; offset < n;) {
     const int64_t count = std::min(pass_batch, n - offset);
     // A short last batch runs as the window of pass_batch rows that ends the split (the rows before `offset` are
@@ -552,13 +568,15 @@ void NeuroFluxRun::cache_pass_split(size_t b, SplitInput& in, std::vector<double
       }
       if (out) out->write(offset, h.narrow(0, skip, count));
       for (size_t k = 0; k < hits.size(); ++k) correct[static_cast<int64_t>(k)].add_(hits[k]);
-    } catch (const c10::OutOfMemoryError&) {
-      TRIACCEL_CHECK_INPUT(pass_batch > 2, "out of memory in NeuroFlux block ", b, "'s cache pass at batch 2; raise ",
-                           option_ref("vram_budget"));
+    } catch (const c10::OutOfMemoryError& e) {
+      Json fields = oom_reading(e, device_);
+      const int64_t retry = oom_retry_batch(pass_batch, held, po_);
+      TRIACCEL_CHECK_INPUT(retry > 0, "out of memory in NeuroFlux block ", b, "'s cache pass at batch ", pass_batch,
+                           " with ", bytes_format(held), " held; raise ", option_ref("vram_budget"));
       memory_cache_release(device_);
-      session_.event(event::kOom, step_,
-                     Json{{"block", b}, {"pass", true}, {"batch", pass_batch}, {"retry_batch", pass_batch / 2}});
-      pass_batch /= 2;
+      fields.update(Json{{"block", b}, {"pass", true}, {"batch", pass_batch}, {"retry_batch", retry}});
+      session_.event(event::kOom, step_, fields);
+      pass_batch = retry;
       continue;
     }
     offset += count;
@@ -610,7 +628,8 @@ class BlockTrainer {
  public:
   BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size_t n_blocks, const std::vector<AuxHead>& heads,
                const Dataset& train_set, SplitInput& train_in, const LoaderOptions& train_lo,
-               const LoaderOptions& plain_lo, const MemoryProfile& profile, int64_t* run_step);
+               const LoaderOptions& plain_lo, const MemoryProfile& profile, const PartitionOptions& po,
+               int64_t* run_step);
   // Called after every step; returning true stops the block there (its result has `stopped`).
   using AfterStep = std::function<bool(const BlockTrainer&)>;
   void on_step(AfterStep f) { after_step_ = std::move(f); }
@@ -642,6 +661,8 @@ class BlockTrainer {
   const LoaderOptions& train_lo_;
   const LoaderOptions& plain_lo_;
   const MemoryProfile& profile_;
+  const PartitionOptions& po_;
+  double fixed_bytes_ = 0;  // what a step needs at any batch: held at the block's start + the block's own fixed bytes
   int64_t* run_step_;
   const int64_t n_train_;
   const uint64_t block_seed_;
@@ -664,7 +685,7 @@ class BlockTrainer {
 BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size_t n_blocks,
                            const std::vector<AuxHead>& heads, const Dataset& train_set, SplitInput& train_in,
                            const LoaderOptions& train_lo, const LoaderOptions& plain_lo, const MemoryProfile& profile,
-                           int64_t* run_step)
+                           const PartitionOptions& po, int64_t* run_step)
     : session_(session),
       config_(session.config()),
       bp_(bp),
@@ -675,6 +696,7 @@ BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size
       train_lo_(train_lo),
       plain_lo_(plain_lo),
       profile_(profile),
+      po_(po),
       run_step_(run_step),
       n_train_(train_set.size()),
       block_seed_(seed_mix(session.config().execution.seed, kBlockStream + b)),
@@ -690,6 +712,7 @@ BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size
       batch_(bp.batch) {
   const c10::Device& device = session_.device();
   torch::manual_seed(block_seed_);
+  fixed_bytes_ = static_cast<double>(memory_stats(device).allocated_bytes) + block_own_fixed_bytes(profile, po, bp);
   memory_stats_reset_peak(device);
   retries_before_ = memory_stats(device).alloc_retries;
   r_.alloc_retries_before = retries_before_;
@@ -898,7 +921,8 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
     }
     graph_.run([this](const at::Tensor& xb, const at::Tensor& yb) { body(xb, yb); }, x, y);
     if (count + fill < bp_.batch) ++r_.short_steps;
-  } catch (const c10::OutOfMemoryError&) {
+  } catch (const c10::OutOfMemoryError& e) {
+    Json fields = oom_reading(e, device);
     x = at::Tensor();
     y = at::Tensor();
     if (graph_.captured()) {
@@ -906,32 +930,51 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
       // after the warm-up) and retry the same samples at the same batch.
       graph_.drop();
       memory_cache_release(device);
-      session_.event(event::kOom, *run_step_, Json{{"block", b_}, {"batch", count}, {"retry_batch", count},
-                                                   {"reason", "beside the CUDA graph's pool"}});
+      fields.update(Json{{"block", b_}, {"batch", count}, {"retry_batch", count},
+                         {"reason", "beside the CUDA graph's pool"}});
+      session_.event(event::kOom, *run_step_, fields);
       return false;
     }
-    // The plan was off (fragmentation, workspaces): the same samples again at half the batch, eagerly.
-    TRIACCEL_CHECK_INPUT(batch_ > 2, "out of memory in NeuroFlux block ", b_, " at batch 2; raise ",
-                         option_ref("vram_budget"));
+    // The plan was off (fragmentation, workspaces): the same samples again, eagerly, at the batch re-planned with the
+    // per-sample bytes the failure shows (oom_retry_batch), not a cascade of halvings.
+    const int64_t retry = oom_retry_batch(batch_, fixed_bytes_, po_);
+    TRIACCEL_CHECK_INPUT(retry > 0, "out of memory in NeuroFlux block ", b_, " at batch ", batch_, " with ",
+                         bytes_format(fixed_bytes_), " needed at any batch; raise ", option_ref("vram_budget"));
     graph_.refuse();
     memory_cache_release(device);
-    session_.event(event::kOom, *run_step_, Json{{"block", b_}, {"batch", batch_}, {"retry_batch", batch_ / 2}});
-    batch_ /= 2;
+    fields.update(Json{{"block", b_}, {"batch", batch_}, {"retry_batch", retry}});
+    session_.event(event::kOom, *run_step_, fields);
+    batch_ = retry;
     return false;
   }
   return true;
 }
 
 BlockResult NeuroFluxRun::block_train(size_t b) {
+  // The block's batch re-planned from what is allocated now (the modelled base and other weights replaced by the
+  // reading): lower when the reading leaves less room than planned. A resumed block keeps its checkpoint's plan.
+  Json replan;
+  if (block_resume_.is_null() && device_.is_cuda()) {
+    const auto held = static_cast<double>(memory_stats(device_).allocated_bytes);
+    const BlockPlan planned = plan_.blocks[b];
+    BlockPlan now = block_replan_for_held(profile_, po_, planned, held);
+    now.batch = std::max(now.batch, po_.min_batch);  // none fits: the first step's error names the budget
+    if (now.batch != planned.batch) {
+      replan = Json{{"planned_batch", planned.batch}, {"planned_gb", planned.bytes / kGB}, {"held_gb", held / kGB}};
+      plan_.blocks[b] = now;
+    }
+  }
   BlockTrainer trainer(session_, plan_.blocks[b], b, plan_.blocks.size(), heads_, train_set_, train_in_, train_lo_,
-                       plain_lo_, profile_, &step_);
+                       plain_lo_, profile_, po_, &step_);
   if (!block_resume_.is_null()) {
     trainer.resume(block_resume_, session_.checkpoint()->optimizer, session_.checkpoint_file());
     rng_restore(session_.checkpoint()->rng, device_);
     block_resume_ = Json(nullptr);
   }
   trainer.on_step([this](const BlockTrainer& t) { return block_step_done(t); });
-  return trainer.train();
+  BlockResult r = trainer.train();
+  r.replan = replan;
+  return r;
 }
 
 bool NeuroFluxRun::block_step_done(const BlockTrainer& trainer) {
@@ -1002,7 +1045,7 @@ void NeuroFluxRun::block_end(size_t b, const BlockResult& r) {
            {"graph_capture_ooms", r.capture_ooms},
            {"graph_capture_error", r.capture_error.empty() ? Json(nullptr) : Json(r.capture_error)},
            {"graph_capture_mode", r.relaxed ? "relaxed" : "global"}, {"train_io", io_json(r.train_io)},
-           {"cache_io", io_json(pass_io_)}, {"local", local}});
+           {"cache_io", io_json(pass_io_)}, {"replan", r.replan}, {"pass_batch", pass_batch_}, {"local", local}});
   blocks_done_ = static_cast<int64_t>(b) + 1;
   checkpoint(nullptr);  // at the block boundary
 }
