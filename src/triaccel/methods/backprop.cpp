@@ -127,11 +127,18 @@ bool shard_possible(const Config& config, int64_t world) {
          config.execution.shard_optimizer != Toggle::kOff;
 }
 
+// The optimizer's state bytes per parameter element: SGD's momentum 4 (0 without momentum), AdamW's two moments 8
+// (and BAOC's warm-up, which runs AdamW).
+int64_t state_bytes_per_element(const OptimConfig& o) {
+  return o.optimizer == OptimizerKind::kSgd ? (o.momentum > 0 ? 4 : 0) : 8;
+}
+
 }  // namespace
 
 struct Trainer::MemorySetup {
   bool planned = false;               // a MemoryPlanController keeps the step on `plan`
   bool shard_optimizer = false;       // ZeRO stage 1 (train/param_shards.h)
+  ShardLayout shards;                 // the owners and buckets over the ranks, wherever sharding is possible
   MemoryModelInputs inputs;
   MemoryModel model;
   MemoryPlan plan;
@@ -169,16 +176,18 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   const int64_t world = std::max<int64_t>(session.dist().world_size(), ex.nproc);
   const bool shard_possible_here = shard_possible(config, world);
   setup->shard_optimizer = shard_possible_here && ex.shard_optimizer == Toggle::kOn;
+  Model& model = session.model();
+  if (shard_possible_here) {
+    setup->shards = shard_layout(parameter_numels(model), static_cast<int>(world), state_bytes_per_element(config.optim));
+  }
   if (!setup->planned) return setup;
 
-  Model& model = session.model();
   const DatasetSplits& data = session.data();
   const int64_t n = model.parameter_count();
   MemoryModelInputs& in = setup->inputs;
   // Tri-Accel starts every unit in bf16 (its precision controller's default); its step records per-unit precisions.
   in.precision = ex.method == Method::kTriAccel ? PrecisionMode::kAmpBF16 : ex.precision;
-  in.optimizer_state_bytes = config.optim.optimizer == OptimizerKind::kSgd ? (config.optim.momentum > 0 ? 4 * n : 0)
-                                                                           : 8 * n;  // AdamW's (BAOC's warm-up)
+  in.optimizer_state_bytes = state_bytes_per_element(config.optim) * n;
   const auto bytes = [](const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : int64_t{0}; };
   const bool tokens = data.train.kind == DatasetKind::kTokens;
   const int64_t samples = data.train.size() + data.test.size();
@@ -233,15 +242,12 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
                           whole.data_placement == DataPlacement::kHost ||
                           std::find(whole.recompute.begin(), whole.recompute.end(), true) != whole.recompute.end();
   if (shard_possible_here && (setup->shard_optimizer || (ex.shard_optimizer == Toggle::kAuto && lever_used))) {
-    const std::vector<int64_t> numels = parameter_numels(model);
-    const std::vector<int> owners = shard_owners(numels, static_cast<int>(world));
-    const ShardSizes sizes = shard_sizes(numels, owners, in.optimizer_state_bytes / std::max<int64_t>(n, 1));
-    const int64_t staging = shard_staging_bytes(shard_buckets(numels, owners, sizes.bucket_bytes));
+    const ShardLayout& layout = setup->shards;
     MemorySetup sharded = *setup;
-    sharded.model.optimizer_bytes = static_cast<double>(sizes.state_bytes);
-    sharded.model.fixed_bytes += static_cast<double>(staging);
-    sharded.inputs.optimizer_state_bytes = sizes.state_bytes;
-    sharded.inputs.grad_reduce_bytes += staging;
+    sharded.model.optimizer_bytes = static_cast<double>(layout.sizes.state_bytes);
+    sharded.model.fixed_bytes += static_cast<double>(layout.staging_bytes);
+    sharded.inputs.optimizer_state_bytes = layout.sizes.state_bytes;
+    sharded.inputs.grad_reduce_bytes += layout.staging_bytes;
     sharded.plan = memory_plan_solve(sharded.model, setup->limits.batch, setup->limits.budget_bytes, c);
     const bool better = sharded.plan.feasible &&
                         (!whole.feasible || sharded.plan.predicted_step_s < whole.predicted_step_s);
@@ -373,13 +379,13 @@ Trainer::Trainer(Session& session)
   for (const auto& item : session_.model().named_parameters()) named_params.emplace_back(item.key(), item.value());
   optimizer_ = optimizer_create(config_.optim.optimizer, named_params, config_.optim.optimizer_options());
   if (memory_->shard_optimizer && session_.dist().active()) {
+    // The layout the memory planner priced (the optimizer's parameters are the model's, in its order).
     Dist& dist = session_.dist();
-    std::vector<int64_t> numels;
-    for (const auto& p : optimizer_->params()) numels.push_back(p.numel());
-    const std::vector<int> owners = shard_owners(numels, dist.world_size());
-    const int64_t per_element = optimizer_->state_bytes() / std::max<int64_t>(session_.model().parameter_count(), 1);
+    const ShardLayout& layout = memory_->shards;
+    TORCH_CHECK(layout.owners.size() == optimizer_->params().size(), "the shard layout has ", layout.owners.size(),
+                " owners for ", optimizer_->params().size(), " parameters");
     param_shards_ = std::make_unique<ParamShards>(
-        optimizer_->params(), owners, dist.rank(), shard_sizes(numels, owners, per_element).bucket_bytes,
+        optimizer_->params(), layout.owners, dist.rank(), layout.sizes.bucket_bytes,
         [&dist](at::Tensor& t, int root) {
           std::vector<at::Tensor> one{t};
           dist.broadcast(one, root);

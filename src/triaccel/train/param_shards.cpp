@@ -74,6 +74,14 @@ ShardSizes shard_sizes(const std::vector<int64_t>& numels, const std::vector<int
   return out;
 }
 
+ShardLayout shard_layout(const std::vector<int64_t>& numels, int world, int64_t state_bytes_per_element) {
+  ShardLayout out;
+  out.owners = shard_owners(numels, world);
+  out.sizes = shard_sizes(numels, out.owners, state_bytes_per_element);
+  out.staging_bytes = shard_staging_bytes(shard_buckets(numels, out.owners, out.sizes.bucket_bytes));
+  return out;
+}
+
 ParamShards::ParamShards(std::vector<at::Tensor> params, std::vector<int> owners, int rank, int64_t bucket_bytes,
                          Broadcast broadcast)
     : params_(std::move(params)), owners_(std::move(owners)), rank_(rank), broadcast_(std::move(broadcast)) {

@@ -55,6 +55,15 @@ struct ShardSizes {
 ShardSizes shard_sizes(const std::vector<int64_t>& numels, const std::vector<int>& owners,
                        int64_t state_bytes_per_element);
 
+// The whole layout over `world` ranks, computed once per run (the memory planner prices it, the trainer builds its
+// ParamShards from it): the owners, shard_sizes' of them and the staging buffer's bytes of their buckets.
+struct ShardLayout {
+  std::vector<int> owners;
+  ShardSizes sizes;
+  int64_t staging_bytes = 0;
+};
+ShardLayout shard_layout(const std::vector<int64_t>& numels, int world, int64_t state_bytes_per_element);
+
 class ParamShards {
  public:
   // Sums nothing: copies `t` from rank `root` into every other rank's `t` (Dist::broadcast). `t` is contiguous.
