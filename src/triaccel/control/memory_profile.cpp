@@ -61,22 +61,28 @@ void grads_release(const std::vector<at::Tensor>& params) {
   }
 }
 
-// Measured: allocator peak above what was allocated before, over fn(batch) + backward, at two batch sizes.
-Footprint measure_footprint(const std::function<at::Tensor(int64_t)>& fn, const std::vector<at::Tensor>& params,
-                            const c10::Device& device) {
+// Measured: allocator peak above what was allocated before, over fn(input) + a backward from a gradient of the
+// output's shape and type (what the next unit or the head sends back), at two batch sizes. The input is allocated
+// before the window (its bytes are the caller's to count) and the parameters' gradients are taken out (the
+// partitioner counts weights, gradients and momenta itself).
+Footprint measure_footprint(const std::vector<int64_t>& in_shape, const std::function<at::Tensor(const at::Tensor&)>& fn,
+                            const std::vector<at::Tensor>& params, const c10::Device& device) {
   double y[2] = {0, 0};
   const int64_t batches[2] = {kMeasureBatchSmall, kMeasureBatchLarge};
+  double grad_bytes = 0;
+  for (const auto& p : params) grad_bytes += p.requires_grad() ? static_cast<double>(p.numel() * p.element_size()) : 0;
   for (int repeat = 0; repeat < 2; ++repeat) {  // the first pass lets cuDNN pick its algorithms
     for (int i = 0; i < 2; ++i) {
+      const at::Tensor x = at::zeros(with_batch(batches[i], in_shape), at::TensorOptions().dtype(at::kFloat).device(device));
       device_synchronize(device);
       const int64_t before = memory_stats(device).allocated_bytes;
       memory_stats_reset_peak(device);
       {
-        at::Tensor out = fn(batches[i]);
-        out.to(at::kFloat).sum().backward();
+        at::Tensor out = fn(x);
+        out.backward(at::ones_like(out));
       }
       device_synchronize(device);
-      y[i] = static_cast<double>(memory_stats(device).peak_allocated_bytes - before);
+      y[i] = static_cast<double>(memory_stats(device).peak_allocated_bytes - before) - grad_bytes;
       grads_release(params);
     }
   }
@@ -158,7 +164,10 @@ MemoryProfile memory_profile(Model& model, const std::vector<int64_t>& sample_sh
     double graph_per_sample = 0;
     Footprint traced = trace_footprint(unit_fn, &graph_per_sample);
     up.backprop_per_sample = graph_per_sample;
-    up.train = source == ProfileSource::kModel ? traced : measure_footprint(unit_fn, unit.parameters(), device);
+    up.train = source == ProfileSource::kModel
+                   ? traced
+                   : measure_footprint(shape, [&](const at::Tensor& x) { return unit.forward(x); }, unit.parameters(),
+                                       device);
     largest_transient = std::max(largest_transient, traced.per_sample_bytes - graph_per_sample);
     if (u + 1 < units.size()) {
       for (int64_t level = 0; level < kAuxLevels; ++level) {
@@ -167,8 +176,11 @@ MemoryProfile memory_profile(Model& model, const std::vector<int64_t>& sample_sh
         head->train();
         const auto head_fn = [&](int64_t b) { return head->forward(at::zeros(with_batch(b, up.out_shape), opts)); };
         up.head_params.push_back(head->parameter_count());
-        up.head_train.push_back(source == ProfileSource::kModel ? trace_footprint(head_fn, nullptr)
-                                                                : measure_footprint(head_fn, head->parameters(), device));
+        up.head_train.push_back(
+            source == ProfileSource::kModel
+                ? trace_footprint(head_fn, nullptr)
+                : measure_footprint(up.out_shape, [&](const at::Tensor& x) { return head->forward(x); },
+                                    head->parameters(), device));
       }
     }
     params_total += static_cast<double>(up.params);
@@ -184,10 +196,10 @@ MemoryProfile memory_profile(Model& model, const std::vector<int64_t>& sample_sh
     profile.backprop_fixed_bytes = kStateCopies * 4 * params_total + fixed_total;
     profile.backprop_per_sample = graph_total + largest_transient + input_bytes;
   } else {
-    const auto full_fn = [&](int64_t b) { return model.forward(at::zeros(with_batch(b, sample_shape), opts)); };
-    const Footprint f = measure_footprint(full_fn, model.parameters(), device);
-    profile.backprop_fixed_bytes = f.fixed_bytes + 4 * params_total;  // + momentum, created after the first step
-    profile.backprop_per_sample = f.per_sample_bytes;
+    const Footprint f =
+        measure_footprint(sample_shape, [&](const at::Tensor& x) { return model.forward(x); }, model.parameters(), device);
+    profile.backprop_fixed_bytes = f.fixed_bytes + 2 * 4 * params_total;  // + gradients and momenta
+    profile.backprop_per_sample = f.per_sample_bytes + input_bytes;
   }
 
   {

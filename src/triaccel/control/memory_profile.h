@@ -7,7 +7,9 @@
 //    (weights' views, BN statistics) fall out. Backward transients are modelled as two copies of the largest
 //    tensor (its gradient and the gradient it produces).
 //  - measured (CUDA): the caching allocator's peak over one forward + backward at two batch sizes, minus what was
-//    allocated before; a linear fit through the two points.
+//    allocated before (the input is allocated before; the backward starts from a gradient of the output's shape and
+//    type, as the next unit or the head sends it), minus the parameters' gradients; a linear fit through the two
+//    points. Neither source counts the unit's input or its parameters' gradients: the partitioner does.
 // Parameters cost 3 × their fp32 bytes while training (weights, gradients, SGD momentum).
 // Invariant: profiling leaves the model's weights and buffers exactly as it found them.
 #pragma once

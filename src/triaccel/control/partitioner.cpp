@@ -14,6 +14,9 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kForwardShare = 1.0 / 3.0;  // a forward pass is about a third of a training step's work
+// The block's input batch while a step runs, in fp32 copies: the batch read from the cache (fp32), its copy in the CUDA
+// graph's static input and the bf16 staging rows the read came through (released when the step's stream passes them).
+constexpr double kInputCopies = 2.5;
 
 struct BlockCost {
   double held = 0;   // base + the other units' and heads' weights: allocated before the block starts
@@ -53,7 +56,7 @@ BlockCost block_cost(const MemoryProfile& p, const PartitionOptions& o, int64_t 
     c.own += 3 * 4 * params;
     c.weights += 4 * params;
   }
-  c.per_sample += 1.5 * static_cast<double>(p.units[static_cast<size_t>(first)].in_bytes) +
+  c.per_sample += kInputCopies * static_cast<double>(p.units[static_cast<size_t>(first)].in_bytes) +
                   0.5 * static_cast<double>(p.units[static_cast<size_t>(end - 1)].out_bytes);
   return c;
 }

@@ -5,11 +5,11 @@
 // Memory of block [s, e) at batch B, heads at level L (one level per block):
 //   base + Σ_{u∉[s,e)} 4·(params_u + max_L head_params_u(L))
 //        + Σ_{u∈[s,e)} 3·4·(params_u + head_params_u(L)) + Σ_u (train_u + head_u(L)).fixed
-//        + B · ( Σ_u (train_u + head_u(L)).per_sample + in_bytes_s · 1.5 + out_bytes_{e-1} · 0.5 )
+//        + B · ( Σ_u (train_u + head_u(L)).per_sample + in_bytes_s · 2.5 + out_bytes_{e-1} · 0.5 )
 // (every unit and head stays on the device while any block trains, so the other units' weights and their heads —
 // at their widest level, not yet chosen — are held too; every unit of a block runs forward with a detached input,
-// the local losses are summed and one backward frees all graphs; the input batch is held in fp32 and its bf16
-// staging copy, the block's output in bf16 for the cache).
+// the local losses are summed and one backward frees all graphs; the input batch is held in fp32, in the CUDA
+// graph's static input and as its bf16 staging rows, the block's output in bf16 for the cache).
 // The batch is the largest that fits, capped at max_batch and rounded down to a multiple of 8 from 16 up.
 // The head level per block: the most filters whose batch reaches target_batch, else the smallest head (no conv).
 // Predicted time (seconds): per epoch Σ_u N · w_u · (1 + sat_batch / B) with w_u = per-sample work, modelled as the

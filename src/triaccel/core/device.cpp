@@ -88,6 +88,8 @@ bool user_names_expandable_segments() {
 
 }  // namespace
 
+void cublas_workspace_small() { setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:1", /*overwrite=*/0); }
+
 bool memory_expandable_segments() {
 #ifdef TRIACCEL_WITH_CUDA
   return c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();

@@ -67,6 +67,11 @@ class MemoryCapScope {
   bool expandable_set_ = false;  // this scope turned expandable segments on (and turns them off at its end)
 };
 
+// A transient lever under a vram_budget: cuBLAS's workspace becomes one 4 MiB chunk instead of Hopper's 32 MiB per
+// stream (it comes out of the caching allocator). Takes effect only before the process's first cuBLAS call; a user's
+// CUBLAS_WORKSPACE_CONFIG stays.
+void cublas_workspace_small();
+
 // Whether the caching allocator makes expandable segments now (false on the CPU).
 bool memory_expandable_segments();
 

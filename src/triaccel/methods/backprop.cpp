@@ -79,8 +79,6 @@ Json controller_states(const std::vector<std::unique_ptr<StepController>>& contr
 // what is allocated by its rounding and by blocks cached in one pool (the CUDA graph's, the eager steps') while
 // another needs them.
 constexpr double kPlanShareOfCap = 0.9;
-// cuBLAS's workspace under a vram_budget: one 4 MiB chunk (CUBLAS_WORKSPACE_CONFIG's syntax).
-constexpr const char* kBudgetCublasWorkspace = ":4096:1";
 
 // The recompute option as per-unit flags: empty for auto (the planner chooses), all false for none.
 std::vector<bool> recompute_parse(const std::string& text, const Model& model) {
@@ -162,9 +160,8 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   const c10::Device device = session.device();
   const bool gpu = device.is_cuda() || preview;  // planning for a GPU
   const int64_t budget = gpu ? ex.vram_budget_bytes() : 0;
-  // A transient lever: under a budget, cuBLAS's workspace is 4 MiB instead of Hopper's 32 (it comes out of the
-  // caching allocator; set before the first cuBLAS call, which is the model's trace below). A user's setting stays.
-  if (budget > 0 && device.is_cuda()) setenv("CUBLAS_WORKSPACE_CONFIG", kBudgetCublasWorkspace, /*overwrite=*/0);
+  // Before the first cuBLAS call, which is the model's trace below.
+  if (budget > 0 && device.is_cuda()) cublas_workspace_small();
   const bool levers = ex.micro_batch > 0 || ex.recompute != "auto" || ex.data_placement != PlacementChoice::kAuto;
   const bool elastic = ex.method == Method::kTriAccel && ex.batch_policy == BatchPolicy::kElastic;
   // Tri-Accel's precision promotions, without a budget, may not raise the peak above its 16-bit start's. Not with
