@@ -259,15 +259,22 @@ TEST(PartitionerTest, TighterBudgetMeansSmallerBatchesAndFewerHeadFilters) {
   EXPECT_GT(prev_level, 0);  // the tightest budget dropped filters
 }
 
-// Every unit and head stays on the device while a block trains: a block's bytes count the other units' weights and
-// their widest heads (an H100 run at 0.3 GB planned ResNet-18's layer1.0 without layer2..4's 44 MB and ran out of
-// memory at its planned batch).
-TEST(PartitionerTest, ABlockCountsTheOtherUnitsWeightsAndHeads) {
-  const MemoryProfile p = fake_profile({4e5, 2e5, 1e5}, {100000, 200000, 5000});
+// Three units of 100 k, 200 k and 5 k parameters (heads of 1000 >> level), 0.2 GB, 3 MB of data held.
+MemoryProfile three_unit_profile() { return fake_profile({4e5, 2e5, 1e5}, {100000, 200000, 5000}); }
+PartitionOptions three_unit_options() {
   PartitionOptions o;
   o.samples = 50000;
   o.budget_bytes = 2e8;
   o.base_bytes = 3e6;
+  return o;
+}
+
+// Every unit and head stays on the device while a block trains: a block's bytes count the other units' weights and
+// their widest heads (an H100 run at 0.3 GB planned ResNet-18's layer1.0 without layer2..4's 44 MB and ran out of
+// memory at its planned batch).
+TEST(PartitionerTest, ABlockCountsTheOtherUnitsWeightsAndHeads) {
+  const MemoryProfile p = three_unit_profile();
+  const PartitionOptions o = three_unit_options();
   const BlockPlan bp = block_plan(p, o, 0, 1);
   ASSERT_GT(bp.batch, 0);
   const auto l = static_cast<size_t>(bp.head_level);
@@ -283,11 +290,8 @@ TEST(PartitionerTest, ABlockCountsTheOtherUnitsWeightsAndHeads) {
 // The block's batch re-planned from the allocator's reading at its start: the modelled reading keeps the plan; more
 // held than modelled gives the largest batch that still fits; less never grows the batch.
 TEST(PartitionerTest, ReplanFromTheHeldBytesKeepsTheBlockUnderTheBudget) {
-  const MemoryProfile p = fake_profile({4e5, 2e5, 1e5}, {100000, 200000, 5000});
-  PartitionOptions o;
-  o.samples = 50000;
-  o.budget_bytes = 2e8;
-  o.base_bytes = 3e6;
+  const MemoryProfile p = three_unit_profile();
+  const PartitionOptions o = three_unit_options();
   const BlockPlan bp = block_plan(p, o, 1, 2);
   ASSERT_GT(bp.batch, 16);
   const double own_fixed = block_own_fixed_bytes(p, o, bp);
