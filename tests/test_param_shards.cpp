@@ -89,7 +89,9 @@ TEST(ParamShardsTest, OwnersBroadcastTheirParametersAndGatherTheirState) {
     NamedTensors state{{"p2.m", owners[2] == r ? at::full({4, 3, 2, 2}, 5.0) : at::zeros({4, 3, 2, 2})},
                        {"p3.m", owners[3] == r ? at::full({6, 6}, 6.0) : at::zeros({6, 6})},
                        {"opt.count", at::full({1}, static_cast<double>(r))}};
-    shards.gather(state, {"p0", "p1", "p2", "p3", "p4"});
+    shards.gather(state, {"p0", "p1", "p2", "p3", "p4"},
+                  {[&dist](at::Tensor& t, int dst, int tag) { dist.send(t, dst, tag); },
+                   [&dist](at::Tensor& t, int src, int tag) { dist.recv(t, src, tag); }});
     gathered[static_cast<size_t>(r)] = state;
   });
   ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
@@ -101,8 +103,9 @@ TEST(ParamShardsTest, OwnersBroadcastTheirParametersAndGatherTheirState) {
       EXPECT_TRUE(at::equal(p[i], want)) << "rank " << r << ", parameter " << i;
     }
     EXPECT_TRUE(p[2].is_contiguous(at::MemoryFormat::ChannelsLast));  // updated in place, layout kept
+    // Rank 0 (the writer) holds every owner's state; rank 1 keeps its own and receives nothing.
     const auto& s = gathered[static_cast<size_t>(r)];
-    EXPECT_TRUE(at::equal(s[0].second, at::full({4, 3, 2, 2}, 5.0))) << "rank " << r;
+    EXPECT_TRUE(at::equal(s[0].second, at::full({4, 3, 2, 2}, r == 0 ? 5.0 : 0.0))) << "rank " << r;
     EXPECT_TRUE(at::equal(s[1].second, at::full({6, 6}, 6.0))) << "rank " << r;
     EXPECT_EQ(s[2].second.item<double>(), r);
   }

@@ -246,6 +246,20 @@ void Dist::broadcast(std::vector<at::Tensor>& tensors, int root) {
               [&](c10d::Backend& pg, std::vector<at::Tensor>& one) { return pg.broadcast(one, o); });
 }
 
+void Dist::send(at::Tensor& t, int dst, int tag) {
+  TORCH_CHECK(!t.is_cuda() && t.is_contiguous(), "Dist::send: the tensor must be a contiguous host tensor");
+  if (!active()) return;
+  std::vector<at::Tensor> one{t};
+  run_collective(options_, [&] { return group_->gloo->send(one, dst, tag); });
+}
+
+void Dist::recv(at::Tensor& t, int src, int tag) {
+  TORCH_CHECK(!t.is_cuda() && t.is_contiguous(), "Dist::recv: the tensor must be a contiguous host tensor");
+  if (!active()) return;
+  std::vector<at::Tensor> one{t};
+  run_collective(options_, [&] { return group_->gloo->recv(one, src, tag); });
+}
+
 void Dist::barrier() {
   if (active()) run_collective(options_, [&] { return group_->gloo->barrier(); });
 }

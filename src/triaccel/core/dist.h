@@ -82,6 +82,10 @@ class Dist {
   std::vector<double> all_reduce_max(std::vector<double> values);
   // Every rank gets `root`'s values, in place.
   void broadcast(std::vector<at::Tensor>& tensors, int root = 0);
+  // Point to point through Gloo, blocking until done: `t` (a contiguous host tensor) goes to rank `dst`, or receives
+  // rank `src`'s (of the same shape and type). Both sides name the same `tag` (≥ 0).
+  void send(at::Tensor& t, int dst, int tag);
+  void recv(at::Tensor& t, int src, int tag);
   void barrier();
 
  private:

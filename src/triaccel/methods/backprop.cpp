@@ -1034,9 +1034,12 @@ void Trainer::checkpoint_mid_epoch(const std::string& file) {
 
 void Trainer::checkpoint(const std::string& file) {
   NamedTensors optimizer_state;
-  if (param_shards_) {  // every rank takes part: each parameter's state comes from its owner
+  if (param_shards_) {  // every owner sends rank 0 the state of its parameters
     optimizer_state = optimizer_->state_tensors();
-    param_shards_->gather(optimizer_state, optimizer_->names());
+    Dist& dist = session_.dist();
+    param_shards_->gather(optimizer_state, optimizer_->names(),
+                          {[&dist](at::Tensor& t, int dst, int tag) { dist.send(t, dst, tag); },
+                           [&dist](at::Tensor& t, int src, int tag) { dist.recv(t, src, tag); }});
   }
   if (!session_.writer()) return;  // rank 0's: every rank holds the same weights (and state, once gathered)
   Checkpoint c;

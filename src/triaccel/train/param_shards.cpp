@@ -127,21 +127,29 @@ void ParamShards::sync() {
   }
 }
 
-void ParamShards::gather(NamedTensors& state, const std::vector<std::string>& names) const {
+void ParamShards::gather(NamedTensors& state, const std::vector<std::string>& names, const PointToPoint& p2p,
+                         int root) const {
   TORCH_CHECK(names.size() == params_.size(), "ParamShards::gather: ", names.size(), " names for ", params_.size(),
               " parameters");
   std::unordered_map<std::string, int> owner_of;
   for (size_t i = 0; i < names.size(); ++i) owner_of[names[i]] = owners_[i];
   const torch::NoGradGuard no_grad;
+  int tag = 0;  // the entry's position: the same on every rank, which lists the same entries in the same order
   for (auto& [name, t] : state) {
     const size_t dot = name.rfind('.');
     if (dot == std::string::npos) continue;
     const auto it = owner_of.find(name.substr(0, dot));
     if (it == owner_of.end()) continue;  // the optimizer's own entry (the same on every rank)
-    // Through the host on every rank, so that every rank takes the same backend (Gloo) for it.
-    at::Tensor host = t.to(at::kCPU).contiguous();  // the owner's is only read
-    broadcast_(host, it->second);
-    if (it->second != rank_) t = host;
+    const int owner = it->second;
+    ++tag;
+    if (owner == root || (rank_ != owner && rank_ != root)) continue;
+    at::Tensor host = t.to(at::kCPU).contiguous();  // through the host (Gloo); the owner's is only read
+    if (rank_ == owner) {
+      p2p.send(host, root, tag);
+    } else {
+      p2p.recv(host, owner, tag);
+      t = host;
+    }
   }
 }
 

@@ -3,7 +3,7 @@
 // 1 / world of the parameters (shard_owners). Only a parameter's owner keeps its optimizer state and updates it
 // (Optimizer::set_owned); after every step each owner's updated parameters reach the other ranks by broadcast,
 // bucket by bucket through one small staging buffer (sync). A checkpoint gathers the state first (gather): the entries
-// of a parameter's state from its owner, through the host.
+// of a parameter's state from its owner to the rank that writes, through the host.
 //
 // Invariants:
 // - Every rank computes the same owners from the same parameter list, and issues the same broadcasts in the same
@@ -77,10 +77,17 @@ class ParamShards {
   std::vector<bool> owned() const;
   // After the optimizer's step, on every rank: each parameter receives its owner's value.
   void sync();
-  // Before a checkpoint, on every rank: each entry of `state` named "<parameter name>.<field>" receives its
-  // owner's value (on a rank that does not own it, the entry becomes a host tensor); other entries (the optimizer's
-  // own, the same on every rank) stay. `names`: the parameters' names, in the order of `params`.
-  void gather(NamedTensors& state, const std::vector<std::string>& names) const;
+  // Moves a contiguous host tensor between two ranks, blocking: `send(t, dst, tag)` on the sender, `recv(t, src,
+  // tag)` on the receiver (Dist::send, Dist::recv).
+  struct PointToPoint {
+    std::function<void(at::Tensor& t, int dst, int tag)> send;
+    std::function<void(at::Tensor& t, int src, int tag)> recv;
+  };
+  // Before a checkpoint, on every rank: on rank `root` (the one that writes) each entry of `state` named
+  // "<parameter name>.<field>" receives its owner's value (a host tensor where another rank owns it); each owner
+  // sends it there and nothing else moves. Other entries (the optimizer's own, the same on every rank), and every
+  // entry on the other ranks, stay. `names`: the parameters' names, in the order of `params`.
+  void gather(NamedTensors& state, const std::vector<std::string>& names, const PointToPoint& p2p, int root = 0) const;
 
  private:
   std::vector<at::Tensor> params_;
