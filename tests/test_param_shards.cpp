@@ -68,10 +68,7 @@ TEST(ParamShardsTest, OwnersBroadcastTheirParametersAndGatherTheirState) {
   std::vector<NamedTensors> gathered(2);
   const auto errors = test::on_two_ranks(22000 + static_cast<int>(getpid() % 9000), [&](int r, Dist& dist) {
     std::vector<at::Tensor> params = five_params();
-    ParamShards shards(params, owners, r, 64 * 4, [&dist](at::Tensor& t, int root) {
-      std::vector<at::Tensor> one{t};
-      dist.broadcast(one, root);
-    });
+    ParamShards shards(params, owners, dist, 64 * 4);
     EXPECT_EQ(shards.owned(), r == 0 ? (std::vector<bool>{true, true, true, false, false})
                                      : (std::vector<bool>{false, false, false, true, true}));
     // Each rank "updates" what it owns (parameter i to i + 1 + its element index / 100) and puts garbage elsewhere.
@@ -89,9 +86,7 @@ TEST(ParamShardsTest, OwnersBroadcastTheirParametersAndGatherTheirState) {
     NamedTensors state{{"p2.m", owners[2] == r ? at::full({4, 3, 2, 2}, 5.0) : at::zeros({4, 3, 2, 2})},
                        {"p3.m", owners[3] == r ? at::full({6, 6}, 6.0) : at::zeros({6, 6})},
                        {"opt.count", at::full({1}, static_cast<double>(r))}};
-    shards.gather(state, {"p0", "p1", "p2", "p3", "p4"},
-                  {[&dist](at::Tensor& t, int dst, int tag) { dist.send(t, dst, tag); },
-                   [&dist](at::Tensor& t, int src, int tag) { dist.recv(t, src, tag); }});
+    shards.gather(state, {"p0", "p1", "p2", "p3", "p4"});
     gathered[static_cast<size_t>(r)] = state;
   });
   ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));

@@ -381,12 +381,8 @@ Trainer::Trainer(Session& session)
     const ShardLayout& layout = memory_->shards;
     TORCH_CHECK(layout.owners.size() == optimizer_->params().size(), "the shard layout has ", layout.owners.size(),
                 " owners for ", optimizer_->params().size(), " parameters");
-    param_shards_ = std::make_unique<ParamShards>(
-        optimizer_->params(), layout.owners, dist.rank(), layout.sizes.bucket_bytes,
-        [&dist](at::Tensor& t, int root) {
-          std::vector<at::Tensor> one{t};
-          dist.broadcast(one, root);
-        });
+    param_shards_ =
+        std::make_unique<ParamShards>(optimizer_->params(), layout.owners, dist, layout.sizes.bucket_bytes);
     optimizer_->set_owned(param_shards_->owned());
   }
   budget_floor_check();
@@ -1036,10 +1032,7 @@ void Trainer::checkpoint(const std::string& file) {
   NamedTensors optimizer_state;
   if (param_shards_) {  // every owner sends rank 0 the state of its parameters
     optimizer_state = optimizer_->state_tensors();
-    Dist& dist = session_.dist();
-    param_shards_->gather(optimizer_state, optimizer_->names(),
-                          {[&dist](at::Tensor& t, int dst, int tag) { dist.send(t, dst, tag); },
-                           [&dist](at::Tensor& t, int src, int tag) { dist.recv(t, src, tag); }});
+    param_shards_->gather(optimizer_state, optimizer_->names());
   }
   if (!session_.writer()) return;  // rank 0's: every rank holds the same weights (and state, once gathered)
   Checkpoint c;

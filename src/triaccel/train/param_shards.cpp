@@ -82,9 +82,8 @@ ShardLayout shard_layout(const std::vector<int64_t>& numels, int world, int64_t 
   return out;
 }
 
-ParamShards::ParamShards(std::vector<at::Tensor> params, std::vector<int> owners, int rank, int64_t bucket_bytes,
-                         Broadcast broadcast)
-    : params_(std::move(params)), owners_(std::move(owners)), rank_(rank), broadcast_(std::move(broadcast)) {
+ParamShards::ParamShards(std::vector<at::Tensor> params, std::vector<int> owners, Dist& dist, int64_t bucket_bytes)
+    : params_(std::move(params)), owners_(std::move(owners)), dist_(dist), rank_(dist.rank()) {
   std::vector<int64_t> numels;
   for (const at::Tensor& p : params_) {
     TORCH_CHECK(p.scalar_type() == at::kFloat, "ParamShards: parameters must be float32");
@@ -101,12 +100,17 @@ std::vector<bool> ParamShards::owned() const {
   return out;
 }
 
+void ParamShards::broadcast(at::Tensor& t, int root) {
+  std::vector<at::Tensor> one{t};
+  dist_.broadcast(one, root);
+}
+
 void ParamShards::sync() {
   const torch::NoGradGuard no_grad;
   for (const ParamShardBucket& b : buckets_) {
     if (b.params.size() == 1) {
       at::Tensor flat = memory_flat(params_[b.params[0]]);
-      broadcast_(flat, b.owner);
+      broadcast(flat, b.owner);
       continue;
     }
     at::Tensor flat = staging_.narrow(0, 0, b.numel);
@@ -117,7 +121,7 @@ void ParamShards::sync() {
         offset += params_[i].numel();
       }
     }
-    broadcast_(flat, b.owner);
+    broadcast(flat, b.owner);
     if (b.owner == rank_) continue;
     offset = 0;
     for (size_t i : b.params) {
@@ -127,8 +131,7 @@ void ParamShards::sync() {
   }
 }
 
-void ParamShards::gather(NamedTensors& state, const std::vector<std::string>& names, const PointToPoint& p2p,
-                         int root) const {
+void ParamShards::gather(NamedTensors& state, const std::vector<std::string>& names, int root) const {
   TORCH_CHECK(names.size() == params_.size(), "ParamShards::gather: ", names.size(), " names for ", params_.size(),
               " parameters");
   std::unordered_map<std::string, int> owner_of;
@@ -145,9 +148,9 @@ void ParamShards::gather(NamedTensors& state, const std::vector<std::string>& na
     if (owner == root || (rank_ != owner && rank_ != root)) continue;
     at::Tensor host = t.to(at::kCPU).contiguous();  // through the host (Gloo); the owner's is only read
     if (rank_ == owner) {
-      p2p.send(host, root, tag);
+      dist_.send(host, root, tag);
     } else {
-      p2p.recv(host, owner, tag);
+      dist_.recv(host, owner, tag);
       t = host;
     }
   }

@@ -16,12 +16,12 @@
 //   host (Gloo) and synchronizes.
 #pragma once
 
+#include "triaccel/core/dist.h"
 #include "triaccel/core/named_tensors.h"
 
 #include <ATen/Tensor.h>
 
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -66,34 +66,27 @@ ShardLayout shard_layout(const std::vector<int64_t>& numels, int world, int64_t 
 
 class ParamShards {
  public:
-  // Sums nothing: copies `t` from rank `root` into every other rank's `t` (Dist::broadcast). `t` is contiguous.
-  using Broadcast = std::function<void(at::Tensor& t, int root)>;
-
-  // params: the optimizer's parameters, in its order (float32, one device); owners: shard_owners' over them.
-  ParamShards(std::vector<at::Tensor> params, std::vector<int> owners, int rank, int64_t bucket_bytes,
-              Broadcast broadcast);
+  // params: the optimizer's parameters, in its order (float32, one device); owners: shard_owners' over them; dist:
+  // the ranks' group (its broadcasts move the parameters, its point-to-point calls the gathered state).
+  ParamShards(std::vector<at::Tensor> params, std::vector<int> owners, Dist& dist, int64_t bucket_bytes);
 
   // This rank's flags for Optimizer::set_owned.
   std::vector<bool> owned() const;
   // After the optimizer's step, on every rank: each parameter receives its owner's value.
   void sync();
-  // Moves a contiguous host tensor between two ranks, blocking: `send(t, dst, tag)` on the sender, `recv(t, src,
-  // tag)` on the receiver (Dist::send, Dist::recv).
-  struct PointToPoint {
-    std::function<void(at::Tensor& t, int dst, int tag)> send;
-    std::function<void(at::Tensor& t, int src, int tag)> recv;
-  };
   // Before a checkpoint, on every rank: on rank `root` (the one that writes) each entry of `state` named
   // "<parameter name>.<field>" receives its owner's value (a host tensor where another rank owns it); each owner
-  // sends it there and nothing else moves. Other entries (the optimizer's own, the same on every rank), and every
-  // entry on the other ranks, stay. `names`: the parameters' names, in the order of `params`.
-  void gather(NamedTensors& state, const std::vector<std::string>& names, const PointToPoint& p2p, int root = 0) const;
+  // sends it there (Dist::send, Dist::recv) and nothing else moves. Other entries (the optimizer's own, the same on
+  // every rank), and every entry on the other ranks, stay. `names`: the parameters' names, in the order of `params`.
+  void gather(NamedTensors& state, const std::vector<std::string>& names, int root = 0) const;
 
  private:
   std::vector<at::Tensor> params_;
   std::vector<int> owners_;
+  Dist& dist_;
   int rank_ = 0;
-  Broadcast broadcast_;
+  // Copies the contiguous `t` from rank `root` into every other rank's `t`.
+  void broadcast(at::Tensor& t, int root);
   std::vector<ParamShardBucket> buckets_;
   at::Tensor staging_;  // (largest bucket's numel) float32; undefined when every bucket is one contiguous parameter
 };
