@@ -6,7 +6,7 @@
 // after a few SGD steps (so the Hessian is not the initialization's), batch b_curv.
 // Usage: bench_curvature [--model resnet18] [--image-size 32] [--precisions fp32,bf16] [--top-k 1] [--iters 20]
 //                        [--batch 32] [--units all|name,name] [--estimators hessian,fisher] [--rounds 4]
-//                        [--chunk -1] [--out FILE]
+//                        [--chunk -1] [--cudnn-rounds true] [--out FILE]
 // --estimators: also whole rounds of every unit (CurvatureRound) per estimator; --precisions "" skips the per-unit
 // probes.
 #include "triaccel/control/curvature_probe.h"
@@ -66,6 +66,9 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", rounds, "rounds per estimator, the first cold")->capture_default_str();
   app.add_option("--chunk", chunk, "the rounds' samples per forward/backward (-1: the estimator's)")->capture_default_str();
   app.add_option("--out", out, "JSON file");
+  bool cudnn_rounds = true;
+  app.add_option("--cudnn-rounds", cudnn_rounds, "the whole rounds' convolutions through cuDNN (--curv-cudnn)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe as they are printed
 
@@ -170,6 +173,7 @@ int main(int argc, char** argv) {
     co.chunk = chunk;
     co.cuda_graphs = graphs;
     co.estimator = triaccel::enum_parse<triaccel::CurvatureEstimator>(name, "curv_estimator");
+    co.cudnn = cudnn_rounds;
     triaccel::CurvatureRound round(*model, images, labels, co);
     Json times = Json::array(), passes = Json::array();
     std::vector<triaccel::UnitCurvature> last;
@@ -178,8 +182,11 @@ int main(int argc, char** argv) {
       last = round.run(&s);
       times.push_back(s);
       passes.push_back(round.timing().passes);
-      std::printf("round %-8s %d: %8.1f ms, %d passes, replayed pass %.2f ms, graph %.1f MB\n", name.c_str(), r,
-                  1e3 * s, round.timing().passes, 1e3 * round.timing().replay_s, round.graph_bytes() / 1e6);
+      const auto& t = round.timing();
+      std::printf("round %-8s %d: %8.1f ms, %d passes, replayed pass %.2f ms, graph %.1f MB; capture %.1f ms, eager "
+                  "%.1f ms, outside the passes %.1f ms\n",
+                  name.c_str(), r, 1e3 * s, t.passes, 1e3 * t.replay_s, round.graph_bytes() / 1e6, 1e3 * t.capture_s,
+                  1e3 * t.eager_s, 1e3 * (s - t.passes_s));
     }
     Json lambda = Json::array();
     for (const auto& c : last) lambda.push_back(c.lambda_max);

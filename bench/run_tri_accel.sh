@@ -13,7 +13,8 @@
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
 # and AMP bf16 rows, seed 0, EXTRA flags last; lockstep: ResNet-18's Tri-Accel with lockstep rounds and with per-unit probes beside AMP
 # bf16, seeds SEEDS (0); chunks: lockstep rounds at each --curv-chunk in CHUNKS; fisher: the Fisher estimator, see
-# its stage; costs: precision-only's levers one at a time, seed 0; curv: curvature-lr-only beside AMP bf16, SEEDS; effb0_abl: EfficientNet-B0's single-signal rows beside AMP bf16). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
+# its stage; costs: precision-only's levers one at a time, seed 0; curv: curvature-lr-only beside AMP bf16, SEEDS; effb0_abl: EfficientNet-B0's single-signal rows beside AMP bf16;
+# runs: the runs RUNS names, see its stage). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
 set -uo pipefail
 STAGE=${1:-table}
@@ -86,6 +87,32 @@ elif [ "$STAGE" = effb0_abl ]; then  # EfficientNet-B0 at 224, seed 0: AMP bf16 
   job effb0_prec_s0 $E --method tri-accel --ta-curvature false $PROTO --seed 0
   job effb0_curv_s0 $E --method tri-accel --ta-precision false --precision amp-bf16 $PROTO --seed 0
   job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
+elif [ "$STAGE" = runs ]; then  # the runs RUNS names, each <model>_<arm>_s<seed>: model r18 or effb0 (at 224); arm
+  # bf16 (AMP bf16), prec (precision only), curvf (curvature lr only, Fisher), tri_fisher (both, Fisher), tri (both,
+  # the Hessian), tri_cudnnoff (the Hessian's probes without cuDNN), tri_fisher_cudnnon (the Fisher's with it). Issue
+  # 19's EfficientNet-B0 ablation: a 10-minute call holds three EfficientNet-B0 runs.
+  F="--curv-estimator fisher"
+  for r in ${RUNS:-effb0_tri_fisher_s0 effb0_bf16_s0}; do
+    s=${r##*_s}
+    arm=${r#*_}
+    arm=${arm%_s*}
+    case ${r%%_*} in
+      r18) M="--model resnet18" ;;
+      effb0) M="--model efficientnet-b0 --image-size 224" ;;
+      *) echo "unknown model in $r (r18|effb0)"; exit 2 ;;
+    esac
+    case $arm in
+      bf16) A="--precision amp-bf16" ;;
+      prec) A="--method tri-accel --ta-curvature false" ;;
+      curvf) A="--method tri-accel --ta-precision false --precision amp-bf16 $F" ;;
+      tri_fisher) A="--method tri-accel $F" ;;
+      tri) A="--method tri-accel" ;;
+      tri_cudnnoff) A="--method tri-accel --curv-cudnn off" ;;
+      tri_fisher_cudnnon) A="--method tri-accel $F --curv-cudnn on" ;;
+      *) echo "unknown arm in $r"; exit 2 ;;
+    esac
+    job "$r" $M $A $PROTO --seed "$s"
+  done
 elif [ "$STAGE" = lockstep ]; then  # issue 19: lockstep probe rounds against per-unit probes (the default)
   for s in ${SEEDS:-0}; do
     job r18_tri_lockstep_s$s --model resnet18 --method tri-accel --curv-lockstep true $PROTO --seed $s
@@ -169,7 +196,7 @@ worker() {  # GPU index: takes queue lines until none are left
   done
 }
 
-[[ "$STAGE" =~ ^(r18|r18abl|effb0|signals|signals_effb0|signals_tri|lockstep|chunks|fisher|costs)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
+[[ "$STAGE" =~ ^(r18|r18abl|effb0|runs|signals|signals_effb0|signals_tri|lockstep|chunks|fisher|costs)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
    echo "unit tests on GPU: exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/unit_tests_gpu.log" | tr '\n' ' ')") &
 # The unit tests take ~10 s on the last GPU; in the table stage its first job is long and only its last 5 epochs
 # are timed. The check stage keeps that GPU for the tests.

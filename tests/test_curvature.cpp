@@ -466,6 +466,42 @@ TEST(CurvatureRoundTest, FisherLabelsComeFromTheModelAndApproachTheOutputLayersH
   EXPECT_TRUE(at::all(biased.labels() == 3).item<bool>()) << biased.labels();
 }
 
+// curv_cudnn off: every forward of a round (the Fisher's label draw and its passes) and of a per-unit probe runs with
+// cuDNN disabled, and the setting the training step had comes back afterwards.
+TEST(CurvatureRoundTest, ProbesWithoutCudnnRunEveryForwardWithItOffAndRestoreIt) {
+  const SingleThreadScope single_thread;
+  struct Recorder : Model {
+    std::vector<bool> seen;
+    Recorder() : Model("recorder") {
+      auto fc = register_module("fc", torch::nn::Linear(28 * 28, 10));
+      std::vector<std::shared_ptr<torch::nn::Module>> m{fc};
+      unit_add("fc", m, [this, fc](const at::Tensor& x) {
+        seen.push_back(at::globalContext().userEnabledCuDNN());
+        return fc->forward(x.flatten(1));
+      });
+    }
+  };
+  const bool before = at::globalContext().userEnabledCuDNN();
+  at::globalContext().setUserEnabledCuDNN(true);
+  for (const bool cudnn : {false, true}) {
+    SCOPED_TRACE(cudnn);
+    torch::manual_seed(2);
+    Recorder model;
+    auto [images, labels, options] = probe_batch(3, 4);
+    options.top_k = 1;
+    options.cudnn = cudnn;
+    options.estimator = CurvatureEstimator::kFisher;
+    CurvatureRound round(model, images, labels, options);
+    round.run();
+    options.estimator = CurvatureEstimator::kHessian;
+    curvature_probe(model, images, labels, options);
+    EXPECT_GT(model.seen.size(), 4u);  // the label draw, the passes' chunks, the probe's forwards
+    EXPECT_EQ(std::count(model.seen.begin(), model.seen.end(), cudnn), static_cast<long>(model.seen.size()));
+    EXPECT_TRUE(at::globalContext().userEnabledCuDNN());
+  }
+  at::globalContext().setUserEnabledCuDNN(before);
+}
+
 TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
   const SingleThreadScope single_thread;
   auto model = small_cnn_make();

@@ -363,6 +363,7 @@ Events CurvatureController::after_step(StepContext& ctx) {
                                             {"lr_scaling", options_.lr_scaling},
                                             {"lockstep", options_.lockstep},
                                             {"estimator", enum_name(options_.probe.estimator)},
+                                            {"cudnn", options_.probe.cudnn},
                                             {"round_cost_s", round_cost_s_ >= 0 ? Json(round_cost_s_) : Json()},
                                             {"round", round_json()}}});
   last_call_s_ = clock_.now_s();  // the probe's own time is not training time

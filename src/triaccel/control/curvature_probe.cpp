@@ -31,10 +31,11 @@ namespace triaccel {
 namespace {
 
 // Everything a train-mode forward may change, captured on construction and written back by restore():
-// buffers, the train/eval mode, autocast on the device, and the default generator of the CPU and the device.
+// buffers, the train/eval mode, autocast on the device, and the default generator of the CPU and the device. Also
+// sets whether the probe's convolutions may use cuDNN (options.cudnn) until restore().
 class ModelStateGuard {
  public:
-  ModelStateGuard(Model& model, const c10::Device& device, ProbePrecision precision)
+  ModelStateGuard(Model& model, const c10::Device& device, ProbePrecision precision, bool cudnn)
       : model_(model), device_(device), was_training_(model.is_training()) {
     at::NoGradGuard no_grad;
     for (const auto& buffer : model_.buffers(/*recurse=*/true)) {
@@ -50,6 +51,8 @@ class ModelStateGuard {
     // The probe's own arithmetic, whatever the training step's autocast was.
     at::autocast::set_autocast_enabled(device_.type(), precision == ProbePrecision::kBF16);
     at::autocast::set_autocast_dtype(device_.type(), at::kBFloat16);
+    cudnn_was_ = at::globalContext().userEnabledCuDNN();
+    at::globalContext().setUserEnabledCuDNN(cudnn_was_ && cudnn);
   }
 
   void restore() {
@@ -58,6 +61,7 @@ class ModelStateGuard {
     at::autocast::set_autocast_enabled(device_.type(), autocast_enabled_);
     at::autocast::set_autocast_dtype(device_.type(), autocast_dtype_);
     at::autocast::clear_cache();  // the bf16 copies of the weights, if the probe made any
+    at::globalContext().setUserEnabledCuDNN(cudnn_was_);
     bn_kernel_off_.reset();
     for (auto& [generator, state] : generators_) {
       std::lock_guard<std::mutex> lock(generator.mutex());
@@ -87,6 +91,7 @@ class ModelStateGuard {
   c10::Device device_;
   bool was_training_;
   bool autocast_enabled_ = false;
+  bool cudnn_was_ = true;
   at::ScalarType autocast_dtype_ = at::kBFloat16;
   std::optional<BatchNormKernelOff> bn_kernel_off_;
   bool restored_ = false;
@@ -121,7 +126,7 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
 
   std::vector<UnitCurvature> result;
   {
-    ModelStateGuard state(model, device, options.precision);
+    ModelStateGuard state(model, device, options.precision, options.cudnn);
     at::AutoGradMode grad_mode(true);
     model.train(true);
 
@@ -475,7 +480,7 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
   std::vector<bool> done(n_units, false), converged(n_units, false);
   for (size_t u = 0; u < n_units; ++u) done[u] = converged[u] = s.numel[u] == 0;
   {
-    ModelStateGuard state(s.model, device, s.options.precision);
+    ModelStateGuard state(s.model, device, s.options.precision, s.options.cudnn);
     at::AutoGradMode grad_mode(true);
     s.model.train(!s.fisher());
     if (s.fisher()) s.draw_labels();  // into the tensor the passes (and a captured pass) read

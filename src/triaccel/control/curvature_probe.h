@@ -68,6 +68,9 @@ struct CurvatureOptions {
   uint64_t seed = 0;           // start vectors of the power iteration (the run's seed)
   ProbePrecision precision = ProbePrecision::kFP32;
   bool cuda_graphs = true;     // cuda_graphs: each unit's products replay a CUDA graph after the first (hvp.h)
+  // curv_cudnn: the probe's convolutions may use cuDNN. Off, they run PyTorch's own kernels: no cuDNN plans to build
+  // for the probe's shapes, which on EfficientNet-B0 at 224 were ~9 of a cold Fisher round's 10 s (docs/tri-accel.md).
+  bool cudnn = true;
   // curv_chunk: CurvatureRound's samples per forward/backward (0: the whole batch; -1: the estimator's own,
   // kHessianChunk or kFisherChunk).
   int64_t chunk = 0;
