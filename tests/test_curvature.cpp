@@ -502,6 +502,19 @@ TEST(CurvatureRoundTest, ProbesWithoutCudnnRunEveryForwardWithItOffAndRestoreIt)
   at::globalContext().setUserEnabledCuDNN(before);
 }
 
+// curv_cudnn auto: the Fisher's probes leave cuDNN out on a model with grouped (depthwise) convolutions only; the
+// Hessian's keep it everywhere.
+TEST(CurvatureRoundTest, CudnnAutoIsOffForTheFisherOnGroupedConvolutionsOnly) {
+  for (const std::string name : {"small-cnn", "resnet18", "efficientnet-b0"}) {
+    SCOPED_TRACE(name);
+    ModelOptions options;
+    options.name = name;
+    const auto model = model_create(options);
+    EXPECT_EQ(probe_cudnn_auto(*model, CurvatureEstimator::kFisher), name != "efficientnet-b0");
+    EXPECT_TRUE(probe_cudnn_auto(*model, CurvatureEstimator::kHessian));
+  }
+}
+
 TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
   const SingleThreadScope single_thread;
   auto model = small_cnn_make();

@@ -396,11 +396,11 @@ TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
   EXPECT_NEAR(last_epoch["lr"].get<double>(), 0.05 * 0.5 * (1 + std::cos(M_PI * 8.5 / 9)), 1e-9);
 }
 
-// Lockstep rounds (--curv-lockstep true, k = 1; --curv-estimator fisher runs them too, without cuDNN by default): every
-// probe event covers every unit, so α is calibrated at the first and the lr scales leave 1 there. The run's length is
-// known, so the first round's cost is paid off over the whole run (the credit advanced by it, shrinking to 0 at the
-// end): on a clock of 1 ms a reading, a 50 % budget and 8 epochs of 6 steps, rounds at steps 2, 22, 42; with the
-// credit alone the second waited until step 30 (a gap of 28 steps, which this test refuses).
+// Lockstep rounds (--curv-lockstep true, k = 1; --curv-estimator fisher runs them too, here with --curv-cudnn off):
+// every probe event covers every unit, so α is calibrated at the first and the lr scales leave 1 there. The run's
+// length is known, so the first round's cost is paid off over the whole run (the credit advanced by it, shrinking to
+// 0 at the end): on a clock of 1 ms a reading, a 50 % budget and 8 epochs of 6 steps, rounds at steps 2, 22, 42; with
+// the credit alone the second waited until step 30 (a gap of 28 steps, which this test refuses).
 TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
   for (const std::string estimator : {"hessian", "fisher"}) {
     SCOPED_TRACE(estimator);
@@ -412,6 +412,7 @@ TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
     o.set("curv_top_k", "1");
     o.set("epochs", "8");
     if (estimator == "hessian") o.set("curv_lockstep", "true");
+    if (estimator == "fisher") o.set("curv_cudnn", "off");  // auto keeps cuDNN for small-cnn (no grouped convolutions)
     o.set("curv_estimator", estimator);
     api::run(o, hooks);
     std::vector<int64_t> steps;
@@ -422,7 +423,7 @@ TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
       last = e;
       EXPECT_TRUE(e["lockstep"].get<bool>());
       EXPECT_EQ(e["estimator"], estimator);
-      EXPECT_EQ(e["cudnn"].get<bool>(), estimator == "hessian");  // curv_cudnn auto: off for the Fisher
+      EXPECT_EQ(e["cudnn"].get<bool>(), estimator == "hessian");
       EXPECT_EQ(e["probed"].size(), 4u);
       for (const auto& l : e["lambda_max"]) EXPECT_FALSE(l.is_null());
       EXPECT_GT(e["round_cost_s"].get<double>(), 0.0);

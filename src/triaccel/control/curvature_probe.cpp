@@ -17,6 +17,7 @@
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
+#include <torch/nn/modules/conv.h>
 #ifdef TRIACCEL_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -101,6 +102,15 @@ class ModelStateGuard {
 };
 
 }  // namespace
+
+bool probe_cudnn_auto(const Model& model, CurvatureEstimator estimator) {
+  if (estimator != CurvatureEstimator::kFisher) return true;
+  for (const auto& module : model.modules(/*include_self=*/false)) {
+    const auto* conv = module->as<torch::nn::Conv2dImpl>();
+    if (conv != nullptr && conv->options.groups() > 1) return false;
+  }
+  return true;
+}
 
 void CurvatureOptions::validate() const {
   TRIACCEL_CHECK_INPUT(top_k >= 1, option_ref("curv_top_k"), " must be >= 1, got ", top_k);

@@ -59,6 +59,13 @@ struct EnumNames<CurvatureEstimator> {
 constexpr int64_t kHessianChunk = 16;
 constexpr int64_t kFisherChunk = 4;
 
+// curv_cudnn auto: whether a probe's convolutions go through cuDNN. Off for the Fisher's rounds on a model with grouped
+// (depthwise) convolutions, on otherwise. Measured on the H100 (bench_curvature, docs/tri-accel.md): on EfficientNet-B0
+// at 224 cuDNN spent ~9 s of a 10 s cold round building plans for the probe's shapes, PyTorch's own kernels take
+// 1.0 s (a replayed pass 62 against 39 ms); on ResNet-18 cuDNN's set-up is cheap (a cold round 0.41 against 0.54 s)
+// and its passes 2.3× faster (14.6 against 33 ms). The Hessian's double backward keeps cuDNN.
+bool probe_cudnn_auto(const Model& model, CurvatureEstimator estimator);
+
 struct CurvatureOptions {
   int top_k = 5;               // curv_top_k: eigenvalues per unit (paper: 5)
   int max_iters = 20;          // curv_max_iters: power-iteration steps per eigenvalue
@@ -69,7 +76,7 @@ struct CurvatureOptions {
   ProbePrecision precision = ProbePrecision::kFP32;
   bool cuda_graphs = true;     // cuda_graphs: each unit's products replay a CUDA graph after the first (hvp.h)
   // curv_cudnn: the probe's convolutions may use cuDNN. Off, they run PyTorch's own kernels: no cuDNN plans to build
-  // for the probe's shapes, which on EfficientNet-B0 at 224 were ~9 of a cold Fisher round's 10 s (docs/tri-accel.md).
+  // for the probe's shapes (probe_cudnn_auto).
   bool cudnn = true;
   // curv_chunk: CurvatureRound's samples per forward/backward (0: the whole batch; -1: the estimator's own,
   // kHessianChunk or kFisherChunk).

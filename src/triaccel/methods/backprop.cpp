@@ -535,7 +535,8 @@ void Trainer::controllers_build() {
       co.probe.cuda_graphs = config_.execution.cuda_graphs;
       co.probe.clock = &session_.clock();
       co.probe.chunk = ta.curv_chunk;
-      co.probe.cudnn = ta.curv_cudnn_enabled();
+      co.probe.cudnn = ta.curv_cudnn == Toggle::kAuto ? probe_cudnn_auto(session_.model(), ta.curv_estimator)
+                                                      : ta.curv_cudnn == Toggle::kOn;
       // Off by default: a first round costs more than a short run's share (ResNet-18 on the H100: 1.6 s, 7 % of the
       // 15-epoch protocol; EfficientNet-B0 at 224: 79 s), and its graph's pool (0.33 GB, 5.8 GB) is not in the
       // memory plan (docs/tri-accel.md).

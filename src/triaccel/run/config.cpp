@@ -207,13 +207,6 @@ int64_t ExecutionConfig::vram_budget_bytes() const {
   return vram_budget.empty() ? 0 : bytes_parse(vram_budget, "vram_budget");
 }
 
-// Measured on the H100 (EfficientNet-B0 at 224, bench_curvature --estimators fisher, docs/tri-accel.md): a cold Fisher
-// round 10.0 s with cuDNN, 1.3 s without; a replayed pass 39 against 62 ms. The Hessian's double backward keeps cuDNN.
-bool TriAccelConfig::curv_cudnn_enabled() const {
-  if (curv_cudnn == Toggle::kAuto) return curv_estimator != CurvatureEstimator::kFisher;
-  return curv_cudnn == Toggle::kOn;
-}
-
 bool ExecutionConfig::cudnn_autotune_enabled() const {
   if (cudnn_autotune == Toggle::kAuto) return vram_budget.empty() && method != Method::kTriAccel;
   return cudnn_autotune == Toggle::kOn;

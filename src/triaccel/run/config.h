@@ -232,7 +232,7 @@ struct TriAccelConfig {
   bool curv_lockstep = false;    // every unit each round, one captured pass per power-iteration step
   CurvatureEstimator curv_estimator = CurvatureEstimator::kHessian;  // fisher: lockstep rounds on the MC Fisher
   int64_t curv_chunk = -1;       // lockstep: samples per forward/backward; 0: curv_batch; -1: hessian 16, fisher 4
-  Toggle curv_cudnn = Toggle::kAuto;  // the probes' convolutions through cuDNN; auto: on for hessian, off for fisher
+  Toggle curv_cudnn = Toggle::kAuto;  // the probes' convolutions through cuDNN; auto: probe_cudnn_auto
   double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
   bool curv_checkpoint = false;  // a checkpoint at each probe's step (the weights it probed)
   double tau_low = -1;
@@ -245,7 +245,6 @@ struct TriAccelConfig {
   template <typename S, typename V>
   static void fields(S& s, V&& v);
   void validate() const;
-  bool curv_cudnn_enabled() const;  // resolves curv_cudnn auto: on for the Hessian, off for the Fisher
 };
 
 // BAOC (--optimizer baoc; docs/baoc.md).
@@ -490,8 +489,8 @@ void TriAccelConfig::fields(S& s, V&& v) {
                             "curv_batch; -1: hessian 16, fisher 4)"});
   v(s.curv_cudnn, FieldInfo{"curv_cudnn",
                             "the curvature probes' convolutions through cuDNN (on) or PyTorch's own kernels (off: "
-                            "no cuDNN plans to build for the probes' shapes, seconds on EfficientNet-B0); auto: on "
-                            "for hessian, off for fisher"});
+                            "no cuDNN plans to build for the probes' shapes, seconds on EfficientNet-B0); auto: off "
+                            "for fisher on a model with grouped convolutions, else on"});
   v(s.curv_alpha, FieldInfo{"curv_alpha", "alpha in lr / (1 + alpha * lambda_max); -1: calibrate"});
   v(s.curv_checkpoint, FieldInfo{"curv_checkpoint",
                                  "write curvature-step-N.pt at each probe's step: the weights it probed (true|false)"});
