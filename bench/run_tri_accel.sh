@@ -20,6 +20,7 @@ set -uo pipefail
 STAGE=${1:-table}
 FINAL_OUT=${OUT:-out}
 OUT=/tmp/tri_accel_out
+rm -rf "$OUT" /tmp/runs  # a machine kept warm between calls still holds the last call's runs
 mkdir -p "$OUT" "$FINAL_OUT"
 source "$(dirname "$0")/device_env.sh"  # LD_LIBRARY_PATH for the carried binaries
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
