@@ -89,14 +89,20 @@ elif [ "$STAGE" = effb0_abl ]; then  # EfficientNet-B0 at 224, seed 0: AMP bf16 
   job effb0_curv_s0 $E --method tri-accel --ta-precision false --precision amp-bf16 $PROTO --seed 0
   job effb0_bf16_s0 $E --precision amp-bf16 $PROTO --seed 0
 elif [ "$STAGE" = runs ]; then  # the runs RUNS names, each <model>_<arm>_s<seed>: model r18 or effb0 (at 224); arm
-  # bf16 (AMP bf16), prec (precision only), curvf (curvature lr only, Fisher), tri_fisher (both, Fisher), tri (both,
-  # the Hessian), tri_cudnnoff (the Hessian's probes without cuDNN), tri_fisher_cudnnon (the Fisher's with it). Issue
-  # 19's EfficientNet-B0 ablation: a 10-minute call holds three EfficientNet-B0 runs.
+  # bf16 (AMP bf16), prec (precision only, the Hessian), precf (precision only, the Fisher), curvf (curvature lr only,
+  # Fisher), tri_fisher (both, Fisher), tri (both, the Hessian), tri_cudnnoff (the Hessian's probes without cuDNN),
+  # tri_fisher_cudnnon (the Fisher's with it), default (--method tri-accel and nothing else); any arm with _<B>GB
+  # after it runs under --vram-budget <B>GB (r18_default_0.5GB_s0). The estimator is spelled out in every arm but default: binaries from before the
+  # Fisher became the default took the Hessian without it. Issue 19's EfficientNet-B0 ablation: a 10-minute call holds
+  # two EfficientNet-B0 runs.
   F="--curv-estimator fisher"
+  H="--curv-estimator hessian"
   for r in ${RUNS:-effb0_tri_fisher_s0 effb0_bf16_s0}; do
     s=${r##*_s}
     arm=${r#*_}
     arm=${arm%_s*}
+    B=""
+    case $arm in *GB) B="--vram-budget ${arm##*_}"; arm=${arm%_*} ;; esac
     case ${r%%_*} in
       r18) M="--model resnet18" ;;
       effb0) M="--model efficientnet-b0 --image-size 224" ;;
@@ -104,15 +110,17 @@ elif [ "$STAGE" = runs ]; then  # the runs RUNS names, each <model>_<arm>_s<seed
     esac
     case $arm in
       bf16) A="--precision amp-bf16" ;;
-      prec) A="--method tri-accel --ta-curvature false" ;;
+      prec) A="--method tri-accel --ta-curvature false $H" ;;
+      precf) A="--method tri-accel --ta-curvature false $F" ;;
       curvf) A="--method tri-accel --ta-precision false --precision amp-bf16 $F" ;;
       tri_fisher) A="--method tri-accel $F" ;;
-      tri) A="--method tri-accel" ;;
-      tri_cudnnoff) A="--method tri-accel --curv-cudnn off" ;;
+      tri) A="--method tri-accel $H" ;;
+      tri_cudnnoff) A="--method tri-accel $H --curv-cudnn off" ;;
       tri_fisher_cudnnon) A="--method tri-accel $F --curv-cudnn on" ;;
+      default) A="--method tri-accel" ;;
       *) echo "unknown arm in $r"; exit 2 ;;
     esac
-    job "$r" $M $A $PROTO --seed "$s"
+    job "$r" $M $A $B $PROTO --seed "$s"
   done
 elif [ "$STAGE" = lockstep ]; then  # issue 19: lockstep probe rounds against per-unit probes (the default)
   for s in ${SEEDS:-0}; do

@@ -302,6 +302,25 @@ TEST_F(TrainerTest, LinearDecayIsTheLoggedRate) {
   EXPECT_NEAR(epochs[1]["lr"].get<double>(), 0.05 * 1.0 / 9.0, 1e-12);  // step 11
 }
 
+// The curvature estimator's default: the Fisher where it can run (curv_top_k 1: its lockstep rounds find the top
+// eigenvalue only), the Hessian for k > 1; a given estimator stays, and the Fisher with k > 1 is refused.
+TEST_F(TrainerTest, TheFisherIsTheDefaultEstimatorWhereItCanRun) {
+  test::TempDir out("run_estimator");
+  Config o = options(out.path());
+  o.set("method", "tri-accel");
+  EXPECT_EQ(config_for_run(o).tri_accel.curv_estimator, CurvatureEstimator::kFisher);
+  Config k3 = o;
+  k3.set("curv_top_k", "3");
+  const Config resolved = config_for_run(k3);
+  EXPECT_EQ(resolved.tri_accel.curv_estimator, CurvatureEstimator::kHessian);
+  EXPECT_NO_THROW(resolved.validate());
+  Config hessian = o;
+  hessian.set("curv_estimator", "hessian");
+  EXPECT_EQ(config_for_run(hessian).tri_accel.curv_estimator, CurvatureEstimator::kHessian);
+  k3.set("curv_estimator", "fisher");
+  EXPECT_THROW(config_for_run(k3).validate(), UserError);
+}
+
 TEST_F(TrainerTest, ResumeRefusesAChangedIdentity) {
   test::TempDir b("run_c");
   Config first = options(b.path());

@@ -230,7 +230,8 @@ struct TriAccelConfig {
   double curv_tol = 0.01;        // power iteration stops when λ moves less than this, relative
   double curv_budget = 0.05;     // probes take at most this share of training time (0: every T_curv)
   bool curv_lockstep = false;    // every unit each round, one captured pass per power-iteration step
-  CurvatureEstimator curv_estimator = CurvatureEstimator::kHessian;  // fisher: lockstep rounds on the MC Fisher
+  // fisher: lockstep rounds on the MC Fisher; unless given, fisher when curv_top_k is 1, else hessian (resolve)
+  CurvatureEstimator curv_estimator = CurvatureEstimator::kFisher;
   int64_t curv_chunk = -1;       // lockstep: samples per forward/backward; 0: curv_batch; -1: hessian 16, fisher 4
   Toggle curv_cudnn = Toggle::kAuto;  // the probes' convolutions through cuDNN; auto: probe_cudnn_auto
   double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
@@ -482,7 +483,8 @@ void TriAccelConfig::fields(S& s, V&& v) {
   v(s.curv_estimator, FieldInfo{"curv_estimator",
                                 "what a unit's curvature is the top eigenvalue of: hessian (the paper's, by "
                                 "Hessian-vector products) or fisher (the Monte-Carlo Fisher = Gauss-Newton block, by "
-                                "one-sample gradients; every unit each round, like curv_lockstep; needs curv_top_k 1)"});
+                                "one-sample gradients; every unit each round, like curv_lockstep; needs curv_top_k 1). "
+                                "Default: fisher, or hessian when curv_top_k is above 1"});
   v(s.curv_chunk, FieldInfo{"curv_chunk",
                             "lockstep rounds: samples per forward/backward within a pass, which sets the Hessian's "
                             "memory (BatchNorm statistics per chunk) and the Fisher's cost and rank (0: the whole "
