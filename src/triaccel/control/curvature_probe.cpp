@@ -286,7 +286,6 @@ struct CurvatureRound::State {
     const auto& units = model.units();
     const int64_t n = x.size(0);
     const int64_t m = chunk();
-    at::Tensor g = at::empty_like(vf);  // one chunk's gradient, flat
     for (int64_t first = 0; first < n; first += m) {
       const int64_t count = std::min(m, n - first);
       at::Tensor h = x.narrow(0, first, count);
@@ -297,17 +296,23 @@ struct CurvatureRound::State {
       const std::vector<at::Tensor> grads = torch::autograd::grad({loss}, all_params, /*grad_outputs=*/{},
                                                                   /*retain_graph=*/false, /*create_graph=*/false,
                                                                   /*allow_unused=*/true);
+      // Read from the gradients as autograd made them (no flat copy: under a --vram-budget the round runs in what
+      // the training step's graph leaves, and a copy of every gradient was a third of the pass's memory).
       const at::NoGradGuard no_grad;
-      std::vector<at::Tensor> flat;
-      for (size_t j = 0; j < grads.size(); ++j) {
-        flat.push_back(grads[j].defined() ? grads[j].reshape({-1}).to(g.scalar_type())
-                                          : at::zeros({all_params[j].numel()}, g.options()));
-      }
-      at::cat_out(g, flat);
+      size_t next = 0;
       for (size_t u = 0; u < units.size(); ++u) {
-        if (numel[u] == 0) continue;
-        const at::Tensor gu = slice(g, u);
-        slice(w, u).addcmul_(gu, at::dot(gu, slice(vf, u)));
+        const std::vector<at::Tensor>& ps = params[u];
+        if (ps.empty()) continue;
+        const std::vector<at::Tensor> vs = flat_pieces(slice(vf, u), ps);
+        const std::vector<at::Tensor> ws = flat_pieces(slice(w, u), ps);
+        at::Tensor dot = at::zeros({}, vf.options());  // s_k,u · v_u
+        for (size_t j = 0; j < ps.size(); ++j) {
+          if (grads[next + j].defined()) dot.add_(at::sum(grads[next + j] * vs[j]));
+        }
+        for (size_t j = 0; j < ps.size(); ++j) {
+          if (grads[next + j].defined()) ws[j].addcmul_(grads[next + j], dot);
+        }
+        next += ps.size();
       }
     }
     const at::NoGradGuard no_grad;
