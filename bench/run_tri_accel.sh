@@ -16,6 +16,7 @@
 # its stage; costs: precision-only's levers one at a time, seed 0; curv: curvature-lr-only beside AMP bf16, SEEDS; effb0_abl: EfficientNet-B0's single-signal rows beside AMP bf16;
 # runs: the runs RUNS names, see its stage). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
+# Every stage but runs takes the binaries' default curvature estimator: the Hessian before 9f79024, the Fisher since.
 set -uo pipefail
 STAGE=${1:-table}
 FINAL_OUT=${OUT:-out}
@@ -92,9 +93,8 @@ elif [ "$STAGE" = runs ]; then  # the runs RUNS names, each <model>_<arm>_s<seed
   # bf16 (AMP bf16), prec (precision only, the Hessian), precf (precision only, the Fisher), curvf (curvature lr only,
   # Fisher), tri_fisher (both, Fisher), tri (both, the Hessian), tri_cudnnoff (the Hessian's probes without cuDNN),
   # tri_fisher_cudnnon (the Fisher's with it), default (--method tri-accel and nothing else); any arm with _<B>GB
-  # after it runs under --vram-budget <B>GB (r18_default_0.5GB_s0). The estimator is spelled out in every arm but default: binaries from before the
-  # Fisher became the default took the Hessian without it. Issue 19's EfficientNet-B0 ablation: a 10-minute call holds
-  # two EfficientNet-B0 runs.
+  # after it runs under --vram-budget <B>GB (r18_default_0.5GB_s0). The estimator is spelled out in every arm but
+  # default. Issue 19's EfficientNet-B0 ablation: a 10-minute call holds two EfficientNet-B0 runs.
   F="--curv-estimator fisher"
   H="--curv-estimator hessian"
   for r in ${RUNS:-effb0_tri_fisher_s0 effb0_bf16_s0}; do
@@ -122,7 +122,7 @@ elif [ "$STAGE" = runs ]; then  # the runs RUNS names, each <model>_<arm>_s<seed
     esac
     job "$r" $M $A $B $PROTO --seed "$s"
   done
-elif [ "$STAGE" = lockstep ]; then  # issue 19: lockstep probe rounds against per-unit probes (the default)
+elif [ "$STAGE" = lockstep ]; then  # issue 19: lockstep probe rounds against per-unit probes (the default then)
   for s in ${SEEDS:-0}; do
     job r18_tri_lockstep_s$s --model resnet18 --method tri-accel --curv-lockstep true $PROTO --seed $s
     job r18_tri_s$s --model resnet18 --method tri-accel $PROTO --seed $s

@@ -666,53 +666,6 @@ TEST(CurvatureControllerTest, AProbeUsesTheSamplesThatFitTheRoomThePlanLeaves) {
   }
 }
 
-// Lockstep rounds run through CurvatureControllerOptions::round_runner when one is given (the trainer's, under a
-// --vram-budget: the step's graph pool): every round once through it, with the round's values coming out of it.
-// A controller that ignored the runner leaves its count at 0.
-TEST(CurvatureControllerTest, LockstepRoundsRunThroughTheRoundRunner) {
-  const SingleThreadScope single_thread;
-  auto model = small_cnn_make();
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  for (const auto& item : model->named_parameters()) named.emplace_back(item.key(), item.value());
-  Sgd sgd(named, SgdOptions{});
-  LossScaler scaler(LossScalerOptions{}, torch::kCPU);
-  TrainStep step(*model, sgd, scaler, StepOptions{}, torch::kCPU);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
-  const at::Tensor images = at::randn({16, 1, 28, 28}, gen);
-  const at::Tensor labels = at::randint(0, 10, {16}, gen, at::kLong);
-  CurvatureControllerOptions co;
-  co.ctrl_every = 1;
-  co.budget = 0;  // a round at every step
-  co.lockstep = true;
-  co.probe.top_k = 1;
-  co.probe.max_iters = 2;
-  co.probe.batch = 16;
-  co.probe.every_steps = 1;
-  co.probe.estimator = CurvatureEstimator::kFisher;
-  int runs = 0;
-  bool inside = false;
-  co.round_runner = [&](const std::function<void()>& fn) {
-    ++runs;
-    inside = true;
-    fn();
-    inside = false;
-  };
-  CurvatureController c(co, *model, sgd, step, images, labels);
-  for (int64_t at_step = 1; at_step <= 2; ++at_step) {
-    StepContext ctx;
-    ctx.step = at_step;
-    ctx.batch = 8;
-    const Events events = c.after_step(ctx);
-    ASSERT_EQ(events.size(), 1u);
-    const Json& e = events[0].fields;
-    EXPECT_FALSE(e.contains("skipped")) << e.dump();
-    ASSERT_TRUE(e.contains("lambda_max")) << e.dump();
-    for (const auto& l : e["lambda_max"]) EXPECT_FALSE(l.is_null());
-    EXPECT_EQ(runs, at_step);
-    EXPECT_FALSE(inside);
-  }
-}
-
 // ProbePrecision::kBF16 (bench_curvature's comparison; not a run option): the products run in bf16 with fp32
 // accumulation. The output unit's λ_max is the fp32 probe's to bf16's rounding; deeper units' can be far off (here
 // block2, even in sign; on the H100 EfficientNet-B0's units 2–72 %), which is why runs probe in fp32. The

@@ -199,12 +199,7 @@ std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>&
   const CudnnHeuristics heuristics;
   if (options_.lockstep) {
     if (!round_) round_ = std::make_unique<CurvatureRound>(model_, probe_images_, probe_labels_, options_.probe);
-    std::vector<UnitCurvature> curv;
-    if (options_.round_runner) {
-      options_.round_runner([&]() { curv = round_->run(seconds); });
-    } else {
-      curv = round_->run(seconds);
-    }
+    std::vector<UnitCurvature> curv = round_->run(seconds);
     // The schedule plans with what a round of replays costs: the round that captured the pass (and ran it eagerly
     // where the capture came second) is charged all of it but planned as if those had been replays too.
     const CurvatureRound::Timing& t = round_->timing();

@@ -15,7 +15,6 @@
 
 #include <ATen/Tensor.h>
 
-#include <functional>
 #include <memory>
 #include <vector>
 
@@ -36,11 +35,6 @@ struct CurvatureControllerOptions {
   // come at an even pace from the start and the run's probe time still ends within budget × training time (plus one
   // round). With the credit alone a 15-epoch ResNet-18 run probed 1–3 times (the longest stretch unprobed 11–15 epochs).
   int64_t total_steps = 0;
-  // Runs each lockstep round (null: in place). Under a --vram-budget the trainer runs them in the training step's
-  // CUDA-graph pool (TrainStep::in_graph_pool), whose scratch is idle between steps, and eagerly (probe.cuda_graphs
-  // off: a round's own graph would keep a pool beside the step's). Beside that pool every round ran out of memory
-  // (ResNet-18 at 0.5 and 0.4 GB on the H100). The round is made outside it: its tensors outlive the call.
-  std::function<void(const std::function<void()>&)> round_runner;
   std::vector<int64_t> probe_samples;  // the dataset indices of the probe batch (for the event)
 };
 

@@ -543,10 +543,6 @@ void Trainer::controllers_build() {
       co.lockstep = ta.curv_lockstep || ta.curv_estimator == CurvatureEstimator::kFisher;
       co.probe.estimator = ta.curv_estimator;
       co.probe.warm_passes = kLockstepWarmPasses;
-      if (co.lockstep && device_.is_cuda() && config_.execution.vram_budget_bytes() > 0) {
-        co.probe.cuda_graphs = false;  // eager, in the step's pool (CurvatureControllerOptions::round_runner)
-        co.round_runner = [this](const std::function<void()>& fn) { step_->in_graph_pool(fn); };
-      }
       co.total_steps = config_.schedule.max_steps > 0 ? std::min(schedule_.total_steps, config_.schedule.max_steps)
                                                       : schedule_.total_steps;
       controllers_.push_back(std::make_unique<CurvatureController>(co, session_.model(), *optimizer_, *step_,
