@@ -414,6 +414,8 @@ Config Config::from_json(const Json& j) {
   // Written before curv_tol existed, with the tolerance of that time: resumes take the same probes. (curv_top_k was
   // always written, so an older configuration keeps its own k.)
   if (!j.contains("curv_tol")) c.tri_accel.curv_tol = 1e-3;
+  // Written before curv_estimator existed: the Hessian, the only estimator of that time.
+  if (!j.contains("curv_estimator")) c.tri_accel.curv_estimator = CurvatureEstimator::kHessian;
   return c;
 }
 

@@ -69,10 +69,7 @@ Config config_for_run(const Config& given) {
   TRIACCEL_CHECK_INPUT(file_exists(path), option_ref("resume"), " ", given.output.resume, ": no checkpoint at ", path,
                        " (train with ", option_ref("out"), " first)");
   const Checkpoint ckpt = checkpoint_read(path);
-  Json stored = ckpt.config;
-  // A checkpoint from before curv_estimator was an option ran the Hessian, the default then.
-  if (stored.is_object() && !stored.contains("curv_estimator")) stored["curv_estimator"] = "hessian";
-  Json merged = Config::from_json(stored).to_json();
+  Json merged = Config::from_json(ckpt.config).to_json();
   const Json given_json = given.to_json();
   const auto& identity = config_identity_keys();
   for (const auto& key : given.given) {
