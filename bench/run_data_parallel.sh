@@ -16,6 +16,9 @@
 #          GPUs: the steps' own scaling, as PyTorch's timed steps measure it
 #   pair   ResNet-18 and ViT-Tiny (MODELS) as in steady, NPROC independent one-GPU runs at once, one per GPU: what
 #          the GPUs and the host lose when they all train side by side, without any communication
+#   methods NeuroFlux (ResNet-18, batch 96, under NF_BUDGET (0.35GB) on each GPU, EPOCHS epochs) at 1 and NPROC GPUs:
+#          s/epoch (training and cache passes), accuracy, each block's rank peaks and CUDA graph; BAOC (ResNet-18
+#          b512/GPU) on NPROC GPUs with its state whole and sharded (--shard-optimizer on): each rank's state bytes
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -126,6 +129,16 @@ if has pair; then
     wait
   done
 fi
+if has methods; then
+  for world in $(printf "1\n%s\n" "$NPROC" | sort -un); do
+    ours "nf_resnet18_w$world" "$world" --model resnet18 --method neuroflux --batch-size 96 --epochs "$EPOCHS" \
+      --vram-budget "${NF_BUDGET:-0.35GB}"
+  done
+  ours "baoc_resnet18_w$NPROC" "$NPROC" --model resnet18 --optimizer baoc --batch-size $((512 * NPROC)) \
+    --epochs "$EPOCHS"
+  ours "baoc_resnet18-zero_w$NPROC" "$NPROC" --model resnet18 --optimizer baoc --batch-size $((512 * NPROC)) \
+    --epochs "$EPOCHS" --shard-optimizer on
+fi
 if has acc; then
   # ACC_ARGS: extra flags for both runs (e.g. "--checkpoint-every 100000": one checkpoint at the end instead of one
   # per epoch, 0.4 s each for ResNet-18, which neither run can share between GPUs).
@@ -144,6 +157,7 @@ for d in sorted(glob.glob(f"{work}/runs/*/")):
     ev = [json.loads(l) for l in open(f"{d}/events.jsonl")] if os.path.exists(f"{d}/events.jsonl") else []
     epochs = [e for e in ev if e["event"] == "epoch"]
     summ = [e for e in ev if e["event"] == "summary"]
+    blocks = [e for e in ev if e["event"] == "block"]
     world = int(tag.rsplit("_w", 1)[1])
     summary = summ[0] if summ else {}
     rows.append({"system": "triaccel", "tag": tag, "model": tag.split("_")[1], "world_size": world,
@@ -153,7 +167,10 @@ for d in sorted(glob.glob(f"{work}/runs/*/")):
                  "test_acc": summ[0]["test_acc"] if summ else None, "total_s": summ[0]["total_s"] if summ else None,
                  "epochs": len(epochs), "cuda_graph": epochs[-1].get("cuda_graph") if epochs else None,
                  "peak_vram_gb": summ[0]["peak_vram_gb"] if summ else None,
-                 "rank_peak_vram_gb": epochs[-1].get("rank_peak_vram_gb") if epochs else None})
+                 "rank_peak_vram_gb": epochs[-1].get("rank_peak_vram_gb") if epochs else None,
+                 "epoch_s": summary.get("epoch_s"),
+                 "blocks": [{k: b.get(k) for k in ("units", "batch", "steps", "train_s", "cache_s", "cuda_graph",
+                                                   "peak_vram_gb", "rank_peak_vram_gb")} for b in blocks] or None})
 if os.path.exists(f"{work}/pytorch_ddp.jsonl"):
     rows += [json.loads(l) for l in open(f"{work}/pytorch_ddp.jsonl")]
 # Every run's events and log, and the PyTorch logs, in one file (the device returns at most 8).
@@ -209,6 +226,14 @@ for r in rows:
         s1 = next((q.get("steady_images_per_s") for q in rows if q.get("tag") == f"steady_{r['model']}_w1"), None)
         alone = f" ({r['steady_images_per_s'] / s1:.3f}x the run alone)" if s1 and r.get("steady_images_per_s") else ""
         print(f"{r['tag']}: steady {r.get('steady_images_per_s')} img/s beside the other GPUs' runs{alone}")
+for r in rows:
+    if r.get("tag", "").startswith("nf_"):
+        b = r["blocks"] or []
+        print(f"{r['tag']}: {r['epoch_s']} s/epoch, test acc {r['test_acc']} %, {len(b)} blocks, graphs "
+              f"{[x['cuda_graph'] for x in b]}, rank peaks {[x['rank_peak_vram_gb'] or x['peak_vram_gb'] for x in b]}")
+    if r.get("tag", "").startswith("baoc_"):
+        print(f"{r['tag']}: {r['images_per_s']} img/s, state {r['optim_state_bytes']} B (sharded "
+              f"{r['optim_state_sharded']}), rank peaks {r['rank_peak_vram_gb']} GB, graph {r['cuda_graph']}")
 for r in rows:
     if r.get("tag", "").startswith("acc_"):
         print(f"{r['tag']}: test acc {r['test_acc']} %, total {r['total_s']} s, {r['epochs']} epochs")

@@ -6,6 +6,8 @@
 #include "triaccel/core/clock.h"
 #include "triaccel/core/events.h"
 #include "triaccel/models/model.h"
+#include "triaccel/models/registry.h"
+#include "triaccel/train/checkpoint.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -31,11 +33,29 @@ class DpMlp final : public Model {
   }
 };
 
+// "dp-mlp-local": flatten → Linear(784, 32) → ReLU → Linear(32, 32) → ReLU → Linear(32, classes) in three units, for
+// NeuroFlux (local learning): flat unit outputs get aux heads of one Linear each, so nothing has BatchNorm.
+class DpMlpLocal final : public Model {
+ public:
+  explicit DpMlpLocal(const ModelOptions& options) : Model("dp-mlp-local") {
+    const int64_t in = options.in_channels * options.image_size * options.image_size;
+    auto fc1 = register_module("fc1", torch::nn::Linear(in, 32));
+    auto fc2 = register_module("fc2", torch::nn::Linear(32, 32));
+    auto fc3 = register_module("fc3", torch::nn::Linear(32, options.num_classes));
+    unit_add("fc1", {fc1}, [fc1](const at::Tensor& x) { return torch::relu(fc1->forward(x.flatten(1))); });
+    unit_add("fc2", {fc2}, [fc2](const at::Tensor& x) { return torch::relu(fc2->forward(x)); });
+    unit_add("fc3", {fc3}, [fc3](const at::Tensor& x) { return fc3->forward(x); });
+  }
+};
+
 void dp_mlp_register() {
   static const bool once = [] {
     model_register({"dp-mlp", "a BatchNorm-free MLP (tests of data parallelism)", ModelInput::kImage,
                     /*double_backward=*/true, /*local_learning=*/false,
                     [](const ModelOptions& o) -> std::shared_ptr<Model> { return std::make_shared<DpMlp>(o); }});
+    model_register({"dp-mlp-local", "a BatchNorm-free MLP in three units (tests of data parallel NeuroFlux)",
+                    ModelInput::kImage, /*double_backward=*/true, /*local_learning=*/true,
+                    [](const ModelOptions& o) -> std::shared_ptr<Model> { return std::make_shared<DpMlpLocal>(o); }});
     return true;
   }();
   (void)once;
@@ -262,12 +282,25 @@ TEST_F(DataParallelTest, SyncBatchNormTrainsTheWeightsOfOneProcess) {
 // BAOC on two ranks: its statistics come from the reduced gradient and its plan from them and from tables (no clock,
 // no allocator reading), so both ranks make the plans one process makes (plans at steps 2, 5, 8, 11, 14; the same
 // per-unit formats, the same state bytes on each rank) and train its weights to fp32 tolerance.
+// BAOC on two ranks plans from the reduced gradient as one process does: the same formats at the same steps, and
+// one process's weights. With its state sharded (ZeRO-1, shard_optimizer on) each rank holds the moments and the
+// statistics of its own tensors (fc1's weight on rank 0; its bias and fc2 on rank 1, so unit fc1 spans both ranks)
+// and the plans read their sums over the ranks: still one process's plans and weights, and each rank reports its own
+// share of the state. A run stopped on two sharded ranks inside a statistics window resumes in one process to the
+// same weights and plans: the checkpoint holds every rank's sums and previous gradients.
 TEST_F(DataParallelTest, BaocOnTwoRanksMakesTheOneProcessPlans) {
-  test::TempDir one("dp_baoc_one"), two("dp_baoc_two");
-  const auto configure = [](Config c) { return with_optimizer(std::move(c), "baoc"); };
-  api::run(configure(mlp_options(one.path())), one_process());
+  test::TempDir one("dp_baoc_one"), two("dp_baoc_two"), zero("dp_baoc_zero"), stop("dp_baoc_stop");
+  const auto configure = [](Config c) {
+    c = with_optimizer(std::move(c), "baoc");
+    c.set("optim_formats", "adamw-fp32,adamw-8bit,sgd-momentum,sgd");  // the SGD formats' scales are in play
+    return c;
+  };
+  const Json reference = api::run(configure(mlp_options(one.path())), one_process());
   const Config c = configure(mlp_options(two.path()));
   const std::vector<Json> results = run_ranks({c, c});
+  Config sharded = configure(mlp_options(zero.path()));
+  sharded.set("shard_optimizer", "on");
+  const std::vector<Json> sharded_results = run_ranks({sharded, sharded});
   const auto plans = [](const std::string& events) {
     std::vector<Json> out;
     for (const auto& e : events_read(events)) {
@@ -276,26 +309,28 @@ TEST_F(DataParallelTest, BaocOnTwoRanksMakesTheOneProcessPlans) {
     return out;
   };
   const auto p1 = plans(one.file("events.jsonl"));
-  const auto p2 = plans(two.file("events.jsonl"));
   ASSERT_EQ(p1.size(), 5u);
-  ASSERT_EQ(p2.size(), p1.size());
   bool formats_differ = false;  // the budget binds: not every unit keeps fp32 AdamW
-  for (size_t i = 0; i < p1.size(); ++i) {
-    EXPECT_EQ(p1[i]["step"], p2[i]["step"]) << "plan " << i;
-    ASSERT_EQ(p1[i]["units"].size(), p2[i]["units"].size()) << "plan " << i;
-    for (size_t u = 0; u < p1[i]["units"].size(); ++u) {  // the signals agree to fp32 rounding, the choices exactly
-      const Json &a = p1[i]["units"][u], &b = p2[i]["units"][u];
-      EXPECT_EQ(a["unit"], b["unit"]);
-      EXPECT_EQ(a["format"], b["format"]) << "plan " << i << ", " << a["unit"];
-      EXPECT_EQ(a["bytes"], b["bytes"]) << "plan " << i << ", " << a["unit"];
-      EXPECT_NEAR(a["risk"].get<double>(), b["risk"].get<double>(), 1e-6) << "plan " << i << ", " << a["unit"];
+  for (const std::string& dir : {two.path(), zero.path()}) {
+    const auto p2 = plans(dir + "/events.jsonl");
+    ASSERT_EQ(p2.size(), p1.size()) << dir;
+    for (size_t i = 0; i < p1.size(); ++i) {
+      EXPECT_EQ(p1[i]["step"], p2[i]["step"]) << "plan " << i;
+      ASSERT_EQ(p1[i]["units"].size(), p2[i]["units"].size()) << "plan " << i;
+      for (size_t u = 0; u < p1[i]["units"].size(); ++u) {  // the signals agree to fp32 rounding, the choices exactly
+        const Json &a = p1[i]["units"][u], &b = p2[i]["units"][u];
+        EXPECT_EQ(a["unit"], b["unit"]);
+        EXPECT_EQ(a["format"], b["format"]) << dir << ", plan " << i << ", " << a["unit"];
+        EXPECT_EQ(a["bytes"], b["bytes"]) << dir << ", plan " << i << ", " << a["unit"];
+        EXPECT_NEAR(a["risk"].get<double>(), b["risk"].get<double>(), 1e-6) << dir << ", plan " << i << ", "
+                                                                           << a["unit"];
+      }
+      const std::string units = p1[i]["units"].dump();
+      formats_differ = formats_differ || units.find("adamw-fp32") == std::string::npos ||
+                       units.find("\"sgd") != std::string::npos || units.find("adamw-8bit") != std::string::npos ||
+                       units.find("adamw-bf16") != std::string::npos || units.find("factored") != std::string::npos ||
+                       units.find("no-momentum") != std::string::npos;
     }
-    formats_differ = formats_differ || p1[i]["units"].dump().find("adamw-fp32") == std::string::npos ||
-                     p1[i]["units"].dump().find("\"sgd") != std::string::npos ||
-                     p1[i]["units"].dump().find("adamw-8bit") != std::string::npos ||
-                     p1[i]["units"].dump().find("adamw-bf16") != std::string::npos ||
-                     p1[i]["units"].dump().find("factored") != std::string::npos ||
-                     p1[i]["units"].dump().find("no-momentum") != std::string::npos;
   }
   EXPECT_TRUE(formats_differ) << p1[0]["units"].dump();
   ASSERT_EQ(results.size(), 2u);
@@ -304,6 +339,61 @@ TEST_F(DataParallelTest, BaocOnTwoRanksMakesTheOneProcessPlans) {
   const double worst = worst_difference(one.file("model.pt"), two.file("model.pt"));
   std::printf("[ baoc ] two ranks against one process: worst relative weight difference %.3g\n", worst);
   EXPECT_LT(worst, 1e-3);  // 2.8e-6 measured
+  const double worst_sharded = worst_difference(one.file("model.pt"), zero.file("model.pt"));
+  std::printf("[ baoc ] two sharded ranks against one process: worst relative weight difference %.3g\n",
+              worst_sharded);
+  EXPECT_LT(worst_sharded, 1e-3);
+  EXPECT_EQ(sharded_results[0]["optim_state_sharded"], true);
+  const int64_t whole = reference["optim_state_bytes"].get<int64_t>();
+  const int64_t r0 = sharded_results[0]["optim_state_bytes"].get<int64_t>();
+  const int64_t r1 = sharded_results[1]["optim_state_bytes"].get<int64_t>();
+  EXPECT_EQ(r0 + r1, whole);  // the final formats' bytes, split by owner (fc1's weight ends in plain SGD: 0 bytes)
+  EXPECT_GT(r1, 0);
+  // Rank 0's checkpoint holds every tensor's SGD scale (each computed by its owner at a conversion).
+  const auto sgd_scales = [](const std::string& file) {
+    for (const auto& [name, t] : checkpoint_read(file).optimizer) {
+      if (name == "baoc.sgd_scales") return t;
+    }
+    ADD_FAILURE() << "no baoc.sgd_scales in " << file;
+    return at::Tensor();
+  };
+  const at::Tensor s1 = sgd_scales(one.file("checkpoint.pt")), sz = sgd_scales(zero.file("checkpoint.pt"));
+  ASSERT_TRUE(s1.defined() && sz.defined());
+  EXPECT_TRUE(at::allclose(s1, sz, 1e-4)) << s1 << sz;
+  EXPECT_TRUE((s1 != 1).any().item<bool>()) << s1;  // some tensor runs an SGD format
+
+  // A stop inside a statistics window: a warm-up of 4 steps (its window steps 1-4) stopped after step 3 on two sharded
+  // ranks. The plan at step 4 reads the window's sums and previous gradients from the checkpoint (every rank's).
+  test::TempDir long_one("dp_baoc_long_one");
+  const auto long_window = [&](const std::string& out) {
+    Config l = configure(mlp_options(out));
+    l.set("plan_warmup", "4");
+    l.set("replan_every", "4");
+    return l;
+  };
+  api::run(long_window(long_one.path()), one_process());
+  Config first = long_window(stop.path());
+  first.set("shard_optimizer", "on");
+  first.set("max_steps", "3");
+  run_ranks({first, first});
+  Config again = long_window(stop.path());
+  again.set("resume", stop.path());
+  const Json resumed = api::run(again, one_process());
+  EXPECT_EQ(resumed["steps"], 16);
+  EXPECT_LT(worst_difference(long_one.file("model.pt"), stop.file("model.pt")), 1e-3);
+  const auto pl = plans(long_one.file("events.jsonl"));
+  const auto p3 = plans(stop.file("events.jsonl"));
+  ASSERT_EQ(pl.size(), 4u);
+  ASSERT_EQ(p3.size(), pl.size());
+  for (size_t i = 0; i < pl.size(); ++i) {
+    EXPECT_EQ(p3[i]["step"], pl[i]["step"]) << "plan " << i;
+    ASSERT_EQ(p3[i]["units"].size(), pl[i]["units"].size()) << "plan " << i;
+    for (size_t u = 0; u < pl[i]["units"].size(); ++u) {
+      const Json &a = pl[i]["units"][u], &b = p3[i]["units"][u];
+      EXPECT_EQ(a["format"], b["format"]) << "resumed, plan " << i << ", " << a["unit"];
+      EXPECT_NEAR(a["risk"].get<double>(), b["risk"].get<double>(), 1e-6) << "resumed, plan " << i << ", " << a["unit"];
+    }
+  }
 }
 
 // Tri-Accel on two ranks: the precision policy reads the reduced gradient's statistics, the same on every rank; the
@@ -396,6 +486,24 @@ TEST_F(DataParallelTest, TwoGpusTrainTheWeightsOfOneGpu) {
   z.set("shard_optimizer", "on");
   run_ranks({z, z});
   EXPECT_LT(worst_difference(one.file("model.pt"), zero.file("model.pt")), 1e-3);
+  // BAOC's state sharded (its plans' sums over the ranks through NCCL) and NeuroFlux's blocks, against one GPU.
+  test::TempDir baoc_one("dp_gpu_baoc_one"), baoc_zero("dp_gpu_baoc_zero");
+  api::run(with_optimizer(on_gpu(mlp_options(baoc_one.path())), "baoc"), one_process());
+  Config bz = with_optimizer(on_gpu(mlp_options(baoc_zero.path())), "baoc");
+  bz.set("shard_optimizer", "on");
+  run_ranks({bz, bz});
+  EXPECT_LT(worst_difference(baoc_one.file("model.pt"), baoc_zero.file("model.pt")), 1e-3);
+  test::TempDir nf_one("dp_gpu_nf_one"), nf_two("dp_gpu_nf_two");
+  const auto nf = [&](const std::string& out) {
+    Config c = on_gpu(mlp_options(out));
+    c.set("model", "dp-mlp-local");
+    c.set("method", "neuroflux");
+    c.set("nf_exit_tolerance", "100");
+    return c;
+  };
+  api::run(nf(nf_one.path()), one_process());
+  run_ranks({nf(nf_two.path()), nf(nf_two.path())});
+  EXPECT_LT(worst_difference(nf_one.file("model.pt"), nf_two.file("model.pt")), 1e-3);
 }
 
 TEST_F(DataParallelTest, TwoRanksStoppedResumeInOneProcess) {
@@ -457,6 +565,99 @@ TEST_F(DataParallelTest, ShardedOptimizerStateTrainsTheWeightsOfOneProcess) {
   }
 }
 
+// NeuroFlux data parallel: each block's steps split over the ranks (each rank its share of the rows, the gradients
+// weighted and summed during backward), the caches and exits computed alike on every rank. Two ranks train the
+// weights of one process, block by block from the cache, and choose its exit; a stop that reaches one rank only
+// (rank 1's, inside the first block's last epoch) stops both at the same step, and the run resumes in one process to
+// the same weights and local losses.
+TEST_F(DataParallelTest, NeuroFluxOnTwoRanksTrainsTheWeightsOfOneProcess) {
+  const auto configure = [](const std::string& out) {
+    Config c = mlp_options(out);
+    c.set("model", "dp-mlp-local");
+    c.set("method", "neuroflux");
+    c.set("vram_budget", "1.5MB");  // several blocks (checked below)
+    c.set("nf_exit_tolerance", "100");
+    return c;
+  };
+  test::TempDir one("dp_nf_one"), two("dp_nf_two"), stop("dp_nf_stop");
+  const Json reference = api::run(configure(one.path()), one_process());
+  const std::vector<Json> results = run_ranks({configure(two.path()), configure(two.path())});
+  const auto blocks_of = [](const std::string& events) {
+    std::vector<Json> out;
+    for (const auto& e : events_read(events)) {
+      if (e["event"] == "block") out.push_back(e);
+    }
+    return out;
+  };
+  const auto b1 = blocks_of(one.file("events.jsonl"));
+  const auto b2 = blocks_of(two.file("events.jsonl"));
+  ASSERT_GE(b1.size(), 2u);
+  ASSERT_EQ(b2.size(), b1.size());
+  for (size_t b = 0; b < b1.size(); ++b) {
+    EXPECT_EQ(b2[b]["units"], b1[b]["units"]) << b;
+    EXPECT_EQ(b2[b]["steps"], b1[b]["steps"]) << b;
+    // The local losses and accuracies count every rank's rows (summed over the ranks).
+    const Json &l1 = b1[b]["local"].back(), &l2 = b2[b]["local"].back();
+    EXPECT_NEAR(l2["train_loss"].get<double>(), l1["train_loss"].get<double>(), 1e-4) << b;
+    EXPECT_NEAR(l2["train_acc"].get<double>(), l1["train_acc"].get<double>(), 1e-3) << b;
+  }
+  const double worst = worst_difference(one.file("model.pt"), two.file("model.pt"));
+  std::printf("[ neuroflux ] two ranks against one process: worst relative weight difference %.3g\n", worst);
+  EXPECT_LT(worst, 1e-3);
+  EXPECT_EQ(results[0]["exit_unit"], reference["exit_unit"]);
+  EXPECT_NEAR(results[0]["test_acc"].get<double>(), reference["test_acc"].get<double>(), 1e-6);
+  EXPECT_EQ(results[0]["world_size"], 2);
+
+  int64_t steps_seen = 0;
+  const std::vector<Config> first{configure(stop.path()), configure(stop.path())};
+  const std::vector<Json> stopped = run_ranks(first, nullptr, [&](int rank, RunHooks& hooks) {
+    if (rank != 1) return;
+    hooks.after_step = [&](int64_t step) { steps_seen = step; };
+    hooks.stop_requested = [&] { return steps_seen >= 15 ? StopRequest::kInterrupt : StopRequest::kNone; };
+  });
+  EXPECT_EQ(stopped[0]["reason"], "sigint");
+  EXPECT_EQ(stopped[1]["reason"], "sigint");
+  EXPECT_TRUE(stopped[0].contains("block_in_progress")) << stopped[0].dump();
+  Config again = configure(stop.path());
+  again.set("resume", stop.path());
+  const Json resumed = api::run(again, one_process());
+  EXPECT_EQ(resumed["steps"], reference["steps"]);
+  EXPECT_EQ(resumed["world_size"], 1);
+  EXPECT_LT(worst_difference(one.file("model.pt"), stop.file("model.pt")), 1e-3);
+  // The block stopped in resumed from every rank's local-loss sums (rank 0's alone would lose half the epoch's).
+  const auto b3 = blocks_of(stop.file("events.jsonl"));
+  ASSERT_EQ(b3.size(), b1.size());
+  for (size_t b = 0; b < b1.size(); ++b) {
+    EXPECT_NEAR(b3[b]["local"].back()["train_loss"].get<double>(), b1[b]["local"].back()["train_loss"].get<double>(),
+                1e-4) << b;
+  }
+}
+
+// With BatchNorm (small-cnn), each rank's running statistics come from its own shares, as in DDP; at each block's
+// end rank 0's go to every rank, so the cache passes and the exits are one model's: the ranks end with the same
+// buffers, bit for bit.
+TEST_F(DataParallelTest, NeuroFluxOnTwoRanksEndsWithRankZerosBatchNormStatistics) {
+  test::TempDir two("dp_nf_bn");
+  Config c = mlp_options(two.path());
+  c.set("model", "small-cnn");
+  c.set("method", "neuroflux");
+  c.set("vram_budget", "8MB");  // several blocks
+  c.set("nf_exit_tolerance", "100");
+  std::vector<std::shared_ptr<Model>> models(2);
+  const std::vector<Json> results = run_ranks({c, c}, nullptr, [&](int r, RunHooks& h) {
+    h.model = [&models, r](const ModelOptions& o) {
+      models[static_cast<size_t>(r)] = model_create(o);
+      return models[static_cast<size_t>(r)];
+    };
+  });
+  ASSERT_TRUE(models[0] && models[1]);
+  EXPECT_GE(results[0]["blocks"].get<int64_t>(), 2);
+  const auto b0 = models[0]->buffers(), b1 = models[1]->buffers();
+  ASSERT_EQ(b0.size(), b1.size());
+  ASSERT_FALSE(b0.empty());
+  for (size_t i = 0; i < b0.size(); ++i) EXPECT_TRUE(at::equal(b0[i], b1[i])) << "buffer " << i;
+}
+
 // Out of memory on one rank is not retried there alone (it would fall out of step with the others): that rank ends
 // with one line naming it and the way on, and the other rank, whose collective lost its peer, ends too.
 TEST_F(DataParallelTest, OutOfMemoryOnOneRankEndsEveryRankWithALine) {
@@ -486,16 +687,17 @@ TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
     c.set(key, value);
     return test::error_of([&] { c.validate(); });
   };
-  EXPECT_NE(refused("method", "auto").find("nproc 2 trains with method backprop or tri-accel only"),
-            std::string::npos) << refused("method", "auto");
+  EXPECT_NE(refused("method", "auto").find("nproc 2 needs the method named"), std::string::npos)
+      << refused("method", "auto");
+  Config neuroflux = mlp_options(out.path());  // each block trains data parallel
+  neuroflux.set("nproc", "2");
+  neuroflux.set("model", "small-cnn");
+  neuroflux.set("method", "neuroflux");
+  EXPECT_EQ(test::error_of([&] { neuroflux.validate(); }), "<no error>");
   EXPECT_EQ(refused("vram_budget", "1GB"), "<no error>");  // each rank plans its share; the ranks agree on readings
   EXPECT_NE(refused("batch_policy", "elastic").find("batch_policy elastic follows one process's memory"),
             std::string::npos) << refused("batch_policy", "elastic");
   EXPECT_NE(refused("inject_faults", "oom@3").find("inject_faults is not supported"), std::string::npos);
-  Config baoc = with_optimizer(mlp_options(out.path()), "baoc");
-  baoc.set("shard_optimizer", "on");
-  EXPECT_NE(test::error_of([&] { baoc.validate(); }).find("shard_optimizer on does not combine with optimizer baoc"),
-            std::string::npos);
   EXPECT_NE(refused("batch_size", "1").find("batch_size 1 is smaller than nproc 2"), std::string::npos);
   const auto refused_with_sync_bn = [&](const char* key, const std::string& value) {
     Config c = mlp_options(out.path());

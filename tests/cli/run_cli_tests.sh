@@ -88,7 +88,11 @@ expect nproc_trains 0 "2 processes" -- train "${TINY[@]}" --nproc 2 --max-steps 
 if [ "$(grep -c '"event":"config"' "$WORK/dp/events.jsonl" 2>/dev/null)" = 1 ] && grep -q '"world_size":2' "$WORK/dp/events.jsonl"; then
   passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nproc_trains: not one config event with world_size 2"; fi
 expect nproc_resume_one 0 "done: test acc" -- train --resume "$WORK/dp" --progress lines
-expect nproc_neuroflux 2 "--nproc 2 trains with --method backprop or tri-accel only" -- train "${TINY[@]}" --nproc 2 --method neuroflux
+expect nproc_neuroflux 0 "2 processes" -- train "${TINY[@]}" --nproc 2 --method neuroflux --out "$WORK/dpnf" --progress lines
+if [ -f "$WORK/dpnf/exit_model.pt" ] && grep -q '"event":"summary"' "$WORK/dpnf/events.jsonl"; then
+  passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nproc_neuroflux: no summary or exit model"; fi
+expect nproc_auto 2 "--nproc 2 needs the method named: --method backprop, tri-accel or neuroflux" -- train "${TINY[@]}" --nproc 2 --method auto
+expect nproc_neuroflux_sync_bn 2 "--sync-bn applies to --method backprop and tri-accel; drop it with neuroflux" -- train "${TINY[@]}" --nproc 2 --method neuroflux --sync-bn true
 expect nproc_budget_sync_bn 2 "--sync-bn runs each process's share in one forward, which a --vram-budget may split into micro-batches" -- train "${TINY[@]}" --nproc 2 --vram-budget 1GB --sync-bn true
 expect nproc_elastic 2 "--batch-policy elastic follows one process's memory; with --nproc 2 use --batch-policy fixed" -- train "${TINY[@]}" --nproc 2 --method tri-accel --vram-budget 1GB --batch-policy elastic
 expect nproc_zero 2 "--nproc must be in [1, 1024], got 0" -- train "${TINY[@]}" --nproc 0

@@ -21,6 +21,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <cstdlib>
 #include <exception>
 #include <limits>
@@ -235,6 +236,12 @@ std::vector<double> Dist::all_reduce_sum(std::vector<double> values) {
 std::vector<double> Dist::all_reduce_max(std::vector<double> values) {
   if (!active() || values.empty()) return values;
   return host_all_reduce(options_, *group_->gloo, std::move(values), c10d::ReduceOp::MAX);
+}
+
+std::vector<double> Dist::rank0_values(std::vector<double> values) {
+  if (!active() || values.empty()) return values;
+  if (rank() != 0) std::fill(values.begin(), values.end(), 0.0);
+  return all_reduce_sum(std::move(values));
 }
 
 void Dist::broadcast(std::vector<at::Tensor>& tensors, int root) {

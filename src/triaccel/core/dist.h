@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace triaccel {
@@ -65,6 +66,13 @@ class Dist {
   int rank() const { return options_.rank; }
   int world_size() const { return options_.world_size; }
   bool active() const { return options_.world_size > 1; }
+  // This rank's part of `count` samples of a global batch, (first, count) relative to the batch: contiguous parts
+  // in rank order whose sizes differ by at most one.
+  std::pair<int64_t, int64_t> share(int64_t count) const {
+    const int64_t first = count * rank() / world_size();
+    const int64_t end = count * (rank() + 1) / world_size();
+    return {first, end - first};
+  }
   // Whether CUDA tensors go through NCCL (without a host sync).
   bool nccl() const;
   // Whether this build can reduce CUDA tensors with NCCL.
@@ -72,6 +80,10 @@ class Dist {
 
   // Sums `tensors` over the ranks, in place on every rank: one collective per tensor.
   void all_reduce_sum(std::vector<at::Tensor>& tensors);
+  void all_reduce_sum(at::Tensor& t) {
+    std::vector<at::Tensor> one{t};
+    all_reduce_sum(one);
+  }
   // Starts summing the contiguous `t` over the ranks, in place, and returns at once: the caller goes on (backward,
   // say) while it runs, and must not touch `t` until the returned work's wait(). Collectives start in the same order
   // on every rank. A CUDA tensor without NCCL is copied to the host here and back in wait().
@@ -80,6 +92,9 @@ class Dist {
   std::vector<double> all_reduce_sum(std::vector<double> values);
   // Each number's largest value over the ranks (float64; the same count on every rank).
   std::vector<double> all_reduce_max(std::vector<double> values);
+  // Rank 0's numbers on every rank (float64; the same count on every rank): what a rank measured alone (a clock, an
+  // allocator) decided once for all.
+  std::vector<double> rank0_values(std::vector<double> values);
   // Every rank gets `root`'s values, in place.
   void broadcast(std::vector<at::Tensor>& tensors, int root = 0);
   // Point to point through Gloo, blocking until done: `t` (a contiguous host tensor) goes to rank `dst`, or receives

@@ -117,12 +117,11 @@ std::vector<int64_t> parameter_numels(Model& model) {
 }
 
 // Whether the configuration allows sharding the optimizer state over `world` ranks (ZeRO stage 1): several ranks,
-// an optimizer that keeps state, not BAOC (whose re-plans read every tensor's state), and not shard_optimizer off.
+// an optimizer that keeps state, and not shard_optimizer off.
 bool shard_possible(const Config& config, int64_t world) {
   const OptimConfig& o = config.optim;
   const bool stateful = o.optimizer != OptimizerKind::kSgd || o.momentum > 0;
-  return world > 1 && stateful && o.optimizer != OptimizerKind::kBaoc &&
-         config.execution.shard_optimizer != Toggle::kOff;
+  return world > 1 && stateful && config.execution.shard_optimizer != Toggle::kOff;
 }
 
 // The optimizer's state bytes per parameter element: SGD's momentum 4 (0 without momentum), AdamW's two moments 8
@@ -384,6 +383,10 @@ Trainer::Trainer(Session& session)
     param_shards_ =
         std::make_unique<ParamShards>(optimizer_->params(), layout.owners, dist, layout.sizes.bucket_bytes);
     optimizer_->set_owned(param_shards_->owned());
+    if (auto* baoc = dynamic_cast<BaocOptimizer*>(optimizer_.get())) {
+      // Its plans read statistics and moments each rank holds only for what it owns (optim/baoc_optimizer.h).
+      baoc->set_sum_over_ranks([&dist](at::Tensor& t) { dist.all_reduce_sum(t); });
+    }
   }
   budget_floor_check();
 
@@ -471,10 +474,7 @@ void Trainer::sync_bn_start() {
                        "use a ", option_ref("batch_size"), " that leaves at least ", world, " (", train_loader_.size(),
                        " training samples)");
   BatchNormSync sync;
-  sync.sum = [this](at::Tensor& t) {
-    std::vector<at::Tensor> one{t};
-    session_.dist().all_reduce_sum(one);
-  };
+  sync.sum = [this](at::Tensor& t) { session_.dist().all_reduce_sum(t); };
   sync.grad_weight = [this] { return grad_weight_; };
   bn_sync_ = std::make_unique<BatchNormSyncScope>(std::move(sync));
 }
@@ -650,7 +650,7 @@ Json Trainer::run() {
   while (p.epoch < config_.schedule.epochs && !stopped_) {
     if (!epoch()) break;  // stopped inside the epoch
     // A request that came during the evaluation stops here, not after the next epoch's first step.
-    if (const StopRequest r = stop_agreed().first; r != StopRequest::kNone && stop_reason_.empty()) {
+    if (const StopRequest r = session_.stop_agreed().first; r != StopRequest::kNone && stop_reason_.empty()) {
       stop_reason_ = stop_reason(r);
       stopped_ = true;
     }
@@ -676,7 +676,7 @@ bool Trainer::epoch() {
     after_step(count);
     const bool last_in_epoch = p.epoch_offset >= train_loader_.size();
     if (config_.schedule.max_steps > 0 && p.step >= config_.schedule.max_steps) stop_reason_ = "max_steps";
-    const auto [stop, checkpoint_due] = stop_agreed(p.step);
+    const auto [stop, checkpoint_due] = session_.stop_agreed(p.step);
     if (stop != StopRequest::kNone) stop_reason_ = stop_reason(stop);
     if (!stop_reason_.empty()) {
       stopped_ = true;
@@ -830,10 +830,7 @@ void Trainer::after_step(int64_t count) {
   ctx.now_s = session_.clock().now_s();
   ctx.memory = this;
   if (session_.dist().active()) {
-    ctx.agree = [&dist = session_.dist()](std::vector<double> values) {
-      if (dist.rank() != 0) std::fill(values.begin(), values.end(), 0.0);
-      return dist.all_reduce_sum(std::move(values));
-    };
+    ctx.agree = [&dist = session_.dist()](std::vector<double> values) { return dist.rank0_values(std::move(values)); };
   }
   for (auto& c : controllers_) {
     for (Event& e : c->after_step(ctx)) {
@@ -1137,12 +1134,7 @@ Json Trainer::summary() {
 
 // --- helpers ---
 
-std::pair<int64_t, int64_t> Trainer::shard(int64_t count) const {
-  const Dist& dist = session_.dist();
-  const int64_t first = count * dist.rank() / dist.world_size();
-  const int64_t end = count * (dist.rank() + 1) / dist.world_size();
-  return {first, end - first};
-}
+std::pair<int64_t, int64_t> Trainer::shard(int64_t count) const { return session_.dist().share(count); }
 
 void Trainer::dist_out_of_memory_check(const char* phase) const {
   const Dist& dist = session_.dist();
@@ -1160,20 +1152,6 @@ void Trainer::dist_out_of_memory_check(const char* phase) const {
                           "checkpoint on more GPUs (a smaller share per rank, the same batch): ", option_ref("resume"),
                           " ", config_.output.out, " ", option_ref("nproc"), " N, or start again with a smaller ",
                           option_ref("batch_size")));
-}
-
-std::pair<StopRequest, bool> Trainer::stop_agreed(int64_t step) {
-  const StopRequest own = session_.stop_requested();
-  const bool due = step >= 0 && session_.checkpoint_due(step);
-  Dist& dist = session_.dist();
-  if (!dist.active()) return {own, due};
-  const std::vector<double> any = dist.all_reduce_sum({own == StopRequest::kInterrupt ? 1.0 : 0.0,
-                                                       own == StopRequest::kTerminate ? 1.0 : 0.0,
-                                                       dist.rank() == 0 && due ? 1.0 : 0.0});
-  const StopRequest stop = any[1] > 0   ? StopRequest::kTerminate
-                           : any[0] > 0 ? StopRequest::kInterrupt
-                                        : StopRequest::kNone;
-  return {stop, any[2] > 0};
 }
 
 Json Trainer::memory_plan_brief() const {

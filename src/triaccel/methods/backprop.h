@@ -88,10 +88,6 @@ class Trainer : private MemoryMeter {
   // Data parallelism (one process: the whole batch, no-ops).
   // This rank's part of `count` samples of the global batch: (first, count) relative to the batch.
   std::pair<int64_t, int64_t> shard(int64_t count) const;
-  // What every rank agrees on after a step: the stop request (any rank's: a signal may reach one rank only), and
-  // whether a mid-epoch checkpoint is due after `step` (rank 0's clock decides, so every rank takes part in the
-  // sharded state's gather; step < 0: none asked).
-  std::pair<StopRequest, bool> stop_agreed(int64_t step = -1);
   // With several ranks an out-of-memory error is not retried (one rank alone would fall out of step): UserError
   // naming the rank and the batch. A no-op with one process.
   void dist_out_of_memory_check(const char* phase) const;

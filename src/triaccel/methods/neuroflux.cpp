@@ -21,6 +21,7 @@
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/sgd.h"
 #include "triaccel/train/checkpoint.h"
+#include "triaccel/train/grad_buckets.h"
 #include "triaccel/train/precision.h"
 #include "triaccel/train/rng.h"
 #include "triaccel/train/schedule.h"
@@ -35,6 +36,7 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <unordered_set>
@@ -216,6 +218,38 @@ Json cache_place_or_null(const std::unique_ptr<ActivationCache>& cache) {
   return cache ? Json(cache_place_name(cache->place())) : Json(nullptr);
 }
 
+// Data parallel: rank 0's plan on every rank (a measured profile reads each GPU's own allocator, and every rank must
+// train the same blocks at the same batches).
+Partition plan_agree(Dist& dist, const Partition& plan) {
+  if (!dist.active()) return plan;
+  const auto n = static_cast<size_t>(dist.rank0_values({static_cast<double>(plan.blocks.size())})[0]);
+  std::vector<double> flat(1 + 6 * n, 0.0);
+  if (plan.blocks.size() == n) {
+    flat[0] = plan.time_s;
+    for (size_t b = 0; b < n; ++b) {
+      const BlockPlan& bp = plan.blocks[b];
+      const double v[6] = {static_cast<double>(bp.first), static_cast<double>(bp.end), static_cast<double>(bp.batch),
+                           static_cast<double>(bp.head_level), bp.bytes, bp.time_s};
+      std::copy(v, v + 6, flat.begin() + static_cast<long>(1 + 6 * b));
+    }
+  }
+  flat = dist.rank0_values(std::move(flat));
+  Partition out;
+  out.time_s = flat[0];
+  for (size_t b = 0; b < n; ++b) {
+    const double* v = flat.data() + 1 + 6 * b;
+    BlockPlan bp;
+    bp.first = static_cast<int64_t>(v[0]);
+    bp.end = static_cast<int64_t>(v[1]);
+    bp.batch = static_cast<int64_t>(v[2]);
+    bp.head_level = static_cast<int64_t>(v[3]);
+    bp.bytes = v[4];
+    bp.time_s = v[5];
+    out.blocks.push_back(bp);
+  }
+  return out;
+}
+
 Json io_json(const ActivationCache::IoStats& a) {
   return Json{{"host_copy_s", a.host_copy_s}, {"wait_s", a.wait_s},
               {"gb_to_device", static_cast<double>(a.bytes_to_device) / kGB},
@@ -258,6 +292,9 @@ class NeuroFluxRun {
   double cache_pass(size_t b, CachePlace* place);
   void cache_pass_split(size_t b, SplitInput& in, std::vector<double>* accs, CachePlace place);
   BlockResult block_train(size_t b);
+  // Data parallel: rank 0's buffers (BatchNorm's running statistics, gathered from its shares) of block b's units and
+  // heads on every rank, as DDP broadcasts them, so the cache pass and the exits are one model's on every rank.
+  void buffers_agree(size_t b);
   // After every step of a block: checkpoints inside it when one is due or a stop is requested; true: stop.
   bool block_step_done(const BlockTrainer& trainer);
   // Ends the run early for `reason` (its checkpoint is written): the stop event and line. block_in_progress: the
@@ -404,19 +441,20 @@ void NeuroFluxRun::plan_make() {
   }
   const auto& ckpt = session_.checkpoint();
   plan_ = ckpt ? plan_from_json(ckpt->progress.at("plan"), n_units_, session_.checkpoint_file())
-               : partition_plan(profile_, po_);
+               : plan_agree(session_.dist(), partition_plan(profile_, po_));
   backprop_batch_ = profile_.backprop_max_batch(po_.safety * budget_ - resident_);
 }
 
 void NeuroFluxRun::heads_make() {
   // One aux head per unit but the last (the classifier is its own exit), at its block's ladder level.
-  torch::manual_seed(seed_mix(config_.execution.seed, kHeadStream));
   std::vector<int64_t> block_of(static_cast<size_t>(n_units_), 0);
   for (size_t b = 0; b < plan_.blocks.size(); ++b) {
     for (int64_t u = plan_.blocks[b].first; u < plan_.blocks[b].end; ++u) {
       block_of[static_cast<size_t>(u)] = static_cast<int64_t>(b);
     }
   }
+  std::unique_lock<std::mutex> lock(model_build_mutex());  // released before the broadcast below
+  torch::manual_seed(seed_mix(config_.execution.seed, kHeadStream));
   for (int64_t u = 0; u + 1 < n_units_; ++u) {
     const UnitProfile& up = profile_.units[static_cast<size_t>(u)];
     const int64_t level = plan_.blocks[static_cast<size_t>(block_of[static_cast<size_t>(u)])].head_level;
@@ -425,6 +463,17 @@ void NeuroFluxRun::heads_make() {
     head->train();
     session_.layout_params(*head);
     heads_.push_back(head);
+  }
+  lock.unlock();
+  Dist& dist = session_.dist();
+  if (dist.active()) {  // every rank starts from rank 0's heads, as from its model (run/session.cpp)
+    std::vector<at::Tensor> state;
+    for (const auto& h : heads_) {
+      for (const auto& p : h->parameters()) state.push_back(p.data());
+      for (const auto& b : h->buffers()) state.push_back(b);
+    }
+    const torch::NoGradGuard no_grad;
+    dist.broadcast(state, 0);
   }
 }
 
@@ -487,7 +536,10 @@ void NeuroFluxRun::events_open() {
   session_.printer().line(c10::str("triaccel: neuroflux ", config_.model.model, " on ", config_.data.dataset, " (",
                                    n_train_, " train / ", n_hold_, " held out / ", session_.data().test.size(),
                                    " test), ", plan_.blocks.size(), " blocks, budget ", budget_ / kGB, " GB, ",
-                                   device_long_name(device_)));
+                                   device_long_name(device_),
+                                   session_.dist().active()
+                                       ? c10::str(", ", session_.dist().world_size(), " processes")
+                                       : std::string()));
 }
 
 void NeuroFluxRun::host_prefill() {
@@ -608,7 +660,7 @@ Json NeuroFluxRun::run() {
     block_end(b, r);
     if (b + 1 == plan_.blocks.size()) break;
     // A request that came during the block's cache pass stops here, after the block-boundary checkpoint.
-    if (const StopRequest s = session_.stop_requested(); s != StopRequest::kNone) return stop(stop_reason(s), -1);
+    if (const StopRequest s = session_.stop_agreed().first; s != StopRequest::kNone) return stop(stop_reason(s), -1);
     if (config_.schedule.max_steps > 0 && step_ >= config_.schedule.max_steps) return stop("max_steps", -1);
   }
   return summary(exits_export());
@@ -642,7 +694,8 @@ class BlockTrainer {
 
   // Where the block is, for a checkpoint: its index, epoch, offset in the epoch, batch, steps, epoch times.
   Json progress() const;
-  // The block's SGD momenta and running loss sums.
+  // The block's SGD momenta and running loss sums (data parallel: summed over the ranks, a collective every rank
+  // makes; resume() gives them back to rank 0).
   NamedTensors state() const;
 
  private:
@@ -670,6 +723,7 @@ class BlockTrainer {
   const uint64_t block_seed_;
   std::vector<at::Tensor> params_;
   std::unique_ptr<Sgd> sgd_;
+  std::unique_ptr<GradBuckets> buckets_;  // data parallel: the gradients' sum over the ranks (null: one process)
   std::unique_ptr<Loader> train_aug_;  // block 0: shuffled, augmented batches from the data
   ScheduleOptions sched_;
   at::Tensor lr_, found_inf_;
@@ -707,7 +761,9 @@ BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size
         // Steps at the planned batch are captured once after the warm-up and replayed (static input buffers), as
         // the trainer's are; a capture refused by an error is retried once in relaxed mode.
         StepGraphOptions g;
-        g.enabled = session.device().is_cuda() && session.config().execution.cuda_graphs;
+        // Data parallel: NCCL's all-reduce is ordered on the stream and captured with the step (Gloo's is not).
+        g.enabled = session.device().is_cuda() && session.config().execution.cuda_graphs &&
+                    (!session.dist().active() || session.dist().nccl());
         g.batch = bp.batch;
         g.relaxed_retry = true;
         return g;
@@ -737,6 +793,14 @@ BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size
     }
   }
   for (const auto& [name, p] : named) params_.push_back(p);
+  Dist& dist = session_.dist();
+  if (dist.active()) {  // each rank trains on its share of every step's batch; the gradients are summed as it goes
+    GradBucketsOptions bo;
+    bo.bucket_bytes = static_cast<int64_t>(config_.execution.grad_bucket_mb * 1024 * 1024);
+    bo.wire = config_.execution.grad_compression == GradCompression::kBf16 ? at::kBFloat16 : at::ScalarType::Undefined;
+    buckets_ = std::make_unique<GradBuckets>(params_, bo,
+                                             [&dist](const at::Tensor& flat) { return dist.all_reduce_sum_start(flat); });
+  }
   SgdOptions so;
   so.momentum = config_.optim.momentum;
   so.nesterov = config_.optim.nesterov;
@@ -770,15 +834,27 @@ void BlockTrainer::grads_release() {
 }
 
 // One training step of the block on (x, y): local losses, one backward, the fused SGD step (lr read on the device).
+// Data parallel: this rank's share of the rows, its gradients weighted by the share's part of the batch and summed
+// over the ranks during backward (so every rank takes one process's step).
 void BlockTrainer::body(const at::Tensor& x, const at::Tensor& y) {
   grads_release();
-  at::Tensor loss;
-  {
-    const AutocastScope autocast(session_.device(), config_.execution.precision);
-    loss = neuroflux_block_loss(session_.model(), heads_, bp_.first, bp_.end, x, y, config_.optim.label_smoothing,
-                                &r_.loss_sum, &r_.correct);
+  at::Tensor xs = x, ys = y;
+  if (buckets_) {
+    const auto [first, count] = session_.dist().share(x.size(0));
+    xs = x.narrow(0, first, count);
+    ys = y.narrow(0, first, count);
+    buckets_->arm(static_cast<double>(count) / static_cast<double>(x.size(0)));
   }
-  loss.backward();
+  if (xs.size(0) > 0) {
+    at::Tensor loss;
+    {
+      const AutocastScope autocast(session_.device(), config_.execution.precision);
+      loss = neuroflux_block_loss(session_.model(), heads_, bp_.first, bp_.end, xs, ys, config_.optim.label_smoothing,
+                                  &r_.loss_sum, &r_.correct);
+    }
+    loss.backward();
+  }
+  if (buckets_) buckets_->finish();  // a rank without rows sends zeros
   sgd_->step(lr_, found_inf_);
 }
 
@@ -791,8 +867,15 @@ Json BlockTrainer::progress() const {
 
 NamedTensors BlockTrainer::state() const {
   NamedTensors out = sgd_->state_tensors();
-  out.emplace_back(std::string(kBlockSums) + "loss_sum", r_.loss_sum);
-  out.emplace_back(std::string(kBlockSums) + "correct", r_.correct);
+  at::Tensor loss_sum = r_.loss_sum, correct = r_.correct;
+  if (buckets_) {
+    loss_sum = loss_sum.clone();
+    correct = correct.clone();
+    session_.dist().all_reduce_sum(loss_sum);
+    session_.dist().all_reduce_sum(correct);
+  }
+  out.emplace_back(std::string(kBlockSums) + "loss_sum", loss_sum);
+  out.emplace_back(std::string(kBlockSums) + "correct", correct);
   return out;
 }
 
@@ -819,6 +902,10 @@ void BlockTrainer::resume(const Json& progress, const NamedTensors& state, const
   named_tensors_load({{std::string(kBlockSums) + "loss_sum", r_.loss_sum},
                       {std::string(kBlockSums) + "correct", r_.correct}},
                      sums, "NeuroFlux block", path);
+  if (session_.dist().rank() != 0) {  // the sums over every rank: rank 0's to continue from
+    r_.loss_sum.zero_();
+    r_.correct.zero_();
+  }
   if (batch_ < bp_.batch) graph_.refuse();  // an out-of-memory retry had left the planned batch
 }
 
@@ -832,6 +919,10 @@ BlockResult BlockTrainer::train() {
     epoch_before_s_ = 0;
   }
   train_aug_.reset();
+  if (buckets_) {  // the last epoch's sums over every rank's shares
+    session_.dist().all_reduce_sum(r_.loss_sum);
+    session_.dist().all_reduce_sum(r_.correct);
+  }
   r_.train_s = std::accumulate(epoch_times_.begin(), epoch_times_.end(), 0.0);
   if (train_in_.cache) r_.train_io = train_in_.cache->io_stats() - before;
   r_.final_batch = batch_;
@@ -890,9 +981,14 @@ void BlockTrainer::epoch(int64_t e) {
   }
   device_synchronize(device);
   epoch_times_.push_back(epoch_before_s_ + (session_.clock().now_s() - t_epoch_));
+  at::Tensor loss_sum = r_.loss_sum;
+  if (buckets_) {
+    loss_sum = loss_sum.clone();
+    session_.dist().all_reduce_sum(loss_sum);
+  }
   session_.printer().line(c10::str(
       "block ", b_ + 1, "/", n_blocks_, " epoch ", e + 1, "/", config_.schedule.epochs, ": local loss ",
-      r_.loss_sum[bp_.end - bp_.first - 1].item<double>() / static_cast<double>(n_train_), ", ", epoch_times_.back(),
+      loss_sum[bp_.end - bp_.first - 1].item<double>() / static_cast<double>(n_train_), ", ", epoch_times_.back(),
       " s, ", memory_stats(device).alloc_retries - retries_before_, " allocator retries"));
 }
 
@@ -925,6 +1021,13 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
     graph_.run([this](const at::Tensor& xb, const at::Tensor& yb) { body(xb, yb); }, x, y);
     if (count + fill < bp_.batch) ++r_.short_steps;
   } catch (const c10::OutOfMemoryError& e) {
+    const Dist& dist = session_.dist();
+    // Data parallel: not retried (one rank alone would fall out of step with the others).
+    TRIACCEL_CHECK_INPUT(!dist.active(), "rank ", dist.rank(), " of ", dist.world_size(),
+                         " ran out of GPU memory in NeuroFlux block ", b_, " at batch ", batch_, " (",
+                         (batch_ + dist.world_size() - 1) / dist.world_size(), " per rank); resume from the last "
+                         "checkpoint with a larger ", option_ref("vram_budget"), " or on more GPUs: ",
+                         option_ref("resume"), " ", config_.output.out, " ", option_ref("nproc"), " N");
     Json fields = oom_reading(e, device);
     x = at::Tensor();
     y = at::Tensor();
@@ -967,6 +1070,10 @@ BlockResult NeuroFluxRun::block_train(size_t b) {
     const BlockPlan planned = plan_.blocks[b];
     BlockPlan now = block_replan_for_held(profile_, po_, planned, held);
     now.batch = std::max(now.batch, po_.min_batch);  // none fits: the first step's error names the budget
+    // Data parallel: the batch that fits every rank (each reads its own allocator).
+    if (session_.dist().active()) {
+      now.batch = static_cast<int64_t>(-session_.dist().all_reduce_max({-static_cast<double>(now.batch)})[0]);
+    }
     if (now.batch != planned.batch) {
       replan = Json{{"planned_batch", planned.batch}, {"planned_gb", planned.bytes / kGB}, {"held_gb", held / kGB}};
       plan_.blocks[b] = now;
@@ -982,22 +1089,48 @@ BlockResult NeuroFluxRun::block_train(size_t b) {
   trainer.on_step([this](const BlockTrainer& t) { return block_step_done(t); });
   BlockResult r = trainer.train();
   r.replan = replan;
+  if (!r.stopped) buffers_agree(b);
   return r;
 }
 
+void NeuroFluxRun::buffers_agree(size_t b) {
+  Dist& dist = session_.dist();
+  if (!dist.active()) return;
+  std::vector<at::Tensor> buffers;
+  const BlockPlan& bp = plan_.blocks[b];
+  for (int64_t u = bp.first; u < bp.end; ++u) {
+    for (const auto& m : units_[static_cast<size_t>(u)].modules) {
+      for (const auto& t : m->buffers()) buffers.push_back(t);
+    }
+    if (u + 1 < n_units_) {
+      for (const auto& t : heads_[static_cast<size_t>(u)]->buffers()) buffers.push_back(t);
+    }
+  }
+  const torch::NoGradGuard no_grad;
+  dist.broadcast(buffers);
+}
+
 bool NeuroFluxRun::block_step_done(const BlockTrainer& trainer) {
-  if (const StopRequest r = session_.stop_requested(); r != StopRequest::kNone) {
-    stop_reason_ = stop_reason(r);
+  const auto [stop, due] = session_.stop_agreed(step_);  // data parallel: every rank stops at the same step
+  if (stop != StopRequest::kNone) {
+    stop_reason_ = stop_reason(stop);
     checkpoint(&trainer);
     return true;
   }
-  if (session_.checkpoint_due(step_)) checkpoint(&trainer);
+  if (due) checkpoint(&trainer);
   return false;
 }
 
 // The checkpoint: every unit's and head's weights, the plan and the progress; inside a block (in_block) also the
 // block's position, momenta, loss sums and the generators' states.
 void NeuroFluxRun::checkpoint(const BlockTrainer* in_block) {
+  // Every rank comes here at the same step (the block's sums are summed over the ranks); rank 0 writes.
+  NamedTensors block_state;
+  if (in_block) block_state = in_block->state();
+  if (!session_.writer()) {
+    session_.checkpoint_written();
+    return;
+  }
   Checkpoint c;
   c.config = config_.to_json();
   c.model_arch = config_.model.model;
@@ -1008,7 +1141,7 @@ void NeuroFluxRun::checkpoint(const BlockTrainer* in_block) {
                     {"plan", plan_to_json(plan_)}};
   if (in_block) {
     c.progress["block_in_progress"] = in_block->progress();
-    c.optimizer = in_block->state();
+    c.optimizer = std::move(block_state);
   }
   const std::string path = session_.out_file(kCheckpointFile);
   checkpoint_write(path, c);
@@ -1025,6 +1158,10 @@ void NeuroFluxRun::block_end(size_t b, const BlockResult& r) {
   const MemoryStats mem = memory_stats(device_);
   const double block_peak_gb = static_cast<double>(mem.peak_allocated_bytes) / kGB;
   peak_gb_ = std::max(peak_gb_, block_peak_gb);
+  Dist& dist = session_.dist();
+  std::vector<double> rank_peaks(static_cast<size_t>(dist.world_size()), 0.0);  // rank r in slot r
+  rank_peaks[static_cast<size_t>(dist.rank())] = block_peak_gb;
+  rank_peaks = dist.all_reduce_sum(std::move(rank_peaks));
   block_seconds_.push_back(r.train_s + cache_s);
   Json names = Json::array(), local = Json::array();
   const at::Tensor loss_cpu = r.loss_sum.cpu(), correct_cpu = r.correct.cpu();
@@ -1049,6 +1186,7 @@ void NeuroFluxRun::block_end(size_t b, const BlockResult& r) {
            {"input_cache_place", r.input_place},
            {"output_cache_place", last ? Json(nullptr) : Json(cache_place_name(place))},
            {"peak_vram_gb", block_peak_gb}, {"predicted_gb", bp.bytes / kGB},
+           {"rank_peak_vram_gb", dist.active() ? Json(rank_peaks) : Json(nullptr)},
            {"alloc_retries", mem.alloc_retries - r.alloc_retries_before}, {"cuda_graph", r.cuda_graph},
            {"graph_capture_ooms", r.capture_ooms},
            {"graph_capture_error", r.capture_error.empty() ? Json(nullptr) : Json(r.capture_error)},
@@ -1076,7 +1214,7 @@ Json NeuroFluxRun::exits_export() {
   const auto c = static_cast<size_t>(chosen);
   const std::string model_path = session_.out_file("model.pt");
   const std::string exit_path = session_.out_file(kExitModelFile);
-  model_export_state_dict(model_, model_path);
+  if (session_.writer()) model_export_state_dict(model_, model_path);  // data parallel: every rank holds these weights
   std::vector<at::Tensor> kept_params;
   std::unordered_set<const c10::TensorImpl*> kept;
   for (int64_t u = 0; u <= chosen; ++u) {
@@ -1105,7 +1243,7 @@ Json NeuroFluxRun::exits_export() {
                                     ? "conv3x3(no bias) -> bn -> relu -> adaptive_avg_pool(2) -> flatten -> fc"
                                     : "adaptive_avg_pool(2) -> flatten -> fc"}};
   }
-  state_dict_write(exit_state, kept_params, exit_path);
+  if (session_.writer()) state_dict_write(exit_state, kept_params, exit_path);
 
   // Inference throughput of the exit model and of the full network, eval mode, on a zero batch.
   model_.eval();
@@ -1163,7 +1301,7 @@ Json NeuroFluxRun::exits_export() {
                 {"num_classes", session_.model_options().num_classes}, {"mean", data.mean}, {"std", data.std},
                 {"full_params", full_params}};
   for (const auto& item : chosen_json.items()) exit_doc[item.key()] = item.value();
-  file_write_atomic(session_.out_file(kExitJsonFile), exit_doc.dump(2) + "\n");
+  if (session_.writer()) file_write_atomic(session_.out_file(kExitJsonFile), exit_doc.dump(2) + "\n");
   return chosen_json;
 }
 
@@ -1194,6 +1332,7 @@ Json NeuroFluxRun::summary(const Json& chosen) {
                {"exit_images_per_s", chosen["images_per_s"]},
                {"epochs", config_.schedule.epochs},
                {"steps", step_},
+               {"world_size", session_.dist().world_size()},
                {"total_s", session_.now()},
                {"device", device_long_name(device_)},
                {"input_mean", session_.data().mean},
@@ -1201,10 +1340,12 @@ Json NeuroFluxRun::summary(const Json& chosen) {
                {"model_path", session_.out_file("model.pt")},
                {"exit_model_path", chosen["path"]}};
   session_.event(event::kSummary, step_, summary);
-  session_.printer().line(c10::str("done: test acc ", acc, " % (exit ", chosen["unit"].get<std::string>(), ": ",
-                                   chosen["test_acc"].get<double>(), " %, ", chosen["params"].get<int64_t>(),
-                                   " params), ", epoch_s, " s/epoch, peak ", peak_gb_, " GB; events in ",
-                                   session_.events().path()));
+  if (session_.writer()) {  // the other ranks have no events file
+    session_.printer().line(c10::str("done: test acc ", acc, " % (exit ", chosen["unit"].get<std::string>(), ": ",
+                                     chosen["test_acc"].get<double>(), " %, ", chosen["params"].get<int64_t>(),
+                                     " params), ", epoch_s, " s/epoch, peak ", peak_gb_, " GB; events in ",
+                                     session_.events().path()));
+  }
   return summary;
 }
 

@@ -252,16 +252,26 @@ at::Tensor BaocOptimizer::v_float(size_t i) const {
 void BaocOptimizer::formats_set(const std::vector<StateFormat>& formats) {
   TORCH_CHECK(formats.size() == params().size(), "formats_set: ", formats.size(), " formats for ", params().size(),
               " tensors");
-  TORCH_CHECK(!sharded(), "BaocOptimizer::formats_set: sharded state is not re-planned yet");
   if (!initialized_) {
     pending_formats_ = formats;
     return;
   }
   const torch::NoGradGuard no_grad;
   const at::Tensor counts_cpu = counts_.cpu();
+  bool changed = false;
   for (size_t i = 0; i < params().size(); ++i) {
     const StateFormat from = states_[i].format, to = formats[i];
     if (from == to) continue;
+    changed = true;
+    // A moment the old format lacked restarts its count (on every rank: the counts are everyone's).
+    if (state_format_has_m(to) && !state_format_has_m(from)) counts_[static_cast<int64_t>(i)][0].fill_(0);
+    if (state_format_has_v(to) && !state_format_has_v(from)) counts_[static_cast<int64_t>(i)][1].fill_(0);
+    if (!owned(i)) {  // another rank's state: the format alone (its SGD scale arrives below)
+      states_[i] = BaocTensorState{};
+      states_[i].format = to;
+      states_[i].sgd_scale = 0;
+      continue;
+    }
     const at::Tensor m32 = state_format_has_m(to) ? m_float(i) : at::Tensor();
     const at::Tensor v32 = v_float(i);  // also feeds the SGD scale
     const float old_scale = states_[i].sgd_scale;
@@ -273,10 +283,14 @@ void BaocOptimizer::formats_set(const std::vector<StateFormat>& formats) {
       const double mean_v = v32.mean().item<double>() / bc2;
       next.sgd_scale = static_cast<float>(1.0 / (std::sqrt(mean_v) + options_.eps));
     }
-    if (state_format_has_m(to) && !m32.defined()) counts_[static_cast<int64_t>(i)][0].fill_(0);
-    if (state_format_has_v(to) && !(state_format_has_v(from) && v32.defined())) counts_[static_cast<int64_t>(i)][1].fill_(0);
     states_[i] = std::move(next);
   }
+  if (!sharded() || !changed) return;
+  // Every tensor's SGD scale is its owner's (a checkpoint written by rank 0 holds them all).
+  std::vector<double> scales;
+  for (size_t i = 0; i < params().size(); ++i) scales.push_back(owned(i) ? states_[i].sgd_scale : 0.0);
+  scales = sum_over_ranks(std::move(scales));
+  for (size_t i = 0; i < params().size(); ++i) states_[i].sgd_scale = static_cast<float>(scales[i]);
 }
 
 void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
@@ -404,7 +418,8 @@ void baoc_tensor_step_reference(BaocTensorState& s, const at::Tensor& p, const a
 
 void BaocOptimizer::stream_stats_enable(bool on) {
   if (on == stats_on_) return;
-  TORCH_CHECK(!on || !sharded(), "BaocOptimizer: the statistics window needs every tensor's state (not sharded)");
+  TORCH_CHECK(!on || !sharded() || sum_over_ranks_,
+              "BaocOptimizer: a statistics window over sharded state needs set_sum_over_ranks");
   stats_on_ = on;
   stats_prev_.clear();
   if (!stats_have_prev_.defined()) stats_have_prev_ = at::zeros({1}, counts_.options());
@@ -412,7 +427,10 @@ void BaocOptimizer::stream_stats_enable(bool on) {
   if (on) {
     const auto f64 = counts_.options();
     if (!stats_sum_.defined()) stats_sum_ = at::zeros({static_cast<int64_t>(params().size()), kStreamColumns}, f64);
-    for (const auto& p : params()) stats_prev_.push_back(at::zeros_like(p, p.options().dtype(at::kFloat)));
+    for (size_t i = 0; i < params().size(); ++i) {
+      const at::Tensor& p = params()[i];
+      stats_prev_.push_back(owned(i) ? at::zeros_like(p, p.options().dtype(at::kFloat)) : at::Tensor());
+    }
   }
 }
 
@@ -424,6 +442,10 @@ void BaocOptimizer::stream_stats_add(const std::vector<at::Tensor>& grads, const
   // No host branches on the window's progress: the previous gradient starts at zero (its terms add nothing) and
   // have_prev, a device flag, masks |g_t|² of the window's first step, so a captured graph replays correctly.
   for (size_t i = 0; i < params().size(); ++i) {
+    if (!owned(i)) {  // its owner's row (summed over the ranks when read)
+      rows.push_back(at::zeros({kStreamColumns}, counts_.options()));
+      continue;
+    }
     const at::Tensor g = like_param(grads[i], params()[i]);
     const at::Tensor gg = (g * g).sum().to(at::kDouble);
     const at::Tensor pair_dot = (g * stats_prev_[i]).sum().to(at::kDouble);
@@ -441,14 +463,32 @@ void BaocOptimizer::stream_stats_add(const std::vector<at::Tensor>& grads, const
   stats_have_prev_.copy_(at::where(ok, at::ones_like(stats_have_prev_), stats_have_prev_));
 }
 
-at::Tensor BaocOptimizer::stream_stats_take() {
-  if (!stats_sum_.defined()) return at::zeros({static_cast<int64_t>(params().size()), kStreamColumns}, at::kDouble);
-  const at::Tensor out = stats_sum_.cpu().clone();
-  stats_sum_.zero_();
-  return out;
+void BaocOptimizer::sum_in_place(at::Tensor& t) const {
+  if (!sharded()) return;
+  TORCH_CHECK(sum_over_ranks_, "BaocOptimizer: sharded state needs set_sum_over_ranks");
+  sum_over_ranks_(t);
 }
 
-Optimizer::NamedTensors BaocOptimizer::state_tensors() {
+std::vector<double> BaocOptimizer::sum_over_ranks(std::vector<double> values) const {
+  if (!sharded() || values.empty()) return values;
+  at::Tensor t = at::tensor(values, at::kDouble).to(counts_.device());
+  sum_in_place(t);
+  const at::Tensor host = t.cpu().contiguous();
+  const double* d = host.data_ptr<double>();
+  return {d, d + host.numel()};
+}
+
+at::Tensor BaocOptimizer::stream_stats_take() {
+  if (!stats_sum_.defined()) return at::zeros({static_cast<int64_t>(params().size()), kStreamColumns}, at::kDouble);
+  at::Tensor sums = stats_sum_.clone();
+  sum_in_place(sums);
+  stats_sum_.zero_();
+  return sums.cpu();
+}
+
+Optimizer::NamedTensors BaocOptimizer::state_tensors() { return state_entries(/*for_checkpoint=*/true); }
+
+Optimizer::NamedTensors BaocOptimizer::state_entries(bool for_checkpoint) {
   state_init();
   NamedTensors out;
   std::vector<int64_t> codes;
@@ -462,11 +502,21 @@ Optimizer::NamedTensors BaocOptimizer::state_tensors() {
   out.emplace_back("baoc.counts", counts_);
   // The statistics window in progress (so a resume inside it stays exact).
   if (!stats_sum_.defined()) stats_sum_ = at::zeros({static_cast<int64_t>(params().size()), kStreamColumns}, counts_.options());
-  out.emplace_back("baoc.stream_sums", stats_sum_);
+  if (for_checkpoint && sharded() && sum_over_ranks_) {  // (without it no window ever ran: the sums are zero)
+    at::Tensor sums = stats_sum_.clone();  // every row from its owner
+    sum_in_place(sums);
+    out.emplace_back("baoc.stream_sums", sums);
+  } else {
+    out.emplace_back("baoc.stream_sums", stats_sum_);
+  }
   if (!stats_have_prev_.defined()) stats_have_prev_ = at::zeros({1}, counts_.options());
   out.emplace_back("baoc.stream_have_prev", stats_have_prev_);
   if (stats_on_) {
-    for (size_t i = 0; i < params().size(); ++i) out.emplace_back(names()[i] + ".g_prev", stats_prev_[i]);
+    for (size_t i = 0; i < params().size(); ++i) {
+      // Another rank's previous gradient: a host temporary its owner's is gathered into.
+      const at::Tensor prev = owned(i) ? stats_prev_[i] : at::zeros(params()[i].sizes(), at::kFloat);
+      out.emplace_back(names()[i] + ".g_prev", prev);
+    }
   }
   for (size_t i = 0; i < states_.size(); ++i) {
     // Another process's tensor: host temporaries of its format's shapes, its owner's values gathered into them
@@ -509,7 +559,12 @@ void BaocOptimizer::state_load(const NamedTensors& stored, const std::string& pa
   bool window_open = false;
   for (const auto& [n, t] : stored) window_open = window_open || (!names().empty() && n == names()[0] + ".g_prev");
   stream_stats_enable(window_open);
-  named_tensors_load(state_tensors(), stored, "optimizer", path);
+  named_tensors_load(state_entries(/*for_checkpoint=*/false), stored, "optimizer", path);
+  if (sharded()) {  // the stored sums hold every rank's rows: keep the owned ones (the others are their owners')
+    for (size_t i = 0; i < params().size(); ++i) {
+      if (!owned(i)) stats_sum_[static_cast<int64_t>(i)].zero_();
+    }
+  }
 }
 
 }  // namespace triaccel

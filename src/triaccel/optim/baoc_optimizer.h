@@ -11,6 +11,10 @@
 // (re-encoded in the new format, up to its rounding); a moment the old format lacked starts at zero with its step
 // count at zero. Weight decay is decoupled and, as for SGD, not applied to tensors of dim ≤ 1.
 // The CPU path runs baoc_tensor_step_reference, the spec the CUDA kernels are tested against.
+// Sharded state (ZeRO stage 1, Optimizer::set_owned): a tensor's moments, its statistics and its SGD scale are its
+// owner's; what a plan reads (the window's sums, the signals, the SGD scales after a conversion) is summed over the
+// ranks through set_sum_over_ranks, each tensor's share coming from its owner alone, so every rank plans as one
+// process would.
 #pragma once
 
 #include "triaccel/optim/state_format.h"
@@ -18,6 +22,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,11 +89,19 @@ class BaocOptimizer final : public Optimizer {
   at::Tensor v_float(size_t i) const;
 
   // Gradient-stream statistics (docs/baoc.md): while enabled, every step adds its sums (kStream*) on the device and
-  // keeps a float32 copy of the previous gradient (memory: one parameter set, during the window only).
+  // keeps a float32 copy of the previous gradient (memory: one parameter set, during the window only; sharded: the
+  // owned tensors' only).
   void stream_stats_enable(bool on);
   bool stream_stats_enabled() const { return stats_on_; }
-  // (T, kStreamColumns) float64 on the CPU (syncs); resets the sums.
+  // (T, kStreamColumns) float64 on the CPU (syncs; sharded: summed over the ranks, a collective); resets the sums.
   at::Tensor stream_stats_take();
+
+  // Sharded state: `sum` adds a tensor over the ranks in place (every rank calls it at the same point). Required
+  // before a statistics window or a conversion of sharded state.
+  using SumOverRanks = std::function<void(at::Tensor&)>;
+  void set_sum_over_ranks(SumOverRanks sum) { sum_over_ranks_ = std::move(sum); }
+  // `values` summed over the ranks (unchanged when not sharded); float64 through a tensor on the state's device.
+  std::vector<double> sum_over_ranks(std::vector<double> values) const;
 
   // The 8-bit maps on the parameters' device: (256) float32 each, and (255) midpoints.
   const at::Tensor& map_signed() const { return map_signed_; }
@@ -99,6 +112,10 @@ class BaocOptimizer final : public Optimizer {
   // Tensor i's state in its format, zero, on the host (sharded state: what a checkpoint gathers its owner's into).
   BaocTensorState state_host_temporary(size_t i) const;
   void stream_stats_add(const std::vector<at::Tensor>& grads, const at::Tensor& found_inf);
+  // The state's entries by name; with `for_checkpoint` and sharded state, the window's sums summed over the ranks
+  // (a collective) and another rank's previous gradients as host temporaries, which the checkpoint gathers.
+  NamedTensors state_entries(bool for_checkpoint);
+  void sum_in_place(at::Tensor& t) const;
 
   BaocOptions options_;
   std::vector<StateFormat> pending_formats_;  // formats before the state exists
@@ -109,7 +126,8 @@ class BaocOptimizer final : public Optimizer {
   bool stats_on_ = false;
   at::Tensor stats_have_prev_;           // (1) float64 on the device: 1 once a previous gradient is stored
   std::vector<at::Tensor> stats_prev_;  // previous gradients, float32
-  at::Tensor stats_sum_;                // (T, kStreamColumns) float64 on the device
+  at::Tensor stats_sum_;                // (T, kStreamColumns) float64 on the device; sharded: owned rows only
+  SumOverRanks sum_over_ranks_;
 };
 
 // The spec of one tensor's update in plain ATen (any device; synchronizes). p, g: float32, same shape; the step

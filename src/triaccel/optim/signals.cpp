@@ -50,7 +50,8 @@ std::vector<UnitSignals> baoc_signals(const BaocOptimizer& opt, const at::Tensor
     a.mom_dot += sums[row][kStreamDotMom].item<double>();
     a.mom_sq += sums[row][kStreamSqMom].item<double>();
     a.mom_gg += sums[row][kStreamSqGradM].item<double>();
-    if (opt.state(i).format != StateFormat::kAdamW32 || !opt.state_initialized()) continue;
+    // Sharded state: the moments are their owner's; that rank adds them (summed over the ranks below).
+    if (opt.state(i).format != StateFormat::kAdamW32 || !opt.state_initialized() || !opt.owned(i)) continue;
     const double cm = counts[row][0].item<double>(), cv = counts[row][1].item<double>();
     if (cm <= 0 || cv <= 0) continue;
     a.state = true;
@@ -86,6 +87,24 @@ std::vector<UnitSignals> baoc_signals(const BaocOptimizer& opt, const at::Tensor
     a.logv += sum_d(logv);
     a.logv_sq += sum_d(logv * logv);
     a.elems += static_cast<double>(vh.numel());
+  }
+  if (opt.sharded()) {  // the stream's sums are every rank's already; the moments' are summed here
+    std::vector<double> flat;
+    for (const UnitSums& a : acc) {
+      for (double v : {a.state ? 1.0 : 0.0, a.u_sq, a.du_bf16, a.du_8bit, a.du_factor, a.du_scalar, a.mh_sq, a.noise,
+                       a.logv, a.logv_sq, a.elems}) {
+        flat.push_back(v);
+      }
+    }
+    flat = opt.sum_over_ranks(std::move(flat));
+    size_t at = 0;
+    for (UnitSums& a : acc) {
+      a.state = flat[at++] > 0;
+      for (double* v : {&a.u_sq, &a.du_bf16, &a.du_8bit, &a.du_factor, &a.du_scalar, &a.mh_sq, &a.noise, &a.logv,
+                        &a.logv_sq, &a.elems}) {
+        *v = flat[at++];
+      }
+    }
   }
   std::vector<UnitSignals> out(static_cast<size_t>(num_units));
   for (int64_t u = 0; u < num_units; ++u) {

@@ -2,7 +2,8 @@
 // a statistics window (BaocOptimizer::stream_stats_take). Directional stability comes from the stream; SNR,
 // anisotropy, factorization and quantization errors from the moments, and only from tensors whose state is
 // currently exact (kAdamW32): a unit already in a lossy or momentum-free format keeps the values `previous` holds
-// for those signals (its last exact measurement). Synchronizes with the device (runs at plan time only).
+// for those signals (its last exact measurement). Synchronizes with the device (runs at plan time only). Sharded state:
+// each rank adds the moments it owns and the sums are added over the ranks (a collective: every rank calls it).
 #pragma once
 
 #include "triaccel/optim/baoc_optimizer.h"

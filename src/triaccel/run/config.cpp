@@ -357,10 +357,6 @@ void Config::validate() const {
                        " fp32 or amp-bf16, got amp-fp16");
   TRIACCEL_CHECK_INPUT(optim.optimizer != OptimizerKind::kBaoc || method == Method::kBackprop, option_ref("optimizer"),
                        " baoc needs ", option_ref("method"), " backprop");
-  TRIACCEL_CHECK_INPUT(optim.optimizer != OptimizerKind::kBaoc || execution.shard_optimizer != Toggle::kOn,
-                       option_ref("shard_optimizer"), " on does not combine with ", option_ref("optimizer"),
-                       " baoc yet (its re-plans read every tensor's state); use ", option_ref("optimizer"),
-                       " adamw or sgd, or ", option_ref("shard_optimizer"), " off");
   TRIACCEL_CHECK_INPUT(execution.inject_faults.empty() || method != Method::kNeuroFlux, option_ref("inject_faults"),
                        " applies to ", option_ref("method"), " backprop and tri-accel, not neuroflux");
   for (const char* key : {"micro_batch", "recompute", "data_placement", "batch_policy"}) {
@@ -451,9 +447,12 @@ void Config::validate_world(int64_t world) const {
   // What data parallelism supports so far (docs/distributed.md).
   const Method method = execution.method;
   const std::string world_ref = str_cat(option_ref("nproc"), " ", world);
-  TRIACCEL_CHECK_INPUT(method == Method::kBackprop || method == Method::kTriAccel, world_ref, " trains with ",
-                       option_ref("method"), " backprop or tri-accel only so far, got ", enum_name(method),
-                       "; use one process");
+  TRIACCEL_CHECK_INPUT(method != Method::kAuto, world_ref, " needs the method named: ", option_ref("method"),
+                       " backprop, tri-accel or neuroflux (auto chooses in each process alone)");
+  // NeuroFlux trains each block data parallel, its BatchNorms per rank (rank 0's running statistics at each block's
+  // end); synchronized BatchNorm is the backprop trainer's.
+  TRIACCEL_CHECK_INPUT(method != Method::kNeuroFlux || !execution.sync_bn, option_ref("sync_bn"), " applies to ",
+                       option_ref("method"), " backprop and tri-accel; drop it with neuroflux");
   // (optimizer baoc is fine: its statistics come from the reduced gradient and its plan from them and from tables,
   // so every rank makes the same plans.)
   const ExecutionConfig& ex = execution;

@@ -50,14 +50,12 @@ c10::Device rank_device(const Config& config, const DistOptions& dist) {
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(dist.local_rank));
 }
 
-// Seeding and building a model draw from the process's global generator: ranks in threads of one process (tests)
-// take turns, so each builds exactly the weights a process of its own would.
+}  // namespace
+
 std::mutex& model_build_mutex() {
   static std::mutex m;
   return m;
 }
-
-}  // namespace
 
 Config config_for_run(const Config& given) {
   if (given.output.resume.empty()) {
@@ -203,6 +201,20 @@ bool Session::checkpoint_due(int64_t step) const {
 }
 
 void Session::checkpoint_written() { t_checkpoint_ = clock_.now_s(); }
+
+std::pair<StopRequest, bool> Session::stop_agreed(int64_t step) {
+  const StopRequest own = stop_requested();
+  const bool due = step >= 0 && checkpoint_due(step);
+  Dist& dist = *dist_;
+  if (!dist.active()) return {own, due};
+  const std::vector<double> any = dist.all_reduce_sum({own == StopRequest::kInterrupt ? 1.0 : 0.0,
+                                                       own == StopRequest::kTerminate ? 1.0 : 0.0,
+                                                       dist.rank() == 0 && due ? 1.0 : 0.0});
+  const StopRequest stop = any[1] > 0   ? StopRequest::kTerminate
+                           : any[0] > 0 ? StopRequest::kInterrupt
+                                        : StopRequest::kNone;
+  return {stop, any[2] > 0};
+}
 
 int64_t Session::image_size() const {
   if (data_.train.kind == DatasetKind::kTokens) return 0;

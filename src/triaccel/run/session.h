@@ -24,10 +24,16 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace triaccel {
+
+// Seeding and building a model (or NeuroFlux's heads) draw from the process's global generator: ranks in threads of
+// one process (tests) hold this while they do, so each builds exactly the weights a process of its own would.
+std::mutex& model_build_mutex();
 
 // Why a front end asks a run to stop early (a signal, KeyboardInterrupt in Python). The run finishes the step in
 // flight, writes a checkpoint and a stop event with the reason, and returns.
@@ -124,6 +130,10 @@ class Session {
   // last one (or the session's start) on the run's clock. checkpoint_written() restarts the time.
   bool checkpoint_due(int64_t step) const;
   void checkpoint_written();
+  // The stop request and whether a checkpoint is due after `step` (< 0: not asked), agreed by every rank (a host
+  // collective when data parallel: the strongest request any rank has, rank 0's clock for the checkpoint), so the
+  // ranks stop and checkpoint at the same step.
+  std::pair<StopRequest, bool> stop_agreed(int64_t step = -1);
 
   // Caps the caching allocator at `bytes` until the session ends (a vram_budget on CUDA).
   void memory_cap(int64_t bytes);
