@@ -4,6 +4,7 @@
 // process; the options data parallelism does not support yet are refused, naming them.
 #include "test_util.h"
 #include "triaccel/core/clock.h"
+#include "triaccel/core/dist.h"
 #include "triaccel/core/events.h"
 #include "triaccel/models/model.h"
 #include "triaccel/models/registry.h"
@@ -15,7 +16,6 @@
 #include <chrono>
 #include <functional>
 #include <thread>
-#include <unistd.h>
 
 namespace triaccel {
 namespace {
@@ -88,8 +88,7 @@ class DataParallelTest : public test::TinyMnistTest {
                                      const std::function<void(int, RunHooks&)>& customize = nullptr,
                                      std::vector<std::string>* errors_out = nullptr) {
     const int world = static_cast<int>(configs.size());
-    static int round = 0;
-    const int port = 21000 + static_cast<int>((getpid() * 7 + 100 * round++) % 20000);
+    const int port = free_local_port();  // a port picked from this process's id once collided (a store timed out)
     std::vector<Json> results(configs.size());
     std::vector<std::string> errors(configs.size());
     std::vector<std::thread> threads;

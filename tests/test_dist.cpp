@@ -10,7 +10,6 @@
 
 #include <cstdlib>
 #include <optional>
-#include <unistd.h>
 
 namespace triaccel {
 namespace {
@@ -86,7 +85,7 @@ TEST(DistTest, TwoGlooRanksSumAndBroadcast) {
   std::vector<std::vector<at::Tensor>> sums(2), casts(2), started(2), layouts(2);
   std::vector<std::vector<double>> maxima(2);
   // ctest -j runs test binaries side by side: a port of this process's own.
-  const auto errors = test::on_two_ranks(20000 + static_cast<int>(getpid() % 20000), [&](int r, Dist& dist) {
+  const auto errors = test::on_two_ranks(free_local_port(), [&](int r, Dist& dist) {
     std::vector<at::Tensor> t{torch::full({4}, static_cast<float>(r + 1)), torch::full({2}, 10.0f * r)};
     dist.all_reduce_sum(t);
     sums[r] = t;

@@ -2,6 +2,7 @@
 #include <torch/torch.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <execinfo.h>
 #include <unistd.h>
 
@@ -22,6 +23,13 @@ void crash_stack(int signal) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The data-parallel tests run their ranks as threads of this process, each with its own process groups. c10d's
+  // flight recorder (a process-wide singleton) inserts a group into a std::map outside its mutex at the group's first
+  // collective (FlightRecorder::recordWithResetEnabled, torch 2.11): two ranks' first collectives at once corrupted
+  // it (a crash inside ProcessGroupGloo::enqueue in two of five runs of these tests on two H100s). A rank that is a
+  // process of its own has one Gloo group and never meets this. Off here, before any group exists.
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+  setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "0", /*overwrite=*/0);
   ::testing::InitGoogleTest(&argc, argv);
   at::set_num_threads(2);
 #if !defined(__SANITIZE_ADDRESS__)  // under ASan (make test) its own report is better

@@ -32,7 +32,6 @@
 #include <cmath>
 #include <limits>
 #include <random>
-#include <unistd.h>
 
 namespace triaccel {
 namespace {
@@ -914,11 +913,8 @@ TEST(MemoryPlanControllerTest, APlanOffItsPredictionAfterCalibrationIsRecalibrat
   EXPECT_NEAR(r.c.plan().predicted_peak_bytes, r.truth(r.c.plan()), kPredictionTolerance * r.truth(r.c.plan()));
 }
 
-// A store port for the next two-rank test of this file (ctest -j runs test binaries side by side).
-int next_port() {
-  static int round = 0;
-  return 43000 + static_cast<int>((getpid() * 3 + 50 * round++) % 9000);
-}
+// A store port for the next two-rank test of this file: one free now (ctest -j runs test binaries side by side).
+int next_port() { return free_local_port(); }
 
 // Data parallelism: two ranks whose traces differ (rank 1's unit 1 keeps more, its unit 2 cannot be recomputed, its
 // fixed bytes are higher) agree on one model, each number the larger, the flag the stricter.

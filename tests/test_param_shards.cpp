@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <unistd.h>
 
 namespace triaccel {
 namespace {
@@ -66,7 +65,7 @@ TEST(ParamShardsTest, OwnersBroadcastTheirParametersAndGatherTheirState) {
   const std::vector<int> owners{0, 0, 0, 1, 1};
   std::vector<std::vector<at::Tensor>> seen(2);
   std::vector<NamedTensors> gathered(2);
-  const auto errors = test::on_two_ranks(22000 + static_cast<int>(getpid() % 9000), [&](int r, Dist& dist) {
+  const auto errors = test::on_two_ranks(free_local_port(), [&](int r, Dist& dist) {
     std::vector<at::Tensor> params = five_params();
     ParamShards shards(params, owners, dist, 64 * 4);
     EXPECT_EQ(shards.owned(), r == 0 ? (std::vector<bool>{true, true, true, false, false})

@@ -3,10 +3,7 @@
 #include "triaccel/core/errors.h"
 #include "triaccel/run/session.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,22 +19,6 @@ namespace {
 
 volatile sig_atomic_t g_forward_signal = 0;
 void on_launcher_signal(int sig) { g_forward_signal = sig; }
-
-// A TCP port free on 127.0.0.1 now (the kernel's pick for port 0); rank 0's store binds it moments later.
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  TRIACCEL_CHECK_INPUT(fd >= 0, "nproc: cannot open a socket to pick a rendezvous port (", std::strerror(errno), ")");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  close(fd);
-  TRIACCEL_CHECK_INPUT(ok, "nproc: cannot bind a local rendezvous port (", std::strerror(errno), ")");
-  return ntohs(addr.sin_port);
-}
 
 void signal_all(const std::vector<pid_t>& pids, const std::vector<bool>& running, int sig) {
   for (size_t r = 0; r < pids.size(); ++r) {
@@ -55,7 +36,7 @@ bool launch_needed(const Config& config) {
 LaunchResult launch(const Config& config, const std::vector<std::string>& argv) {
   config_for_run(config).validate();  // an option error is reported once, not by every rank
   const int n = static_cast<int>(config.execution.nproc);
-  const int port = free_port();
+  const int port = free_local_port();
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);

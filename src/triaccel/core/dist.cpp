@@ -21,7 +21,14 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cstdlib>
 #include <exception>
 #include <limits>
@@ -236,6 +243,22 @@ std::vector<double> Dist::all_reduce_sum(std::vector<double> values) {
 std::vector<double> Dist::all_reduce_max(std::vector<double> values) {
   if (!active() || values.empty()) return values;
   return host_all_reduce(options_, *group_->gloo, std::move(values), c10d::ReduceOp::MAX);
+}
+
+int free_local_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  TRIACCEL_CHECK_INPUT(fd >= 0, "data parallel: cannot open a socket to pick a rendezvous port (", std::strerror(errno),
+                       ")");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  close(fd);
+  TRIACCEL_CHECK_INPUT(ok, "data parallel: cannot bind a local rendezvous port (", std::strerror(errno), ")");
+  return ntohs(addr.sin_port);
 }
 
 std::vector<double> Dist::rank0_values(std::vector<double> values) {
