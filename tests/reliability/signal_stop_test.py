@@ -78,10 +78,17 @@ def main():
             proc.send_signal(sig)
             in_write = False
             if twice:
-                # The stop's checkpoint write: a temporary file appears after the step in flight finishes.
+                # The stop's checkpoint write: a temporary file appears after the step in flight finishes. A periodic
+                # write (--checkpoint-every 2) may already be under way when the first SIGINT is sent: its file is
+                # waited out first. Sent at once beside it, the second SIGINT could reach a process that had not yet
+                # taken the first, and two pending SIGINTs are one (a loaded machine: exit 3, a normal stop).
                 deadline = time.monotonic() + 60
+                busy = bool(glob.glob(f"{out}/checkpoint.pt.tmp.*"))
                 while proc.poll() is None and time.monotonic() < deadline:
-                    if glob.glob(f"{out}/checkpoint.pt.tmp.*"):
+                    writing = bool(glob.glob(f"{out}/checkpoint.pt.tmp.*"))
+                    if busy:
+                        busy = writing
+                    elif writing:
                         in_write = True
                         proc.send_signal(signal.SIGINT)
                         break
