@@ -4,7 +4,12 @@
 #include "test_util.h"
 #include "triaccel/optim/sgd.h"
 #ifdef TRIACCEL_WITH_CUDA
+#include "triaccel/core/cuda_graph.h"
 #include "triaccel/kernels/sgd_step.h"
+#include "triaccel/optim/baoc_optimizer.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <gtest/gtest.h>
@@ -116,8 +121,13 @@ TEST(SgdCudaTest, KernelMatchesReference) {
   }
   const at::Tensor lr = torch::full({1}, 0.1, cuda);
   const at::Tensor found = torch::zeros({1}, cuda);
+  // The scales on the device in reverse order, each tensor pointing at its row.
+  std::vector<float> reversed(scales.rbegin(), scales.rend());
+  const at::Tensor scales_dev = torch::tensor(reversed, cuda);
+  std::vector<int64_t> rows;
+  for (size_t i = 0; i < scales.size(); ++i) rows.push_back(static_cast<int64_t>(scales.size() - 1 - i));
   for (bool nesterov : {true, false}) {
-    sgd_step_cuda(p_gpu, g_gpu, m_gpu, wds, scales, lr, found, 0.9f, nesterov);
+    sgd_step_cuda(p_gpu, g_gpu, m_gpu, wds, scales_dev, rows, lr, found, 0.9f, nesterov);
     sgd_step_reference(p_ref, g_ref, m_ref, wds, scales, lr, found, 0.9f, nesterov);
     for (size_t i = 0; i < shapes.size(); ++i) {
       ASSERT_LT(max_rel_err(p_gpu[i], p_ref[i]), 1e-6) << "param " << i;
@@ -125,8 +135,69 @@ TEST(SgdCudaTest, KernelMatchesReference) {
     }
   }
   const at::Tensor before = p_gpu[1].clone();
-  sgd_step_cuda(p_gpu, g_gpu, m_gpu, wds, scales, lr, torch::ones({1}, cuda), 0.9f, true);
+  sgd_step_cuda(p_gpu, g_gpu, m_gpu, wds, scales_dev, rows, lr, torch::ones({1}, cuda), 0.9f, true);
   EXPECT_TRUE(torch::equal(before, p_gpu[1]));
+}
+
+// Tri-Accel changes the lr scales between replays of the captured step: every fused kernel (SGD, and BAOC's
+// element-wise, 8-bit and factored ones) must read them on the device, so that a replay after set_lr_scales uses
+// the new scales without a re-capture. Scale 0 for one tensor: the replay leaves it where it was (momentum or
+// moments still move) and moves the others; then back to 1: it moves again.
+TEST(OptimizerCudaTest, ACapturedStepReplaysWithTheLrScalesSetAfterTheCapture) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(3);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());
+  const std::vector<std::vector<int64_t>> shapes = {{64, 32}, {32}, {16, 8, 3, 3}, {300}};
+  struct Case {
+    const char* name;
+    std::vector<StateFormat> formats;  // empty: Sgd
+  };
+  const std::vector<Case> cases = {
+      {"sgd", {}},
+      {"baoc adamw32/nomomentum/adamw16/sgd", {StateFormat::kAdamW32, StateFormat::kNoMomentum, StateFormat::kAdamW16,
+                                               StateFormat::kSgdMomentum}},
+      {"baoc adamw8/factored", {StateFormat::kAdamW8, StateFormat::kFactored, StateFormat::kFactored,
+                                StateFormat::kAdamW8}}};
+  for (const Case& c : cases) {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      at::Tensor p = torch::randn(shapes[i], cuda);
+      p.mutable_grad() = torch::randn_like(p);
+      named.emplace_back("p" + std::to_string(i), p);
+    }
+    std::unique_ptr<Optimizer> opt;
+    if (c.formats.empty()) {
+      opt = std::make_unique<Sgd>(named, SgdOptions{});
+    } else {
+      auto baoc = std::make_unique<BaocOptimizer>(named, BaocOptions{});
+      baoc->formats_set(c.formats);
+      opt = std::move(baoc);
+    }
+    const at::Tensor lr = torch::full({1}, 0.01, cuda);
+    const at::Tensor found = torch::zeros({1}, cuda);
+    opt->step(lr, found);  // the state exists before the capture (its addresses are the graph's)
+    const auto graph = cuda_graph_capture([&]() { opt->step(lr, found); });
+    ASSERT_NE(graph, nullptr) << c.name;
+    const auto moved = [&](const std::vector<at::Tensor>& before) {
+      std::vector<bool> out;
+      for (size_t i = 0; i < before.size(); ++i) out.push_back(!torch::equal(before[i], named[i].second));
+      return out;
+    };
+    const auto snapshot = [&]() {
+      std::vector<at::Tensor> out;
+      for (const auto& [name, p] : named) out.push_back(p.clone());
+      return out;
+    };
+    opt->set_lr_scales({1.f, 1.f, 0.f, 1.f});
+    std::vector<at::Tensor> before = snapshot();
+    graph->replay();
+    EXPECT_EQ(moved(before), (std::vector<bool>{true, true, false, true})) << c.name;
+    opt->set_lr_scales({1.f, 1.f, 1.f, 1.f});
+    before = snapshot();
+    graph->replay();
+    EXPECT_EQ(moved(before), (std::vector<bool>{true, true, true, true})) << c.name;
+  }
 }
 #endif
 

@@ -30,7 +30,7 @@ struct Adam8Record {
   const double* counts;     // (count_m, count_v) of the tensor
   int64_t numel;
   float weight_decay;
-  float lr_scale;
+  const float* lr_scale;    // on the device: read at every launch
 };
 using Adam8Pack = TensorPack<Adam8Record, 1>;  // one phase: one block per quantization block
 
@@ -86,7 +86,7 @@ __global__ void adam8_step_kernel(const __grid_constant__ Adam8Pack pack, const 
   const int64_t qb = static_cast<int64_t>(blockIdx.x) - pack.block_start[0][t];
   const int64_t i = qb * kQuantBlock + threadIdx.x;
   const bool valid = i < rec.numel;
-  const float lr = *lr_ptr * rec.lr_scale;
+  const float lr = *lr_ptr * *rec.lr_scale;
   float m = 0.f, v = 0.f;
   if (valid) {
     float pv = rec.param[i] * (1.f - lr * rec.weight_decay);
@@ -123,14 +123,13 @@ void adam8_step_launch(const Adam8Pack& pack, const float* map_s, const float* m
 void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                      const std::vector<at::Tensor>& m_codes, const std::vector<at::Tensor>& v_codes,
                      const std::vector<at::Tensor>& m_absmax, const std::vector<at::Tensor>& v_absmax,
-                     const std::vector<float>& weight_decays, const std::vector<float>& lr_scales,
+                     const std::vector<float>& weight_decays, const at::Tensor& lr_scales,
                      const at::Tensor& counts, const std::vector<int64_t>& count_rows, const at::Tensor& map_signed,
                      const at::Tensor& map_unsigned, const at::Tensor& lr, const at::Tensor& found_inf,
                      const AdamStepHyper& hyper) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && m_codes.size() == n && v_codes.size() == n && m_absmax.size() == n &&
-                  v_absmax.size() == n && weight_decays.size() == n && lr_scales.size() == n &&
-                  count_rows.size() == n,
+                  v_absmax.size() == n && weight_decays.size() == n && count_rows.size() == n,
               "adam8_step_cuda: list lengths differ");
   if (n == 0) return;
   const at::Device device = params[0].device();
@@ -141,6 +140,9 @@ void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
   tensor_check_cuda("adam8_step_cuda", map_unsigned, "map_unsigned", device, at::kFloat);
   TORCH_CHECK(map_signed.numel() == 256 && map_unsigned.numel() == 256, "adam8_step_cuda: maps must have 256 values");
   TORCH_CHECK(counts.is_contiguous() && counts.dim() == 2 && counts.size(1) == 2, "adam8_step_cuda: counts must be (T, 2)");
+  tensor_check_cuda("adam8_step_cuda", lr_scales, "lr_scales", device, at::kFloat);
+  TORCH_CHECK(lr_scales.is_contiguous() && lr_scales.dim() == 1 && lr_scales.size(0) == counts.size(0),
+              "adam8_step_cuda: lr_scales must be (T)");
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float* map_s_ptr = map_signed.data_ptr<float>();
@@ -174,7 +176,7 @@ void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
     rec.counts = counts.data_ptr<double>() + 2 * count_rows[i];
     rec.numel = numel;
     rec.weight_decay = weight_decays[i];
-    rec.lr_scale = lr_scales[i];
+    rec.lr_scale = lr_scales.data_ptr<float>() + count_rows[i];
     packer.add(rec, {blocks});
   }
   packer.finish();

@@ -34,7 +34,7 @@ struct AdamRecord {
   const double* counts;  // (count_m, count_v) of the tensor
   int64_t numel;
   float weight_decay;
-  float lr_scale;
+  const float* lr_scale;  // on the device: read at every launch
   float sgd_scale;
 };
 using AdamPack = TensorPack<AdamRecord, 1>;  // one phase: ceil(numel / kChunk) blocks per tensor
@@ -62,7 +62,7 @@ __global__ void adam_step_kernel(const __grid_constant__ AdamPack pack, const fl
   const float* g = rec.grad;
   S* m = static_cast<S*>(rec.m);
   S* v = static_cast<S*>(rec.v);
-  const float lr = *lr_ptr * rec.lr_scale;
+  const float lr = *lr_ptr * *rec.lr_scale;
   const float decay = 1.f - lr * rec.weight_decay;
   const float bc1 = bc[0];
   const float sqrt_bc2 = sqrtf(bc[1]);
@@ -134,13 +134,13 @@ void adam_step_launch(UpdateRule rule, at::ScalarType state_dtype, const AdamPac
 void adam_step_cuda(UpdateRule rule, at::ScalarType state_dtype, const std::vector<at::Tensor>& params,
                     const std::vector<at::Tensor>& grads,
                     const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs,
-                    const std::vector<float>& weight_decays, const std::vector<float>& lr_scales,
+                    const std::vector<float>& weight_decays, const at::Tensor& lr_scales,
                     const std::vector<float>& sgd_scales, const at::Tensor& counts,
                     const std::vector<int64_t>& count_rows, const at::Tensor& lr, const at::Tensor& found_inf,
                     const AdamStepHyper& hyper) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && ms.size() == n && vs.size() == n && weight_decays.size() == n &&
-                  lr_scales.size() == n && sgd_scales.size() == n && count_rows.size() == n,
+                  sgd_scales.size() == n && count_rows.size() == n,
               "adam_step_cuda: list lengths differ");
   if (n == 0) return;
   const at::Device device = params[0].device();
@@ -148,6 +148,9 @@ void adam_step_cuda(UpdateRule rule, at::ScalarType state_dtype, const std::vect
   tensor_check_cuda("adam_step_cuda", found_inf, "found_inf", device, at::kFloat);
   tensor_check_cuda("adam_step_cuda", counts, "counts", device, at::kDouble);
   TORCH_CHECK(counts.is_contiguous() && counts.dim() == 2 && counts.size(1) == 2, "adam_step_cuda: counts must be (T, 2)");
+  tensor_check_cuda("adam_step_cuda", lr_scales, "lr_scales", device, at::kFloat);
+  TORCH_CHECK(lr_scales.is_contiguous() && lr_scales.dim() == 1 && lr_scales.size(0) == counts.size(0),
+              "adam_step_cuda: lr_scales must be (T)");
   TORCH_CHECK(state_dtype == at::kFloat || state_dtype == at::kBFloat16,
               "adam_step_cuda: moments must be float32 or bfloat16, got ", state_dtype);
   const bool has_m = update_rule_has_m(rule), has_v = update_rule_has_v(rule);
@@ -180,7 +183,7 @@ void adam_step_cuda(UpdateRule rule, at::ScalarType state_dtype, const std::vect
     rec.counts = counts.data_ptr<double>() + 2 * count_rows[i];
     rec.numel = params[i].numel();
     rec.weight_decay = weight_decays[i];
-    rec.lr_scale = lr_scales[i];
+    rec.lr_scale = lr_scales.data_ptr<float>() + count_rows[i];
     rec.sgd_scale = sgd_scales[i];
     packer.add(rec, {(rec.numel + kChunk - 1) / kChunk});
   }

@@ -21,11 +21,13 @@ struct AdamStepHyper {
 
 // params, grads: float32, dense, same layout. ms / vs: the state of each tensor, of `state_dtype` (kFloat or
 // kBFloat16; undefined where the rule has none), same layout as the param. counts: (T, 2) float64 contiguous;
-// count_rows[i] is tensor i's row. sgd_scales: k of the SGD rules (ignored otherwise).
+// count_rows[i] is tensor i's row. lr_scales: (T) float32 on the device, row count_rows[i] tensor i's learning-rate
+// multiplier, read at every launch (a captured graph replays with the scales as they are then). sgd_scales: k of
+// the SGD rules (ignored otherwise).
 void adam_step_cuda(UpdateRule rule, at::ScalarType state_dtype, const std::vector<at::Tensor>& params,
                     const std::vector<at::Tensor>& grads,
                     const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs,
-                    const std::vector<float>& weight_decays, const std::vector<float>& lr_scales,
+                    const std::vector<float>& weight_decays, const at::Tensor& lr_scales,
                     const std::vector<float>& sgd_scales, const at::Tensor& counts,
                     const std::vector<int64_t>& count_rows, const at::Tensor& lr, const at::Tensor& found_inf,
                     const AdamStepHyper& hyper);

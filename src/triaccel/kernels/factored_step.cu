@@ -41,7 +41,7 @@ struct FactoredRecord {
   int64_t rows;
   int64_t cols;
   float weight_decay;
-  float lr_scale;
+  const float* lr_scale;  // on the device: read at every launch
 };
 using FactoredPack = TensorPack<FactoredRecord, kFactoredPhases>;
 
@@ -113,7 +113,7 @@ __global__ void factored_update_kernel(const __grid_constant__ FactoredPack pack
   const FactoredRecord& a = pack.rec[t];
   const int64_t cols = a.cols, n = a.rows * cols;
   const int64_t base = (static_cast<int64_t>(blockIdx.x) - pack.block_start[kElemPhase][t]) * kChunk;
-  const float lr = *lr_ptr * a.lr_scale;
+  const float lr = *lr_ptr * *a.lr_scale;
   const float decay = 1.f - lr * a.weight_decay;
   const float sqrt_bc2 = sqrtf(static_cast<float>(1.0 - pow(static_cast<double>(h.beta2), a.counts[1])));
   const float r_mean = a.r_mean[0];
@@ -145,12 +145,12 @@ void factored_step_launch(const FactoredPack& pack, const float* lr, const float
 
 void factored_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                         const std::vector<at::Tensor>& v_rows, const std::vector<at::Tensor>& v_cols,
-                        const std::vector<float>& weight_decays, const std::vector<float>& lr_scales,
+                        const std::vector<float>& weight_decays, const at::Tensor& lr_scales,
                         const at::Tensor& counts, const std::vector<int64_t>& count_rows, const at::Tensor& lr,
                         const at::Tensor& found_inf, const AdamStepHyper& hyper) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && v_rows.size() == n && v_cols.size() == n && weight_decays.size() == n &&
-                  lr_scales.size() == n && count_rows.size() == n,
+                  count_rows.size() == n,
               "factored_step_cuda: list lengths differ");
   if (n == 0) return;
   const at::Device device = params[0].device();
@@ -159,6 +159,9 @@ void factored_step_cuda(const std::vector<at::Tensor>& params, const std::vector
   TORCH_CHECK(counts.is_cuda() && counts.scalar_type() == at::kDouble && counts.is_contiguous() && counts.dim() == 2 &&
                   counts.size(1) == 2,
               "factored_step_cuda: counts must be (T, 2) float64 on the device");
+  tensor_check_cuda("factored_step_cuda", lr_scales, "lr_scales", device, at::kFloat);
+  TORCH_CHECK(lr_scales.is_contiguous() && lr_scales.dim() == 1 && lr_scales.size(0) == counts.size(0),
+              "factored_step_cuda: lr_scales must be (T)");
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float* lr_ptr = lr.data_ptr<float>();
@@ -196,7 +199,7 @@ void factored_step_cuda(const std::vector<at::Tensor>& params, const std::vector
     rec.rows = rows;
     rec.cols = cols;
     rec.weight_decay = weight_decays[i];
-    rec.lr_scale = lr_scales[i];
+    rec.lr_scale = lr_scales.data_ptr<float>() + count_rows[i];
     packer.add(rec, {rows, (cols + kThreads - 1) / kThreads, (rows * cols + kChunk - 1) / kChunk});
   }
   packer.finish();

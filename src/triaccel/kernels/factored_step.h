@@ -16,10 +16,11 @@
 namespace triaccel {
 
 // params, grads: float32, dense, same layout, size(0) outermost; v_rows: (R) float32; v_cols: (C) float32 with
-// R = size(0), C = numel / R.
+// R = size(0), C = numel / R. counts: (T, 2) float64 and lr_scales: (T) float32 on the device, row count_rows[i]
+// tensor i's (lr_scales read at every launch).
 void factored_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                         const std::vector<at::Tensor>& v_rows, const std::vector<at::Tensor>& v_cols,
-                        const std::vector<float>& weight_decays, const std::vector<float>& lr_scales,
+                        const std::vector<float>& weight_decays, const at::Tensor& lr_scales,
                         const at::Tensor& counts, const std::vector<int64_t>& count_rows, const at::Tensor& lr,
                         const at::Tensor& found_inf, const AdamStepHyper& hyper);
 

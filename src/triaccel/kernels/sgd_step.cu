@@ -25,7 +25,7 @@ struct SgdRecord {
   float* mom;
   int64_t numel;
   float weight_decay;
-  float lr_scale;  // multiplier of *lr (Tri-Accel curvature scaling; 1 otherwise)
+  const float* lr_scale;  // multiplier of *lr on the device (Tri-Accel curvature scaling; 1 otherwise)
 };
 using SgdPack = TensorPack<SgdRecord, 1>;  // one phase: ceil(numel / kChunk) blocks per tensor
 
@@ -48,7 +48,7 @@ __global__ void sgd_step_kernel(const __grid_constant__ SgdPack pack, const floa
   const float* g = rec.grad;
   float* m = rec.mom;
   const float wd = rec.weight_decay;
-  const float lr = *lr_ptr * rec.lr_scale;
+  const float lr = *lr_ptr * *rec.lr_scale;
   const bool aligned = ((reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(g) |
                          reinterpret_cast<uintptr_t>(m)) & 15) == 0;
   if (aligned && base + kChunk <= n) {
@@ -89,16 +89,18 @@ void sgd_step_launch(const SgdPack& pack, const float* lr, const float* found_in
 
 void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                    const std::vector<at::Tensor>& momenta, const std::vector<float>& weight_decays,
-                   const std::vector<float>& lr_scales, const at::Tensor& lr, const at::Tensor& found_inf,
-                   float momentum, bool nesterov) {
+                   const at::Tensor& lr_scales, const std::vector<int64_t>& scale_rows, const at::Tensor& lr,
+                   const at::Tensor& found_inf, float momentum, bool nesterov) {
   TORCH_CHECK(params.size() == grads.size() && params.size() == momenta.size() &&
-                  params.size() == weight_decays.size() && params.size() == lr_scales.size(),
+                  params.size() == weight_decays.size() && params.size() == scale_rows.size(),
               "sgd_step_cuda: list lengths differ");
   if (params.empty()) return;
   const at::Device device = params[0].device();
   tensor_check_cuda("sgd_step_cuda", lr, "lr", device, at::kFloat);
   tensor_check_cuda("sgd_step_cuda", found_inf, "found_inf", device, at::kFloat);
   TORCH_CHECK(lr.numel() == 1 && found_inf.numel() == 1, "sgd_step_cuda: lr and found_inf must be scalars");
+  tensor_check_cuda("sgd_step_cuda", lr_scales, "lr_scales", device, at::kFloat);
+  TORCH_CHECK(lr_scales.dim() == 1 && lr_scales.is_contiguous(), "sgd_step_cuda: lr_scales must be (T) contiguous");
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
@@ -113,13 +115,14 @@ void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::
     tensor_check_cuda("sgd_step_cuda", momenta[i], "momentum buffer", device, at::kFloat);
     TORCH_CHECK(same_dense_layout(params[i], grads[i]) && same_dense_layout(params[i], momenta[i]),
                 "sgd_step_cuda: param, grad and momentum buffer must share a memory layout (tensor ", i, ")");
+    TORCH_CHECK(scale_rows[i] >= 0 && scale_rows[i] < lr_scales.size(0), "sgd_step_cuda: bad scale row");
     SgdRecord rec;
     rec.param = params[i].data_ptr<float>();
     rec.grad = grads[i].data_ptr<float>();
     rec.mom = momenta[i].data_ptr<float>();
     rec.numel = params[i].numel();
     rec.weight_decay = weight_decays[i];
-    rec.lr_scale = lr_scales[i];
+    rec.lr_scale = lr_scales.data_ptr<float>() + scale_rows[i];
     packer.add(rec, {(rec.numel + kChunk - 1) / kChunk});
   }
   packer.finish();

@@ -310,7 +310,7 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
     }
     for (const auto& [format, idx] : groups) {
       std::vector<at::Tensor> ps, gs, ms, vs, mas, vas;
-      std::vector<float> wds, scales, ks;
+      std::vector<float> wds, ks;
       std::vector<int64_t> rows;
       for (size_t i : idx) {
         const BaocTensorState& s = states_[i];
@@ -321,7 +321,6 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
         mas.push_back(s.m_absmax);
         vas.push_back(s.v_absmax);
         wds.push_back(weight_decays()[i]);
-        scales.push_back(lr_scales()[i]);
         ks.push_back(s.sgd_scale);
         rows.push_back(static_cast<int64_t>(i));
       }
@@ -329,27 +328,27 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
       if (t.m == MomentCodec::kQuant8 || t.v == MomentCodec::kQuant8) {
         TORCH_CHECK(t.m == MomentCodec::kQuant8 && t.v == MomentCodec::kQuant8, "BaocOptimizer: format ", t.name,
                     ": the 8-bit kernel needs both moments 8-bit");
-        adam8_step_cuda(ps, gs, ms, vs, mas, vas, wds, scales, counts_, rows, map_signed_, map_unsigned_, lr,
-                        found_inf, hyper);
+        adam8_step_cuda(ps, gs, ms, vs, mas, vas, wds, lr_scales_device(), counts_, rows, map_signed_,
+                        map_unsigned_, lr, found_inf, hyper);
       } else if (t.v == MomentCodec::kFactored) {
         TORCH_CHECK(t.m == MomentCodec::kNone, "BaocOptimizer: format ", t.name, ": the factored kernel keeps no m");
         // Matrices: the factored kernel. 1-D tensors keep a full float32 v: the same math as kNoMomentum.
         std::vector<at::Tensor> fp, fg, fr, fc, np, ng, nm, nv;
-        std::vector<float> fwd, fsc, nwd, nsc, nk;
+        std::vector<float> fwd, nwd, nk;
         std::vector<int64_t> frow, nrow;
         for (size_t j = 0; j < idx.size(); ++j) {
           const BaocTensorState& s = states_[idx[j]];
           if (s.v_row.defined()) {
             fp.push_back(ps[j]); fg.push_back(gs[j]); fr.push_back(s.v_row); fc.push_back(s.v_col);
-            fwd.push_back(wds[j]); fsc.push_back(scales[j]); frow.push_back(rows[j]);
+            fwd.push_back(wds[j]); frow.push_back(rows[j]);
           } else {
             np.push_back(ps[j]); ng.push_back(gs[j]); nm.push_back(at::Tensor()); nv.push_back(s.v);
-            nwd.push_back(wds[j]); nsc.push_back(scales[j]); nk.push_back(ks[j]); nrow.push_back(rows[j]);
+            nwd.push_back(wds[j]); nk.push_back(ks[j]); nrow.push_back(rows[j]);
           }
         }
-        factored_step_cuda(fp, fg, fr, fc, fwd, fsc, counts_, frow, lr, found_inf, hyper);
-        adam_step_cuda(UpdateRule::kNoMomentum, at::kFloat, np, ng, nm, nv, nwd, nsc, nk, counts_, nrow, lr,
-                       found_inf, hyper);
+        factored_step_cuda(fp, fg, fr, fc, fwd, lr_scales_device(), counts_, frow, lr, found_inf, hyper);
+        adam_step_cuda(UpdateRule::kNoMomentum, at::kFloat, np, ng, nm, nv, nwd, lr_scales_device(), nk, counts_,
+                       nrow, lr, found_inf, hyper);
       } else {
         // The element-wise kernel: the rule from the moments kept, the storage type from their codec.
         const MomentCodec storage = t.m != MomentCodec::kNone ? t.m : t.v;
@@ -358,8 +357,8 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
                          storage == MomentCodec::kBFloat16),
                     "BaocOptimizer: format ", t.name, " has no kernel (moments of one type, float32 or bfloat16)");
         adam_step_cuda(update_rule_for(t.m != MomentCodec::kNone, t.v != MomentCodec::kNone),
-                       storage == MomentCodec::kBFloat16 ? at::kBFloat16 : at::kFloat, ps, gs, ms, vs, wds, scales,
-                       ks, counts_, rows, lr, found_inf, hyper);
+                       storage == MomentCodec::kBFloat16 ? at::kBFloat16 : at::kFloat, ps, gs, ms, vs, wds,
+                       lr_scales_device(), ks, counts_, rows, lr, found_inf, hyper);
       }
     }
     return;

@@ -3,6 +3,7 @@
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/optim/sgd.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 namespace triaccel {
@@ -18,6 +19,9 @@ Optimizer::Optimizer(const std::vector<std::pair<std::string, at::Tensor>>& name
     lr_scales_.push_back(1.f);
     owned_.push_back(true);
   }
+  const c10::Device device = params_.empty() ? c10::Device(c10::kCPU) : params_.front().device();
+  lr_scales_device_ =
+      at::ones({static_cast<int64_t>(params_.size())}, at::TensorOptions().dtype(at::kFloat).device(device));
 }
 
 void Optimizer::set_owned(std::vector<bool> owned) {
@@ -32,6 +36,8 @@ void Optimizer::set_lr_scales(std::vector<float> scales) {
   TORCH_CHECK(scales.size() == params_.size(), kind_, "::set_lr_scales: ", scales.size(), " scales for ",
               params_.size(), " parameters");
   lr_scales_ = std::move(scales);
+  // In place, on the current stream: steps queued before read the old scales, later ones (and replays) the new.
+  lr_scales_device_.copy_(at::tensor(lr_scales_, at::kFloat));
 }
 
 void Optimizer::state_load(const NamedTensors& stored, const std::string& path) {

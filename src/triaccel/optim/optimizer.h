@@ -39,10 +39,13 @@ class Optimizer {
   const std::vector<std::string>& names() const { return names_; }
   const std::vector<at::Tensor>& params() const { return params_; }
   const std::vector<float>& weight_decays() const { return weight_decays_; }
-  // Per-parameter learning-rate multipliers (all 1 by default); values travel into fused kernels by value, so a
-  // captured CUDA graph must be re-captured after a change.
+  // Per-parameter learning-rate multipliers (all 1 by default). The fused kernels read them on the device, from
+  // lr_scales_device() (written here in stream order, its address fixed), so a captured CUDA graph replays with the
+  // new scales: no re-capture after a change.
   void set_lr_scales(std::vector<float> scales);
   const std::vector<float>& lr_scales() const { return lr_scales_; }
+  // (T) float32 on the parameters' device: lr_scales(), row i parameter i's.
+  const at::Tensor& lr_scales_device() const { return lr_scales_device_; }
   // ZeRO stage 1: which parameters this process keeps state for and updates (all of them by default). Set before
   // the first step or state_init.
   void set_owned(std::vector<bool> owned);
@@ -69,6 +72,7 @@ class Optimizer {
   std::vector<at::Tensor> params_;
   std::vector<float> weight_decays_;
   std::vector<float> lr_scales_;
+  at::Tensor lr_scales_device_;
   std::vector<bool> owned_;
   bool sharded_ = false;
 };

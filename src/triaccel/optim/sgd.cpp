@@ -56,6 +56,7 @@ void Sgd::step(const at::Tensor& lr, const at::Tensor& found_inf) {
   // The parameters this process updates (all of them unless the state is sharded).
   std::vector<at::Tensor> p, g, m;
   std::vector<float> wd, scale;
+  std::vector<int64_t> rows;
   for (size_t i = 0; i < params().size(); ++i) {
     if (!owned(i)) continue;
     p.push_back(params()[i]);
@@ -63,11 +64,13 @@ void Sgd::step(const at::Tensor& lr, const at::Tensor& found_inf) {
     m.push_back(momenta_[i]);
     wd.push_back(weight_decays()[i]);
     scale.push_back(lr_scales()[i]);
+    rows.push_back(static_cast<int64_t>(i));
   }
   if (p.empty()) return;
 #ifdef TRIACCEL_WITH_CUDA
   if (p[0].is_cuda()) {
-    sgd_step_cuda(p, g, m, wd, scale, lr, found_inf, static_cast<float>(options_.momentum), options_.nesterov);
+    sgd_step_cuda(p, g, m, wd, lr_scales_device(), rows, lr, found_inf, static_cast<float>(options_.momentum),
+                  options_.nesterov);
     return;
   }
 #endif
