@@ -8,6 +8,7 @@
 #include "triaccel/control/memory_plan_controller.h"
 #include "triaccel/control/memory_planner.h"
 #include "triaccel/control/precision_controller.h"
+#include "triaccel/core/cuda_graph.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/dist.h"
 #include "triaccel/core/events.h"
@@ -521,6 +522,67 @@ TEST(MemoryGpuTest, AnEagerStepOfAnotherSizeRunsInTheGraphsPool) {
 #endif
 }
 
+// GPU: a side graph (Tri-Accel's curvature pass under a budget) captured in the step graph's pool takes the step's
+// scratch as its own: its 24 MB temporary reserves nothing beside the step's 32 MB one (a pool of its own reserves a
+// segment for it: checked, so the test can tell); both graphs replay what they should, in any order; the side graph
+// goes with the step's graph (invalidate) and a new capture replaces it.
+TEST(MemoryGpuTest, ASideGraphTakesTheStepGraphsScratchAndGoesWithIt) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  constexpr int64_t kWidth = 1 << 20;  // 4 MB of float32 per row
+  const auto opts = at::TensorOptions().device(gpu);
+  StepGraphOptions o;
+  o.batch = 8;
+  o.warmup_steps = 1;
+  o.eager_in_pool = true;
+  StepGraph graph(o);
+  const at::Tensor out = at::zeros({8}, opts);       // what the step keeps: outside the pool
+  const at::Tensor side_out = at::zeros({6}, opts);  // what the side graph keeps
+  const at::Tensor side_in = at::zeros({6, kWidth}, opts);
+  const StepGraph::Body body = [&](const at::Tensor& x, const at::Tensor&) { out.copy_((x * 2 + 1).sum(1)); };
+  const auto side_fn = [&]() { side_out.copy_((side_in * 3 - 1).sum(1)); };
+  const at::Tensor y = at::zeros({8}, opts.dtype(at::kLong));
+  const auto step = [&](float v) { graph.run(body, at::full({8, kWidth}, v, opts), y); };
+  const auto expect_all = [](const at::Tensor& t, float v, const char* what) {
+    EXPECT_EQ(t.cpu().min().item<float>(), v) << what;
+    EXPECT_EQ(t.cpu().max().item<float>(), v) << what;
+  };
+  EXPECT_EQ(graph.side_capture(side_fn), 0) << "no step graph yet";
+  step(0);  // warm-up
+  step(1);  // captured
+  ASSERT_TRUE(graph.captured());
+  memory_cache_release(gpu);
+  int64_t before = memory_stats(gpu).reserved_bytes;
+  const int64_t handle = graph.side_capture(side_fn);
+  ASSERT_GT(handle, 0);
+  EXPECT_EQ(memory_stats(gpu).reserved_bytes - before, 0) << "the side graph reserved memory beside the step's pool";
+  for (int r = 0; r < 3; ++r) {
+    side_in.fill_(static_cast<float>(r));
+    ASSERT_TRUE(graph.side_replay(handle));
+    step(static_cast<float>(r + 2));
+    expect_all(side_out, static_cast<float>((3 * r - 1) * kWidth), "side");
+    expect_all(out, static_cast<float>((2 * (r + 2) + 1) * kWidth), "step");
+  }
+  graph.invalidate();
+  EXPECT_FALSE(graph.side_replay(handle)) << "the side graph outlived the step's";
+  step(5);  // eager (the warm-up after an invalidation)
+  step(6);  // captured again
+  ASSERT_TRUE(graph.captured());
+  const int64_t again = graph.side_capture(side_fn);
+  ASSERT_GT(again, 0);
+  EXPECT_TRUE(graph.side_replay(again));
+  EXPECT_FALSE(graph.side_replay(handle));
+  // A pool of its own needs a segment for the same temporary: the first check above can fail.
+  memory_cache_release(gpu);
+  before = memory_stats(gpu).reserved_bytes;
+  const auto own = cuda_graph_capture(side_fn);
+  ASSERT_NE(own, nullptr);
+  EXPECT_GE(memory_stats(gpu).reserved_bytes - before, 6 * kWidth * 4);
+#endif
+}
+
 // GPU: under a budget's cap, memory freed inside a segment that still holds a live block serves a later, larger
 // block (the scope's expandable segments). A 60 MB block is freed, a 12 MB block is cut from its segment and kept,
 // then a 56 MB block is asked for under a cap 100 MB above what was reserved: the plain allocator needs a new 56 MB
@@ -829,6 +891,80 @@ TEST(PrecisionControllerTest, APromotionNoPlanFitsIsRefusedAndNamed) {
     for (const auto& r : events[0].fields.at("reason")) EXPECT_EQ(r.get<std::string>(), want_reason);
     EXPECT_EQ(asked, 1) << "accept " << accept;
   }
+}
+
+// Under a plan (a memory check set) a promotion by curvature is held where it was, named "memory", and not even
+// asked for; without one the same λ_max promote units 0 and 2 to fp32, named "curvature".
+TEST(PrecisionControllerTest, UnderAPlanCurvaturePromotionsAreHeld) {
+  for (const bool planned : {true, false}) {
+    torch::manual_seed(5);
+    UnitRig rig(false, StepOptions{}, torch::kCPU);
+    PrecisionPolicyOptions po;
+    po.tau_low = 0;       // no unit below: fp16 never
+    po.tau_high = 1e30;   // none above: every unit bf16 by its variance
+    po.tau_curv = 1.0;
+    PrecisionController c(po, 1, rig.net, rig.sgd, rig.step, torch::kCPU);
+    int asked = 0;
+    if (planned) {
+      c.set_memory_check([&](const std::vector<Precision>&) {
+        ++asked;
+        return true;
+      });
+    }
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+    rig.step.run(at::randn({12, 12}, gen), at::randint(0, 5, {12}, gen), 0.05);
+    StepContext ctx;
+    ctx.step = 1;
+    ctx.unit_lambda_max = {5.0, 0.5, 5.0};
+    const Events events = c.after_step(ctx);
+    ASSERT_EQ(events.size(), 1u);
+    const Precision promoted = planned ? Precision::kBF16 : Precision::kFP32;
+    EXPECT_EQ(rig.step.unit_precisions(), (std::vector<Precision>{promoted, Precision::kBF16, promoted}))
+        << "planned " << planned;
+    const std::string why = planned ? "memory" : "curvature";
+    const auto& reasons = events[0].fields.at("reason");
+    EXPECT_EQ(reasons[0].get<std::string>(), why);
+    EXPECT_EQ(reasons[1].get<std::string>(), "variance");
+    EXPECT_EQ(reasons[2].get<std::string>(), why);
+    EXPECT_EQ(asked, 0);
+  }
+}
+
+// A promotion the check accepted whose step then ran out of memory (the trainer calls revert_raise before
+// re-planning): the units go back to bf16, the decision is refused from then on without asking the check again, and
+// the next window names them "memory"; a second revert has nothing to put back.
+TEST(PrecisionControllerTest, APromotionThatRanOutOfMemoryIsPutBackAndRefused) {
+  torch::manual_seed(5);
+  UnitRig rig(false, StepOptions{}, torch::kCPU);
+  PrecisionPolicyOptions po;
+  po.tau_low = 0;
+  po.tau_high = 0;
+  PrecisionController c(po, 1, rig.net, rig.sgd, rig.step, torch::kCPU);
+  int asked = 0;
+  c.set_memory_check([&](const std::vector<Precision>&) {
+    ++asked;
+    return true;
+  });
+  EXPECT_FALSE(c.revert_raise()) << "nothing raised yet";
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  Events events;
+  const auto window = [&](int64_t s) {
+    rig.step.run(at::randn({12, 12}, gen), at::randint(0, 5, {12}, gen), 0.05);
+    StepContext ctx;
+    ctx.step = s;
+    events = c.after_step(ctx);
+  };
+  window(1);  // thresholds of 0: every unit to fp32 at the first window
+  ASSERT_EQ(rig.step.unit_precisions(), std::vector<Precision>(3, Precision::kFP32));
+  EXPECT_TRUE(c.revert_raise());
+  EXPECT_EQ(rig.step.unit_precisions(), std::vector<Precision>(3, Precision::kBF16));
+  EXPECT_FALSE(c.revert_raise()) << "put back twice";
+  window(2);
+  EXPECT_EQ(rig.step.unit_precisions(), std::vector<Precision>(3, Precision::kBF16));
+  ASSERT_EQ(events.size(), 1u);
+  for (const auto& r : events[0].fields.at("reason")) EXPECT_EQ(r.get<std::string>(), "memory");
+  EXPECT_EQ(asked, 1) << "the refused promotion was traced again";
+  EXPECT_FALSE(c.revert_raise()) << "a window that raised nothing";
 }
 
 // The calibration tests' rig: a made-up model whose true run needs `true_scale` of the modelled activations and 30

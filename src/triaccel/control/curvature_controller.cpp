@@ -104,8 +104,7 @@ void CurvatureController::apply_lr_scales() {
   std::vector<float> scales;
   for (int64_t u : unit_of_param_) scales.push_back(static_cast<float>(unit_lr_scale_[static_cast<size_t>(u)]));
   if (scales == optimizer_.lr_scales()) return;
-  optimizer_.set_lr_scales(std::move(scales));
-  step_.invalidate_graph();  // the scales travel by value into the captured kernel
+  optimizer_.set_lr_scales(std::move(scales));  // read on the device: a captured step replays with them
 }
 
 std::vector<size_t> CurvatureController::units_due(int64_t step) {
@@ -198,7 +197,10 @@ std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>&
                                                       double* seconds) {
   const CudnnHeuristics heuristics;
   if (options_.lockstep) {
-    if (!round_) round_ = std::make_unique<CurvatureRound>(model_, probe_images_, probe_labels_, options_.probe);
+    if (!round_) {
+      round_ = std::make_unique<CurvatureRound>(model_, probe_images_, probe_labels_, options_.probe);
+      if (options_.share_step_pool) round_->share_pool(&step_.graph());
+    }
     std::vector<UnitCurvature> curv = round_->run(seconds);
     // The schedule plans with what a round of replays costs: the round that captured the pass (and ran it eagerly
     // where the capture came second) is charged all of it but planned as if those had been replays too.
@@ -263,6 +265,16 @@ Events CurvatureController::after_step(StepContext& ctx) {
   if (chosen.empty()) {  // not enough credit yet: try again after the next T_curv
     last_call_s_ = ctx.now_s;
     return events;
+  }
+  if (options_.lockstep && options_.share_step_pool) {
+    // The round is a side graph of the step's (rank 0's state for every rank: the skip must agree).
+    double eager = step_.graph().captured() ? 0.0 : 1.0;
+    if (ctx.agree) eager = ctx.agree({eager})[0];
+    if (eager != 0) {
+      events.push_back({event::kCurvature, Json{{"skipped", "no step graph"}, {"next_probe_step", next_probe_step_}}});
+      last_call_s_ = ctx.now_s;
+      return events;
+    }
   }
   const size_t n_units = model_.units().size();
   // The GPU finishes the steps queued before the probe first: training time (on the H100 it was a third of a warm

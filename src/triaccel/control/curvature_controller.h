@@ -35,6 +35,10 @@ struct CurvatureControllerOptions {
   // come at an even pace from the start and the run's probe time still ends within budget × training time (plus one
   // round). With the credit alone a 15-epoch ResNet-18 run probed 1–3 times (the longest stretch unprobed 11–15 epochs).
   int64_t total_steps = 0;
+  // Lockstep rounds in the training step's CUDA-graph pool (CurvatureRound::share_pool): under a --vram-budget,
+  // whose plan fills the budget with the steps and leaves no room for a pool of the rounds' own. A round waits for the
+  // step's graph (skipped "no step graph" while the step runs eagerly).
+  bool share_step_pool = false;
   std::vector<int64_t> probe_samples;  // the dataset indices of the probe batch (for the event)
 };
 

@@ -252,6 +252,8 @@ struct CurvatureRound::State {
   std::unique_ptr<at::cuda::CUDAGraph> graph;
 #endif
   int captures_tried = 0;                          // of the current graph: first cold, then after an eager pass
+  StepGraph* host = nullptr;                       // share_pool's: the pass is a side graph of this one's
+  int64_t side = 0;                                // the side graph's handle (0: none captured)
   std::vector<const void*> storage;                // the parameters' data at the capture
   int64_t graph_bytes = 0;
   CurvatureRound::Timing timing;                   // of the last round
@@ -388,7 +390,7 @@ struct CurvatureRound::State {
 
   bool has_graph() const {
 #ifdef TRIACCEL_WITH_CUDA
-    return graph != nullptr;
+    return graph != nullptr || side != 0;
 #else
     return false;
 #endif
@@ -400,6 +402,7 @@ struct CurvatureRound::State {
   // the pass ran as a replay.
   bool run_pass(const Clock& clock) {
 #ifdef TRIACCEL_WITH_CUDA
+    if (host) return run_side_pass(clock);
     const bool capturable = options.cuda_graphs && x.is_cuda() &&
                             c10::cuda::getCurrentCUDAStream() != c10::cuda::getDefaultCUDAStream();
     if (!graph && capturable && captures_tried == 0) capture(clock);
@@ -422,6 +425,22 @@ struct CurvatureRound::State {
   }
 
 #ifdef TRIACCEL_WITH_CUDA
+  // share_pool's pass: the side graph replayed, captured first when there is none (the step's graph was captured
+  // again since the last round, or this is the first).
+  bool run_side_pass(const Clock& clock) {
+    if (side != 0 && host->side_replay(side)) return true;
+    const double t1 = clock.now_s();
+    const int64_t before = memory_stats(x.device()).reserved_bytes;
+    side = host->side_capture([&]() { pass(); });
+    timing.capture_s += clock.now_s() - t1;
+    TORCH_CHECK_WITH(OutOfMemoryError, side != 0,
+                     "CurvatureRound: the pass could not be captured in the training step's graph pool");
+    graph_bytes = memory_stats(x.device()).reserved_bytes - before;  // what the shared pool grew by
+    storage = storage_now();
+    host->side_replay(side);
+    return true;
+  }
+
   void capture(const Clock& clock) {
     ++captures_tried;
     const double t1 = clock.now_s();
@@ -477,6 +496,11 @@ CurvatureRound::CurvatureRound(Model& model, const at::Tensor& images, const at:
 
 CurvatureRound::~CurvatureRound() = default;
 
+void CurvatureRound::share_pool(StepGraph* step_graph) {
+  s_->host = step_graph;
+  s_->side = 0;
+}
+
 bool CurvatureRound::graphed() const { return s_->has_graph(); }
 int64_t CurvatureRound::graph_bytes() const { return s_->graph_bytes; }
 const CurvatureRound::Timing& CurvatureRound::timing() const { return s_->timing; }
@@ -498,10 +522,17 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
     ModelStateGuard state(s.model, device, s.options.precision, s.options.cudnn);
     at::AutoGradMode grad_mode(true);
     s.model.train(!s.fisher());
-    if (s.fisher()) s.draw_labels();  // into the tensor the passes (and a captured pass) read
+    if (s.fisher()) {  // into the tensor the passes (and a captured pass) read
+      if (s.host) {
+        s.host->in_pool([&]() { s.draw_labels(); });
+      } else {
+        s.draw_labels();
+      }
+    }
 #ifdef TRIACCEL_WITH_CUDA
-    if (s.graph && s.storage != s.storage_now()) {  // a parameter has new storage: the graph reads the old one
+    if (s.has_graph() && s.storage != s.storage_now()) {  // a parameter has new storage: the graph reads the old one
       s.graph.reset();
+      s.side = 0;
       s.captures_tried = 0;
       s.graph_bytes = 0;
     }

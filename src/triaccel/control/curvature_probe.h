@@ -15,6 +15,7 @@
 #include "triaccel/core/clock.h"
 #include "triaccel/core/enum_names.h"
 #include "triaccel/models/model.h"
+#include "triaccel/train/step_graph.h"
 
 #include <ATen/Tensor.h>
 
@@ -151,6 +152,13 @@ class CurvatureRound {
   std::vector<UnitCurvature> run(double* wall_seconds = nullptr);
 
   static constexpr int kColdRoundPasses = 8;
+
+  // Under a --vram-budget, whose memory plan leaves no room for a pool of the pass's own: the pass is captured as a
+  // side graph in the training step's graph pool (StepGraph::side_capture; captured again after the step's graph
+  // was) and the Fisher's label draw runs in that pool (StepGraph::in_pool). A pass that cannot be captured there
+  // throws c10::OutOfMemoryError (eagerly, beside the step's pool, it would not fit either). nullptr: a pool of the
+  // pass's own (graph_bytes). Set before the first run; `step_graph` outlives this object.
+  void share_pool(StepGraph* step_graph);
 
   bool graphed() const;
   int64_t graph_bytes() const;  // reserved by the graph's pool at its capture (0: no graph)

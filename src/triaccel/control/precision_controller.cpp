@@ -20,13 +20,25 @@ std::string precision_reason(const PrecisionState& state, size_t u) {
 std::vector<Precision> PrecisionController::affordable(const std::vector<Precision>& before,
                                                        const std::vector<Precision>& wanted) {
   memory_refused_.assign(wanted.size(), false);
-  bool raised = before.size() != wanted.size();
-  for (size_t u = 0; u < wanted.size() && !raised; ++u) raised = wanted[u] > before[u];
-  if (!fits_ || !raised) return wanted;
-  const bool known_refusal = std::find(refused_.begin(), refused_.end(), wanted) != refused_.end();
-  if (!known_refusal && fits_(wanted)) return wanted;
-  if (!known_refusal) refused_.push_back(wanted);
-  std::vector<Precision> held = wanted;
+  std::vector<Precision> asked = wanted;
+  if (fits_) {
+    // Under a plan a promotion by curvature stays where it was, unasked: the plan's price for one was wrong every
+    // time it was measured (ResNet-18 under 0.5 GB on the H100: each of 6 ran a step or its capture out of memory,
+    // and the re-plans that followed ran micro-batches, 1.4–1.6× slower, for epochs).
+    for (size_t u = 0; u < asked.size() && u < before.size() && u < state_.promoted.size(); ++u) {
+      if (state_.promoted[u] && asked[u] > before[u]) {
+        asked[u] = before[u];
+        memory_refused_[u] = true;
+      }
+    }
+  }
+  bool raised = before.size() != asked.size();
+  for (size_t u = 0; u < asked.size() && !raised; ++u) raised = asked[u] > before[u];
+  if (!fits_ || !raised) return asked;
+  const bool known_refusal = std::find(refused_.begin(), refused_.end(), asked) != refused_.end();
+  if (!known_refusal && fits_(asked)) return asked;
+  if (!known_refusal) refused_.push_back(asked);
+  std::vector<Precision> held = asked;
   for (size_t u = 0; u < held.size(); ++u) {
     if (u < before.size() && held[u] > before[u]) {
       held[u] = before[u];
@@ -57,6 +69,10 @@ Events PrecisionController::after_step(StepContext& ctx) {
   const std::vector<Precision> before = step_.unit_precisions();
   state_ = precision_policy_step(policy_, state_, signals);
   state_.precision = affordable(before, state_.precision);
+  raised_from_.clear();
+  for (size_t u = 0; u < state_.precision.size() && u < before.size(); ++u) {
+    if (state_.precision[u] > before[u]) raised_from_ = before;
+  }
   step_.set_unit_precisions(state_.precision);
   Json units = Json::array(), names = Json::array(), applied = Json::array();
   for (const auto& u : model_.units()) units.push_back(u.name);
@@ -78,6 +94,17 @@ Events PrecisionController::after_step(StepContext& ctx) {
                                             {"calibrated", state_.calibrated},
                                             {"changed", before != state_.precision}}});
   return events;
+}
+
+bool PrecisionController::revert_raise() {
+  if (raised_from_.empty()) return false;
+  refused_.push_back(state_.precision);
+  memory_refused_.assign(state_.precision.size(), false);
+  for (size_t u = 0; u < state_.precision.size(); ++u) memory_refused_[u] = state_.precision[u] > raised_from_[u];
+  state_.precision = raised_from_;
+  raised_from_.clear();
+  step_.set_unit_precisions(state_.precision);
+  return true;
 }
 
 Json PrecisionController::state() const {

@@ -3,9 +3,11 @@
 // context this step go into the pure policy (control/precision_policy.h); its decision becomes the step's per-unit
 // autocast precision.
 // Memory: with a memory check (the memory planner's, set by the trainer whenever it plans), a decision that raises
-// units' precision is applied only if a plan fits it; otherwise those units stay where they were. The event says
+// units' precision is applied only if a plan fits it; otherwise those units stay where they were; a promotion by
+// curvature is not asked for under a plan (its price was wrong whenever measured). The event says
 // why each unit is where it is: "calibrating", "low variance" (fp16), "variance" (bf16), "high variance" (fp32),
-// "curvature" (promoted by λ_max), "memory" (a promotion no plan could pay for).
+// "curvature" (promoted by λ_max), "memory" (a promotion no plan could pay for). A promotion the check let through
+// whose step then ran out of memory is put back by the trainer (revert_raise) instead of the plan shrinking for it.
 #pragma once
 
 #include "triaccel/control/controller.h"
@@ -37,10 +39,17 @@ class PrecisionController final : public StepController {
   void restore(const Json& state) override;
 
   void set_memory_check(PrecisionMemoryCheck fits) { fits_ = std::move(fits); }
+  // The last window's raise, after a step at it ran out of memory under a plan that priced it (the trainer calls this
+  // before re-planning): the raised units go back where they were, the decision counts as refused (not tried again;
+  // the next event names them "memory" when the policy asks for it again). The plan in force before the raise ran, so keeping it is the cheaper
+  // answer: ResNet-18 under 0.5 GB on the H100 ran at 48 × 2 micro-batches for epochs after re-planning for
+  // curvature promotions that did not fit. False when the last window raised nothing or it was put back already.
+  bool revert_raise();
 
  private:
-  // The policy's decision with the raised units the memory check refuses put back where they were (marked in
-  // memory_refused_). A decision refused once is refused again without asking (the check traces the model).
+  // The policy's decision with the raised units the memory check refuses, and under a plan those promoted by
+  // curvature, put back where they were (marked in memory_refused_). A decision refused once is refused again
+  // without asking (the check traces the model).
   std::vector<Precision> affordable(const std::vector<Precision>& before, const std::vector<Precision>& wanted);
 
   PrecisionPolicyOptions policy_;
@@ -51,7 +60,8 @@ class PrecisionController final : public StepController {
   PrecisionState state_;
   PrecisionMemoryCheck fits_;
   std::vector<bool> memory_refused_;              // per unit: held below the policy's decision for memory
-  std::vector<std::vector<Precision>> refused_;   // decisions the check refused
+  std::vector<std::vector<Precision>> refused_;   // decisions the check refused, or revert_raise put back
+  std::vector<Precision> raised_from_;            // the last window raised units from these (empty: it did not)
 };
 
 }  // namespace triaccel

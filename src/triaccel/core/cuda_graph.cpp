@@ -18,7 +18,7 @@ namespace triaccel {
 
 #ifdef TRIACCEL_WITH_CUDA
 std::unique_ptr<at::cuda::CUDAGraph> cuda_graph_capture(const std::function<void()>& body, std::string* error,
-                                                        bool relaxed) {
+                                                        bool relaxed, const at::cuda::MempoolId_t* share_pool) {
   c10::cuda::CUDACachingAllocator::emptyCache();
   auto graph = std::make_unique<at::cuda::CUDAGraph>();
   const c10::DeviceIndex device = c10::cuda::current_device();
@@ -31,8 +31,9 @@ std::unique_ptr<at::cuda::CUDAGraph> cuda_graph_capture(const std::function<void
   // done here. Else the allocator counts a capture under way for good (it then defers frees and stops processing
   // events) and the pool is never freed: an EfficientNet-B0 run at 0.5 GB ran out of memory at any batch two blocks
   // after a failed capture, and a later capture in the same process failed. The pool's id is ours
-  // (CUDAGraph::pool() refuses to name it before a capture ended).
-  const at::cuda::MempoolId_t pool = at::cuda::graph_pool_handle();
+  // (CUDAGraph::pool() refuses to name it before a capture ended). A shared pool: this capture's use of it is given
+  // back the same way; the other graph's keeps it.
+  const at::cuda::MempoolId_t pool = share_pool ? *share_pool : at::cuda::graph_pool_handle();
   const auto abandon = [&](bool ended) {
     if (!ended) {
       (void)cudaGetLastError();

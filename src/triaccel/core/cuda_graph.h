@@ -23,9 +23,14 @@ namespace triaccel {
 // does not allow) sets it to the error's first line. Either way the stream leaves capture mode, the CUDA error
 // state is cleared and no half-made graph is left behind. `relaxed` captures in cudaStreamCaptureModeRelaxed: calls
 // that global mode refuses during a capture (from any thread: a cudaFree, an event synchronize) are then allowed
-// and simply not recorded.
+// and simply not recorded. `share_pool`: capture into that pool (another graph's, CUDAGraph::pool()) instead of a
+// new one: memory the other graph's capture freed (its scratch) serves this one's, so the two need about the larger
+// scratch, not both. Each replay then overwrites what the other freed during its capture: replay them one at a time,
+// and keep nothing either allocates between replays but the tensors each holds live. The pool lives while a graph
+// in it does.
 std::unique_ptr<at::cuda::CUDAGraph> cuda_graph_capture(const std::function<void()>& body,
-                                                        std::string* error = nullptr, bool relaxed = false);
+                                                        std::string* error = nullptr, bool relaxed = false,
+                                                        const at::cuda::MempoolId_t* share_pool = nullptr);
 
 // Runs `body` with the current stream's allocations taken from `graph`'s private pool: the memory its replays use
 // as scratch serves an eager call between two replays (a step of another batch size, an evaluation) instead of

@@ -541,6 +541,9 @@ void Trainer::controllers_build() {
       // 15-epoch protocol; EfficientNet-B0 at 224: 79 s), and its graph's pool (0.33 GB, 5.8 GB) is not in the
       // memory plan (docs/tri-accel.md).
       co.lockstep = ta.curv_lockstep || ta.curv_estimator == CurvatureEstimator::kFisher;
+      // Under a budget the plan fills it with the steps: the rounds take the step graph's pool as scratch.
+      co.share_step_pool = co.lockstep && config_.execution.vram_budget_bytes() > 0 && device_.is_cuda() &&
+                           config_.execution.cuda_graphs;
       co.probe.estimator = ta.curv_estimator;
       co.probe.warm_passes = kLockstepWarmPasses;
       co.total_steps = config_.schedule.max_steps > 0 ? std::min(schedule_.total_steps, config_.schedule.max_steps)
@@ -610,6 +613,7 @@ void Trainer::controllers_build() {
     memory_planner_ = planner.get();
     controllers_.push_back(std::move(planner));
     if (precision_controller != nullptr) {  // a promotion no plan can pay for is refused, not fatal
+      precision_controller_ = precision_controller;
       precision_controller->set_memory_check(
           [planner = memory_planner_](const std::vector<Precision>& p) { return planner->fits(p); });
     }
@@ -750,6 +754,15 @@ Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count) {
     for (const auto& [k, v] : where.items()) fields[k] = v;
     session_.event(event::kOom, p.step, fields);
     step_->graph_release();
+    memory_cache_release(device_);
+    return Attempt::kRetry;
+  }
+  if (precision_controller_ && precision_controller_->revert_raise()) {
+    // The last precision window's promotion, priced by the plan but not paid for: its units go back (refused) and the
+    // plan that ran before it stays, instead of a smaller plan for the promotion (micro-batches: a cliff).
+    Json fields{{"batch", p.batch}, {"retry_batch", p.batch}, {"action", "precision raise refused"}};
+    for (const auto& [k, v] : where.items()) fields[k] = v;
+    session_.event(event::kOom, p.step, fields);
     memory_cache_release(device_);
     return Attempt::kRetry;
   }

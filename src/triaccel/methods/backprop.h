@@ -33,6 +33,7 @@
 namespace triaccel {
 
 class ParamShards;
+class PrecisionController;
 
 class Trainer : private MemoryMeter {
  public:
@@ -128,6 +129,7 @@ class Trainer : private MemoryMeter {
   BatchControllerOptions batch_rules_;     // out-of-memory halving and the elastic batch share these
   std::vector<std::unique_ptr<StepController>> controllers_;
   MemoryPlanController* memory_planner_ = nullptr;  // one of controllers_, when the memory is planned
+  PrecisionController* precision_controller_ = nullptr;  // one of controllers_: Tri-Accel precision under a plan
   int64_t eval_batch_ = 0;  // the evaluation batch: planned at the first evaluation, then the one that fit (0: not yet)
   at::Tensor batch_images_, batch_labels_;  // the step's input buffers (the graph's static inputs)
   int64_t shard_offset_ = 0, shard_count_ = 0;  // this rank's samples of the current step, in the batch

@@ -84,6 +84,9 @@ class TrainStep {
   void metrics_reset();
   // The step's CUDA graph: whether one is captured, captures, failed captures (train/step_graph.h).
   const StepGraph& graph() const { return graph_; }
+  // The graph itself, for a side graph in its pool (StepGraph::side_capture: Tri-Accel's curvature pass under a
+  // budget) and eager calls in that pool.
+  StepGraph& graph() { return graph_; }
   // A new memory plan: a batch size refused after an out-of-memory capture may be captured again.
   void graph_allow() { graph_.allow(); }
   // Every step eager from now on (the memory planner: no plan leaves room for the graph's pool).

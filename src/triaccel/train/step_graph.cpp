@@ -9,7 +9,9 @@ namespace triaccel {
 struct StepGraph::Graph {
 #ifdef TRIACCEL_WITH_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph;
+  std::unique_ptr<at::cuda::CUDAGraph> side;  // side_capture's, in graph's pool
 #endif
+  int64_t side_handle = 0;  // side's handle (0: none)
   at::Tensor x, y;  // the static inputs: the tensors of the step that was captured
 };
 
@@ -92,6 +94,30 @@ bool StepGraph::capture(const Body& body, const at::Tensor& x, const at::Tensor&
   }
 #endif
   return false;
+}
+
+int64_t StepGraph::side_capture(const std::function<void()>& fn) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (!graph_) return 0;
+  graph_->side.reset();
+  graph_->side_handle = 0;
+  const at::cuda::MempoolId_t pool = graph_->graph->pool();
+  graph_->side = cuda_graph_capture(fn, nullptr, false, &pool);
+  if (!graph_->side) return 0;
+  graph_->side_handle = ++side_handles_;
+  return graph_->side_handle;
+#else
+  (void)fn;
+  return 0;
+#endif
+}
+
+bool StepGraph::side_replay(int64_t handle) {
+  if (!graph_ || handle == 0 || graph_->side_handle != handle) return false;
+#ifdef TRIACCEL_WITH_CUDA
+  graph_->side->replay();
+#endif
+  return true;
 }
 
 void StepGraph::in_pool(const std::function<void()>& fn) {

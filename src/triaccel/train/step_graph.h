@@ -56,6 +56,17 @@ class StepGraph {
   // memory the replays use as scratch. `fn` must leave nothing allocated that outlives it.
   void in_pool(const std::function<void()>& fn);
 
+  // A second graph in the captured step graph's private pool (Tri-Accel's curvature pass under a --vram-budget, whose
+  // plan leaves no room for a pool of the pass's own): its scratch is memory the step's replays use as scratch, so
+  // the two need about the larger scratch, not both. Contract, as in_pool's: `fn` keeps nothing it allocates (its
+  // lasting state lives outside the pool and is written in place), and a replay of either graph overwrites the
+  // other's scratch. The side graph goes with the step's graph (a new batch size, invalidate, drop, refuse) and a new
+  // side capture replaces it. Returns a handle > 0 for side_replay; 0 when no step graph is captured or the capture
+  // failed (nothing captured).
+  int64_t side_capture(const std::function<void()>& fn);
+  // Replays the side graph `handle`; false (nothing run) when it is gone.
+  bool side_replay(int64_t handle);
+
   // The batch size whose steps are captured (0: none). A new size drops the graph; it is captured after one eager
   // step at that size.
   void set_batch(int64_t batch);
@@ -93,6 +104,7 @@ class StepGraph {
   int64_t eager_steps_ = 0;  // eager steps at batch_ since the graph was last dropped
   int64_t captures_ = 0;
   int64_t capture_ooms_ = 0;
+  int64_t side_handles_ = 0;  // side captures so far (the last one's handle)
   std::string capture_error_;
   bool relaxed_ = false;
   Ran last_ran_ = Ran::kNone;
