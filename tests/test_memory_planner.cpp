@@ -893,10 +893,11 @@ TEST(PrecisionControllerTest, APromotionNoPlanFitsIsRefusedAndNamed) {
   }
 }
 
-// Under a plan (a memory check set) a promotion by curvature is held where it was, named "memory", and not even
-// asked for; without one the same λ_max promote units 0 and 2 to fp32, named "curvature".
-TEST(PrecisionControllerTest, UnderAPlanCurvaturePromotionsAreHeld) {
-  for (const bool planned : {true, false}) {
+// Under a budget's plan (a memory check holding curvature) a promotion by curvature is held where it was, named
+// "memory", and not even asked for; with a plan without a budget (the check alone) the same λ_max promote units 0
+// and 2 to fp32, named "curvature", once the check says they fit.
+TEST(PrecisionControllerTest, UnderABudgetCurvaturePromotionsAreHeld) {
+  for (const bool budget : {true, false}) {
     torch::manual_seed(5);
     UnitRig rig(false, StepOptions{}, torch::kCPU);
     PrecisionPolicyOptions po;
@@ -905,12 +906,12 @@ TEST(PrecisionControllerTest, UnderAPlanCurvaturePromotionsAreHeld) {
     po.tau_curv = 1.0;
     PrecisionController c(po, 1, rig.net, rig.sgd, rig.step, torch::kCPU);
     int asked = 0;
-    if (planned) {
-      c.set_memory_check([&](const std::vector<Precision>&) {
-        ++asked;
-        return true;
-      });
-    }
+    c.set_memory_check(
+        [&](const std::vector<Precision>&) {
+          ++asked;
+          return true;
+        },
+        budget);
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
     rig.step.run(at::randn({12, 12}, gen), at::randint(0, 5, {12}, gen), 0.05);
     StepContext ctx;
@@ -918,15 +919,15 @@ TEST(PrecisionControllerTest, UnderAPlanCurvaturePromotionsAreHeld) {
     ctx.unit_lambda_max = {5.0, 0.5, 5.0};
     const Events events = c.after_step(ctx);
     ASSERT_EQ(events.size(), 1u);
-    const Precision promoted = planned ? Precision::kBF16 : Precision::kFP32;
+    const Precision promoted = budget ? Precision::kBF16 : Precision::kFP32;
     EXPECT_EQ(rig.step.unit_precisions(), (std::vector<Precision>{promoted, Precision::kBF16, promoted}))
-        << "planned " << planned;
-    const std::string why = planned ? "memory" : "curvature";
+        << "budget " << budget;
+    const std::string why = budget ? "memory" : "curvature";
     const auto& reasons = events[0].fields.at("reason");
     EXPECT_EQ(reasons[0].get<std::string>(), why);
     EXPECT_EQ(reasons[1].get<std::string>(), "variance");
     EXPECT_EQ(reasons[2].get<std::string>(), why);
-    EXPECT_EQ(asked, 0);
+    EXPECT_EQ(asked, budget ? 0 : 1);
   }
 }
 

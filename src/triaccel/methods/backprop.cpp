@@ -615,7 +615,8 @@ void Trainer::controllers_build() {
     if (precision_controller != nullptr) {  // a promotion no plan can pay for is refused, not fatal
       precision_controller_ = precision_controller;
       precision_controller->set_memory_check(
-          [planner = memory_planner_](const std::vector<Precision>& p) { return planner->fits(p); });
+          [planner = memory_planner_](const std::vector<Precision>& p) { return planner->fits(p); },
+          /*hold_curvature=*/config_.execution.vram_budget_bytes() > 0);
     }
   }
   for (auto& c : controllers_) {
