@@ -94,10 +94,12 @@ elif [ "$STAGE" = runs ]; then  # the runs RUNS names, each <model>_<arm>_s<seed
   # Fisher), tri_fisher (both, Fisher), tri (both, the Hessian), tri_cudnnoff (the Hessian's probes without cuDNN),
   # tri_fisher_cudnnon (the Fisher's with it), default (--method tri-accel and nothing else); any arm with _<B>GB
   # after it runs under --vram-budget <B>GB (r18_default_0.5GB_s0). The estimator is spelled out in every arm but
-  # default. Issue 19's EfficientNet-B0 ablation: a 10-minute call holds two EfficientNet-B0 runs.
+  # default. Issue 19's EfficientNet-B0 ablation: a 10-minute call holds two EfficientNet-B0 runs. A run named
+  # base_<run> runs <run> with $BIN/triaccel_base (an A/B of two builds in one call).
   F="--curv-estimator fisher"
   H="--curv-estimator hessian"
-  for r in ${RUNS:-effb0_tri_fisher_s0 effb0_bf16_s0}; do
+  for r0 in ${RUNS:-effb0_tri_fisher_s0 effb0_bf16_s0}; do
+    r=${r0#base_}
     s=${r##*_s}
     arm=${r#*_}
     arm=${arm%_s*}
@@ -120,7 +122,7 @@ elif [ "$STAGE" = runs ]; then  # the runs RUNS names, each <model>_<arm>_s<seed
       default) A="--method tri-accel" ;;
       *) echo "unknown arm in $r"; exit 2 ;;
     esac
-    job "$r" $M $A $B $PROTO --seed "$s"
+    job "$r0" $M $A $B $PROTO --seed "$s"
   done
 elif [ "$STAGE" = lockstep ]; then  # issue 19: lockstep probe rounds against per-unit probes (the default then)
   for s in ${SEEDS:-0}; do
@@ -196,7 +198,9 @@ worker() {  # GPU index: takes queue lines until none are left
     line=$(flock "$QUEUE.lock" bash -c "head -1 '$QUEUE'; sed -i 1d '$QUEUE'")
     [ -z "$line" ] && break
     name=${line%% *}
-    CUDA_VISIBLE_DEVICES=$gpu "$BIN/triaccel" train --progress lines --log-every 100000 --out "/tmp/runs/$name" \
+    exe=$BIN/triaccel
+    [[ $name == base_* ]] && exe=$BIN/triaccel_base
+    CUDA_VISIBLE_DEVICES=$gpu "$exe" train --progress lines --log-every 100000 --out "/tmp/runs/$name" \
       ${line#* } >"$OUT/$name.log" 2>&1
     echo "[gpu $gpu] $name: exit $? $(tail -1 "$OUT/$name.log")"
     cp "/tmp/runs/$name/events.jsonl" "$OUT/$name.events.jsonl" 2>/dev/null
