@@ -147,6 +147,31 @@ class DataParallelTest : public test::TinyMnistTest {
   }
 };
 
+// Every rank starts from rank 0's state of the modules it is given (the Session's model, NeuroFlux's heads):
+// parameters and buffers that differ on the two ranks before are rank 0's on both after. The trained-weights tests
+// cannot tell (ranks as threads build the same weights from the same seed), so this one sets them apart first.
+TEST(ModuleStateBroadcastTest, EveryRankTakesRankZerosParametersAndBuffers) {
+  std::vector<std::vector<at::Tensor>> got(2);
+  const auto errors = test::on_two_ranks(free_local_port(), [&](int r, Dist& dist) {
+    torch::nn::Linear lin(3, 2);
+    torch::nn::BatchNorm1d bn(2);
+    {
+      const torch::NoGradGuard no_grad;
+      lin->weight.fill_(r + 1.0);
+      lin->bias.fill_(10.0 * r);
+      bn->running_mean.fill_(5.0 * r + 1.0);
+    }
+    module_state_broadcast(dist, {lin.get(), bn.get()});
+    got[r] = {lin->weight, lin->bias, bn->running_mean};
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
+    EXPECT_TRUE(torch::equal(got[r][0], torch::ones({2, 3}))) << r;
+    EXPECT_TRUE(torch::equal(got[r][1], torch::zeros({2}))) << r;
+    EXPECT_TRUE(torch::equal(got[r][2], torch::ones({2}))) << r;
+  }
+}
+
 TEST_F(DataParallelTest, TwoRanksTrainTheWeightsOfOneProcess) {
   test::TempDir one("dp_one"), two("dp_two");
   api::run(mlp_options(one.path()), one_process());

@@ -419,7 +419,7 @@ Trainer::Trainer(Session& session)
   StepOptions so;
   so.precision = config_.execution.precision;
   so.cuda_graphs = config_.execution.cuda_graphs;
-  so.graph_batch_size = shard(config_.schedule.batch_size).second;  // this rank's share
+  so.graph_batch_size = session_.dist().share(config_.schedule.batch_size).second;  // this rank's share
   so.label_smoothing = config_.optim.label_smoothing;
   so.fault_injection = !faults_.empty();
   if (session_.dist().active()) grad_reduce_set(so.grad_reduce);
@@ -432,7 +432,7 @@ Trainer::Trainer(Session& session)
   memory_stats_reset_peak(device_);
   if (progress_->batch <= 0) progress_->batch = config_.schedule.batch_size;
   memory_cap();
-  step_->set_graph_batch_size(shard(progress_->batch).second);
+  step_->set_graph_batch_size(session_.dist().share(progress_->batch).second);
   const int64_t world = session_.dist().world_size();  // a rank's share is at most ceil(batch / world)
   const int64_t largest = std::max(config_.schedule.batch_size, progress_->batch);
   batch_images_ = train_loader_.batch_images_empty((largest + world - 1) / world);
@@ -444,10 +444,7 @@ Trainer::~Trainer() = default;
 
 void Trainer::grad_reduce_set(StepOptions::GradReduce& reduce) {
   const bool nccl = session_.dist().nccl();
-  reduce.buckets.bucket_bytes = static_cast<int64_t>(config_.execution.grad_bucket_mb * 1024 * 1024);
-  reduce.buckets.wire = config_.execution.grad_compression == GradCompression::kBf16
-                            ? at::kBFloat16
-                            : at::ScalarType::Undefined;  // the gradients' own dtype
+  reduce.buckets = grad_buckets_options(config_);
   reduce.weight = [this] { return grad_weight_; };
   reduce.start = [this, nccl](const at::Tensor& flat) {
     DistWork work = session_.dist().all_reduce_sum_start(flat);
@@ -702,7 +699,7 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
   // A shorter batch (the epoch's last, or after an out-of-memory retry) uses the front of the full-size buffers:
   // dim 0 is outermost in NCHW and channels_last alike, so the view stays dense and nothing is allocated.
   // Data parallel: this rank's share of the batch (all of it with one process).
-  std::tie(shard_offset_, shard_count_) = shard(count);
+  std::tie(shard_offset_, shard_count_) = session_.dist().share(count);
   grad_weight_ = static_cast<double>(shard_count_) / static_cast<double>(count);
   const int64_t local = shard_count_;
   at::Tensor images = local == batch_images_.size(0) ? batch_images_ : batch_images_.narrow(0, 0, local);
@@ -788,7 +785,7 @@ Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count) {
     Json fields{{"batch", p.batch}, {"retry_batch", p.batch}};
     for (const auto& [k, v] : where.items()) fields[k] = v;
     session_.event(event::kOom, p.step, fields);
-    step_->set_graph_batch_size(shard(p.batch).second);
+    step_->set_graph_batch_size(session_.dist().share(p.batch).second);
     return Attempt::kRetry;
   }
   const int64_t smaller = batch_after_oom(batch_rules_, p.batch);
@@ -928,7 +925,8 @@ Trainer::EvalResult Trainer::evaluate_within_budget() {
     // returned first (what stays is the graph's pool and the live tensors). Later evaluations reuse the segments
     // the first one added, at the same batch.
     if (memory_->budgeted()) memory_cache_release(device_);
-    const int64_t micro = step_->micro_batch() > 0 ? step_->micro_batch() : shard(progress_->batch).second;
+    const int64_t micro =
+        step_->micro_batch() > 0 ? step_->micro_batch() : session_.dist().share(progress_->batch).second;
     eval_batch_ = memory_->eval_batch(config_.execution.eval_batch_size, memory_stats(device_).reserved_bytes, micro);
   }
   for (int64_t batch = eval_batch_;; batch = (batch + 1) / 2) {
@@ -1148,7 +1146,6 @@ Json Trainer::summary() {
 
 // --- helpers ---
 
-std::pair<int64_t, int64_t> Trainer::shard(int64_t count) const { return session_.dist().share(count); }
 
 void Trainer::dist_out_of_memory_check(const char* phase) const {
   const Dist& dist = session_.dist();
@@ -1183,7 +1180,7 @@ Json Trainer::memory_plan_brief() const {
 
 void Trainer::batch_set(int64_t batch) {
   progress_->batch = batch;
-  step_->set_graph_batch_size(shard(batch).second);
+  step_->set_graph_batch_size(session_.dist().share(batch).second);
   const int64_t world = session_.dist().world_size();
   const int64_t local_max = (batch + world - 1) / world;  // a rank's largest share
   if (local_max > batch_images_.size(0)) {  // grow the input buffers (the old graph, which used them, is gone)

@@ -86,9 +86,7 @@ class Trainer : private MemoryMeter {
   void checkpoint_mid_epoch(const std::string& file);  // the epoch's clock paused while it is written
   Json stop();
   Json summary();
-  // Data parallelism (one process: the whole batch, no-ops).
-  // This rank's part of `count` samples of the global batch: (first, count) relative to the batch.
-  std::pair<int64_t, int64_t> shard(int64_t count) const;
+  // Data parallelism (one process: the whole batch, no-ops); this rank's part of a batch is Dist::share's.
   // With several ranks an out-of-memory error is not retried (one rank alone would fall out of step): UserError
   // naming the rank and the batch. A no-op with one process.
   void dist_out_of_memory_check(const char* phase) const;

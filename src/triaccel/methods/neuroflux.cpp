@@ -465,16 +465,9 @@ void NeuroFluxRun::heads_make() {
     heads_.push_back(head);
   }
   lock.unlock();
-  Dist& dist = session_.dist();
-  if (dist.active()) {  // every rank starts from rank 0's heads, as from its model (run/session.cpp)
-    std::vector<at::Tensor> state;
-    for (const auto& h : heads_) {
-      for (const auto& p : h->parameters()) state.push_back(p.data());
-      for (const auto& b : h->buffers()) state.push_back(b);
-    }
-    const torch::NoGradGuard no_grad;
-    dist.broadcast(state, 0);
-  }
+  std::vector<const torch::nn::Module*> heads;  // every rank starts from rank 0's heads, as from its model
+  for (const auto& h : heads_) heads.push_back(h.get());
+  module_state_broadcast(session_.dist(), heads);
 }
 
 NamedTensors NeuroFluxRun::live_state() const {
@@ -795,10 +788,7 @@ BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size
   for (const auto& [name, p] : named) params_.push_back(p);
   Dist& dist = session_.dist();
   if (dist.active()) {  // each rank trains on its share of every step's batch; the gradients are summed as it goes
-    GradBucketsOptions bo;
-    bo.bucket_bytes = static_cast<int64_t>(config_.execution.grad_bucket_mb * 1024 * 1024);
-    bo.wire = config_.execution.grad_compression == GradCompression::kBf16 ? at::kBFloat16 : at::ScalarType::Undefined;
-    buckets_ = std::make_unique<GradBuckets>(params_, bo,
+    buckets_ = std::make_unique<GradBuckets>(params_, grad_buckets_options(config_),
                                              [&dist](const at::Tensor& flat) { return dist.all_reduce_sum_start(flat); });
   }
   SgdOptions so;

@@ -162,13 +162,26 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
   model_->to(device_);
   layout_params(*model_);
   model_->train();
-  if (dist_->active()) {  // every rank starts from rank 0's weights (as PyTorch's DDP does)
-    std::vector<at::Tensor> state;
-    for (const auto& p : model_->parameters()) state.push_back(p.data());
-    for (const auto& b : model_->buffers()) state.push_back(b);
-    const torch::NoGradGuard no_grad;
-    dist_->broadcast(state, 0);
+  module_state_broadcast(*dist_, {model_.get()});  // every rank starts from rank 0's weights
+}
+
+void module_state_broadcast(Dist& dist, const std::vector<const torch::nn::Module*>& modules) {
+  if (!dist.active()) return;
+  std::vector<at::Tensor> state;
+  for (const torch::nn::Module* m : modules) {
+    for (const auto& p : m->parameters()) state.push_back(p.data());
+    for (const auto& b : m->buffers()) state.push_back(b);
   }
+  const torch::NoGradGuard no_grad;
+  dist.broadcast(state, 0);
+}
+
+GradBucketsOptions grad_buckets_options(const Config& config) {
+  GradBucketsOptions o;
+  o.bucket_bytes = static_cast<int64_t>(config.execution.grad_bucket_mb * 1024 * 1024);
+  o.wire = config.execution.grad_compression == GradCompression::kBf16 ? at::kBFloat16
+                                                                        : at::ScalarType::Undefined;
+  return o;
 }
 
 Session::~Session() {

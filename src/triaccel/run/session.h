@@ -21,6 +21,7 @@
 #include "triaccel/run/config.h"
 #include "triaccel/run/progress.h"
 #include "triaccel/train/checkpoint.h"
+#include "triaccel/train/grad_buckets.h"
 
 #include <functional>
 #include <memory>
@@ -34,6 +35,14 @@ namespace triaccel {
 // Seeding and building a model (or NeuroFlux's heads) draw from the process's global generator: ranks in threads of
 // one process (tests) hold this while they do, so each builds exactly the weights a process of its own would.
 std::mutex& model_build_mutex();
+
+// Data parallelism: every rank takes rank 0's parameters and buffers of `modules` (in place, one broadcast), as
+// PyTorch's DDP starts its replicas: the Session's model, NeuroFlux's heads. A no-op with one process.
+void module_state_broadcast(Dist& dist, const std::vector<const torch::nn::Module*>& modules);
+
+// The gradient buckets of data parallelism as the configuration asks: their size (grad_bucket_mb) and what goes on
+// the wire (grad_compression: bf16, or the gradients' own dtype).
+GradBucketsOptions grad_buckets_options(const Config& config);
 
 // Why a front end asks a run to stop early (a signal, KeyboardInterrupt in Python). The run finishes the step in
 // flight, writes a checkpoint and a stop event with the reason, and returns.
