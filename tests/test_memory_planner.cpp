@@ -858,38 +858,68 @@ TEST(MemoryPlanControllerTest, FitsAnswersForPrecisionsNotYetApplied) {
   EXPECT_TRUE(no_room.fits({P::kFP16, P::kBF16, P::kBF16}));
 }
 
-// Tri-Accel's precision controller asks the memory check before raising units: thresholds of 0 put every unit in
-// fp32 by the variance rule; a check that refuses fp32 keeps them where they were, the event says "memory" for
-// each, and the same refused decision is not traced again at the next window. A check that accepts gives fp32 and
-// "high variance".
+// Tri-Accel's precision controller over UnitRig's three units, deciding at every step from fixed variance thresholds
+// (and τ_curv when given), with a memory check that counts its questions and answers `accept`.
+struct PrecisionRig {
+  struct Seeded {
+    Seeded() { torch::manual_seed(5); }
+  } seeded;
+  UnitRig rig{false, StepOptions{}, torch::kCPU};
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  PrecisionController c;
+  int asked = 0;
+  std::vector<Precision> last_asked;
+  bool accept = true;
+
+  PrecisionRig(double tau_low, double tau_high, double tau_curv = -1)
+      : c(options(tau_low, tau_high, tau_curv), 1, rig.net, rig.sgd, rig.step, torch::kCPU) {}
+  static PrecisionPolicyOptions options(double tau_low, double tau_high, double tau_curv) {
+    PrecisionPolicyOptions po;
+    po.tau_low = tau_low;
+    po.tau_high = tau_high;
+    po.tau_curv = tau_curv;
+    return po;
+  }
+  void check(bool hold_curvature = false) {
+    c.set_memory_check(
+        [this](const std::vector<Precision>& p) {
+          ++asked;
+          last_asked = p;
+          return accept;
+        },
+        hold_curvature);
+  }
+  // One step and the controller's window after it.
+  Events window(int64_t step, std::vector<double> lambda_max = {}) {
+    rig.step.run(at::randn({12, 12}, gen), at::randint(0, 5, {12}, gen), 0.05);
+    StepContext ctx;
+    ctx.step = step;
+    ctx.unit_lambda_max = std::move(lambda_max);
+    return c.after_step(ctx);
+  }
+  std::vector<std::string> reasons(const Events& events) const {
+    std::vector<std::string> out;
+    for (const auto& r : events.at(0).fields.at("reason")) out.push_back(r.get<std::string>());
+    return out;
+  }
+};
+
+// Thresholds of 0 put every unit in fp32 by the variance rule: a check that refuses fp32 keeps them where they were,
+// the event says "memory" for each, and the same refused decision is not traced again at the next window. A check
+// that accepts gives fp32 and "high variance".
 TEST(PrecisionControllerTest, APromotionNoPlanFitsIsRefusedAndNamed) {
   for (const bool accept : {false, true}) {
-    torch::manual_seed(5);
-    UnitRig rig(false, StepOptions{}, torch::kCPU);
-    PrecisionPolicyOptions po;
-    po.tau_low = 0;
-    po.tau_high = 0;
-    PrecisionController c(po, 1, rig.net, rig.sgd, rig.step, torch::kCPU);
-    int asked = 0;
-    c.set_memory_check([&](const std::vector<Precision>& p) {
-      ++asked;
-      EXPECT_EQ(p, std::vector<Precision>(3, Precision::kFP32));
-      return accept;
-    });
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
-    Events events;
-    for (int64_t s = 1; s <= 2; ++s) {
-      rig.step.run(at::randn({12, 12}, gen), at::randint(0, 5, {12}, gen), 0.05);
-      StepContext ctx;
-      ctx.step = s;
-      events = c.after_step(ctx);
-    }
+    PrecisionRig t(0, 0);
+    t.accept = accept;
+    t.check();
+    t.window(1);
+    const Events events = t.window(2);
     ASSERT_EQ(events.size(), 1u);
-    const std::string want_reason = accept ? "high variance" : "memory";
     const Precision want = accept ? Precision::kFP32 : Precision::kBF16;
-    EXPECT_EQ(rig.step.unit_precisions(), std::vector<Precision>(3, want)) << "accept " << accept;
-    for (const auto& r : events[0].fields.at("reason")) EXPECT_EQ(r.get<std::string>(), want_reason);
-    EXPECT_EQ(asked, 1) << "accept " << accept;
+    EXPECT_EQ(t.rig.step.unit_precisions(), std::vector<Precision>(3, want)) << "accept " << accept;
+    EXPECT_EQ(t.reasons(events), std::vector<std::string>(3, accept ? "high variance" : "memory"));
+    EXPECT_EQ(t.asked, 1) << "accept " << accept;
+    EXPECT_EQ(t.last_asked, std::vector<Precision>(3, Precision::kFP32));
   }
 }
 
@@ -898,36 +928,16 @@ TEST(PrecisionControllerTest, APromotionNoPlanFitsIsRefusedAndNamed) {
 // and 2 to fp32, named "curvature", once the check says they fit.
 TEST(PrecisionControllerTest, UnderABudgetCurvaturePromotionsAreHeld) {
   for (const bool budget : {true, false}) {
-    torch::manual_seed(5);
-    UnitRig rig(false, StepOptions{}, torch::kCPU);
-    PrecisionPolicyOptions po;
-    po.tau_low = 0;       // no unit below: fp16 never
-    po.tau_high = 1e30;   // none above: every unit bf16 by its variance
-    po.tau_curv = 1.0;
-    PrecisionController c(po, 1, rig.net, rig.sgd, rig.step, torch::kCPU);
-    int asked = 0;
-    c.set_memory_check(
-        [&](const std::vector<Precision>&) {
-          ++asked;
-          return true;
-        },
-        budget);
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
-    rig.step.run(at::randn({12, 12}, gen), at::randint(0, 5, {12}, gen), 0.05);
-    StepContext ctx;
-    ctx.step = 1;
-    ctx.unit_lambda_max = {5.0, 0.5, 5.0};
-    const Events events = c.after_step(ctx);
+    PrecisionRig t(0, 1e30, 1.0);  // every unit bf16 by its variance; λ_max above 1 promotes
+    t.check(budget);
+    const Events events = t.window(1, {5.0, 0.5, 5.0});
     ASSERT_EQ(events.size(), 1u);
     const Precision promoted = budget ? Precision::kBF16 : Precision::kFP32;
-    EXPECT_EQ(rig.step.unit_precisions(), (std::vector<Precision>{promoted, Precision::kBF16, promoted}))
+    EXPECT_EQ(t.rig.step.unit_precisions(), (std::vector<Precision>{promoted, Precision::kBF16, promoted}))
         << "budget " << budget;
     const std::string why = budget ? "memory" : "curvature";
-    const auto& reasons = events[0].fields.at("reason");
-    EXPECT_EQ(reasons[0].get<std::string>(), why);
-    EXPECT_EQ(reasons[1].get<std::string>(), "variance");
-    EXPECT_EQ(reasons[2].get<std::string>(), why);
-    EXPECT_EQ(asked, budget ? 0 : 1);
+    EXPECT_EQ(t.reasons(events), (std::vector<std::string>{why, "variance", why}));
+    EXPECT_EQ(t.asked, budget ? 0 : 1);
   }
 }
 
@@ -935,37 +945,20 @@ TEST(PrecisionControllerTest, UnderABudgetCurvaturePromotionsAreHeld) {
 // re-planning): the units go back to bf16, the decision is refused from then on without asking the check again, and
 // the next window names them "memory"; a second revert has nothing to put back.
 TEST(PrecisionControllerTest, APromotionThatRanOutOfMemoryIsPutBackAndRefused) {
-  torch::manual_seed(5);
-  UnitRig rig(false, StepOptions{}, torch::kCPU);
-  PrecisionPolicyOptions po;
-  po.tau_low = 0;
-  po.tau_high = 0;
-  PrecisionController c(po, 1, rig.net, rig.sgd, rig.step, torch::kCPU);
-  int asked = 0;
-  c.set_memory_check([&](const std::vector<Precision>&) {
-    ++asked;
-    return true;
-  });
-  EXPECT_FALSE(c.revert_raise()) << "nothing raised yet";
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
-  Events events;
-  const auto window = [&](int64_t s) {
-    rig.step.run(at::randn({12, 12}, gen), at::randint(0, 5, {12}, gen), 0.05);
-    StepContext ctx;
-    ctx.step = s;
-    events = c.after_step(ctx);
-  };
-  window(1);  // thresholds of 0: every unit to fp32 at the first window
-  ASSERT_EQ(rig.step.unit_precisions(), std::vector<Precision>(3, Precision::kFP32));
-  EXPECT_TRUE(c.revert_raise());
-  EXPECT_EQ(rig.step.unit_precisions(), std::vector<Precision>(3, Precision::kBF16));
-  EXPECT_FALSE(c.revert_raise()) << "put back twice";
-  window(2);
-  EXPECT_EQ(rig.step.unit_precisions(), std::vector<Precision>(3, Precision::kBF16));
+  PrecisionRig t(0, 0);
+  t.check();
+  EXPECT_FALSE(t.c.revert_raise()) << "nothing raised yet";
+  t.window(1);  // thresholds of 0: every unit to fp32 at the first window
+  ASSERT_EQ(t.rig.step.unit_precisions(), std::vector<Precision>(3, Precision::kFP32));
+  EXPECT_TRUE(t.c.revert_raise());
+  EXPECT_EQ(t.rig.step.unit_precisions(), std::vector<Precision>(3, Precision::kBF16));
+  EXPECT_FALSE(t.c.revert_raise()) << "put back twice";
+  const Events events = t.window(2);
+  EXPECT_EQ(t.rig.step.unit_precisions(), std::vector<Precision>(3, Precision::kBF16));
   ASSERT_EQ(events.size(), 1u);
-  for (const auto& r : events[0].fields.at("reason")) EXPECT_EQ(r.get<std::string>(), "memory");
-  EXPECT_EQ(asked, 1) << "the refused promotion was traced again";
-  EXPECT_FALSE(c.revert_raise()) << "a window that raised nothing";
+  EXPECT_EQ(t.reasons(events), std::vector<std::string>(3, "memory"));
+  EXPECT_EQ(t.asked, 1) << "the refused promotion was traced again";
+  EXPECT_FALSE(t.c.revert_raise()) << "a window that raised nothing";
 }
 
 // The calibration tests' rig: a made-up model whose true run needs `true_scale` of the modelled activations and 30
