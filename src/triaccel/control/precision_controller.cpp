@@ -99,8 +99,6 @@ Events PrecisionController::after_step(StepContext& ctx) {
 bool PrecisionController::revert_raise() {
   if (raised_from_.empty()) return false;
   refused_.push_back(state_.precision);
-  memory_refused_.assign(state_.precision.size(), false);
-  for (size_t u = 0; u < state_.precision.size(); ++u) memory_refused_[u] = state_.precision[u] > raised_from_[u];
   state_.precision = raised_from_;
   raised_from_.clear();
   step_.set_unit_precisions(state_.precision);

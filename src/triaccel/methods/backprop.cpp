@@ -1146,7 +1146,6 @@ Json Trainer::summary() {
 
 // --- helpers ---
 
-
 void Trainer::dist_out_of_memory_check(const char* phase) const {
   const Dist& dist = session_.dist();
   if (!dist.active()) return;
