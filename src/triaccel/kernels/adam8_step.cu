@@ -140,9 +140,7 @@ void adam8_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at
   tensor_check_cuda("adam8_step_cuda", map_unsigned, "map_unsigned", device, at::kFloat);
   TORCH_CHECK(map_signed.numel() == 256 && map_unsigned.numel() == 256, "adam8_step_cuda: maps must have 256 values");
   TORCH_CHECK(counts.is_contiguous() && counts.dim() == 2 && counts.size(1) == 2, "adam8_step_cuda: counts must be (T, 2)");
-  tensor_check_cuda("adam8_step_cuda", lr_scales, "lr_scales", device, at::kFloat);
-  TORCH_CHECK(lr_scales.is_contiguous() && lr_scales.dim() == 1 && lr_scales.size(0) == counts.size(0),
-              "adam8_step_cuda: lr_scales must be (T)");
+  lr_scales_check("adam8_step_cuda", lr_scales, device, counts.size(0));
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float* map_s_ptr = map_signed.data_ptr<float>();

@@ -148,9 +148,7 @@ void adam_step_cuda(UpdateRule rule, at::ScalarType state_dtype, const std::vect
   tensor_check_cuda("adam_step_cuda", found_inf, "found_inf", device, at::kFloat);
   tensor_check_cuda("adam_step_cuda", counts, "counts", device, at::kDouble);
   TORCH_CHECK(counts.is_contiguous() && counts.dim() == 2 && counts.size(1) == 2, "adam_step_cuda: counts must be (T, 2)");
-  tensor_check_cuda("adam_step_cuda", lr_scales, "lr_scales", device, at::kFloat);
-  TORCH_CHECK(lr_scales.is_contiguous() && lr_scales.dim() == 1 && lr_scales.size(0) == counts.size(0),
-              "adam_step_cuda: lr_scales must be (T)");
+  lr_scales_check("adam_step_cuda", lr_scales, device, counts.size(0));
   TORCH_CHECK(state_dtype == at::kFloat || state_dtype == at::kBFloat16,
               "adam_step_cuda: moments must be float32 or bfloat16, got ", state_dtype);
   const bool has_m = update_rule_has_m(rule), has_v = update_rule_has_v(rule);

@@ -159,9 +159,7 @@ void factored_step_cuda(const std::vector<at::Tensor>& params, const std::vector
   TORCH_CHECK(counts.is_cuda() && counts.scalar_type() == at::kDouble && counts.is_contiguous() && counts.dim() == 2 &&
                   counts.size(1) == 2,
               "factored_step_cuda: counts must be (T, 2) float64 on the device");
-  tensor_check_cuda("factored_step_cuda", lr_scales, "lr_scales", device, at::kFloat);
-  TORCH_CHECK(lr_scales.is_contiguous() && lr_scales.dim() == 1 && lr_scales.size(0) == counts.size(0),
-              "factored_step_cuda: lr_scales must be (T)");
+  lr_scales_check("factored_step_cuda", lr_scales, device, counts.size(0));
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float* lr_ptr = lr.data_ptr<float>();

@@ -99,8 +99,7 @@ void sgd_step_cuda(const std::vector<at::Tensor>& params, const std::vector<at::
   tensor_check_cuda("sgd_step_cuda", lr, "lr", device, at::kFloat);
   tensor_check_cuda("sgd_step_cuda", found_inf, "found_inf", device, at::kFloat);
   TORCH_CHECK(lr.numel() == 1 && found_inf.numel() == 1, "sgd_step_cuda: lr and found_inf must be scalars");
-  tensor_check_cuda("sgd_step_cuda", lr_scales, "lr_scales", device, at::kFloat);
-  TORCH_CHECK(lr_scales.dim() == 1 && lr_scales.is_contiguous(), "sgd_step_cuda: lr_scales must be (T) contiguous");
+  lr_scales_check("sgd_step_cuda", lr_scales, device, /*rows=*/-1);  // scale_rows are checked against it below
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 

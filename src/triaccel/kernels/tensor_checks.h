@@ -25,4 +25,13 @@ inline void tensor_check_cuda(const char* op, const at::Tensor& t, const char* w
   TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": ", what, " must be dense");
 }
 
+// The per-tensor learning-rate scales a kernel reads on the device: (T) float32, contiguous, on `device`; `rows` is
+// T when the kernel's row indices are checked against another table's (the step counts), < 0 when they are checked
+// against lr_scales itself.
+inline void lr_scales_check(const char* op, const at::Tensor& lr_scales, const at::Device& device, int64_t rows) {
+  tensor_check_cuda(op, lr_scales, "lr_scales", device, at::kFloat);
+  TORCH_CHECK(lr_scales.dim() == 1 && lr_scales.is_contiguous() && (rows < 0 || lr_scales.size(0) == rows), op,
+              ": lr_scales must be a contiguous (T) vector, a row per tensor");
+}
+
 }  // namespace triaccel
