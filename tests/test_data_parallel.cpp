@@ -138,12 +138,20 @@ class DataParallelTest : public test::TinyMnistTest {
     return worst;
   }
 
-  static std::vector<Json> epochs_of(const std::string& events) {
+  // The events of one name in a run's events.jsonl, in order.
+  static std::vector<Json> events_named(const std::string& events, const std::string& name) {
     std::vector<Json> out;
     for (const auto& e : events_read(events)) {
-      if (e["event"] == "epoch") out.push_back(e);
+      if (e["event"] == name) out.push_back(e);
     }
     return out;
+  }
+
+  // The two-GPU tests' runs: on the GPU, steps eager (ranks in threads cannot capture side by side; see below).
+  static Config on_gpu(Config c) {
+    c.set("device", "cuda");
+    c.set("cuda_graphs", "false");
+    return c;
   }
 };
 
@@ -181,8 +189,8 @@ TEST_F(DataParallelTest, TwoRanksTrainTheWeightsOfOneProcess) {
   // Same weights to fp32 tolerance (the sums run in another order); an unreduced or unweighted gradient is off by
   // orders of magnitude more.
   EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
-  const auto e1 = epochs_of(one.file("events.jsonl"));
-  const auto e2 = epochs_of(two.file("events.jsonl"));
+  const auto e1 = events_named(one.file("events.jsonl"), "epoch");
+  const auto e2 = events_named(two.file("events.jsonl"), "epoch");
   ASSERT_EQ(e1.size(), 2u);
   ASSERT_EQ(e2.size(), 2u);  // rank 1 wrote no events of its own into the shared folder
   for (size_t i = 0; i < 2; ++i) {
@@ -272,8 +280,8 @@ TEST_F(DataParallelTest, Bf16CompressedGradientsStayNearOneProcess) {
   run_ranks({c, c});
   const double worst = worst_difference(one.file("model.pt"), two.file("model.pt"));
   EXPECT_GT(worst, 1e-3);  // 0.12 measured (a weight near 0 moves relatively most)
-  const auto e1 = epochs_of(one.file("events.jsonl"));
-  const auto e2 = epochs_of(two.file("events.jsonl"));
+  const auto e1 = events_named(one.file("events.jsonl"), "epoch");
+  const auto e2 = events_named(two.file("events.jsonl"), "epoch");
   ASSERT_EQ(e2.size(), 2u);
   EXPECT_NEAR(e2[1]["test_loss"].get<double>(), e1[1]["test_loss"].get<double>(), 2e-3);  // 2e-4 measured
 }
@@ -325,13 +333,7 @@ TEST_F(DataParallelTest, BaocOnTwoRanksMakesTheOneProcessPlans) {
   Config sharded = configure(mlp_options(zero.path()));
   sharded.set("shard_optimizer", "on");
   const std::vector<Json> sharded_results = run_ranks({sharded, sharded});
-  const auto plans = [](const std::string& events) {
-    std::vector<Json> out;
-    for (const auto& e : events_read(events)) {
-      if (e["event"] == event::kOptimPlan) out.push_back(e);
-    }
-    return out;
-  };
+  const auto plans = [](const std::string& events) { return events_named(events, event::kOptimPlan); };
   const auto p1 = plans(one.file("events.jsonl"));
   ASSERT_EQ(p1.size(), 5u);
   bool formats_differ = false;  // the budget binds: not every unit keeps fp32 AdamW
@@ -459,14 +461,13 @@ TEST_F(DataParallelTest, TriAccelOnTwoRanksDecidesAsOne) {
   // The units run bf16 (on the CPU, fp16 decisions too): a rank's gradient of 25 samples and one process's of 51
   // round differently, so the weights are near, not equal (a weight near 0 moves relatively most); the test loss
   // and every decision are one process's.
-  const auto e1 = epochs_of(one.file("events.jsonl")), e2 = epochs_of(two.file("events.jsonl"));
+  const auto e1 = events_named(one.file("events.jsonl"), "epoch");
+  const auto e2 = events_named(two.file("events.jsonl"), "epoch");
   ASSERT_EQ(e2.size(), 2u);
   EXPECT_NEAR(e2[1]["test_loss"].get<double>(), e1[1]["test_loss"].get<double>(), 1e-2);
   const auto decisions = [](const std::string& events, const char* kind, const char* field) {
     std::vector<Json> out;
-    for (const auto& e : events_read(events)) {
-      if (e["event"] == kind) out.push_back(e[field]);
-    }
+    for (const auto& e : events_named(events, kind)) out.push_back(e[field]);
     return out;
   };
   EXPECT_EQ(decisions(one.file("events.jsonl"), "precision", "precision"),
@@ -494,15 +495,10 @@ TEST_F(DataParallelTest, TriAccelOnTwoRanksDecidesAsOne) {
 TEST_F(DataParallelTest, TwoGpusTrainTheWeightsOfOneGpu) {
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "fewer than two CUDA GPUs";
   test::TempDir one("dp_gpu_one"), two("dp_gpu_two");
-  const auto on_gpu = [](Config c) {
-    c.set("device", "cuda");
-    c.set("cuda_graphs", "false");
-    return c;
-  };
   api::run(on_gpu(mlp_options(one.path())), one_process());
   run_ranks({on_gpu(mlp_options(two.path())), on_gpu(mlp_options(two.path()))});
   EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
-  const auto e2 = epochs_of(two.file("events.jsonl"));
+  const auto e2 = events_named(two.file("events.jsonl"), "epoch");
   ASSERT_EQ(e2.size(), 2u);
   EXPECT_EQ(e2[1]["world_size"], 2);
   test::TempDir zero("dp_gpu_zero");
@@ -515,11 +511,6 @@ TEST_F(DataParallelTest, TwoGpusTrainTheWeightsOfOneGpu) {
 // BAOC's state sharded on two GPUs (its plans' sums over the ranks through NCCL), against one GPU.
 TEST_F(DataParallelTest, TwoGpusShardBaocsStateAsOneGpuPlansIt) {
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "fewer than two CUDA GPUs";
-  const auto on_gpu = [](Config c) {
-    c.set("device", "cuda");
-    c.set("cuda_graphs", "false");
-    return c;
-  };
   test::TempDir baoc_one("dp_gpu_baoc_one"), baoc_zero("dp_gpu_baoc_zero");
   api::run(with_optimizer(on_gpu(mlp_options(baoc_one.path())), "baoc"), one_process());
   Config bz = with_optimizer(on_gpu(mlp_options(baoc_zero.path())), "baoc");
@@ -533,9 +524,7 @@ TEST_F(DataParallelTest, TwoGpusTrainNeuroFluxsBlocksAsOneGpu) {
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "fewer than two CUDA GPUs";
   test::TempDir nf_one("dp_gpu_nf_one"), nf_two("dp_gpu_nf_two");
   const auto nf = [&](const std::string& out) {
-    Config c = mlp_options(out);
-    c.set("device", "cuda");
-    c.set("cuda_graphs", "false");
+    Config c = on_gpu(mlp_options(out));
     c.set("model", "dp-mlp-local");
     c.set("method", "neuroflux");
     // A budget with room to spare and the modelled profile, so that the blocks and their batches cannot depend on what
@@ -548,13 +537,8 @@ TEST_F(DataParallelTest, TwoGpusTrainNeuroFluxsBlocksAsOneGpu) {
   };
   api::run(nf(nf_one.path()), one_process());
   run_ranks({nf(nf_two.path()), nf(nf_two.path())});
-  std::vector<Json> b1, b2;
-  for (const auto& e : events_read(nf_one.file("events.jsonl"))) {
-    if (e["event"] == "block") b1.push_back(e);
-  }
-  for (const auto& e : events_read(nf_two.file("events.jsonl"))) {
-    if (e["event"] == "block") b2.push_back(e);
-  }
+  const auto b1 = events_named(nf_one.file("events.jsonl"), "block");
+  const auto b2 = events_named(nf_two.file("events.jsonl"), "block");
   ASSERT_EQ(b1.size(), b2.size());
   for (size_t b = 0; b < b1.size(); ++b) EXPECT_EQ(b1[b]["batch"], b2[b]["batch"]) << b;
   EXPECT_LT(worst_difference(nf_one.file("model.pt"), nf_two.file("model.pt")), 1e-3);
@@ -636,13 +620,7 @@ TEST_F(DataParallelTest, NeuroFluxOnTwoRanksTrainsTheWeightsOfOneProcess) {
   test::TempDir one("dp_nf_one"), two("dp_nf_two"), stop("dp_nf_stop");
   const Json reference = api::run(configure(one.path()), one_process());
   const std::vector<Json> results = run_ranks({configure(two.path()), configure(two.path())});
-  const auto blocks_of = [](const std::string& events) {
-    std::vector<Json> out;
-    for (const auto& e : events_read(events)) {
-      if (e["event"] == "block") out.push_back(e);
-    }
-    return out;
-  };
+  const auto blocks_of = [](const std::string& events) { return events_named(events, "block"); };
   const auto b1 = blocks_of(one.file("events.jsonl"));
   const auto b2 = blocks_of(two.file("events.jsonl"));
   ASSERT_GE(b1.size(), 2u);

@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-
 namespace triaccel {
 namespace {
 
