@@ -711,6 +711,36 @@ TEST_F(DataParallelTest, OutOfMemoryOnOneRankEndsEveryRankWithALine) {
   EXPECT_NE(errors[0].find("rank 0 of 2 lost the data-parallel group"), std::string::npos) << errors[0];
 }
 
+// Method auto chooses in each process from its own GPU's plan; the ranks must train with one method. On the CPU every
+// rank chooses backprop and trains one process's weights; ranks that chose apart (GPUs whose plans differ) stop with
+// one line on every rank asking for the method by name.
+TEST_F(DataParallelTest, MethodAutoIsOneChoiceForEveryRank) {
+  for (const Method rank1 : {Method::kBackprop, Method::kNeuroFlux}) {
+    const auto errors = test::on_two_ranks(free_local_port(), [&](int r, Dist& dist) {
+      method_agree(dist, r == 0 ? Method::kBackprop : rank1);
+    });
+    for (int r = 0; r < 2; ++r) {
+      if (rank1 == Method::kBackprop) {
+        EXPECT_EQ(errors[r], "") << r;
+      } else {
+        EXPECT_NE(errors[r].find("method auto chose neuroflux on 1 of 2 processes and backprop on the others"),
+                  std::string::npos) << r << ": " << errors[r];
+      }
+    }
+  }
+  test::TempDir one("dp_auto_one"), two("dp_auto_two");
+  api::run(mlp_options(one.path()), one_process());
+  Config automatic = mlp_options(two.path());
+  automatic.set("method", "auto");
+  automatic.set("nproc", "2");
+  run_ranks({automatic, automatic});
+  EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
+  const auto config = events_named(two.file("events.jsonl"), "config");
+  ASSERT_EQ(config.size(), 1u);
+  EXPECT_EQ(config[0]["options"]["method"], "backprop");
+  EXPECT_EQ(config[0]["world_size"], 2);
+}
+
 TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
   test::TempDir out("dp_refuse");
   const auto refused = [&](const char* key, const std::string& value) {
@@ -719,8 +749,7 @@ TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
     c.set(key, value);
     return test::error_of([&] { c.validate(); });
   };
-  EXPECT_NE(refused("method", "auto").find("nproc 2 needs the method named"), std::string::npos)
-      << refused("method", "auto");
+  EXPECT_EQ(refused("method", "auto"), "<no error>");  // each rank looks at its own GPU; the ranks agree
   Config neuroflux = mlp_options(out.path());  // each block trains data parallel
   neuroflux.set("nproc", "2");
   neuroflux.set("model", "small-cnn");

@@ -91,7 +91,7 @@ expect nproc_resume_one 0 "done: test acc" -- train --resume "$WORK/dp" --progre
 expect nproc_neuroflux 0 "2 processes" -- train "${TINY[@]}" --nproc 2 --method neuroflux --out "$WORK/dpnf" --progress lines
 if [ -f "$WORK/dpnf/exit_model.pt" ] && grep -q '"event":"summary"' "$WORK/dpnf/events.jsonl"; then
   passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL nproc_neuroflux: no summary or exit model"; fi
-expect nproc_auto 2 "--nproc 2 needs the method named: --method backprop, tri-accel or neuroflux" -- train "${TINY[@]}" --nproc 2 --method auto
+expect nproc_auto 0 "method auto: backprop (the memory plan fits)" -- train "${TINY[@]}" --nproc 2 --method auto --max-steps 2 --out "$WORK/dpauto" --progress lines
 expect nproc_neuroflux_sync_bn 2 "--sync-bn applies to --method backprop and tri-accel; drop it with neuroflux" -- train "${TINY[@]}" --nproc 2 --method neuroflux --sync-bn true
 expect nproc_budget_sync_bn 2 "--sync-bn runs each process's share in one forward, which a --vram-budget may split into micro-batches" -- train "${TINY[@]}" --nproc 2 --vram-budget 1GB --sync-bn true
 expect nproc_elastic 2 "--batch-policy elastic follows one process's memory; with --nproc 2 use --batch-policy fixed" -- train "${TINY[@]}" --nproc 2 --method tri-accel --vram-budget 1GB --batch-policy elastic

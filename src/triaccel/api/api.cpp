@@ -9,8 +9,6 @@ namespace triaccel::api {
 
 namespace {
 
-// Method auto: backprop when the memory planner fits the budget (or there is none, or no GPU), else NeuroFlux for a
-// model it trains; a model it does not train gets the planner's floor.
 // What a session that only looks (a plan, method auto's probe) takes of the caller's hooks: the program's own data
 // and model, nothing that reacts to steps.
 RunHooks inputs_of(const RunHooks& hooks) {
@@ -20,9 +18,17 @@ RunHooks inputs_of(const RunHooks& hooks) {
   return out;
 }
 
-Config method_resolve(Config c, const RunHooks& hooks) {
+// Method auto: backprop when the memory planner fits the budget (or there is none, or no GPU), else NeuroFlux for a
+// model it trains; a model it does not train gets the planner's floor. Returns the configuration with the method
+// chosen and, in `said`, the line that says why. With several processes
+// each rank looks at its own GPU's plan for its share of the batch (on that GPU); api::run has the ranks agree.
+Config method_resolve(Config c, const RunHooks& hooks, std::string* said) {
   c.execution.method = Method::kBackprop;
-  Session probe(c, inputs_of(hooks), /*output=*/false);
+  RunHooks look = inputs_of(hooks);
+  DistOptions one;  // one process, on this rank's GPU
+  one.local_rank = (hooks.dist ? *hooks.dist : dist_options_from_env()).local_rank;
+  look.dist = one;
+  Session probe(c, look, /*output=*/false);
   const Json plan = Trainer::memory_plan_preview(probe);
   const bool fits = !probe.device().is_cuda() || plan.is_null() || plan["feasible"].get<bool>();
   if (!fits) {
@@ -31,9 +37,9 @@ Config method_resolve(Config c, const RunHooks& hooks) {
                          " bytes for ", c.model.model, ", and neuroflux trains CNNs only; raise the budget");
     c.execution.method = Method::kNeuroFlux;
   }
-  probe.printer().line(fits ? "method auto: backprop (the memory plan fits)"
-                            : c10::str("method auto: neuroflux (backprop's floor is ", plan["floor_bytes"].get<int64_t>(),
-                                       " bytes, above ", option_ref("vram_budget"), " ", c.execution.vram_budget, ")"));
+  *said = fits ? "method auto: backprop (the memory plan fits)"
+               : c10::str("method auto: neuroflux (backprop's floor is ", plan["floor_bytes"].get<int64_t>(),
+                          " bytes, above ", option_ref("vram_budget"), " ", c.execution.vram_budget, ")");
   return c;
 }
 
@@ -41,8 +47,13 @@ Config method_resolve(Config c, const RunHooks& hooks) {
 
 Json run(const Config& config, const RunHooks& hooks) {
   Config resolved = config_for_run(config);
-  if (resolved.execution.method == Method::kAuto) resolved = method_resolve(resolved, hooks);
+  std::string chosen;  // method auto's line, said once every rank has chosen alike
+  if (resolved.execution.method == Method::kAuto) resolved = method_resolve(resolved, hooks, &chosen);
   Session session(resolved, hooks);
+  if (!chosen.empty()) {
+    method_agree(session.dist(), resolved.execution.method);
+    session.printer().line(chosen);
+  }
   if (session.config().execution.method == Method::kNeuroFlux) return neuroflux_train(session);
   Trainer trainer(session);
   return trainer.run();

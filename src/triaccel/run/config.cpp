@@ -447,8 +447,7 @@ void Config::validate_world(int64_t world) const {
   // What data parallelism supports so far (docs/distributed.md).
   const Method method = execution.method;
   const std::string world_ref = str_cat(option_ref("nproc"), " ", world);
-  TRIACCEL_CHECK_INPUT(method != Method::kAuto, world_ref, " needs the method named: ", option_ref("method"),
-                       " backprop, tri-accel or neuroflux (auto chooses in each process alone)");
+  // (method auto is fine: each rank looks at its own GPU's plan, and the ranks must agree: run/session.h.)
   // NeuroFlux trains each block data parallel, its BatchNorms per rank (rank 0's running statistics at each block's
   // end); synchronized BatchNorm is the backprop trainer's.
   TRIACCEL_CHECK_INPUT(method != Method::kNeuroFlux || !execution.sync_bn, option_ref("sync_bn"), " applies to ",

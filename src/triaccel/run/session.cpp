@@ -40,9 +40,10 @@ DistOptions dist_options_for(const RunHooks& hooks, bool output) {
 }
 
 // The rank's device: with several ranks on CUDA, the GPU of its local rank.
+// (A one-process session of a rank, local_rank > 0 with world_size 1: method auto's look at the plan, on the rank's GPU.)
 c10::Device rank_device(const Config& config, const DistOptions& dist) {
   const c10::Device device = device_resolve(config.execution.device);
-  if (dist.world_size <= 1 || !device.is_cuda()) return device;
+  if ((dist.world_size <= 1 && dist.local_rank == 0) || !device.is_cuda()) return device;
   const int64_t gpus = torch::cuda::device_count();
   TRIACCEL_CHECK_INPUT(dist.local_rank < gpus, "rank ", dist.rank, " has LOCAL_RANK ", dist.local_rank, " but ", gpus,
                        " GPU", gpus == 1 ? " is" : "s are", " visible; start at most ", gpus, " processes on this "
@@ -182,6 +183,17 @@ GradBucketsOptions grad_buckets_options(const Config& config) {
   o.wire = config.execution.grad_compression == GradCompression::kBf16 ? at::kBFloat16
                                                                         : at::ScalarType::Undefined;
   return o;
+}
+
+void method_agree(Dist& dist, Method chosen) {
+  if (!dist.active()) return;
+  const double neuroflux = dist.all_reduce_sum({chosen == Method::kNeuroFlux ? 1.0 : 0.0})[0];
+  const int world = dist.world_size();
+  const auto n = static_cast<int>(neuroflux);
+  TRIACCEL_CHECK_INPUT(n == 0 || n == world, option_ref("method"), " auto chose neuroflux on ", n, " of ", world,
+                       " processes and backprop on the others (backprop's memory plan fits some GPUs and not others); "
+                       "name the method: ", option_ref("method"), " neuroflux, or backprop with a larger ",
+                       option_ref("vram_budget"));
 }
 
 Session::~Session() {

@@ -44,6 +44,11 @@ void module_state_broadcast(Dist& dist, const std::vector<const torch::nn::Modul
 // the wire (grad_compression: bf16, or the gradients' own dtype).
 GradBucketsOptions grad_buckets_options(const Config& config);
 
+// Method auto decides in each process, from its own GPU's plan (api::run): every rank must train with the same method.
+// A no-op with one process, or when every rank chose `chosen`; else UserError on every rank naming the split and
+// the fix (name the method).
+void method_agree(Dist& dist, Method chosen);
+
 // Why a front end asks a run to stop early (a signal, KeyboardInterrupt in Python). The run finishes the step in
 // flight, writes a checkpoint and a stop event with the reason, and returns.
 enum class StopRequest { kNone, kInterrupt, kTerminate };
