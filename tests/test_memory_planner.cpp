@@ -637,61 +637,108 @@ TEST(MemoryGpuTest, ShortStepsInTheGraphsPoolTrainTheEagerWeights) {
   expect_same_weights(eager, graphed);
 }
 
-// A capture that runs out of memory shrinks the plan's share of the budget while a plan still fits the smaller
-// share; near the floor (0.9 of the cap fits, 0.81 does not) the graph is given up instead: the share stays, every
-// later step runs eagerly, and no capture is tried again, even after a re-plan.
-TEST(MemoryGpuTest, ACaptureThatNeverFitsNearTheFloorLeavesTheStepEager) {
-  TRIACCEL_SKIP_WITHOUT_GPU();
 #ifdef TRIACCEL_WITH_CUDA
+// What a plan controller did over six steps of a made-up model whose step graph's captures run out of memory:
+// `failing` of them (the first ones; -1: all), with the cap `cap_over_floor` times the plan's floor and `undo` as the
+// controller's capture-oom undo. With `replan_at_end`, an out-of-memory re-plan and two more steps follow.
+struct CaptureOomRun {
+  std::vector<std::string> reasons;  // the memory_plan events' reasons
+  double cap_share = 0;
+  int captures = 0;                  // captures tried
+  bool captured = false;             // a graph at the end
+};
+
+CaptureOomRun capture_oom_steps(double cap_over_floor, int failing, const MemoryPlanController::Undo& undo,
+                                bool replan_at_end) {
   const c10::Device gpu(c10::kCUDA, 0);
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
   MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
   m.dataset_bytes = 0;
   m.allow_host_data = false;
   const double floor = memory_plan_solve(m, 12, 1).floor_bytes;
+  torch::manual_seed(3);
+  CaptureOomRun out;
+  StepOptions so;
+  so.precision = PrecisionMode::kAmpBF16;
+  so.graph_batch_size = 12;
+  so.warmup_steps = 1;
+  so.during_capture = [&out, failing]() {
+    ++out.captures;
+    TORCH_CHECK_WITH(OutOfMemoryError, failing >= 0 && out.captures > failing, "test: no room for the graph's pool");
+  };
+  UnitRig rig(false, so, gpu);
+  TrainStep& step = rig.step;
+  MemoryPlanLimits limits;
+  limits.batch = 12;
+  limits.cap_bytes = static_cast<int64_t>(cap_over_floor * floor);
+  limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
+  const MemoryPlan plan = memory_plan_solve(m, 12, limits.budget_bytes);
+  EXPECT_TRUE(plan.feasible);
+  MemoryPlanController c(m, plan, limits, step, [&](const std::vector<Precision>&) { return m; });
+  if (undo) c.set_capture_oom_undo(undo);
+  const at::Tensor x = at::randn({12, 12}, at::TensorOptions().device(gpu));
+  const at::Tensor y = at::randint(0, 5, {12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  StepContext ctx;
+  for (int s = 1; s <= 6; ++s) {
+    ctx.step = s;
+    step.run(x, y, 0.05);
+    for (const Event& e : c.after_step(ctx)) out.reasons.push_back(e.fields["reason"].get<std::string>());
+  }
+  if (replan_at_end) {
+    c.on_out_of_memory();
+    step.run(x, y, 0.05);
+    step.run(x, y, 0.05);
+  }
+  out.cap_share = c.state()["cap_share"].get<double>();
+  out.captured = step.graph().captured();
+  return out;
+}
+#endif
+
+// A capture that runs out of memory shrinks the plan's share of the budget while a plan still fits the smaller
+// share; near the floor (0.9 of the cap fits, 0.81 does not) the graph is given up instead: the share stays, every
+// later step runs eagerly, and no capture is tried again, even after a re-plan.
+TEST(MemoryGpuTest, ACaptureThatNeverFitsNearTheFloorLeavesTheStepEager) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
   for (const bool near_floor : {false, true}) {
-    torch::manual_seed(3);
-    int captures = 0;
-    StepOptions so;
-    so.precision = PrecisionMode::kAmpBF16;
-    so.graph_batch_size = 12;
-    so.warmup_steps = 1;
-    so.during_capture = [&captures]() {
-      ++captures;
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "test: no room for the graph's pool");
-    };
-    UnitRig rig(false, so, gpu);
-    TrainStep& step = rig.step;
-    MemoryPlanLimits limits;
-    limits.batch = 12;
-    limits.cap_bytes = static_cast<int64_t>(near_floor ? floor / 0.85 : 4 * floor);
-    limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
-    const MemoryPlan plan = memory_plan_solve(m, 12, limits.budget_bytes);
-    ASSERT_TRUE(plan.feasible);
-    MemoryPlanController c(m, plan, limits, step, [&](const std::vector<Precision>&) { return m; });
-    const at::Tensor x = at::randn({12, 12}, at::TensorOptions().device(gpu));
-    const at::Tensor y = at::randint(0, 5, {12}, at::TensorOptions().dtype(at::kLong).device(gpu));
-    std::vector<std::string> reasons;
-    StepContext ctx;
-    for (int s = 1; s <= 6; ++s) {
-      ctx.step = s;
-      step.run(x, y, 0.05);
-      for (const Event& e : c.after_step(ctx)) reasons.push_back(e.fields["reason"].get<std::string>());
-    }
-    c.on_out_of_memory();  // a re-plan must not allow the graph again
-    step.run(x, y, 0.05);
-    step.run(x, y, 0.05);
+    const CaptureOomRun run = capture_oom_steps(near_floor ? 1 / 0.85 : 4.0, -1, nullptr, /*replan_at_end=*/true);
     if (near_floor) {
-      EXPECT_EQ(reasons, std::vector<std::string>{"capture_oom_eager"});
-      EXPECT_DOUBLE_EQ(c.state()["cap_share"].get<double>(), 0.9);
-      EXPECT_EQ(captures, 1);
+      EXPECT_EQ(run.reasons, std::vector<std::string>{"capture_oom_eager"});
+      EXPECT_DOUBLE_EQ(run.cap_share, 0.9);
+      EXPECT_EQ(run.captures, 1);
     } else {
-      ASSERT_FALSE(reasons.empty());
-      EXPECT_EQ(reasons[0], "capture_oom");
-      EXPECT_LT(c.state()["cap_share"].get<double>(), 0.9);
-      EXPECT_GT(captures, 1);  // it captures again after each shrink
+      ASSERT_FALSE(run.reasons.empty());
+      EXPECT_EQ(run.reasons[0], "capture_oom");
+      EXPECT_LT(run.cap_share, 0.9);
+      EXPECT_GT(run.captures, 1);  // it captures again after each shrink
     }
-    EXPECT_FALSE(step.graph().captured());
+    EXPECT_FALSE(run.captured);
+  }
+#endif
+}
+
+// A capture that runs out of memory right after what made the step bigger (Tri-Accel's precision raise, put back by
+// the undo) keeps the plan's share of the budget and captures again; when the undo finds nothing to put back, the
+// share shrinks as above.
+TEST(MemoryGpuTest, ACaptureOutOfMemoryAfterARaiseUndoesTheRaiseNotTheShare) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  for (const bool raised : {true, false}) {
+    int undos = 0;
+    const CaptureOomRun run = capture_oom_steps(4.0, 1, [&]() {
+      ++undos;
+      return raised;
+    }, false);
+    EXPECT_EQ(undos, 1) << raised;
+    EXPECT_EQ(run.reasons, std::vector<std::string>{raised ? "capture_oom_undone" : "capture_oom"});
+    if (raised) {
+      EXPECT_DOUBLE_EQ(run.cap_share, 0.9);
+    } else {
+      EXPECT_LT(run.cap_share, 0.9);
+    }
+    EXPECT_EQ(run.captures, 2) << raised;  // the failed one, then one that fits
+    EXPECT_TRUE(run.captured) << raised;
   }
 #endif
 }

@@ -120,6 +120,17 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
     capture_failed = worst.at(0) > 0;
     measured = worst.at(1);
   }
+  // A capture that ran out of memory right after a precision raise: the raise is put back (refused) and the plan for
+  // the precisions before it stands, instead of a smaller share of the budget for every later plan (call 5 of
+  // bench/results/h100/tri_accel_budget_rounds: the planner shrank its limit twice for raises it then paid for).
+  if (capture_failed && capture_oom_undo_ && capture_oom_undo_()) {
+    precisions_ = step_.unit_precisions();
+    model_ = corrected_model(precisions_);
+    replan();
+    step_.graph_allow();
+    events.push_back({event::kMemoryPlan, plan_fields("capture_oom_undone")});
+    return events;  // a failed capture's peak is no calibration reading
+  }
   // A capture that ran out of memory: the plan may fill less of the budget; the step captures again. When the
   // smaller share leaves no plan, the graph is given up instead: eager steps at the current share.
   if (capture_failed && limits_.cap_bytes > 0) {  // a disabled graph captures no more

@@ -90,6 +90,12 @@ class MemoryPlanController final : public StepController {
   using Agree = std::function<std::vector<double>(std::vector<double>)>;
   void set_agree(Agree max_over_ranks) { agree_ = std::move(max_over_ranks); }
 
+  // Called when a step's capture ran out of memory, before the plan takes a smaller share of the budget: true when
+  // it undid what made the step bigger (Tri-Accel: PrecisionController::revert_raise). The plan is then made for
+  // the step as it is again and the step captures again, the share kept. Unset: the share shrinks.
+  using Undo = std::function<bool()>;
+  void set_capture_oom_undo(Undo undo) { capture_oom_undo_ = std::move(undo); }
+
   const MemoryPlan& plan() const { return plan_; }
   // What a plan may reach now: the budget, or without one the first model's peak at the current scale.
   int64_t limit_bytes() const;
@@ -115,6 +121,7 @@ class MemoryPlanController final : public StepController {
   TrainStep& step_;
   Rebuild rebuild_;
   Agree agree_;
+  Undo capture_oom_undo_;
   std::vector<Precision> precisions_;  // the step's unit precisions the model was built for
   double measured_peak_bytes_ = 0;     // the last calibration reading
   double plan_measured_peak_bytes_ = 0;  // plan_measured_peak_bytes()

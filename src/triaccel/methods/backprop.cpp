@@ -614,6 +614,7 @@ void Trainer::controllers_build() {
       precision_controller->set_memory_check(
           [planner = memory_planner_](const std::vector<Precision>& p) { return planner->fits(p); },
           /*hold_curvature=*/config_.execution.vram_budget_bytes() > 0);
+      memory_planner_->set_capture_oom_undo([precision_controller]() { return precision_controller->revert_raise(); });
     }
   }
   for (auto& c : controllers_) {
