@@ -12,8 +12,14 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+#include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <thread>
 
@@ -709,6 +715,39 @@ TEST_F(DataParallelTest, OutOfMemoryOnOneRankEndsEveryRankWithALine) {
             std::string::npos)
       << errors[1];
   EXPECT_NE(errors[0].find("rank 0 of 2 lost the data-parallel group"), std::string::npos) << errors[0];
+}
+
+// A rank's process makes a CUDA context on its own GPU only. Taking its stream while device 0 was still current made
+// every rank but rank 0 a context on GPU 0 as well (518 MiB of it on the H100s). A context cannot be taken back, so
+// the check runs in a fresh process: the outer test starts this binary again for the inner one alone.
+TEST_F(DataParallelTest, ARankOnGpu1MakesNoContextOnGpu0Inner) {
+  if (std::getenv("TRIACCEL_TEST_FRESH_PROCESS") == nullptr) GTEST_SKIP() << "run by ARankOnGpu1MakesNoContextOnGpu0";
+#ifdef TRIACCEL_WITH_CUDA
+  ASSERT_FALSE(c10::cuda::hasPrimaryContext(0)) << "not a fresh process";
+  test::TempDir out("dp_context");
+  Config c = on_gpu(mlp_options(out.path()));
+  c.set("max_steps", "2");
+  RunHooks hooks;
+  DistOptions gpu1;  // one process on the GPU of local rank 1, as a rank of its own would be
+  gpu1.local_rank = 1;
+  hooks.dist = gpu1;
+  api::run(c, hooks);
+  EXPECT_TRUE(c10::cuda::hasPrimaryContext(1));
+  EXPECT_FALSE(c10::cuda::hasPrimaryContext(0));
+#endif
+}
+
+TEST_F(DataParallelTest, ARankOnGpu1MakesNoContextOnGpu0) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs";
+  char self[4096] = {};
+  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
+  test::TempDir out("dp_context_log");
+  const std::string log = out.file("child.log");
+  const std::string command = std::string("TRIACCEL_TEST_FRESH_PROCESS=1 '") + self +
+                              "' --gtest_filter=DataParallelTest.ARankOnGpu1MakesNoContextOnGpu0Inner > '" + log +
+                              "' 2>&1";
+  EXPECT_EQ(std::system(command.c_str()), 0) << file_read_all(log);
 }
 
 // Method auto chooses in each process from its own GPU's plan; the ranks must train with one method. On the CPU every

@@ -1,5 +1,6 @@
 #include "triaccel/api/api.h"
 
+#include "triaccel/core/context_trace.h"
 #include "triaccel/methods/backprop.h"
 #include "triaccel/methods/baoc_plan.h"
 #include "triaccel/methods/neuroflux.h"
@@ -46,10 +47,13 @@ Config method_resolve(Config c, const RunHooks& hooks, std::string* said) {
 }  // namespace
 
 Json run(const Config& config, const RunHooks& hooks) {
+  context_trace("run start");
   Config resolved = config_for_run(config);
   std::string chosen;  // method auto's line, said once every rank has chosen alike
   if (resolved.execution.method == Method::kAuto) resolved = method_resolve(resolved, hooks, &chosen);
+  context_trace("method chosen");
   Session session(resolved, hooks);
+  context_trace("session built");
   if (!chosen.empty()) {
     method_agree(session.dist(), resolved.execution.method);
     session.printer().line(chosen);

@@ -1,5 +1,6 @@
 #include "triaccel/core/device.h"
 
+#include "triaccel/core/context_trace.h"
 #include "triaccel/core/errors.h"
 
 #include <ATen/Context.h>
@@ -10,9 +11,13 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 
 namespace triaccel {
@@ -89,6 +94,25 @@ bool user_names_expandable_segments() {
 }  // namespace
 
 void cublas_workspace_small() { setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:1", /*overwrite=*/0); }
+
+void context_trace(const char* where) {
+#ifdef TRIACCEL_WITH_CUDA
+  static const bool on = std::getenv("TRIACCEL_TRACE_CONTEXTS") != nullptr;
+  if (!on) return;
+  static std::mutex mutex;  // ranks as threads (tests) share the last reading
+  static std::string last;
+  const std::lock_guard<std::mutex> lock(mutex);
+  std::string held;
+  for (c10::DeviceIndex d = 0; d < c10::cuda::device_count(); ++d) {
+    if (c10::cuda::hasPrimaryContext(d)) held += (held.empty() ? "" : ",") + std::to_string(d);
+  }
+  if (held == last) return;
+  last = held;
+  std::fprintf(stderr, "[contexts] pid %d: GPUs {%s} at %s\n", static_cast<int>(getpid()), held.c_str(), where);
+#else
+  (void)where;
+#endif
+}
 
 bool memory_expandable_segments() {
 #ifdef TRIACCEL_WITH_CUDA

@@ -6,6 +6,7 @@
 #include "triaccel/control/measure_window.h"
 #include "triaccel/control/memory_model.h"
 #include "triaccel/control/precision_controller.h"
+#include "triaccel/core/context_trace.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/models/model.h"
@@ -371,6 +372,7 @@ Trainer::Trainer(Session& session)
                                                                     : config_.execution.precision),
       faults_(config_.execution.inject_faults),
       progress_(std::make_unique<Progress>()) {
+  context_trace("memory plan and loaders");
   std::vector<std::pair<std::string, at::Tensor>> named_params;
   for (const auto& item : session_.model().named_parameters()) named_params.emplace_back(item.key(), item.value());
   optimizer_ = optimizer_create(config_.optim.optimizer, named_params, config_.optim.optimizer_options());
@@ -425,6 +427,7 @@ Trainer::Trainer(Session& session)
   if (session_.dist().active()) grad_reduce_set(so.grad_reduce);
   if (param_shards_) so.after_update = [this] { param_shards_->sync(); };
   step_ = std::make_unique<TrainStep>(session_.model(), *optimizer_, scaler_, so, device_);
+  context_trace("train step built");
   if (config_.execution.sync_bn && session_.dist().active()) sync_bn_start();
   controllers_build();
 
@@ -723,6 +726,7 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
     // (train/step_graph.h): beside it, under a budget, it did not fit (ResNet-18 b96 at 0.4 GB on the H100: out of
     // memory even in passes of one sample), and releasing the graph cost a capture an epoch (0.96× at 0.8 GB).
     step_->run(images, labels, lr);
+    context_trace("a training step");
   } catch (const c10::OutOfMemoryError&) {
     return on_out_of_memory(fault, count);
   }

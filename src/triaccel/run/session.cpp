@@ -1,5 +1,6 @@
 #include "triaccel/run/session.h"
 
+#include "triaccel/core/context_trace.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/core/io.h"
 #include "triaccel/models/registry.h"
@@ -9,6 +10,7 @@
 #include <torch/utils.h>
 #include <torch/version.h>
 #ifdef TRIACCEL_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -108,6 +110,7 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
       cudnn_benchmark_before_(at::globalContext().benchmarkCuDNN()),
       device_scope_(std::make_unique<DeviceScope>()),
       printer_(dist_options_.rank == 0 ? config_.output.progress : ProgressMode::kOff, hooks.spell_option) {
+  context_trace("session start");
   const int world = dist_options_.world_size;
   config_.validate_world(world);
   // (A session without output — `plan` — previews nproc processes from this one.)
@@ -123,6 +126,7 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
     dist_options_.cuda_device = device_.index();
   }
   dist_ = std::make_unique<Dist>(dist_options_);  // blocks until every rank has joined
+  context_trace("process group joined");
   output = output && dist_->rank() == 0;
   if (output) {
     directory_prepare_writable(config_.output.out, "out");
@@ -136,12 +140,17 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
 
 #ifdef TRIACCEL_WITH_CUDA
   if (device_.is_cuda()) {
+    // The rank's GPU is made current first: taking a stream of another device than the current one (device 0 in a
+    // fresh process) left every rank but rank 0 with a CUDA context on GPU 0 as well, 518 MiB of it on the H100s
+    // (TRIACCEL_TRACE_CONTEXTS; bench/results/h100x2/auto_contexts_a10e204).
+    c10::cuda::set_device(device_.index());
     device_scope_->stream.emplace(c10::cuda::getStreamFromPool(false, device_.index()));
     // cuDNN autotuning tries algorithms with workspaces of gigabytes; under a vram_budget those tries fill the budget
     // (the elastic batch then reads them as the step's need) and can run out of memory: heuristics instead.
     at::globalContext().setBenchmarkCuDNN(config_.execution.cudnn_autotune_enabled());
   }
 #endif
+  context_trace("stream guard");
   if (hooks_.data) {
     TRIACCEL_CHECK_INPUT(config_.data.dataset == "tensors", option_ref("dataset"), " is '", config_.data.dataset,
                          "' but the program passed images of its own; leave ", option_ref("dataset"), " unset");
@@ -149,6 +158,7 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
   } else {
     data_ = dataset_load(config_.data.dataset, config_.data.data_dir, config_.data.block_size);
   }
+  context_trace("data loaded");
   model_options_.name = config_.model.model;
   model_options_.num_classes = data_.train.num_classes;
   model_options_.in_channels = data_.train.channels();
@@ -161,6 +171,7 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
     TORCH_CHECK(model_ != nullptr, "the model hook returned no model");
   }
   model_->to(device_);
+  context_trace("model on the device");
   layout_params(*model_);
   model_->train();
   module_state_broadcast(*dist_, {model_.get()});  // every rank starts from rank 0's weights
