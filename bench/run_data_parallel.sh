@@ -19,6 +19,8 @@
 #   methods NeuroFlux (ResNet-18, batch 96, under NF_BUDGET (0.35GB) on each GPU, EPOCHS epochs) at 1 and NPROC GPUs:
 #          s/epoch (training and cache passes), accuracy, each block's rank peaks and CUDA graph; BAOC (ResNet-18
 #          b512/GPU) on NPROC GPUs with its state whole and sharded (--shard-optimizer on): each rank's state bytes
+#   auto   --method auto on NPROC GPUs, ResNet-18 batch 96, 1 epoch, at each of AUTO_BUDGETS ("0.5GB 0.15GB") per GPU:
+#          the method every rank chose (backprop where its plan fits, else NeuroFlux), s/epoch, accuracy, rank peaks
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -139,6 +141,13 @@ if has methods; then
   ours "baoc_resnet18-zero_w$NPROC" "$NPROC" --model resnet18 --optimizer baoc --batch-size $((512 * NPROC)) \
     --epochs "$EPOCHS" --shard-optimizer on
 fi
+if has auto; then
+  for budget in ${AUTO_BUDGETS:-0.5GB 0.15GB}; do
+    ours "auto_resnet18-$budget""_w$NPROC" "$NPROC" --model resnet18 --method auto --batch-size 96 --epochs 1 \
+      --vram-budget "$budget"
+    grep -E '^method auto' "$WORK/runs/auto_resnet18-$budget""_w$NPROC.log"
+  done
+fi
 if has acc; then
   # ACC_ARGS: extra flags for both runs (e.g. "--checkpoint-every 100000": one checkpoint at the end instead of one
   # per epoch, 0.4 s each for ResNet-18, which neither run can share between GPUs).
@@ -160,7 +169,9 @@ for d in sorted(glob.glob(f"{work}/runs/*/")):
     blocks = [e for e in ev if e["event"] == "block"]
     world = int(tag.rsplit("_w", 1)[1])
     summary = summ[0] if summ else {}
+    config = next((e for e in ev if e["event"] == "config"), {})
     rows.append({"system": "triaccel", "tag": tag, "model": tag.split("_")[1], "world_size": world,
+                 "method": config.get("options", {}).get("method"),
                  "optim_state_bytes": summary.get("optim_state_bytes"),
                  "optim_state_sharded": summary.get("optim_state_sharded"),
                  "images_per_s": epochs[-1]["images_per_s"] if epochs else None,
@@ -234,6 +245,10 @@ for r in rows:
     if r.get("tag", "").startswith("baoc_"):
         print(f"{r['tag']}: {r['images_per_s']} img/s, state {r['optim_state_bytes']} B (sharded "
               f"{r['optim_state_sharded']}), rank peaks {r['rank_peak_vram_gb']} GB, graph {r['cuda_graph']}")
+for r in rows:
+    if r.get("tag", "").startswith("auto_"):
+        print(f"{r['tag']}: method {r['method']}, {r['epoch_s']} s/epoch, test acc {r['test_acc']} %, rank peaks "
+              f"{r['rank_peak_vram_gb']} GB, peak {r['peak_vram_gb']} GB")
 for r in rows:
     if r.get("tag", "").startswith("acc_"):
         print(f"{r['tag']}: test acc {r['test_acc']} %, total {r['total_s']} s, {r['epochs']} epochs")
