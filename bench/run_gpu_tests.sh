@@ -13,7 +13,8 @@ echo "gpu: $GPU x $(nvidia-smi -L | wc -l)"
 rows=()
 timeout 400 .device/bin/triaccel_tests --gtest_brief=1 --gtest_filter="${FILTER:-*}" >"$FINAL_OUT/gpu_tests.log" 2>&1
 rc=$?
-rows+=("suite (${FILTER:-*}): exit $rc; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$FINAL_OUT/gpu_tests.log" | tr '\n' ' ')")
+summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$FINAL_OUT/gpu_tests.log" | tr '\n' ' ')
+rows+=("suite (${FILTER:-*}): exit $rc; $summary")
 for xz in .device/mutants/*.xz; do
   [ -e "$xz" ] || continue
   name=$(basename "$xz" .xz)

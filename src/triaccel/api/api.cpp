@@ -21,8 +21,8 @@ RunHooks inputs_of(const RunHooks& hooks) {
 
 // Method auto: backprop when the memory planner fits the budget (or there is none, or no GPU), else NeuroFlux for a
 // model it trains; a model it does not train gets the planner's floor. Returns the configuration with the method
-// chosen and, in `said`, the line that says why. With several processes
-// each rank looks at its own GPU's plan for its share of the batch (on that GPU); api::run has the ranks agree.
+// chosen and, in `said`, the line that says why. With several processes each rank looks at its own GPU's plan for its
+// share of the batch (on that GPU); api::run has the ranks agree.
 Config method_resolve(Config c, const RunHooks& hooks, std::string* said) {
   c.execution.method = Method::kBackprop;
   RunHooks look = inputs_of(hooks);

@@ -41,8 +41,8 @@ DistOptions dist_options_for(const RunHooks& hooks, bool output) {
   return output ? dist_options_from_env() : DistOptions{};
 }
 
-// The rank's device: with several ranks on CUDA, the GPU of its local rank.
-// (A one-process session of a rank, local_rank > 0 with world_size 1: method auto's look at the plan, on the rank's GPU.)
+// The rank's device: with several ranks on CUDA, the GPU of its local rank (also for a one-process session of a rank,
+// local_rank > 0 with world_size 1: method auto's look at the plan, on the rank's GPU).
 c10::Device rank_device(const Config& config, const DistOptions& dist) {
   const c10::Device device = device_resolve(config.execution.device);
   if ((dist.world_size <= 1 && dist.local_rank == 0) || !device.is_cuda()) return device;
