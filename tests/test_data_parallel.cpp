@@ -780,6 +780,34 @@ TEST_F(DataParallelTest, MethodAutoIsOneChoiceForEveryRank) {
   EXPECT_EQ(config[0]["world_size"], 2);
 }
 
+// NeuroFlux on several ranks does not retry a block step that ran out of memory either: the rank names it, rank 0's
+// reading goes into the events first (what the block plan missed), and the other rank ends too.
+TEST_F(DataParallelTest, NeuroFluxOutOfMemoryOnARankEndsTheRunWithItsReading) {
+  test::TempDir out("dp_nf_oom");
+  Config c = mlp_options(out.path());
+  c.set("model", "dp-mlp-local");
+  c.set("method", "neuroflux");
+  c.set("vram_budget", "1.5MB");
+  std::vector<std::string> errors;
+  run_ranks({c, c}, nullptr,
+            [](int rank, RunHooks& hooks) {
+              if (rank != 0) return;
+              hooks.before_step = [](int64_t, int64_t) {  // block 0's first step
+                TORCH_CHECK_WITH(OutOfMemoryError, false, "injected by the test");
+              };
+            },
+            &errors);
+  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_NE(errors[0].find("rank 0 of 2 ran out of GPU memory in NeuroFlux block 0 at batch "), std::string::npos)
+      << errors[0];
+  EXPECT_FALSE(errors[1].empty());
+  const auto ooms = events_named(out.file("events.jsonl"), event::kOom);
+  ASSERT_EQ(ooms.size(), 1u);
+  EXPECT_EQ(ooms[0]["action"], "stopped: several ranks");
+  EXPECT_EQ(ooms[0]["block"], 0);
+  EXPECT_NE(ooms[0]["error"].get<std::string>().find("injected by the test"), std::string::npos);
+}
+
 TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
   test::TempDir out("dp_refuse");
   const auto refused = [&](const char* key, const std::string& value) {

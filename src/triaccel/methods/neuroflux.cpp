@@ -990,6 +990,7 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
   lr_.fill_(schedule_lr(sched_, position) * lr_scale_for_batch(config_.schedule.lr_batch_rule, batch_, bp_.batch));
   at::Tensor x, y;
   try {
+    if (session_.hooks().before_step) session_.hooks().before_step(*run_step_, count + fill);
     if (train_aug_) {
       std::tie(x, y) = train_aug_->batch(offset, count);
       if (fill > 0) {
@@ -1012,13 +1013,17 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
     if (count + fill < bp_.batch) ++r_.short_steps;
   } catch (const c10::OutOfMemoryError& e) {
     const Dist& dist = session_.dist();
+    Json fields = oom_reading(e, device);
+    if (dist.active()) {  // the reading first (rank 0's: it writes the events), for what the plan missed
+      fields.update(Json{{"block", b_}, {"batch", batch_}, {"action", "stopped: several ranks"}});
+      session_.event(event::kOom, *run_step_, fields);
+    }
     // Data parallel: not retried (one rank alone would fall out of step with the others).
     TRIACCEL_CHECK_INPUT(!dist.active(), "rank ", dist.rank(), " of ", dist.world_size(),
                          " ran out of GPU memory in NeuroFlux block ", b_, " at batch ", batch_, " (",
                          (batch_ + dist.world_size() - 1) / dist.world_size(), " per rank); resume from the last "
                          "checkpoint with a larger ", option_ref("vram_budget"), " or on more GPUs: ",
                          option_ref("resume"), " ", config_.output.out, " ", option_ref("nproc"), " N");
-    Json fields = oom_reading(e, device);
     x = at::Tensor();
     y = at::Tensor();
     if (graph_.captured()) {

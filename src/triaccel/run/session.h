@@ -62,7 +62,8 @@ std::string stop_line(const std::string& reason, int64_t step, const std::string
 struct RunHooks {
   // Called after every optimizer step with the global step count (tests use it to stop or inspect).
   std::function<void(int64_t step)> after_step;
-  // Called before every step with the batch about to run; may throw c10::OutOfMemoryError (fault injection).
+  // Called before every step (NeuroFlux's block steps too) with the batch about to run; may throw
+  // c10::OutOfMemoryError (fault injection).
   std::function<void(int64_t step, int64_t batch)> before_step;
   // Called after every successful step with the samples it trained: [offset, offset + count) of the epoch's order.
   std::function<void(int64_t epoch, int64_t offset, int64_t count)> on_batch;
