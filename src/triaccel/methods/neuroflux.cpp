@@ -1014,7 +1014,7 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
   } catch (const c10::OutOfMemoryError& e) {
     const Dist& dist = session_.dist();
     Json fields = oom_reading(e, device);
-    if (dist.active()) {  // the reading first (rank 0's: it writes the events), for what the plan missed
+    if (dist.active()) {  // the reading first (rank 0's: it writes the events): the allocator's state at the stop
       fields.update(Json{{"block", b_}, {"batch", batch_}, {"action", "stopped: several ranks"}});
       session_.event(event::kOom, *run_step_, fields);
     }
