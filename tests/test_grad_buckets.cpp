@@ -98,6 +98,27 @@ TEST_F(GradBucketsTest, BucketsStartInOrderWhileBackwardRunsAndHoldTheWeightedSu
   }
 }
 
+// A pass abandoned midway (a CUDA graph's capture that failed in backward; the step then runs eagerly): arm() starts
+// the next pass from the first bucket, so its gradients are taken and reduced, not refused as late.
+TEST_F(GradBucketsTest, APassAbandonedMidwayLeavesNothingForTheNextArm) {
+  const at::Tensor x = torch::randn({8, 16});
+  const std::vector<at::Tensor> ref = reference(x);
+  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined}, doubling());
+  buckets.arm(1.0);
+  // Only the last layer's parameters: its bucket starts, the others wait for gradients that never come.
+  (layers[3]->forward(x).square().sum()).backward();
+  ASSERT_EQ(buckets.started_during_backward(), 1);
+  for (auto& p : params) p.mutable_grad() = at::Tensor();
+  started.clear();
+  buckets.arm(0.5);
+  forward(x).backward();
+  buckets.finish();
+  EXPECT_EQ(started.size(), 4u);
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(params[i].grad(), ref[i], 1e-6, 1e-7)) << "parameter " << i;
+  }
+}
+
 TEST_F(GradBucketsTest, Bf16OnTheWireIsScaledFirstThenCast) {
   const at::Tensor x = torch::randn({8, 16});
   const std::vector<at::Tensor> ref = reference(x);

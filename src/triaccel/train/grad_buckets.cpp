@@ -154,6 +154,14 @@ GradBuckets::~GradBuckets() {
 
 void GradBuckets::arm(double weight) {
   State& s = *state_;
+  // A pass abandoned before finish() (a capture that failed midway: the step then runs eagerly) leaves nothing: its
+  // started buckets are started again.
+  for (State::Bucket& b : s.buckets) {
+    b.pending = static_cast<int64_t>(b.params.size());
+    b.work = DistWork();
+  }
+  std::fill(s.filled.begin(), s.filled.end(), 0);
+  s.next = 0;
   s.armed = true;
   s.weight = weight;
   s.started_during_backward = 0;
