@@ -30,9 +30,12 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <random>
+#include <vector>
 
 namespace triaccel {
 namespace {
@@ -518,6 +521,46 @@ TEST(MemoryGpuTest, AnEagerStepOfAnotherSizeRunsInTheGraphsPool) {
         EXPECT_GE(g, 5 * kWidth * 4) << "the test cannot tell: the step's temporary fit in memory already reserved";
       }
     }
+  }
+#endif
+}
+
+// GPU: the ranks agree on every capture (agree_capture: NCCL's collectives must be captured and replayed on every
+// rank). When another rank's capture ran out of memory, this rank's good capture goes too: the step runs eagerly and
+// the batch size is refused, as if its own had failed; when every rank captured, it replays. Either way each step's
+// work runs once.
+TEST(MemoryGpuTest, ACaptureAnotherRankLostGoesOnThisRankToo) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  const auto opts = at::TensorOptions().device(gpu);
+  for (const int others : {0, 1}) {
+    SCOPED_TRACE(others);
+    StepGraphOptions o;
+    o.batch = 4;
+    o.warmup_steps = 1;
+    std::vector<int> outcomes;
+    o.agree_capture = [&](int own) {
+      outcomes.push_back(own);
+      return std::max(own, others);
+    };
+    StepGraph graph(o);
+    const at::Tensor out = at::zeros({4}, opts);
+    int runs = 0;  // the body's host calls: eager steps and captures (a replay makes none)
+    const StepGraph::Body body = [&](const at::Tensor& x, const at::Tensor&) {
+      ++runs;
+      out.add_(x.sum(1));
+    };
+    const at::Tensor x = at::ones({4, 8}, opts);
+    const at::Tensor y = at::zeros({4}, opts.dtype(at::kLong));
+    for (int s = 0; s < 4; ++s) graph.run(body, x, y);
+    EXPECT_EQ(outcomes, std::vector<int>{0});
+    EXPECT_EQ(graph.captured(), others == 0);
+    EXPECT_EQ(graph.capture_ooms(), others);
+    EXPECT_EQ(runs, others == 0 ? 2 : 5);  // warm-up, capture; or warm-up, capture, its eager step, two eager steps
+    EXPECT_EQ(out.cpu().min().item<float>(), 32.f);
+    EXPECT_EQ(out.cpu().max().item<float>(), 32.f);
   }
 #endif
 }

@@ -461,6 +461,7 @@ void Trainer::grad_reduce_set(StepOptions::GradReduce& reduce) {
   };
   // NCCL's all-reduce is ordered on the stream: the graph captures it (with the full batch's constant weight).
   reduce.capturable = nccl;
+  if (nccl) reduce.agree_capture = capture_agreement(session_.dist());
 }
 
 void Trainer::sync_bn_start() {

@@ -207,6 +207,10 @@ void method_agree(Dist& dist, Method chosen) {
                        option_ref("vram_budget"));
 }
 
+std::function<int(int)> capture_agreement(Dist& dist) {
+  return [&dist](int own) { return static_cast<int>(dist.all_reduce_max({static_cast<double>(own)})[0]); };
+}
+
 Session::~Session() {
   memory_cap_.reset();
   at::globalContext().setBenchmarkCuDNN(cudnn_benchmark_before_);

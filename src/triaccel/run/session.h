@@ -49,6 +49,10 @@ GradBucketsOptions grad_buckets_options(const Config& config);
 // the fix (name the method).
 void method_agree(Dist& dist, Method chosen);
 
+// StepGraphOptions::agree_capture for a step graph holding NCCL's collectives: the worst capture outcome over the
+// ranks (one host collective per capture).
+std::function<int(int)> capture_agreement(Dist& dist);
+
 // Why a front end asks a run to stop early (a signal, KeyboardInterrupt in Python). The run finishes the step in
 // flight, writes a checkpoint and a stop event with the reason, and returns.
 enum class StopRequest { kNone, kInterrupt, kTerminate };

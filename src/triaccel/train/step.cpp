@@ -31,6 +31,7 @@ StepGraphOptions graph_options(const StepOptions& o, const c10::Device& device, 
   // A capture refused by an error (e.g. a call from autograd's thread that global mode forbids, as a recompute's
   // nested backward may make) is retried once in relaxed mode before the step stays eager.
   g.relaxed_retry = true;
+  g.agree_capture = o.grad_reduce.agree_capture;
   return g;
 }
 

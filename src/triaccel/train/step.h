@@ -50,6 +50,7 @@ struct StepOptions {
     std::function<double()> weight;  // this rank's share of the global batch in the step about to run
     GradBucketsOptions buckets;
     bool capturable = false;  // start only enqueues work on the stream (NCCL): graphs stay on
+    std::function<int(int)> agree_capture;  // with capturable: every rank's capture outcome (StepGraphOptions)
   } grad_reduce;
   // Data parallelism with the optimizer state sharded (train/param_shards.h): runs after the optimizer's update, on
   // every rank (the owners' parameters broadcast); inside the captured graph when grad_reduce.capturable.

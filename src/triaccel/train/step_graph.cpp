@@ -74,6 +74,14 @@ bool StepGraph::capture(const Body& body, const at::Tensor& x, const at::Tensor&
         body(g->x, g->y);
       },
       &error, relaxed_);
+  if (options_.agree_capture) {
+    const int own = g->graph ? 0 : error.empty() ? 1 : 2;
+    const int all = options_.agree_capture(own);
+    if (all != own) {  // another rank's capture failed: this rank's graph goes too, for the same reason
+      g->graph.reset();
+      if (all == 2 && error.empty()) error = "another rank's capture was refused";
+    }
+  }
   if (g->graph) {
     graph_ = std::move(g);
     ++captures_;
