@@ -15,6 +15,7 @@
 #include "triaccel/data/loader.h"
 #include "triaccel/methods/backprop.h"
 #include "triaccel/models/model.h"
+#include "triaccel/models/registry.h"
 #include "triaccel/optim/sgd.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/recompute.h"
@@ -1225,6 +1226,34 @@ TEST_F(MemoryRunTest, ARunWithHandSetLeversTrainsAndReportsThePlan) {
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("has no unit 'nope'"), std::string::npos) << e.what();
   }
+}
+
+// GPU: a session under a budget makes expandable segments from its start, before the model's weights go to the GPU
+// (NeuroFlux's profile allocates before the cap too); without a budget it leaves the allocator alone, and the
+// setting ends with the session.
+TEST_F(MemoryRunTest, ABudgetsSessionMakesExpandableSegmentsFromItsStart) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  if (std::getenv("PYTORCH_ALLOC_CONF") != nullptr || std::getenv("PYTORCH_CUDA_ALLOC_CONF") != nullptr) {
+    GTEST_SKIP() << "the user's allocator settings are left alone";
+  }
+  test::TempDir out("run_expandable");
+  const auto expandable_at_model = [&](const char* budget) {
+    Config o = options(out.path());
+    o.set("device", "cuda");
+    o.set("max_steps", "1");
+    if (budget != nullptr) o.set("vram_budget", budget);
+    std::optional<bool> seen;
+    RunHooks hooks;
+    hooks.model = [&seen](const ModelOptions& mo) {
+      seen = memory_expandable_segments();
+      return model_create(mo);
+    };
+    api::run(o, hooks);
+    EXPECT_FALSE(memory_expandable_segments()) << "the session's setting outlived it";
+    return seen.value_or(false);
+  };
+  EXPECT_TRUE(expandable_at_model("1GB"));
+  EXPECT_FALSE(expandable_at_model(nullptr));
 }
 
 // `plan` with a vram_budget on the CPU: the plan for a GPU from the modelled profile, with the fields the issue

@@ -130,18 +130,29 @@ MemoryCapScope::MemoryCapScope(const c10::Device& device, int64_t bytes, bool ex
   }
 #endif
   memory_cap_set(device, bytes);
-#ifdef TRIACCEL_WITH_CUDA
-  if (device.is_cuda() && expandable && !memory_expandable_segments() && !user_names_expandable_segments()) {
-    c10::CachingAllocator::setAllocatorSettings("expandable_segments:True");
-    expandable_set_ = true;
-  }
-#endif
+  if (expandable) expandable_.emplace(device);
 }
 
 MemoryCapScope::~MemoryCapScope() {
 #ifdef TRIACCEL_WITH_CUDA
   if (device_.is_cuda()) c10::cuda::CUDACachingAllocator::setMemoryFraction(previous_fraction_, device_.index());
-  if (expandable_set_) c10::CachingAllocator::setAllocatorSettings("expandable_segments:False");
+#endif
+}
+
+ExpandableSegmentsScope::ExpandableSegmentsScope(const c10::Device& device) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda() && !memory_expandable_segments() && !user_names_expandable_segments()) {
+    c10::CachingAllocator::setAllocatorSettings("expandable_segments:True");
+    set_ = true;
+  }
+#else
+  (void)device;
+#endif
+}
+
+ExpandableSegmentsScope::~ExpandableSegmentsScope() {
+#ifdef TRIACCEL_WITH_CUDA
+  if (set_) c10::CachingAllocator::setAllocatorSettings("expandable_segments:False");
 #endif
 }
 

@@ -7,6 +7,7 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace triaccel {
@@ -46,6 +47,22 @@ void memory_cache_release(const c10::Device& device);
 // A no-op on the CPU. Throws UserError when the device has less memory than `bytes`.
 void memory_cap_set(const c10::Device& device, int64_t bytes);
 
+// Turns the caching allocator's expandable segments on for the scope (see MemoryCapScope), unless they are on already
+// or a PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF names them (the user's choice). A session under a --vram-budget
+// holds one from its start, so what it allocates before the cap (weights, NeuroFlux's memory profile) sits in them
+// too: two H200 ranks of NeuroFlux's ResNet-18 at 0.15 GB each ran out of memory 14 times and stopped with them
+// turned on only at the cap, and finished with 3 retries with them from the start. A no-op on the CPU.
+class ExpandableSegmentsScope {
+ public:
+  explicit ExpandableSegmentsScope(const c10::Device& device);
+  ~ExpandableSegmentsScope();
+  ExpandableSegmentsScope(const ExpandableSegmentsScope&) = delete;
+  ExpandableSegmentsScope& operator=(const ExpandableSegmentsScope&) = delete;
+
+ private:
+  bool set_ = false;  // this scope turned them on (and turns them off at its end)
+};
+
 // memory_cap_set for a scope: the allocator's previous cap comes back when the scope ends, so a run (or a test) with
 // a --vram-budget leaves later work in the same process uncapped.
 // With `expandable` the scope also turns the caching allocator's expandable segments on (new segments map pages into
@@ -64,7 +81,7 @@ class MemoryCapScope {
  private:
   c10::Device device_;
   double previous_fraction_ = 1.0;
-  bool expandable_set_ = false;  // this scope turned expandable segments on (and turns them off at its end)
+  std::optional<ExpandableSegmentsScope> expandable_;
 };
 
 // A transient lever under a vram_budget: cuBLAS's workspace becomes one 4 MiB chunk instead of Hopper's 32 MiB per

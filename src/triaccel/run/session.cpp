@@ -144,6 +144,7 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
     // fresh process) left every rank but rank 0 with a CUDA context on GPU 0 as well, 518 MiB of it on the H100s
     // (TRIACCEL_TRACE_CONTEXTS; bench/results/h100x2/auto_contexts_a10e204).
     c10::cuda::set_device(device_.index());
+    if (config_.execution.vram_budget_bytes() > 0) expandable_.emplace(device_);
     device_scope_->stream.emplace(c10::cuda::getStreamFromPool(false, device_.index()));
     // cuDNN autotuning tries algorithms with workspaces of gigabytes; under a vram_budget those tries fill the budget
     // (the elastic batch then reads them as the step's need) and can run out of memory: heuristics instead.

@@ -175,6 +175,7 @@ class Session {
   bool cudnn_benchmark_before_ = false;
   struct DeviceScope;  // the stream guard
   std::unique_ptr<DeviceScope> device_scope_;
+  std::optional<ExpandableSegmentsScope> expandable_;  // under a vram_budget on CUDA: from before the first allocation
   std::optional<Checkpoint> checkpoint_;
   std::string checkpoint_file_;
   DatasetSplits data_;
