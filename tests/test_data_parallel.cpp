@@ -21,7 +21,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <thread>
+#include <utility>
 
 namespace triaccel {
 namespace {
@@ -39,6 +41,9 @@ class DpMlp final : public Model {
   }
 };
 
+// Set on a rank's thread: the next training forward of dp-mlp-local's first unit runs out of memory in its backward.
+thread_local bool dp_mlp_oom_in_next_backward = false;
+
 // "dp-mlp-local": flatten → Linear(784, 32) → ReLU → Linear(32, 32) → ReLU → Linear(32, classes) in three units, for
 // NeuroFlux (local learning): flat unit outputs get aux heads of one Linear each, so nothing has BatchNorm.
 class DpMlpLocal final : public Model {
@@ -48,7 +53,16 @@ class DpMlpLocal final : public Model {
     auto fc1 = register_module("fc1", torch::nn::Linear(in, 32));
     auto fc2 = register_module("fc2", torch::nn::Linear(32, 32));
     auto fc3 = register_module("fc3", torch::nn::Linear(32, options.num_classes));
-    unit_add("fc1", {fc1}, [fc1](const at::Tensor& x) { return torch::relu(fc1->forward(x.flatten(1))); });
+    unit_add("fc1", {fc1}, [fc1](const at::Tensor& x) {
+      at::Tensor h = torch::relu(fc1->forward(x.flatten(1)));
+      if (h.requires_grad() && std::exchange(dp_mlp_oom_in_next_backward, false)) {
+        h.register_hook([](const at::Tensor& g) {
+          TORCH_CHECK_WITH(OutOfMemoryError, false, "injected by the test in backward");
+          return g;
+        });
+      }
+      return h;
+    });
     unit_add("fc2", {fc2}, [fc2](const at::Tensor& x) { return torch::relu(fc2->forward(x)); });
     unit_add("fc3", {fc3}, [fc3](const at::Tensor& x) { return fc3->forward(x); });
   }
@@ -550,6 +564,49 @@ TEST_F(DataParallelTest, TwoGpusTrainNeuroFluxsBlocksAsOneGpu) {
   EXPECT_LT(worst_difference(nf_one.file("model.pt"), nf_two.file("model.pt")), 1e-3);
 }
 
+// An out-of-memory error on GPU 1 beside its captured step graph (NCCL's all-reduces captured in it): that rank drops
+// its graph and makes the step's collectives eagerly, GPU 0 replays its graph, whose update the flag skips, and both
+// retry the samples: the weights of one GPU that ran out of memory at the same step.
+TEST_F(DataParallelTest, TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpu) {
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "fewer than two CUDA GPUs";
+  test::TempDir nf_one("dp_gpu_nf_oom_one"), nf_two("dp_gpu_nf_oom_two");
+  const auto nf = [&](const std::string& out) {
+    Config c = on_gpu(mlp_options(out));
+    c.set("model", "dp-mlp-local");
+    c.set("method", "neuroflux");
+    c.set("vram_budget", "1GB");  // as in TwoGpusTrainNeuroFluxsBlocksAsOneGpu
+    c.set("nf_profile", "model");
+    c.set("nf_max_batch", "51");  // 8 steps an epoch (the plan's batch would take the data in one)
+    c.set("cuda_graphs", "true");
+    c.set("nf_exit_tolerance", "100");
+    return c;
+  };
+  const auto inject = [](RunHooks& hooks) {  // block 0's seventh step: its graph is captured at the fourth
+    hooks.before_step = [once = std::make_shared<bool>(true)](int64_t step, int64_t) {
+      TORCH_CHECK_WITH(OutOfMemoryError, !(step == 6 && std::exchange(*once, false)), "injected by the test");
+    };
+  };
+  RunHooks one = one_process();
+  inject(one);
+  api::run(nf(nf_one.path()), one);
+  run_ranks({nf(nf_two.path()), nf(nf_two.path())}, nullptr, [&](int rank, RunHooks& hooks) {
+    if (rank == 1) inject(hooks);
+  });
+  const auto o1 = events_named(nf_one.file("events.jsonl"), event::kOom);
+  const auto o2 = events_named(nf_two.file("events.jsonl"), event::kOom);
+  ASSERT_EQ(o1.size(), 1u);
+  ASSERT_EQ(o2.size(), 1u);
+  EXPECT_EQ(o1[0]["reason"], "beside the CUDA graph's pool");
+  EXPECT_EQ(o2[0]["retry_batch"], o1[0]["retry_batch"]);
+  EXPECT_EQ(o2[0]["ranks"][0]["rank"], 1);
+  const auto b1 = events_named(nf_one.file("events.jsonl"), "block");
+  const auto b2 = events_named(nf_two.file("events.jsonl"), "block");
+  ASSERT_EQ(b1.size(), b2.size());
+  for (size_t b = 0; b < b1.size(); ++b) EXPECT_EQ(b1[b]["steps"], b2[b]["steps"]) << b;
+  EXPECT_TRUE(b2[0]["cuda_graph"].get<bool>());  // rank 0's: it replayed on
+  EXPECT_LT(worst_difference(nf_one.file("model.pt"), nf_two.file("model.pt")), 1e-3);
+}
+
 TEST_F(DataParallelTest, TwoRanksStoppedResumeInOneProcess) {
   test::TempDir one("dp_ref"), two("dp_stop");
   api::run(mlp_options(one.path()), one_process());
@@ -780,10 +837,73 @@ TEST_F(DataParallelTest, MethodAutoIsOneChoiceForEveryRank) {
   EXPECT_EQ(config[0]["world_size"], 2);
 }
 
-// NeuroFlux on several ranks does not retry a block step that ran out of memory either: the rank names it, rank 0's
-// reading goes into the events first (what the block plan missed), and the other rank ends too.
-TEST_F(DataParallelTest, NeuroFluxOutOfMemoryOnARankEndsTheRunWithItsReading) {
-  test::TempDir out("dp_nf_oom");
+// A NeuroFlux block step that runs out of memory on one rank is retried by every rank: the rank that ran out makes
+// the step's collectives (its gradients' share as zeros, and a flag that skips every rank's update), and the ranks
+// retry the same samples at the batch that rank proposes. So two ranks train one process's weights and local losses
+// through an out-of-memory error on either rank: on rank 1 inside backward (some gradient buckets already sent; rank
+// 0's step ran whole and its update and loss sums must not count), on rank 0 before the step's input.
+TEST_F(DataParallelTest, NeuroFluxOutOfMemoryOnOneRankIsRetriedByEveryRank) {
+  const auto configure = [](const std::string& out) {
+    Config c = mlp_options(out);
+    c.set("model", "dp-mlp-local");
+    c.set("method", "neuroflux");
+    c.set("vram_budget", "1.5MB");
+    c.set("nf_exit_tolerance", "100");
+    c.set("grad_bucket_mb", "0.002");  // a bucket per layer or two: some start while backward runs
+    c.set("epochs", "1");  // the block's local losses are its last epoch's: the one with the failed step
+    return c;
+  };
+  constexpr int64_t kStep = 5;  // block 0's sixth step
+  const auto before_input = [](RunHooks& hooks) {
+    hooks.before_step = [once = std::make_shared<bool>(true)](int64_t step, int64_t) {
+      TORCH_CHECK_WITH(OutOfMemoryError, !(step == kStep && std::exchange(*once, false)), "injected by the test");
+    };
+  };
+  test::TempDir one("dp_nf_oom_one"), in_backward("dp_nf_oom_backward"), before("dp_nf_oom_before");
+  RunHooks reference = one_process();
+  before_input(reference);
+  api::run(configure(one.path()), reference);
+  run_ranks({configure(in_backward.path()), configure(in_backward.path())}, nullptr, [](int rank, RunHooks& hooks) {
+    if (rank != 1) return;
+    hooks.before_step = [once = std::make_shared<bool>(true)](int64_t step, int64_t) {
+      if (step == kStep && std::exchange(*once, false)) dp_mlp_oom_in_next_backward = true;
+    };
+  });
+  run_ranks({configure(before.path()), configure(before.path())}, nullptr, [&](int rank, RunHooks& hooks) {
+    if (rank == 0) before_input(hooks);
+  });
+  const auto ooms_one = events_named(one.file("events.jsonl"), event::kOom);
+  ASSERT_EQ(ooms_one.size(), 1u);
+  const auto blocks_one = events_named(one.file("events.jsonl"), "block");
+  for (const auto& [dir, failed_rank] : {std::pair<const test::TempDir*, int>{&in_backward, 1}, {&before, 0}}) {
+    SCOPED_TRACE(dir->path());
+    const auto ooms = events_named(dir->file("events.jsonl"), event::kOom);
+    ASSERT_EQ(ooms.size(), 1u);
+    EXPECT_EQ(ooms[0]["block"], 0);
+    EXPECT_EQ(ooms[0]["batch"], ooms_one[0]["batch"]);
+    EXPECT_EQ(ooms[0]["retry_batch"], ooms_one[0]["retry_batch"]);
+    ASSERT_EQ(ooms[0]["ranks"].size(), 1u);
+    EXPECT_EQ(ooms[0]["ranks"][0]["rank"], failed_rank);
+    EXPECT_FALSE(ooms[0].contains("action"));
+    const auto blocks = events_named(dir->file("events.jsonl"), "block");
+    ASSERT_EQ(blocks.size(), blocks_one.size());
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      EXPECT_EQ(blocks[b]["steps"], blocks_one[b]["steps"]) << b;
+      EXPECT_EQ(blocks[b]["final_batch"], blocks_one[b]["final_batch"]) << b;
+      ASSERT_EQ(blocks[b]["local"].size(), blocks_one[b]["local"].size());
+      for (size_t u = 0; u < blocks[b]["local"].size(); ++u) {
+        EXPECT_NEAR(blocks[b]["local"][u]["train_loss"].get<double>(),
+                    blocks_one[b]["local"][u]["train_loss"].get<double>(), 1e-4) << b << " " << u;
+      }
+    }
+    EXPECT_LT(worst_difference(one.file("model.pt"), dir->file("model.pt")), 1e-3);
+  }
+}
+
+// When no smaller batch fits on the rank that ran out (every step of it runs out), every rank stops with one line
+// naming that rank, and rank 0's events end with the oom event that stopped them.
+TEST_F(DataParallelTest, NeuroFluxOutOfMemoryThatNoBatchFitsStopsEveryRankWithOneLine) {
+  test::TempDir out("dp_nf_oom_stop");
   Config c = mlp_options(out.path());
   c.set("model", "dp-mlp-local");
   c.set("method", "neuroflux");
@@ -791,21 +911,24 @@ TEST_F(DataParallelTest, NeuroFluxOutOfMemoryOnARankEndsTheRunWithItsReading) {
   std::vector<std::string> errors;
   run_ranks({c, c}, nullptr,
             [](int rank, RunHooks& hooks) {
-              if (rank != 0) return;
-              hooks.before_step = [](int64_t, int64_t) {  // block 0's first step
+              if (rank != 1) return;
+              hooks.before_step = [](int64_t, int64_t) {
                 TORCH_CHECK_WITH(OutOfMemoryError, false, "injected by the test");
               };
             },
             &errors);
   ASSERT_EQ(errors.size(), 2u);
-  EXPECT_NE(errors[0].find("rank 0 of 2 ran out of GPU memory in NeuroFlux block 0 at batch "), std::string::npos)
-      << errors[0];
-  EXPECT_FALSE(errors[1].empty());
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rank 1 of 2 ran out of GPU memory in NeuroFlux block 0 at batch "), std::string::npos)
+        << errors[r];
+    EXPECT_NE(errors[r].find("and no smaller batch fits"), std::string::npos) << errors[r];
+  }
   const auto ooms = events_named(out.file("events.jsonl"), event::kOom);
-  ASSERT_EQ(ooms.size(), 1u);
-  EXPECT_EQ(ooms[0]["action"], "stopped: several ranks");
-  EXPECT_EQ(ooms[0]["block"], 0);
-  EXPECT_NE(ooms[0]["error"].get<std::string>().find("injected by the test"), std::string::npos);
+  ASSERT_GE(ooms.size(), 2u);
+  EXPECT_EQ(ooms.back()["action"], "stopped");
+  EXPECT_EQ(ooms.back()["retry_batch"], 0);
+  EXPECT_FALSE(ooms.front().contains("action"));
+  EXPECT_LT(ooms.back()["batch"].get<int64_t>(), ooms.front()["batch"].get<int64_t>());
 }
 
 TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {

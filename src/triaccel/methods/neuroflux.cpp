@@ -687,6 +687,9 @@ class BlockTrainer {
 
   // Where the block is, for a checkpoint: its index, epoch, offset in the epoch, batch, steps, epoch times.
   Json progress() const;
+  // Data parallel: the stop request and the checkpoint due after the step that just ran, agreed with that step
+  // (step_agreed); empty in one process.
+  const std::optional<std::pair<StopRequest, bool>>& agreed() const { return agreed_; }
   // The block's SGD momenta and running loss sums (data parallel: summed over the ranks, a collective every rank
   // makes; resume() gives them back to rank 0).
   NamedTensors state() const;
@@ -696,6 +699,13 @@ class BlockTrainer {
   // One step at [offset, offset + count) of epoch order `order` (fill: rows from the epoch's start); false: retry.
   bool step_at(int64_t e, int64_t offset, int64_t count, int64_t fill, const at::Tensor& order,
                const at::Tensor& order_dev, const at::Tensor& flip);
+  // Data parallel, on a rank whose step ran out of memory: its part of the step's collectives (so every rank stays in
+  // step, and every rank's update is skipped through skip_); `reading` and the batch it proposes wait for step_agreed.
+  bool step_failed(Json reading, int64_t proposal);
+  // Data parallel, after every step on every rank, in the step's stop agreement (agreed()): true when it ran on every
+  // rank. Otherwise every rank retries the same samples at the smallest batch a rank proposed (rank 0 writes the oom
+  // event), or stops with one line when a rank proposes none.
+  bool step_agreed(bool ran);
   void grads_release();
   void body(const at::Tensor& x, const at::Tensor& y);
 
@@ -719,7 +729,16 @@ class BlockTrainer {
   std::unique_ptr<GradBuckets> buckets_;  // data parallel: the gradients' sum over the ranks (null: one process)
   std::unique_ptr<Loader> train_aug_;  // block 0: shuffled, augmented batches from the data
   ScheduleOptions sched_;
-  at::Tensor lr_, found_inf_;
+  at::Tensor lr_;
+  // Nonzero skips the update. Data parallel: the ranks' sum, made in every step, of 1 from each rank that ran out of
+  // memory in it (step_failed); the ranks' loss sums take the step's only where it is 0.
+  at::Tensor skip_;
+  at::Tensor step_loss_, step_correct_, keep_;  // data parallel: the step's sums, and 1 - min(skip_, 1)
+  // Data parallel: how far the step's collectives came on this rank (0: none, 1: the gradients' sum, 2: skip_'s too).
+  int phase_ = 0;
+  int64_t proposal_ = 0;  // data parallel: the batch this rank proposes after running out of memory (0: none fits)
+  Json own_oom_;          // and its reading
+  std::optional<std::pair<StopRequest, bool>> agreed_;  // data parallel: the last step's stop agreement
   StepGraph graph_;
   std::vector<double> epoch_times_;
   int64_t retries_before_ = 0;
@@ -759,6 +778,7 @@ BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size
                     (!session.dist().active() || session.dist().nccl());
         g.batch = bp.batch;
         g.relaxed_retry = true;
+        if (g.enabled && session.dist().active()) g.agree_capture = capture_agreement(session.dist());
         return g;
       }()),
       batch_(bp.batch) {
@@ -811,7 +831,12 @@ BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size
   sched_.validate();
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   lr_ = at::zeros({1}, f32);
-  found_inf_ = at::zeros({1}, f32);
+  skip_ = at::zeros({1}, f32);
+  if (buckets_) {
+    step_loss_ = at::zeros({bp.end - bp.first}, f32);
+    step_correct_ = at::zeros({bp.end - bp.first}, f32);
+    keep_ = at::zeros({1}, f32);
+  }
   r_.loss_sum = at::zeros({bp.end - bp.first}, f32);
   r_.correct = at::zeros({bp.end - bp.first}, f32);
   r_.input_place = cache_place_or_null(train_in_.cache);
@@ -826,26 +851,120 @@ void BlockTrainer::grads_release() {
 // One training step of the block on (x, y): local losses, one backward, the fused SGD step (lr read on the device).
 // Data parallel: this rank's share of the rows, its gradients weighted by the share's part of the batch and summed
 // over the ranks during backward (so every rank takes one process's step).
+// Data parallel: then whether any rank ran out of memory in the step (skip_), which skips the update on every rank and
+// keeps the step out of the loss sums.
 void BlockTrainer::body(const at::Tensor& x, const at::Tensor& y) {
+  phase_ = 0;
   grads_release();
   at::Tensor xs = x, ys = y;
+  at::Tensor* loss_sum = &r_.loss_sum;
+  at::Tensor* correct = &r_.correct;
   if (buckets_) {
     const auto [first, count] = session_.dist().share(x.size(0));
     xs = x.narrow(0, first, count);
     ys = y.narrow(0, first, count);
     buckets_->arm(static_cast<double>(count) / static_cast<double>(x.size(0)));
+    step_loss_.zero_();
+    step_correct_.zero_();
+    loss_sum = &step_loss_;
+    correct = &step_correct_;
   }
   if (xs.size(0) > 0) {
     at::Tensor loss;
     {
       const AutocastScope autocast(session_.device(), config_.execution.precision);
       loss = neuroflux_block_loss(session_.model(), heads_, bp_.first, bp_.end, xs, ys, config_.optim.label_smoothing,
-                                  &r_.loss_sum, &r_.correct);
+                                  loss_sum, correct);
     }
     loss.backward();
   }
-  if (buckets_) buckets_->finish();  // a rank without rows sends zeros
-  sgd_->step(lr_, found_inf_);
+  if (buckets_) {
+    buckets_->finish();  // a rank without rows sends zeros
+    phase_ = 1;
+    session_.dist().all_reduce_sum(skip_);
+    phase_ = 2;
+  }
+  sgd_->step(lr_, skip_);
+  if (buckets_) {
+    keep_.copy_(skip_).clamp_max_(1).neg_().add_(1);
+    r_.loss_sum.addcmul_(step_loss_, keep_);
+    r_.correct.addcmul_(step_correct_, keep_);
+  }
+}
+
+bool BlockTrainer::step_failed(Json reading, int64_t proposal) {
+  own_oom_ = std::move(reading);
+  proposal_ = proposal;
+  if (phase_ == 2) return false;  // the update had begun: step_agreed stops every rank
+  if (phase_ == 0) {
+    grads_release();  // this rank's part of the sum: zeros (every rank skips the update)
+    buckets_->finish();
+  }
+  skip_.fill_(1);
+  session_.dist().all_reduce_sum(skip_);
+  return false;
+}
+
+bool BlockTrainer::step_agreed(bool ran) {
+  Dist& dist = session_.dist();
+  const int world = dist.world_size();
+  // In the step's stop agreement (one round trip): per rank {ran out of memory, the batch it proposes, it stops,
+  // allocated GB, reserved GB}, each rank filling its own slots of the sum.
+  constexpr size_t kSlots = 5;
+  std::vector<double> v(kSlots * static_cast<size_t>(world), 0.0);
+  const size_t own = kSlots * static_cast<size_t>(dist.rank());
+  v[own + 1] = static_cast<double>(ran ? batch_ : proposal_);
+  if (!ran) {
+    v[own] = 1.0;
+    v[own + 2] = phase_ == 2 ? 1.0 : 0.0;
+    v[own + 3] = own_oom_.value("allocated_gb", 0.0);
+    v[own + 4] = own_oom_.value("reserved_gb", 0.0);
+  }
+  agreed_ = session_.stop_agreed(*run_step_ + 1, &v);
+  Json ranks = Json::array();
+  std::string names;
+  int64_t retry = batch_;
+  bool stop = false;
+  for (int r = 0; r < world; ++r) {
+    const size_t at = kSlots * static_cast<size_t>(r);
+    retry = std::min(retry, static_cast<int64_t>(v[at + 1]));
+    if (v[at] == 0) continue;
+    stop = stop || v[at + 2] > 0;
+    ranks.push_back(Json{{"rank", r}, {"allocated_gb", v[at + 3]}, {"reserved_gb", v[at + 4]}});
+    names += (names.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (ranks.empty()) return true;
+  agreed_.reset();  // a stop or a checkpoint waits for a step that ran
+  skip_.zero_();
+  grads_release();
+  Json fields = ran ? Json::object() : own_oom_;  // rank 0's own reading, when it ran out
+  fields.update(Json{{"block", b_}, {"batch", batch_}, {"retry_batch", retry}, {"ranks", ranks}});
+  if (retry == batch_) {
+    fields["reason"] = beside_pool_ooms_ > 0 ? "beside the CUDA graph's pool again: eager from here"
+                                             : "beside the CUDA graph's pool";
+  }
+  if (stop || retry <= 0) fields["action"] = "stopped";
+  session_.event(event::kOom, *run_step_, fields);
+  const std::string who = c10::str(ranks.size() > 1 ? "ranks " : "rank ", names, " of ", world);
+  TRIACCEL_CHECK_INPUT(!stop, who, " ran out of GPU memory in NeuroFlux block ", b_, " after the step's update "
+                       "had begun (the ranks' weights may differ); resume from the last checkpoint with a larger ",
+                       option_ref("vram_budget"), ": ", option_ref("resume"), " ", config_.output.out);
+  TRIACCEL_CHECK_INPUT(retry > 0, who, " ran out of GPU memory in NeuroFlux block ", b_, " at batch ", batch_, " (",
+                       (batch_ + world - 1) / world, " per rank) and no smaller batch fits; resume from the last "
+                       "checkpoint with a larger ", option_ref("vram_budget"), " or on more GPUs: ",
+                       option_ref("resume"), " ", config_.output.out, " ", option_ref("nproc"), " N");
+  // Every rank's graph as the rank that ran out left its own (NCCL: a captured collective is every rank's or none's):
+  // a smaller batch steps eagerly; beside a captured graph, the graph goes and is captured again after the warm-up,
+  // and the second time the block stays eager (as in one process).
+  if (retry < batch_) {
+    graph_.refuse();
+    batch_ = retry;
+  } else {  // retried at the batch: the error came beside a captured graph (the ranks' graphs are alike)
+    graph_.drop();
+    if (++beside_pool_ooms_ > 1) graph_.refuse();
+  }
+  memory_cache_release(session_.device());
+  return false;
 }
 
 Json BlockTrainer::progress() const {
@@ -959,7 +1078,8 @@ void BlockTrainer::epoch(int64_t e) {
   while (offset_ < n_train_) {
     const int64_t count = std::min(batch_, n_train_ - offset_);
     const int64_t fill = epoch_fill(offset_, count, n_train_, batch_, bp_.batch);
-    if (!step_at(e, offset_, count, fill, order, order_dev, flip)) continue;
+    const bool ran = step_at(e, offset_, count, fill, order, order_dev, flip);
+    if (!(buckets_ ? step_agreed(ran) : ran)) continue;
     offset_ += count;
     ++r_.steps;
     ++*run_step_;
@@ -989,6 +1109,7 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
   const int64_t position = (e * n_train_ + offset) / bp_.batch;
   lr_.fill_(schedule_lr(sched_, position) * lr_scale_for_batch(config_.schedule.lr_batch_rule, batch_, bp_.batch));
   at::Tensor x, y;
+  phase_ = 0;
   try {
     if (session_.hooks().before_step) session_.hooks().before_step(*run_step_, count + fill);
     if (train_aug_) {
@@ -1010,20 +1131,11 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
       if (flip.defined()) x = at::where(flip.index_select(0, index_dev).view({-1, 1, 1, 1}), x.flip({3}), x);
     }
     graph_.run([this](const at::Tensor& xb, const at::Tensor& yb) { body(xb, yb); }, x, y);
+    phase_ = 2;  // a replay made every collective
     if (count + fill < bp_.batch) ++r_.short_steps;
   } catch (const c10::OutOfMemoryError& e) {
-    const Dist& dist = session_.dist();
+    // Data parallel: the retry below is this rank's proposal; step_agreed makes it every rank's (or stops them all).
     Json fields = oom_reading(e, device);
-    if (dist.active()) {  // the reading first (rank 0's: it writes the events): the allocator's state at the stop
-      fields.update(Json{{"block", b_}, {"batch", batch_}, {"action", "stopped: several ranks"}});
-      session_.event(event::kOom, *run_step_, fields);
-    }
-    // Data parallel: not retried (one rank alone would fall out of step with the others).
-    TRIACCEL_CHECK_INPUT(!dist.active(), "rank ", dist.rank(), " of ", dist.world_size(),
-                         " ran out of GPU memory in NeuroFlux block ", b_, " at batch ", batch_, " (",
-                         (batch_ + dist.world_size() - 1) / dist.world_size(), " per rank); resume from the last "
-                         "checkpoint with a larger ", option_ref("vram_budget"), " or on more GPUs: ",
-                         option_ref("resume"), " ", config_.output.out, " ", option_ref("nproc"), " N");
     x = at::Tensor();
     y = at::Tensor();
     if (graph_.captured()) {
@@ -1032,6 +1144,10 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
       // second time the block stays eager (a graph captured again only ran out of memory again: an H100 ResNet-18 run
       // at 0.35 GB captured and dropped it every 4 steps of a block).
       graph_.drop();
+      if (buckets_) {  // every rank's graph goes, and comes back, together (step_agreed)
+        memory_cache_release(device);
+        return step_failed(fields, batch_);
+      }
       const bool again = ++beside_pool_ooms_ > 1;
       if (again) graph_.refuse();
       memory_cache_release(device);
@@ -1044,6 +1160,11 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
     // The plan was off (fragmentation, workspaces): the same samples again, eagerly, at the batch re-planned with the
     // per-sample bytes the failure shows (oom_retry_batch), not a cascade of halvings.
     const int64_t retry = oom_retry_batch(batch_, fixed_bytes_, po_);
+    if (buckets_) {
+      graph_.refuse();
+      memory_cache_release(device);
+      return step_failed(fields, retry);
+    }
     TRIACCEL_CHECK_INPUT(retry > 0, "out of memory in NeuroFlux block ", b_, " at batch ", batch_, " with ",
                          bytes_format(fixed_bytes_), " needed at any batch; raise ", option_ref("vram_budget"));
     graph_.refuse();
@@ -1106,7 +1227,8 @@ void NeuroFluxRun::buffers_agree(size_t b) {
 }
 
 bool NeuroFluxRun::block_step_done(const BlockTrainer& trainer) {
-  const auto [stop, due] = session_.stop_agreed(step_);  // data parallel: every rank stops at the same step
+  // Data parallel: agreed with the step (every rank stops at the same step).
+  const auto [stop, due] = trainer.agreed() ? *trainer.agreed() : session_.stop_agreed(step_);
   if (stop != StopRequest::kNone) {
     stop_reason_ = stop_reason(stop);
     checkpoint(&trainer);

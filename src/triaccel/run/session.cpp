@@ -243,14 +243,16 @@ bool Session::checkpoint_due(int64_t step) const {
 
 void Session::checkpoint_written() { t_checkpoint_ = clock_.now_s(); }
 
-std::pair<StopRequest, bool> Session::stop_agreed(int64_t step) {
+std::pair<StopRequest, bool> Session::stop_agreed(int64_t step, std::vector<double>* with) {
   const StopRequest own = stop_requested();
   const bool due = step >= 0 && checkpoint_due(step);
   Dist& dist = *dist_;
   if (!dist.active()) return {own, due};
-  const std::vector<double> any = dist.all_reduce_sum({own == StopRequest::kInterrupt ? 1.0 : 0.0,
-                                                       own == StopRequest::kTerminate ? 1.0 : 0.0,
-                                                       dist.rank() == 0 && due ? 1.0 : 0.0});
+  std::vector<double> any{own == StopRequest::kInterrupt ? 1.0 : 0.0, own == StopRequest::kTerminate ? 1.0 : 0.0,
+                          dist.rank() == 0 && due ? 1.0 : 0.0};
+  if (with) any.insert(any.end(), with->begin(), with->end());
+  any = dist.all_reduce_sum(std::move(any));
+  if (with) std::copy(any.begin() + 3, any.end(), with->begin());
   const StopRequest stop = any[1] > 0   ? StopRequest::kTerminate
                            : any[0] > 0 ? StopRequest::kInterrupt
                                         : StopRequest::kNone;

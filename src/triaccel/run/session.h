@@ -29,6 +29,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace triaccel {
 
@@ -151,8 +152,9 @@ class Session {
   void checkpoint_written();
   // The stop request and whether a checkpoint is due after `step` (< 0: not asked), agreed by every rank (a host
   // collective when data parallel: the strongest request any rank has, rank 0's clock for the checkpoint), so the
-  // ranks stop and checkpoint at the same step.
-  std::pair<StopRequest, bool> stop_agreed(int64_t step = -1);
+  // ranks stop and checkpoint at the same step. `with`: the caller's numbers summed over the ranks in the same
+  // collective (replaced by the sums), so a step that needs another agreement makes one round trip, not two.
+  std::pair<StopRequest, bool> stop_agreed(int64_t step = -1, std::vector<double>* with = nullptr);
 
   // Caps the caching allocator at `bytes` until the session ends (a vram_budget on CUDA).
   void memory_cap(int64_t bytes);
