@@ -21,6 +21,12 @@
 #          b512/GPU) on NPROC GPUs with its state whole and sharded (--shard-optimizer on): each rank's state bytes
 #   auto   --method auto on NPROC GPUs, ResNet-18 batch 96, 1 epoch, at each of AUTO_BUDGETS ("0.5GB 0.15GB") per GPU:
 #          the method every rank chose (backprop where its plan fits, else NeuroFlux), s/epoch, accuracy, rank peaks
+#   nfoom  NeuroFlux (ResNet-18, batch 96, 1 epoch) on NPROC GPUs at each of NFOOM_BUDGETS ("0.22GB 0.15GB") per
+#          GPU, where a rank's out-of-memory error stopped the run before every rank retried it: the oom events (which
+#          ranks, the retry batches), s/epoch, accuracy; then at NFOOM_FIT (0.5GB), NFOOM_REPEATS (2) times
+#          alternately, with this binary and with .device/bin/triaccel_base where present (the build before): the
+#          blocks' training seconds, the cost of each step's agreement. NFOOM_EXPANDABLE=1: each budget also with the
+#          allocator's expandable segments from the process's start (PYTORCH_CUDA_ALLOC_CONF)
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -51,7 +57,7 @@ ours() {
   shift 2
   local n=()
   [ "$world" -gt 1 ] && n=(--nproc "$world")
-  timeout "${RUN_TIMEOUT:-400}" "$BIN/triaccel" train "${n[@]}" --dataset cifar10 --data "$DATA" --precision amp-bf16 \
+  timeout "${RUN_TIMEOUT:-400}" "${OURS_BIN:-$BIN/triaccel}" train "${n[@]}" --dataset cifar10 --data "$DATA" --precision amp-bf16 \
     --progress lines --log-every 100000 --out "$WORK/runs/$tag" "$@" >"$WORK/runs/$tag.log" 2>&1
   echo "$tag: exit $? $(grep -E '^(done|triaccel: error)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-200)"
 }
@@ -148,6 +154,24 @@ if has auto; then
     grep -E '^method auto' "$WORK/runs/auto_resnet18-$budget""_w$NPROC.log"
   done
 fi
+if has nfoom; then
+  for budget in ${NFOOM_BUDGETS:-0.22GB 0.15GB}; do
+    ours "nfoom_resnet18-$budget""_w$NPROC" "$NPROC" --model resnet18 --method neuroflux --batch-size 96 --epochs 1 \
+      --vram-budget "$budget"
+    if [ -n "${NFOOM_EXPANDABLE:-}" ]; then  # the allocator's expandable segments from the process's start
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ours "nfoom_resnet18-$budget-expandable_w$NPROC" "$NPROC" \
+        --model resnet18 --method neuroflux --batch-size 96 --epochs 1 --vram-budget "$budget"
+    fi
+  done
+  for i in $(seq "${NFOOM_REPEATS:-2}"); do
+    if [ -x "$BIN/triaccel_base" ]; then
+      OURS_BIN="$BIN/triaccel_base" ours "nfoom_resnet18-fit-base$i""_w$NPROC" "$NPROC" --model resnet18 \
+        --method neuroflux --batch-size 96 --epochs 1 --vram-budget "${NFOOM_FIT:-0.5GB}"
+    fi
+    ours "nfoom_resnet18-fit-new$i""_w$NPROC" "$NPROC" --model resnet18 --method neuroflux --batch-size 96 \
+      --epochs 1 --vram-budget "${NFOOM_FIT:-0.5GB}"
+  done
+fi
 if has acc; then
   # ACC_ARGS: extra flags for both runs (e.g. "--checkpoint-every 100000": one checkpoint at the end instead of one
   # per epoch, 0.4 s each for ResNet-18, which neither run can share between GPUs).
@@ -180,8 +204,11 @@ for d in sorted(glob.glob(f"{work}/runs/*/")):
                  "peak_vram_gb": summ[0]["peak_vram_gb"] if summ else None,
                  "rank_peak_vram_gb": epochs[-1].get("rank_peak_vram_gb") if epochs else None,
                  "epoch_s": summary.get("epoch_s"),
-                 "blocks": [{k: b.get(k) for k in ("units", "batch", "steps", "train_s", "cache_s", "cuda_graph",
-                                                   "peak_vram_gb", "rank_peak_vram_gb")} for b in blocks] or None})
+                 "blocks": [{k: b.get(k) for k in ("units", "batch", "final_batch", "steps", "train_s", "cache_s",
+                                                   "cuda_graph", "peak_vram_gb", "rank_peak_vram_gb")} for b in blocks]
+                           or None,
+                 "ooms": [{k: e.get(k) for k in ("block", "batch", "retry_batch", "ranks", "action", "reason")}
+                          for e in ev if e["event"] == "oom"]})
 if os.path.exists(f"{work}/pytorch_ddp.jsonl"):
     rows += [json.loads(l) for l in open(f"{work}/pytorch_ddp.jsonl")]
 # Every run's events and log, and the PyTorch logs, in one file (the device returns at most 8).
@@ -249,6 +276,14 @@ for r in rows:
     if r.get("tag", "").startswith("auto_"):
         print(f"{r['tag']}: method {r['method']}, {r['epoch_s']} s/epoch, test acc {r['test_acc']} %, rank peaks "
               f"{r['rank_peak_vram_gb']} GB, peak {r['peak_vram_gb']} GB")
+for r in rows:
+    if r.get("tag", "").startswith("nfoom_"):
+        b = r["blocks"] or []
+        o = r["ooms"]
+        print(f"{r['tag']}: {r['epoch_s']} s/epoch, blocks' training {sum(x['train_s'] or 0 for x in b):.2f} s, test "
+              f"acc {r['test_acc']} %, {len(b)} blocks, final batches {[x['final_batch'] for x in b]}, {len(o)} oom "
+              f"(ranks {[[q['rank'] for q in x.get('ranks') or []] for x in o]}, retry batches "
+              f"{[x['retry_batch'] for x in o]}, {[x['action'] for x in o if x.get('action')]})")
 for r in rows:
     if r.get("tag", "").startswith("acc_"):
         print(f"{r['tag']}: test acc {r['test_acc']} %, total {r['total_s']} s, {r['epochs']} epochs")
