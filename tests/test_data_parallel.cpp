@@ -173,6 +173,25 @@ class DataParallelTest : public test::TinyMnistTest {
     c.set("cuda_graphs", "false");
     return c;
   }
+
+  // NeuroFlux on a GPU with its block steps captured, for TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpu.
+  static Config neuroflux_oom_on_gpu(const std::string& out) {
+    Config c = mlp_options(out);
+    c.set("model", "dp-mlp-local");
+    c.set("device", "cuda");
+    c.set("method", "neuroflux");
+    c.set("vram_budget", "1GB");  // as in TwoGpusTrainNeuroFluxsBlocksAsOneGpu
+    c.set("nf_profile", "model");
+    c.set("nf_exit_tolerance", "100");
+    c.set("nf_max_batch", "51");  // 8 steps an epoch (the plan's batch would take the data in one)
+    return c;
+  }
+
+  static void inject_oom_at_step_6(RunHooks& hooks) {  // block 0's seventh step: its graph is captured at the fourth
+    hooks.before_step = [once = std::make_shared<bool>(true)](int64_t step, int64_t) {
+      TORCH_CHECK_WITH(OutOfMemoryError, !(step == 6 && std::exchange(*once, false)), "injected by the test");
+    };
+  }
 };
 
 // Every rank starts from rank 0's state of the modules it is given (the Session's model, NeuroFlux's heads):
@@ -564,46 +583,56 @@ TEST_F(DataParallelTest, TwoGpusTrainNeuroFluxsBlocksAsOneGpu) {
   EXPECT_LT(worst_difference(nf_one.file("model.pt"), nf_two.file("model.pt")), 1e-3);
 }
 
-// An out-of-memory error on GPU 1 beside its captured step graph (NCCL's all-reduces captured in it): that rank drops
-// its graph and makes the step's collectives eagerly, GPU 0 replays its graph, whose update the flag skips, and both
-// retry the samples: the weights of one GPU that ran out of memory at the same step.
+// An out-of-memory error on GPU 1 beside its captured step graph (NCCL's all-reduces captured in it), before the
+// step's input: GPU 0 replays its graph, so that rank replays its own with its flag set (NCCL needs a captured
+// collective on every rank or on none), the flag skips both updates, and every rank's graph goes and is captured again
+// after the warm-up: the weights of one GPU that ran out of memory at the same step. The ranks are two processes (this
+// binary again, the inner test alone): two GPUs capturing NCCL's collectives in one process can deadlock.
+TEST_F(DataParallelTest, TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpuInner) {
+  const char* out = std::getenv("TRIACCEL_TEST_OUT");
+  if (std::getenv("TRIACCEL_TEST_FRESH_PROCESS") == nullptr || out == nullptr) {
+    GTEST_SKIP() << "run by TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpu";
+  }
+  RunHooks hooks;  // the rank from the environment, as torchrun gives it
+  if (dist_options_from_env().rank == 1) inject_oom_at_step_6(hooks);
+  api::run(neuroflux_oom_on_gpu(out), hooks);
+}
+
 TEST_F(DataParallelTest, TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpu) {
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "fewer than two CUDA GPUs";
   test::TempDir nf_one("dp_gpu_nf_oom_one"), nf_two("dp_gpu_nf_oom_two");
-  const auto nf = [&](const std::string& out) {
-    Config c = on_gpu(mlp_options(out));
-    c.set("model", "dp-mlp-local");
-    c.set("method", "neuroflux");
-    c.set("vram_budget", "1GB");  // as in TwoGpusTrainNeuroFluxsBlocksAsOneGpu
-    c.set("nf_profile", "model");
-    c.set("nf_max_batch", "51");  // 8 steps an epoch (the plan's batch would take the data in one)
-    c.set("cuda_graphs", "true");
-    c.set("nf_exit_tolerance", "100");
-    return c;
-  };
-  const auto inject = [](RunHooks& hooks) {  // block 0's seventh step: its graph is captured at the fourth
-    hooks.before_step = [once = std::make_shared<bool>(true)](int64_t step, int64_t) {
-      TORCH_CHECK_WITH(OutOfMemoryError, !(step == 6 && std::exchange(*once, false)), "injected by the test");
-    };
-  };
   RunHooks one = one_process();
-  inject(one);
-  api::run(nf(nf_one.path()), one);
-  run_ranks({nf(nf_two.path()), nf(nf_two.path())}, nullptr, [&](int rank, RunHooks& hooks) {
-    if (rank == 1) inject(hooks);
-  });
+  inject_oom_at_step_6(one);
+  api::run(neuroflux_oom_on_gpu(nf_one.path()), one);
+  char self[4096] = {};
+  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
+  const int port = free_local_port();
+  std::string command;
+  for (int r = 0; r < 2; ++r) {
+    command += c10::str("(TRIACCEL_TEST_FRESH_PROCESS=1 TRIACCEL_TEST_OUT='", nf_two.path(), "' RANK=", r,
+                        " LOCAL_RANK=", r, " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=", port, " timeout 120 '",
+                        self, "' --gtest_filter=DataParallelTest.TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpuInner",
+                        " > '", nf_two.file(c10::str("rank", r, ".log")), "' 2>&1; echo $? > '",
+                        nf_two.file(c10::str("rank", r, ".rc")), "') & ");
+  }
+  ASSERT_EQ(std::system(("sh -c \"" + command + "wait\"").c_str()), 0);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(file_read_all(nf_two.file(c10::str("rank", r, ".rc"))), "0\n")
+        << file_read_all(nf_two.file(c10::str("rank", r, ".log")));
+  }
   const auto o1 = events_named(nf_one.file("events.jsonl"), event::kOom);
   const auto o2 = events_named(nf_two.file("events.jsonl"), event::kOom);
   ASSERT_EQ(o1.size(), 1u);
   ASSERT_EQ(o2.size(), 1u);
   EXPECT_EQ(o1[0]["reason"], "beside the CUDA graph's pool");
+  EXPECT_EQ(o2[0]["reason"], "beside the CUDA graph's pool");
   EXPECT_EQ(o2[0]["retry_batch"], o1[0]["retry_batch"]);
   EXPECT_EQ(o2[0]["ranks"][0]["rank"], 1);
   const auto b1 = events_named(nf_one.file("events.jsonl"), "block");
   const auto b2 = events_named(nf_two.file("events.jsonl"), "block");
   ASSERT_EQ(b1.size(), b2.size());
   for (size_t b = 0; b < b1.size(); ++b) EXPECT_EQ(b1[b]["steps"], b2[b]["steps"]) << b;
-  EXPECT_TRUE(b2[0]["cuda_graph"].get<bool>());  // rank 0's: it replayed on
+  EXPECT_TRUE(b2[0]["cuda_graph"].get<bool>());  // captured again after the retry
   EXPECT_LT(worst_difference(nf_one.file("model.pt"), nf_two.file("model.pt")), 1e-3);
 }
 

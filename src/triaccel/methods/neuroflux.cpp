@@ -734,8 +734,9 @@ class BlockTrainer {
   // memory in it (step_failed); the ranks' loss sums take the step's only where it is 0.
   at::Tensor skip_;
   at::Tensor step_loss_, step_correct_, keep_;  // data parallel: the step's sums, and 1 - min(skip_, 1)
-  // Data parallel: how far the step's collectives came on this rank (0: none, 1: the gradients' sum, 2: skip_'s too).
-  int phase_ = 0;
+  // Data parallel: how far the step came on this rank (-1: before its body, 0: in it, 1: the gradients summed, 2:
+  // skip_ too).
+  int phase_ = -1;
   int64_t proposal_ = 0;  // data parallel: the batch this rank proposes after running out of memory (0: none fits)
   Json own_oom_;          // and its reading
   std::optional<std::pair<StopRequest, bool>> agreed_;  // data parallel: the last step's stop agreement
@@ -896,7 +897,14 @@ bool BlockTrainer::step_failed(Json reading, int64_t proposal) {
   own_oom_ = std::move(reading);
   proposal_ = proposal;
   if (phase_ == 2) return false;  // the update had begun: step_agreed stops every rank
-  if (phase_ == 0) {
+  if (phase_ == -1 && graph_.captured()) {
+    // The other ranks replay their graphs (their steps are all at its batch; the ranks' graphs are alike): so does
+    // this rank, on the last step's inputs, its flag set (NCCL: a captured collective is every rank's or none's).
+    skip_.fill_(1);
+    graph_.replay_as_is();
+    return false;
+  }
+  if (phase_ <= 0) {
     grads_release();  // this rank's part of the sum: zeros (every rank skips the update)
     buckets_->finish();
   }
@@ -1109,7 +1117,7 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
   const int64_t position = (e * n_train_ + offset) / bp_.batch;
   lr_.fill_(schedule_lr(sched_, position) * lr_scale_for_batch(config_.schedule.lr_batch_rule, batch_, bp_.batch));
   at::Tensor x, y;
-  phase_ = 0;
+  phase_ = -1;
   try {
     if (session_.hooks().before_step) session_.hooks().before_step(*run_step_, count + fill);
     if (train_aug_) {
@@ -1142,12 +1150,10 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
       // A step's input or an eager step (the epoch's short last batch) beside the graph's pool: drop the graph and
       // retry the same samples at the same batch. The first time the graph is captured again after the warm-up; the
       // second time the block stays eager (a graph captured again only ran out of memory again: an H100 ResNet-18 run
-      // at 0.35 GB captured and dropped it every 4 steps of a block).
+      // at 0.35 GB captured and dropped it every 4 steps of a block). Data parallel: every rank's graph goes, and
+      // comes back, together (step_agreed).
+      if (buckets_) return step_failed(fields, batch_);
       graph_.drop();
-      if (buckets_) {  // every rank's graph goes, and comes back, together (step_agreed)
-        memory_cache_release(device);
-        return step_failed(fields, batch_);
-      }
       const bool again = ++beside_pool_ooms_ > 1;
       if (again) graph_.refuse();
       memory_cache_release(device);

@@ -48,6 +48,14 @@ void StepGraph::refuse() {
   drop();
 }
 
+bool StepGraph::replay_as_is() {
+  if (!graph_) return false;
+#ifdef TRIACCEL_WITH_CUDA
+  graph_->graph->replay();
+#endif
+  return true;
+}
+
 void StepGraph::allow() {
   if (refused_batch_ == 0) return;
   refused_batch_ = 0;

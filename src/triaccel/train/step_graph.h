@@ -83,6 +83,10 @@ class StepGraph {
   void drop();
   // The batch size runs eagerly from now on (an eager step at it ran out of memory: its graph will not fit either).
   void refuse();
+  // Replays the captured graph on its static inputs as they are, whatever they hold (data parallel: a rank whose step
+  // failed before its input makes the step's captured collectives with the other ranks' replays); false, running
+  // nothing, when none is captured.
+  bool replay_as_is();
   // Lifts a refusal (the step's memory changed: a new memory plan); the batch size warms up and captures again.
   void allow();
   // Every step eager from now on, at any batch size (the memory planner gave up on the graph: its pool does not fit
