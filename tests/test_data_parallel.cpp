@@ -187,10 +187,15 @@ class DataParallelTest : public test::TinyMnistTest {
     return c;
   }
 
-  static void inject_oom_at_step_6(RunHooks& hooks) {  // block 0's seventh step: its graph is captured at the fourth
-    hooks.before_step = [once = std::make_shared<bool>(true)](int64_t step, int64_t) {
-      TORCH_CHECK_WITH(OutOfMemoryError, !(step == 6 && std::exchange(*once, false)), "injected by the test");
+  // A before_step hook that runs out of memory once, the first time step `at` is about to run.
+  static std::function<void(int64_t, int64_t)> oom_once_at(int64_t at) {
+    return [at, once = std::make_shared<bool>(true)](int64_t step, int64_t) {
+      TORCH_CHECK_WITH(OutOfMemoryError, !(step == at && std::exchange(*once, false)), "injected by the test");
     };
+  }
+
+  static void inject_oom_at_step_6(RunHooks& hooks) {  // block 0's seventh step: its graph is captured at the fourth
+    hooks.before_step = oom_once_at(6);
   }
 };
 
@@ -883,11 +888,7 @@ TEST_F(DataParallelTest, NeuroFluxOutOfMemoryOnOneRankIsRetriedByEveryRank) {
     return c;
   };
   constexpr int64_t kStep = 5;  // block 0's sixth step
-  const auto before_input = [](RunHooks& hooks) {
-    hooks.before_step = [once = std::make_shared<bool>(true)](int64_t step, int64_t) {
-      TORCH_CHECK_WITH(OutOfMemoryError, !(step == kStep && std::exchange(*once, false)), "injected by the test");
-    };
-  };
+  const auto before_input = [](RunHooks& hooks) { hooks.before_step = oom_once_at(kStep); };
   test::TempDir one("dp_nf_oom_one"), in_backward("dp_nf_oom_backward"), before("dp_nf_oom_before");
   RunHooks reference = one_process();
   before_input(reference);

@@ -214,6 +214,12 @@ Json oom_reading(const c10::OutOfMemoryError& e, const c10::Device& device) {
               {"reserved_gb", static_cast<double>(m.reserved_bytes) / kGB}, {"error", what}};
 }
 
+// An oom event's reason for the `ooms`-th error of a block beside its CUDA graph's pool: from the second on the block
+// stays eager.
+const char* beside_pool_reason(int64_t ooms) {
+  return ooms > 1 ? "beside the CUDA graph's pool again: eager from here" : "beside the CUDA graph's pool";
+}
+
 Json cache_place_or_null(const std::unique_ptr<ActivationCache>& cache) {
   return cache ? Json(cache_place_name(cache->place())) : Json(nullptr);
 }
@@ -897,10 +903,10 @@ bool BlockTrainer::step_failed(Json reading, int64_t proposal) {
   own_oom_ = std::move(reading);
   proposal_ = proposal;
   if (phase_ == 2) return false;  // the update had begun: step_agreed stops every rank
+  skip_.fill_(1);
   if (phase_ == -1 && graph_.captured()) {
     // The other ranks replay their graphs (their steps are all at its batch; the ranks' graphs are alike): so does
     // this rank, on the last step's inputs, its flag set (NCCL: a captured collective is every rank's or none's).
-    skip_.fill_(1);
     graph_.replay_as_is();
     return false;
   }
@@ -908,7 +914,6 @@ bool BlockTrainer::step_failed(Json reading, int64_t proposal) {
     grads_release();  // this rank's part of the sum: zeros (every rank skips the update)
     buckets_->finish();
   }
-  skip_.fill_(1);
   session_.dist().all_reduce_sum(skip_);
   return false;
 }
@@ -947,10 +952,7 @@ bool BlockTrainer::step_agreed(bool ran) {
   grads_release();
   Json fields = ran ? Json::object() : own_oom_;  // rank 0's own reading, when it ran out
   fields.update(Json{{"block", b_}, {"batch", batch_}, {"retry_batch", retry}, {"ranks", ranks}});
-  if (retry == batch_) {
-    fields["reason"] = beside_pool_ooms_ > 0 ? "beside the CUDA graph's pool again: eager from here"
-                                             : "beside the CUDA graph's pool";
-  }
+  if (retry == batch_) fields["reason"] = beside_pool_reason(beside_pool_ooms_ + 1);
   if (stop || retry <= 0) fields["action"] = "stopped";
   session_.event(event::kOom, *run_step_, fields);
   const std::string who = c10::str(ranks.size() > 1 ? "ranks " : "rank ", names, " of ", world);
@@ -1154,23 +1156,17 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
       // comes back, together (step_agreed).
       if (buckets_) return step_failed(fields, batch_);
       graph_.drop();
-      const bool again = ++beside_pool_ooms_ > 1;
-      if (again) graph_.refuse();
+      if (++beside_pool_ooms_ > 1) graph_.refuse();
       memory_cache_release(device);
       fields.update(Json{{"block", b_}, {"batch", count}, {"retry_batch", count},
-                         {"reason", again ? "beside the CUDA graph's pool again: eager from here"
-                                          : "beside the CUDA graph's pool"}});
+                         {"reason", beside_pool_reason(beside_pool_ooms_)}});
       session_.event(event::kOom, *run_step_, fields);
       return false;
     }
     // The plan was off (fragmentation, workspaces): the same samples again, eagerly, at the batch re-planned with the
     // per-sample bytes the failure shows (oom_retry_batch), not a cascade of halvings.
     const int64_t retry = oom_retry_batch(batch_, fixed_bytes_, po_);
-    if (buckets_) {
-      graph_.refuse();
-      memory_cache_release(device);
-      return step_failed(fields, retry);
-    }
+    if (buckets_) return step_failed(fields, retry);  // step_agreed refuses every rank's graph and frees the cache
     TRIACCEL_CHECK_INPUT(retry > 0, "out of memory in NeuroFlux block ", b_, " at batch ", batch_, " with ",
                          bytes_format(fixed_bytes_), " needed at any batch; raise ", option_ref("vram_budget"));
     graph_.refuse();

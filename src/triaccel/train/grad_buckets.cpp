@@ -31,6 +31,16 @@ struct GradBuckets::State {
   size_t next = 0;  // the next bucket to start: those before it have started
   int64_t started_during_backward = 0;
 
+  // Every bucket waits for all of its gradients again, none started.
+  void pass_reset() {
+    for (Bucket& b : buckets) {
+      b.pending = static_cast<int64_t>(b.params.size());
+      b.work = DistWork();
+    }
+    std::fill(filled.begin(), filled.end(), 0);
+    next = 0;
+  }
+
   // Parameter i's place in its bucket, laid out as the parameter (its strides: a channels_last weight's too), so that
   // after the reduction it stands as the parameter's gradient without a copy.
   at::Tensor slot(size_t i) const {
@@ -156,12 +166,7 @@ void GradBuckets::arm(double weight) {
   State& s = *state_;
   // A pass abandoned before finish() (a capture that failed midway: the step then runs eagerly) leaves nothing: its
   // started buckets are started again.
-  for (State::Bucket& b : s.buckets) {
-    b.pending = static_cast<int64_t>(b.params.size());
-    b.work = DistWork();
-  }
-  std::fill(s.filled.begin(), s.filled.end(), 0);
-  s.next = 0;
+  s.pass_reset();
   s.armed = true;
   s.weight = weight;
   s.started_during_backward = 0;
@@ -178,9 +183,7 @@ void GradBuckets::finish() {
   }
   // Each gradient becomes its slot, a view of the bucket (no copy kernel per parameter); the next step releases it.
   for (size_t i = 0; i < s.params.size(); ++i) s.params[i].mutable_grad() = s.slot(i);
-  for (State::Bucket& b : s.buckets) b.pending = static_cast<int64_t>(b.params.size());
-  std::fill(s.filled.begin(), s.filled.end(), 0);
-  s.next = 0;
+  s.pass_reset();
   s.weight = 1.0;
 }
 

@@ -37,9 +37,9 @@ struct StepGraphOptions {
   // nothing in the pool that outlives the next replay but what before_replay releases (TrainStep: its gradients).
   bool eager_in_pool = false;
   // Several ranks whose captured step holds collectives (NCCL's): a collective captured on one rank must be captured
-  // on every rank and its graph replayed on every rank (an H200 pair hung with one rank replaying while the other ran
-  // eagerly). Called on every rank after each capture with its outcome (0: captured, 1: out of memory, 2: refused by
-  // an error); returns the worst outcome over the ranks, which every rank then takes as its own.
+  // on every rank and its graph replayed on every rank (NCCL's documented rule for graph-captured operations). Called
+  // on every rank after each capture with its outcome (0: captured, 1: out of memory, 2: refused by an error);
+  // returns the worst outcome over the ranks, which every rank then takes as its own.
   std::function<int(int)> agree_capture;
 };
 
