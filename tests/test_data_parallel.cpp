@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 namespace triaccel {
@@ -196,6 +197,41 @@ class DataParallelTest : public test::TinyMnistTest {
 
   static void inject_oom_at_step_6(RunHooks& hooks) {  // block 0's seventh step: its graph is captured at the fourth
     hooks.before_step = oom_once_at(6);
+  }
+
+  // Backprop on a GPU with its steps captured (each rank its share of the batch of 51), for
+  // TwoGpusRetryABackpropOutOfMemoryBesideOneRanksGraphAsOneGpu.
+  static Config backprop_oom_on_gpu(const std::string& out) {
+    Config c = mlp_options(out);
+    c.set("device", "cuda");
+    return c;
+  }
+
+  // Runs the test `inner` (this binary again, that test alone) as ranks 0 and 1 of two, each a process on its own GPU,
+  // with the environment torchrun gives and TRIACCEL_TEST_OUT=out; expects both to exit 0. Two GPUs capturing NCCL's
+  // collectives in one process can deadlock.
+  static void run_two_gpu_processes(const std::string& inner, const test::TempDir& out) {
+    char self[4096] = {};
+    ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
+    const int port = free_local_port();
+    std::string command;
+    for (int r = 0; r < 2; ++r) {
+      command += c10::str("(TRIACCEL_TEST_FRESH_PROCESS=1 TRIACCEL_TEST_OUT='", out.path(), "' RANK=", r,
+                          " LOCAL_RANK=", r, " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=", port, " timeout 120 '",
+                          self, "' --gtest_filter=DataParallelTest.", inner, " > '",
+                          out.file(c10::str("rank", r, ".log")), "' 2>&1; echo $? > '",
+                          out.file(c10::str("rank", r, ".rc")), "') & ");
+    }
+    ASSERT_EQ(std::system((command + "wait").c_str()), 0);  // each rank's status in its .rc file
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(file_read_all(out.file(c10::str("rank", r, ".rc"))), "0\n")
+          << file_read_all(out.file(c10::str("rank", r, ".log")));
+    }
+  }
+
+  // The output folder of a rank run by run_two_gpu_processes; null (the test skips) outside it.
+  static const char* two_gpu_process_out() {
+    return std::getenv("TRIACCEL_TEST_FRESH_PROCESS") == nullptr ? nullptr : std::getenv("TRIACCEL_TEST_OUT");
   }
 };
 
@@ -594,10 +630,8 @@ TEST_F(DataParallelTest, TwoGpusTrainNeuroFluxsBlocksAsOneGpu) {
 // after the warm-up: the weights of one GPU that ran out of memory at the same step. The ranks are two processes (this
 // binary again, the inner test alone): two GPUs capturing NCCL's collectives in one process can deadlock.
 TEST_F(DataParallelTest, TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpuInner) {
-  const char* out = std::getenv("TRIACCEL_TEST_OUT");
-  if (std::getenv("TRIACCEL_TEST_FRESH_PROCESS") == nullptr || out == nullptr) {
-    GTEST_SKIP() << "run by TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpu";
-  }
+  const char* out = two_gpu_process_out();
+  if (out == nullptr) GTEST_SKIP() << "run by TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpu";
   RunHooks hooks;  // the rank from the environment, as torchrun gives it
   if (dist_options_from_env().rank == 1) inject_oom_at_step_6(hooks);
   api::run(neuroflux_oom_on_gpu(out), hooks);
@@ -609,22 +643,8 @@ TEST_F(DataParallelTest, TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpu) {
   RunHooks one = one_process();
   inject_oom_at_step_6(one);
   api::run(neuroflux_oom_on_gpu(nf_one.path()), one);
-  char self[4096] = {};
-  ASSERT_GT(readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
-  const int port = free_local_port();
-  std::string command;
-  for (int r = 0; r < 2; ++r) {
-    command += c10::str("(TRIACCEL_TEST_FRESH_PROCESS=1 TRIACCEL_TEST_OUT='", nf_two.path(), "' RANK=", r,
-                        " LOCAL_RANK=", r, " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=", port, " timeout 120 '",
-                        self, "' --gtest_filter=DataParallelTest.TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpuInner",
-                        " > '", nf_two.file(c10::str("rank", r, ".log")), "' 2>&1; echo $? > '",
-                        nf_two.file(c10::str("rank", r, ".rc")), "') & ");
-  }
-  ASSERT_EQ(std::system((command + "wait").c_str()), 0);  // each rank's status in its .rc file
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(file_read_all(nf_two.file(c10::str("rank", r, ".rc"))), "0\n")
-        << file_read_all(nf_two.file(c10::str("rank", r, ".log")));
-  }
+  run_two_gpu_processes("TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpuInner", nf_two);
+  if (HasFailure()) return;
   const auto o1 = events_named(nf_one.file("events.jsonl"), event::kOom);
   const auto o2 = events_named(nf_two.file("events.jsonl"), event::kOom);
   ASSERT_EQ(o1.size(), 1u);
@@ -639,6 +659,42 @@ TEST_F(DataParallelTest, TwoGpusRetryAnOutOfMemoryBesideOneRanksGraphAsOneGpu) {
   for (size_t b = 0; b < b1.size(); ++b) EXPECT_EQ(b1[b]["steps"], b2[b]["steps"]) << b;
   EXPECT_TRUE(b2[0]["cuda_graph"].get<bool>());  // captured again after the retry
   EXPECT_LT(worst_difference(nf_one.file("model.pt"), nf_two.file("model.pt")), 1e-3);
+}
+
+// A backprop step's out-of-memory error on GPU 1 before its input, its graph captured (NCCL's all-reduces in it): GPU 0
+// replays its graph, so GPU 1 replays its own with its loss times NaN, which makes both sums NaN and skips both
+// updates; both retry the samples at the smaller batch (and capture its graph): the weights of one GPU that ran out
+// of memory at the same step, and no skipped step counted.
+TEST_F(DataParallelTest, TwoGpusRetryABackpropOutOfMemoryBesideOneRanksGraphAsOneGpuInner) {
+  const char* out = two_gpu_process_out();
+  if (out == nullptr) GTEST_SKIP() << "run by TwoGpusRetryABackpropOutOfMemoryBesideOneRanksGraphAsOneGpu";
+  RunHooks hooks;
+  if (dist_options_from_env().rank == 1) inject_oom_at_step_6(hooks);  // steps are captured from the fourth
+  api::run(backprop_oom_on_gpu(out), hooks);
+}
+
+TEST_F(DataParallelTest, TwoGpusRetryABackpropOutOfMemoryBesideOneRanksGraphAsOneGpu) {
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "fewer than two CUDA GPUs";
+  test::TempDir one("dp_gpu_oom_one"), two("dp_gpu_oom_two");
+  RunHooks hooks = one_process();
+  inject_oom_at_step_6(hooks);
+  const Json result_one = api::run(backprop_oom_on_gpu(one.path()), hooks);
+  run_two_gpu_processes("TwoGpusRetryABackpropOutOfMemoryBesideOneRanksGraphAsOneGpuInner", two);
+  if (HasFailure()) return;
+  const auto o1 = events_named(one.file("events.jsonl"), event::kOom);
+  const auto o2 = events_named(two.file("events.jsonl"), event::kOom);
+  ASSERT_EQ(o1.size(), 1u);
+  ASSERT_EQ(o2.size(), 1u);
+  EXPECT_EQ(o2[0]["retry_batch"], o1[0]["retry_batch"]);
+  EXPECT_EQ(o2[0]["ranks"][0]["rank"], 1);
+  const auto e2 = events_named(two.file("events.jsonl"), event::kEpoch);
+  ASSERT_FALSE(e2.empty());
+  EXPECT_GE(e2[0]["graph_captures"].get<int64_t>(), 2);  // captured before the error and at the retry's batch
+  const auto s2 = events_named(two.file("events.jsonl"), "summary");
+  ASSERT_EQ(s2.size(), 1u);
+  EXPECT_EQ(s2[0]["steps"], result_one["steps"]);
+  EXPECT_EQ(s2[0]["skipped_steps"], 0);
+  EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
 }
 
 TEST_F(DataParallelTest, TwoRanksStoppedResumeInOneProcess) {
@@ -787,12 +843,70 @@ TEST_F(DataParallelTest, NeuroFluxOnTwoRanksEndsWithRankZerosBatchNormStatistics
   for (size_t i = 0; i < b0.size(); ++i) EXPECT_TRUE(at::equal(b0[i], b1[i])) << "buffer " << i;
 }
 
-// Out of memory on one rank is not retried there alone (it would fall out of step with the others): that rank ends
-// with one line naming it and the way on, and the other rank, whose collective lost its peer, ends too.
-TEST_F(DataParallelTest, OutOfMemoryOnOneRankEndsEveryRankWithALine) {
-  test::TempDir out("dp_oom");
+// A backprop step that runs out of memory on one rank is retried by every rank: the rank that ran out makes the
+// step's collectives (what is left of its gradient buckets, NaN in place of its share, so every rank's update is
+// skipped), and every rank retries the same samples at the smaller batch, as one process does. Two ranks train one
+// process's weights through an error on rank 1 inside backward (some buckets already sent) or on rank 0 before the
+// step's input, with no skipped step counted (the loss scaler's update is put back).
+TEST_F(DataParallelTest, OutOfMemoryOnOneRankIsRetriedByEveryRank) {
+  const auto configure = [](const std::string& out) {
+    Config c = mlp_options(out);
+    c.set("model", "dp-mlp-local");
+    c.set("grad_bucket_mb", "0.002");  // a bucket per layer or two: some start while backward runs
+    return c;
+  };
+  constexpr int64_t kStep = 3;
+  const auto before_input = [](RunHooks& hooks) { hooks.before_step = oom_once_at(kStep); };
+  test::TempDir one("dp_oom_one"), in_backward("dp_oom_backward"), before("dp_oom_before");
+  RunHooks reference = one_process();
+  before_input(reference);
+  const Json result_one = api::run(configure(one.path()), reference);
+  const std::vector<Json> results_backward =
+      run_ranks({configure(in_backward.path()), configure(in_backward.path())}, nullptr, [](int rank, RunHooks& hooks) {
+        if (rank != 1) return;
+        hooks.before_step = [once = std::make_shared<bool>(true)](int64_t step, int64_t) {
+          if (step == kStep && std::exchange(*once, false)) dp_mlp_oom_in_next_backward = true;
+        };
+      });
+  const std::vector<Json> results_before =
+      run_ranks({configure(before.path()), configure(before.path())}, nullptr, [&](int rank, RunHooks& hooks) {
+        if (rank == 0) before_input(hooks);
+      });
+  const auto ooms_one = events_named(one.file("events.jsonl"), event::kOom);
+  ASSERT_EQ(ooms_one.size(), 1u);
+  ASSERT_LT(ooms_one[0]["retry_batch"].get<int64_t>(), 51);
+  const auto epochs_one = events_named(one.file("events.jsonl"), event::kEpoch);
+  for (const auto& [dir, failed_rank, results] :
+       {std::tuple<const test::TempDir*, int, const std::vector<Json>*>{&in_backward, 1, &results_backward},
+        {&before, 0, &results_before}}) {
+    SCOPED_TRACE(dir->path());
+    const auto ooms = events_named(dir->file("events.jsonl"), event::kOom);
+    ASSERT_EQ(ooms.size(), 1u);
+    EXPECT_EQ(ooms[0]["batch"], ooms_one[0]["batch"]);
+    EXPECT_EQ(ooms[0]["retry_batch"], ooms_one[0]["retry_batch"]);
+    ASSERT_EQ(ooms[0]["ranks"].size(), 1u);
+    EXPECT_EQ(ooms[0]["ranks"][0]["rank"], failed_rank);
+    for (const Json& r : *results) {
+      EXPECT_EQ(r["steps"], result_one["steps"]);
+      EXPECT_EQ(r["skipped_steps"], 0);
+    }
+    const auto epochs = events_named(dir->file("events.jsonl"), event::kEpoch);
+    ASSERT_EQ(epochs.size(), epochs_one.size());
+    for (size_t e = 0; e < epochs.size(); ++e) {
+      EXPECT_NEAR(epochs[e]["train_loss"].get<double>(), epochs_one[e]["train_loss"].get<double>(), 1e-4) << e;
+    }
+    EXPECT_LT(worst_difference(one.file("model.pt"), dir->file("model.pt")), 1e-3);
+  }
+}
+
+// With --sync-bn a rank that runs out of memory cannot make up the other ranks' forward collectives: it ends with one
+// line naming it and the way on, and the other rank, whose collective lost its peer, ends too.
+TEST_F(DataParallelTest, OutOfMemoryOnOneRankWithSyncBatchNormEndsEveryRankWithALine) {
+  test::TempDir out("dp_oom_sync_bn");
+  Config c = mlp_options(out.path());
+  c.set("sync_bn", "true");
   std::vector<std::string> errors;
-  run_ranks({mlp_options(out.path()), mlp_options(out.path())}, nullptr,
+  run_ranks({c, c}, nullptr,
             [](int rank, RunHooks& hooks) {
               if (rank != 1) return;
               hooks.before_step = [](int64_t step, int64_t) {

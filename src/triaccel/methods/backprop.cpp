@@ -683,7 +683,8 @@ bool Trainer::epoch() {
     after_step(count);
     const bool last_in_epoch = p.epoch_offset >= train_loader_.size();
     if (config_.schedule.max_steps > 0 && p.step >= config_.schedule.max_steps) stop_reason_ = "max_steps";
-    const auto [stop, checkpoint_due] = session_.stop_agreed(p.step);
+    // Data parallel: agreed with the step's out-of-memory agreement (step_agreed), in its one round trip.
+    const auto [stop, checkpoint_due] = agreed_ ? *std::exchange(agreed_, std::nullopt) : session_.stop_agreed(p.step);
     if (stop != StopRequest::kNone) stop_reason_ = stop_reason(stop);
     if (!stop_reason_.empty()) {
       stopped_ = true;
@@ -713,6 +714,9 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
                     lr_scale_for_batch(batch_rules_.lr_rule, p.batch, config_.schedule.batch_size);
   last_lr_ = lr;
   FaultKind fault = FaultKind::kNone;
+  agreed_.reset();
+  const bool dist = session_.dist().active();
+  bool failed = false;
   try {  // loading the batch allocates too (resize, augmentation): under a budget it can run out of memory
     if (local > 0) train_loader_.batch_into(p.epoch_offset + shard_offset_, local, images, labels);
     if (session_.hooks().before_step) session_.hooks().before_step(p.step, count);
@@ -729,7 +733,21 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
     step_->run(images, labels, lr);
     context_trace("a training step");
   } catch (const c10::OutOfMemoryError&) {
-    return on_out_of_memory(fault, count);
+    // --sync-bn: the other ranks' forward passes make collectives this rank cannot make up; it stops them all.
+    if (bn_sync_) dist_out_of_memory_check("training");
+    failed = true;
+  }
+  // An eager step of another size beside the graph's private pool: not the plan's error.
+  const bool beside_pool = failed && memory_planner_ && step_->graph().captured() &&
+                           shard_count_ != step_->graph_batch_size();
+  if (!dist && failed) return on_out_of_memory(fault, count, OomSeen{beside_pool, Json()});
+  if (dist) {
+    // The other ranks' steps went on: this rank makes its step's collectives, so that every rank skips the update.
+    const MemoryStats at_failure = failed ? memory_stats(device_) : MemoryStats{};
+    const bool unskippable = failed && !step_->run_failed(images, labels, lr);
+    if (const auto seen = step_agreed(failed, unskippable, beside_pool, at_failure)) {
+      return on_out_of_memory(fault, count, *seen);
+    }
   }
   retried_at_min_ = false;
   peak_trace("step");
@@ -741,19 +759,59 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
   return Attempt::kTrained;
 }
 
-Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count) {
+std::optional<Trainer::OomSeen> Trainer::step_agreed(bool failed, bool unskippable, bool beside_pool,
+                                                     const MemoryStats& at_failure) {
+  const Progress& p = *progress_;
+  Dist& dist = session_.dist();
+  const int world = dist.world_size();
+  // Per rank {ran out of memory, could not skip, beside the graph's pool, allocated GB, reserved GB}, each rank
+  // filling its own slots of the sum.
+  constexpr size_t kSlots = 5;
+  std::vector<double> v(kSlots * static_cast<size_t>(world), 0.0);
+  const size_t own = kSlots * static_cast<size_t>(dist.rank());
+  v[own] = failed ? 1.0 : 0.0;
+  v[own + 1] = unskippable ? 1.0 : 0.0;
+  v[own + 2] = beside_pool ? 1.0 : 0.0;
+  v[own + 3] = static_cast<double>(at_failure.allocated_bytes) / kGB;
+  v[own + 4] = static_cast<double>(at_failure.reserved_bytes) / kGB;
+  agreed_ = session_.stop_agreed(p.step + 1, &v);  // the step after_step is about to count
+  OomSeen seen;
+  seen.ranks = Json::array();
+  std::string names;
+  bool stop = false;
+  for (int r = 0; r < world; ++r) {
+    const size_t at = kSlots * static_cast<size_t>(r);
+    if (v[at] == 0) continue;
+    stop = stop || v[at + 1] > 0;
+    seen.beside_pool = seen.beside_pool || v[at + 2] > 0;
+    seen.ranks.push_back(Json{{"rank", r}, {"allocated_gb", v[at + 3]}, {"reserved_gb", v[at + 4]}});
+    names += (names.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (seen.ranks.empty()) return std::nullopt;
+  agreed_.reset();  // a stop or a checkpoint waits for a step that ran
+  if (stop) {
+    session_.event(event::kOom, p.step, Json{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"batch", p.batch},
+                                             {"ranks", seen.ranks}, {"action", "stopped"}});
+    throw UserError(str_cat(seen.ranks.size() > 1 ? "ranks " : "rank ", names, " of ", world,
+                            " ran out of GPU memory in training after the step's update had begun (the ranks' weights "
+                            "may differ); resume from the last checkpoint with a smaller ", option_ref("batch_size"),
+                            " or on more GPUs: ", option_ref("resume"), " ", config_.output.out, " ",
+                            option_ref("nproc"), " N"));
+  }
+  step_->failed_step_restore();
+  return seen;
+}
+
+Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count, const OomSeen& seen) {
   Progress& p = *progress_;
-  // With several ranks a retry on one rank alone would put it out of step with the others (a different batch, an
-  // extra collective): the run stops with a checkpoint to resume from instead.
-  dist_out_of_memory_check("training");
   attempt_ += fault == FaultKind::kOom ? 1 : 0;  // the injected error came before the increment
   p.oom_retries += 1;
-  const Json where{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"injected", fault == FaultKind::kOom}};
+  Json where{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"injected", fault == FaultKind::kOom}};
+  if (!seen.ranks.is_null()) where["ranks"] = seen.ranks;
   // The failed attempt allocated up to the cap: its peak counts for the run, not as the retry's calibration reading.
   if (memory_planner_) window();
-  if (memory_planner_ && step_->graph().captured() && shard_count_ != step_->graph_batch_size()) {
-    // An eager step of another size beside the graph's private pool: not the plan's error. The graph gives its
-    // pool back; the next full batches capture it again.
+  if (seen.beside_pool) {
+    // Not the plan's error: the graph gives its pool back; the next full batches capture it again.
     Json fields{{"batch", p.batch}, {"retry_batch", count}, {"action", "graph released"}};
     for (const auto& [k, v] : where.items()) fields[k] = v;
     session_.event(event::kOom, p.step, fields);

@@ -16,6 +16,7 @@
 #include "triaccel/control/batch_controller.h"
 #include "triaccel/control/controller.h"
 #include "triaccel/control/memory_plan_controller.h"
+#include "triaccel/core/device.h"
 #include "triaccel/core/json.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/models/batch_norm.h"
@@ -28,6 +29,8 @@
 
 #include <cstdlib>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <vector>
 
 namespace triaccel {
@@ -75,7 +78,18 @@ class Trainer : private MemoryMeter {
   // The loop.
   bool epoch();                            // false: stopped inside the epoch
   Attempt step_with_recovery(int64_t count);
-  Attempt on_out_of_memory(FaultKind fault, int64_t count);
+  // A step that ran out of memory: on this rank (one process), or on some ranks, as every rank agreed (data parallel).
+  struct OomSeen {
+    bool beside_pool = false;  // an eager step of another size beside the captured graph's pool ran out
+    Json ranks;                // data parallel: [{rank, allocated_gb, reserved_gb}] of the ranks that ran out
+  };
+  // Data parallel: the step's stop agreement (one round trip, which the loop then uses: agreed_), carrying whether
+  // each rank's step ran out of memory. Empty when none did; else, after every rank put back what the failed step
+  // changed (TrainStep::failed_step_restore), what the ranks saw, for every rank's same recovery. Every rank stops
+  // with one line when a failing rank could not make its step a skipped one (`unskippable`).
+  std::optional<OomSeen> step_agreed(bool failed, bool unskippable, bool beside_pool, const MemoryStats& at_failure);
+  // The retry every rank makes alike: a released graph, a precision raise refused, a new plan or a smaller batch.
+  Attempt on_out_of_memory(FaultKind fault, int64_t count, const OomSeen& seen);
   Attempt on_skipped_step(FaultKind fault, int64_t count);
   void after_step(int64_t count);
   EvalResult evaluate(int64_t batch_size);
@@ -87,8 +101,8 @@ class Trainer : private MemoryMeter {
   Json stop();
   Json summary();
   // Data parallelism (one process: the whole batch, no-ops); this rank's part of a batch is Dist::share's.
-  // With several ranks an out-of-memory error is not retried (one rank alone would fall out of step): UserError
-  // naming the rank and the batch. A no-op with one process.
+  // With several ranks an out-of-memory error in an evaluation, or in training with --sync-bn, is not retried (one
+  // rank alone would fall out of step): UserError naming the rank and the batch. A no-op with one process.
   void dist_out_of_memory_check(const char* phase) const;
   // Helpers.
   void batch_set(int64_t batch);
@@ -146,6 +160,7 @@ class Trainer : private MemoryMeter {
   bool retried_at_min_ = false;            // an out-of-memory retry at the minimum batch is allowed once in a row
   int64_t attempt_ = 0;                    // attempts at the current step (retries keep its samples)
   int64_t skips_in_a_row_ = 0;             // skipped attempts at the current samples
+  std::optional<std::pair<StopRequest, bool>> agreed_;  // data parallel: the last step's stop agreement (step_agreed)
   bool stopped_ = false;
   std::string stop_reason_;                // why it stopped early: max_steps, sigint, sigterm
 };

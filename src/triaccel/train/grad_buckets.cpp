@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/utils.h>
 
+#include <limits>
+
 namespace triaccel {
 
 struct GradBuckets::State {
@@ -185,6 +187,15 @@ void GradBuckets::finish() {
   for (size_t i = 0; i < s.params.size(); ++i) s.params[i].mutable_grad() = s.slot(i);
   s.pass_reset();
   s.weight = 1.0;
+}
+
+bool GradBuckets::finish_poisoned() {
+  State& s = *state_;
+  if (!s.armed) arm(1.0);
+  const bool carried = s.next < s.buckets.size();
+  s.weight = std::numeric_limits<double>::quiet_NaN();  // zeros times NaN: NaN
+  finish();
+  return carried;
 }
 
 const std::vector<std::vector<size_t>>& GradBuckets::buckets() const { return state_->layout; }

@@ -52,6 +52,11 @@ class GradBuckets {
   // After that pass (or instead of it, for a rank without samples): the rest of the buckets, the waits, the sums in
   // the gradients. Disarms.
   void finish();
+  // finish() for a pass that failed on this rank (its step ran out of memory) while the other ranks' passes go on:
+  // the buckets not yet started start with NaN in place of this rank's share (the pass is armed first when it was
+  // not), so every rank's sums come out non-finite and every rank skips its update. False when every bucket had
+  // started already: nothing is left to carry the NaN.
+  bool finish_poisoned();
 
   // Each bucket's parameters (indices into `params`), in the order they start.
   const std::vector<std::vector<size_t>>& buckets() const;

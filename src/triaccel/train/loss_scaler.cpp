@@ -24,6 +24,8 @@ LossScaler::LossScaler(LossScalerOptions options, const c10::Device& device) : o
   growth_tracker_ = at::zeros({1}, f32.dtype(at::kInt));
   found_inf_ = at::zeros({1}, f32);
   skipped_ = at::zeros({1}, f32);
+  scale_before_ = scale_.clone();
+  growth_before_ = growth_tracker_.clone();
 }
 
 at::Tensor LossScaler::scale(const at::Tensor& loss) const {
@@ -45,8 +47,18 @@ void LossScaler::update() {
   const torch::NoGradGuard no_grad;
   skipped_.add_(found_inf_);
   if (!options_.enabled) return;
+  scale_before_.copy_(scale_);
+  growth_before_.copy_(growth_tracker_);
   at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, options_.growth_factor, options_.backoff_factor,
                          options_.growth_interval);
+}
+
+void LossScaler::update_undo() {
+  const torch::NoGradGuard no_grad;
+  skipped_.sub_(found_inf_);
+  if (!options_.enabled) return;
+  scale_.copy_(scale_before_);
+  growth_tracker_.copy_(growth_before_);
 }
 
 void LossScaler::load(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& skipped) {

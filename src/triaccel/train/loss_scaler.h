@@ -35,6 +35,9 @@ class LossScaler {
 
   // After the optimizer step: grows/backs off the scale (when enabled) and counts skipped steps. Device ops only.
   void update();
+  // Puts back what the last update() changed (data parallelism: a step that every rank skipped because one rank ran
+  // out of memory is retried, not counted). Device ops only.
+  void update_undo();
 
   const at::Tensor& found_inf() const { return found_inf_; }        // (1) float32
   const at::Tensor& scale_tensor() const { return scale_; }         // (1) float32
@@ -52,6 +55,7 @@ class LossScaler {
   at::Tensor growth_tracker_;
   at::Tensor found_inf_;
   at::Tensor skipped_;
+  at::Tensor scale_before_, growth_before_;  // before the last update() (when enabled)
 };
 
 }  // namespace triaccel

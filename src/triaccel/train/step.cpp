@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
 #endif
@@ -58,10 +59,8 @@ TrainStep::TrainStep(Model& model, Optimizer& optimizer, LossScaler& scaler, Ste
     grad_buckets_ = std::make_unique<GradBuckets>(optimizer_.params(), options_.grad_reduce.buckets,
                                                   options_.grad_reduce.start);
   }
-  if (options_.fault_injection) {
-    loss_fault_ = at::ones({1}, f32);
-    grad_fault_ = at::zeros({1}, f32);
-  }
+  if (options_.fault_injection || options_.grad_reduce.start) loss_factor_ = at::ones({1}, f32);
+  if (options_.fault_injection) grad_fault_ = at::zeros({1}, f32);
 }
 
 bool TrainStep::last_step_skipped() const { return scaler_.found_inf().item<float>() != 0; }
@@ -71,6 +70,40 @@ void TrainStep::skipped_step_restore() {
   for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(buffers_before_[i]);
 }
 
+bool TrainStep::run_failed(const at::Tensor& images, const at::Tensor& labels, double lr) {
+  TORCH_CHECK(grad_buckets_, "TrainStep::run_failed is for data parallelism (StepOptions::grad_reduce)");
+  const Phase phase = std::exchange(phase_, Phase::kIdle);
+  if (phase != Phase::kIdle || graph_.runs_eagerly(images.size(0))) return run_failed_eagerly(phase);
+  // The other ranks replay (or capture) their graphs at this batch: so does this rank, its loss times NaN.
+  loss_factor_.fill_(std::numeric_limits<double>::quiet_NaN());
+  bool ran = true;
+  try {
+    run(images, labels, lr);
+  } catch (const c10::OutOfMemoryError&) {  // a capture that failed, then its eager step
+    ran = false;
+  }
+  loss_factor_.fill_(fault_ == FaultKind::kNanLoss ? std::numeric_limits<double>::quiet_NaN() : 1.0);
+  return ran || run_failed_eagerly(std::exchange(phase_, Phase::kIdle));
+}
+
+bool TrainStep::run_failed_eagerly(Phase phase) {
+  if (phase == Phase::kUpdate) return false;  // the sums were in: the other ranks' updates run
+  const torch::NoGradGuard no_grad;
+  if (phase == Phase::kIdle) {  // the step never began: its restore puts back what is there now
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_before_[i].copy_(buffers_[i]);
+  }
+  grads_release();  // this rank's share: zeros, times NaN
+  if (!grad_buckets_->finish_poisoned()) return false;
+  const at::Tensor zero = at::zeros({1}, last_loss_.options());
+  update(zero, zero, 0, 1.0);  // found_inf from the NaN sums: the optimizer skips, the metrics take nothing
+  return true;
+}
+
+void TrainStep::failed_step_restore() {
+  skipped_step_restore();
+  scaler_.update_undo();
+}
+
 void TrainStep::set_fault(FaultKind kind) {
   TORCH_CHECK(options_.fault_injection || kind == FaultKind::kNone,
               "TrainStep::set_fault needs StepOptions::fault_injection");
@@ -78,7 +111,7 @@ void TrainStep::set_fault(FaultKind kind) {
   if (kind == fault_ || !options_.fault_injection) return;
   fault_ = kind;
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  loss_fault_.fill_(kind == FaultKind::kNanLoss ? nan : 1.0);
+  loss_factor_.fill_(kind == FaultKind::kNanLoss ? nan : 1.0);
   grad_fault_.fill_(kind == FaultKind::kNanGrad   ? nan
                     : kind == FaultKind::kInfGrad ? std::numeric_limits<double>::infinity()
                                                   : 0.0);
@@ -92,6 +125,7 @@ void TrainStep::metrics_reset() {
 }
 
 void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
+  phase_ = Phase::kPass;
   grads_release();
   {
     const torch::NoGradGuard no_grad;
@@ -114,7 +148,7 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
     const at::Tensor targets = y.flatten();
     at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), targets, {}, at::Reduction::Mean, -100,
                                              options_.label_smoothing);
-    if (options_.fault_injection) loss = loss * loss_fault_;
+    if (loss_factor_.defined()) loss = loss * loss_factor_;
     if (!whole) loss = loss * (static_cast<double>(len) / static_cast<double>(n));  // the micro-batch's share
     if (grad_buckets_ && start + len >= n) grad_buckets_->arm(options_.grad_reduce.weight());  // the last: reduces
     scaler_.scale(loss).backward();
@@ -133,6 +167,16 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
     if (n == 0) grad_buckets_->arm(options_.grad_reduce.weight());  // no backward ran: every bucket starts here
     grad_buckets_->finish();
   }
+  phase_ = Phase::kUpdate;
+  // Per sample: a sample's share of correct predictions (its correct tokens / T; 0 or 1 for a classifier).
+  const double labels_per_sample =
+      n > 0 ? static_cast<double>(label_elements) / static_cast<double>(n) : 1.0;
+  update(loss_total, correct_total, n, labels_per_sample);
+}
+
+void TrainStep::update(const at::Tensor& loss_total, const at::Tensor& correct_total, int64_t n,
+                       double labels_per_sample) {
+  const torch::NoGradGuard no_grad;
   const std::vector<at::Tensor> grads = optimizer_.grads();
   if (options_.fault_injection) {
     for (const auto& g : grads) {
@@ -158,9 +202,6 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
   const at::Tensor ok = scaler_.found_inf().eq(0);
   const at::Tensor zero = at::zeros({1}, loss_sum_.options());
   loss_sum_.add_(at::where(ok, loss_detached.to(at::kFloat) * static_cast<double>(n), zero));
-  // Per sample: a sample's share of correct predictions (its correct tokens / T; 0 or 1 for a classifier).
-  const double labels_per_sample =
-      n > 0 ? static_cast<double>(label_elements) / static_cast<double>(n) : 1.0;
   correct_sum_.add_(at::where(ok, correct_total / labels_per_sample, zero));
 }
 
@@ -267,6 +308,7 @@ void TrainStep::grads_release() {
 void TrainStep::run(const at::Tensor& images, const at::Tensor& labels, double lr) {
   lr_.fill_(lr);
   graph_.run([this](const at::Tensor& x, const at::Tensor& y) { body(x, y); }, images, labels);
+  phase_ = Phase::kIdle;
 }
 
 }  // namespace triaccel

@@ -56,7 +56,8 @@ struct StepOptions {
   // every rank (the owners' parameters broadcast); inside the captured graph when grad_reduce.capturable.
   std::function<void()> after_update;
   // --inject-faults: the step multiplies its loss by a device factor and adds a device value to the first gradient
-  // (both neutral unless set_fault() arms them), so NaN/inf faults reach graph replays too. Off: neither op exists.
+  // (both neutral unless set_fault() arms them), so NaN/inf faults reach graph replays too. Off: neither op exists
+  // (but the loss factor under data parallelism, for run_failed).
   bool fault_injection = false;
 };
 
@@ -74,6 +75,17 @@ class TrainStep {
   // After a skipped step: puts the model's buffers (BatchNorm running statistics) back to their values before it,
   // so a skipped step leaves no trace at all (its forward updated them, possibly with NaN).
   void skipped_step_restore();
+  // Data parallelism, on a rank whose step (or the loading of its batch before it) ran out of memory while the other
+  // ranks' steps go on: the rest of the step's collectives, made so that every rank skips this update as one
+  // process's skipped step does (the sums over the ranks come out NaN: the optimizer's found_inf rule; the metrics and
+  // gradient statistics take nothing). A step that was to replay or capture its graph does so with its loss times NaN
+  // (a replay allocates nothing; NCCL: a captured collective is every rank's or none's); an eager one sends what is
+  // left of its gradient buckets with NaN in place of this rank's share. False when it cannot: the failed step's
+  // update had begun, or every bucket had been sent (the other ranks' updates count: the ranks' weights now differ).
+  bool run_failed(const at::Tensor& images, const at::Tensor& labels, double lr);
+  // On every rank, once the ranks agreed that one of them failed the step (run_failed): the model's buffers and the
+  // loss scaler as they were before it, so the retried step is the step one process would take.
+  void failed_step_restore();
   // Arms a NaN/inf fault (kNanGrad, kInfGrad, kNanLoss) for the following run() calls; kNone disarms. Needs
   // StepOptions::fault_injection. kOom is the trainer's (it is raised before the step).
   void set_fault(FaultKind kind);
@@ -128,7 +140,14 @@ class TrainStep {
   void grads_release();
 
  private:
+  enum class Phase { kIdle, kPass, kUpdate };  // run(): outside body, in its passes, past the gradients' sums
+
   void body(const at::Tensor& images, const at::Tensor& labels);
+  // body's end, after the gradients (summed over the ranks): the non-finite check, gradient statistics, the update,
+  // the loss scale and the metrics (n samples whose mean loss and correct predictions are given).
+  void update(const at::Tensor& loss_total, const at::Tensor& correct_total, int64_t n, double labels_per_sample);
+  // run_failed's eager part: `phase` is where the failed step stopped.
+  bool run_failed_eagerly(Phase phase);
   at::Tensor forward(const at::Tensor& images);
   // One unit's forward at its precision (autocast set inside, so that a recompute in backward sets it again).
   at::Tensor unit_forward(size_t u, const at::Tensor& x) const;
@@ -144,9 +163,10 @@ class TrainStep {
   at::Tensor last_loss_;    // (1) float32
   std::vector<at::Tensor> buffers_;          // the model's buffers (BatchNorm running statistics)
   std::vector<at::Tensor> buffers_before_;   // their values before the current step, same shapes and dtypes
-  at::Tensor loss_fault_;   // (1) float32: 1, or NaN (fault injection only)
+  at::Tensor loss_factor_;  // (1) float32: 1, or NaN (fault injection, a data-parallel rank's failed step)
   at::Tensor grad_fault_;   // (1) float32: 0, NaN or +inf (fault injection only)
   FaultKind fault_ = FaultKind::kNone;
+  Phase phase_ = Phase::kIdle;
   std::vector<Precision> unit_precisions_;
   std::vector<bool> recompute_;
   std::vector<std::vector<at::Tensor>> unit_params_, unit_buffers_;  // per unit, for recompute

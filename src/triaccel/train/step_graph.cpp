@@ -146,6 +146,11 @@ void StepGraph::in_pool(const std::function<void()>& fn) {
   fn();
 }
 
+bool StepGraph::runs_eagerly(int64_t batch) const {
+  if (!options_.enabled || batch != batch_ || batch == refused_batch_) return true;
+  return !graph_ && eager_steps_ < options_.warmup_steps;
+}
+
 void StepGraph::run(const Body& body, const at::Tensor& x, const at::Tensor& y) {
   const int64_t batch = x.size(0);
   last_ran_ = Ran::kEager;

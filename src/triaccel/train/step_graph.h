@@ -76,6 +76,8 @@ class StepGraph {
   // step at that size.
   void set_batch(int64_t batch);
   int64_t batch() const { return batch_; }
+  // Whether run() at this batch size would run the body eagerly: no graph to replay, and no capture due.
+  bool runs_eagerly(int64_t batch) const;
   // Drops a captured graph (the step's work changed: precisions, lr scales); it is captured again after one eager
   // step. During the warm-up it changes nothing.
   void invalidate();
