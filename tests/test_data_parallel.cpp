@@ -899,6 +899,27 @@ TEST_F(DataParallelTest, OutOfMemoryOnOneRankIsRetriedByEveryRank) {
   }
 }
 
+// Injected faults hit every rank at the same steps (the same plan): an out-of-memory error before the input on both
+// ranks, and NaN gradients and losses, retried or skipped by both ranks alike, give one process's weights and counters.
+TEST_F(DataParallelTest, InjectedFaultsOnEveryRankGiveOneProcesssWeightsAndCounters) {
+  const auto configure = [](const std::string& out) {
+    Config c = mlp_options(out);
+    c.set("inject_faults", "oom@3,nan-grad@5,nan-loss@9x2");
+    return c;
+  };
+  test::TempDir one("dp_faults_one"), two("dp_faults_two");
+  const Json result_one = api::run(configure(one.path()), one_process());
+  const std::vector<Json> results = run_ranks({configure(two.path()), configure(two.path())});
+  ASSERT_EQ(result_one["oom_retries"], 1);
+  ASSERT_EQ(result_one["skip_retries"], 3);
+  for (const Json& r : results) {
+    for (const char* key : {"steps", "oom_retries", "skip_retries", "skipped_steps", "injected_faults"}) {
+      EXPECT_EQ(r[key], result_one[key]) << key;
+    }
+  }
+  EXPECT_LT(worst_difference(one.file("model.pt"), two.file("model.pt")), 1e-3);
+}
+
 // With --sync-bn a rank that runs out of memory cannot make up the other ranks' forward collectives: it ends with one
 // line naming it and the way on, and the other rank, whose collective lost its peer, ends too.
 TEST_F(DataParallelTest, OutOfMemoryOnOneRankWithSyncBatchNormEndsEveryRankWithALine) {
@@ -1092,7 +1113,7 @@ TEST_F(DataParallelTest, WhatItDoesNotSupportYetIsRefusedByName) {
   EXPECT_EQ(refused("vram_budget", "1GB"), "<no error>");  // each rank plans its share; the ranks agree on readings
   EXPECT_NE(refused("batch_policy", "elastic").find("batch_policy elastic follows one process's memory"),
             std::string::npos) << refused("batch_policy", "elastic");
-  EXPECT_NE(refused("inject_faults", "oom@3").find("inject_faults is not supported"), std::string::npos);
+  EXPECT_EQ(refused("inject_faults", "oom@3"), "<no error>");  // every rank draws the same faults
   EXPECT_NE(refused("batch_size", "1").find("batch_size 1 is smaller than nproc 2"), std::string::npos);
   const auto refused_with_sync_bn = [&](const char* key, const std::string& value) {
     Config c = mlp_options(out.path());

@@ -457,8 +457,7 @@ void Config::validate_world(int64_t world) const {
   const ExecutionConfig& ex = execution;
   // (micro_batch and recompute are fine: a rank's micro-batches accumulate before the one reduction. So is a
   // vram_budget: each rank plans its share of the batch, and the ranks agree on the worst rank's readings.)
-  TRIACCEL_CHECK_INPUT(ex.inject_faults.empty(), option_ref("inject_faults"), " is not supported with ", world_ref,
-                       " yet; drop it, or use one process");
+  // (inject_faults is fine: every rank draws the same faults at the same steps, and retries or skips them alike.)
   TRIACCEL_CHECK_INPUT(ex.batch_policy == BatchPolicy::kFixed, option_ref("batch_policy"), " elastic follows one "
                        "process's memory; with ", world_ref, " use ", option_ref("batch_policy"), " fixed (the memory "
                        "planner splits each process's share into micro-batches instead)");
