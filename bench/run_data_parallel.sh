@@ -27,6 +27,12 @@
 #          alternately, with this binary and with .device/bin/triaccel_base where present (the build before): the
 #          blocks' training seconds, the cost of each step's agreement. NFOOM_EXPANDABLE=1: each budget also with the
 #          allocator's expandable segments from the process's start (PYTORCH_CUDA_ALLOC_CONF)
+#   bpoom  backprop, ResNet-18 batch BPOOM_BATCH (1024: 512/GPU), 1 epoch, on NPROC GPUs, its steps captured: with
+#          --inject-faults oom@BPOOM_AT (20: every rank's step runs out of memory before its input, each replays its
+#          graph with a NaN loss); then BPOOM_REPEATS (2) times alternately without faults, 2 epochs with a progress
+#          line every 10 steps, this binary and .device/bin/triaccel_base where present (the build before): the oom
+#          events (ranks, retry batch), skipped steps, accuracy, images/s (the last epoch's, and the median of the
+#          progress windows inside an epoch, as in steady)
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -172,6 +178,17 @@ if has nfoom; then
       --epochs 1 --vram-budget "${NFOOM_FIT:-0.5GB}"
   done
 fi
+if has bpoom; then
+  bp=(--model resnet18 --batch-size "${BPOOM_BATCH:-1024}")
+  ours "bpoom_resnet18-faulted_w$NPROC" "$NPROC" "${bp[@]}" --epochs 1 --inject-faults "oom@${BPOOM_AT:-20}"
+  for i in $(seq "${BPOOM_REPEATS:-2}"); do
+    if [ -x "$BIN/triaccel_base" ]; then
+      OURS_BIN="$BIN/triaccel_base" ours "bpoom_resnet18-base$i""_w$NPROC" "$NPROC" "${bp[@]}" --epochs 2 \
+        --log-every 10
+    fi
+    ours "bpoom_resnet18-new$i""_w$NPROC" "$NPROC" "${bp[@]}" --epochs 2 --log-every 10
+  done
+fi
 if has acc; then
   # ACC_ARGS: extra flags for both runs (e.g. "--checkpoint-every 100000": one checkpoint at the end instead of one
   # per epoch, 0.4 s each for ResNet-18, which neither run can share between GPUs).
@@ -203,7 +220,8 @@ for d in sorted(glob.glob(f"{work}/runs/*/")):
                  "epochs": len(epochs), "cuda_graph": epochs[-1].get("cuda_graph") if epochs else None,
                  "peak_vram_gb": summ[0]["peak_vram_gb"] if summ else None,
                  "rank_peak_vram_gb": epochs[-1].get("rank_peak_vram_gb") if epochs else None,
-                 "epoch_s": summary.get("epoch_s"),
+                 "epoch_s": summary.get("epoch_s"), "skipped_steps": summary.get("skipped_steps"),
+                 "oom_retries": summary.get("oom_retries"),
                  "blocks": [{k: b.get(k) for k in ("units", "batch", "final_batch", "steps", "train_s", "cache_s",
                                                    "cuda_graph", "peak_vram_gb", "rank_peak_vram_gb")} for b in blocks]
                            or None,
@@ -222,7 +240,8 @@ with tarfile.open(f"{out}/dp_runs.tar.gz", "w:gz") as tar:
 # steady_*: the median images/s of the progress windows inside an epoch (the previous line in the same epoch, and
 # not the epoch's last line, whose window holds the short last batch).
 import re, statistics
-for f in sorted(glob.glob(f"{work}/runs/steady_*.log") + glob.glob(f"{work}/runs/pair_*.log")):
+for f in sorted(glob.glob(f"{work}/runs/steady_*.log") + glob.glob(f"{work}/runs/pair_*.log") +
+                glob.glob(f"{work}/runs/bpoom_*.log")):
     tag = os.path.basename(f)[:-4]
     lines = [tuple(map(float, m.groups())) for m in
              re.finditer(r"epoch (\d+)/\d+ step (\d+)/(\d+) loss \S+ lr \S+ (\d+) img/s", open(f).read())]
@@ -284,6 +303,12 @@ for r in rows:
               f"acc {r['test_acc']} %, {len(b)} blocks, final batches {[x['final_batch'] for x in b]}, {len(o)} oom "
               f"(ranks {[[q['rank'] for q in x.get('ranks') or []] for x in o]}, retry batches "
               f"{[x['retry_batch'] for x in o]}, {[x['action'] for x in o if x.get('action')]})")
+for r in rows:
+    if r.get("tag", "").startswith("bpoom_"):
+        o = r["ooms"]
+        print(f"{r['tag']}: {r['images_per_s']} img/s (last epoch), {r.get('steady_images_per_s')} steady, test acc {r['test_acc']} %, skipped steps "
+              f"{r['skipped_steps']}, {len(o)} oom (ranks {[[q['rank'] for q in x.get('ranks') or []] for x in o]}, "
+              f"retry batches {[x['retry_batch'] for x in o]}, {[x['action'] for x in o if x.get('action')]})")
 for r in rows:
     if r.get("tag", "").startswith("acc_"):
         print(f"{r['tag']}: test acc {r['test_acc']} %, total {r['total_s']} s, {r['epochs']} epochs")
