@@ -306,7 +306,8 @@ for r in rows:
 for r in rows:
     if r.get("tag", "").startswith("bpoom_"):
         o = r["ooms"]
-        print(f"{r['tag']}: {r['images_per_s']} img/s (last epoch), {r.get('steady_images_per_s')} steady, test acc {r['test_acc']} %, skipped steps "
+        print(f"{r['tag']}: {r['images_per_s']} img/s (last epoch), {r.get('steady_images_per_s')} steady, "
+              f"test acc {r['test_acc']} %, skipped steps "
               f"{r['skipped_steps']}, {len(o)} oom (ranks {[[q['rank'] for q in x.get('ranks') or []] for x in o]}, "
               f"retry batches {[x['retry_batch'] for x in o]}, {[x['action'] for x in o if x.get('action')]})")
 for r in rows:

@@ -44,18 +44,26 @@ class DpMlp final : public Model {
 
 // Set on a rank's thread: the next training forward of dp-mlp-local's first unit runs out of memory in its backward.
 thread_local bool dp_mlp_oom_in_next_backward = false;
+// Set on a rank's thread: the next forward of dp-mlp-local's first unit without gradients (an evaluation) runs out of
+// memory.
+thread_local bool dp_mlp_oom_in_next_eval = false;
 
 // "dp-mlp-local": flatten → Linear(784, 32) → ReLU → Linear(32, 32) → ReLU → Linear(32, classes) in three units, for
 // NeuroFlux (local learning): flat unit outputs get aux heads of one Linear each, so nothing has BatchNorm.
+// "dp-mlp-buffer": the same with a buffer (ones, multiplying the input), so that an evaluation's broadcast of rank 0's
+// buffers sends something.
 class DpMlpLocal final : public Model {
  public:
-  explicit DpMlpLocal(const ModelOptions& options) : Model("dp-mlp-local") {
+  DpMlpLocal(const ModelOptions& options, bool with_buffer) : Model(with_buffer ? "dp-mlp-buffer" : "dp-mlp-local") {
     const int64_t in = options.in_channels * options.image_size * options.image_size;
     auto fc1 = register_module("fc1", torch::nn::Linear(in, 32));
     auto fc2 = register_module("fc2", torch::nn::Linear(32, 32));
     auto fc3 = register_module("fc3", torch::nn::Linear(32, options.num_classes));
-    unit_add("fc1", {fc1}, [fc1](const at::Tensor& x) {
-      at::Tensor h = torch::relu(fc1->forward(x.flatten(1)));
+    const at::Tensor ones = with_buffer ? register_buffer("ones", torch::ones({1})) : at::Tensor();
+    unit_add("fc1", {fc1}, [fc1, ones](const at::Tensor& x) {
+      const bool eval_oom = !at::GradMode::is_enabled() && std::exchange(dp_mlp_oom_in_next_eval, false);
+      TORCH_CHECK_WITH(OutOfMemoryError, !eval_oom, "injected by the test in evaluation");
+      at::Tensor h = torch::relu(fc1->forward(ones.defined() ? x.flatten(1) * ones : x.flatten(1)));
       if (h.requires_grad() && std::exchange(dp_mlp_oom_in_next_backward, false)) {
         h.register_hook([](const at::Tensor& g) {
           TORCH_CHECK_WITH(OutOfMemoryError, false, "injected by the test in backward");
@@ -76,7 +84,14 @@ void dp_mlp_register() {
                     [](const ModelOptions& o) -> std::shared_ptr<Model> { return std::make_shared<DpMlp>(o); }});
     model_register({"dp-mlp-local", "a BatchNorm-free MLP in three units (tests of data parallel NeuroFlux)",
                     ModelInput::kImage, /*double_backward=*/true, /*local_learning=*/true,
-                    [](const ModelOptions& o) -> std::shared_ptr<Model> { return std::make_shared<DpMlpLocal>(o); }});
+                    [](const ModelOptions& o) -> std::shared_ptr<Model> {
+                      return std::make_shared<DpMlpLocal>(o, /*with_buffer=*/false);
+                    }});
+    model_register({"dp-mlp-buffer", "dp-mlp-local with a buffer (tests of data parallel evaluation)",
+                    ModelInput::kImage, /*double_backward=*/true, /*local_learning=*/true,
+                    [](const ModelOptions& o) -> std::shared_ptr<Model> {
+                      return std::make_shared<DpMlpLocal>(o, /*with_buffer=*/true);
+                    }});
     return true;
   }();
   (void)once;
@@ -899,6 +914,37 @@ TEST_F(DataParallelTest, OutOfMemoryOnOneRankIsRetriedByEveryRank) {
   }
 }
 
+// An evaluation that runs out of memory on one rank is retried by that rank alone at a smaller batch (each rank's share
+// of the test set is fixed; the buffers' broadcast comes before the retries and the sums' reduction after): the test
+// loss and accuracy of the same run without the error, and rank 0's events name the rank and its batches.
+TEST_F(DataParallelTest, OutOfMemoryInOneRanksEvaluationIsRetriedByThatRankAlone) {
+  const auto configure = [](const std::string& out) {
+    Config c = mlp_options(out);
+    c.set("model", "dp-mlp-buffer");
+    c.set("epochs", "1");
+    return c;
+  };
+  test::TempDir plain("dp_eval_plain"), failed("dp_eval_oom");
+  run_ranks({configure(plain.path()), configure(plain.path())});
+  run_ranks({configure(failed.path()), configure(failed.path())}, nullptr, [](int rank, RunHooks& hooks) {
+    if (rank != 1) return;
+    hooks.after_step = [](int64_t step) {
+      if (step == 8) dp_mlp_oom_in_next_eval = true;  // the epoch's last step (384 samples at 51): its evaluation next
+    };
+  });
+  const auto e0 = events_named(plain.file("events.jsonl"), event::kEpoch);
+  const auto e1 = events_named(failed.file("events.jsonl"), event::kEpoch);
+  ASSERT_EQ(e0.size(), 1u);
+  ASSERT_EQ(e1.size(), 1u);
+  EXPECT_NEAR(e1[0]["test_loss"].get<double>(), e0[0]["test_loss"].get<double>(), 1e-5);
+  EXPECT_EQ(e1[0]["test_acc"], e0[0]["test_acc"]);
+  const auto ooms = events_named(failed.file("events.jsonl"), event::kOom);
+  ASSERT_EQ(ooms.size(), 1u);
+  EXPECT_EQ(ooms[0]["phase"], "eval");
+  EXPECT_EQ(ooms[0]["rank"], 1);
+  EXPECT_LT(ooms[0]["retry_batch"].get<int64_t>(), ooms[0]["batch"].get<int64_t>());
+}
+
 // Injected faults hit every rank at the same steps (the same plan): an out-of-memory error before the input on both
 // ranks, and NaN gradients and losses, retried or skipped by both ranks alike, give one process's weights and counters.
 TEST_F(DataParallelTest, InjectedFaultsOnEveryRankGiveOneProcesssWeightsAndCounters) {
@@ -936,8 +982,8 @@ TEST_F(DataParallelTest, OutOfMemoryOnOneRankWithSyncBatchNormEndsEveryRankWithA
             },
             &errors);
   ASSERT_EQ(errors.size(), 2u);
-  EXPECT_NE(errors[1].find("rank 1 of 2 ran out of GPU memory in training at batch_size 51 (26 per rank); resume "
-                           "from the last checkpoint on more GPUs"),
+  EXPECT_NE(errors[1].find("rank 1 of 2 ran out of GPU memory in training at batch_size 51 (26 per rank) with sync_bn; "
+                           "resume from the last checkpoint on more GPUs"),
             std::string::npos)
       << errors[1];
   EXPECT_NE(errors[0].find("rank 0 of 2 lost the data-parallel group"), std::string::npos) << errors[0];

@@ -19,6 +19,7 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cmath>
 #include <cstdio>
@@ -734,7 +735,7 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
     context_trace("a training step");
   } catch (const c10::OutOfMemoryError&) {
     // --sync-bn: the other ranks' forward passes make collectives this rank cannot make up; it stops them all.
-    if (bn_sync_) dist_out_of_memory_check("training");
+    if (bn_sync_) dist_out_of_memory_check();
     failed = true;
   }
   // An eager step of another size beside the graph's private pool: not the plan's error.
@@ -938,7 +939,7 @@ void Trainer::train_time_pause() {
   for (auto& c : controllers_) c->pause();
 }
 
-Trainer::EvalResult Trainer::evaluate(int64_t batch_size) {
+std::array<double, 4> Trainer::evaluate_share(int64_t batch_size) {
   const torch::NoGradGuard no_grad;
   Model& model = session_.model();
   model.eval();
@@ -948,13 +949,7 @@ Trainer::EvalResult Trainer::evaluate(int64_t batch_size) {
   at::Tensor correct_tta = at::zeros({1}, f32);
   const bool flip_tta = config_.execution.tta == Tta::kFlip;
   double predictions = 0;  // label elements: samples, or samples × T for a language model
-  // Data parallel: every rank evaluates rank 0's model (its BatchNorm statistics) on its share of the test set.
-  Dist& dist = session_.dist();
-  if (dist.active()) {
-    std::vector<at::Tensor> buffers;
-    for (const auto& b : model.buffers()) buffers.push_back(b);
-    dist.broadcast(buffers, 0);
-  }
+  const Dist& dist = session_.dist();
   const int64_t n_test = test_loader_.size();
   const int64_t first = n_test * dist.rank() / dist.world_size();
   const int64_t end = n_test * (dist.rank() + 1) / dist.world_size();
@@ -974,10 +969,7 @@ Trainer::EvalResult Trainer::evaluate(int64_t batch_size) {
     }
   }
   model.train();
-  const std::vector<double> sums = dist.all_reduce_sum(
-      {loss_sum.item<double>(), correct.item<double>(), correct_tta.item<double>(), predictions});
-  const double n = static_cast<double>(n_test);
-  return {sums[0] / sums[3], 100.0 * sums[1] / sums[3], flip_tta ? 100.0 * sums[2] / n : -1.0};
+  return {loss_sum.item<double>(), correct.item<double>(), correct_tta.item<double>(), predictions};
 }
 
 Trainer::EvalResult Trainer::evaluate_within_budget() {
@@ -993,22 +985,51 @@ Trainer::EvalResult Trainer::evaluate_within_budget() {
         step_->micro_batch() > 0 ? step_->micro_batch() : session_.dist().share(progress_->batch).second;
     eval_batch_ = memory_->eval_batch(config_.execution.eval_batch_size, memory_stats(device_).reserved_bytes, micro);
   }
+  // Data parallel: every rank evaluates rank 0's model (its BatchNorm statistics) on its share of the test set. The
+  // broadcast comes before any retry and the sums' reduction after, so a rank retries its own share alone.
+  Dist& dist = session_.dist();
+  if (dist.active()) {
+    std::vector<at::Tensor> buffers;
+    for (const auto& b : session_.model().buffers()) buffers.push_back(b);
+    dist.broadcast(buffers, 0);
+  }
+  const int64_t planned = eval_batch_;
+  std::array<double, 4> own{};
   for (int64_t batch = eval_batch_;; batch = (batch + 1) / 2) {
     try {  // under a vram_budget, an evaluation batch that does not fit is halved, not fatal
       // In the training graph's pool: its scratch memory is idle between epochs (beside it, evaluation under a
       // budget ran at batches small enough to fit there, 5× slower).
-      EvalResult result;
-      step_->in_graph_pool([&]() { result = evaluate(batch); });
+      step_->in_graph_pool([&]() { own = evaluate_share(batch); });
       eval_batch_ = batch;  // the batch that fit, for the later evaluations
-      return result;
+      break;
     } catch (const c10::OutOfMemoryError&) {
-      dist_out_of_memory_check("evaluation");
-      TRIACCEL_CHECK_INPUT(batch > 1, "out of memory evaluating one sample: raise ", option_ref("vram_budget"));
+      TRIACCEL_CHECK_INPUT(batch > 1, dist.active() ? str_cat("rank ", dist.rank(), " of ", dist.world_size(), " ran")
+                                                     : std::string("ran"),
+                           " out of memory evaluating one sample: raise ", option_ref("vram_budget"));
       session_.event(event::kOom, progress_->step,
                      Json{{"phase", "eval"}, {"batch", batch}, {"retry_batch", (batch + 1) / 2}});
       memory_cache_release(device_);
     }
   }
+  // The sums over the ranks, and each rank's batch before and after its retries, so that rank 0's events name another
+  // rank's retries.
+  const int world = dist.world_size();
+  std::vector<double> sums(own.begin(), own.end());
+  sums.resize(own.size() + 2 * static_cast<size_t>(world), 0.0);
+  const size_t slot = own.size() + 2 * static_cast<size_t>(dist.rank());
+  sums[slot] = static_cast<double>(planned);
+  sums[slot + 1] = static_cast<double>(eval_batch_);
+  sums = dist.all_reduce_sum(std::move(sums));
+  for (int r = 1; r < world; ++r) {
+    const size_t at = own.size() + 2 * static_cast<size_t>(r);
+    if (sums[at + 1] < sums[at]) {
+      session_.event(event::kOom, progress_->step,
+                     Json{{"phase", "eval"}, {"rank", r}, {"batch", static_cast<int64_t>(sums[at])},
+                          {"retry_batch", static_cast<int64_t>(sums[at + 1])}});
+    }
+  }
+  const double tta = config_.execution.tta == Tta::kFlip ? 100.0 * sums[2] / static_cast<double>(test_loader_.size()) : -1;
+  return {sums[0] / sums[3], 100.0 * sums[1] / sums[3], tta};
 }
 
 void Trainer::epoch_end(double train_s) {
@@ -1210,22 +1231,16 @@ Json Trainer::summary() {
 
 // --- helpers ---
 
-void Trainer::dist_out_of_memory_check(const char* phase) const {
+void Trainer::dist_out_of_memory_check() const {
   const Dist& dist = session_.dist();
   if (!dist.active()) return;
-  const std::string where =
-      str_cat("rank ", dist.rank(), " of ", dist.world_size(), " ran out of GPU memory in ", phase);
-  if (std::string(phase) == "evaluation") {
-    throw UserError(str_cat(where, " at ", option_ref("eval_batch_size"), " ", config_.execution.eval_batch_size,
-                            "; resume from the last checkpoint with a smaller one: ", option_ref("resume"), " ",
-                            config_.output.out, " ", option_ref("eval_batch_size"), " N"));
-  }
   const int64_t batch = config_.schedule.batch_size;
-  throw UserError(str_cat(where, " at ", option_ref("batch_size"), " ", batch, " (",
-                          (batch + dist.world_size() - 1) / dist.world_size(), " per rank); resume from the last "
-                          "checkpoint on more GPUs (a smaller share per rank, the same batch): ", option_ref("resume"),
-                          " ", config_.output.out, " ", option_ref("nproc"), " N, or start again with a smaller ",
-                          option_ref("batch_size")));
+  const int64_t share = (batch + dist.world_size() - 1) / dist.world_size();
+  throw UserError(str_cat("rank ", dist.rank(), " of ", dist.world_size(), " ran out of GPU memory in training at ",
+                          option_ref("batch_size"), " ", batch, " (", share, " per rank) with ", option_ref("sync_bn"),
+                          "; resume from the last checkpoint on more GPUs (a smaller share per rank, the same batch): ",
+                          option_ref("resume"), " ", config_.output.out, " ", option_ref("nproc"),
+                          " N, or start again with a smaller ", option_ref("batch_size")));
 }
 
 Json Trainer::memory_plan_brief() const {

@@ -27,6 +27,7 @@
 #include "triaccel/train/schedule.h"
 #include "triaccel/train/step.h"
 
+#include <array>
 #include <cstdlib>
 #include <memory>
 #include <optional>
@@ -92,7 +93,11 @@ class Trainer : private MemoryMeter {
   Attempt on_out_of_memory(FaultKind fault, int64_t count, const OomSeen& seen);
   Attempt on_skipped_step(FaultKind fault, int64_t count);
   void after_step(int64_t count);
-  EvalResult evaluate(int64_t batch_size);
+  // This rank's share of the test set at `batch_size`, with the model as it is: {summed loss, correct predictions,
+  // correct with flip TTA, label elements} (one sync).
+  std::array<double, 4> evaluate_share(int64_t batch_size);
+  // The test set's result over the ranks: rank 0's model, each rank's share retried alone at a smaller batch when it
+  // runs out of memory.
   EvalResult evaluate_within_budget();
   void epoch_end(double train_s);
   void checkpoint(const std::string& file = kCheckpointFile);
@@ -101,9 +106,10 @@ class Trainer : private MemoryMeter {
   Json stop();
   Json summary();
   // Data parallelism (one process: the whole batch, no-ops); this rank's part of a batch is Dist::share's.
-  // With several ranks an out-of-memory error in an evaluation, or in training with --sync-bn, is not retried (one
-  // rank alone would fall out of step): UserError naming the rank and the batch. A no-op with one process.
-  void dist_out_of_memory_check(const char* phase) const;
+  // With several ranks and --sync-bn an out-of-memory error in training is not retried (the other ranks' forward
+  // passes make collectives this rank cannot make up): UserError naming the rank and the batch. A no-op with one
+  // process.
+  void dist_out_of_memory_check() const;
   // Helpers.
   void batch_set(int64_t batch);
   Json memory_plan_brief() const;          // the plan in force, for epoch and summary events (null: none)
