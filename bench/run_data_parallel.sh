@@ -26,7 +26,9 @@
 #          ranks, the retry batches), s/epoch, accuracy; then at NFOOM_FIT (0.5GB), NFOOM_REPEATS (2) times
 #          alternately, with this binary and with .device/bin/triaccel_base where present (the build before): the
 #          blocks' training seconds, the cost of each step's agreement. NFOOM_EXPANDABLE=1: each budget also with the
-#          allocator's expandable segments from the process's start (PYTORCH_CUDA_ALLOC_CONF)
+#          allocator's expandable segments from the process's start (PYTORCH_CUDA_ALLOC_CONF). NFOOM_PLAIN=1: each
+#          run at NFOOM_FIT also with this binary under PYTORCH_ALLOC_CONF=expandable_segments:False (plain segments:
+#          what the session's expandable segments cost)
 #   bpoom  backprop, ResNet-18 batch BPOOM_BATCH (1024: 512/GPU), 1 epoch, on NPROC GPUs, its steps captured: with
 #          --inject-faults oom@BPOOM_AT (20: every rank's step runs out of memory before its input, each replays its
 #          graph with a NaN loss); then BPOOM_REPEATS (2) times alternately without faults, 2 epochs with a progress
@@ -176,6 +178,10 @@ if has nfoom; then
     fi
     ours "nfoom_resnet18-fit-new$i""_w$NPROC" "$NPROC" --model resnet18 --method neuroflux --batch-size 96 \
       --epochs 1 --vram-budget "${NFOOM_FIT:-0.5GB}"
+    if [ -n "${NFOOM_PLAIN:-}" ]; then
+      PYTORCH_ALLOC_CONF=expandable_segments:False ours "nfoom_resnet18-fit-plain$i""_w$NPROC" "$NPROC" \
+        --model resnet18 --method neuroflux --batch-size 96 --epochs 1 --vram-budget "${NFOOM_FIT:-0.5GB}"
+    fi
   done
 fi
 if has bpoom; then
