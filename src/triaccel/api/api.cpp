@@ -27,7 +27,7 @@ Config method_resolve(Config c, const RunHooks& hooks, std::string* said) {
   c.execution.method = Method::kBackprop;
   RunHooks look = inputs_of(hooks);
   DistOptions one;  // one process, on this rank's GPU
-  one.local_rank = (hooks.dist ? *hooks.dist : dist_options_from_env()).local_rank;
+  one.local_rank = dist_options_for(hooks, /*output=*/true).local_rank;
   look.dist = one;
   Session probe(c, look, /*output=*/false);
   const Json plan = Trainer::memory_plan_preview(probe);

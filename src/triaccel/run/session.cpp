@@ -35,12 +35,6 @@ const Config& validated(const Config& config) {
   return config;
 }
 
-// This process's ranks: the hooks' (tests), else the environment's; a session without output (a plan) joins none.
-DistOptions dist_options_for(const RunHooks& hooks, bool output) {
-  if (hooks.dist) return *hooks.dist;
-  return output ? dist_options_from_env() : DistOptions{};
-}
-
 // The rank's device: with several ranks on CUDA, the GPU of its local rank (also for a one-process session of a rank,
 // local_rank > 0 with world_size 1: method auto's look at the plan, on the rank's GPU).
 c10::Device rank_device(const Config& config, const DistOptions& dist) {
@@ -206,6 +200,11 @@ void method_agree(Dist& dist, Method chosen) {
                        " processes and backprop on the others (backprop's memory plan fits some GPUs and not others); "
                        "name the method: ", option_ref("method"), " neuroflux, or backprop with a larger ",
                        option_ref("vram_budget"));
+}
+
+DistOptions dist_options_for(const RunHooks& hooks, bool output) {
+  if (hooks.dist) return *hooks.dist;
+  return output ? dist_options_from_env() : DistOptions{};
 }
 
 std::function<int(int)> capture_agreement(Dist& dist) {

@@ -98,6 +98,10 @@ struct RunHooks {
 // defaults to the resumed run's folder and `max_steps` to no limit. UserError naming the file or the option.
 Config config_for_run(const Config& given);
 
+// This process's place among the data-parallel ranks: the hooks' (tests), else the environment's (torchrun's
+// variables); a session without output (a plan, method auto's look) joins none.
+DistOptions dist_options_for(const RunHooks& hooks, bool output);
+
 // Which loader a method asks for: the training order (shuffled, augmented), or a plain pass in order.
 enum class LoaderRole { kTrain, kPlain, kEval };
 
