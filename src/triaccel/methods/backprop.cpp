@@ -11,6 +11,7 @@
 #include "triaccel/core/errors.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/baoc_optimizer.h"
+#include "triaccel/run/rank_rows.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/param_shards.h"
 #include "triaccel/train/rng.h"
@@ -763,38 +764,28 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
 std::optional<Trainer::OomSeen> Trainer::step_agreed(bool failed, bool unskippable, bool beside_pool,
                                                      const MemoryStats& at_failure) {
   const Progress& p = *progress_;
-  Dist& dist = session_.dist();
-  const int world = dist.world_size();
-  // Per rank {ran out of memory, could not skip, beside the graph's pool, allocated GB, reserved GB}, each rank
-  // filling its own slots of the sum.
-  constexpr size_t kSlots = 5;
-  std::vector<double> v(kSlots * static_cast<size_t>(world), 0.0);
-  const size_t own = kSlots * static_cast<size_t>(dist.rank());
-  v[own] = failed ? 1.0 : 0.0;
-  v[own + 1] = unskippable ? 1.0 : 0.0;
-  v[own + 2] = beside_pool ? 1.0 : 0.0;
-  v[own + 3] = static_cast<double>(at_failure.allocated_bytes) / kGB;
-  v[own + 4] = static_cast<double>(at_failure.reserved_bytes) / kGB;
-  agreed_ = session_.stop_agreed(p.step + 1, &v);  // the step after_step is about to count
-  OomSeen seen;
-  seen.ranks = Json::array();
-  std::string names;
-  bool stop = false;
-  for (int r = 0; r < world; ++r) {
-    const size_t at = kSlots * static_cast<size_t>(r);
-    if (v[at] == 0) continue;
-    stop = stop || v[at + 1] > 0;
-    seen.beside_pool = seen.beside_pool || v[at + 2] > 0;
-    seen.ranks.push_back(Json{{"rank", r}, {"allocated_gb", v[at + 3]}, {"reserved_gb", v[at + 4]}});
-    names += (names.empty() ? "" : ", ") + std::to_string(r);
-  }
-  if (seen.ranks.empty()) return std::nullopt;
+  // Per rank {ran out of memory, could not skip, beside the graph's pool, allocated GB, reserved GB}.
+  const std::vector<double> own{failed ? 1.0 : 0.0, unskippable ? 1.0 : 0.0, beside_pool ? 1.0 : 0.0,
+                                static_cast<double>(at_failure.allocated_bytes) / kGB,
+                                static_cast<double>(at_failure.reserved_bytes) / kGB};
+  std::pair<StopRequest, bool> agreed;
+  const auto rows = stop_agreed_rows(session_, p.step + 1, own, &agreed);  // the step after_step is about to count
+  agreed_ = agreed;
+  const RanksOutOfMemory out = ranks_out_of_memory(rows, /*allocated=*/3);
+  if (out.ranks.empty()) return std::nullopt;
   agreed_.reset();  // a stop or a checkpoint waits for a step that ran
+  OomSeen seen;
+  seen.ranks = out.ranks;
+  bool stop = false;
+  for (const auto& row : rows) {
+    if (row[0] == 0) continue;
+    stop = stop || row[1] > 0;
+    seen.beside_pool = seen.beside_pool || row[2] > 0;
+  }
   if (stop) {
     session_.event(event::kOom, p.step, Json{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"batch", p.batch},
                                              {"ranks", seen.ranks}, {"action", "stopped"}});
-    throw UserError(str_cat(seen.ranks.size() > 1 ? "ranks " : "rank ", names, " of ", world,
-                            " ran out of GPU memory in training after the step's update had begun (the ranks' weights "
+    throw UserError(str_cat(out.who, " ran out of GPU memory in training after the step's update had begun (the ranks' weights "
                             "may differ); resume from the last checkpoint with a smaller ", option_ref("batch_size"),
                             " or on more GPUs: ", option_ref("resume"), " ", config_.output.out, " ",
                             option_ref("nproc"), " N"));

@@ -20,6 +20,7 @@
 #include "triaccel/methods/activation_cache.h"
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/sgd.h"
+#include "triaccel/run/rank_rows.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/grad_buckets.h"
 #include "triaccel/train/precision.h"
@@ -919,32 +920,26 @@ bool BlockTrainer::step_failed(Json reading, int64_t proposal) {
 }
 
 bool BlockTrainer::step_agreed(bool ran) {
-  Dist& dist = session_.dist();
-  const int world = dist.world_size();
+  const int world = session_.dist().world_size();
   // In the step's stop agreement (one round trip): per rank {ran out of memory, the batch it proposes, it stops,
-  // allocated GB, reserved GB}, each rank filling its own slots of the sum.
-  constexpr size_t kSlots = 5;
-  std::vector<double> v(kSlots * static_cast<size_t>(world), 0.0);
-  const size_t own = kSlots * static_cast<size_t>(dist.rank());
-  v[own + 1] = static_cast<double>(ran ? batch_ : proposal_);
+  // allocated GB, reserved GB}.
+  std::vector<double> own(5, 0.0);
+  own[1] = static_cast<double>(ran ? batch_ : proposal_);
   if (!ran) {
-    v[own] = 1.0;
-    v[own + 2] = phase_ == 2 ? 1.0 : 0.0;
-    v[own + 3] = own_oom_.value("allocated_gb", 0.0);
-    v[own + 4] = own_oom_.value("reserved_gb", 0.0);
+    own[0] = 1.0;
+    own[2] = phase_ == 2 ? 1.0 : 0.0;
+    own[3] = own_oom_.value("allocated_gb", 0.0);
+    own[4] = own_oom_.value("reserved_gb", 0.0);
   }
-  agreed_ = session_.stop_agreed(*run_step_ + 1, &v);
-  Json ranks = Json::array();
-  std::string names;
+  std::pair<StopRequest, bool> agreed;
+  const auto rows = stop_agreed_rows(session_, *run_step_ + 1, own, &agreed);
+  agreed_ = agreed;
+  const auto [ranks, who] = ranks_out_of_memory(rows, /*allocated=*/3);
   int64_t retry = batch_;
   bool stop = false;
-  for (int r = 0; r < world; ++r) {
-    const size_t at = kSlots * static_cast<size_t>(r);
-    retry = std::min(retry, static_cast<int64_t>(v[at + 1]));
-    if (v[at] == 0) continue;
-    stop = stop || v[at + 2] > 0;
-    ranks.push_back(Json{{"rank", r}, {"allocated_gb", v[at + 3]}, {"reserved_gb", v[at + 4]}});
-    names += (names.empty() ? "" : ", ") + std::to_string(r);
+  for (const auto& row : rows) {
+    retry = std::min(retry, static_cast<int64_t>(row[1]));
+    stop = stop || (row[0] != 0 && row[2] > 0);
   }
   if (ranks.empty()) return true;
   agreed_.reset();  // a stop or a checkpoint waits for a step that ran
@@ -955,7 +950,6 @@ bool BlockTrainer::step_agreed(bool ran) {
   if (retry == batch_) fields["reason"] = beside_pool_reason(beside_pool_ooms_ + 1);
   if (stop || retry <= 0) fields["action"] = "stopped";
   session_.event(event::kOom, *run_step_, fields);
-  const std::string who = c10::str(ranks.size() > 1 ? "ranks " : "rank ", names, " of ", world);
   TRIACCEL_CHECK_INPUT(!stop, who, " ran out of GPU memory in NeuroFlux block ", b_, " after the step's update "
                        "had begun (the ranks' weights may differ); resume from the last checkpoint with a larger ",
                        option_ref("vram_budget"), ": ", option_ref("resume"), " ", config_.output.out);
