@@ -35,6 +35,11 @@
 #          line every 10 steps, this binary and .device/bin/triaccel_base where present (the build before): the oom
 #          events (ranks, retry batch), skipped steps, accuracy, images/s (the last epoch's, and the median of the
 #          progress windows inside an epoch, as in steady)
+#   profile ResNet-18 and ViT-Tiny (MODELS) as in steady, 2 epochs, at 1 and NPROC GPUs with --profile-steps over
+#          PROFILE_STEPS (20) steps a quarter into the second epoch: each rank's timeline (Chrome trace, kept in
+#          $OUT/traces.tar.gz) summed up per step by bench/trace_summary.py (GPU busy, compute, NCCL alone and
+#          overlapped, idle; host ranges), and the kernels whose time per step differs most between one GPU and rank 0;
+#          ResNet-18 on NPROC GPUs also with --grad-bucket-mb 0 (one collective after backward)
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -134,6 +139,29 @@ if has steady; then
       ours "steady_${model}_w$world" "$world" "${args[@]}" --batch-size $((512 * world)) --epochs 3 --log-every 10
     done
   done
+fi
+if has profile; then
+  for model in $MODELS; do
+    steady_args "$model" || continue
+    for world in $(printf "1\n%s\n" "$NPROC" | sort -un); do
+      spe=$(( (50000 + 512 * world - 1) / (512 * world) ))
+      first=$(( spe + spe / 4 ))
+      ours "profile_${model}_w$world" "$world" "${args[@]}" --batch-size $((512 * world)) --epochs 2 --log-every 10 \
+        --profile-steps "$first:$((first + ${PROFILE_STEPS:-20}))"
+    done
+    w1=$WORK/runs/profile_${model}_w1/profile.json
+    wn=$WORK/runs/profile_${model}_w$NPROC
+    nb=()
+    if [ "$model" = resnet18 ]; then  # one collective after backward: the reduction's cost without overlap
+      ours "profile_${model}-nobucket_w$NPROC" "$NPROC" "${args[@]}" --batch-size $((512 * NPROC)) --epochs 2 \
+        --log-every 10 --profile-steps "$first:$((first + ${PROFILE_STEPS:-20}))" --grad-bucket-mb 0
+      nb=("$WORK/runs/profile_${model}-nobucket_w$NPROC"/profile_rank*.json)
+    fi
+    python3 bench/trace_summary.py "$w1" "$wn"/profile_rank*.json "${nb[@]}" >"$WORK/profile_${model}.jsonl" \
+      2>"$WORK/profile_${model}.txt"
+    python3 bench/trace_summary.py --compare "$w1" "$wn/profile_rank0.json" >"$WORK/profile_${model}_kernels.txt" 2>&1
+  done
+  (cd "$WORK" && tar czf "$FINAL_OUT/traces.tar.gz" runs/profile_*/profile*.json profile_*.jsonl profile_*.txt)
 fi
 if has pair; then
   for model in $MODELS; do
@@ -316,6 +344,9 @@ for r in rows:
               f"test acc {r['test_acc']} %, skipped steps "
               f"{r['skipped_steps']}, {len(o)} oom (ranks {[[q['rank'] for q in x.get('ranks') or []] for x in o]}, "
               f"retry batches {[x['retry_batch'] for x in o]}, {[x['action'] for x in o if x.get('action')]})")
+for f in sorted(glob.glob(f"{work}/profile_*.txt")):
+    print(f"--- {os.path.basename(f)}")
+    print(open(f).read().rstrip())
 for r in rows:
     if r.get("tag", "").startswith("acc_"):
         print(f"{r['tag']}: test acc {r['test_acc']} %, total {r['total_s']} s, {r['epochs']} epochs")

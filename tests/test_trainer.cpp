@@ -302,6 +302,42 @@ TEST_F(TrainerTest, LinearDecayIsTheLoggedRate) {
   EXPECT_NEAR(epochs[1]["lr"].get<double>(), 0.05 * 1.0 / 9.0, 1e-12);  // step 11
 }
 
+// profile_steps: a Chrome trace of exactly the steps asked for (each one a "triaccel::step" range on the host), a
+// `profile` event naming them; a window past the run's end is written at the end with the steps that ran.
+TEST_F(TrainerTest, ProfileStepsTracesExactlyThoseSteps) {
+  const auto step_ranges = [](const std::string& path) {
+    const Json trace = Json::parse(file_read_all(path));
+    int n = 0;
+    for (const auto& e : trace["traceEvents"]) n += e.value("name", "") == "triaccel::step" && e.value("ph", "") == "X";
+    return n;
+  };
+  const auto profile_event = [](const std::string& events) {
+    for (const auto& e : events_read(events)) if (e["event"] == "profile") return e;
+    return Json();
+  };
+  test::TempDir out("run_profile");
+  Config o = options(out.path());
+  o.set("profile_steps", "3:5");
+  api::run(o);
+  EXPECT_EQ(step_ranges(out.file("profile.json")), 2);
+  const Json e = profile_event(out.file("events.jsonl"));
+  EXPECT_EQ(e["steps"], Json::array({3, 5})) << e.dump();
+  EXPECT_EQ(e["file"], "profile.json");
+  EXPECT_EQ(e["step"], 5);
+
+  test::TempDir past("run_profile_past");
+  Config q = options(past.path());
+  q.set("profile_steps", "10:100");  // 12 steps in the run
+  api::run(q);
+  EXPECT_EQ(step_ranges(past.file("profile.json")), 2);
+  EXPECT_EQ(profile_event(past.file("events.jsonl"))["steps"], Json::array({10, 12}));
+
+  Config bad = options(past.path());
+  bad.set("profile_steps", "7:3");
+  EXPECT_NE(test::error_of([&] { config_for_run(bad).validate(); }).find("profile_steps must be FIRST:END"),
+            std::string::npos);
+}
+
 // The curvature estimator's default: the Fisher where it can run (curv_top_k 1: its lockstep rounds find the top
 // eigenvalue only), the Hessian for k > 1; a given estimator stays, and the Fisher with k > 1 is refused.
 TEST_F(TrainerTest, TheFisherIsTheDefaultEstimatorWhereItCanRun) {

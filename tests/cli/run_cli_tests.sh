@@ -42,6 +42,8 @@ expect fisher_top_k 2 "--curv-estimator fisher needs --curv-top-k 1 (its lockste
 expect bad_estimator 2 "--curv-estimator must be hessian or fisher, got 'gauss'" -- train "${TINY[@]}" --method tri-accel --curv-estimator gauss
 expect bad_device 2 "--device must be auto, cpu or cuda" -- train "${TINY[@]}" --device tpu
 expect warmup_too_long 2 "--warmup-epochs must be -1 (auto) or in [0, --epochs = 1], got 3" -- train "${TINY[@]}" --warmup-epochs 3
+expect bad_profile_steps 2 "--profile-steps must be FIRST:END with 0 <= FIRST < END (the steps FIRST to END-1 are traced, e.g. 200:220), got '5:5'" -- train "${TINY[@]}" --profile-steps 5:5
+expect profile_trains 0 "timeline of steps 1 to 2 written" -- train "${TINY[@]}" --profile-steps 1:3 --max-steps 4 --out "$WORK/prof" --progress lines
 expect bad_lr_decay 2 "--lr-decay must be cosine or linear, got 'step'" -- train "${TINY[@]}" --lr-decay step
 expect cutout_negative 2 "--cutout must be >= 0 (0: off), got -1" -- train "${TINY[@]}" --cutout -1
 expect cutout_too_large 2 "--cutout 29 is larger than the 28×28 images of dataset mnist; use at most 28" -- train "${TINY[@]}" --cutout 29 --out "$WORK/o_cut"

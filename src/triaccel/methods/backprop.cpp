@@ -9,6 +9,7 @@
 #include "triaccel/core/context_trace.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
+#include "triaccel/core/profile.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/run/rank_rows.h"
@@ -679,6 +680,7 @@ bool Trainer::epoch() {
   samples_since_log_ = 0;
   while (p.epoch_offset < train_loader_.size()) {
     const int64_t count = std::min(p.batch, train_loader_.size() - p.epoch_offset);
+    session_.profile_step(p.step);
     const Attempt a = step_with_recovery(count);
     if (a == Attempt::kRetry) continue;
     if (a == Attempt::kDropped) continue;
@@ -720,7 +722,10 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
   const bool dist = session_.dist().active();
   bool failed = false;
   try {  // loading the batch allocates too (resize, augmentation): under a budget it can run out of memory
-    if (local > 0) train_loader_.batch_into(p.epoch_offset + shard_offset_, local, images, labels);
+    if (local > 0) {
+      TRIACCEL_PROFILE_RANGE("triaccel::batch");
+      train_loader_.batch_into(p.epoch_offset + shard_offset_, local, images, labels);
+    }
     if (session_.hooks().before_step) session_.hooks().before_step(p.step, count);
     if (!faults_.empty()) {
       fault = faults_.fault_at(p.step, attempt_);
@@ -732,7 +737,10 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
     // An eager step of another size (the epoch's short last batch) takes its memory from the captured graph's pool
     // (train/step_graph.h): beside it, under a budget, it did not fit (ResNet-18 b96 at 0.4 GB on the H100: out of
     // memory even in passes of one sample), and releasing the graph cost a capture an epoch (0.96× at 0.8 GB).
-    step_->run(images, labels, lr);
+    {
+      TRIACCEL_PROFILE_RANGE("triaccel::step");
+      step_->run(images, labels, lr);
+    }
     context_trace("a training step");
   } catch (const c10::OutOfMemoryError&) {
     // --sync-bn: the other ranks' forward passes make collectives this rank cannot make up; it stops them all.
@@ -1156,6 +1164,7 @@ Json Trainer::stop() {
   const Progress& p = *progress_;
   checkpoint();
   const Json fields{{"reason", stop_reason_}, {"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}};
+  session_.profile_end();
   session_.event(event::kStop, p.step, fields);
   session_.printer().line(stop_line(stop_reason_, p.step, config_.output.out));
   return fields;
@@ -1212,6 +1221,7 @@ Json Trainer::summary() {
                {"input_mean", session_.data().mean},
                {"input_std", session_.data().std},
                {"model_path", model_path}};
+  session_.profile_end();
   session_.event(event::kSummary, p.step, summary);
   if (session_.writer()) {
     session_.printer().line(c10::str("done: test acc ", acc, " %, ", epoch_s, " s/epoch, peak ", p.peak_vram_gb,

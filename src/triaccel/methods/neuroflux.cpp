@@ -669,6 +669,7 @@ Json NeuroFluxRun::run() {
 Json NeuroFluxRun::stop(const std::string& reason, int64_t block_in_progress) {
   Json fields{{"reason", reason}, {"blocks_done", blocks_done_}};
   if (block_in_progress >= 0) fields["block_in_progress"] = block_in_progress;
+  session_.profile_end();
   session_.event(event::kStop, step_, fields);
   const std::string where = block_in_progress >= 0 ? str_cat("in block ", block_in_progress + 1)
                                                    : str_cat("after block ", blocks_done_);
@@ -1082,6 +1083,7 @@ void BlockTrainer::epoch(int64_t e) {
   while (offset_ < n_train_) {
     const int64_t count = std::min(batch_, n_train_ - offset_);
     const int64_t fill = epoch_fill(offset_, count, n_train_, batch_, bp_.batch);
+    session_.profile_step(*run_step_);
     const bool ran = step_at(e, offset_, count, fill, order, order_dev, flip);
     if (!(buckets_ ? step_agreed(ran) : ran)) continue;
     offset_ += count;
@@ -1452,6 +1454,7 @@ Json NeuroFluxRun::summary(const Json& chosen) {
                {"input_std", session_.data().std},
                {"model_path", session_.out_file("model.pt")},
                {"exit_model_path", chosen["path"]}};
+  session_.profile_end();
   session_.event(event::kSummary, step_, summary);
   if (session_.writer()) {  // the other ranks have no events file
     session_.printer().line(c10::str("done: test acc ", acc, " % (exit ", chosen["unit"].get<std::string>(), ": ",

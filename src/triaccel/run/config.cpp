@@ -3,6 +3,7 @@
 #include "triaccel/control/baoc_controller.h"
 #include "triaccel/core/bytes.h"
 #include "triaccel/core/errors.h"
+#include "triaccel/core/profile.h"
 #include "triaccel/optim/planner.h"
 #include "triaccel/train/faults.h"
 
@@ -218,6 +219,7 @@ void OutputConfig::validate() const {
   TRIACCEL_CHECK_INPUT(checkpoint_minutes >= 0, option_ref("checkpoint_minutes"), " must be >= 0, got ",
                        checkpoint_minutes);
   TRIACCEL_CHECK_INPUT(log_every > 0, option_ref("log_every"), " must be > 0, got ", log_every);
+  profile_steps_parse(profile_steps, option_ref("profile_steps"));
 }
 
 void TriAccelConfig::validate() const {

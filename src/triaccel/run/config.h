@@ -213,6 +213,7 @@ struct OutputConfig {
   double checkpoint_minutes = 10;  // also every this many minutes of the run's clock; 0: never by time
   int64_t log_every = 50;
   ProgressMode progress = ProgressMode::kAuto;
+  std::string profile_steps;     // "FIRST:END": a timeline of those steps (core/profile.h); "": none
 
   template <typename S, typename V>
   static void fields(S& s, V&& v);
@@ -464,6 +465,10 @@ void OutputConfig::fields(S& s, V&& v) {
                                                           "at most that much work (0: not by time)"});
   v(s.log_every, FieldInfo{"log_every", "steps between progress lines"});
   v(s.progress, FieldInfo{"progress", "progress output on stderr (auto: a bar on a terminal, lines otherwise)"});
+  v(s.profile_steps, FieldInfo{"profile_steps",
+                               "FIRST:END: a timeline of the training steps FIRST to END-1 (host operators, GPU "
+                               "kernels, copies and collectives, by PyTorch's profiler) written as a Chrome trace, "
+                               "OUT/profile.json (OUT/profile_rankR.json per process with several)"});
 }
 
 template <typename S, typename V>

@@ -121,6 +121,11 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
   }
   dist_ = std::make_unique<Dist>(dist_options_);  // blocks until every rank has joined
   context_trace("process group joined");
+  if (output && !config_.output.profile_steps.empty()) {
+    const std::string name = world == 1 ? "profile.json" : str_cat("profile_rank", dist_->rank(), ".json");
+    profiler_ = std::make_unique<StepProfiler>(*profile_steps_parse(config_.output.profile_steps, "profile_steps"),
+                                               out_file(name), device_);
+  }
   output = output && dist_->rank() == 0;
   if (output) {
     directory_prepare_writable(config_.output.out, "out");
@@ -216,6 +221,23 @@ Session::~Session() {
   at::globalContext().setBenchmarkCuDNN(cudnn_benchmark_before_);
 }
 
+void Session::profile_step(int64_t step) {
+  if (profiler_ && profiler_->at_step(step)) profile_written();
+}
+
+void Session::profile_end() {
+  if (profiler_ && profiler_->finish()) profile_written();
+}
+
+void Session::profile_written() {
+  const auto [first, end] = profiler_->traced();
+  const std::string file = std::filesystem::path(profiler_->path()).filename().string();
+  event(event::kProfile, end, Json{{"steps", Json::array({first, end})}, {"file", file},
+                                   {"world_size", dist_->world_size()}});
+  printer_.line(str_cat("timeline of steps ", first, " to ", end - 1, " written: ", profiler_->path(),
+                        dist_->world_size() > 1 ? " (and one file per other process)" : ""));
+}
+
 double Session::now() const { return elapsed_before_ + (clock_.now_s() - t_start_); }
 
 const char* stop_reason(StopRequest r) {
@@ -247,6 +269,7 @@ std::pair<StopRequest, bool> Session::stop_agreed(int64_t step, std::vector<doub
   const bool due = step >= 0 && checkpoint_due(step);
   Dist& dist = *dist_;
   if (!dist.active()) return {own, due};
+  TRIACCEL_PROFILE_RANGE("triaccel::stop_agreement");
   std::vector<double> any{own == StopRequest::kInterrupt ? 1.0 : 0.0, own == StopRequest::kTerminate ? 1.0 : 0.0,
                           dist.rank() == 0 && due ? 1.0 : 0.0};
   if (with) any.insert(any.end(), with->begin(), with->end());

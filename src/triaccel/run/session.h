@@ -15,6 +15,7 @@
 #include "triaccel/core/device.h"
 #include "triaccel/core/dist.h"
 #include "triaccel/core/events.h"
+#include "triaccel/core/profile.h"
 #include "triaccel/data/dataset.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/models/model.h"
@@ -166,6 +167,12 @@ class Session {
   // The data-parallel group (core/dist.h; one process: inactive, every collective a no-op). Only rank 0 writes
   // files, events and progress (writer()); every rank trains, in lockstep.
   Dist& dist() { return *dist_; }
+
+  // The profile_steps option (core/profile.h): profile_step(s) before each training step (a retried one too),
+  // profile_end() before the run's last event; each rank traces its own steps into its own file, rank 0 writes a
+  // `profile` event when they are written.
+  void profile_step(int64_t step);
+  void profile_end();
   bool writer() const { return dist_->rank() == 0; }
 
  private:
@@ -190,6 +197,9 @@ class Session {
   std::unique_ptr<EventLog> events_;
   ProgressPrinter printer_;
   std::optional<MemoryCapScope> memory_cap_;
+  std::unique_ptr<StepProfiler> profiler_;  // with profile_steps, in a session with output
+
+  void profile_written();
 };
 
 }  // namespace triaccel
