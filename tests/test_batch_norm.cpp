@@ -138,7 +138,6 @@ TEST(BatchNormSyncTest, OneRankIsBatchNorm2d) {
     std::vector<int64_t> summed;
     BatchNormSync sync;
     sync.sum = [&](at::Tensor& t) { summed.push_back(t.numel()); };
-    sync.grad_weight = [] { return 1.0; };
     at::Tensor y;
     {
       const BatchNormSyncScope scope(sync);

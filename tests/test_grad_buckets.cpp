@@ -98,6 +98,27 @@ TEST_F(GradBucketsTest, BucketsStartInOrderWhileBackwardRunsAndHoldTheWeightedSu
   }
 }
 
+// tail_bytes: the gradients backward produces last (layer 0's, 1088 bytes) make a bucket of their own, so the
+// bucket before it (layer 1) starts before backward reaches layer 0; at the cap alone (two layers a bucket) layers 1
+// and 0 would share the last bucket, left to reduce after backward.
+TEST_F(GradBucketsTest, TheLastGradientsMakeASmallBucketOfTheirOwn) {
+  const at::Tensor x = torch::randn({8, 16});
+  const std::vector<at::Tensor> ref = reference(x);
+  GradBucketsOptions options{2 * kLayerBytes, at::ScalarType::Undefined};
+  options.tail_bytes = kLayerBytes;
+  GradBuckets buckets(params, options, doubling());
+  const std::vector<std::vector<size_t>> expected{{7, 6, 5, 4}, {3, 2}, {1, 0}};
+  EXPECT_EQ(buckets.buckets(), expected);
+  buckets.arm(0.5);
+  forward(x).backward();
+  buckets.finish();
+  ASSERT_EQ(started.size(), 3u);
+  EXPECT_FALSE(started[1].first_layer_grad_defined);  // layer 1's bucket went while layer 0's backward was to come
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(params[i].grad(), ref[i], 1e-6, 1e-7)) << "parameter " << i;
+  }
+}
+
 // A pass abandoned midway (a CUDA graph's capture that failed in backward; the step then runs eagerly): arm() starts
 // the next pass from the first bucket, so its gradients are taken and reduced, not refused as late.
 TEST_F(GradBucketsTest, APassAbandonedMidwayLeavesNothingForTheNextArm) {

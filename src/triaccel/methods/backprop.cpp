@@ -479,7 +479,6 @@ void Trainer::sync_bn_start() {
                        " training samples)");
   BatchNormSync sync;
   sync.sum = [this](at::Tensor& t) { session_.dist().all_reduce_sum(t); };
-  sync.grad_weight = [this] { return grad_weight_; };
   bn_sync_ = std::make_unique<BatchNormSyncScope>(std::move(sync));
 }
 

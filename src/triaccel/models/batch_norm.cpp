@@ -58,14 +58,13 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
     const at::Tensor xhat = (x.to(at::kFloat) - mean) * invstd;
     const at::Tensor dbias = dy.sum({0, 2, 3});
     const at::Tensor dweight = (dy * xhat).sum({0, 2, 3});
-    // The global loss's gradient of y is this rank's times its weight w: the sums over every rank of w·dy and
-    // w·dy·xhat, then divided by w again for this rank's own loss.
-    const double w = sync->grad_weight();
-    at::Tensor sums = at::cat({dbias, dweight}) * w;
+    // dy is the global loss's gradient of this rank's y (the data-parallel step weights each rank's loss by its share
+    // of the global batch): the sums of dy and dy·xhat over every rank are the global ones.
+    at::Tensor sums = at::cat({dbias, dweight});
     sync->sum(sums);
-    const at::Tensor scale = saved[4] * w;  // global count × w
-    const at::Tensor mean_dy = (sums.narrow(0, 0, c) / scale).view({1, c, 1, 1});
-    const at::Tensor mean_dy_xhat = (sums.narrow(0, c, c) / scale).view({1, c, 1, 1});
+    const at::Tensor& count = saved[4];  // the global batch's count per channel
+    const at::Tensor mean_dy = (sums.narrow(0, 0, c) / count).view({1, c, 1, 1});
+    const at::Tensor mean_dy_xhat = (sums.narrow(0, c, c) / count).view({1, c, 1, 1});
     const at::Tensor dx = (dy - mean_dy - xhat * mean_dy_xhat) * invstd * saved[1].view({1, c, 1, 1});
     return {dx.to(x.scalar_type()), dweight, dbias, at::Tensor(), at::Tensor()};
   }

@@ -114,14 +114,23 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params, GradBucketsOptions opti
   s.bucket_of.assign(n, 0);
   s.slot_of.assign(n, 0);
   s.filled.assign(n, 0);
-  // Last parameter first; a new bucket past the byte cap or at a change of dtype or device.
+  // Last parameter first; a new bucket past the byte cap, where the tail begins, or at a change of dtype or device.
+  const auto bytes_of = [&](size_t k) {
+    return s.params[k].numel() * static_cast<int64_t>(s.params[k].element_size());
+  };
+  std::vector<int64_t> front(n + 1, 0);  // front[k]: the bytes of parameters 0 .. k-1
+  for (size_t k = 0; k < n; ++k) front[k + 1] = front[k] + bytes_of(k);
+  const bool tail = options.bucket_bytes > 0 && options.tail_bytes > 0;
   std::vector<int64_t> elements;
   int64_t bytes = 0;
   for (size_t k = n; k-- > 0;) {
     const at::Tensor& p = s.params[k];
     TORCH_CHECK(p.is_non_overlapping_and_dense(), "GradBuckets: parameter ", k, " is not dense");
-    const int64_t pb = p.numel() * static_cast<int64_t>(p.element_size());
-    const bool fresh = s.buckets.empty() ||
+    const int64_t pb = bytes_of(k);
+    // Parameter k begins the tail: parameters 0 .. k fit in tail_bytes, 0 .. k+1 do not.
+    const bool tail_begins =
+        tail && k + 1 < n && front[k + 1] <= options.tail_bytes && front[k + 2] > options.tail_bytes;
+    const bool fresh = s.buckets.empty() || (bytes > 0 && tail_begins) ||
                        (options.bucket_bytes > 0 && bytes > 0 && bytes + pb > options.bucket_bytes) ||
                        p.scalar_type() != s.params[s.buckets.back().params[0]].scalar_type() ||
                        p.device() != s.params[s.buckets.back().params[0]].device();

@@ -18,6 +18,7 @@
 // - Scaling comes first, in the gradients' dtype, then the cast to `wire` (bf16 compression, as DDP's bf16 hook).
 // - Hooks outside an armed pass (the curvature probe's products, evaluation) do nothing.
 // With bucket_bytes 0 no hook is installed: one bucket holds every gradient and starts in finish(), after backward.
+// With tail_bytes the parameters at the front (the last gradients backward produces) make a small last bucket.
 #pragma once
 
 #include "triaccel/core/dist.h"
@@ -37,6 +38,10 @@ struct GradBucketsOptions {
   int64_t bucket_bytes = 0;  // > 0: buckets of about this many gradient bytes, started during backward; 0: one, after
   at::ScalarType wire = at::ScalarType::Undefined;  // the dtype the sums run in (kBFloat16: compression); Undefined:
                                                     // the gradients' own
+  // > 0 (with bucket_bytes): the gradients backward produces last, up to this many bytes, make a bucket of their own,
+  // so the bucket before it starts while they are computed and only this small one is left after backward (else the
+  // last bucket is whatever the cap left over: ResNet-18's 20 of 45 MB, reduced with the GPU otherwise idle).
+  int64_t tail_bytes = 0;
 };
 
 class GradBuckets {

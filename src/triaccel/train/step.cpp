@@ -150,8 +150,11 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
                                              options_.label_smoothing);
     if (loss_factor_.defined()) loss = loss * loss_factor_;
     if (!whole) loss = loss * (static_cast<double>(len) / static_cast<double>(n));  // the micro-batch's share
-    if (grad_buckets_ && start + len >= n) grad_buckets_->arm(options_.grad_reduce.weight());  // the last: reduces
-    scaler_.scale(loss).backward();
+    // Data parallelism: this rank's share of the global batch weights its gradients through the loss (a multiply
+    // of one number) rather than as a pass over each bucket; the buckets add the weighted gradients as they are.
+    const double share = grad_buckets_ ? options_.grad_reduce.weight() : 1.0;
+    if (grad_buckets_ && start + len >= n) grad_buckets_->arm(1.0);  // the last micro-batch: reduces
+    scaler_.scale(share != 1.0 ? loss * share : loss).backward();
     const torch::NoGradGuard no_grad;
     const at::Tensor correct = logits.detach().argmax(1).eq(targets).sum().to(at::kFloat);
     loss_total = loss_total.defined() ? loss_total + loss.detach() : loss.detach();
