@@ -40,6 +40,8 @@
 #          $OUT/traces.tar.gz) summed up per step by bench/trace_summary.py (GPU busy, compute, NCCL alone and
 #          overlapped, idle; host ranges), and the kernels whose time per step differs most between one GPU and rank 0;
 #          ResNet-18 on NPROC GPUs also with --grad-bucket-mb 0 (one collective after backward)
+#   nccl   ResNet-18 as in steady (2 epochs) at 1 GPU, then on NPROC GPUs under each of NCCL_VARIANTS ("default
+#          NCCL_PROTO=Simple NCCL_PROTO=LL128"; an environment assignment, or default): the steady images/s of each
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -163,6 +165,17 @@ if has profile; then
   done
   (cd "$WORK" && tar czf "$FINAL_OUT/traces.tar.gz" runs/profile_*/profile*.json profile_*.jsonl profile_*.txt)
 fi
+if has nccl; then
+  steady_args resnet18
+  ours "nccl_resnet18_default_w1" 1 "${args[@]}" --batch-size 512 --epochs 2 --log-every 10
+  for v in ${NCCL_VARIANTS:-default NCCL_PROTO=Simple NCCL_PROTO=LL128}; do
+    env_v=()
+    [ "$v" != default ] && env_v=("$v")
+    tag=$(echo "$v" | tr '=' '-')
+    (if [ ${#env_v[@]} -gt 0 ]; then export "${env_v[@]}"; fi
+     ours "nccl_resnet18_${tag}_w$NPROC" "$NPROC" "${args[@]}" --batch-size $((512 * NPROC)) --epochs 2 --log-every 10)
+  done
+fi
 if has pair; then
   for model in $MODELS; do
     steady_args "$model" || continue
@@ -275,7 +288,7 @@ with tarfile.open(f"{out}/dp_runs.tar.gz", "w:gz") as tar:
 # not the epoch's last line, whose window holds the short last batch).
 import re, statistics
 for f in sorted(glob.glob(f"{work}/runs/steady_*.log") + glob.glob(f"{work}/runs/pair_*.log") +
-                glob.glob(f"{work}/runs/bpoom_*.log")):
+                glob.glob(f"{work}/runs/bpoom_*.log") + glob.glob(f"{work}/runs/nccl_*.log")):
     tag = os.path.basename(f)[:-4]
     lines = [tuple(map(float, m.groups())) for m in
              re.finditer(r"epoch (\d+)/\d+ step (\d+)/(\d+) loss \S+ lr \S+ (\d+) img/s", open(f).read())]
@@ -344,6 +357,10 @@ for r in rows:
               f"test acc {r['test_acc']} %, skipped steps "
               f"{r['skipped_steps']}, {len(o)} oom (ranks {[[q['rank'] for q in x.get('ranks') or []] for x in o]}, "
               f"retry batches {[x['retry_batch'] for x in o]}, {[x['action'] for x in o if x.get('action')]})")
+s1 = next((r.get("steady_images_per_s") for r in rows if r.get("tag") == "nccl_resnet18_default_w1"), None)
+for r in rows:
+    if r.get("tag", "").startswith("nccl_") and s1 and r.get("steady_images_per_s"):
+        print(f"{r['tag']}: steady {r['steady_images_per_s']:.0f} img/s ({r['steady_images_per_s'] / s1:.3f}x one GPU)")
 for f in sorted(glob.glob(f"{work}/profile_*.txt")):
     print(f"--- {os.path.basename(f)}")
     print(open(f).read().rstrip())
