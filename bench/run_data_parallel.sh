@@ -41,7 +41,8 @@
 #          overlapped, idle; host ranges), and the kernels whose time per step differs most between one GPU and rank 0;
 #          ResNet-18 on NPROC GPUs also with --grad-bucket-mb 0 (one collective after backward)
 #   nccl   ResNet-18 as in steady (2 epochs) at 1 GPU, then on NPROC GPUs under each of NCCL_VARIANTS ("default
-#          NCCL_PROTO=Simple NCCL_PROTO=LL128"; an environment assignment, or default): the steady images/s of each
+#          NCCL_PROTO=Simple NCCL_PROTO=LL128"; an environment assignment, or default): the steady images/s of each,
+#          and 20 traced steps of each (rank 0's) summed up by bench/trace_summary.py
 #   acc    ResNet-18 CIFAR-10, global batch 512, ACC_EPOCHS (30) epochs, on 1 GPU (b512) and NPROC GPUs (NPROC x
 #          512/NPROC): test accuracy and wall time
 # Binaries: .device/bin (`make gpu-binaries`, carried: carry [".device"]); data: .device/data. Writes
@@ -167,14 +168,19 @@ if has profile; then
 fi
 if has nccl; then
   steady_args resnet18
-  ours "nccl_resnet18_default_w1" 1 "${args[@]}" --batch-size 512 --epochs 2 --log-every 10
+  ours "nccl_resnet18_default_w1" 1 "${args[@]}" --batch-size 512 --epochs 2 --log-every 10 --profile-steps 122:142
+  i=0
   for v in ${NCCL_VARIANTS:-default NCCL_PROTO=Simple NCCL_PROTO=LL128}; do
     env_v=()
     [ "$v" != default ] && env_v=("$v")
-    tag=$(echo "$v" | tr '=' '-')
+    i=$((i + 1))
+    tag=$(echo "$v" | tr '=' '-')_$i
     (if [ ${#env_v[@]} -gt 0 ]; then export "${env_v[@]}"; fi
-     ours "nccl_resnet18_${tag}_w$NPROC" "$NPROC" "${args[@]}" --batch-size $((512 * NPROC)) --epochs 2 --log-every 10)
+     ours "nccl_resnet18_${tag}_w$NPROC" "$NPROC" "${args[@]}" --batch-size $((512 * NPROC)) --epochs 2 --log-every 10 \
+       --profile-steps 61:81)
   done
+  python3 bench/trace_summary.py "$WORK"/runs/nccl_*/profile.json "$WORK"/runs/nccl_*/profile_rank0.json \
+    >"$WORK/profile_nccl.jsonl" 2>"$WORK/profile_nccl.txt"
 fi
 if has pair; then
   for model in $MODELS; do

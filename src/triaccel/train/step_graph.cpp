@@ -146,35 +146,41 @@ void StepGraph::in_pool(const std::function<void()>& fn) {
   fn();
 }
 
+StepGraph::Way StepGraph::way(int64_t batch) const {
+  if (!options_.enabled || batch != batch_ || batch == refused_batch_) return Way::kOtherSize;
+  if (graph_) return Way::kReplay;
+  return eager_steps_ < options_.warmup_steps ? Way::kWarmUp : Way::kCapture;
+}
+
 bool StepGraph::runs_eagerly(int64_t batch) const {
-  if (!options_.enabled || batch != batch_ || batch == refused_batch_) return true;
-  return !graph_ && eager_steps_ < options_.warmup_steps;
+  const Way w = way(batch);
+  return w == Way::kOtherSize || w == Way::kWarmUp;
 }
 
 void StepGraph::run(const Body& body, const at::Tensor& x, const at::Tensor& y) {
-  const int64_t batch = x.size(0);
   last_ran_ = Ran::kEager;
-  if (!options_.enabled || batch != batch_ || batch == refused_batch_) {
-    in_pool([&]() { body(x, y); });
-    return;
-  }
-  if (!graph_) {
-    if (eager_steps_ < options_.warmup_steps) {
+  switch (way(x.size(0))) {
+    case Way::kOtherSize:
+      in_pool([&]() { body(x, y); });
+      return;
+    case Way::kWarmUp:
       ++eager_steps_;
       body(x, y);
       return;
-    }
-    if (!capture(body, x, y)) {
-      body(x, y);  // the capture ran nothing: this step runs eagerly
-      return;
-    }
-    last_ran_ = Ran::kCaptured;
-  } else {
-    // Callers may pass views of the static inputs (new Tensor objects, same memory): compare storage, not identity.
-    if (x.data_ptr() != graph_->x.data_ptr()) graph_->x.copy_(x);
-    if (y.data_ptr() != graph_->y.data_ptr()) graph_->y.copy_(y);
-    if (options_.before_replay) options_.before_replay();
-    last_ran_ = Ran::kReplayed;
+    case Way::kCapture:
+      if (!capture(body, x, y)) {
+        body(x, y);  // the capture ran nothing: this step runs eagerly
+        return;
+      }
+      last_ran_ = Ran::kCaptured;
+      break;
+    case Way::kReplay:
+      // Callers may pass views of the static inputs (new Tensor objects, same memory): compare storage, not identity.
+      if (x.data_ptr() != graph_->x.data_ptr()) graph_->x.copy_(x);
+      if (y.data_ptr() != graph_->y.data_ptr()) graph_->y.copy_(y);
+      if (options_.before_replay) options_.before_replay();
+      last_ran_ = Ran::kReplayed;
+      break;
   }
 #ifdef TRIACCEL_WITH_CUDA
   graph_->graph->replay();

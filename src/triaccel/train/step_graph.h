@@ -108,6 +108,10 @@ class StepGraph {
 
  private:
   bool capture(const Body& body, const at::Tensor& x, const at::Tensor& y);
+  // What run() does at a batch size: eagerly in the graph's pool (not the captured size, refused, or disabled),
+  // eagerly as a warm-up step, a capture, or a replay. run() and runs_eagerly() both decide by it.
+  enum class Way { kOtherSize, kWarmUp, kCapture, kReplay };
+  Way way(int64_t batch) const;
 
   StepGraphOptions options_;
   int64_t batch_ = 0;
