@@ -120,5 +120,15 @@ TEST(DistTest, TwoGlooRanksSumAndBroadcast) {
   }
 }
 
+// The rendezvous port is picked below the kernel's ephemeral range (32768 and up), where no outgoing connection or
+// port-0 listener can take it before the store binds it (EADDRINUSE on two H200s when it was the kernel's pick).
+TEST(DistTest, TheRendezvousPortIsBelowTheEphemeralRange) {
+  for (int i = 0; i < 20; ++i) {
+    const int port = free_local_port();
+    EXPECT_GE(port, 20000);
+    EXPECT_LT(port, 32768);
+  }
+}
+
 }  // namespace
 }  // namespace triaccel

@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <exception>
 #include <limits>
+#include <random>
 
 namespace triaccel {
 namespace {
@@ -245,20 +246,42 @@ std::vector<double> Dist::all_reduce_max(std::vector<double> values) {
   return host_all_reduce(options_, *group_->gloo, std::move(values), c10d::ReduceOp::MAX);
 }
 
-int free_local_port() {
+namespace {
+
+// Whether `port` (0: the kernel's pick) binds on 127.0.0.1 now; the bound port in *bound.
+bool port_binds(int port, int* bound) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   TRIACCEL_CHECK_INPUT(fd >= 0, "data parallel: cannot open a socket to pick a rendezvous port (", std::strerror(errno),
                        ")");
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
   socklen_t len = sizeof(addr);
   const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
                   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
   close(fd);
-  TRIACCEL_CHECK_INPUT(ok, "data parallel: cannot bind a local rendezvous port (", std::strerror(errno), ")");
-  return ntohs(addr.sin_port);
+  if (ok) *bound = ntohs(addr.sin_port);
+  return ok;
+}
+
+}  // namespace
+
+int free_local_port() {
+  // Below Linux's ephemeral range (32768-60999): the kernel hands those to every outgoing connection and port-0
+  // listener (Gloo's, NCCL's bootstrap), and one of them took a port picked there between the pick and the store's
+  // bind (EADDRINUSE on two H200s, 2026-11-27). A random port in 20000-32767 that binds now; the kernel's pick after
+  // 64 taken ones.
+  std::random_device seed;
+  std::mt19937 draw(seed());
+  std::uniform_int_distribution<int> in_range(20000, 32767);
+  int bound = 0;
+  for (int i = 0; i < 64; ++i) {
+    if (port_binds(in_range(draw), &bound)) return bound;
+  }
+  TRIACCEL_CHECK_INPUT(port_binds(0, &bound), "data parallel: cannot bind a local rendezvous port (",
+                       std::strerror(errno), ")");
+  return bound;
 }
 
 std::vector<double> Dist::rank0_values(std::vector<double> values) {

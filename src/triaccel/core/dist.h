@@ -35,8 +35,9 @@ struct DistOptions {
 // MASTER_PORT). world_size 1 when WORLD_SIZE is unset; local_rank defaults to rank.
 // UserError naming the variable when one is malformed or out of range (RANK outside [0, WORLD_SIZE)).
 DistOptions dist_options_from_env();
-// A TCP port free on 127.0.0.1 now (the kernel's pick for port 0), for a store that binds it moments later (the
-// launcher's rendezvous; tests' ranks in threads). UserError when no socket can be bound.
+// A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range so that no outgoing connection takes it before
+// a store binds it moments later (the launcher's rendezvous; tests' ranks in threads). UserError when no socket can
+// be bound.
 int free_local_port();
 
 // A collective under way (Dist::all_reduce_sum_start): wait() returns once its result is in place — on NCCL, once

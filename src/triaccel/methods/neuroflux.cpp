@@ -15,6 +15,7 @@
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/core/io.h"
+#include "triaccel/core/profile.h"
 #include "triaccel/data/dataset.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/methods/activation_cache.h"
@@ -1136,7 +1137,10 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
       y = train_in_.labels.index_select(0, index_dev);
       if (flip.defined()) x = at::where(flip.index_select(0, index_dev).view({-1, 1, 1, 1}), x.flip({3}), x);
     }
-    graph_.run([this](const at::Tensor& xb, const at::Tensor& yb) { body(xb, yb); }, x, y);
+    {
+      TRIACCEL_PROFILE_RANGE("triaccel::step");
+      graph_.run([this](const at::Tensor& xb, const at::Tensor& yb) { body(xb, yb); }, x, y);
+    }
     phase_ = 2;  // a replay made every collective
     if (count + fill < bp_.batch) ++r_.short_steps;
   } catch (const c10::OutOfMemoryError& e) {
