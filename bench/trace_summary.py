@@ -3,6 +3,7 @@
 
     trace_summary.py TRACE [TRACE ...]        one row per trace, JSON lines on stdout, a table on stderr
     trace_summary.py --compare BASE OTHER     the kernels whose time per step differs most between two traces
+    trace_summary.py --kernels TRACE          the kernels that take the most time per step, with their counts
 
 Per traced step (the trace's "triaccel::step" ranges count the steps), in ms:
   span      the GPU's time from its first kernel, copy or set in the trace to its last one's end
@@ -91,7 +92,7 @@ def summary(path):
     return row
 
 
-def per_kernel(path):
+def per_kernel(path, counts=None):
     events = load(path)
     steps = sum(1 for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
                 and e.get("name") == "triaccel::step") or 1
@@ -99,6 +100,8 @@ def per_kernel(path):
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in GPU_CATS:
             times[e.get("name", "?")[:90]] += e.get("dur", 0) / steps / 1e3
+            if counts is not None:
+                counts[e.get("name", "?")[:90]] += 1 / steps
     return times
 
 
@@ -111,6 +114,14 @@ def main(argv):
             print(f"{base.get(k, 0):12.4f} {other.get(k, 0):8.4f} {other.get(k, 0) - base.get(k, 0):+8.4f}  {k}")
         print(f"{sum(base.values()):12.4f} {sum(other.values()):8.4f} "
               f"{sum(other.values()) - sum(base.values()):+8.4f}  (all)")
+        return 0
+    if len(argv) == 3 and argv[1] == "--kernels":
+        counts = defaultdict(float)
+        times = per_kernel(argv[2], counts)
+        print(f"{'ms/step':>8} {'n/step':>7}  kernel")
+        for k in sorted(times, key=lambda k: -times[k])[:25]:
+            print(f"{times[k]:8.4f} {counts[k]:7.1f}  {k}")
+        print(f"{sum(times.values()):8.4f} {sum(counts.values()):7.1f}  (all)")
         return 0
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
