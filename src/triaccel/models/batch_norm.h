@@ -45,10 +45,9 @@ inline at::Tensor batch_norm_forward(const torch::nn::BatchNorm2d& bn, const at:
 // Synchronized BatchNorm (data parallelism's --sync-bn): while a BatchNormSyncScope lives on a thread, every
 // training-mode batch_norm_forward there normalizes with the statistics of the whole global batch. In forward each
 // channel's sum and sum of squares (and the sample count) are summed over the ranks; in backward the two per-channel
-// sums of the gradient (each rank's the global loss's gradient: the data-parallel step weights each rank's loss by
-// its share of the batch), so the input gradients are the global loss's. The
-// running statistics take the global mean and unbiased variance, identical on every rank. The fused kernel is not
-// used; first-order only.
+// sums of the incoming gradient, which already is the global loss's (the data-parallel step weights each rank's loss
+// by its share of the batch), so the input gradients are the global loss's too. The running statistics take the
+// global mean and unbiased variance, identical on every rank. The fused kernel is not used; first-order only.
 struct BatchNormSync {
   std::function<void(at::Tensor&)> sum;  // sums a tensor over the ranks, in place
 };
