@@ -6,6 +6,7 @@
 #include "triaccel/core/errors.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
 #include <cstdlib>
@@ -128,6 +129,48 @@ TEST(DistTest, TheRendezvousPortIsBelowTheEphemeralRange) {
     EXPECT_GE(port, 20000);
     EXPECT_LT(port, 32768);
   }
+}
+
+// rows_gather through the store: every rank gets every rank's row in rank order, round after round (rows of other
+// lengths too), and the store keeps only the last round's keys (each round deletes the one before).
+TEST(DistTest, RowsGatherGivesEveryRanksRowInRankOrderEachRound) {
+  std::vector<std::vector<std::vector<std::vector<double>>>> seen(2);
+  bool old_keys_left = true, last_keys_left = false;
+  const int port = free_local_port();
+  const auto errors = test::on_two_ranks(port, [&](int r, Dist& dist) {
+    for (int round = 0; round < 30; ++round) {
+      std::vector<double> own(static_cast<size_t>(1 + r + round % 3), 0.0);
+      for (size_t j = 0; j < own.size(); ++j) own[j] = 1000.0 * round + 10.0 * r + static_cast<double>(j);
+      seen[static_cast<size_t>(r)].push_back(dist.rows_gather(own));
+    }
+    dist.barrier();
+    if (r == 0) {  // a client of the rendezvous store of its own: which rounds' keys are left
+      c10d::TCPStoreOptions so;
+      so.port = static_cast<uint16_t>(port);
+      so.isServer = false;
+      so.timeout = std::chrono::seconds(10);
+      c10d::TCPStore store("127.0.0.1", so);
+      old_keys_left = store.check({"rows/0/0"}) || store.check({"rows/28/1"}) || store.check({"rows/28/in"});
+      last_keys_left = store.check({"rows/29/0", "rows/29/1", "rows/29/in", "rows/29/all"});
+    }
+    dist.barrier();
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
+    ASSERT_EQ(seen[r].size(), 30u);
+    for (int round = 0; round < 30; ++round) {
+      const auto& rows = seen[r][static_cast<size_t>(round)];
+      ASSERT_EQ(rows.size(), 2u);
+      for (int q = 0; q < 2; ++q) {
+        ASSERT_EQ(rows[q].size(), static_cast<size_t>(1 + q + round % 3)) << "round " << round << " row " << q;
+        for (size_t j = 0; j < rows[q].size(); ++j) {
+          EXPECT_EQ(rows[q][j], 1000.0 * round + 10.0 * q + static_cast<double>(j));
+        }
+      }
+    }
+  }
+  EXPECT_FALSE(old_keys_left);  // each round deleted the one before
+  EXPECT_TRUE(last_keys_left);   // the last round's rows, count and mark
 }
 
 }  // namespace

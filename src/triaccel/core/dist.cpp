@@ -64,6 +64,8 @@ DistOptions dist_options_from_env() {
 
 struct Dist::Group {
   c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Store> rows;  // rows_gather's keys, "rows/<round>/<rank>"
+  int64_t rows_round = 0;                // rows_gather's calls so far
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
   c10::intrusive_ptr<c10d::Backend> nccl;  // null: CUDA tensors through the host
 };
@@ -90,6 +92,7 @@ Dist::Dist(const DistOptions& options) : options_(options) {
     so.numWorkers = options_.world_size;
     so.timeout = options_.timeout;
     group_->store = c10::make_intrusive<c10d::TCPStore>(options_.master_addr, so);
+    group_->rows = c10::make_intrusive<c10d::PrefixStore>("rows", group_->store);
     auto go = c10d::ProcessGroupGloo::Options::create();
     go->timeout = options_.timeout;
     go->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(options_.master_addr));
@@ -311,6 +314,41 @@ void Dist::recv(at::Tensor& t, int src, int tag) {
   if (!active()) return;
   std::vector<at::Tensor> one{t};
   run_collective(options_, [&] { return group_->gloo->recv(one, src, tag); });
+}
+
+std::vector<std::vector<double>> Dist::rows_gather(const std::vector<double>& own) {
+  if (!active()) return {own};
+  c10d::Store& store = *group_->rows;
+  const int64_t round = group_->rows_round++;
+  const auto key = [&](int64_t r, const std::string& what) { return str_cat(r, "/", what); };
+  std::vector<std::string> row_keys;
+  for (int r = 0; r < world_size(); ++r) row_keys.push_back(key(round, std::to_string(r)));
+  std::vector<std::vector<uint8_t>> bytes;
+  try {
+    std::vector<uint8_t> mine(own.size() * sizeof(double));
+    if (!own.empty()) std::memcpy(mine.data(), own.data(), mine.size());
+    store.set(row_keys[static_cast<size_t>(rank())], mine);
+    if (store.add(key(round, "in"), 1) == world_size()) store.set(key(round, "all"), std::vector<uint8_t>{1});
+    store.wait({key(round, "all")});
+    bytes = store.multiGet(row_keys);
+    // Every rank has come into this round, so every rank is done reading the last one: its keys go (this rank's row;
+    // rank 0 the round's count and mark too).
+    if (round > 0) {
+      store.deleteKey(key(round - 1, std::to_string(rank())));
+      if (rank() == 0) {
+        store.deleteKey(key(round - 1, "in"));
+        store.deleteKey(key(round - 1, "all"));
+      }
+    }
+  } catch (const std::exception& e) {
+    throw group_lost(options_, e);
+  }
+  std::vector<std::vector<double>> rows(bytes.size());
+  for (size_t r = 0; r < bytes.size(); ++r) {
+    rows[r].resize(bytes[r].size() / sizeof(double));
+    if (!rows[r].empty()) std::memcpy(rows[r].data(), bytes[r].data(), rows[r].size() * sizeof(double));
+  }
+  return rows;
 }
 
 void Dist::barrier() {

@@ -278,7 +278,15 @@ std::pair<StopRequest, bool> Session::stop_agreed(int64_t step, std::vector<doub
   std::vector<double> any{own == StopRequest::kInterrupt ? 1.0 : 0.0, own == StopRequest::kTerminate ? 1.0 : 0.0,
                           dist.rank() == 0 && due ? 1.0 : 0.0};
   if (with) any.insert(any.end(), with->begin(), with->end());
-  any = dist.all_reduce_sum(std::move(any));
+  // Summed over the ranks, in rank order (the same sums on every rank), from the rows the store gathers: a Gloo
+  // all-reduce of these few numbers took 2.5 ms of each rank's host a step, and set the pace of NeuroFlux's two-GPU
+  // block steps (bench/results/h200x2/nf_timeline_7e0e28f).
+  const std::vector<std::vector<double>> rows = dist.rows_gather(any);
+  std::fill(any.begin(), any.end(), 0.0);
+  for (const auto& row : rows) {
+    TORCH_CHECK(row.size() == any.size(), "stop agreement: a rank sent ", row.size(), " numbers, this one ", any.size());
+    for (size_t j = 0; j < any.size(); ++j) any[j] += row[j];
+  }
   if (with) std::copy(any.begin() + 3, any.end(), with->begin());
   const StopRequest stop = any[1] > 0   ? StopRequest::kTerminate
                            : any[0] > 0 ? StopRequest::kInterrupt
