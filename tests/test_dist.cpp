@@ -11,6 +11,7 @@
 
 #include <cstdlib>
 #include <optional>
+#include <thread>
 
 namespace triaccel {
 namespace {
@@ -171,6 +172,45 @@ TEST(DistTest, RowsGatherGivesEveryRanksRowInRankOrderEachRound) {
   }
   EXPECT_FALSE(old_keys_left);  // each round deleted the one before
   EXPECT_TRUE(last_keys_left);   // the last round's rows, count and mark
+}
+
+// Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) the store outlives a restart of the workers: an
+// attempt's keys live under its own prefix (TORCHELASTIC_RESTART_COUNT), so the keys a former attempt left at the same
+// names (here: round 0's count) are not read as this attempt's (without the prefix the round never completes and the
+// ranks lose the group at the timeout).
+TEST(DistTest, ARestartedAttemptUnderTheAgentsStoreReadsOnlyItsOwnKeys) {
+  const int port = free_local_port();
+  c10d::TCPStoreOptions agent;
+  agent.port = static_cast<uint16_t>(port);
+  agent.isServer = true;
+  agent.timeout = std::chrono::seconds(30);
+  c10d::TCPStore store("127.0.0.1", agent);
+  store.add("rows/0/in", 2);  // a former attempt's count of round 0: read as this one's, no rank would be the last in
+  const EnvScope env({{"TORCHELASTIC_RESTART_COUNT", "1"}});
+  std::vector<std::vector<std::vector<double>>> rows(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        DistOptions o;
+        o.world_size = 2;
+        o.rank = r;
+        o.master_port = port;
+        o.rank0_serves_store = false;
+        o.timeout = std::chrono::seconds(5);
+        Dist dist(o);
+        rows[static_cast<size_t>(r)] = dist.rows_gather({static_cast<double>(r)});
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
+    EXPECT_EQ(rows[r], (std::vector<std::vector<double>>{{0.0}, {1.0}})) << "rank " << r;
+  }
 }
 
 }  // namespace

@@ -92,6 +92,13 @@ Dist::Dist(const DistOptions& options) : options_(options) {
     so.numWorkers = options_.world_size;
     so.timeout = options_.timeout;
     group_->store = c10::make_intrusive<c10d::TCPStore>(options_.master_addr, so);
+    if (!options_.rank0_serves_store) {
+      // torchrun's agent keeps its store while it restarts the workers (--max-restarts): each attempt's keys (Gloo's,
+      // NCCL's, rows_gather's) under a prefix of its own, as PyTorch's env:// rendezvous does, so that a restarted
+      // group does not read the last attempt's.
+      const int attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0, 0, std::numeric_limits<int>::max());
+      group_->store = c10::make_intrusive<c10d::PrefixStore>(str_cat("/worker/attempt_", attempt), group_->store);
+    }
     group_->rows = c10::make_intrusive<c10d::PrefixStore>("rows", group_->store);
     auto go = c10d::ProcessGroupGloo::Options::create();
     go->timeout = options_.timeout;
