@@ -1,6 +1,6 @@
 // Data parallelism: a row of numbers from every rank, carried by the step's stop agreement (Session::stop_agreed,
-// one Gloo round trip), and the ranks an out-of-memory error hit, as the methods' oom events and lines name them.
-// Used by the backprop trainer and NeuroFlux's block trainer after each step.
+// one round trip through the rendezvous store), and the ranks an out-of-memory error hit, as the methods' oom events
+// and lines name them. Used by the backprop trainer and NeuroFlux's block trainer after each step.
 #pragma once
 
 #include "triaccel/core/json.h"
