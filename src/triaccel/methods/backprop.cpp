@@ -775,9 +775,8 @@ std::optional<Trainer::OomSeen> Trainer::step_agreed(bool failed, bool unskippab
   const std::vector<double> own{failed ? 1.0 : 0.0, unskippable ? 1.0 : 0.0, beside_pool ? 1.0 : 0.0,
                                 static_cast<double>(at_failure.allocated_bytes) / kGB,
                                 static_cast<double>(at_failure.reserved_bytes) / kGB};
-  std::pair<StopRequest, bool> agreed;
-  const auto rows = stop_agreed_rows(session_, p.step + 1, own, &agreed);  // the step after_step is about to count
-  agreed_ = agreed;
+  std::vector<std::vector<double>> rows;
+  agreed_ = session_.stop_agreed(p.step + 1, own, &rows);  // the step after_step is about to count
   const RanksOutOfMemory out = ranks_out_of_memory(rows, /*allocated=*/3);
   if (out.ranks.empty()) return std::nullopt;
   agreed_.reset();  // a stop or a checkpoint waits for a step that ran

@@ -933,9 +933,8 @@ bool BlockTrainer::step_agreed(bool ran) {
     own[3] = own_oom_.value("allocated_gb", 0.0);
     own[4] = own_oom_.value("reserved_gb", 0.0);
   }
-  std::pair<StopRequest, bool> agreed;
-  const auto rows = stop_agreed_rows(session_, *run_step_ + 1, own, &agreed);
-  agreed_ = agreed;
+  std::vector<std::vector<double>> rows;
+  agreed_ = session_.stop_agreed(*run_step_ + 1, own, &rows);
   const auto [ranks, who] = ranks_out_of_memory(rows, /*allocated=*/3);
   int64_t retry = batch_;
   bool stop = false;

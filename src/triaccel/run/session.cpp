@@ -269,29 +269,32 @@ bool Session::checkpoint_due(int64_t step) const {
 
 void Session::checkpoint_written() { t_checkpoint_ = clock_.now_s(); }
 
-std::pair<StopRequest, bool> Session::stop_agreed(int64_t step, std::vector<double>* with) {
+std::pair<StopRequest, bool> Session::stop_agreed(int64_t step, const std::vector<double>& row,
+                                                  std::vector<std::vector<double>>* rows) {
   const StopRequest own = stop_requested();
   const bool due = step >= 0 && checkpoint_due(step);
   Dist& dist = *dist_;
-  if (!dist.active()) return {own, due};
-  TRIACCEL_PROFILE_RANGE("triaccel::stop_agreement");
-  std::vector<double> any{own == StopRequest::kInterrupt ? 1.0 : 0.0, own == StopRequest::kTerminate ? 1.0 : 0.0,
-                          dist.rank() == 0 && due ? 1.0 : 0.0};
-  if (with) any.insert(any.end(), with->begin(), with->end());
-  // Summed over the ranks, in rank order (the same sums on every rank), from the rows the store gathers: a Gloo
-  // all-reduce of these few numbers took 2.5 ms of each rank's host a step, and set the pace of NeuroFlux's two-GPU
-  // block steps (bench/results/h200x2/nf_timeline_7e0e28f).
-  const std::vector<std::vector<double>> rows = dist.rows_gather(any);
-  std::fill(any.begin(), any.end(), 0.0);
-  for (const auto& row : rows) {
-    TORCH_CHECK(row.size() == any.size(), "stop agreement: a rank sent ", row.size(), " numbers, this one ", any.size());
-    for (size_t j = 0; j < any.size(); ++j) any[j] += row[j];
+  if (!dist.active()) {
+    if (rows) *rows = {row};
+    return {own, due};
   }
-  if (with) std::copy(any.begin() + 3, any.end(), with->begin());
-  const StopRequest stop = any[1] > 0   ? StopRequest::kTerminate
-                           : any[0] > 0 ? StopRequest::kInterrupt
-                                        : StopRequest::kNone;
-  return {stop, any[2] > 0};
+  TRIACCEL_PROFILE_RANGE("triaccel::stop_agreement");
+  // Gathered through the rendezvous store: a Gloo all-reduce of these few numbers took 2.5 ms of each rank's host a
+  // step, and set the pace of NeuroFlux's two-GPU block steps (bench/results/h200x2/nf_timeline_7e0e28f).
+  std::vector<double> mine{own == StopRequest::kInterrupt ? 1.0 : 0.0, own == StopRequest::kTerminate ? 1.0 : 0.0,
+                           dist.rank() == 0 && due ? 1.0 : 0.0};
+  mine.insert(mine.end(), row.begin(), row.end());
+  std::vector<std::vector<double>> gathered = dist.rows_gather(mine);
+  bool interrupt = false, terminate = false, checkpoint = false;
+  for (auto& r : gathered) {
+    TORCH_CHECK(r.size() == mine.size(), "stop agreement: a rank sent ", r.size(), " numbers, this one ", mine.size());
+    interrupt = interrupt || r[0] > 0;
+    terminate = terminate || r[1] > 0;
+    checkpoint = checkpoint || r[2] > 0;
+    r.erase(r.begin(), r.begin() + 3);
+  }
+  if (rows) *rows = std::move(gathered);
+  return {terminate ? StopRequest::kTerminate : interrupt ? StopRequest::kInterrupt : StopRequest::kNone, checkpoint};
 }
 
 int64_t Session::image_size() const {

@@ -157,9 +157,11 @@ class Session {
   void checkpoint_written();
   // The stop request and whether a checkpoint is due after `step` (< 0: not asked), agreed by every rank (a host
   // collective when data parallel: the strongest request any rank has, rank 0's clock for the checkpoint), so the
-  // ranks stop and checkpoint at the same step. `with`: the caller's numbers summed over the ranks in the same
-  // collective (replaced by the sums), so a step that needs another agreement makes one round trip, not two.
-  std::pair<StopRequest, bool> stop_agreed(int64_t step = -1, std::vector<double>* with = nullptr);
+  // ranks stop and checkpoint at the same step. `row`: the caller's numbers, carried by the same round trip, so a
+  // step that needs another agreement makes one, not two; `rows` receives every rank's row in rank order (one
+  // process: its own).
+  std::pair<StopRequest, bool> stop_agreed(int64_t step = -1, const std::vector<double>& row = {},
+                                           std::vector<std::vector<double>>* rows = nullptr);
 
   // Caps the caching allocator at `bytes` until the session ends (a vram_budget on CUDA).
   void memory_cap(int64_t bytes);
