@@ -65,7 +65,7 @@ class GradBucketsTest : public ::testing::Test {
 // 16×16 weights (1024 bytes) and 16 biases (64): a cap of 1100 bytes holds one layer.
 constexpr int64_t kLayerBytes = 1100;
 
-TEST_F(GradBucketsTest, BucketsStartInOrderWhileBackwardRunsAndHoldTheWeightedSums) {
+TEST_F(GradBucketsTest, BucketsStartInOrderWhileBackwardRunsAndHoldTheSums) {
   const at::Tensor x = torch::randn({8, 16});
   const std::vector<at::Tensor> ref = reference(x);
   GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined}, doubling());
@@ -73,7 +73,7 @@ TEST_F(GradBucketsTest, BucketsStartInOrderWhileBackwardRunsAndHoldTheWeightedSu
   const std::vector<std::vector<size_t>> expected{{7, 6}, {5, 4}, {3, 2}, {1, 0}};
   EXPECT_EQ(buckets.buckets(), expected);
 
-  buckets.arm(0.25);
+  buckets.arm();
   forward(x).backward();
   // Every bucket started from the hooks, in order; the first three before backward reached the first layer.
   EXPECT_EQ(buckets.started_during_backward(), 4);
@@ -81,15 +81,15 @@ TEST_F(GradBucketsTest, BucketsStartInOrderWhileBackwardRunsAndHoldTheWeightedSu
   for (size_t b = 0; b < 3; ++b) EXPECT_FALSE(started[b].first_layer_grad_defined) << "bucket " << b;
   EXPECT_TRUE(started[3].first_layer_grad_defined);
   buckets.finish();
-  // Two ranks' sum of 0.25 × the gradient: 0.5 × the gradient, in place in every .grad.
+  // Two ranks' sum of the gradient: 2 × the gradient, in place in every .grad.
   for (size_t i = 0; i < params.size(); ++i) {
-    EXPECT_TRUE(torch::allclose(params[i].grad(), 0.5 * ref[i], 1e-6, 1e-7)) << "parameter " << i;
+    EXPECT_TRUE(torch::allclose(params[i].grad(), 2.0 * ref[i], 1e-6, 1e-7)) << "parameter " << i;
   }
 
   // The next step: the same again (the state was reset), not the buckets' sums of the last one added.
   for (auto& p : params) p.mutable_grad() = at::Tensor();
   started.clear();
-  buckets.arm(1.0);
+  buckets.arm();
   forward(x).backward();
   buckets.finish();
   EXPECT_EQ(started.size(), 4u);
@@ -109,13 +109,13 @@ TEST_F(GradBucketsTest, TheLastGradientsMakeASmallBucketOfTheirOwn) {
   GradBuckets buckets(params, options, doubling());
   const std::vector<std::vector<size_t>> expected{{7, 6, 5, 4}, {3, 2}, {1, 0}};
   EXPECT_EQ(buckets.buckets(), expected);
-  buckets.arm(0.5);
+  buckets.arm();
   forward(x).backward();
   buckets.finish();
   ASSERT_EQ(started.size(), 3u);
   EXPECT_FALSE(started[1].first_layer_grad_defined);  // layer 1's bucket went while layer 0's backward was to come
   for (size_t i = 0; i < params.size(); ++i) {
-    EXPECT_TRUE(torch::allclose(params[i].grad(), ref[i], 1e-6, 1e-7)) << "parameter " << i;
+    EXPECT_TRUE(torch::allclose(params[i].grad(), 2.0 * ref[i], 1e-6, 1e-7)) << "parameter " << i;
   }
 }
 
@@ -125,26 +125,26 @@ TEST_F(GradBucketsTest, APassAbandonedMidwayLeavesNothingForTheNextArm) {
   const at::Tensor x = torch::randn({8, 16});
   const std::vector<at::Tensor> ref = reference(x);
   GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined}, doubling());
-  buckets.arm(1.0);
+  buckets.arm();
   // Only the last layer's parameters: its bucket starts, the others wait for gradients that never come.
   (layers[3]->forward(x).square().sum()).backward();
   ASSERT_EQ(buckets.started_during_backward(), 1);
   for (auto& p : params) p.mutable_grad() = at::Tensor();
   started.clear();
-  buckets.arm(0.5);
+  buckets.arm();
   forward(x).backward();
   buckets.finish();
   EXPECT_EQ(started.size(), 4u);
   for (size_t i = 0; i < params.size(); ++i) {
-    EXPECT_TRUE(torch::allclose(params[i].grad(), ref[i], 1e-6, 1e-7)) << "parameter " << i;
+    EXPECT_TRUE(torch::allclose(params[i].grad(), 2.0 * ref[i], 1e-6, 1e-7)) << "parameter " << i;
   }
 }
 
-TEST_F(GradBucketsTest, Bf16OnTheWireIsScaledFirstThenCast) {
+TEST_F(GradBucketsTest, Bf16OnTheWireIsSummedAndCastBack) {
   const at::Tensor x = torch::randn({8, 16});
   const std::vector<at::Tensor> ref = reference(x);
   GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::kBFloat16}, doubling());
-  buckets.arm(0.5);
+  buckets.arm();
   forward(x).backward();
   buckets.finish();
   ASSERT_EQ(started.size(), 4u);
@@ -152,7 +152,7 @@ TEST_F(GradBucketsTest, Bf16OnTheWireIsScaledFirstThenCast) {
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_EQ(params[i].grad().scalar_type(), at::kFloat);
     // bf16 keeps 8 bits of mantissa: within 2^-8 of each value (the fp32 reduction is exact here).
-    EXPECT_TRUE(torch::allclose(params[i].grad(), ref[i], 1.0 / 256, 1e-6)) << "parameter " << i;
+    EXPECT_TRUE(torch::allclose(params[i].grad(), 2.0 * ref[i], 1.0 / 256, 1e-6)) << "parameter " << i;
   }
 }
 
@@ -166,7 +166,7 @@ TEST_F(GradBucketsTest, UnarmedPassesAccumulateAndTheLastPassReducesTheirSum) {
   // A product through torch::autograd::grad (as the curvature probe's) runs no reduction either.
   torch::autograd::grad({forward(x2)}, {params[7]});
   EXPECT_TRUE(started.empty());
-  buckets.arm(1.0);
+  buckets.arm();
   forward(x2).backward();  // the last micro-batch
   buckets.finish();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -178,7 +178,7 @@ TEST_F(GradBucketsTest, AnUnusedLayerAndAnEmptyShareReduceZerosOrWhatTheyHold) {
   const at::Tensor x = torch::randn({8, 16});
   GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined}, doubling());
   // The last pass skips layer 0: its bucket (the last) cannot start from a hook; finish() starts it with zeros.
-  buckets.arm(1.0);
+  buckets.arm();
   at::Tensor h = x;
   for (size_t l = 1; l < layers.size(); ++l) h = torch::tanh(layers[l]->forward(h));
   h.square().sum().backward();
@@ -192,10 +192,38 @@ TEST_F(GradBucketsTest, AnUnusedLayerAndAnEmptyShareReduceZerosOrWhatTheyHold) {
   // A rank without samples: no backward, every bucket starts in finish(), in order, with zeros.
   for (auto& p : params) p.mutable_grad() = at::Tensor();
   started.clear();
-  buckets.arm(0.0);
+  buckets.arm();
   buckets.finish();
   ASSERT_EQ(started.size(), 4u);
   for (const auto& p : params) EXPECT_EQ(p.grad().abs().max().item<float>(), 0.0f);
+}
+
+// A rank whose step failed midway (its step ran out of memory): the buckets backward had not started carry NaN, so
+// every rank's sums there come out non-finite; those already sent hold the sums as they were. Once every bucket has
+// started there is nothing left to carry the NaN (false). The next pass reduces plain sums again.
+TEST_F(GradBucketsTest, APoisonedPassSendsNaNInTheBucketsNotYetStarted) {
+  const at::Tensor x = torch::randn({8, 16});
+  const std::vector<at::Tensor> ref = reference(x);
+  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined}, doubling());
+  buckets.arm();
+  (layers[3]->forward(x).square().sum()).backward();  // only the last layer's bucket starts
+  ASSERT_EQ(buckets.started_during_backward(), 1);
+  EXPECT_TRUE(buckets.finish_poisoned());
+  ASSERT_EQ(started.size(), 4u);
+  EXPECT_TRUE(torch::isfinite(params[7].grad()).all().item<bool>());
+  for (size_t i = 0; i < 6; ++i) EXPECT_TRUE(torch::isnan(params[i].grad()).all().item<bool>()) << "parameter " << i;
+
+  for (auto& p : params) p.mutable_grad() = at::Tensor();
+  buckets.arm();
+  forward(x).backward();
+  EXPECT_FALSE(buckets.finish_poisoned());  // every bucket had gone: nothing carries the NaN
+  for (auto& p : params) p.mutable_grad() = at::Tensor();
+  buckets.arm();
+  forward(x).backward();
+  buckets.finish();
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(params[i].grad(), 2.0 * ref[i], 1e-6, 1e-7)) << "parameter " << i;
+  }
 }
 
 // A channels_last convolution weight (a CNN's on the GPU): its gradient after finish() is its place in the bucket,
@@ -216,7 +244,7 @@ TEST(GradBucketsLayoutTest, AGradientIsItsBucketSlotInTheParametersLayout) {
     at::Tensor u = t;
     return DistWork([u]() mutable { u.mul_(2); });
   });
-  buckets.arm(1.0);
+  buckets.arm();
   loss().backward();
   buckets.finish();
   EXPECT_TRUE(at::allclose(w.grad(), ref_w * 2, 1e-5, 1e-5));
@@ -232,7 +260,7 @@ TEST_F(GradBucketsTest, ZeroBytesIsOneBucketStartedAfterBackward) {
   const std::vector<at::Tensor> ref = reference(x);
   GradBuckets buckets(params, GradBucketsOptions{0, at::ScalarType::Undefined}, doubling());
   ASSERT_EQ(buckets.buckets().size(), 1u);
-  buckets.arm(1.0);
+  buckets.arm();
   forward(x).backward();
   EXPECT_TRUE(started.empty());  // nothing while backward ran
   buckets.finish();

@@ -859,8 +859,9 @@ void BlockTrainer::grads_release() {
 }
 
 // One training step of the block on (x, y): local losses, one backward, the fused SGD step (lr read on the device).
-// Data parallel: this rank's share of the rows, its gradients weighted by the share's part of the batch and summed
-// over the ranks during backward (so every rank takes one process's step).
+// Data parallel: this rank's share of the rows, its loss weighted by the share's part of the batch (as the backprop
+// step's: one multiply, not a pass over each bucket) and its gradients summed over the ranks during backward (so
+// every rank takes one process's step).
 // Data parallel: then whether any rank ran out of memory in the step (skip_), which skips the update on every rank and
 // keeps the step out of the loss sums.
 void BlockTrainer::body(const at::Tensor& x, const at::Tensor& y) {
@@ -869,11 +870,13 @@ void BlockTrainer::body(const at::Tensor& x, const at::Tensor& y) {
   at::Tensor xs = x, ys = y;
   at::Tensor* loss_sum = &r_.loss_sum;
   at::Tensor* correct = &r_.correct;
+  double share = 1.0;
   if (buckets_) {
     const auto [first, count] = session_.dist().share(x.size(0));
     xs = x.narrow(0, first, count);
     ys = y.narrow(0, first, count);
-    buckets_->arm(static_cast<double>(count) / static_cast<double>(x.size(0)));
+    share = static_cast<double>(count) / static_cast<double>(x.size(0));
+    buckets_->arm();
     step_loss_.zero_();
     step_correct_.zero_();
     loss_sum = &step_loss_;
@@ -886,7 +889,7 @@ void BlockTrainer::body(const at::Tensor& x, const at::Tensor& y) {
       loss = neuroflux_block_loss(session_.model(), heads_, bp_.first, bp_.end, xs, ys, config_.optim.label_smoothing,
                                   loss_sum, correct);
     }
-    loss.backward();
+    (share != 1.0 ? loss * share : loss).backward();
   }
   if (buckets_) {
     buckets_->finish();  // a rank without rows sends zeros

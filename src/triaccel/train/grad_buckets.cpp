@@ -29,7 +29,7 @@ struct GradBuckets::State {
   std::vector<uintptr_t> hook_keys;  // accumulators[i]'s hook
   GradBucketStart start;
   bool armed = false;
-  double weight = 1.0;
+  bool poisoned = false;  // finish_poisoned(): the buckets still to start carry NaN
   size_t next = 0;  // the next bucket to start: those before it have started
   int64_t started_during_backward = 0;
 
@@ -69,7 +69,7 @@ struct GradBuckets::State {
       }
     }
     if (!slots.empty()) at::_foreach_copy_(slots, grads);
-    if (weight != 1.0) b.flat.mul_(weight);
+    if (poisoned) b.flat.fill_(std::numeric_limits<double>::quiet_NaN());
     if (b.wire.defined()) b.wire.copy_(b.flat);
     b.work = start(b.wire.defined() ? b.wire : b.flat);
   }
@@ -173,13 +173,12 @@ GradBuckets::~GradBuckets() {
   for (size_t i = 0; i < s.accumulators.size(); ++i) s.accumulators[i]->del_post_hook(s.hook_keys[i]);
 }
 
-void GradBuckets::arm(double weight) {
+void GradBuckets::arm() {
   State& s = *state_;
   // A pass abandoned before finish() (a capture that failed midway: the step then runs eagerly) leaves nothing: its
   // started buckets are started again.
   s.pass_reset();
   s.armed = true;
-  s.weight = weight;
   s.started_during_backward = 0;
 }
 
@@ -195,14 +194,14 @@ void GradBuckets::finish() {
   // Each gradient becomes its slot, a view of the bucket (no copy kernel per parameter); the next step releases it.
   for (size_t i = 0; i < s.params.size(); ++i) s.params[i].mutable_grad() = s.slot(i);
   s.pass_reset();
-  s.weight = 1.0;
+  s.poisoned = false;
 }
 
 bool GradBuckets::finish_poisoned() {
   State& s = *state_;
-  if (!s.armed) arm(1.0);
+  if (!s.armed) arm();
   const bool carried = s.next < s.buckets.size();
-  s.weight = std::numeric_limits<double>::quiet_NaN();  // zeros times NaN: NaN
+  s.poisoned = true;
   finish();
   return carried;
 }

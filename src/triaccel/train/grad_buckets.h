@@ -2,8 +2,9 @@
 // the parameters are laid, last first (the order backward produces their gradients), into buckets of about
 // `bucket_bytes` of gradients, each a flat buffer allocated once. A hook on each parameter's gradient accumulator
 // counts its gradient in during the backward pass that reduces (the step's last micro-batch: arm()); a bucket whose
-// gradients are all in copies them into its buffer (one multi-tensor copy), is scaled by this rank's share of the
-// global batch and its sum over the ranks started at once, while backward goes on with the layers before it.
+// gradients are all in copies them into its buffer (one multi-tensor copy) and starts its sum over the ranks at once,
+// while backward goes on with the layers before it. A rank's share of the global batch weights its loss, not the
+// buckets (TrainStep, NeuroFlux's BlockTrainer): the buckets add the gradients as they are.
 // finish(), after that pass, starts what is left, waits for every bucket and makes each parameter's gradient a view
 // of its place in its bucket (laid out as the parameter), so the sums are read where they were reduced, without a
 // copy back.
@@ -12,10 +13,10 @@
 // - Buckets start strictly in index order, whatever order the gradients come in: every rank issues the same
 //   collectives in the same order (a rank with an empty share, which runs no backward, starts them all in finish()).
 // - A parameter whose gradient did not come in that pass reduces what its .grad holds (earlier micro-batches'), or
-//   zeros when it has none; after finish() every parameter's gradient is defined, holds the weighted sum, and aliases
+//   zeros when it has none; after finish() every parameter's gradient is defined, holds the ranks' sum, and aliases
 //   the bucket until the next step releases it (TrainStep releases gradients before every backward, so no backward
 //   accumulates into a bucket).
-// - Scaling comes first, in the gradients' dtype, then the cast to `wire` (bf16 compression, as DDP's bf16 hook).
+// - The cast to `wire` (bf16 compression, as DDP's bf16 hook) comes after the copy, in the gradients' dtype.
 // - Hooks outside an armed pass (the curvature probe's products, evaluation) do nothing.
 // With bucket_bytes 0 no hook is installed: one bucket holds every gradient and starts in finish(), after backward.
 // With tail_bytes the parameters at the front (the last gradients backward produces) make a small last bucket.
@@ -52,8 +53,8 @@ class GradBuckets {
   GradBuckets(const GradBuckets&) = delete;
   GradBuckets& operator=(const GradBuckets&) = delete;
 
-  // The next backward pass reduces: its gradients go to the buckets as they come, each rank's scaled by `weight`.
-  void arm(double weight);
+  // The next backward pass reduces: its gradients go to the buckets as they come.
+  void arm();
   // After that pass (or instead of it, for a rank without samples): the rest of the buckets, the waits, the sums in
   // the gradients. Disarms.
   void finish();

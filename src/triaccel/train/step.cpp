@@ -153,7 +153,7 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
     // Data parallelism: this rank's share of the global batch weights its gradients through the loss (a multiply
     // of one number) rather than as a pass over each bucket; the buckets add the weighted gradients as they are.
     const double share = grad_buckets_ ? options_.grad_reduce.weight() : 1.0;
-    if (grad_buckets_ && start + len >= n) grad_buckets_->arm(1.0);  // the last micro-batch: reduces
+    if (grad_buckets_ && start + len >= n) grad_buckets_->arm();  // the last micro-batch: reduces
     scaler_.scale(share != 1.0 ? loss * share : loss).backward();
     const torch::NoGradGuard no_grad;
     const at::Tensor correct = logits.detach().argmax(1).eq(targets).sum().to(at::kFloat);
@@ -167,7 +167,7 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
     correct_total = at::zeros({1}, last_loss_.options());
   }
   if (grad_buckets_) {
-    if (n == 0) grad_buckets_->arm(options_.grad_reduce.weight());  // no backward ran: every bucket starts here
+    if (n == 0) grad_buckets_->arm();  // no backward ran: every bucket starts here
     grad_buckets_->finish();
   }
   phase_ = Phase::kUpdate;
