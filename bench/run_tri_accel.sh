@@ -13,7 +13,8 @@
 # unit tests beside them; r18abl: its Table-2 ablation and 1 GB budget run only; effb0: EfficientNet-B0's Tri-Accel
 # and AMP bf16 rows, seed 0, EXTRA flags last; lockstep: ResNet-18's Tri-Accel with lockstep rounds and with per-unit probes beside AMP
 # bf16, seeds SEEDS (0); chunks: lockstep rounds at each --curv-chunk in CHUNKS; fisher: the Fisher estimator, see
-# its stage; costs: precision-only's levers one at a time, seed 0; curv: curvature-lr-only beside AMP bf16, SEEDS; effb0_abl: EfficientNet-B0's single-signal rows beside AMP bf16;
+# its stage; costs: precision-only's levers one at a time, seed 0; peak: what is alive at the peak of AMP bf16,
+# precision-only and Tri-Accel (seed 0, TRIACCEL_MEMORY_HISTORY, bench/memory_peak.py); curv: curvature-lr-only beside AMP bf16, SEEDS; effb0_abl: EfficientNet-B0's single-signal rows beside AMP bf16;
 # runs: the runs RUNS names, see its stage). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
 # Every stage but runs takes the binaries' default curvature estimator: the Hessian before 9f79024, the Fisher since.
@@ -155,6 +156,12 @@ elif [ "$STAGE" = costs ]; then  # issue 19: where precision-only's time goes, s
   job r18_prec_norecompute_s0 $R --method tri-accel --ta-curvature false --recompute none $PROTO --seed 0
   job r18_prec_autotune_s0 $R --method tri-accel --ta-curvature false --cudnn-autotune on $PROTO --seed 0
   job r18_tri_fisher_budget2_s0 $R --method tri-accel --curv-estimator fisher --curv-budget 0.02 $PROTO --seed 0
+elif [ "$STAGE" = peak ]; then  # issue 19: what is alive at each run's peak, AMP bf16 beside Tri-Accel, seed 0: each run
+  # records its allocator's history (TRIACCEL_MEMORY_HISTORY) and bench/memory_peak.py lists its peak ($OUT/NAME.peak.txt)
+  R="--model resnet18"
+  job r18_bf16_s0 $R --precision amp-bf16 $PROTO --seed 0
+  job r18_prec_s0 $R --method tri-accel --ta-curvature false $PROTO --seed 0
+  job r18_tri_s0 $R --method tri-accel $PROTO --seed 0
 elif [ "$STAGE" = chunks ]; then  # lockstep rounds at each --curv-chunk in CHUNKS (8 16 32) beside AMP bf16, seed 0;
   # EXTRA flags last (e.g. "--epochs 3 --warmup-epochs 1")
   for c in ${CHUNKS:-8 16 32}; do
@@ -200,7 +207,10 @@ worker() {  # GPU index: takes queue lines until none are left
     name=${line%% *}
     exe=$BIN/triaccel
     [[ $name == base_* ]] && exe=$BIN/triaccel_base
-    CUDA_VISIBLE_DEVICES=$gpu "$exe" train --progress lines --log-every 100000 --out "/tmp/runs/$name" \
+    hist=""
+    [ "$STAGE" = peak ] && hist=/tmp/runs/$name.memory.pickle
+    TRIACCEL_MEMORY_HISTORY=$hist TRIACCEL_MEMORY_HISTORY_ENTRIES=${HISTORY_ENTRIES:-50000} TORCH_SYMBOLIZE_MODE=dladdr \
+      CUDA_VISIBLE_DEVICES=$gpu "$exe" train --progress lines --log-every 100000 --out "/tmp/runs/$name" \
       ${line#* } >"$OUT/$name.log" 2>&1
     echo "[gpu $gpu] $name: exit $? $(tail -1 "$OUT/$name.log")"
     cp "/tmp/runs/$name/events.jsonl" "$OUT/$name.events.jsonl" 2>/dev/null
@@ -209,7 +219,7 @@ worker() {  # GPU index: takes queue lines until none are left
   done
 }
 
-[[ "$STAGE" =~ ^(r18|r18abl|effb0|runs|signals|signals_effb0|signals_tri|lockstep|chunks|fisher|costs)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
+[[ "$STAGE" =~ ^(r18|r18abl|effb0|runs|signals|signals_effb0|signals_tri|lockstep|chunks|fisher|costs|peak)$ ]] || (CUDA_VISIBLE_DEVICES=$((NGPU - 1)) "$BIN/triaccel_tests" --gtest_brief=1 >"$OUT/unit_tests_gpu.log" 2>&1;
    echo "unit tests on GPU: exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/unit_tests_gpu.log" | tr '\n' ' ')") &
 # The unit tests take ~10 s on the last GPU; in the table stage its first job is long and only its last 5 epochs
 # are timed. The check stage keeps that GPU for the tests.
@@ -218,6 +228,13 @@ WORKERS=$NGPU
 for ((g = 0; g < WORKERS; g++)); do worker $g & done
 wait
 grep -B2 -A20 "FAILED\|Failure" "$OUT/unit_tests_gpu.log" 2>/dev/null | head -60
+for f in /tmp/runs/*.memory.pickle; do  # stage peak
+  [ -f "$f" ] || continue
+  name=$(basename "$f" .memory.pickle)
+  python3 bench/memory_peak.py "$f" --top 20 >"$OUT/$name.peak.txt" 2>&1
+  echo "== $name: $(grep -c 'peak trace' "$OUT/$name.log") peak rises; the last: $(grep 'peak trace' "$OUT/$name.log" | tail -1)"
+  head -24 "$OUT/$name.peak.txt"
+done
 python3 bench/tri_accel_table.py "$OUT" --gpu "$GPU" --commit "${COMMIT:-unknown}" \
   --command "bash bench/run_tri_accel.sh $STAGE" --out "$OUT/tri_accel_table"
 tar czf "$FINAL_OUT/tri_accel_out.tar.gz" -C "$OUT" .

@@ -9,6 +9,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/csrc/cuda/memory_snapshot.h>
 #endif
 
 #include <unistd.h>
@@ -83,7 +84,7 @@ void memory_cap_set(const c10::Device& device, int64_t bytes) {
 
 namespace {
 
-bool user_names_expandable_segments() {
+[[maybe_unused]] bool user_names_expandable_segments() {  // CUDA builds only
   for (const char* name : {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
     const char* v = std::getenv(name);
     if (v != nullptr && std::string(v).find("expandable_segments") != std::string::npos) return true;
@@ -119,6 +120,29 @@ bool memory_expandable_segments() {
   return c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();
 #else
   return false;
+#endif
+}
+
+void memory_history_start(const c10::Device& device, size_t max_entries) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda()) torch::cuda::_record_memory_history("all", "all", "all", max_entries);
+#else
+  (void)device;
+  (void)max_entries;
+#endif
+}
+
+void memory_history_write(const c10::Device& device, const std::string& path) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (!device.is_cuda()) return;
+  const std::string pickled = torch::cuda::_memory_snapshot_pickled();
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  TORCH_CHECK(f, "cannot write the memory snapshot ", path);
+  std::fwrite(pickled.data(), 1, pickled.size(), f);
+  std::fclose(f);
+#else
+  (void)device;
+  (void)path;
 #endif
 }
 

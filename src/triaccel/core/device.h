@@ -92,6 +92,12 @@ void cublas_workspace_small();
 // Whether the caching allocator makes expandable segments now (false on the CPU).
 bool memory_expandable_segments();
 
+// A diagnostic (TRIACCEL_MEMORY_HISTORY, docs/measuring.md): the caching allocator records its last `max_entries`
+// allocations and frees, each with its C++ stack; memory_history_write writes them and the blocks alive now as
+// PyTorch's memory snapshot (a pickle: bench/memory_peak.py, torch.cuda._memory_viz). No-ops on the CPU.
+void memory_history_start(const c10::Device& device, size_t max_entries);
+void memory_history_write(const c10::Device& device, const std::string& path);
+
 // "NVIDIA H100 80GB HBM3" → "h100"; "cpu" on the CPU. Used for bench/results/<gpu>/.
 std::string device_short_name(const c10::Device& device);
 std::string device_long_name(const c10::Device& device);

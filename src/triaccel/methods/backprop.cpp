@@ -376,6 +376,12 @@ Trainer::Trainer(Session& session)
       faults_(config_.execution.inject_faults),
       progress_(std::make_unique<Progress>()) {
   context_trace("memory plan and loaders");
+  if (const char* path = std::getenv("TRIACCEL_MEMORY_HISTORY"); path && *path) {
+    const char* entries = std::getenv("TRIACCEL_MEMORY_HISTORY_ENTRIES");
+    memory_history_start(device_, entries ? std::stoul(entries) : 20000);
+    memory_history_ = session_.dist().active() ? str_cat(path, ".rank", session_.dist().rank()) : path;
+    trace_peak_ = true;
+  }
   std::vector<std::pair<std::string, at::Tensor>> named_params;
   for (const auto& item : session_.model().named_parameters()) named_params.emplace_back(item.key(), item.value());
   optimizer_ = optimizer_create(config_.optim.optimizer, named_params, config_.optim.optimizer_options());
@@ -1156,6 +1162,7 @@ void Trainer::peak_trace(const char* phase) {
                static_cast<long long>(progress_->epoch_offset), phase, static_cast<double>(peak) / kGB,
                static_cast<double>(traced_peak_) / kGB, static_cast<double>(memory_stats(device_).allocated_bytes) / kGB);
   traced_peak_ = peak;
+  if (!memory_history_.empty()) memory_history_write(device_, memory_history_);
 }
 
 Json Trainer::stop() {

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""What was allocated on the GPU at the moment of the allocator's peak, from a memory snapshot.
+
+A run started with TRIACCEL_MEMORY_HISTORY=FILE (docs/measuring.md) writes PyTorch's memory snapshot (a pickle: the
+allocator's blocks now and its last allocations and frees, each with its C++ stack) to FILE each time its peak rises.
+This walks the recorded events back from the blocks alive at the end, finds the moment the allocated bytes were
+highest, and lists what was alive then, grouped by where it was allocated:
+
+    python3 bench/memory_peak.py runs/x/memory.pickle [--top 25] [--frames 4]
+
+The peak found is the highest within the recorded events (the snapshot's ring of the last N); the line `events`
+says how far back they reach.
+"""
+import argparse
+import collections
+import pickle
+import shutil
+import subprocess
+import sys
+
+# Frames that say nothing about who asked for the memory: the allocator, tensor factories, dispatch.
+DULL = ("c10::cuda::CUDACachingAllocator", "c10::", "at::detail::empty", "at::empty", "at::native::empty",
+        "at::_ops::", "at::(anonymous", "torch::autograd::VariableType", "c10::impl::", "at::TensorBase",
+        "at::native::(anonymous namespace)::create_out", "wrapper_", "std::", "__libc", "_start", "??",
+        "torch::unwind", "torch::CapturedTraceback", "at::meta::", "at::compositeexplicitautograd",
+        "at::cuda::", "torch::ADInplaceOrView", "torch::autograd::impl", "at::functionalization")
+
+
+DEMANGLED = {}
+
+
+def demangle_all(names):
+    """Mangled C++ names (TORCH_SYMBOLIZE_MODE=dladdr gives them) through c++filt, where the machine has it."""
+    todo = sorted({n for n in names if n.startswith("_Z") and n not in DEMANGLED})
+    if not todo or not shutil.which("c++filt"):
+        return
+    out = subprocess.run(["c++filt"], input="\n".join(todo), capture_output=True, text=True).stdout.splitlines()
+    if len(out) == len(todo):
+        DEMANGLED.update(zip(todo, out))
+
+
+def frame_name(f):
+    name = f.get("name", "?") if isinstance(f, dict) else str(f)
+    return DEMANGLED.get(name, name)
+
+
+def site(frames, depth):
+    names = [frame_name(f) for f in frames]
+    keep = [n for n in names if not n.startswith(DULL) and n.strip()]
+    return " <- ".join(n[:90] for n in keep[:depth]) or "(no stack)"
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("snapshot")
+    ap.add_argument("--top", type=int, default=25, help="groups listed (largest first)")
+    ap.add_argument("--frames", type=int, default=4, help="frames naming a group")
+    args = ap.parse_args(argv)
+    with open(args.snapshot, "rb") as f:
+        snap = pickle.load(f)
+    traces = snap.get("device_traces", [])
+    dev = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
+    events = traces[dev] if traces else []
+
+    live = {}  # addr -> (size, frames, how it is known)
+    for seg in snap.get("segments", []):
+        if seg.get("device", dev) != dev:
+            continue
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                live[addr] = (b["size"], b.get("frames", []), "alive at the end")
+            addr += b["size"]
+    total = sum(s for s, _, _ in live.values())
+    end_total = total
+
+    # The allocation behind each free in the ring (its stack), where the ring reaches back to it.
+    alloc_of = {}
+    last_alloc = {}
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            last_alloc[e["addr"]] = i
+        elif e["action"] == "free_completed" and e["addr"] in last_alloc:
+            alloc_of[i] = last_alloc.pop(e["addr"])
+
+    demangle_all(frame_name(f) for e in events for f in e.get("frames", []))
+    demangle_all(frame_name(f) for _, frames, _ in live.values() for f in frames)
+    best, best_at, best_live = total, len(events), dict(live)
+    for i in range(len(events) - 1, -1, -1):
+        e = events[i]
+        if e["action"] == "alloc":
+            if e["addr"] in live:
+                total -= live.pop(e["addr"])[0]
+        elif e["action"] == "free_completed":
+            j = alloc_of.get(i)
+            frames, how = (events[j].get("frames", []), "allocated and freed in the ring") if j is not None else (
+                e.get("frames", []), "freed in the ring (stack of the free)")
+            live[e["addr"]] = (e["size"], frames, how)
+            total += e["size"]
+        else:
+            continue
+        if total > best:
+            best, best_at, best_live = total, i, dict(live)
+
+    mb = 1e6
+    print(f"events: {len(events)} recorded on device {dev}; allocated at the end {end_total / mb:.1f} MB")
+    print(f"peak within them: {best / mb:.1f} MB, {len(events) - best_at} events before the end, "
+          f"{len(best_live)} blocks alive")
+    groups = collections.defaultdict(lambda: [0, 0, ""])
+    for size, frames, how in best_live.values():
+        g = groups[site(frames, args.frames)]
+        g[0] += size
+        g[1] += 1
+        g[2] = how
+    print(f"{'MB':>8} {'blocks':>6}  where allocated")
+    for name, (size, count, how) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"{size / mb:8.1f} {count:6d}  {name}" + ("" if how == "alive at the end" else f"   [{how}]"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
