@@ -133,10 +133,11 @@ TEST(DistTest, TheRendezvousPortIsBelowTheEphemeralRange) {
 }
 
 // rows_gather through the store: every rank gets every rank's row in rank order, round after round (rows of other
-// lengths too), and the store keeps only the last round's keys (each round deletes the one before).
+// lengths too), and the store keeps only the last two rounds' rows, the count and the last round's mark.
 TEST(DistTest, RowsGatherGivesEveryRanksRowInRankOrderEachRound) {
   std::vector<std::vector<std::vector<std::vector<double>>>> seen(2);
-  bool old_keys_left = true, last_keys_left = false;
+  bool old_mark_left = true, last_keys_left = false;
+  int64_t count = 0;
   const int port = free_local_port();
   const auto errors = test::on_two_ranks(port, [&](int r, Dist& dist) {
     for (int round = 0; round < 30; ++round) {
@@ -151,8 +152,9 @@ TEST(DistTest, RowsGatherGivesEveryRanksRowInRankOrderEachRound) {
       so.isServer = false;
       so.timeout = std::chrono::seconds(10);
       c10d::TCPStore store("127.0.0.1", so);
-      old_keys_left = store.check({"rows/0/0"}) || store.check({"rows/28/1"}) || store.check({"rows/28/in"});
-      last_keys_left = store.check({"rows/29/0", "rows/29/1", "rows/29/in", "rows/29/all"});
+      old_mark_left = store.check({"rows/all0"});  // round 28's
+      last_keys_left = store.check({"rows/0/0", "rows/0/1", "rows/1/0", "rows/1/1", "rows/all1"});
+      count = store.add("rows/in", 0);
     }
     dist.barrier();
   });
@@ -170,8 +172,9 @@ TEST(DistTest, RowsGatherGivesEveryRanksRowInRankOrderEachRound) {
       }
     }
   }
-  EXPECT_FALSE(old_keys_left);  // each round deleted the one before
-  EXPECT_TRUE(last_keys_left);   // the last round's rows, count and mark
+  EXPECT_FALSE(old_mark_left);  // each round's last rank in deleted the round before's mark
+  EXPECT_TRUE(last_keys_left);  // rounds 28 and 29's rows, round 29's mark
+  EXPECT_EQ(count, 60);         // 2 ranks × 30 rounds
 }
 
 // Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) the store outlives a restart of the workers: an
@@ -185,7 +188,7 @@ TEST(DistTest, ARestartedAttemptUnderTheAgentsStoreReadsOnlyItsOwnKeys) {
   agent.isServer = true;
   agent.timeout = std::chrono::seconds(30);
   c10d::TCPStore store("127.0.0.1", agent);
-  store.add("rows/0/in", 2);  // a former attempt's count of round 0: read as this one's, no rank would be the last in
+  store.add("rows/in", 2);  // a former attempt's count of round 0: read as this one's, no rank would be the last in
   const EnvScope env({{"TORCHELASTIC_RESTART_COUNT", "1"}});
   std::vector<std::vector<std::vector<double>>> rows(2);
   std::vector<std::string> errors(2);

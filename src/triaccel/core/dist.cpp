@@ -64,7 +64,7 @@ DistOptions dist_options_from_env() {
 
 struct Dist::Group {
   c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::Store> rows;  // rows_gather's keys, "rows/<round>/<rank>"
+  c10::intrusive_ptr<c10d::Store> rows;  // rows_gather's keys under "rows/" (Dist::rows_gather)
   int64_t rows_round = 0;                // rows_gather's calls so far
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
   c10::intrusive_ptr<c10d::Backend> nccl;  // null: CUDA tensors through the host
@@ -323,30 +323,31 @@ void Dist::recv(at::Tensor& t, int src, int tag) {
   run_collective(options_, [&] { return group_->gloo->recv(one, src, tag); });
 }
 
+// Keys: each round's rows at "<round % 2>/<rank>", one count of arrivals over all rounds ("in"), and each round's
+// mark at "all<round % 2>". A round's keys are reused two rounds later: no rank writes round r + 2's row before
+// every rank came into round r + 1, so after every rank read round r's rows. The last rank in removes the round
+// before's mark before it sets this one's, and no rank waits on a mark before that: the store stays at 2 × world + 2
+// keys and a rank makes four round trips (set, add, wait, get), the last one in five.
 std::vector<std::vector<double>> Dist::rows_gather(const std::vector<double>& own) {
   if (!active()) return {own};
   c10d::Store& store = *group_->rows;
   const int64_t round = group_->rows_round++;
-  const auto key = [&](int64_t r, const std::string& what) { return str_cat(r, "/", what); };
+  const int64_t parity = round % 2;
   std::vector<std::string> row_keys;
-  for (int r = 0; r < world_size(); ++r) row_keys.push_back(key(round, std::to_string(r)));
+  for (int r = 0; r < world_size(); ++r) row_keys.push_back(str_cat(parity, "/", r));
   std::vector<std::vector<uint8_t>> bytes;
   try {
     std::vector<uint8_t> mine(own.size() * sizeof(double));
     if (!own.empty()) std::memcpy(mine.data(), own.data(), mine.size());
     store.set(row_keys[static_cast<size_t>(rank())], mine);
-    if (store.add(key(round, "in"), 1) == world_size()) store.set(key(round, "all"), std::vector<uint8_t>{1});
-    store.wait({key(round, "all")});
-    bytes = store.multiGet(row_keys);
-    // Every rank has come into this round, so every rank is done reading the last one: its keys go (this rank's row;
-    // rank 0 the round's count and mark too).
-    if (round > 0) {
-      store.deleteKey(key(round - 1, std::to_string(rank())));
-      if (rank() == 0) {
-        store.deleteKey(key(round - 1, "in"));
-        store.deleteKey(key(round - 1, "all"));
-      }
+    const std::string mark = str_cat("all", parity);
+    if (store.add("in", 1) == static_cast<int64_t>(world_size()) * (round + 1)) {
+      if (round > 0) store.deleteKey(str_cat("all", 1 - parity));
+      store.set(mark, std::vector<uint8_t>{1});
+    } else {
+      store.wait({mark});
     }
+    bytes = store.multiGet(row_keys);
   } catch (const std::exception& e) {
     throw group_lost(options_, e);
   }
