@@ -2,11 +2,12 @@
 """What was allocated on the GPU at the moment of the allocator's peak, from a memory snapshot.
 
 A run started with TRIACCEL_MEMORY_HISTORY=FILE (docs/measuring.md) writes PyTorch's memory snapshot (a pickle: the
-allocator's blocks now and its last allocations and frees, each with its C++ stack) to FILE each time its peak rises.
-This walks the recorded events back from the blocks alive at the end, finds the moment the allocated bytes were
-highest, and lists what was alive then, grouped by where it was allocated:
+allocator's blocks now and its last allocations and frees, each with its C++ stack) to FILE.PHASE each time that
+phase's peak rises (FILE.step: the training steps'). This walks the recorded events back from the blocks alive at the
+end, finds the moment the allocated bytes were highest, and lists what was alive then, grouped by where it was
+allocated; with --compare, what differs from another snapshot's peak:
 
-    python3 bench/memory_peak.py runs/x/memory.pickle [--top 25] [--frames 4]
+    python3 bench/memory_peak.py runs/x/memory.pickle.step [--top 25] [--frames 4] [--compare runs/y/memory.pickle.step]
 
 The peak found is the highest within the recorded events (the snapshot's ring of the last N); the line `events`
 says how far back they reach.
@@ -50,13 +51,9 @@ def site(frames, depth):
     return " <- ".join(n[:90] for n in keep[:depth]) or "(no stack)"
 
 
-def main(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("snapshot")
-    ap.add_argument("--top", type=int, default=25, help="groups listed (largest first)")
-    ap.add_argument("--frames", type=int, default=4, help="frames naming a group")
-    args = ap.parse_args(argv)
-    with open(args.snapshot, "rb") as f:
+def peak_of(path, depth):
+    """(peak bytes, events before the end, blocks, end bytes, events, {group: [bytes, blocks, how]}) of a snapshot."""
+    with open(path, "rb") as f:
         snap = pickle.load(f)
     traces = snap.get("device_traces", [])
     dev = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
@@ -102,16 +99,38 @@ def main(argv):
         if total > best:
             best, best_at, best_live = total, i, dict(live)
 
-    mb = 1e6
-    print(f"events: {len(events)} recorded on device {dev}; allocated at the end {end_total / mb:.1f} MB")
-    print(f"peak within them: {best / mb:.1f} MB, {len(events) - best_at} events before the end, "
-          f"{len(best_live)} blocks alive")
     groups = collections.defaultdict(lambda: [0, 0, ""])
     for size, frames, how in best_live.values():
-        g = groups[site(frames, args.frames)]
+        g = groups[site(frames, depth)]
         g[0] += size
         g[1] += 1
         g[2] = how
+    return best, len(events) - best_at, len(best_live), end_total, len(events), groups
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("snapshot")
+    ap.add_argument("--top", type=int, default=25, help="groups listed (largest first)")
+    ap.add_argument("--frames", type=int, default=4, help="frames naming a group")
+    ap.add_argument("--compare", help="another run's snapshot: list the groups whose bytes at the peak differ")
+    args = ap.parse_args(argv)
+    mb = 1e6
+    best, before_end, blocks, end_total, n_events, groups = peak_of(args.snapshot, args.frames)
+    print(f"events: {n_events} recorded; allocated at the end {end_total / mb:.1f} MB")
+    print(f"peak within them: {best / mb:.1f} MB, {before_end} events before the end, {blocks} blocks alive")
+    if args.compare:
+        other = peak_of(args.compare, args.frames)
+        print(f"{args.compare}: peak {other[0] / mb:.1f} MB; this one {(best - other[0]) / mb:+.2f} MB")
+        diffs = []
+        for name in set(groups) | set(other[5]):
+            a, b = groups.get(name, [0, 0, ""]), other[5].get(name, [0, 0, ""])
+            if a[0] != b[0] or a[1] != b[1]:
+                diffs.append((a[0] - b[0], a[1] - b[1], name))
+        print(f"{'MB':>8} {'blocks':>6}  where allocated (this run minus the other)")
+        for d, c, name in sorted(diffs, key=lambda t: -abs(t[0]))[:args.top]:
+            print(f"{d / mb:+8.2f} {c:+6d}  {name}")
+        return 0
     print(f"{'MB':>8} {'blocks':>6}  where allocated")
     for name, (size, count, how) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"{size / mb:8.1f} {count:6d}  {name}" + ("" if how == "alive at the end" else f"   [{how}]"))

@@ -157,11 +157,12 @@ elif [ "$STAGE" = costs ]; then  # issue 19: where precision-only's time goes, s
   job r18_prec_autotune_s0 $R --method tri-accel --ta-curvature false --cudnn-autotune on $PROTO --seed 0
   job r18_tri_fisher_budget2_s0 $R --method tri-accel --curv-estimator fisher --curv-budget 0.02 $PROTO --seed 0
 elif [ "$STAGE" = peak ]; then  # issue 19: what is alive at each run's peak, AMP bf16 beside Tri-Accel, seed 0: each run
-  # records its allocator's history (TRIACCEL_MEMORY_HISTORY) and bench/memory_peak.py lists its peak ($OUT/NAME.peak.txt)
+  # records its allocator's history (TRIACCEL_MEMORY_HISTORY) and bench/memory_peak.py lists its training steps' peak
+  # ($OUT/NAME.peak.txt) and what differs from AMP bf16's ($OUT/NAME.vs_bf16.txt); EXTRA flags last
   R="--model resnet18"
-  job r18_bf16_s0 $R --precision amp-bf16 $PROTO --seed 0
-  job r18_prec_s0 $R --method tri-accel --ta-curvature false $PROTO --seed 0
-  job r18_tri_s0 $R --method tri-accel $PROTO --seed 0
+  job r18_bf16_s0 $R --precision amp-bf16 $PROTO --seed 0 ${EXTRA:-}
+  job r18_prec_s0 $R --method tri-accel --ta-curvature false $PROTO --seed 0 ${EXTRA:-}
+  job r18_tri_s0 $R --method tri-accel $PROTO --seed 0 ${EXTRA:-}
 elif [ "$STAGE" = chunks ]; then  # lockstep rounds at each --curv-chunk in CHUNKS (8 16 32) beside AMP bf16, seed 0;
   # EXTRA flags last (e.g. "--epochs 3 --warmup-epochs 1")
   for c in ${CHUNKS:-8 16 32}; do
@@ -228,12 +229,14 @@ WORKERS=$NGPU
 for ((g = 0; g < WORKERS; g++)); do worker $g & done
 wait
 grep -B2 -A20 "FAILED\|Failure" "$OUT/unit_tests_gpu.log" 2>/dev/null | head -60
-for f in /tmp/runs/*.memory.pickle; do  # stage peak
+for f in /tmp/runs/*.memory.pickle.step; do  # stage peak: the training steps' peak
   [ -f "$f" ] || continue
-  name=$(basename "$f" .memory.pickle)
+  name=$(basename "$f" .memory.pickle.step)
   python3 bench/memory_peak.py "$f" --top 20 >"$OUT/$name.peak.txt" 2>&1
   echo "== $name: $(grep -c 'peak trace' "$OUT/$name.log") peak rises; the last: $(grep 'peak trace' "$OUT/$name.log" | tail -1)"
   head -24 "$OUT/$name.peak.txt"
+  [ "$name" != r18_bf16_s0 ] && [ -f /tmp/runs/r18_bf16_s0.memory.pickle.step ] &&
+    python3 bench/memory_peak.py "$f" --compare /tmp/runs/r18_bf16_s0.memory.pickle.step | tee "$OUT/$name.vs_bf16.txt"
 done
 python3 bench/tri_accel_table.py "$OUT" --gpu "$GPU" --commit "${COMMIT:-unknown}" \
   --command "bash bench/run_tri_accel.sh $STAGE" --out "$OUT/tri_accel_table"

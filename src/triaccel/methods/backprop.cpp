@@ -1162,7 +1162,11 @@ void Trainer::peak_trace(const char* phase) {
                static_cast<long long>(progress_->epoch_offset), phase, static_cast<double>(peak) / kGB,
                static_cast<double>(traced_peak_) / kGB, static_cast<double>(memory_stats(device_).allocated_bytes) / kGB);
   traced_peak_ = peak;
-  if (!memory_history_.empty()) memory_history_write(device_, memory_history_);
+  if (memory_history_.empty()) return;
+  int64_t& highest = history_peaks_[phase];
+  if (peak <= highest) return;
+  highest = peak;
+  memory_history_write(device_, str_cat(memory_history_, ".", phase));
 }
 
 Json Trainer::stop() {

@@ -29,6 +29,7 @@
 
 #include <array>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -157,7 +158,10 @@ class Trainer : private MemoryMeter {
   int64_t samples_this_epoch_ = 0;         // trained this epoch in this session
   int64_t samples_since_log_ = 0;
   bool trace_peak_ = std::getenv("TRIACCEL_TRACE_PEAK") != nullptr;  // peak_trace() prints
-  std::string memory_history_;  // TRIACCEL_MEMORY_HISTORY: peak_trace() writes the allocator's snapshot there too
+  // TRIACCEL_MEMORY_HISTORY: peak_trace() writes the allocator's snapshot to <it>.<phase> when the phase's highest
+  // peak so far rises (history_peaks_), so each file holds its phase's peak.
+  std::string memory_history_;
+  std::map<std::string, int64_t> history_peaks_;
   int64_t window_carry_ = 0;     // the current window's peak that measure() reset away
   int64_t transient_carry_ = 0;  // measure()'s peaks this epoch
   int64_t steps_peak_ = 0;       // the training steps' peak before the allocator's last reset (steps_peak_now())
