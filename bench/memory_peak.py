@@ -51,8 +51,9 @@ def site(frames, depth):
     return " <- ".join(n[:90] for n in keep[:depth]) or "(no stack)"
 
 
-def peak_of(path, depth):
-    """(peak bytes, events before the end, blocks, end bytes, events, {group: [bytes, blocks, how]}) of a snapshot."""
+def peak_of(path, depth, at_end=False):
+    """(peak bytes, events before the end, blocks, end bytes, events, {group: [bytes, blocks, how]}) of a snapshot;
+    at_end: the blocks alive when it was written instead of at the peak."""
     with open(path, "rb") as f:
         snap = pickle.load(f)
     traces = snap.get("device_traces", [])
@@ -83,7 +84,7 @@ def peak_of(path, depth):
     demangle_all(frame_name(f) for e in events for f in e.get("frames", []))
     demangle_all(frame_name(f) for _, frames, _ in live.values() for f in frames)
     best, best_at, best_live = total, len(events), dict(live)
-    for i in range(len(events) - 1, -1, -1):
+    for i in range(len(events) - 1 if not at_end else -1, -1, -1):
         e = events[i]
         if e["action"] == "alloc":
             if e["addr"] in live:
@@ -114,13 +115,15 @@ def main(argv):
     ap.add_argument("--top", type=int, default=25, help="groups listed (largest first)")
     ap.add_argument("--frames", type=int, default=4, help="frames naming a group")
     ap.add_argument("--compare", help="another run's snapshot: list the groups whose bytes at the peak differ")
+    ap.add_argument("--at-end", action="store_true", help="the blocks alive when the snapshot was written instead")
     args = ap.parse_args(argv)
     mb = 1e6
-    best, before_end, blocks, end_total, n_events, groups = peak_of(args.snapshot, args.frames)
+    best, before_end, blocks, end_total, n_events, groups = peak_of(args.snapshot, args.frames, args.at_end)
     print(f"events: {n_events} recorded; allocated at the end {end_total / mb:.1f} MB")
-    print(f"peak within them: {best / mb:.1f} MB, {before_end} events before the end, {blocks} blocks alive")
+    what = "alive at the end" if args.at_end else f"peak within them, {before_end} events before the end"
+    print(f"{what}: {best / mb:.1f} MB, {blocks} blocks")
     if args.compare:
-        other = peak_of(args.compare, args.frames)
+        other = peak_of(args.compare, args.frames, args.at_end)
         print(f"{args.compare}: peak {other[0] / mb:.1f} MB; this one {(best - other[0]) / mb:+.2f} MB")
         diffs = []
         for name in set(groups) | set(other[5]):

@@ -235,8 +235,12 @@ for f in /tmp/runs/*.memory.pickle.step; do  # stage peak: the training steps' p
   python3 bench/memory_peak.py "$f" --top 20 >"$OUT/$name.peak.txt" 2>&1
   echo "== $name: $(grep -c 'peak trace' "$OUT/$name.log") peak rises; the last: $(grep 'peak trace' "$OUT/$name.log" | tail -1)"
   head -24 "$OUT/$name.peak.txt"
-  [ "$name" != r18_bf16_s0 ] && [ -f /tmp/runs/r18_bf16_s0.memory.pickle.step ] &&
+  if [ "$name" != r18_bf16_s0 ] && [ -f /tmp/runs/r18_bf16_s0.memory.pickle.step ]; then
     python3 bench/memory_peak.py "$f" --compare /tmp/runs/r18_bf16_s0.memory.pickle.step | tee "$OUT/$name.vs_bf16.txt"
+    python3 bench/memory_peak.py "$f" --at-end --compare /tmp/runs/r18_bf16_s0.memory.pickle.step \
+      | tee "$OUT/$name.vs_bf16_at_end.txt"
+  fi
+  mkdir -p "$FINAL_OUT/snapshots" && cp "$f" "$FINAL_OUT/snapshots/"
 done
 python3 bench/tri_accel_table.py "$OUT" --gpu "$GPU" --commit "${COMMIT:-unknown}" \
   --command "bash bench/run_tri_accel.sh $STAGE" --out "$OUT/tri_accel_table"
