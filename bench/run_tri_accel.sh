@@ -14,7 +14,7 @@
 # and AMP bf16 rows, seed 0, EXTRA flags last; lockstep: ResNet-18's Tri-Accel with lockstep rounds and with per-unit probes beside AMP
 # bf16, seeds SEEDS (0); chunks: lockstep rounds at each --curv-chunk in CHUNKS; fisher: the Fisher estimator, see
 # its stage; costs: precision-only's levers one at a time, seed 0; peak: what is alive at the peak of AMP bf16,
-# precision-only and Tri-Accel (seed 0, TRIACCEL_MEMORY_HISTORY, bench/memory_peak.py); curv: curvature-lr-only beside AMP bf16, SEEDS; effb0_abl: EfficientNet-B0's single-signal rows beside AMP bf16;
+# precision-only (not with SKIP_PREC) and Tri-Accel (seeds SEEDS, 0; TRIACCEL_MEMORY_HISTORY, bench/memory_peak.py); curv: curvature-lr-only beside AMP bf16, SEEDS; effb0_abl: EfficientNet-B0's single-signal rows beside AMP bf16;
 # runs: the runs RUNS names, see its stage). Results: $OUT/tri_accel_out.tar.gz (every events.jsonl) and
 # $OUT/tri_accel_table.{json,md} (bench/tri_accel_table.py). Set COMMIT=<hash> (the device copy has no .git).
 # Every stage but runs takes the binaries' default curvature estimator: the Hessian before 9f79024, the Fisher since.
@@ -160,9 +160,12 @@ elif [ "$STAGE" = peak ]; then  # issue 19: what is alive at each run's peak, AM
   # records its allocator's history (TRIACCEL_MEMORY_HISTORY) and bench/memory_peak.py lists its training steps' peak
   # ($OUT/NAME.peak.txt) and what differs from AMP bf16's ($OUT/NAME.vs_bf16.txt); EXTRA flags last
   R="--model resnet18"
-  job r18_bf16_s0 $R --precision amp-bf16 $PROTO --seed 0 ${EXTRA:-}
-  job r18_prec_s0 $R --method tri-accel --ta-curvature false $PROTO --seed 0 ${EXTRA:-}
-  job r18_tri_s0 $R --method tri-accel $PROTO --seed 0 ${EXTRA:-}
+  for s in ${SEEDS:-0}; do  # AMP bf16 at the first seed only
+    [ -n "${bf16_done:-}" ] || job r18_bf16_s$s $R --precision amp-bf16 $PROTO --seed $s ${EXTRA:-}
+    bf16_done=1
+    [ -n "${SKIP_PREC:-}" ] || job r18_prec_s$s $R --method tri-accel --ta-curvature false $PROTO --seed $s ${EXTRA:-}
+    job r18_tri_s$s $R --method tri-accel $PROTO --seed $s ${EXTRA:-}
+  done
 elif [ "$STAGE" = chunks ]; then  # lockstep rounds at each --curv-chunk in CHUNKS (8 16 32) beside AMP bf16, seed 0;
   # EXTRA flags last (e.g. "--epochs 3 --warmup-epochs 1")
   for c in ${CHUNKS:-8 16 32}; do
@@ -235,12 +238,12 @@ for f in /tmp/runs/*.memory.pickle.step; do  # stage peak: the training steps' p
   python3 bench/memory_peak.py "$f" --top 20 >"$OUT/$name.peak.txt" 2>&1
   echo "== $name: $(grep -c 'peak trace' "$OUT/$name.log") peak rises; the last: $(grep 'peak trace' "$OUT/$name.log" | tail -1)"
   head -24 "$OUT/$name.peak.txt"
-  if [ "$name" != r18_bf16_s0 ] && [ -f /tmp/runs/r18_bf16_s0.memory.pickle.step ]; then
-    python3 bench/memory_peak.py "$f" --compare /tmp/runs/r18_bf16_s0.memory.pickle.step | tee "$OUT/$name.vs_bf16.txt"
-    python3 bench/memory_peak.py "$f" --at-end --compare /tmp/runs/r18_bf16_s0.memory.pickle.step \
-      | tee "$OUT/$name.vs_bf16_at_end.txt"
+  bf16=$(ls /tmp/runs/r18_bf16_s*.memory.pickle.step 2>/dev/null | head -1)
+  if [[ "$name" != r18_bf16_* ]] && [ -n "$bf16" ]; then
+    python3 bench/memory_peak.py "$f" --compare "$bf16" | tee "$OUT/$name.vs_bf16.txt"
+    python3 bench/memory_peak.py "$f" --at-end --compare "$bf16" >"$OUT/$name.vs_bf16_at_end.txt"
   fi
-  mkdir -p "$FINAL_OUT/snapshots" && cp "$f" "$FINAL_OUT/snapshots/"
+  cp "$f" "$OUT/"  # in the tar
 done
 python3 bench/tri_accel_table.py "$OUT" --gpu "$GPU" --commit "${COMMIT:-unknown}" \
   --command "bash bench/run_tri_accel.sh $STAGE" --out "$OUT/tri_accel_table"

@@ -123,12 +123,29 @@ bool memory_expandable_segments() {
 #endif
 }
 
+#ifdef TRIACCEL_WITH_CUDA
+namespace {
+size_t history_entries = 0;  // memory_history_start's
+}  // namespace
+#endif
+
 void memory_history_start(const c10::Device& device, size_t max_entries) {
 #ifdef TRIACCEL_WITH_CUDA
+  history_entries = max_entries;
   if (device.is_cuda()) torch::cuda::_record_memory_history("all", "all", "all", max_entries);
 #else
   (void)device;
   (void)max_entries;
+#endif
+}
+
+void memory_history_clear(const c10::Device& device) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (device.is_cuda() && history_entries > 0) {
+    torch::cuda::_record_memory_history("all", "all", "all", history_entries, /*clearHistory=*/true);
+  }
+#else
+  (void)device;
 #endif
 }
 

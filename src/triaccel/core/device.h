@@ -97,6 +97,8 @@ bool memory_expandable_segments();
 // PyTorch's memory snapshot (a pickle: bench/memory_peak.py, torch.cuda._memory_viz). No-ops on the CPU.
 void memory_history_start(const c10::Device& device, size_t max_entries);
 void memory_history_write(const c10::Device& device, const std::string& path);
+// Drops the recorded events (not the stacks of the blocks alive): the next snapshot's events start here.
+void memory_history_clear(const c10::Device& device);
 
 // "NVIDIA H100 80GB HBM3" → "h100"; "cpu" on the CPU. Used for bench/results/<gpu>/.
 std::string device_short_name(const c10::Device& device);

@@ -1156,17 +1156,22 @@ void Trainer::checkpoint(const std::string& file) {
 void Trainer::peak_trace(const char* phase) {
   if (!trace_peak_) return;
   const int64_t peak = peak_now();
-  if (peak <= traced_peak_ + static_cast<int64_t>(1e6)) return;
-  std::fprintf(stderr, "peak trace: step %lld epoch %lld offset %lld after %s: peak %.6f GB (was %.6f), now %.6f GB\n",
-               static_cast<long long>(progress_->step), static_cast<long long>(progress_->epoch),
-               static_cast<long long>(progress_->epoch_offset), phase, static_cast<double>(peak) / kGB,
-               static_cast<double>(traced_peak_) / kGB, static_cast<double>(memory_stats(device_).allocated_bytes) / kGB);
-  traced_peak_ = peak;
+  if (peak > traced_peak_ + static_cast<int64_t>(1e6)) {
+    std::fprintf(stderr, "peak trace: step %lld epoch %lld offset %lld after %s: peak %.6f GB (was %.6f), now %.6f GB\n",
+                 static_cast<long long>(progress_->step), static_cast<long long>(progress_->epoch),
+                 static_cast<long long>(progress_->epoch_offset), phase, static_cast<double>(peak) / kGB,
+                 static_cast<double>(traced_peak_) / kGB,
+                 static_cast<double>(memory_stats(device_).allocated_bytes) / kGB);
+    traced_peak_ = peak;
+  }
   if (memory_history_.empty()) return;
+  // The recorded events are this phase's alone (cleared after the last one), so a rise of the peak happened in them.
   int64_t& highest = history_peaks_[phase];
-  if (peak <= highest) return;
-  highest = peak;
-  memory_history_write(device_, str_cat(memory_history_, ".", phase));
+  if (peak > highest) {
+    highest = peak;
+    memory_history_write(device_, str_cat(memory_history_, ".", phase));
+  }
+  memory_history_clear(device_);
 }
 
 Json Trainer::stop() {

@@ -159,7 +159,7 @@ class Trainer : private MemoryMeter {
   int64_t samples_since_log_ = 0;
   bool trace_peak_ = std::getenv("TRIACCEL_TRACE_PEAK") != nullptr;  // peak_trace() prints
   // TRIACCEL_MEMORY_HISTORY: peak_trace() writes the allocator's snapshot to <it>.<phase> when the phase's highest
-  // peak so far rises (history_peaks_), so each file holds its phase's peak.
+  // peak so far rises (history_peaks_), with the events of that phase only, so each file holds its phase's peak.
   std::string memory_history_;
   std::map<std::string, int64_t> history_peaks_;
   int64_t window_carry_ = 0;     // the current window's peak that measure() reset away
