@@ -300,6 +300,30 @@ TEST(MemoryLeverTest, RecomputeGivesTheSameWeightsAndStatistics) {
   for (size_t i = 0; i < kept.buffers.size(); ++i) EXPECT_TRUE(torch::equal(kept.buffers[i], recomputed.buffers[i])) << i;
 }
 
+// A recomputed fp32 unit after a bf16 one keeps its input as it came (bf16, the previous unit's output), not an fp32
+// copy (twice its bytes, beside the bf16 one the previous unit's backward holds), and its gradients are those of the
+// kept forward: the cast into its dtype runs inside the recompute.
+TEST(MemoryLeverTest, ARecomputedUnitKeepsItsInputAsItCameNotItsCast) {
+  torch::manual_seed(3);
+  UnitRig rig(false, StepOptions{}, torch::kCPU);
+  TrainStep& step = rig.step;
+  step.set_unit_precisions({Precision::kBF16, Precision::kFP32, Precision::kBF16});
+  const at::Tensor x = torch::randn({6, 12});
+  const auto grads_of = [&](const at::Tensor& out) {
+    return torch::autograd::grad({out.to(at::kFloat).pow(2).sum()}, rig.net.parameters());
+  };
+  const auto kept = grads_of(step.forward(x));
+  step.set_recompute({false, true, false});
+  const at::Tensor out = step.forward(x);
+  const std::vector<at::Tensor> inputs = recompute_kept_inputs(out);
+  ASSERT_EQ(inputs.size(), 1u);
+  EXPECT_EQ(inputs[0].scalar_type(), at::kBFloat16);
+  EXPECT_EQ(inputs[0].sizes(), (std::vector<int64_t>{6, 24}));
+  const auto again = grads_of(out);
+  ASSERT_EQ(again.size(), kept.size());
+  for (size_t i = 0; i < kept.size(); ++i) EXPECT_TRUE(torch::equal(kept[i], again[i])) << i;
+}
+
 // recompute_forward's gradients for the input and the parameters equal the plain forward's, and its forward keeps
 // no graph inside the unit (only the function node itself).
 TEST(MemoryLeverTest, RecomputeForwardMatchesThePlainGradients) {

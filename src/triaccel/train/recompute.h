@@ -24,4 +24,8 @@ using UnitForward = std::function<at::Tensor(const at::Tensor&)>;
 at::Tensor recompute_forward(const UnitForward& forward, const at::Tensor& x, const std::vector<at::Tensor>& params,
                              const std::vector<at::Tensor>& buffers);
 
+// The inputs the recompute nodes in the autograd graph behind `output` keep for backward, in the order the graph is
+// walked from `output` (what recomputed units hold between the passes). Exposed for tests.
+std::vector<at::Tensor> recompute_kept_inputs(const at::Tensor& output);
+
 }  // namespace triaccel

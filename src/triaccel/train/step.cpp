@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <utility>
 #ifdef TRIACCEL_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
@@ -221,16 +222,17 @@ at::Tensor TrainStep::forward(const at::Tensor& images) {
   // Unit by unit: the same forward as above, with the recomputed units' activations dropped until backward.
   at::Tensor x = images;
   for (size_t u = 0; u < model_.units().size(); ++u) {
-    if (!unit_precisions_.empty()) {  // the unit's input in its own dtype (unit_precision_forward's rule)
-      const at::ScalarType dtype = precision_dtype(precision_applied(unit_precisions_[u], device_));
-      if (x.is_floating_point() && x.scalar_type() != dtype) x = x.to(dtype);
-    }
-    if (recompute_[u]) {
-      x = recompute_forward([this, u](const at::Tensor& in) { return unit_forward(u, in); }, x, unit_params_[u],
-                            unit_buffers_[u]);
-    } else {
-      x = unit_forward(u, x);
-    }
+    // The unit's input in its own dtype (unit_precision_forward's rule). A recomputed unit casts inside the
+    // recompute, so it keeps its input as it came — the previous unit's output, which that unit's backward holds
+    // anyway — not a copy in its dtype (an fp32 unit after a bf16 one: twice the input's bytes, which the memory
+    // model, pricing the input as it comes, did not predict).
+    std::optional<at::ScalarType> dtype;
+    if (!unit_precisions_.empty()) dtype = precision_dtype(precision_applied(unit_precisions_[u], device_));
+    const auto cast_forward = [this, u, dtype](const at::Tensor& in) {
+      const bool cast = dtype && in.is_floating_point() && in.scalar_type() != *dtype;
+      return unit_forward(u, cast ? in.to(*dtype) : in);
+    };
+    x = recompute_[u] ? recompute_forward(cast_forward, x, unit_params_[u], unit_buffers_[u]) : cast_forward(x);
   }
   return x;
 }

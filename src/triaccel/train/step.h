@@ -68,6 +68,9 @@ class TrainStep {
 
   // One optimizer step on (images, labels) at learning rate lr.
   void run(const at::Tensor& images, const at::Tensor& labels, double lr);
+  // The step's forward: each unit at its precision (its input cast to the unit's dtype), the recomputed units through
+  // recompute_forward, which keeps the input as it came (the cast runs inside the recompute). Public for tests.
+  at::Tensor forward(const at::Tensor& images);
 
   // Whether the last run() skipped its update (an inf/NaN gradient or loss: parameters and optimizer state are
   // unchanged). Reads one value from the device (a sync).
@@ -148,7 +151,6 @@ class TrainStep {
   void update(const at::Tensor& loss_total, const at::Tensor& correct_total, int64_t n, double labels_per_sample);
   // run_failed's eager part: `phase` is where the failed step stopped.
   bool run_failed_eagerly(Phase phase);
-  at::Tensor forward(const at::Tensor& images);
   // One unit's forward at its precision (autocast set inside, so that a recompute in backward sets it again).
   at::Tensor unit_forward(size_t u, const at::Tensor& x) const;
 
