@@ -377,8 +377,9 @@ Trainer::Trainer(Session& session)
       progress_(std::make_unique<Progress>()) {
   context_trace("memory plan and loaders");
   if (const char* path = std::getenv("TRIACCEL_MEMORY_HISTORY"); path && *path) {
-    const char* entries = std::getenv("TRIACCEL_MEMORY_HISTORY_ENTRIES");
-    memory_history_start(device_, entries ? std::stoul(entries) : 20000);
+    const char* entries = std::getenv("TRIACCEL_MEMORY_HISTORY_ENTRIES");  // a count; unset or not one: 20,000
+    const unsigned long n = entries ? std::strtoul(entries, nullptr, 10) : 0;
+    memory_history_start(device_, n > 0 ? n : 20000);
     memory_history_ = session_.dist().active() ? str_cat(path, ".rank", session_.dist().rank()) : path;
     trace_peak_ = true;
   }
