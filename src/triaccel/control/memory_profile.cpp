@@ -1,6 +1,7 @@
 // NeuroFlux memory profile; see memory_profile.h.
 #include "triaccel/control/memory_profile.h"
 
+#include "triaccel/core/autograd_walk.h"
 #include "triaccel/core/device.h"
 #include "triaccel/models/aux_head.h"
 
@@ -11,7 +12,6 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
-#include <unordered_set>
 
 namespace triaccel {
 namespace {
@@ -93,27 +93,17 @@ Footprint measure_footprint(const std::vector<int64_t>& in_shape, const std::fun
 
 double autograd_graph_bytes(const at::Tensor& output, double* max_bytes) {
   double total = 0, largest = 0;
-  if (output.grad_fn()) {
-    std::vector<torch::autograd::Node*> stack{output.grad_fn().get()};
-    std::unordered_set<torch::autograd::Node*> seen{output.grad_fn().get()};
-    while (!stack.empty()) {
-      torch::autograd::Node* node = stack.back();
-      stack.pop_back();
-      if (node->name().find("AccumulateGrad") != std::string::npos) continue;  // a parameter, not an activation
-      for (uint32_t i = 0; i < node->num_inputs(); ++i) {
-        const auto& meta = node->input_metadata(i);
-        double numel = 1;
-        for (const auto& d : meta.shape_as_dim_vector()) numel *= static_cast<double>(d.expect_int());
-        const double bytes = numel * static_cast<double>(meta.dtype().itemsize());
-        total += bytes;
-        largest = std::max(largest, bytes);
-      }
-      for (const auto& edge : node->next_edges()) {
-        torch::autograd::Node* next = edge.function.get();
-        if (next && seen.insert(next).second) stack.push_back(next);
-      }
+  autograd_graph_visit(output, [&](torch::autograd::Node& node) {
+    if (node.name().find("AccumulateGrad") != std::string::npos) return;  // a parameter, not an activation
+    for (uint32_t i = 0; i < node.num_inputs(); ++i) {
+      const auto& meta = node.input_metadata(i);
+      double numel = 1;
+      for (const auto& d : meta.shape_as_dim_vector()) numel *= static_cast<double>(d.expect_int());
+      const double bytes = numel * static_cast<double>(meta.dtype().itemsize());
+      total += bytes;
+      largest = std::max(largest, bytes);
     }
-  }
+  });
   if (max_bytes) *max_bytes = largest;
   return total;
 }

@@ -1,11 +1,11 @@
 #include "triaccel/train/recompute.h"
 
+#include "triaccel/core/autograd_walk.h"
+
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <ATen/core/ivalue.h>
 #include <torch/utils.h>
-
-#include <unordered_set>
 
 namespace triaccel {
 namespace {
@@ -81,20 +81,11 @@ at::Tensor recompute_forward(const UnitForward& forward, const at::Tensor& x, co
 
 std::vector<at::Tensor> recompute_kept_inputs(const at::Tensor& output) {
   std::vector<at::Tensor> kept;
-  if (!output.grad_fn()) return kept;
-  std::vector<torch::autograd::Node*> stack{output.grad_fn().get()};
-  std::unordered_set<torch::autograd::Node*> seen{output.grad_fn().get()};
-  while (!stack.empty()) {
-    torch::autograd::Node* node = stack.back();
-    stack.pop_back();
-    if (auto* recompute = dynamic_cast<torch::autograd::CppNode<RecomputeFunction>*>(node)) {
+  autograd_graph_visit(output, [&](torch::autograd::Node& node) {
+    if (auto* recompute = dynamic_cast<torch::autograd::CppNode<RecomputeFunction>*>(&node)) {
       kept.push_back(recompute->ctx_.get_saved_variables()[0]);
     }
-    for (const auto& edge : node->next_edges()) {
-      torch::autograd::Node* next = edge.function.get();
-      if (next && seen.insert(next).second) stack.push_back(next);
-    }
-  }
+  });
   return kept;
 }
 
