@@ -82,9 +82,10 @@ void memory_cap_set(const c10::Device& device, int64_t bytes) {
 #endif
 }
 
+#ifdef TRIACCEL_WITH_CUDA
 namespace {
 
-[[maybe_unused]] bool user_names_expandable_segments() {  // CUDA builds only
+bool user_names_expandable_segments() {
   for (const char* name : {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
     const char* v = std::getenv(name);
     if (v != nullptr && std::string(v).find("expandable_segments") != std::string::npos) return true;
@@ -93,6 +94,7 @@ namespace {
 }
 
 }  // namespace
+#endif
 
 void cublas_workspace_small() { setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:1", /*overwrite=*/0); }
 
