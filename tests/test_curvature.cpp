@@ -583,6 +583,44 @@ TEST(CurvatureControllerTest, ProbeSamplesFittingTheRoom) {
   EXPECT_EQ(probe_samples_fitting(300, 0, 250, 32), 0);
 }
 
+// Paced lockstep rounds, on the H100's numbers for ResNet-18 (15 epochs of 521 steps at 2.6 ms, a first round of
+// 0.70 s at step 50, warm rounds of 0.069 s, a 5 % budget; control windows every 50 steps, T_curv 200): the budget
+// left after the first round (1.016 − 0.70 s) pays for 4 rounds, and they split the steps after the first into 5
+// equal stretches, each round at the first window after its mark: rounds at 50, 1650, 3200, 4750, 6300, no stretch
+// longer than 1600 steps (3.07 epochs), 0.976 s spent. The credit advanced by the first round's unpaid share (the
+// rule before) probed at 50, 1450, 3250, 5250, 7050: stretches of up to 2000 steps, as seed 0 did on the H100.
+TEST(CurvatureControllerTest, PacedRoundsSpreadTheRunsBudgetEvenly) {
+  const int64_t total = 15 * 521;
+  const double step_s = 2.6e-3, first_s = 0.70, warm_s = 0.069;
+  RoundPace pace;
+  pace.budget = 0.05;
+  pace.round_cost_s = warm_s;
+  pace.total_steps = total;
+  std::vector<int64_t> rounds;
+  int64_t next = -1;
+  for (int64_t step = 50; step < total; step += 50) {
+    pace.training_s = step_s * static_cast<double>(step);
+    if (next >= 0 && step < next) continue;
+    if (!rounds.empty() && !round_pace_due(pace, step)) continue;
+    pace.probe_s += rounds.empty() ? first_s : warm_s;
+    pace.last_round_step = step;
+    rounds.push_back(step);
+    next = step + 200;
+  }
+  EXPECT_EQ(rounds, (std::vector<int64_t>{50, 1650, 3200, 4750, 6300}));
+  EXPECT_LE(pace.probe_s, pace.budget * step_s * static_cast<double>(total));
+  // Not before the last round, not at or past the end, nothing the budget cannot pay for.
+  pace.last_round_step = 6300;
+  pace.training_s = step_s * 6400;
+  EXPECT_FALSE(round_pace_due(pace, 6300));
+  EXPECT_FALSE(round_pace_due(pace, total));
+  pace.probe_s = 0.0;  // 1.016 s left: m = 14 rounds, one due (7815 − 6300) / 15 = 101 steps after the last
+  EXPECT_FALSE(round_pace_due(pace, 6400));
+  EXPECT_TRUE(round_pace_due(pace, 6450));
+  pace.probe_s = 1.0;
+  EXPECT_FALSE(round_pace_due(pace, 7800));
+}
+
 // A memory meter whose room and readings the test makes up: measure() runs the probe and returns the next reading.
 class ScriptedMeter : public MemoryMeter {
  public:

@@ -67,6 +67,23 @@ int64_t probe_samples_fitting(double fixed_bytes, double slope_bytes, double roo
   return std::min<int64_t>(full, static_cast<int64_t>(fit));
 }
 
+bool round_pace_due(const RoundPace& pace, int64_t step) {
+  if (step <= 0 || step <= pace.last_round_step || step >= pace.total_steps || pace.round_cost_s <= 0) return false;
+  const double projected_s = pace.training_s * static_cast<double>(pace.total_steps) / static_cast<double>(step);
+  const double rounds = std::floor((pace.budget * projected_s - pace.probe_s) / pace.round_cost_s);
+  if (rounds < 1) return false;
+  return static_cast<double>(step - pace.last_round_step) * (rounds + 1) >=
+         static_cast<double>(pace.total_steps - pace.last_round_step);
+}
+
+bool CurvatureController::round_due(int64_t step) const {
+  if (round_cost_s_ < 0) return true;  // the first round measures what one costs
+  if (options_.total_steps <= 0) return round_cost_s_ <= credit_s();
+  return round_pace_due({options_.budget, training_s_, probe_seconds_, round_cost_s_, last_round_step_,
+                         options_.total_steps},
+                        step);
+}
+
 int64_t CurvatureController::probe_samples_for(StepContext& ctx, const std::vector<size_t>& chosen,
                                                double* seconds) {
   const int64_t full = std::min(options_.probe.batch, probe_images_.size(0));
@@ -114,9 +131,8 @@ std::vector<size_t> CurvatureController::units_due(int64_t step) {
   // 3.4x fc on the H100); the very first round probes one unit to learn the cost.
   const size_t n_units = model_.units().size();
   std::vector<size_t> chosen;
-  // Lockstep: a whole round while the last steady round's cost fits the credit (the first round to measure it).
-  if (options_.budget <= 0 ||
-      (options_.lockstep && (round_cost_s_ < 0 || round_cost_s_ <= credit_s() + advance_s(step)))) {
+  // Lockstep: a whole round when one is due (round_due).
+  if (options_.budget <= 0 || (options_.lockstep && round_due(step))) {
     for (size_t u = 0; u < n_units; ++u) chosen.push_back(u);
     return chosen;
   }
@@ -261,11 +277,14 @@ Events CurvatureController::after_step(StepContext& ctx) {
       if (mask[u] != 0) chosen.push_back(u);
     }
   }
-  next_probe_step_ = ctx.step + options_.probe.every_steps;
-  if (chosen.empty()) {  // not enough credit yet: try again after the next T_curv
+  // Not enough credit yet: try again after the next T_curv; paced lockstep rounds, at the next window.
+  const bool paced = options_.lockstep && options_.budget > 0 && options_.total_steps > 0;
+  if (chosen.empty()) {
+    if (!paced) next_probe_step_ = ctx.step + options_.probe.every_steps;
     last_call_s_ = ctx.now_s;
     return events;
   }
+  next_probe_step_ = ctx.step + options_.probe.every_steps;
   if (options_.lockstep && options_.share_step_pool) {
     // The round is a side graph of the step's (rank 0's state for every rank: the skip must agree).
     double eager = step_.graph().captured() ? 0.0 : 1.0;
@@ -308,7 +327,7 @@ Events CurvatureController::after_step(StepContext& ctx) {
     return events;
   }
   probe_seconds_ += seconds;
-  if (options_.lockstep && first_round_s_ < 0) first_round_s_ = seconds;
+  if (options_.lockstep) last_round_step_ = ctx.step;
   probes_ += 1;
   next_unit_ += static_cast<int64_t>(chosen.size());
   ctx.unit_lambda_max.assign(n_units, -1.0);
@@ -382,11 +401,6 @@ Events CurvatureController::after_step(StepContext& ctx) {
   return events;
 }
 
-double CurvatureController::advance_s(int64_t step) const {
-  if (options_.total_steps <= 0 || first_round_s_ < 0 || step >= options_.total_steps) return 0.0;
-  return first_round_s_ * static_cast<double>(options_.total_steps - step) / static_cast<double>(options_.total_steps);
-}
-
 Json CurvatureController::round_json() const {
   if (!round_) return Json();
   const CurvatureRound::Timing& t = round_->timing();
@@ -406,7 +420,7 @@ Json CurvatureController::state() const {
               {"unit_cost_s", unit_cost_s_},     {"unit_lambda", unit_lambda_},
               {"unit_probed", unit_probed_},     {"next_unit", next_unit_},
               {"round_cost_s", round_cost_s_},   {"training_s", training_s_},
-              {"first_round_s", first_round_s_}};
+              {"last_round_step", last_round_step_}};
 }
 
 void CurvatureController::restore(const Json& j) {
@@ -427,9 +441,11 @@ void CurvatureController::restore(const Json& j) {
       next_unit_ = j.at("next_unit").get<int64_t>();
     }
     if (j.contains("round_cost_s")) round_cost_s_ = j.at("round_cost_s").get<double>();
-    if (j.contains("training_s")) {
-      training_s_ = j.at("training_s").get<double>();
-      first_round_s_ = j.at("first_round_s").get<double>();
+    if (j.contains("training_s")) training_s_ = j.at("training_s").get<double>();
+    if (j.contains("last_round_step")) {
+      last_round_step_ = j.at("last_round_step").get<int64_t>();
+    } else if (probes_ > 0) {  // checkpoints before paced rounds: the last round was at most T_curv before this
+      last_round_step_ = std::max<int64_t>(0, next_probe_step_ - options_.probe.every_steps);
     }
   } catch (const Json::exception&) {
     throw UserError(str_cat("checkpoint has an unreadable Tri-Accel state; resume with the same ",

@@ -1,9 +1,10 @@
 // Tri-Accel's curvature component (paper §3.2; docs/tri-accel.md), as a StepController: at the first control window,
 // then at windows at least curv_every steps apart, a CurvatureProbe on a fixed batch — of every unit (budget 0, or
-// lockstep rounds while a round's cost fits the credit) or of the next units, round-robin from the output end, whose
-// cost fits a credit that accrues at budget × training time (so probes stay within that share of it) — then per-unit η_l = η0 / (1 + α·λ_max,l) as the optimizer's
-// per-tensor lr scales (when lr scaling is on), and λ_max of the probed units left in the step's context for the
-// precision policy (control/precision_controller.h). Time comes from the injected clock only.
+// lockstep rounds paced over the run's budget, round_pace_due) or of the next units, round-robin from the output end,
+// whose cost fits a credit that accrues at budget × training time (so probes stay within that share of it) — then
+// per-unit η_l = η0 / (1 + α·λ_max,l) as the optimizer's per-tensor lr scales (when lr scaling is on), and λ_max of
+// the probed units left in the step's context for the precision policy (control/precision_controller.h). Time comes
+// from the injected clock only.
 #pragma once
 
 #include "triaccel/control/controller.h"
@@ -29,11 +30,11 @@ struct CurvatureControllerOptions {
   // Every unit each round, by one CurvatureRound (k = 1; its pass replays a CUDA graph on a GPU); the schedule then
   // plans whole rounds with the last steady round's cost.
   bool lockstep = false;
-  // Lockstep rounds with a run of known length (the trainer's total steps; 0: unknown): the first round's cost (its
-  // capture: ResNet-18 on the H100, 0.56 s against 0.06 s a warm round) is paid off over the whole run — the credit is
-  // advanced by it, the advance shrinking linearly to 0 at the last step — instead of by the steps after it, so rounds
-  // come at an even pace from the start and the run's probe time still ends within budget × training time (plus one
-  // round). With the credit alone a 15-epoch ResNet-18 run probed 1–3 times (the longest stretch unprobed 11–15 epochs).
+  // Lockstep rounds with a run of known length (the trainer's total steps; 0: unknown): the budget is the whole run's
+  // (round_pace_due) — the rounds it still pays for are spread evenly over the steps left, the first round's cost
+  // (its capture: ResNet-18 on the H100, 0.45–0.70 s against 0.07 s a warm round) taken out of it once. Without a
+  // known length each round waits for the credit the steps before it accrued (a 15-epoch ResNet-18 run probed 1–3
+  // times, the longest stretch unprobed 11–15 epochs).
   int64_t total_steps = 0;
   // Lockstep rounds in the training step's CUDA-graph pool (CurvatureRound::share_pool): under a --vram-budget,
   // whose plan fills the budget with the steps and leaves no room for a pool of the rounds' own. A round waits for the
@@ -41,6 +42,21 @@ struct CurvatureControllerOptions {
   bool share_step_pool = false;
   std::vector<int64_t> probe_samples;  // the dataset indices of the probe batch (for the event)
 };
+
+// Lockstep rounds in a run of `total_steps` steps: is a round due at `step`? The budget still to spend is
+// budget × the run's projected training time (training_s over the `step` steps it covers, times total_steps) less
+// probe_s, what the probes spent; it pays for m = ⌊left / round_cost_s⌋ more rounds, spread evenly over the steps
+// from the last round to the end: the next is due (total_steps − last_round_step) / (m + 1) steps after the last.
+// Spending runs ahead of the credit accrued so far and ends within budget × training time when the projection holds.
+struct RoundPace {
+  double budget = 0;            // share of training time for the rounds
+  double training_s = 0;        // training time so far (rounds excluded)
+  double probe_s = 0;           // the rounds' seconds so far (the first one's included)
+  double round_cost_s = 0;      // what a warm round costs (> 0)
+  int64_t last_round_step = 0;  // the step of the last round
+  int64_t total_steps = 0;      // the run's steps
+};
+bool round_pace_due(const RoundPace& pace, int64_t step);
 
 // A probe's samples that fit `room_bytes` when it allocates fixed + slope · samples: at most `full`, 0 when not even
 // kMinProbeSamples fit. room_bytes < 0 (no limit): `full`.
@@ -107,8 +123,8 @@ class CurvatureController final : public StepController {
   double training_s_ = 0;                 // training time so far (the clock between calls, probes excluded)
   // The probe credit: budget × training time, less the probes' seconds (what a probe may still spend).
   double credit_s() const { return options_.budget * training_s_ - probe_seconds_; }
-  double first_round_s_ = -1;             // lockstep: the first round's seconds (< 0: none yet)
-  double advance_s(int64_t step) const;   // lockstep with total_steps: the first round's share still unpaid
+  int64_t last_round_step_ = -1;          // lockstep: the step of the last round (< 0: none yet)
+  bool round_due(int64_t step) const;     // lockstep: the first round, then round_pace_due or the credit
 };
 
 }  // namespace triaccel
