@@ -466,7 +466,7 @@ TEST(CurvatureRoundTest, FisherLabelsComeFromTheModelAndApproachTheOutputLayersH
   EXPECT_TRUE(at::all(biased.labels() == 3).item<bool>()) << biased.labels();
 }
 
-// curv_cudnn off: every forward of a round (the Fisher's label draw and its passes) and of a per-unit probe runs with
+// curv_cudnn off: every forward of a round (the Fisher's passes, which draw its labels) and of a per-unit probe runs with
 // cuDNN disabled, and the setting the training step had comes back afterwards.
 TEST(CurvatureRoundTest, ProbesWithoutCudnnRunEveryForwardWithItOffAndRestoreIt) {
   const SingleThreadScope single_thread;
@@ -495,7 +495,7 @@ TEST(CurvatureRoundTest, ProbesWithoutCudnnRunEveryForwardWithItOffAndRestoreIt)
     round.run();
     options.estimator = CurvatureEstimator::kHessian;
     curvature_probe(model, images, labels, options);
-    EXPECT_GT(model.seen.size(), 4u);  // the label draw, the passes' chunks, the probe's forwards
+    EXPECT_GE(model.seen.size(), 3u);  // the passes' chunks (two passes at least), the probe's forward
     EXPECT_EQ(std::count(model.seen.begin(), model.seen.end(), cudnn), static_cast<long>(model.seen.size()));
     EXPECT_TRUE(at::globalContext().userEnabledCuDNN());
   }

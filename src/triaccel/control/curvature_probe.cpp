@@ -268,16 +268,16 @@ struct CurvatureRound::State {
     return c > 0 ? std::min(c, n) : n;
   }
 
-  // kFisher: y = one label per sample drawn from the model's current softmax (eval mode, no graph), by inverting its
-  // CDF at the sample's fixed uniform draw. The same draws every round (common random numbers): a label moves only
-  // where the model's prediction moved across it, so each round's Fisher is near the last one's and the warm start
-  // holds, while every round's labels are a draw from the model as it is then.
-  void draw_labels() {
+  // kFisher: `labels` = one label per sample drawn from `logits`' softmax (the model's, in eval mode), by inverting
+  // its CDF at the sample's fixed uniform draw `u`. Drawn from each pass's own forward: the weights do not move within
+  // a round, so its passes draw the same labels, and no forward of its own runs for them (a forward of the whole batch
+  // was a shape of its own for cuDNN to set up at the first round). The same draws every round (common random
+  // numbers): a label moves only where the model's prediction moved across it, so each round's Fisher is near the
+  // last one's and the warm start holds, while every round's labels are a draw from the model as it is then.
+  static void draw_labels(const at::Tensor& logits, const at::Tensor& u, const at::Tensor& labels) {
     const at::NoGradGuard no_grad;
-    at::Tensor h = x;
-    for (const Unit& unit : model.units()) h = unit.forward(h);
-    const at::Tensor cdf = at::softmax(h.to(at::kFloat), 1).cumsum(1);  // (n, classes)
-    y.copy_((cdf < label_u.to(cdf.options()).unsqueeze(1)).sum(1).clamp_max(cdf.size(1) - 1));
+    const at::Tensor cdf = at::softmax(logits.detach(), 1).cumsum(1);  // (m, classes)
+    labels.copy_((cdf < u.to(cdf.options()).unsqueeze(1)).sum(1).clamp_max(cdf.size(1) - 1));
   }
 
   // kFisher's products: per chunk k of m samples, the gradient s_k of the sum of its samples' losses at the drawn
@@ -293,8 +293,9 @@ struct CurvatureRound::State {
       at::Tensor h = x.narrow(0, first, count);
       for (const Unit& unit : units) h = unit.forward(h);
       if (at::isReducedFloatingType(h.scalar_type())) h = h.to(at::kFloat);
-      const at::Tensor loss =
-          at::cross_entropy_loss(h, y.narrow(0, first, count), /*weight=*/{}, at::Reduction::Sum);
+      const at::Tensor yc = y.narrow(0, first, count);
+      draw_labels(h, label_u.narrow(0, first, count), yc);
+      const at::Tensor loss = at::cross_entropy_loss(h, yc, /*weight=*/{}, at::Reduction::Sum);
       const std::vector<at::Tensor> grads = torch::autograd::grad({loss}, all_params, /*grad_outputs=*/{},
                                                                   /*retain_graph=*/false, /*create_graph=*/false,
                                                                   /*allow_unused=*/true);
@@ -522,13 +523,6 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
     ModelStateGuard state(s.model, device, s.options.precision, s.options.cudnn);
     at::AutoGradMode grad_mode(true);
     s.model.train(!s.fisher());
-    if (s.fisher()) {  // into the tensor the passes (and a captured pass) read
-      if (s.host) {
-        s.host->in_pool([&]() { s.draw_labels(); });
-      } else {
-        s.draw_labels();
-      }
-    }
 #ifdef TRIACCEL_WITH_CUDA
     if (s.has_graph() && s.storage != s.storage_now()) {  // a parameter has new storage: the graph reads the old one
       s.graph.reset();

@@ -134,11 +134,12 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
 // BatchNorm, with BatchNorm statistics per chunk otherwise — and the memory is one chunk's autograd graphs.
 // The first round (from random vectors) stops after kColdRoundPasses passes; the next rounds continue from there.
 // The pass's GPU work is the floor of a round's cost (ResNet-18 at b_curv 32, fp32, all ten units: 53 ms a pass).
-// options.estimator kFisher: the same rounds on the Monte-Carlo Fisher blocks (CurvatureEstimator). Each round first
-// draws one label per sample from the model's softmax in eval mode (a generator of its own, seeded with
-// options.seed, advancing round by round), kept for the round's passes; a pass is then one eval-mode forward and
-// backward per sample, each unit's w += g_u (g_u·v_u), divided by n at the end (chunk does not apply). The model is in
-// eval mode during the round (restored after), so dropout is off and BatchNorm reads its running statistics.
+// options.estimator kFisher: the same rounds on the Monte-Carlo Fisher blocks (CurvatureEstimator). A pass is one
+// eval-mode forward and backward per chunk of samples, its loss at labels drawn from that forward's softmax (one
+// uniform draw per sample, fixed for the run, seeded with options.seed: the weights do not move within a round, so
+// its passes draw the same labels), each unit's w += s_u (s_u·v_u) for the chunk's gradient s, divided by n at the
+// end. The model is in eval mode during the round (restored after), so dropout is off and BatchNorm reads its
+// running statistics.
 class CurvatureRound {
  public:
   // images/labels as for curvature_probe; the first min(options.batch, N) samples are copied in once.
@@ -155,9 +156,9 @@ class CurvatureRound {
 
   // Under a --vram-budget, whose memory plan leaves no room for a pool of the pass's own: the pass is captured as a
   // side graph in the training step's graph pool (StepGraph::side_capture; captured again after the step's graph
-  // was) and the Fisher's label draw runs in that pool (StepGraph::in_pool). A pass that cannot be captured there
-  // throws c10::OutOfMemoryError (eagerly, beside the step's pool, it would not fit either). nullptr: a pool of the
-  // pass's own (graph_bytes). Set before the first run; `step_graph` outlives this object.
+  // was). A pass that cannot be captured there throws c10::OutOfMemoryError (eagerly, beside the step's pool, it would
+  // not fit either). nullptr: a pool of the pass's own (graph_bytes). Set before the first run; `step_graph` outlives
+  // this object.
   void share_pool(StepGraph* step_graph);
 
   bool graphed() const;
