@@ -4,6 +4,8 @@
     trace_summary.py TRACE [TRACE ...]        one row per trace, JSON lines on stdout, a table on stderr
     trace_summary.py --compare BASE OTHER     the kernels whose time per step differs most between two traces
     trace_summary.py --kernels TRACE          the kernels that take the most time per step, with their counts
+    trace_summary.py --host TRACE [RANGE]     the host's operators and CUDA calls by their own time (their children's
+                                              excluded), inside the first RANGE (e.g. triaccel::curvature_round) or all
 
 Per traced step (the trace's "triaccel::step" ranges count the steps), in ms:
   span      the GPU's time from its first kernel, copy or set in the trace to its last one's end
@@ -105,7 +107,56 @@ def per_kernel(path, counts=None):
     return times
 
 
+HOST_CATS = {"cpu_op", "cuda_runtime", "cuda_driver", "user_annotation"}
+
+
+def host_self_times(path, within=None):
+    """Per host event name: (count, ms of its own time: its duration less its direct children's on the same thread),
+    inside the ranges named `within` when given (all of them); and those ranges' count and total length in ms."""
+    events = [e for e in load(path) if e.get("ph") == "X" and e.get("cat") in HOST_CATS]
+    windows = [(float("-inf"), float("inf"))]
+    if within:
+        windows = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("name") == within)
+        if not windows:
+            raise SystemExit(f"no range named {within} in {path}")
+
+    def inside(e):
+        return any(lo <= e["ts"] and e["ts"] + e.get("dur", 0) <= hi for lo, hi in windows)
+
+    threads = defaultdict(list)
+    for e in events:
+        if inside(e):
+            threads[(e.get("pid"), e.get("tid"))].append(e)
+    own = defaultdict(float)
+    count = defaultdict(int)
+    for evs in threads.values():
+        evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        stack = []  # [end, name, own time so far]
+        for e in evs:
+            end = e["ts"] + e.get("dur", 0)
+            while stack and stack[-1][0] <= e["ts"]:
+                done = stack.pop()
+                own[done[1]] += done[2]
+            if stack:
+                stack[-1][2] -= e.get("dur", 0)
+            stack.append([end, e.get("name", "?")[:90], e.get("dur", 0)])
+            count[e.get("name", "?")[:90]] += 1
+        for done in stack:
+            own[done[1]] += done[2]
+    span = sum(hi - lo for lo, hi in windows) / 1e3 if within else None
+    return {k: (count[k], v / 1e3) for k, v in own.items()}, (len(windows), span)
+
+
 def main(argv):
+    if len(argv) in (3, 4) and argv[1] == "--host":
+        times, (ranges, span) = host_self_times(argv[2], argv[3] if len(argv) == 4 else None)
+        if span is not None:
+            print(f"{argv[3]}: {ranges} ranges, {span:.1f} ms in all")
+        print(f"{'own ms':>9} {'count':>7}  host event")
+        for k in sorted(times, key=lambda k: -times[k][1])[:30]:
+            print(f"{times[k][1]:9.2f} {times[k][0]:7d}  {k}")
+        print(f"{sum(v[1] for v in times.values()):9.2f} {sum(v[0] for v in times.values()):7d}  (all)")
+        return 0
     if len(argv) == 4 and argv[1] == "--compare":
         base, other = per_kernel(argv[2]), per_kernel(argv[3])
         names = sorted(set(base) | set(other), key=lambda k: -abs(other.get(k, 0) - base.get(k, 0)))

@@ -8,6 +8,7 @@
 #include "triaccel/core/cuda_graph.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
+#include "triaccel/core/profile.h"
 #include "triaccel/control/hvp.h"
 #include "triaccel/models/batch_norm.h"
 
@@ -443,6 +444,7 @@ struct CurvatureRound::State {
   }
 
   void capture(const Clock& clock) {
+    TRIACCEL_PROFILE_RANGE("triaccel::curvature_capture");
     ++captures_tried;
     const double t1 = clock.now_s();
     memory_cache_release(x.device());  // as the capture does: what stays reserved after it is the graph's pool
@@ -509,6 +511,7 @@ const at::Tensor& CurvatureRound::labels() const { return s_->y; }
 int64_t CurvatureRound::chunk() const { return s_->chunk(); }
 
 std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
+  TRIACCEL_PROFILE_RANGE("triaccel::curvature_round");
   State& s = *s_;
   const Clock& clock = s.options.clock ? *s.options.clock : steady_clock();
   const double start = clock.now_s();
