@@ -937,6 +937,66 @@ TEST(MemoryPlanControllerTest, PaysForAPromotionWithinTheFirstPeak) {
   EXPECT_DOUBLE_EQ(again.model().activation_scale, 1.25);
 }
 
+// Without a budget the limit is the 16-bit peak the calibration steps measured: a promoted plan that peaks above its
+// prediction (here the fp32 unit keeps 60 % more than modelled; three recomputed fp32 units did on the H100) has
+// the scale refit on its reading, and the plan recomputes more to stay under that peak, where the limit priced at the
+// refit scale rose with it and let the peak follow.
+TEST(MemoryPlanControllerTest, APromotedPlanAboveItsPredictionKeepsTheCalibratedLimit) {
+  UnitRig rig(false, StepOptions{}, torch::kCPU);
+  TrainStep& step = rig.step;
+  step.set_unit_precisions({Precision::kBF16, Precision::kBF16, Precision::kBF16});
+  const MemoryModel first = promotion_model(step.unit_precisions());
+  MemoryPlanLimits limits;
+  limits.batch = 16;
+  limits.limit_from_first_model = true;
+  limits.budget_bytes = static_cast<int64_t>(memory_plan_solve(first, 16, 0).predicted_peak_bytes);
+  MemoryPlanController c(first, memory_plan_solve(first, 16, limits.budget_bytes), limits, step, promotion_model);
+  double true_scale = 1.0;
+  const auto truth = [&](const MemoryPlan& p) {
+    MemoryModel t = promotion_model(step.unit_precisions());
+    t.activation_scale = true_scale;
+    return memory_plan_peak(t, p.batch, p.micro_batch, p.recompute, p.data_placement);
+  };
+  FakeMeter meter;
+  meter.peak = [&] { return truth(c.plan()); };
+  StepContext ctx;
+  ctx.memory = &meter;
+  std::vector<std::string> reasons;
+  const auto steps = [&](int from, int to) {
+    for (int s = from; s <= to; ++s) {
+      ctx.step = s;
+      for (const Event& e : c.after_step(ctx)) reasons.push_back(e.fields["reason"].get<std::string>());
+    }
+  };
+  steps(1, 8);  // calibrated on the 16-bit model, which the meter reads as modelled
+  const int64_t calibrated = c.limit_bytes();
+  EXPECT_NEAR(static_cast<double>(calibrated), static_cast<double>(limits.budget_bytes), 1.0);
+  step.set_unit_precisions({Precision::kFP32, Precision::kBF16, Precision::kBF16});
+  true_scale = 1.6;  // the promoted plan keeps more than its prediction
+  reasons.clear();
+  steps(9, 16);
+  ASSERT_FALSE(reasons.empty());
+  EXPECT_EQ(reasons[0], "precision");
+  EXPECT_GT(c.model().activation_scale, 1.5);  // refit on the promoted plan's reading
+  EXPECT_EQ(c.limit_bytes(), calibrated);
+  EXPECT_LE(truth(c.plan()), static_cast<double>(calibrated));
+  EXPECT_EQ(c.state()["limit_scale"].get<double>(), 1.0);
+  std::printf("[ made-up ] limit %ld, promoted plan's true peak %.0f, recompute u0 u1 u2: %d %d %d, reasons:",
+              static_cast<long>(calibrated), truth(c.plan()), static_cast<int>(c.plan().recompute[0]),
+              static_cast<int>(c.plan().recompute[1]), static_cast<int>(c.plan().recompute[2]));
+  for (const auto& r : reasons) std::printf(" %s", r.c_str());
+  std::printf("\n");
+  // A model corrected past any plan under that peak (a resumed run's state at scale 50): the plan at the floor, not
+  // "no way to train" (there is no budget).
+  Json state = c.state();
+  state["activation_scale"] = 50.0;
+  EXPECT_NO_THROW(c.restore(state));
+  EXPECT_TRUE(c.plan().feasible);
+  EXPECT_GT(c.plan().predicted_peak_bytes, static_cast<double>(calibrated));
+  EXPECT_NEAR(c.plan().predicted_peak_bytes, c.plan().floor_bytes, 1.0);
+  EXPECT_EQ(c.limit_bytes(), calibrated);
+}
+
 // The planner answers whether a promotion fits: under the 16-bit peak of PaysForAPromotionWithinTheFirstPeak's
 // made-up model one fp32 unit fits (recomputed); under a budget between the 16-bit and the all-fp32 floors three
 // do not, though the 16-bit model fits there.

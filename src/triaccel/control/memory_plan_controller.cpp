@@ -17,7 +17,8 @@ MemoryPlanController::MemoryPlanController(MemoryModel model, MemoryPlan plan, M
       limits_(std::move(limits)),
       step_(step),
       rebuild_(std::move(rebuild)),
-      precisions_(step.unit_precisions()) {
+      precisions_(step.unit_precisions()),
+      limit_scale_(model_.activation_scale) {
   limits_.constraints.placement_fixed = true;  // the loaders hold the data where the first plan put it
   limits_.constraints.placement = plan_.data_placement;
   apply();
@@ -32,7 +33,7 @@ void MemoryPlanController::apply() {
 int64_t MemoryPlanController::limit_bytes() const {
   if (!limits_.limit_from_first_model) return limits_.budget_bytes;
   MemoryModel first = first_model_;
-  first.activation_scale = model_.activation_scale;
+  first.activation_scale = limit_scale_;
   const std::vector<bool> none(first.units.size(), false);
   return static_cast<int64_t>(
       std::ceil(memory_plan_peak(first, limits_.batch, limits_.batch, none, limits_.constraints.placement)));
@@ -63,6 +64,11 @@ void MemoryPlanController::replan() {
     limits_.budget_bytes = static_cast<int64_t>(limits_.cap_share * static_cast<double>(limits_.cap_bytes));
     step_.graph_disable();
     next = memory_plan_solve(model_, limits_.batch, limits_.budget_bytes, limits_.constraints);
+  }
+  if (!next.feasible && limits_.limit_from_first_model) {
+    // No budget, only AMP's peak as the limit (a model corrected past it): the plan at the floor, the nearest to it.
+    next = memory_plan_solve(model_, limits_.batch, static_cast<int64_t>(std::ceil(next.floor_bytes)),
+                             limits_.constraints);
   }
   TRIACCEL_CHECK_INPUT(next.feasible, "no way to train batch ", limits_.batch, " within ", option_ref("vram_budget"),
                        ": after measuring, the run needs at least ", static_cast<int64_t>(std::ceil(next.floor_bytes)),
@@ -185,6 +191,7 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
   ++calibrations_;
   measured_peak_bytes_ = measured;
   calibrate(ran, measured);
+  limit_scale_ = model_.activation_scale;
   const MemoryPlan before = plan_;
   replan();
   if (ran == plan_) plan_measured_peak_bytes_ = std::max(plan_measured_peak_bytes_, measured);
@@ -233,21 +240,27 @@ void MemoryPlanController::calibrate(const MemoryPlan& ran, double measured) {
 
 Event MemoryPlanController::on_out_of_memory() {
   model_.activation_scale *= kOomScaleStep;
+  limit_scale_ *= kOomScaleStep;
   replan();
   return {event::kMemoryPlan, plan_fields("oom")};
 }
 
 Json MemoryPlanController::state() const {
   return Json{{"activation_scale", model_.activation_scale}, {"fixed_offset_bytes", offset_},
-              {"cap_share", limits_.cap_share}};
+              {"cap_share", limits_.cap_share}, {"limit_scale", limit_scale_}};
 }
 
 void MemoryPlanController::restore(const Json& state) {
   const double scale = state.value("activation_scale", 1.0);
   const double share = state.value("cap_share", limits_.cap_share);
   const double offset = state.value("fixed_offset_bytes", 0.0);
-  if (scale == model_.activation_scale && share == limits_.cap_share && offset == offset_) return;
+  const double limit_scale = state.value("limit_scale", scale);  // checkpoints before it: the limit followed the scale
+  if (scale == model_.activation_scale && share == limits_.cap_share && offset == offset_ &&
+      limit_scale == limit_scale_) {
+    return;
+  }
   model_.activation_scale = scale;
+  limit_scale_ = limit_scale;
   model_.fixed_bytes += offset - offset_;
   offset_ = offset;
   if (limits_.cap_bytes > 0) {

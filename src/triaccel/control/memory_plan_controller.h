@@ -60,7 +60,11 @@ struct MemoryPlanLimits {
   PlanConstraints constraints;     // the user's levers; the placement is fixed once the loaders hold the data
   // Tri-Accel without a budget: the limit is the peak the first plan's precisions predict (all 16-bit: AMP's), so
   // that a unit promoted to fp32 pays for its bigger activations with recompute or micro-batches instead of
-  // raising the peak. Kept equal to that prediction as the model is calibrated.
+  // raising the peak. Kept equal to that prediction at the scale the calibration steps measured (and an
+  // out-of-memory error raised), not at a scale refit on a later plan's reading: a promoted plan that peaked above
+  // its prediction (H100, ResNet-18: three fp32 units recomputed, 625 MB against 595) moved the limit 33 MB above
+  // the AMP peak the calibration had measured, and the run's peak followed. When the corrected model leaves no plan
+  // under it, the plan at the floor.
   bool limit_from_first_model = false;
 };
 
@@ -97,7 +101,7 @@ class MemoryPlanController final : public StepController {
   void set_capture_oom_undo(Undo undo) { capture_oom_undo_ = std::move(undo); }
 
   const MemoryPlan& plan() const { return plan_; }
-  // What a plan may reach now: the budget, or without one the first model's peak at the current scale.
+  // What a plan may reach now: the budget, or without one the first model's peak at the calibrated scale.
   int64_t limit_bytes() const;
   // The allocator's peak over the steps that allocated (eager, capturing; not replays, not a step beside a graph,
   // not one whose capture failed) while the current plan was in force; 0 before one did. What its prediction is
@@ -123,6 +127,7 @@ class MemoryPlanController final : public StepController {
   Agree agree_;
   Undo capture_oom_undo_;
   std::vector<Precision> precisions_;  // the step's unit precisions the model was built for
+  double limit_scale_;                 // limit_from_first_model: the activation scale the limit is priced at
   double measured_peak_bytes_ = 0;     // the last calibration reading
   double plan_measured_peak_bytes_ = 0;  // plan_measured_peak_bytes()
   int64_t calibrations_ = 0;           // readings taken (eager or capturing steps; replays allocate nothing)
