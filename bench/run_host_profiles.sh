@@ -34,11 +34,16 @@ for part in $PARTS; do
         "$BIN/$exe" train --model resnet18 --method tri-accel $PROTO --seed 0 --max-steps 60 --profile-steps 49:50 \
           --progress lines --log-every 100000 --out "$run" >"$run.log" 2>&1
         trace=$(trace_of "$run")
-        round=$(grep '"curvature"' "$run/events.jsonl" | grep '"probed"' | head -1 | python3 -c '
+        round=$(python3 - "$run/events.jsonl" <<'PY'
 import json, sys
-e = json.loads(sys.stdin.read())
-r = e.get("round") or {}
-print(f"{e[\"probe_s\"]:.3f} s (capture {r.get(\"capture_s\", 0):.3f}, passes {r.get(\"passes\")})")' 2>/dev/null)
+for line in open(sys.argv[1]):
+    e = json.loads(line)
+    if e.get("event") == "curvature" and e.get("probed"):
+        r = e.get("round") or {}
+        print(f"{e['probe_s']:.3f} s (capture {r.get('capture_s', 0):.3f} s, {r.get('passes')} passes)")
+        break
+PY
+)
         range=""
         grep -q 'triaccel::curvature_round' "$trace" 2>/dev/null && range=triaccel::curvature_round
         {
@@ -64,7 +69,8 @@ print(f"{e[\"probe_s\"]:.3f} s (capture {r.get(\"capture_s\", 0):.3f}, passes {r
       TABLE+=("neuroflux block step: $(python3 bench/trace_summary.py "$trace" 2>/dev/null | python3 -c '
 import json, sys
 r = json.loads(sys.stdin.readline())
-print(f"span {r.get(\"span_ms\", 0):.2f} ms, GPU busy {r.get(\"busy_ms\", 0):.2f} ms, host step {r.get(\"host_step_ms\", 0):.2f} ms")' 2>/dev/null)")
+print("span %.2f ms, GPU busy %.2f ms, host step %.2f ms" % (r.get("span_ms", 0), r.get("busy_ms", 0),
+                                                             r.get("host_step_ms", 0)))')")
       ;;
     *) echo "unknown part $part (first_round|neuroflux)"; exit 2 ;;
   esac
