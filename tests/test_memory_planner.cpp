@@ -1192,9 +1192,10 @@ TEST(MemoryPlanControllerTest, CalibratesScaleAndFixedBytesFromReadings) {
   EXPECT_LT(r.c.model().activation_scale, 0.9);  // it learned the model over-predicts
 }
 
-// After calibration a plan whose own peak is off its prediction by more than 5 % has the scale refit on its reading
-// (a few times at most): over-predicted, the plan stays and its prediction is corrected; under-predicted past the
-// limit, a new plan that fits. A plan within 5 % changes nothing.
+// After calibration a plan whose own peak is off its prediction by more than 5 %: over-predicted, the plan stays and
+// its prediction is corrected, the model's scale kept (a refit down on one plan's low reading under-predicted the
+// next plans); under-predicted past the limit, the scale is refit on its reading (a few times at most) and a new plan
+// fits. A plan within 5 % changes nothing.
 TEST(MemoryPlanControllerTest, APlanOffItsPredictionAfterCalibrationIsRecalibrated) {
   CalibrationRig r;
   r.steps(1, 8);  // calibrated on the true model
@@ -1208,6 +1209,7 @@ TEST(MemoryPlanControllerTest, APlanOffItsPredictionAfterCalibrationIsRecalibrat
   EXPECT_EQ(r.reasons, std::vector<std::string>{"remeasured"});
   EXPECT_TRUE(r.c.plan() == kept);
   EXPECT_NEAR(r.c.plan().predicted_peak_bytes, r.truth(r.c.plan()), 1.0);  // the meter reads whole bytes
+  EXPECT_NEAR(r.c.model().activation_scale, 0.5, 0.05);                      // the calibrated scale, kept
   r.reasons.clear();
   r.true_scale = 2.0;  // under-predicted: the plan no longer fits its limit
   r.steps(21, 30);
