@@ -621,6 +621,39 @@ TEST(CurvatureControllerTest, PacedRoundsSpreadTheRunsBudgetEvenly) {
   EXPECT_FALSE(round_pace_due(pace, 7800));
 }
 
+// The same run with its first 600 steps at 4.5 ms (a first epoch's warm-up) and 2.5 ms after: projected from the
+// rate since the last round, the rounds come at 50, 550, 2050, 3500, 4950, 6400, no stretch over 1500 steps; projected
+// from the run's average (its slow start counted for every step left) they came at 50, 550, 1400, 2500, 3850, 5850,
+// and the last 1965 steps went unprobed.
+TEST(CurvatureControllerTest, PacedRoundsProjectTheRunFromTheRateSinceTheLastRound) {
+  const int64_t total = 15 * 521;
+  const auto training_s = [](int64_t step) {
+    return 4.5e-3 * static_cast<double>(std::min<int64_t>(step, 600)) +
+           2.5e-3 * static_cast<double>(std::max<int64_t>(0, step - 600));
+  };
+  RoundPace pace;
+  pace.budget = 0.05;
+  pace.round_cost_s = 0.069;
+  pace.total_steps = total;
+  std::vector<int64_t> rounds;
+  int64_t next = -1;
+  for (int64_t step = 50; step < total; step += 50) {
+    pace.training_s = training_s(step);
+    if (!rounds.empty()) {
+      pace.step_s = (pace.training_s - training_s(pace.last_round_step)) /
+                    static_cast<double>(step - pace.last_round_step);
+    }
+    if (next >= 0 && step < next) continue;
+    if (!rounds.empty() && !round_pace_due(pace, step)) continue;
+    pace.probe_s += rounds.empty() ? 0.66 : 0.069;
+    pace.last_round_step = step;
+    rounds.push_back(step);
+    next = step + 200;
+  }
+  EXPECT_EQ(rounds, (std::vector<int64_t>{50, 550, 2050, 3500, 4950, 6400}));
+  EXPECT_LE(pace.probe_s, pace.budget * training_s(total));
+}
+
 // A memory meter whose room and readings the test makes up: measure() runs the probe and returns the next reading.
 class ScriptedMeter : public MemoryMeter {
  public:

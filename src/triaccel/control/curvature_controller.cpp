@@ -69,7 +69,8 @@ int64_t probe_samples_fitting(double fixed_bytes, double slope_bytes, double roo
 
 bool round_pace_due(const RoundPace& pace, int64_t step) {
   if (step <= 0 || step <= pace.last_round_step || step >= pace.total_steps || pace.round_cost_s <= 0) return false;
-  const double projected_s = pace.training_s * static_cast<double>(pace.total_steps) / static_cast<double>(step);
+  const double step_s = pace.step_s > 0 ? pace.step_s : pace.training_s / static_cast<double>(step);
+  const double projected_s = pace.training_s + step_s * static_cast<double>(pace.total_steps - step);
   const double rounds = std::floor((pace.budget * projected_s - pace.probe_s) / pace.round_cost_s);
   if (rounds < 1) return false;
   return static_cast<double>(step - pace.last_round_step) * (rounds + 1) >=
@@ -79,9 +80,17 @@ bool round_pace_due(const RoundPace& pace, int64_t step) {
 bool CurvatureController::round_due(int64_t step) const {
   if (round_cost_s_ < 0) return true;  // the first round measures what one costs
   if (options_.total_steps <= 0) return round_cost_s_ <= credit_s();
-  return round_pace_due({options_.budget, training_s_, probe_seconds_, round_cost_s_, last_round_step_,
-                         options_.total_steps},
-                        step);
+  RoundPace pace;
+  pace.budget = options_.budget;
+  pace.training_s = training_s_;
+  if (step > last_round_step_ && last_round_step_ >= 0 && last_round_training_s_ >= 0) {
+    pace.step_s = (training_s_ - last_round_training_s_) / static_cast<double>(step - last_round_step_);
+  }
+  pace.probe_s = probe_seconds_;
+  pace.round_cost_s = round_cost_s_;
+  pace.last_round_step = last_round_step_;
+  pace.total_steps = options_.total_steps;
+  return round_pace_due(pace, step);
 }
 
 int64_t CurvatureController::probe_samples_for(StepContext& ctx, const std::vector<size_t>& chosen,
@@ -327,7 +336,10 @@ Events CurvatureController::after_step(StepContext& ctx) {
     return events;
   }
   probe_seconds_ += seconds;
-  if (options_.lockstep) last_round_step_ = ctx.step;
+  if (options_.lockstep) {
+    last_round_step_ = ctx.step;
+    last_round_training_s_ = training_s_;
+  }
   probes_ += 1;
   next_unit_ += static_cast<int64_t>(chosen.size());
   ctx.unit_lambda_max.assign(n_units, -1.0);
@@ -420,7 +432,7 @@ Json CurvatureController::state() const {
               {"unit_cost_s", unit_cost_s_},     {"unit_lambda", unit_lambda_},
               {"unit_probed", unit_probed_},     {"next_unit", next_unit_},
               {"round_cost_s", round_cost_s_},   {"training_s", training_s_},
-              {"last_round_step", last_round_step_}};
+              {"last_round_step", last_round_step_}, {"last_round_training_s", last_round_training_s_}};
 }
 
 void CurvatureController::restore(const Json& j) {
@@ -444,6 +456,7 @@ void CurvatureController::restore(const Json& j) {
     if (j.contains("training_s")) training_s_ = j.at("training_s").get<double>();
     if (j.contains("last_round_step")) {
       last_round_step_ = j.at("last_round_step").get<int64_t>();
+      last_round_training_s_ = j.at("last_round_training_s").get<double>();
     } else if (probes_ > 0) {  // checkpoints before paced rounds: the last round was at most T_curv before this
       last_round_step_ = std::max<int64_t>(0, next_probe_step_ - options_.probe.every_steps);
     }
