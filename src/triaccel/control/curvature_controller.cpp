@@ -366,11 +366,9 @@ Events CurvatureController::after_step(StepContext& ctx) {
   const bool all_known = std::all_of(unit_probed_.begin(), unit_probed_.end(), [](bool b) { return b; });
   if (options_.lr_scaling) {
     if (alpha_ < 0 && options_.alpha >= 0) alpha_ = options_.alpha;
-    // Lockstep: the first round's λ come from kColdRoundPasses products from random vectors, short of converged.
-    const bool settled = all_known && (!options_.lockstep || probes_ >= 2);
-    if (alpha_ < 0 && settled) {
+    if (alpha_ < 0 && all_known) {
       // No manual tuning: α so that the 0.9-quantile unit gets half its rate (flat units keep nearly all of theirs),
-      // fixed once every unit has been probed (lockstep: twice).
+      // fixed once every unit has been probed.
       std::vector<double> positive;
       for (double l : unit_lambda_) {
         if (l > 0) positive.push_back(l);

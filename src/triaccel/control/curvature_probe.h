@@ -152,10 +152,7 @@ class CurvatureRound {
   // by its products). wall_seconds as curvature_probe's.
   std::vector<UnitCurvature> run(double* wall_seconds = nullptr);
 
-  // The first round's passes from random vectors: as many as a warm round's (ResNet-18, H100: 15 ms a replayed pass;
-  // it was 8, and the first round's cost, 0.6–0.7 s with its capture, is what the rest of the 5 % budget is left
-  // after). Its λ are short of converged: Tri-Accel calibrates α at the second round.
-  static constexpr int kColdRoundPasses = 4;
+  static constexpr int kColdRoundPasses = 8;
 
   // Under a --vram-budget, whose memory plan leaves no room for a pool of the pass's own: the pass is captured as a
   // side graph in the training step's graph pool (StepGraph::side_capture; captured again after the step's graph
