@@ -583,30 +583,44 @@ TEST(CurvatureControllerTest, ProbeSamplesFittingTheRoom) {
   EXPECT_EQ(probe_samples_fitting(300, 0, 250, 32), 0);
 }
 
-// Paced lockstep rounds, on the H100's numbers for ResNet-18 (15 epochs of 521 steps at 2.6 ms, a first round of
-// 0.70 s at step 50, warm rounds of 0.069 s, a 5 % budget; control windows every 50 steps, T_curv 200): the budget
-// left after the first round (1.016 − 0.70 s) pays for 4 rounds, and they split the steps after the first into 5
-// equal stretches, each round at the first window after its mark: rounds at 50, 1650, 3200, 4750, 6300, no stretch
-// longer than 1600 steps (3.07 epochs), 0.976 s spent. The credit advanced by the first round's unpaid share (the
-// rule before) probed at 50, 1450, 3250, 5250, 7050: stretches of up to 2000 steps, as seed 0 did on the H100.
-TEST(CurvatureControllerTest, PacedRoundsSpreadTheRunsBudgetEvenly) {
-  const int64_t total = 15 * 521;
-  const double step_s = 2.6e-3, first_s = 0.70, warm_s = 0.069;
-  RoundPace pace;
-  pace.budget = 0.05;
-  pace.round_cost_s = warm_s;
-  pace.total_steps = total;
+// The controller's schedule of lockstep rounds over a run of `pace->total_steps` whose training time after `step`
+// steps is training_s(step): control windows every 50 steps, the first round there (costing first_s, then
+// pace->round_cost_s each), the next one T_curv (200) steps later at the earliest and whenever round_pace_due says
+// so, projected from the rate since the last round. Returns the rounds' steps; `pace` is left as after the last window.
+std::vector<int64_t> paced_round_steps(const std::function<double(int64_t)>& training_s, double first_s,
+                                       RoundPace* pace) {
   std::vector<int64_t> rounds;
   int64_t next = -1;
-  for (int64_t step = 50; step < total; step += 50) {
-    pace.training_s = step_s * static_cast<double>(step);
+  for (int64_t step = 50; step < pace->total_steps; step += 50) {
+    pace->training_s = training_s(step);
+    if (!rounds.empty()) {
+      pace->step_s = (pace->training_s - training_s(pace->last_round_step)) /
+                     static_cast<double>(step - pace->last_round_step);
+    }
     if (next >= 0 && step < next) continue;
-    if (!rounds.empty() && !round_pace_due(pace, step)) continue;
-    pace.probe_s += rounds.empty() ? first_s : warm_s;
-    pace.last_round_step = step;
+    if (!rounds.empty() && !round_pace_due(*pace, step)) continue;
+    pace->probe_s += rounds.empty() ? first_s : pace->round_cost_s;
+    pace->last_round_step = step;
     rounds.push_back(step);
     next = step + 200;
   }
+  return rounds;
+}
+
+// Paced lockstep rounds, on the H100's numbers for ResNet-18 (15 epochs of 521 steps at 2.6 ms, a first round of
+// 0.70 s at step 50, warm rounds of 0.069 s, a 5 % budget): the budget left after the first round (1.016 − 0.70 s)
+// pays for 4 rounds, and they split the steps after the first into 5 equal stretches, each round at the first window
+// after its mark: rounds at 50, 1650, 3200, 4750, 6300, no stretch longer than 1600 steps (3.07 epochs), 0.976 s
+// spent. The credit advanced by the first round's unpaid share (the rule before) probed at 50, 1450, 3250, 5250,
+// 7050: stretches of up to 2000 steps, as seed 0 did on the H100.
+TEST(CurvatureControllerTest, PacedRoundsSpreadTheRunsBudgetEvenly) {
+  const int64_t total = 15 * 521;
+  const double step_s = 2.6e-3;
+  RoundPace pace;
+  pace.budget = 0.05;
+  pace.round_cost_s = 0.069;
+  pace.total_steps = total;
+  const auto rounds = paced_round_steps([&](int64_t step) { return step_s * static_cast<double>(step); }, 0.70, &pace);
   EXPECT_EQ(rounds, (std::vector<int64_t>{50, 1650, 3200, 4750, 6300}));
   EXPECT_LE(pace.probe_s, pace.budget * step_s * static_cast<double>(total));
   // Not before the last round, not at or past the end, nothing the budget cannot pay for.
@@ -626,7 +640,6 @@ TEST(CurvatureControllerTest, PacedRoundsSpreadTheRunsBudgetEvenly) {
 // from the run's average (its slow start counted for every step left) they came at 50, 550, 1400, 2500, 3850, 5850,
 // and the last 1965 steps went unprobed.
 TEST(CurvatureControllerTest, PacedRoundsProjectTheRunFromTheRateSinceTheLastRound) {
-  const int64_t total = 15 * 521;
   const auto training_s = [](int64_t step) {
     return 4.5e-3 * static_cast<double>(std::min<int64_t>(step, 600)) +
            2.5e-3 * static_cast<double>(std::max<int64_t>(0, step - 600));
@@ -634,24 +647,9 @@ TEST(CurvatureControllerTest, PacedRoundsProjectTheRunFromTheRateSinceTheLastRou
   RoundPace pace;
   pace.budget = 0.05;
   pace.round_cost_s = 0.069;
-  pace.total_steps = total;
-  std::vector<int64_t> rounds;
-  int64_t next = -1;
-  for (int64_t step = 50; step < total; step += 50) {
-    pace.training_s = training_s(step);
-    if (!rounds.empty()) {
-      pace.step_s = (pace.training_s - training_s(pace.last_round_step)) /
-                    static_cast<double>(step - pace.last_round_step);
-    }
-    if (next >= 0 && step < next) continue;
-    if (!rounds.empty() && !round_pace_due(pace, step)) continue;
-    pace.probe_s += rounds.empty() ? 0.66 : 0.069;
-    pace.last_round_step = step;
-    rounds.push_back(step);
-    next = step + 200;
-  }
-  EXPECT_EQ(rounds, (std::vector<int64_t>{50, 550, 2050, 3500, 4950, 6400}));
-  EXPECT_LE(pace.probe_s, pace.budget * training_s(total));
+  pace.total_steps = 15 * 521;
+  EXPECT_EQ(paced_round_steps(training_s, 0.66, &pace), (std::vector<int64_t>{50, 550, 2050, 3500, 4950, 6400}));
+  EXPECT_LE(pace.probe_s, pace.budget * training_s(pace.total_steps));
 }
 
 // A memory meter whose room and readings the test makes up: measure() runs the probe and returns the next reading.

@@ -79,7 +79,7 @@ bool round_pace_due(const RoundPace& pace, int64_t step) {
 
 bool CurvatureController::round_due(int64_t step) const {
   if (round_cost_s_ < 0) return true;  // the first round measures what one costs
-  if (options_.total_steps <= 0) return round_cost_s_ <= credit_s();
+  if (!paced()) return round_cost_s_ <= credit_s();
   RoundPace pace;
   pace.budget = options_.budget;
   pace.training_s = training_s_;
@@ -287,9 +287,8 @@ Events CurvatureController::after_step(StepContext& ctx) {
     }
   }
   // Not enough credit yet: try again after the next T_curv; paced lockstep rounds, at the next window.
-  const bool paced = options_.lockstep && options_.budget > 0 && options_.total_steps > 0;
   if (chosen.empty()) {
-    if (!paced) next_probe_step_ = ctx.step + options_.probe.every_steps;
+    if (!paced()) next_probe_step_ = ctx.step + options_.probe.every_steps;
     last_call_s_ = ctx.now_s;
     return events;
   }
@@ -456,7 +455,7 @@ void CurvatureController::restore(const Json& j) {
     if (j.contains("training_s")) training_s_ = j.at("training_s").get<double>();
     if (j.contains("last_round_step")) {
       last_round_step_ = j.at("last_round_step").get<int64_t>();
-      last_round_training_s_ = j.at("last_round_training_s").get<double>();
+      last_round_training_s_ = j.value("last_round_training_s", -1.0);
     } else if (probes_ > 0) {  // checkpoints before paced rounds: the last round was at most T_curv before this
       last_round_step_ = std::max<int64_t>(0, next_probe_step_ - options_.probe.every_steps);
     }

@@ -129,6 +129,8 @@ class CurvatureController final : public StepController {
   int64_t last_round_step_ = -1;          // lockstep: the step of the last round (< 0: none yet)
   double last_round_training_s_ = -1;     // lockstep: training_s_ at the last round (< 0: not known)
   bool round_due(int64_t step) const;     // lockstep: the first round, then round_pace_due or the credit
+  // Lockstep rounds under a budget in a run of known length: paced by round_pace_due, checked at every window.
+  bool paced() const { return options_.lockstep && options_.budget > 0 && options_.total_steps > 0; }
 };
 
 }  // namespace triaccel
