@@ -7,6 +7,7 @@
 #include "triaccel/control/memory_model.h"
 #include "triaccel/control/memory_plan_controller.h"
 #include "triaccel/control/memory_planner.h"
+#include "triaccel/control/memory_profile.h"
 #include "triaccel/control/precision_controller.h"
 #include "triaccel/core/cuda_graph.h"
 #include "triaccel/core/device.h"
@@ -409,6 +410,30 @@ TEST(MemoryModelTest, SavedActivationsAreWhatBackwardKeeps) {
                                            MemoryModelInputs{}, gpu);
   EXPECT_DOUBLE_EQ(m.units[0].saved_bytes, 1024 * 4);
   EXPECT_DOUBLE_EQ(m.units[0].input_bytes, 256 * 4);
+}
+
+// A unit whose graph records a tensor the batch does not size (its weight scaled before use, as a 16-bit cast is):
+// the backward transient is twice the largest per-sample tensor (the 4 KiB output a sample), not the 1 MiB weight
+// spread over the trace's samples.
+class ScaledWeightUnit : public Model {
+ public:
+  ScaledWeightUnit() : Model("scaled-weight-unit") {
+    auto linear = register_module("fc", torch::nn::Linear(256, 1024));
+    std::vector<std::shared_ptr<torch::nn::Module>> modules{linear};
+    unit_add("fc", modules, [linear](const at::Tensor& x) {
+      return torch::tanh(at::linear(x, linear->weight * 2.0, linear->bias));
+    });
+  }
+};
+
+TEST(MemoryModelTest, ATensorTheBatchDoesNotSizeIsNoPerSampleTransient) {
+  ScaledWeightUnit net;
+  const MemoryModel m = memory_model_build(net, torch::zeros({256}), MemoryModelInputs{}, torch::kCPU);
+  EXPECT_DOUBLE_EQ(m.transient_bytes, 2 * 1024 * 4);
+  EXPECT_DOUBLE_EQ(m.units[0].saved_bytes, 2 * 1024 * 4);  // the weight's product is no saved activation either
+  const std::vector<double> small{100, 8}, large{100, 16};  // one tensor per graph node, traced at 2 and 4 samples
+  EXPECT_DOUBLE_EQ(largest_tensor_per_sample(small, 2, large, 4), 4);
+  EXPECT_DOUBLE_EQ(largest_tensor_per_sample({8}, 2, {100, 16}, 4), 25);  // graphs that differ: the large one's
 }
 
 // GPU: the host-streamed loader gives the device loader's batches bit for bit (order, crops, flips, cutout), also

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <numeric>
 
 namespace triaccel {
 namespace {
@@ -91,21 +92,36 @@ Footprint measure_footprint(const std::vector<int64_t>& in_shape, const std::fun
 
 }  // namespace
 
-double autograd_graph_bytes(const at::Tensor& output, double* max_bytes) {
-  double total = 0, largest = 0;
+std::vector<double> autograd_graph_tensor_bytes(const at::Tensor& output) {
+  std::vector<double> bytes;
   autograd_graph_visit(output, [&](torch::autograd::Node& node) {
     if (node.name().find("AccumulateGrad") != std::string::npos) return;  // a parameter, not an activation
     for (uint32_t i = 0; i < node.num_inputs(); ++i) {
       const auto& meta = node.input_metadata(i);
       double numel = 1;
       for (const auto& d : meta.shape_as_dim_vector()) numel *= static_cast<double>(d.expect_int());
-      const double bytes = numel * static_cast<double>(meta.dtype().itemsize());
-      total += bytes;
-      largest = std::max(largest, bytes);
+      bytes.push_back(numel * static_cast<double>(meta.dtype().itemsize()));
     }
   });
-  if (max_bytes) *max_bytes = largest;
-  return total;
+  return bytes;
+}
+
+double autograd_graph_bytes(const at::Tensor& output, double* max_bytes) {
+  const std::vector<double> bytes = autograd_graph_tensor_bytes(output);
+  if (max_bytes) *max_bytes = bytes.empty() ? 0.0 : *std::max_element(bytes.begin(), bytes.end());
+  return std::accumulate(bytes.begin(), bytes.end(), 0.0);
+}
+
+double largest_tensor_per_sample(const std::vector<double>& small, int64_t small_batch,
+                                 const std::vector<double>& large, int64_t large_batch) {
+  if (small.size() != large.size()) {
+    return large.empty() ? 0.0 : *std::max_element(large.begin(), large.end()) / static_cast<double>(large_batch);
+  }
+  double largest = 0;
+  for (size_t i = 0; i < large.size(); ++i) {
+    largest = std::max(largest, (large[i] - small[i]) / static_cast<double>(large_batch - small_batch));
+  }
+  return largest;
 }
 
 double MemoryProfile::backprop_bytes(int64_t batch) const {

@@ -60,6 +60,13 @@ struct MemoryProfile {
 // Sum of the bytes of every tensor the autograd graph behind `output` records (excluding parameters' accumulators);
 // `max_bytes` receives the largest one. Exposed for tests.
 double autograd_graph_bytes(const at::Tensor& output, double* max_bytes = nullptr);
+// The same tensors' bytes one by one, in the walk's order (the same order for the same graph at another batch).
+std::vector<double> autograd_graph_tensor_bytes(const at::Tensor& output);
+// The largest tensor's bytes per sample, from one graph traced at two batch sizes: each tensor's growth per added
+// sample, so that a tensor the batch does not size (a weight's 16-bit cast) counts for nothing. Graphs of different
+// shapes: the larger trace's largest tensor over its batch.
+double largest_tensor_per_sample(const std::vector<double>& small, int64_t small_batch,
+                                 const std::vector<double>& large, int64_t large_batch);
 
 // Profiles every unit of `model` (and its aux heads at every level) for inputs of one sample's shape
 // `sample_shape` (C, H, W). kMeasured needs a CUDA device. The model may live on any device.
