@@ -1217,6 +1217,24 @@ TEST(MemoryPlanControllerTest, CalibratesScaleAndFixedBytesFromReadings) {
   EXPECT_LT(r.c.model().activation_scale, 0.9);  // it learned the model over-predicts
 }
 
+// A reading far under its prediction lowers the scale by kCalibrationDownStep a step, not to the fit (which the next,
+// bolder plan ran out of memory with on the H100); after an out-of-memory error the readings never take the scale
+// back below the scale that error left.
+TEST(MemoryPlanControllerTest, CalibrationStepsTheScaleDownAndNeverBelowAnOutOfMemory) {
+  CalibrationRig r;
+  r.true_scale = 0.1;
+  ASSERT_DOUBLE_EQ(r.c.model().activation_scale, 1);
+  r.steps(1, 2);  // the first step is not read; the second is
+  EXPECT_DOUBLE_EQ(r.c.model().activation_scale, kCalibrationDownStep);
+  r.steps(3, 3);
+  EXPECT_DOUBLE_EQ(r.c.model().activation_scale, kCalibrationDownStep * kCalibrationDownStep);
+  r.c.on_out_of_memory();
+  const double after_oom = kCalibrationDownStep * kCalibrationDownStep * kOomScaleStep;
+  EXPECT_DOUBLE_EQ(r.c.model().activation_scale, after_oom);
+  r.steps(4, 6);
+  EXPECT_DOUBLE_EQ(r.c.model().activation_scale, after_oom);
+}
+
 // After calibration a plan whose own peak is off its prediction by more than 5 %: over-predicted, the plan stays and
 // its prediction is corrected, the model's scale kept (a refit down on one plan's low reading under-predicted the
 // next plans); under-predicted past the limit, the scale is refit on its reading (a few times at most) and a new plan

@@ -239,6 +239,11 @@ void MemoryPlanController::calibrate(const MemoryPlan& ran, double measured) {
   }
   scale = std::clamp(scale, kCalibrationMin, kCalibrationMax);
   offset = std::clamp(my - scale * mx, kOffsetMin, kOffsetMax);
+  const double least = std::max(model_.activation_scale * kCalibrationDownStep, oom_scale_);
+  if (scale < least) {  // a step down, not the fit: the fixed bytes stay as they were
+    scale = least;
+    offset = offset_;
+  }
   model_.activation_scale = scale;
   offset_ = offset;
   model_.fixed_bytes = unscaled.fixed_bytes + offset_;
@@ -247,6 +252,7 @@ void MemoryPlanController::calibrate(const MemoryPlan& ran, double measured) {
 Event MemoryPlanController::on_out_of_memory() {
   model_.activation_scale *= kOomScaleStep;
   limit_scale_ *= kOomScaleStep;
+  oom_scale_ = model_.activation_scale;
   replan();
   return {event::kMemoryPlan, plan_fields("oom")};
 }

@@ -44,6 +44,11 @@ constexpr int64_t kCalibrationSteps = 5;
 constexpr double kCalibrationSpread = 1.25;
 constexpr double kCalibrationMin = 0.2;
 constexpr double kCalibrationMax = 5;
+// One reading lowers the scale by this factor at most, and never below a scale that ran out of memory (after its
+// kOomScaleStep): a reading from a plan that recomputes many units at a small micro-batch, far under its prediction,
+// fitted a scale that the next, bolder plan ran out of memory with (H100, GPT-char at 0.3 GB: 1.19 to 0.2, then eight
+// errors in a row as the scale climbed back; ResNet-18 Tri-Accel at 0.35 GB: 0.78 to 0.41, then two).
+constexpr double kCalibrationDownStep = 0.8;
 // After calibration: a plan whose own peak is off its prediction by more than this share has the scale refit on that
 // reading, at most kRecalibrations times in a run.
 constexpr double kPredictionTolerance = 0.05;
@@ -128,6 +133,7 @@ class MemoryPlanController final : public StepController {
   Undo capture_oom_undo_;
   std::vector<Precision> precisions_;  // the step's unit precisions the model was built for
   double limit_scale_;                 // limit_from_first_model: the activation scale the limit is priced at
+  double oom_scale_ = 0;               // the scale after the last out-of-memory error: calibration stays above it
   double measured_peak_bytes_ = 0;     // the last calibration reading
   double plan_measured_peak_bytes_ = 0;  // plan_measured_peak_bytes()
   int64_t calibrations_ = 0;           // readings taken (eager or capturing steps; replays allocate nothing)
