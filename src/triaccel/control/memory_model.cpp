@@ -112,7 +112,8 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   m.weights_bytes = 4.0 * static_cast<double>(n);
   m.grads_bytes = 4.0 * static_cast<double>(n);
   m.optimizer_bytes = static_cast<double>(in.optimizer_state_bytes);
-  m.fixed_bytes = (any16 ? 2.0 * static_cast<double>(n) : 0.0) + (in.for_gpu ? kGpuFixedTransientBytes : 0.0) +
+  const double workspaces = in.budgeted ? kGpuFixedTransientBytesBudgeted : kGpuFixedTransientBytes;
+  m.fixed_bytes = (any16 ? 2.0 * static_cast<double>(n) : 0.0) + (in.for_gpu ? workspaces : 0.0) +
                   static_cast<double>(in.grad_reduce_bytes);
   m.dataset_bytes = static_cast<double>(in.dataset_device_bytes);
   m.stream_bytes = static_cast<double>(in.dataset_stream_bytes);

@@ -210,6 +210,7 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   }
   in.allow_host_data = gpu;
   in.for_gpu = gpu;
+  in.budgeted = budget > 0;
   // Several ranks: the gradient buckets hold a copy of every fp32 gradient (and a bf16 one to send, compressed).
   if (world > 1) in.grad_reduce_bytes = (ex.grad_compression == GradCompression::kBf16 ? 6 : 4) * n;
   MemoryModelInputs first = in;
