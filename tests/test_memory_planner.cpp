@@ -1400,6 +1400,10 @@ TEST_F(MemoryRunTest, PlanWithABudgetGivesTheMemoryPlanOnTheCpu) {
   EXPECT_EQ(m["budget_bytes"], 1000000000);
   EXPECT_EQ(m["micro_batch"], o.schedule.batch_size);
   EXPECT_FALSE(p.contains("optim_plan"));
+  // Under a budget cuBLAS's workspace is one small chunk: 12 MB of workspaces priced, not 48 (plus the weight casts).
+  const auto fixed = m["consumers"]["fixed"].get<double>();
+  EXPECT_GE(fixed, kGpuFixedTransientBytesBudgeted);
+  EXPECT_LT(fixed, kGpuFixedTransientBytes);
   o.set("vram_budget", "2MB");
   const Json small = api::plan(o)["memory_plan"];
   EXPECT_FALSE(small["feasible"].get<bool>());
