@@ -388,13 +388,16 @@ TEST(MemoryModelTest, TheEvaluationBatchFitsBesideWhatIsHeld) {
 
 // One unit, Linear(256 → 1024) then tanh, fp32: backward needs the linear's input (allocated before the unit) and
 // tanh's output, 4 KiB a sample; the pre-activation is freed. On CUDA the model reads that from the allocator; the
-// autograd graph's outputs would count the pre-activation too (8 KiB), as on the CPU.
+// autograd graph's outputs would count the pre-activation too (8 KiB), as on the CPU. With `scaled_weight` the
+// weight goes through the graph first (times 2, as a 16-bit cast would): a 1 MiB tensor the batch does not size.
 class WideUnit : public Model {
  public:
-  WideUnit() : Model("wide-unit") {
+  explicit WideUnit(bool scaled_weight = false) : Model("wide-unit") {
     auto linear = register_module("fc", torch::nn::Linear(256, 1024));
     std::vector<std::shared_ptr<torch::nn::Module>> modules{linear};
-    unit_add("fc", modules, [linear](const at::Tensor& x) { return torch::tanh(linear->forward(x)); });
+    unit_add("fc", modules, [linear, scaled_weight](const at::Tensor& x) {
+      return torch::tanh(at::linear(x, scaled_weight ? linear->weight * 2.0 : linear->weight, linear->bias));
+    });
   }
 };
 
@@ -415,19 +418,8 @@ TEST(MemoryModelTest, SavedActivationsAreWhatBackwardKeeps) {
 // A unit whose graph records a tensor the batch does not size (its weight scaled before use, as a 16-bit cast is):
 // the backward transient is twice the largest per-sample tensor (the 4 KiB output a sample), not the 1 MiB weight
 // spread over the trace's samples.
-class ScaledWeightUnit : public Model {
- public:
-  ScaledWeightUnit() : Model("scaled-weight-unit") {
-    auto linear = register_module("fc", torch::nn::Linear(256, 1024));
-    std::vector<std::shared_ptr<torch::nn::Module>> modules{linear};
-    unit_add("fc", modules, [linear](const at::Tensor& x) {
-      return torch::tanh(at::linear(x, linear->weight * 2.0, linear->bias));
-    });
-  }
-};
-
 TEST(MemoryModelTest, ATensorTheBatchDoesNotSizeIsNoPerSampleTransient) {
-  ScaledWeightUnit net;
+  WideUnit net(/*scaled_weight=*/true);
   const MemoryModel m = memory_model_build(net, torch::zeros({256}), MemoryModelInputs{}, torch::kCPU);
   EXPECT_DOUBLE_EQ(m.transient_bytes, 2 * 1024 * 4);
   EXPECT_DOUBLE_EQ(m.units[0].saved_bytes, 2 * 1024 * 4);  // the weight's product is no saved activation either
