@@ -6,6 +6,15 @@ SITE=$(dirname "$(dirname "$TORCH_LIB")")
 NV_LIBS=$(ls -d "$SITE"/nvidia/*/lib "$SITE"/nvidia/cu13/lib 2>/dev/null | tr '\n' ':')
 export LD_LIBRARY_PATH="$TORCH_LIB:$NV_LIBS/usr/local/cuda/lib64:$(pwd)/.device/lib:${LD_LIBRARY_PATH:-}"
 
+# Binaries carried compressed (.device/bin/NAME.xz: the carry holds 64 MiB with the tracked files) are unpacked once.
+for packed in .device/bin/*.xz; do
+  [ -e "$packed" ] && { [ ! -x "${packed%.xz}" ] || [ "$packed" -nt "${packed%.xz}" ]; } && python3 -c 'import lzma, os, sys
+src = sys.argv[1]
+with lzma.open(src) as f, open(src[:-3], "wb") as out:
+    out.write(f.read())
+os.chmod(src[:-3], 0o755)' "$packed"
+done
+
 # The binaries to run: BIN=.device/bin when the carried ones run here and include every file named (e.g.
 # bench_optim_step), else a fresh build in build-gpu (several minutes; logs in LOGDIR). Exits on a failed build.
 device_binaries() {

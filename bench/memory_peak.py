@@ -109,6 +109,35 @@ def peak_of(path, depth, at_end=False):
     return best, len(events) - best_at, len(best_live), end_total, len(events), groups
 
 
+def ooms_of(path):
+    """[(event index, requested bytes, device free bytes, allocated, reserved)] at each refused allocation in the
+    ring (a capture that ran out of memory: TRIACCEL_MEMORY_HISTORY's FILE.capture_oom.N), the allocated and
+    reserved bytes walked back from the snapshot's end."""
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    traces = snap.get("device_traces", [])
+    dev = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
+    events = traces[dev] if traces else []
+    segs = [s for s in snap.get("segments", []) if s.get("device", dev) == dev]
+    allocated = sum(b["size"] for s in segs for b in s["blocks"] if b["state"] == "active_allocated")
+    reserved = sum(s["total_size"] for s in segs)
+    out = []
+    for i in range(len(events) - 1, -1, -1):
+        e = events[i]
+        a = e["action"]
+        if a == "oom":
+            out.append((i, e["size"], e.get("device_free", e.get("addr", 0)), allocated, reserved))
+        elif a == "alloc":
+            allocated -= e["size"]
+        elif a == "free_completed":
+            allocated += e["size"]
+        elif a in ("segment_alloc", "segment_map"):
+            reserved -= e["size"]
+        elif a in ("segment_free", "segment_unmap"):
+            reserved += e["size"]
+    return out[::-1]
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("snapshot")
@@ -116,8 +145,14 @@ def main(argv):
     ap.add_argument("--frames", type=int, default=4, help="frames naming a group")
     ap.add_argument("--compare", help="another run's snapshot: list the groups whose bytes at the peak differ")
     ap.add_argument("--at-end", action="store_true", help="the blocks alive when the snapshot was written instead")
+    ap.add_argument("--ooms", action="store_true", help="the refused allocations in the ring, with the allocated "
+                    "and reserved bytes when each was refused")
     args = ap.parse_args(argv)
     mb = 1e6
+    if args.ooms:
+        for i, size, free, allocated, reserved in ooms_of(args.snapshot):
+            print(f"oom at event {i}: asked {size / mb:.1f} MB, device free {free / mb:.1f} MB, "
+                  f"allocated {allocated / mb:.1f} MB, reserved {reserved / mb:.1f} MB")
     best, before_end, blocks, end_total, n_events, groups = peak_of(args.snapshot, args.frames, args.at_end)
     print(f"events: {n_events} recorded; allocated at the end {end_total / mb:.1f} MB")
     what = "alive at the end" if args.at_end else f"peak within them, {before_end} events before the end"

@@ -23,6 +23,8 @@
 #            GRID_BINS ("triaccel" by default; e.g. "triaccel_base triaccel"): every entry under each binary of
 #            .device/bin, tagged with the binary's name when it is not triaccel (an A/B in one call). NeuroFlux rows
 #            list their blocks: planned and used batch, predicted and measured peak, out-of-memory retries, seconds
+#   history  HISTORY ("model:budget[:method] ...", CIFAR-10 b96, 1 epoch) with the allocator's history recorded: what
+#            the eager steps' peak and each capture that ran out of memory hold (bench/memory_peak.py)
 # Binaries: .device/bin (built here with `make gpu-binaries`, carried: carry [".device"]); data: .device/data.
 # Writes $OUT/memory_planner.json ({"bench","gpu","command","commit","rows"}) and $OUT/memory_planner_logs.tgz, and
 # prints a short table last. Usage: COMMIT=$(git rev-parse --short HEAD) STAGES=... bash bench/run_memory_planner.sh
@@ -72,7 +74,7 @@ train() {
   echo "$tag: exit $? $(grep -E '^(memory plan|done)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-220)"
 }
 
-if has r18 || has tri || has grid || has models || has acc; then cifar10_bin; fi
+if has r18 || has tri || has grid || has models || has acc || has history; then cifar10_bin; fi
 if has r18; then
   for conf in ${ALLOC_CONFS:-default}; do
     suffix=""
@@ -153,6 +155,32 @@ if has grid; then
       TRIACCEL_BIN=$bin train "grid_${model}_${budget}_$method$suffix" "$model" "$budget" --method "$method" \
         "${extra[@]}" --epochs 1
     done
+  done
+fi
+
+# What a capture that runs out of memory holds beyond its eager step: each HISTORY entry (model:budget[:method], as
+# GRID) recorded by the allocator (TRIACCEL_MEMORY_HISTORY); bench/memory_peak.py on the eager steps' peak and on
+# each failed capture (its refused allocations, then its peak against the eager step's), as $OUT/history_TAG.txt.
+if has history; then
+  for entry in ${HISTORY:-resnet18:0.3GB:backprop}; do
+    IFS=: read -r model budget method <<<"$entry"
+    method=${method:-backprop}
+    tag="hist_${model}_${budget}_$method"
+    hist="$WORK/runs/$tag.mem"
+    TRIACCEL_MEMORY_HISTORY=$hist TRIACCEL_MEMORY_HISTORY_ENTRIES=${HISTORY_ENTRIES:-100000} \
+      TORCH_SYMBOLIZE_MODE=dladdr train "$tag" "$model" "$budget" --method "$method" --dataset cifar10 \
+      --data "$DATA" --batch-size 96 --epochs 1
+    {
+      echo "== $tag: eager steps' peak ($hist.step)"
+      python3 bench/memory_peak.py "$hist.step" --top 15 2>&1
+      for f in "$hist".capture_oom.*; do
+        [ -e "$f" ] || continue
+        echo "== $f"
+        python3 bench/memory_peak.py "$f" --ooms --top 20 2>&1
+        python3 bench/memory_peak.py "$f" --compare "$hist.step" --top 20 2>&1
+      done
+    } >"$FINAL_OUT/history_$tag.txt"
+    grep -E '^(==|oom at|events|peak|.*: peak)' "$FINAL_OUT/history_$tag.txt" | head -30
   done
 fi
 

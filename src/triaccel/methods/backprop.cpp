@@ -1167,6 +1167,12 @@ void Trainer::peak_trace(const char* phase) {
     traced_peak_ = peak;
   }
   if (memory_history_.empty()) return;
+  // A capture that ran out of memory in this phase: its events (the capture's allocations, the refused one) go to
+  // <it>.capture_oom.<n>, to hold against the eager step's peak (bench/memory_peak.py --compare).
+  if (step_ && step_->graph().capture_ooms() > history_capture_ooms_) {
+    history_capture_ooms_ = step_->graph().capture_ooms();
+    memory_history_write(device_, str_cat(memory_history_, ".capture_oom.", history_capture_ooms_));
+  }
   // The recorded events are this phase's alone (cleared after the last one), so a rise of the peak happened in them.
   int64_t& highest = history_peaks_[phase];
   if (peak > highest) {

@@ -162,6 +162,7 @@ class Trainer : private MemoryMeter {
   // peak so far rises (history_peaks_), with the events of that phase only, so each file holds its phase's peak.
   std::string memory_history_;
   std::map<std::string, int64_t> history_peaks_;
+  int64_t history_capture_ooms_ = 0;  // the step graph's capture_ooms() at the last snapshot of a failed capture
   int64_t window_carry_ = 0;     // the current window's peak that measure() reset away
   int64_t transient_carry_ = 0;  // measure()'s peaks this epoch
   int64_t steps_peak_ = 0;       // the training steps' peak before the allocator's last reset (steps_peak_now())
