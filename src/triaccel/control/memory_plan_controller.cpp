@@ -153,10 +153,10 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
       events.push_back({event::kMemoryPlan, plan_fields("capture_oom_eager")});
     }
   }
-  // Calibration reads the peak. The first step of a session is not read: optimizer state (SGD's momentum) is created
-  // at its end, after its peak. A capture that ran out of memory allocated up to the cap before it failed: not the
-  // plan's peak (at 0.4 GB on the H100 such a reading, 0.366 GB for a plan that peaks at 0.28, pulled the
-  // calibration 16 % high).
+  // Calibration reads the peak. The first step of a session is not read: it makes what later steps reuse (cuDNN's
+  // and cuBLAS's handles and workspaces; before the step engine made the optimizer state first, SGD's momentum
+  // too). A capture that ran out of memory allocated up to the cap before it failed: not the plan's peak (at 0.4 GB
+  // on the H100 such a reading, 0.366 GB for a plan that peaks at 0.28, pulled the calibration 16 % high).
   if (measured <= 0 || first_step || capture_failed) return events;
   if (calibrations_ >= kCalibrationSteps) {  // calibrated: the steps that allocate under the plan measure it
     if (!(ran == plan_)) return events;

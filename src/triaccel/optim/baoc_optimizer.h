@@ -76,7 +76,7 @@ class BaocOptimizer final : public Optimizer {
   const at::Tensor& counts() const { return counts_; }
   bool state_initialized() const { return initialized_; }
   // Allocates the state (zeros) if the first step has not yet.
-  void state_init();
+  void state_init() override;
   // Converts every tensor whose format changes, keeping its moments (see the invariants above).
   void formats_set(const std::vector<StateFormat>& formats);
   // Exact bytes of the current formats' state (state_format_bytes summed).

@@ -54,6 +54,10 @@ class Optimizer {
 
   // Bytes of optimizer state (what the memory planner and the summary count).
   virtual int64_t state_bytes() const = 0;
+  // Allocates the state (zeros, in the current formats) if the first step has not yet. The step engine calls it
+  // before its first forward, so the state lands beside the weights in the caching allocator's segments, not in the
+  // holes the first step's activations leave (train/step.h).
+  virtual void state_init() = 0;
   // Checkpoints: the live state tensors by name (created first if the first step has not run yet).
   virtual NamedTensors state_tensors() = 0;
   // Restores state written from state_tensors(); UserError naming `path` on a mismatch. Default: copies by name.

@@ -25,7 +25,7 @@ Sgd::Sgd(const std::vector<std::pair<std::string, at::Tensor>>& named_params, Sg
 int64_t Sgd::state_bytes() const {
   int64_t n = 0;
   for (size_t i = 0; i < params().size(); ++i) n += owned(i) ? params()[i].numel() : 0;
-  return 4 * n;  // the momentum buffers (allocated at the first step, whatever the momentum)
+  return 4 * n;  // the momentum buffers (allocated before the first step, whatever the momentum)
 }
 
 void Sgd::state_init() {

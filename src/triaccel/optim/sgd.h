@@ -35,7 +35,7 @@ class Sgd final : public Optimizer {
 
   const SgdOptions& options() const { return options_; }
   // Creates the momentum buffers if the first step has not yet (a checkpoint load needs them).
-  void state_init();
+  void state_init() override;
   // Same order as names(); empty before state_init, undefined for a parameter this process does not own.
   const std::vector<at::Tensor>& momenta() const { return momenta_; }
   // 4 bytes per owned parameter: the momentum buffers (whether or not they exist yet).
