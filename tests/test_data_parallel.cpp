@@ -772,10 +772,11 @@ TEST_F(DataParallelTest, ShardedOptimizerStateTrainsTheWeightsOfOneProcess) {
 }
 
 // NeuroFlux data parallel: each block's steps split over the ranks (each rank its share of the rows, the gradients
-// weighted and summed during backward), the caches and exits computed alike on every rank. Two ranks train the
-// weights of one process, block by block from the cache, and choose its exit; a stop that reaches one rank only
-// (rank 1's, inside the first block's last epoch) stops both at the same step, and the run resumes in one process to
-// the same weights and local losses.
+// weighted and summed during backward), and each cache pass too (each rank runs its share of every split's rows,
+// passes them to the others and sums the exits' hits), so every rank holds one process's caches and exit scores. Two
+// ranks train the weights of one process, block by block from the cache, and choose its exit; a stop that reaches
+// one rank only (rank 1's, inside the first block's last epoch) stops both at the same step, and the run resumes in
+// one process to the same weights and local losses.
 TEST_F(DataParallelTest, NeuroFluxOnTwoRanksTrainsTheWeightsOfOneProcess) {
   const auto configure = [](const std::string& out) {
     Config c = mlp_options(out);
@@ -800,6 +801,12 @@ TEST_F(DataParallelTest, NeuroFluxOnTwoRanksTrainsTheWeightsOfOneProcess) {
     const Json &l1 = b1[b]["local"].back(), &l2 = b2[b]["local"].back();
     EXPECT_NEAR(l2["train_loss"].get<double>(), l1["train_loss"].get<double>(), 1e-4) << b;
     EXPECT_NEAR(l2["train_acc"].get<double>(), l1["train_acc"].get<double>(), 1e-3) << b;
+    EXPECT_NEAR(l2["holdout_acc"].get<double>(), l1["holdout_acc"].get<double>(), 1e-6) << b;
+    EXPECT_NEAR(l2["test_acc"].get<double>(), l1["test_acc"].get<double>(), 1e-6) << b;
+    // Rank 0 ran half of each split's rows (and at most one window of a batch before its share's end per split).
+    const auto rows1 = b1[b]["pass_rows"].get<int64_t>(), rows2 = b2[b]["pass_rows"].get<int64_t>();
+    EXPECT_LE(rows2, rows1 / 2 + 3 * b2[b]["pass_batch"].get<int64_t>()) << b;
+    EXPECT_LT(rows2, rows1) << b;
   }
   const double worst = worst_difference(one.file("model.pt"), two.file("model.pt"));
   std::printf("[ neuroflux ] two ranks against one process: worst relative weight difference %.3g\n", worst);

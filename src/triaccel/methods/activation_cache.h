@@ -57,6 +57,9 @@ class ActivationCache {
   at::Tensor read_range(int64_t offset, int64_t count) const;
   // Waits for the writes still on their way to the host and stores them.
   void flush() const;
+  // Rows [offset, offset + count) as stored (bf16, (count, row elements), on the device or in host memory), to be
+  // filled in place by a collective (data parallel: another rank computed them). Call flush() first.
+  at::Tensor stored_rows(int64_t offset, int64_t count) { return data_.narrow(0, offset, count); }
 
   int64_t size() const { return data_.size(0); }
   CachePlace place() const { return place_; }

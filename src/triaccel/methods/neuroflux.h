@@ -44,9 +44,9 @@ int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<in
 // A training step at rows [offset, offset + count) of an epoch of n rows, at `batch` (planned: `planned`): how many
 // of the epoch's first rows fill it up to the planned batch (0 unless it is the short last one at the planned batch).
 int64_t epoch_fill(int64_t offset, int64_t count, int64_t n, int64_t batch, int64_t planned);
-// A cache-pass batch of `count` rows at `offset` of a split of n rows, at batch `batch`: the rows that run are
-// [offset - skip, offset + count) — the short last batch becomes the window of `batch` rows ending at n — and only
-// [offset, offset + count) are scored and written.
+// A cache-pass batch of `count` rows at `offset` of a split's rows before n (the split's size, or the end of this
+// rank's share of it), at batch `batch`: the rows that run are [offset - skip, offset + count) — the short last
+// batch becomes the window of `batch` rows ending at n — and only [offset, offset + count) are scored and written.
 int64_t pass_skip(int64_t offset, int64_t count, int64_t n, int64_t batch);
 
 }  // namespace triaccel
