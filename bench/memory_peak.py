@@ -13,6 +13,7 @@ The peak found is the highest within the recorded events (the snapshot's ring of
 says how far back they reach.
 """
 import argparse
+import bisect
 import collections
 import pickle
 import shutil
@@ -109,32 +110,65 @@ def peak_of(path, depth, at_end=False):
     return best, len(events) - best_at, len(best_live), end_total, len(events), groups
 
 
+def address_ranges(segs, events, gap=1 << 30):
+    """Sorted [(first, last, default)]: the address ranges of the allocator's segments, each the cluster of segment
+    bases and mapped addresses with no gap over `gap` (an expandable segment maps pages next to each other in a range
+    of its own); default: it holds a segment of the default pool alive at the snapshot's end (else it was another
+    pool's, e.g. a capture's that was released after it failed)."""
+    points = [(s["address"], tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)) for s in segs]
+    points += [(e["addr"], False) for e in events if e["action"] in ("segment_alloc", "segment_map")]
+    ranges = []
+    for addr, default in sorted(points):
+        if ranges and addr - ranges[-1][1] <= gap:
+            first, _, was = ranges[-1]
+            ranges[-1] = (first, addr, was or default)
+        else:
+            ranges.append((addr, addr, default))
+    return ranges
+
+
 def ooms_of(path):
-    """[(event index, requested bytes, device free bytes, allocated, reserved)] at each refused allocation in the
-    ring (a capture that ran out of memory: TRIACCEL_MEMORY_HISTORY's FILE.capture_oom.N), the allocated and
-    reserved bytes walked back from the snapshot's end."""
+    """[(event index, requested bytes, device free bytes, allocated, reserved, {pool: (allocated, reserved)})] at each
+    refused allocation in the ring (a capture that ran out of memory: TRIACCEL_MEMORY_HISTORY's FILE.capture_oom.N),
+    walked back from the snapshot's end; pools "default" (the default pool's segments) and "other" (the rest)."""
     with open(path, "rb") as f:
         snap = pickle.load(f)
     traces = snap.get("device_traces", [])
     dev = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
     events = traces[dev] if traces else []
     segs = [s for s in snap.get("segments", []) if s.get("device", dev) == dev]
-    allocated = sum(b["size"] for s in segs for b in s["blocks"] if b["state"] == "active_allocated")
-    reserved = sum(s["total_size"] for s in segs)
+    ranges = address_ranges(segs, events)
+    bases = [r[0] for r in ranges]
+
+    def pool(addr):
+        i = bisect.bisect_right(bases, addr) - 1
+        return "default" if i >= 0 and ranges[i][2] else "other"
+
+    alloc = collections.Counter()
+    res = collections.Counter()
+    for s in segs:
+        res[pool(s["address"])] += s["total_size"]
+        addr = s["address"]
+        for b in s["blocks"]:
+            if b["state"] == "active_allocated":
+                alloc[pool(addr)] += b["size"]
+            addr += b["size"]
     out = []
     for i in range(len(events) - 1, -1, -1):
         e = events[i]
         a = e["action"]
         if a == "oom":
-            out.append((i, e["size"], e.get("device_free", e.get("addr", 0)), allocated, reserved))
+            pools = {k: (alloc[k], res[k]) for k in ("default", "other")}
+            out.append((i, e["size"], e.get("device_free", e.get("addr", 0)), sum(alloc.values()),
+                        sum(res.values()), pools))
         elif a == "alloc":
-            allocated -= e["size"]
+            alloc[pool(e["addr"])] -= e["size"]
         elif a == "free_completed":
-            allocated += e["size"]
+            alloc[pool(e["addr"])] += e["size"]
         elif a in ("segment_alloc", "segment_map"):
-            reserved -= e["size"]
+            res[pool(e["addr"])] -= e["size"]
         elif a in ("segment_free", "segment_unmap"):
-            reserved += e["size"]
+            res[pool(e["addr"])] += e["size"]
     return out[::-1]
 
 
@@ -150,9 +184,11 @@ def main(argv):
     args = ap.parse_args(argv)
     mb = 1e6
     if args.ooms:
-        for i, size, free, allocated, reserved in ooms_of(args.snapshot):
+        for i, size, free, allocated, reserved, pools in ooms_of(args.snapshot):
+            by_pool = "; ".join(f"{k} pool {a / mb:.1f} allocated in {r / mb:.1f} reserved" for k, (a, r) in
+                                pools.items())
             print(f"oom at event {i}: asked {size / mb:.1f} MB, device free {free / mb:.1f} MB, "
-                  f"allocated {allocated / mb:.1f} MB, reserved {reserved / mb:.1f} MB")
+                  f"allocated {allocated / mb:.1f} MB, reserved {reserved / mb:.1f} MB ({by_pool})")
     best, before_end, blocks, end_total, n_events, groups = peak_of(args.snapshot, args.frames, args.at_end)
     print(f"events: {n_events} recorded; allocated at the end {end_total / mb:.1f} MB")
     what = "alive at the end" if args.at_end else f"peak within them, {before_end} events before the end"
