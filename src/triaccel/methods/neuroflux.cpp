@@ -583,6 +583,12 @@ double NeuroFluxRun::cache_pass(size_t b, CachePlace* place) {
     if (static_cast<double>(memory_stats(device_).allocated_bytes) + cache_bytes + next <= po_.safety * budget_) {
       *place = CachePlace::kDevice;
     }
+    // Several ranks: on the GPU only where every rank's fits (a split pass broadcasts a GPU cache's rows: every rank
+    // must make the same collectives).
+    if (session_.dist().active() &&
+        session_.dist().all_reduce_max({*place == CachePlace::kHost ? 1.0 : 0.0})[0] > 0) {
+      *place = CachePlace::kHost;
+    }
   }
   cache_pass_split(b, hold_in_, &hold_acc_, *place);
   cache_pass_split(b, test_in_, &test_acc_, *place);
