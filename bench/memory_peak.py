@@ -52,19 +52,23 @@ def site(frames, depth):
     return " <- ".join(n[:90] for n in keep[:depth]) or "(no stack)"
 
 
-def peak_of(path, depth, at_end=False):
-    """(peak bytes, events before the end, blocks, end bytes, events, {group: [bytes, blocks, how]}) of a snapshot;
-    at_end: the blocks alive when it was written instead of at the peak."""
+def read_snapshot(path):
+    """(events, segments) of a snapshot's device with the most recorded events."""
     with open(path, "rb") as f:
         snap = pickle.load(f)
     traces = snap.get("device_traces", [])
     dev = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
     events = traces[dev] if traces else []
+    return events, [s for s in snap.get("segments", []) if s.get("device", dev) == dev]
+
+
+def peak_of(path, depth, at_end=False):
+    """(peak bytes, events before the end, blocks, end bytes, events, {group: [bytes, blocks, how]}) of a snapshot;
+    at_end: the blocks alive when it was written instead of at the peak."""
+    events, segs = read_snapshot(path)
 
     live = {}  # addr -> (size, frames, how it is known)
-    for seg in snap.get("segments", []):
-        if seg.get("device", dev) != dev:
-            continue
+    for seg in segs:
         addr = seg["address"]
         for b in seg["blocks"]:
             if b["state"] == "active_allocated":
@@ -131,12 +135,7 @@ def ooms_of(path):
     """[(event index, requested bytes, device free bytes, allocated, reserved, {pool: (allocated, reserved)})] at each
     refused allocation in the ring (a capture that ran out of memory: TRIACCEL_MEMORY_HISTORY's FILE.capture_oom.N),
     walked back from the snapshot's end; pools "default" (the default pool's segments) and "other" (the rest)."""
-    with open(path, "rb") as f:
-        snap = pickle.load(f)
-    traces = snap.get("device_traces", [])
-    dev = max(range(len(traces)), key=lambda d: len(traces[d])) if traces else 0
-    events = traces[dev] if traces else []
-    segs = [s for s in snap.get("segments", []) if s.get("device", dev) == dev]
+    events, segs = read_snapshot(path)
     ranges = address_ranges(segs, events)
     bases = [r[0] for r in ranges]
 
