@@ -70,13 +70,15 @@ class Dist {
   int rank() const { return options_.rank; }
   int world_size() const { return options_.world_size; }
   bool active() const { return options_.world_size > 1; }
-  // This rank's part of `count` samples of a global batch, (first, count) relative to the batch: contiguous parts
+  // Rank `rank`'s part of `count` samples of a global batch, (first, count) relative to the batch: contiguous parts
   // in rank order whose sizes differ by at most one.
-  std::pair<int64_t, int64_t> share(int64_t count) const {
-    const int64_t first = count * rank() / world_size();
-    const int64_t end = count * (rank() + 1) / world_size();
+  std::pair<int64_t, int64_t> share(int64_t count, int rank) const {
+    const int64_t first = count * rank / world_size();
+    const int64_t end = count * (rank + 1) / world_size();
     return {first, end - first};
   }
+  // This rank's part.
+  std::pair<int64_t, int64_t> share(int64_t count) const { return share(count, rank()); }
   // Whether CUDA tensors go through NCCL (without a host sync).
   bool nccl() const;
   // Whether this build can reduce CUDA tensors with NCCL.

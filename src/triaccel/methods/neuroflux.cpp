@@ -665,9 +665,10 @@ void NeuroFluxRun::cache_pass_split(size_t b, SplitInput& in, std::vector<double
   if (out) {
     out->flush();
     for (int r = 0; split && r < dist.world_size(); ++r) {  // rank r's rows from rank r
-      const int64_t lo = n * r / dist.world_size(), hi = n * (r + 1) / dist.world_size();
-      std::vector<at::Tensor> rows{out->stored_rows(lo, hi - lo)};
-      if (hi > lo) dist.broadcast(rows, r);
+      const auto [lo, rows_of_r] = dist.share(n, r);
+      if (rows_of_r == 0) continue;
+      std::vector<at::Tensor> rows{out->stored_rows(lo, rows_of_r)};
+      dist.broadcast(rows, r);
     }
     pass_io_ += out->io_stats();
     in.loader.reset();
