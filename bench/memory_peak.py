@@ -131,10 +131,65 @@ def address_ranges(segs, events, gap=1 << 30):
     return ranges
 
 
+PAGE = 2 << 20  # the granularity of an expandable segment's mappings (a large pool's pages are 10 of them)
+
+
+def state_at(events, segs, index):
+    """({address: (size, frames)} of the live blocks, set of mapped 2 MiB pages) just before event `index`, walked back
+    from the snapshot's end."""
+    live = {}
+    pages = set()
+    for s in segs:
+        addr = s["address"]
+        pages |= set(range(addr // PAGE, (addr + s["total_size"]) // PAGE))
+        for b in s["blocks"]:
+            if b["state"] == "active_allocated":
+                live[addr] = (b["size"], b.get("frames", []))
+            addr += b["size"]
+    for e in reversed(events[index:]):
+        a = e["action"]
+        span = set(range(e["addr"] // PAGE, (e["addr"] + e["size"]) // PAGE)) if "segment" in a else set()
+        if a == "alloc":
+            live.pop(e["addr"], None)
+        elif a == "free_completed":
+            live[e["addr"]] = (e["size"], e.get("frames", []))
+        elif a in ("segment_alloc", "segment_map"):
+            pages -= span
+        elif a in ("segment_free", "segment_unmap"):
+            pages |= span
+    return live, pages
+
+
+def mapped_ranges(live, pages):
+    """[(first address, end, bytes used by live blocks, [free gaps of 1 MiB or more, largest first])] of the runs of
+    mapped pages."""
+    runs = []
+    for p in sorted(pages):
+        if runs and runs[-1][1] == p * PAGE:
+            runs[-1][1] += PAGE
+        else:
+            runs.append([p * PAGE, (p + 1) * PAGE])
+    blocks = sorted((a, size) for a, (size, _) in live.items())
+    out = []
+    for lo, hi in runs:
+        used, gaps, at = 0, [], lo
+        for a, size in blocks:
+            if lo <= a < hi:
+                if a - at >= 1 << 20:
+                    gaps.append(a - at)
+                used += size
+                at = max(at, a + size)
+        if hi - at >= 1 << 20:
+            gaps.append(hi - at)
+        out.append((lo, hi, used, sorted(gaps, reverse=True)))
+    return out
+
+
 def ooms_of(path):
-    """[(event index, requested bytes, device free bytes, allocated, reserved, {pool: (allocated, reserved)})] at each
-    refused allocation in the ring (a capture that ran out of memory: TRIACCEL_MEMORY_HISTORY's FILE.capture_oom.N),
-    walked back from the snapshot's end; pools "default" (the default pool's segments) and "other" (the rest)."""
+    """[(event index, requested bytes, device free bytes, allocated, reserved, {pool: (allocated, reserved)}, ranges)]
+    at each refused allocation in the ring (a capture that ran out of memory: TRIACCEL_MEMORY_HISTORY's
+    FILE.capture_oom.N); pools "default" (the default pool's segments) and "other" (the rest); ranges: mapped_ranges
+    then, each with its pool."""
     events, segs = read_snapshot(path)
     ranges = address_ranges(segs, events)
     bases = [r[0] for r in ranges]
@@ -143,32 +198,21 @@ def ooms_of(path):
         i = bisect.bisect_right(bases, addr) - 1
         return "default" if i >= 0 and ranges[i][2] else "other"
 
-    alloc = collections.Counter()
-    res = collections.Counter()
-    for s in segs:
-        res[pool(s["address"])] += s["total_size"]
-        addr = s["address"]
-        for b in s["blocks"]:
-            if b["state"] == "active_allocated":
-                alloc[pool(addr)] += b["size"]
-            addr += b["size"]
     out = []
-    for i in range(len(events) - 1, -1, -1):
-        e = events[i]
-        a = e["action"]
-        if a == "oom":
-            pools = {k: (alloc[k], res[k]) for k in ("default", "other")}
-            out.append((i, e["size"], e.get("device_free", e.get("addr", 0)), sum(alloc.values()),
-                        sum(res.values()), pools))
-        elif a == "alloc":
-            alloc[pool(e["addr"])] -= e["size"]
-        elif a == "free_completed":
-            alloc[pool(e["addr"])] += e["size"]
-        elif a in ("segment_alloc", "segment_map"):
-            res[pool(e["addr"])] -= e["size"]
-        elif a in ("segment_free", "segment_unmap"):
-            res[pool(e["addr"])] += e["size"]
-    return out[::-1]
+    for i, e in enumerate(events):
+        if e["action"] != "oom":
+            continue
+        live, pages = state_at(events, segs, i)
+        alloc, res = collections.Counter(), collections.Counter()
+        for a, (size, _) in live.items():
+            alloc[pool(a)] += size
+        for p in pages:
+            res[pool(p * PAGE)] += PAGE
+        pools = {k: (alloc[k], res[k]) for k in ("default", "other")}
+        runs = [(pool(lo), lo, hi, used, gaps) for lo, hi, used, gaps in mapped_ranges(live, pages)]
+        out.append((i, e["size"], e.get("device_free", e.get("addr", 0)), sum(alloc.values()), sum(res.values()),
+                    pools, runs))
+    return out
 
 
 def main(argv):
@@ -183,11 +227,15 @@ def main(argv):
     args = ap.parse_args(argv)
     mb = 1e6
     if args.ooms:
-        for i, size, free, allocated, reserved, pools in ooms_of(args.snapshot):
+        mib = 1 << 20
+        for i, size, free, allocated, reserved, pools, runs in ooms_of(args.snapshot):
             by_pool = "; ".join(f"{k} pool {a / mb:.1f} allocated in {r / mb:.1f} reserved" for k, (a, r) in
                                 pools.items())
             print(f"oom at event {i}: asked {size / mb:.1f} MB, device free {free / mb:.1f} MB, "
                   f"allocated {allocated / mb:.1f} MB, reserved {reserved / mb:.1f} MB ({by_pool})")
+            for where, lo, hi, used, gaps in runs:
+                print(f"  mapped {where:7s} {hex(lo)}: {(hi - lo) / mib:6.1f} MiB, {used / mib:6.1f} used, free gaps "
+                      f"of 1 MiB or more: {', '.join(f'{g / mib:.1f} MiB' for g in gaps) or 'none'}")
     best, before_end, blocks, end_total, n_events, groups = peak_of(args.snapshot, args.frames, args.at_end)
     print(f"events: {n_events} recorded; allocated at the end {end_total / mb:.1f} MB")
     what = "alive at the end" if args.at_end else f"peak within them, {before_end} events before the end"
