@@ -1,6 +1,6 @@
 """Times EfficientNet-B0's depthwise convolutions (32x32 input, the NeuroFlux shapes) forward + backward, per
 precision and memory layout, to find where the B0 blocks' step time goes. Prints a table, writes JSON (--out).
-Usage: python3 bench/probe_depthwise.py [--batch 416] [--out FILE]"""
+Usage: python3 bench/probe_depthwise.py [--batch 416] [--heuristics | --native] [--out FILE]"""
 import argparse, json, torch
 
 # (channels, input H=W, kernel, stride): B0's depthwise layers at a 32x32 input (stem stride 2 -> 16x16)
@@ -26,8 +26,11 @@ def main():
     ap.add_argument("--batch", type=int, default=416)
     ap.add_argument("--out")
     ap.add_argument("--heuristics", action="store_true", help="cuDNN heuristics instead of autotuning")
+    ap.add_argument("--native", action="store_true", help="PyTorch's own depthwise kernels (cuDNN off)")
     a = ap.parse_args()
     torch.backends.cudnn.benchmark = not a.heuristics
+    torch.backends.cudnn.enabled = not a.native
+    mode = "native" if a.native else "heuristics" if a.heuristics else "autotuned"
     rows = []
     for c, h, k, s in SHAPES:
         row = {"channels": c, "hw": h, "kernel": k, "stride": s}
@@ -50,14 +53,14 @@ def main():
         rows.append(row)
     keys = ["bf16_cl_ms", "bf16_nchw_ms", "fp32_cl_ms", "fp32_nchw_ms"]
     print(f"depthwise conv fwd+bwd, batch {a.batch}, ms per call ({torch.cuda.get_device_name()}, "
-          f"cuDNN {'heuristics' if a.heuristics else 'autotuned'})")
+          f"{mode})")
     print(f"{'C':>5s} {'HW':>3s} {'k':>2s} {'s':>2s} " + " ".join(f"{k[:-3]:>10s}" for k in keys))
     for r in rows:
         print(f"{r['channels']:5d} {r['hw']:3d} {r['kernel']:2d} {r['stride']:2d} " + " ".join(f"{r[k]:10.4f}" for k in keys))
     tot = {k: round(sum(r[k] for r in rows), 3) for k in keys}
     print("sum", tot)
     if a.out:
-        json.dump({"batch": a.batch, "cudnn": "heuristics" if a.heuristics else "autotuned", "device": torch.cuda.get_device_name(), "rows": rows, "sum_ms": tot},
+        json.dump({"batch": a.batch, "cudnn": mode, "device": torch.cuda.get_device_name(), "rows": rows, "sum_ms": tot},
                   open(a.out, "w"), indent=1)
 
 

@@ -3,6 +3,7 @@
 // efficientnet_b0 4,020,358 / 360), unit coverage and order, the unit-by-unit forward, and the export file.
 // Tolerances: forward comparisons run the same float32 CPU kernels in the same order, so they are exact.
 #include "test_util.h"
+#include "triaccel/models/conv.h"
 #include "triaccel/models/model.h"
 
 #include "triaccel/core/errors.h"
@@ -211,6 +212,50 @@ TEST(EfficientNet, StochasticDepthOnlyInTraining) {
   const at::Tensor y_plain = plain->forward(x);
   torch::manual_seed(1);
   EXPECT_FALSE(torch::allclose(y_plain, dropping->forward(x)));
+}
+
+// The rule measured on the H100 (models/conv.h): NCHW only for depthwise convolutions on maps of at most 2x2 with a
+// kernel over 3, channels_last CUDA input, cuDNN on heuristics.
+TEST(DepthwiseConv, NchwOnlyWhereHeuristicsPickSlowChannelsLastKernels) {
+  EXPECT_TRUE(depthwise_nchw_wins(672, 672, 5, 2, 2, /*cuda_channels_last=*/true, /*cudnn_autotune=*/false));
+  EXPECT_TRUE(depthwise_nchw_wins(480, 480, 5, 2, 1, true, false));
+  EXPECT_FALSE(depthwise_nchw_wins(480, 480, 3, 2, 2, true, false));   // k3 on 2x2: channels_last is faster
+  EXPECT_FALSE(depthwise_nchw_wins(240, 240, 5, 4, 4, true, false));   // 4x4: as fast
+  EXPECT_FALSE(depthwise_nchw_wins(1152, 1152, 5, 1, 1, true, false)); // 1x1: the same memory
+  EXPECT_FALSE(depthwise_nchw_wins(672, 672, 5, 2, 2, true, true));    // autotuned: fast in channels_last
+  EXPECT_FALSE(depthwise_nchw_wins(672, 672, 5, 2, 2, false, false));  // CPU or NCHW input
+  EXPECT_FALSE(depthwise_nchw_wins(672, 1, 5, 2, 2, true, false));     // not depthwise
+}
+
+// On CUDA under heuristics a 2x2 k5 depthwise convolution goes through the NCHW copies: the same values and gradients
+// as the module's own channels_last call, and a channels_last output for the layers after it.
+TEST(DepthwiseConv, CudaNchwCopiesGiveTheModulesValuesAndGradients) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
+  const bool autotune = at::globalContext().benchmarkCuDNN();
+  at::globalContext().setBenchmarkCuDNN(false);
+  torch::manual_seed(0);
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(64, 64, 5).stride(1).padding(2).groups(64).bias(false));
+  conv->to(torch::kCUDA, at::kFloat);
+  conv->weight.set_data(conv->weight.contiguous(at::MemoryFormat::ChannelsLast));
+  const at::Tensor x0 = torch::randn({8, 64, 2, 2}, torch::kCUDA).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor g = torch::randn({8, 64, 2, 2}, torch::kCUDA);
+  std::vector<at::Tensor> outs, grads_x, grads_w;
+  for (bool ours : {true, false}) {
+    const at::Tensor x = x0.clone().requires_grad_(true);
+    conv->zero_grad();
+    const at::Tensor y = ours ? conv2d_forward(*conv, x) : conv->forward(x);
+    y.backward(g);
+    if (ours) {
+      EXPECT_TRUE(y.is_contiguous(at::MemoryFormat::ChannelsLast));
+    }
+    outs.push_back(y.detach());
+    grads_x.push_back(x.grad());
+    grads_w.push_back(conv->weight.grad().clone());
+  }
+  at::globalContext().setBenchmarkCuDNN(autotune);
+  EXPECT_TRUE(torch::allclose(outs[0], outs[1], 1e-4, 1e-5));
+  EXPECT_TRUE(torch::allclose(grads_x[0], grads_x[1], 1e-4, 1e-5));
+  EXPECT_TRUE(torch::allclose(grads_w[0], grads_w[1], 1e-4, 1e-4));
 }
 
 TEST(SmallCnn, ParameterCountUnitsAndForward) {

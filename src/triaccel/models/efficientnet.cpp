@@ -6,6 +6,7 @@
 // training mode with a probability > 0. Units: "features.0", each MBConv block "features.S.I", "features.8",
 // "classifier"; every parameter is in exactly one of them.
 #include "triaccel/models/batch_norm.h"
+#include "triaccel/models/conv.h"
 #include "triaccel/models/model.h"
 
 #include <torch/nn/init.h>
@@ -47,7 +48,7 @@ class ConvNormActImpl : public torch::nn::Module {
 
   // (N, in, H, W) → (N, out, ceil(H / stride), ceil(W / stride))
   at::Tensor forward(const at::Tensor& x) {
-    at::Tensor h = batch_norm_forward(bn_, conv_(x), /*relu=*/false);  // SiLU stays a separate op
+    at::Tensor h = batch_norm_forward(bn_, conv2d_forward(*conv_, x), /*relu=*/false);  // SiLU: an op of its own
     return activation_ == Activation::SiLU ? torch::silu(h) : h;
   }
 
