@@ -62,18 +62,25 @@ def read_snapshot(path):
     return events, [s for s in snap.get("segments", []) if s.get("device", dev) == dev]
 
 
+def live_at_end(segs):
+    """{address: (size, frames)} of the blocks alive when the snapshot was written."""
+    live = {}
+    for seg in segs:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                live[addr] = (b["size"], b.get("frames", []))
+            addr += b["size"]
+    return live
+
+
 def peak_of(path, depth, at_end=False):
     """(peak bytes, events before the end, blocks, end bytes, events, {group: [bytes, blocks, how]}) of a snapshot;
     at_end: the blocks alive when it was written instead of at the peak."""
     events, segs = read_snapshot(path)
 
-    live = {}  # addr -> (size, frames, how it is known)
-    for seg in segs:
-        addr = seg["address"]
-        for b in seg["blocks"]:
-            if b["state"] == "active_allocated":
-                live[addr] = (b["size"], b.get("frames", []), "alive at the end")
-            addr += b["size"]
+    # addr -> (size, frames, how it is known)
+    live = {a: (size, frames, "alive at the end") for a, (size, frames) in live_at_end(segs).items()}
     total = sum(s for s, _, _ in live.values())
     end_total = total
 
@@ -137,15 +144,10 @@ PAGE = 2 << 20  # the granularity of an expandable segment's mappings (a large p
 def state_at(events, segs, index):
     """({address: (size, frames)} of the live blocks, set of mapped 2 MiB pages) just before event `index`, walked back
     from the snapshot's end."""
-    live = {}
+    live = live_at_end(segs)
     pages = set()
     for s in segs:
-        addr = s["address"]
-        pages |= set(range(addr // PAGE, (addr + s["total_size"]) // PAGE))
-        for b in s["blocks"]:
-            if b["state"] == "active_allocated":
-                live[addr] = (b["size"], b.get("frames", []))
-            addr += b["size"]
+        pages |= set(range(s["address"] // PAGE, (s["address"] + s["total_size"]) // PAGE))
     for e in reversed(events[index:]):
         a = e["action"]
         span = set(range(e["addr"] // PAGE, (e["addr"] + e["size"]) // PAGE)) if "segment" in a else set()
