@@ -47,7 +47,7 @@ has() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 if has tests; then
   TRIACCEL_SOURCE_DIR=$(pwd) "$BIN/triaccel_tests" --gtest_brief=1 \
-    --gtest_filter='MemoryLever*:MemoryPlanner*:MemoryModel*:MemoryGpu*:MemoryPlanController*:Loader*:StepGraph*:Trainer*Gpu*:TrainerTest.UnderABudget*:TrainerTest.TheShortBatch*:*Cuda*:CurvatureController*:CurvatureRound*' \
+    --gtest_filter='NeuroFluxTest.Probe*:NeuroFluxRunTest.*Gpu*:MemoryLever*:MemoryPlanner*:MemoryModel*:MemoryGpu*:MemoryPlanController*:Loader*:StepGraph*:Trainer*Gpu*:TrainerTest.UnderABudget*:TrainerTest.TheShortBatch*:*Cuda*:CurvatureController*:CurvatureRound*' \
     >"$WORK/unit_tests_gpu.log" 2>&1
   echo "gpu unit tests: exit $?; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$WORK/unit_tests_gpu.log" | tr '\n' ' ')"
   grep -B12 -E '^\[  FAILED  \] [A-Za-z]+\.[A-Za-z]+ \(' "$WORK/unit_tests_gpu.log" | grep -vE '^(frame #|\[ RUN|\[       OK)' | head -40
@@ -227,6 +227,7 @@ for ev in sorted(glob.glob(f"{work}/runs/*/events.jsonl")):
             "blocks": [{"batch": b["batch"], "planned_batch": (b.get("replan") or {}).get("planned_batch", b["batch"]),
                         "final_batch": b["final_batch"], "pass_batch": b.get("pass_batch"),
                         "predicted_gb": b["predicted_gb"], "peak_vram_gb": b["peak_vram_gb"],
+                        "train_peak_gb": b.get("train_peak_gb"), "calibration": b.get("calibration"),
                         "train_s": b["train_s"], "cache_s": b["cache_s"], "cuda_graph": b["cuda_graph"],
                         "alloc_retries": b["alloc_retries"]} for b in blocks],
             "oom": [{k: e.get(k) for k in ("block", "pass", "batch", "retry_batch", "allocated_gb", "reserved_gb",
@@ -270,9 +271,10 @@ for r in rows:
     if r.get("blocks"):
         bl = r["blocks"]
         print(f"{r['run']}: train {r['train_s'] or 0:.2f} s, acc {r['test_acc']}, oom {r['oom_events']}; blocks "
-              "planned>used/final (pass) peak/pred GB: " + " ".join(
+              "planned>used/final (pass) peak, training peak/pred GB (ratio): " + " ".join(
                   f"{b['planned_batch']}>{b['batch']}/{b['final_batch']}({b['pass_batch']}) "
-                  f"{b['peak_vram_gb']:.3f}/{b['predicted_gb']:.3f}" for b in bl))
+                  f"{b['peak_vram_gb']:.3f}, {b['train_peak_gb'] or 0:.3f}/{b['predicted_gb']:.3f} "
+                  f"({(b['train_peak_gb'] or 0) / b['predicted_gb']:.2f})" for b in bl))
 for p in pt:
     b = p["best"]
     print(f"pytorch best under {p['cap_gb']} GB ({p['resident_gb']} GB resident): {b['recipe']} k={b['k']} {b['img_s']:.0f} img/s")

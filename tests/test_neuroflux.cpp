@@ -331,6 +331,54 @@ TEST(PartitionerTest, OutOfMemoryRetryBatchComesFromTheCorrectedModel) {
   EXPECT_EQ(oom_retry_batch(17, 0, o), 15);     // below the failed batch even where rounding would not be
 }
 
+// The block re-planned from one measured step: the step's bytes replace the profile's per-sample bytes of the units
+// and heads (the input's copies stay modelled). A step that measures what the model predicts keeps the plan; one that
+// needs half grows the batch to the largest that fits; a little less keeps the planned shape; more shrinks it.
+TEST(PartitionerTest, MeasuredStepReplacesTheModelledPerSampleBytes) {
+  const MemoryProfile p = three_unit_profile();
+  PartitionOptions o = three_unit_options();
+  o.max_batch = 100000;
+  const BlockPlan bp = block_plan(p, o, 1, 2);
+  ASSERT_GT(bp.batch, 16);
+  const UnitProfile& u1 = p.units[1];
+  const auto l = static_cast<size_t>(bp.head_level);
+  const double input = 2.5 * static_cast<double>(u1.in_bytes) + 0.5 * static_cast<double>(u1.out_bytes);
+  const double act_fixed = u1.train.fixed_bytes + u1.head_train[l].fixed_bytes;
+  const double act_per_sample = u1.train.per_sample_bytes + u1.head_train[l].per_sample_bytes;
+  const double held = 5e7;
+  const double fixed = held + block_own_fixed_bytes(p, o, bp);
+  const int64_t rows = 32;
+  const auto body_at = [&](double per_sample) { return act_fixed + per_sample * static_cast<double>(rows); };
+  const double room = o.safety * o.budget_bytes - fixed;
+  const auto largest = [&](double per_sample) {
+    auto b = static_cast<int64_t>(std::floor(room / per_sample));
+    return b - b % 8;
+  };
+  const BlockPlan at_held = block_replan_for_held(p, o, bp, held);
+
+  const BlockPlan same = block_replan_measured(p, o, at_held, held, body_at(act_per_sample), rows, 1);
+  EXPECT_EQ(same.batch, at_held.batch);
+  EXPECT_NEAR(same.bytes, at_held.bytes, 1.0);
+
+  const BlockPlan grown = block_replan_measured(p, o, at_held, held, body_at(act_per_sample / 2), rows, 1);
+  EXPECT_EQ(grown.batch, largest(act_per_sample / 2 + input));
+  EXPECT_GT(grown.batch, at_held.batch * 5 / 4);
+  EXPECT_NEAR(grown.bytes, fixed + (act_per_sample / 2 + input) * static_cast<double>(grown.batch), 1.0);
+  EXPECT_LE(grown.bytes, o.safety * o.budget_bytes);
+
+  const BlockPlan near = block_replan_measured(p, o, at_held, held, body_at(act_per_sample * 0.95), rows, 1);
+  EXPECT_EQ(near.batch, at_held.batch);  // a few more samples would fit: not worth a new shape
+  EXPECT_NEAR(near.bytes, fixed + (act_per_sample * 0.95 + input) * static_cast<double>(near.batch), 1.0);
+
+  const BlockPlan shrunk = block_replan_measured(p, o, at_held, held, body_at(act_per_sample * 1.5), rows, 1);
+  EXPECT_EQ(shrunk.batch, largest(act_per_sample * 1.5 + input));
+  EXPECT_LT(shrunk.batch, at_held.batch);
+
+  // Two processes share each batch: a process's rows cost each global sample half as much.
+  const BlockPlan two = block_replan_measured(p, o, at_held, held, body_at(act_per_sample), rows, 2);
+  EXPECT_EQ(two.batch, largest(act_per_sample / 2 + input));
+}
+
 TEST(NeuroFluxTest, UnitGradientDoesNotDependOnLaterUnits) {
   auto model = small_cnn();
   torch::manual_seed(1);
@@ -357,6 +405,49 @@ TEST(NeuroFluxTest, UnitGradientDoesNotDependOnLaterUnits) {
   EXPECT_TRUE(b1_after.equal(b1_before));  // exactly: nothing from later units reaches block1
   EXPECT_GT(b1_before.abs().sum().item<double>(), 0);
   EXPECT_FALSE(b2_after.equal(b2_before));  // while block2's own gradient did change
+}
+
+// The probe step that calibrates a block (neuroflux_block_step_bytes) trains nothing: BatchNorm's running statistics,
+// which its forward in train mode moves, are put back, the weights are untouched and no gradient is left. On the GPU
+// it measures the block under the run's precision: bf16 activations take less than fp32 ones, more rows more bytes.
+TEST(NeuroFluxTest, ProbeStepLeavesTheBlockAsItFoundIt) {
+  const bool cuda = torch::cuda::is_available();
+  const c10::Device device = cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+  auto model = small_cnn();
+  torch::manual_seed(1);
+  std::vector<AuxHead> heads{AuxHead(std::vector<int64_t>{32, 14, 14}, 16, 10),
+                             AuxHead(std::vector<int64_t>{64, 7, 7}, 16, 10),
+                             AuxHead(std::vector<int64_t>{128, 7, 7}, 0, 10)};
+  model->to(device);
+  for (auto& h : heads) h->to(device);
+  model->train();
+  std::vector<at::Tensor> before;
+  for (const auto& t : model->parameters()) before.push_back(t.clone());
+  for (const auto& t : model->buffers()) before.push_back(t.clone());
+  for (auto& h : heads) {
+    for (const auto& t : h->buffers()) before.push_back(t.clone());
+  }
+  const std::vector<int64_t> in_shape{1, 28, 28};
+  const double bf16 = neuroflux_block_step_bytes(*model, heads, 0, 3, in_shape, 64, false, PrecisionMode::kAmpBF16,
+                                                 0.0, device);
+  size_t i = 0;
+  for (const auto& t : model->parameters()) {
+    EXPECT_TRUE(t.equal(before[i++]));
+    EXPECT_FALSE(t.grad().defined());
+  }
+  for (const auto& t : model->buffers()) EXPECT_TRUE(t.equal(before[i++]));
+  for (auto& h : heads) {
+    for (const auto& t : h->buffers()) EXPECT_TRUE(t.equal(before[i++]));
+    for (const auto& t : h->parameters()) EXPECT_FALSE(t.grad().defined());
+  }
+  if (!cuda) return;
+  const double fp32 = neuroflux_block_step_bytes(*model, heads, 0, 3, in_shape, 64, false, PrecisionMode::kFP32, 0.0,
+                                                 device);
+  const double bf16_more = neuroflux_block_step_bytes(*model, heads, 0, 3, in_shape, 128, false,
+                                                      PrecisionMode::kAmpBF16, 0.0, device);
+  EXPECT_GT(bf16, 0);
+  EXPECT_LT(bf16, 0.8 * fp32);
+  EXPECT_GT(bf16_more, 1.5 * bf16);
 }
 
 TEST(NeuroFluxTest, ExitIsTheSmallestWithinToleranceOfTheFullNetwork) {

@@ -17,12 +17,16 @@ constexpr double kForwardShare = 1.0 / 3.0;  // a forward pass is about a third 
 // The block's input batch while a step runs, in fp32 copies: the batch read from the cache (fp32), its copy in the CUDA
 // graph's static input and the bf16 staging rows the read came through (released when the step's stream passes them).
 constexpr double kInputCopies = 2.5;
+// A measured block grows its batch only by at least this factor: a new batch is a new shape for every layer.
+constexpr double kGrowAtLeast = 1.25;
 
 struct BlockCost {
   double held = 0;   // base + the other units' and heads' weights: allocated before the block starts
   double own = 0;    // the block's weights, gradients and momenta, its units' and heads' fixed bytes
   double weights = 0;  // of `own`: the block's weights (allocated before it starts too)
+  double activations_fixed = 0;  // of `own`: the units' and heads' batch-independent bytes (the profile's fixed)
   double per_sample = 0;
+  double input_per_sample = 0;  // of `per_sample`: the input batch's copies and the output's cache rows
   double work = 0;  // per-sample bytes of the block's units in one training step (heads excluded: see partitioner.h)
   double fixed() const { return held + own; }
 };
@@ -44,20 +48,22 @@ BlockCost block_cost(const MemoryProfile& p, const PartitionOptions& o, int64_t 
   for (int64_t u = first; u < end; ++u) {
     const UnitProfile& up = p.units[static_cast<size_t>(u)];
     double params = static_cast<double>(up.params);
-    c.own += up.train.fixed_bytes;
+    c.activations_fixed += up.train.fixed_bytes;
     c.per_sample += up.train.per_sample_bytes;
     c.work += up.train.per_sample_bytes;
     if (!up.head_train.empty()) {
       const auto l = static_cast<size_t>(level);
       params += static_cast<double>(up.head_params[l]);
-      c.own += up.head_train[l].fixed_bytes;
+      c.activations_fixed += up.head_train[l].fixed_bytes;
       c.per_sample += up.head_train[l].per_sample_bytes;
     }
     c.own += 3 * 4 * params;
     c.weights += 4 * params;
   }
-  c.per_sample += kInputCopies * static_cast<double>(p.units[static_cast<size_t>(first)].in_bytes) +
-                  0.5 * static_cast<double>(p.units[static_cast<size_t>(end - 1)].out_bytes);
+  c.own += c.activations_fixed;
+  c.input_per_sample = kInputCopies * static_cast<double>(p.units[static_cast<size_t>(first)].in_bytes) +
+                       0.5 * static_cast<double>(p.units[static_cast<size_t>(end - 1)].out_bytes);
+  c.per_sample += c.input_per_sample;
   return c;
 }
 
@@ -182,6 +188,22 @@ BlockPlan block_replan_for_held(const MemoryProfile& p, const PartitionOptions& 
   BlockPlan out = block;
   out.batch = std::min(block.batch, batch_in_room(fixed, c.per_sample, o));
   out.bytes = fixed + c.per_sample * static_cast<double>(out.batch);
+  return out;
+}
+
+BlockPlan block_replan_measured(const MemoryProfile& p, const PartitionOptions& o, const BlockPlan& block,
+                                double held_bytes, double body_bytes, int64_t rows, int64_t world) {
+  TORCH_CHECK(rows > 0 && world > 0, "block_replan_measured: rows and world must be > 0");
+  const BlockCost c = block_cost(p, o, block.first, block.end, block.head_level);
+  const double fixed = held_bytes + c.own - c.weights;
+  const double body_per_row = std::max(0.0, body_bytes - c.activations_fixed) / static_cast<double>(rows);
+  const double per_sample = body_per_row / static_cast<double>(world) + c.input_per_sample;
+  BlockPlan out = block;
+  out.batch = batch_in_room(fixed, per_sample, o);
+  if (out.batch > block.batch && static_cast<double>(out.batch) < kGrowAtLeast * static_cast<double>(block.batch)) {
+    out.batch = block.batch;  // not worth a second shape (cuDNN plans: seconds per block on EfficientNet-B0)
+  }
+  out.bytes = fixed + per_sample * static_cast<double>(out.batch);
   return out;
 }
 

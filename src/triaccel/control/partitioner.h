@@ -76,6 +76,18 @@ double partition_min_budget(const MemoryProfile& profile, const PartitionOptions
 BlockPlan block_replan_for_held(const MemoryProfile& profile, const PartitionOptions& options, const BlockPlan& block,
                                 double held_bytes);
 
+// The block re-planned from one measured step (made when the block starts, on top of `held_bytes` allocated then):
+// `body_bytes` is the allocator's peak over one forward and one backward of the block's units and heads at `rows`
+// samples (per process; `world` processes share each batch), above what was allocated before (the input batch among
+// it), without the parameters' gradients. It replaces the profile's per-sample bytes of the units and heads
+// (the sum of each unit's own peak over-counts the backward's transients, which come one unit at a time), keeping
+// the modelled fixed bytes and input copies: per sample (body_bytes − the units' and heads' fixed) / rows / world +
+// the input's copies. The batch becomes the largest under safety × budget, rounded as the plan's; it grows beyond
+// the planned one only by 25 % or more (a new batch is a new shape for every layer), and shrinks where the step needs
+// more than planned. Its bytes: the prediction at that batch.
+BlockPlan block_replan_measured(const MemoryProfile& profile, const PartitionOptions& options, const BlockPlan& block,
+                                double held_bytes, double body_bytes, int64_t rows, int64_t world);
+
 // The block's own fixed bytes on top of what is held at its start (see block_replan_for_held).
 double block_own_fixed_bytes(const MemoryProfile& profile, const PartitionOptions& options, const BlockPlan& block);
 

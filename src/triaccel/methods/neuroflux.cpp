@@ -158,6 +158,20 @@ Partition plan_from_json(const Json& j, int64_t units, const std::string& path) 
   return p;
 }
 
+// The parameters and buffers of units [first, end) of `model` and of their aux heads.
+void block_tensors(const Model& model, const std::vector<AuxHead>& heads, int64_t first, int64_t end,
+                   std::vector<at::Tensor>* params, std::vector<at::Tensor>* buffers) {
+  const auto add = [&](const torch::nn::Module& m) {
+    if (params) for (const auto& t : m.parameters()) params->push_back(t);
+    if (buffers) for (const auto& t : m.buffers()) buffers->push_back(t);
+  };
+  const auto n_units = static_cast<int64_t>(model.units().size());
+  for (int64_t u = first; u < end; ++u) {
+    for (const auto& m : model.units()[static_cast<size_t>(u)].modules) add(*m);
+    if (u + 1 < n_units) add(*heads[static_cast<size_t>(u)]);
+  }
+}
+
 }  // namespace
 
 at::Tensor neuroflux_block_loss(const Model& model, const std::vector<AuxHead>& heads, int64_t first, int64_t end,
@@ -180,6 +194,54 @@ at::Tensor neuroflux_block_loss(const Model& model, const std::vector<AuxHead>& 
     if (correct) (*correct)[u - first].add_(logits.detach().argmax(1).eq(y).sum().to(at::kFloat));
   }
   return loss;
+}
+
+double neuroflux_block_step_bytes(const Model& model, const std::vector<AuxHead>& heads, int64_t first, int64_t end,
+                                  const std::vector<int64_t>& in_shape, int64_t rows, bool channels_last,
+                                  PrecisionMode precision, double label_smoothing, const c10::Device& device,
+                                  double* peak_gb) {
+  std::vector<at::Tensor> params, buffers, saved;
+  block_tensors(model, heads, first, end, &params, &buffers);
+  {
+    const torch::NoGradGuard no_grad;
+    for (const auto& t : buffers) saved.push_back(t.clone());
+  }
+  double grad_bytes = 0;
+  for (const auto& p : params) grad_bytes += p.requires_grad() ? static_cast<double>(p.numel() * p.element_size()) : 0;
+  std::vector<int64_t> shape{rows};
+  shape.insert(shape.end(), in_shape.begin(), in_shape.end());
+  double body = -1;
+  try {
+    const at::Tensor x =
+        SplitInput::layout(at::zeros(shape, at::TensorOptions().dtype(at::kFloat).device(device)), channels_last);
+    const at::Tensor y = at::zeros({rows}, at::TensorOptions().dtype(at::kLong).device(device));
+    device_synchronize(device);
+    const int64_t before = memory_stats(device).allocated_bytes;
+    memory_stats_reset_peak(device);
+    {
+      at::Tensor loss;
+      {
+        const AutocastScope autocast(device, precision);
+        loss = neuroflux_block_loss(model, heads, first, end, x, y, label_smoothing);
+      }
+      loss.backward();
+    }
+    device_synchronize(device);
+    const MemoryStats mem = memory_stats(device);
+    if (peak_gb) *peak_gb = std::max(*peak_gb, static_cast<double>(mem.peak_allocated_bytes) / kGB);
+    body = std::max(0.0, static_cast<double>(mem.peak_allocated_bytes - before) - grad_bytes);
+  } catch (const c10::OutOfMemoryError&) {
+    body = -1;
+  }
+  {
+    const torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
+  }
+  for (const auto& p : params) {
+    if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
+  }
+  memory_cache_release(device);
+  return body;
 }
 
 int64_t pass_skip(int64_t offset, int64_t count, int64_t n, int64_t batch) {
@@ -279,6 +341,8 @@ struct BlockResult {
   Json input_place;  // where the block's input cache lives ("device", "host"); null for block 0 (the data)
   int64_t alloc_retries_before = 0;  // the allocator's retries when the block started
   Json replan;                       // the block's batch re-planned at its start from the allocator (null: as planned)
+  Json calibration;                  // the measured step it was re-planned from (null: none; the CPU, a resume)
+  double train_peak_gb = 0;          // the allocator's peak over the block's training (before its cache pass)
   bool stopped = false;              // stopped inside the block (a stop request); its checkpoint is written
 };
 
@@ -1068,6 +1132,7 @@ BlockResult BlockTrainer::train() {
   r_.train_s = std::accumulate(epoch_times_.begin(), epoch_times_.end(), 0.0);
   if (train_in_.cache) r_.train_io = train_in_.cache->io_stats() - before;
   r_.final_batch = batch_;
+  r_.train_peak_gb = static_cast<double>(memory_stats(session_.device()).peak_allocated_bytes) / kGB;
   r_.cuda_graph = graph_.captured();
   r_.capture_ooms = graph_.capture_ooms();
   r_.capture_error = graph_.capture_error();
@@ -1208,18 +1273,34 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
 
 BlockResult NeuroFluxRun::block_train(size_t b) {
   // The block's batch re-planned from what is allocated now (the modelled base and other weights replaced by the
-  // reading): lower when the reading leaves less room than planned. A resumed block keeps its checkpoint's plan.
-  Json replan;
+  // reading), then from one measured step of the block at that batch (block_replan_measured). A resumed block keeps
+  // its checkpoint's plan.
+  Json replan, calibration;
   if (block_resume_.is_null() && device_.is_cuda()) {
     const auto held = static_cast<double>(memory_stats(device_).allocated_bytes);
     const BlockPlan planned = plan_.blocks[b];
     BlockPlan now = block_replan_for_held(profile_, po_, planned, held);
     now.batch = std::max(now.batch, po_.min_batch);  // none fits: the first step's error names the budget
-    // Data parallel: the batch that fits every rank (each reads its own allocator).
-    if (session_.dist().active()) {
-      now.batch = static_cast<int64_t>(-session_.dist().all_reduce_max({-static_cast<double>(now.batch)})[0]);
+    Dist& dist = session_.dist();
+    // The probe at the batch that fits by the model; where it runs out of memory, at half as many rows.
+    const std::vector<int64_t>& in_shape = profile_.units[static_cast<size_t>(planned.first)].in_shape;
+    for (int64_t batch = now.batch; batch >= po_.min_batch; batch /= 2) {
+      const int64_t rows = dist.share(batch).second;
+      const double body = rows > 0 ? neuroflux_block_step_bytes(model_, heads_, planned.first, planned.end, in_shape,
+                                                                rows, plain_lo_.channels_last,
+                                                                config_.execution.precision,
+                                                                config_.optim.label_smoothing, device_, &peak_gb_)
+                                   : -1;
+      if (body < 0) continue;
+      const BlockPlan measured = block_replan_measured(profile_, po_, now, held, body, rows, dist.world_size());
+      calibration = Json{{"rows", rows}, {"body_gb", body / kGB}, {"modelled_gb", now.bytes / kGB},
+                         {"batch", measured.batch}};
+      if (measured.batch > 0) now = measured;
+      break;
     }
-    if (now.batch != planned.batch) {
+    // Data parallel: the batch that fits every rank (each reads its own allocator).
+    if (dist.active()) now.batch = static_cast<int64_t>(-dist.all_reduce_max({-static_cast<double>(now.batch)})[0]);
+    if (now.batch != planned.batch || !calibration.is_null()) {
       replan = Json{{"planned_batch", planned.batch}, {"planned_gb", planned.bytes / kGB}, {"held_gb", held / kGB}};
       plan_.blocks[b] = now;
     }
@@ -1234,6 +1315,7 @@ BlockResult NeuroFluxRun::block_train(size_t b) {
   trainer.on_step([this](const BlockTrainer& t) { return block_step_done(t); });
   BlockResult r = trainer.train();
   r.replan = replan;
+  r.calibration = calibration;
   if (!r.stopped) buffers_agree(b);
   return r;
 }
@@ -1242,15 +1324,7 @@ void NeuroFluxRun::buffers_agree(size_t b) {
   Dist& dist = session_.dist();
   if (!dist.active()) return;
   std::vector<at::Tensor> buffers;
-  const BlockPlan& bp = plan_.blocks[b];
-  for (int64_t u = bp.first; u < bp.end; ++u) {
-    for (const auto& m : units_[static_cast<size_t>(u)].modules) {
-      for (const auto& t : m->buffers()) buffers.push_back(t);
-    }
-    if (u + 1 < n_units_) {
-      for (const auto& t : heads_[static_cast<size_t>(u)]->buffers()) buffers.push_back(t);
-    }
-  }
+  block_tensors(model_, heads_, plan_.blocks[b].first, plan_.blocks[b].end, nullptr, &buffers);
   const torch::NoGradGuard no_grad;
   dist.broadcast(buffers);
 }
@@ -1337,7 +1411,8 @@ void NeuroFluxRun::block_end(size_t b, const BlockResult& r) {
            {"graph_capture_ooms", r.capture_ooms},
            {"graph_capture_error", r.capture_error.empty() ? Json(nullptr) : Json(r.capture_error)},
            {"graph_capture_mode", r.relaxed ? "relaxed" : "global"}, {"train_io", io_json(r.train_io)},
-           {"cache_io", io_json(pass_io_)}, {"replan", r.replan}, {"pass_batch", pass_batch_},
+           {"train_peak_gb", r.train_peak_gb}, {"cache_io", io_json(pass_io_)}, {"replan", r.replan},
+           {"calibration", r.calibration}, {"pass_batch", pass_batch_},
            {"pass_rows", pass_rows_}, {"local", local}});
   blocks_done_ = static_cast<int64_t>(b) + 1;
   checkpoint(nullptr);  // at the block boundary

@@ -35,6 +35,17 @@ at::Tensor neuroflux_block_loss(const Model& model, const std::vector<AuxHead>& 
                                 const at::Tensor& x, const at::Tensor& y, double label_smoothing,
                                 at::Tensor* loss_sum = nullptr, at::Tensor* correct = nullptr);
 
+// The bytes one training step of block [first, end) needs beyond its input batch: one forward (neuroflux_block_loss)
+// and one backward on a zero batch of `rows` samples of one sample's shape `in_shape` under `precision`, without an
+// update; the allocator's peak above what was allocated before (the batch among it), less the block's parameter
+// gradients (the partitioner's block_replan_measured takes it). -1 when it ran out of memory. Leaves the weights,
+// BatchNorm's running statistics and the gradients (none) as it found them; raises *peak_gb to the absolute peak.
+// Meaningful on CUDA only (no allocator readings elsewhere: 0).
+double neuroflux_block_step_bytes(const Model& model, const std::vector<AuxHead>& heads, int64_t first, int64_t end,
+                                  const std::vector<int64_t>& in_shape, int64_t rows, bool channels_last,
+                                  PrecisionMode precision, double label_smoothing, const c10::Device& device,
+                                  double* peak_gb = nullptr);
+
 // The exported exit: the fewest parameters among the exits whose held-out accuracy is within `tolerance` points
 // of the last exit's (the full network's). Exits in unit order; returns an index.
 int64_t exit_choose(const std::vector<double>& holdout_acc, const std::vector<int64_t>& params, double tolerance);
