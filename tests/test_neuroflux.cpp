@@ -332,8 +332,9 @@ TEST(PartitionerTest, OutOfMemoryRetryBatchComesFromTheCorrectedModel) {
 }
 
 // The block re-planned from one measured step: the step's bytes replace the profile's per-sample bytes of the units
-// and heads (the input's copies stay modelled). A step that measures what the model predicts keeps the plan; one that
-// needs half grows the batch to the largest that fits; a little less keeps the planned shape; more shrinks it.
+// and heads. The batch is the largest at most the planned one whose step fits beside the input's modelled copies (a
+// step that needs half of what the model says keeps the planned batch; one that needs more shrinks it), and the
+// prediction is the allocated peak: the body beside one fp32 copy of the input.
 TEST(PartitionerTest, MeasuredStepReplacesTheModelledPerSampleBytes) {
   const MemoryProfile p = three_unit_profile();
   PartitionOptions o = three_unit_options();
@@ -342,41 +343,47 @@ TEST(PartitionerTest, MeasuredStepReplacesTheModelledPerSampleBytes) {
   ASSERT_GT(bp.batch, 16);
   const UnitProfile& u1 = p.units[1];
   const auto l = static_cast<size_t>(bp.head_level);
-  const double input = 2.5 * static_cast<double>(u1.in_bytes) + 0.5 * static_cast<double>(u1.out_bytes);
+  const double in = static_cast<double>(u1.in_bytes);
+  const double copies = 2.5 * in + 0.5 * static_cast<double>(u1.out_bytes);
   const double act_fixed = u1.train.fixed_bytes + u1.head_train[l].fixed_bytes;
-  const double act_per_sample = u1.train.per_sample_bytes + u1.head_train[l].per_sample_bytes;
+  const double act = u1.train.per_sample_bytes + u1.head_train[l].per_sample_bytes;
+  ASSERT_GT(act, 2.5 * in);  // the body, not the input's read, sets the peak
   const double held = 5e7;
   const double fixed = held + block_own_fixed_bytes(p, o, bp);
   const int64_t rows = 32;
   const auto body_at = [&](double per_sample) { return act_fixed + per_sample * static_cast<double>(rows); };
-  const double room = o.safety * o.budget_bytes - fixed;
   const auto largest = [&](double per_sample) {
-    auto b = static_cast<int64_t>(std::floor(room / per_sample));
+    auto b = static_cast<int64_t>(std::floor((o.safety * o.budget_bytes - fixed) / per_sample));
     return b - b % 8;
   };
+  const auto predicted = [&](double per_sample, int64_t batch) {
+    return fixed + static_cast<double>(batch) * (in + per_sample);
+  };
   const BlockPlan at_held = block_replan_for_held(p, o, bp, held);
+  ASSERT_EQ(at_held.batch, largest(act + copies));
 
-  const BlockPlan same = block_replan_measured(p, o, at_held, held, body_at(act_per_sample), rows, 1);
+  const BlockPlan same = block_replan_measured(p, o, at_held, held, body_at(act), rows, 1);
   EXPECT_EQ(same.batch, at_held.batch);
-  EXPECT_NEAR(same.bytes, at_held.bytes, 1.0);
+  EXPECT_NEAR(same.bytes, predicted(act, same.batch), 1.0);
+  EXPECT_LT(same.bytes, at_held.bytes);  // the input's read is not beside the body at the peak
 
-  const BlockPlan grown = block_replan_measured(p, o, at_held, held, body_at(act_per_sample / 2), rows, 1);
-  EXPECT_EQ(grown.batch, largest(act_per_sample / 2 + input));
-  EXPECT_GT(grown.batch, at_held.batch * 5 / 4);
-  EXPECT_NEAR(grown.bytes, fixed + (act_per_sample / 2 + input) * static_cast<double>(grown.batch), 1.0);
-  EXPECT_LE(grown.bytes, o.safety * o.budget_bytes);
+  const BlockPlan half = block_replan_measured(p, o, at_held, held, body_at(act / 2), rows, 1);
+  EXPECT_EQ(half.batch, at_held.batch);  // never above the planned batch
+  EXPECT_NEAR(half.bytes, predicted(act / 2, half.batch), 1.0);
 
-  const BlockPlan near = block_replan_measured(p, o, at_held, held, body_at(act_per_sample * 0.95), rows, 1);
-  EXPECT_EQ(near.batch, at_held.batch);  // a few more samples would fit: not worth a new shape
-  EXPECT_NEAR(near.bytes, fixed + (act_per_sample * 0.95 + input) * static_cast<double>(near.batch), 1.0);
-
-  const BlockPlan shrunk = block_replan_measured(p, o, at_held, held, body_at(act_per_sample * 1.5), rows, 1);
-  EXPECT_EQ(shrunk.batch, largest(act_per_sample * 1.5 + input));
-  EXPECT_LT(shrunk.batch, at_held.batch);
+  const BlockPlan more = block_replan_measured(p, o, at_held, held, body_at(act * 1.5), rows, 1);
+  EXPECT_EQ(more.batch, largest(act * 1.5 + copies));
+  EXPECT_LT(more.batch, at_held.batch);
+  EXPECT_NEAR(more.bytes, predicted(act * 1.5, more.batch), 1.0);
 
   // Two processes share each batch: a process's rows cost each global sample half as much.
-  const BlockPlan two = block_replan_measured(p, o, at_held, held, body_at(act_per_sample), rows, 2);
-  EXPECT_EQ(two.batch, largest(act_per_sample / 2 + input));
+  const BlockPlan two = block_replan_measured(p, o, at_held, held, body_at(act * 3), rows, 2);
+  EXPECT_EQ(two.batch, largest(act * 1.5 + copies));
+  EXPECT_NEAR(two.bytes, predicted(act * 1.5, two.batch), 1.0);
+
+  // A block whose body is smaller than its input's read: the read's copies set the peak.
+  const BlockPlan tiny = block_replan_measured(p, o, at_held, held, body_at(in), rows, 1);
+  EXPECT_NEAR(tiny.bytes, predicted(2.5 * in, tiny.batch), 1.0);
 }
 
 TEST(NeuroFluxTest, UnitGradientDoesNotDependOnLaterUnits) {

@@ -17,8 +17,6 @@ constexpr double kForwardShare = 1.0 / 3.0;  // a forward pass is about a third 
 // The block's input batch while a step runs, in fp32 copies: the batch read from the cache (fp32), its copy in the CUDA
 // graph's static input and the bf16 staging rows the read came through (released when the step's stream passes them).
 constexpr double kInputCopies = 2.5;
-// A measured block grows its batch only by at least this factor: a new batch is a new shape for every layer.
-constexpr double kGrowAtLeast = 1.25;
 
 struct BlockCost {
   double held = 0;   // base + the other units' and heads' weights: allocated before the block starts
@@ -196,14 +194,11 @@ BlockPlan block_replan_measured(const MemoryProfile& p, const PartitionOptions& 
   TORCH_CHECK(rows > 0 && world > 0, "block_replan_measured: rows and world must be > 0");
   const BlockCost c = block_cost(p, o, block.first, block.end, block.head_level);
   const double fixed = held_bytes + c.own - c.weights;
-  const double body_per_row = std::max(0.0, body_bytes - c.activations_fixed) / static_cast<double>(rows);
-  const double per_sample = body_per_row / static_cast<double>(world) + c.input_per_sample;
+  const double body = std::max(0.0, body_bytes - c.activations_fixed) / static_cast<double>(rows * world);
+  const double in = static_cast<double>(p.units[static_cast<size_t>(block.first)].in_bytes);
   BlockPlan out = block;
-  out.batch = batch_in_room(fixed, per_sample, o);
-  if (out.batch > block.batch && static_cast<double>(out.batch) < kGrowAtLeast * static_cast<double>(block.batch)) {
-    out.batch = block.batch;  // not worth a second shape (cuDNN plans: seconds per block on EfficientNet-B0)
-  }
-  out.bytes = fixed + per_sample * static_cast<double>(out.batch);
+  out.batch = std::min(block.batch, batch_in_room(fixed, body + c.input_per_sample, o));
+  out.bytes = fixed + static_cast<double>(out.batch) * (in + std::max(body, kInputCopies * in));
   return out;
 }
 

@@ -79,12 +79,14 @@ BlockPlan block_replan_for_held(const MemoryProfile& profile, const PartitionOpt
 // The block re-planned from one measured step (made when the block starts, on top of `held_bytes` allocated then):
 // `body_bytes` is the allocator's peak over one forward and one backward of the block's units and heads at `rows`
 // samples (per process; `world` processes share each batch), above what was allocated before (the input batch among
-// it), without the parameters' gradients. It replaces the profile's per-sample bytes of the units and heads
-// (the sum of each unit's own peak over-counts the backward's transients, which come one unit at a time), keeping
-// the modelled fixed bytes and input copies: per sample (body_bytes − the units' and heads' fixed) / rows / world +
-// the input's copies. The batch becomes the largest under safety × budget, rounded as the plan's; it grows beyond
-// the planned one only by 25 % or more (a new batch is a new shape for every layer), and shrinks where the step needs
-// more than planned. Its bytes: the prediction at that batch.
+// it), without the parameters' gradients. It replaces the profile's per-sample bytes of the units and heads (each
+// unit's own peak, summed, over-counts the backward's transients, which come one unit at a time):
+//   body = (body_bytes − the units' and heads' fixed bytes) / (rows · world) a sample.
+// The batch: the largest, at most the planned one, whose step fits safety × budget with the input's modelled copies
+// beside the body (fixed + B · (body + input copies): under a CUDA graph the body lives in the graph's pool and the
+// batch being read in the default pool, and the budget caps both pools' reserved bytes); it never grows (a larger
+// batch is a new shape, fewer steps, and less room beside the graph's pool). Its bytes: the predicted allocated peak,
+// fixed + B · (in + max(body, 2.5 · in)): the batch's one fp32 copy beside the body, or the read's copies before it.
 BlockPlan block_replan_measured(const MemoryProfile& profile, const PartitionOptions& options, const BlockPlan& block,
                                 double held_bytes, double body_bytes, int64_t rows, int64_t world);
 

@@ -341,7 +341,8 @@ struct BlockResult {
   Json input_place;  // where the block's input cache lives ("device", "host"); null for block 0 (the data)
   int64_t alloc_retries_before = 0;  // the allocator's retries when the block started
   Json replan;                       // the block's batch re-planned at its start from the allocator (null: as planned)
-  Json calibration;                  // the measured step it was re-planned from (null: none; the CPU, a resume)
+  Json calibration;                  // the measured step it was re-planned from (null: none; the CPU, a resume); its
+                                     // seconds ("s") are in train_s
   double train_peak_gb = 0;          // the allocator's peak over the block's training (before its cache pass)
   bool stopped = false;              // stopped inside the block (a stop request); its checkpoint is written
 };
@@ -1276,7 +1277,9 @@ BlockResult NeuroFluxRun::block_train(size_t b) {
   // reading), then from one measured step of the block at that batch (block_replan_measured). A resumed block keeps
   // its checkpoint's plan.
   Json replan, calibration;
+  double calibrate_s = 0;
   if (block_resume_.is_null() && device_.is_cuda()) {
+    const double t0 = session_.clock().now_s();
     const auto held = static_cast<double>(memory_stats(device_).allocated_bytes);
     const BlockPlan planned = plan_.blocks[b];
     BlockPlan now = block_replan_for_held(profile_, po_, planned, held);
@@ -1298,6 +1301,8 @@ BlockResult NeuroFluxRun::block_train(size_t b) {
       if (measured.batch > 0) now = measured;
       break;
     }
+    calibrate_s = session_.clock().now_s() - t0;  // the probe's cuDNN plans serve the block's steps: its time counts
+    if (!calibration.is_null()) calibration["s"] = calibrate_s;
     // Data parallel: the batch that fits every rank (each reads its own allocator).
     if (dist.active()) now.batch = static_cast<int64_t>(-dist.all_reduce_max({-static_cast<double>(now.batch)})[0]);
     if (now.batch != planned.batch || !calibration.is_null()) {
@@ -1316,6 +1321,7 @@ BlockResult NeuroFluxRun::block_train(size_t b) {
   BlockResult r = trainer.train();
   r.replan = replan;
   r.calibration = calibration;
+  r.train_s += calibrate_s;
   if (!r.stopped) buffers_agree(b);
   return r;
 }
