@@ -1303,6 +1303,23 @@ TEST(MemoryPlanControllerTest, CalibrationStepsTheScaleDownAndNeverBelowAnOutOfM
   EXPECT_DOUBLE_EQ(r.c.model().activation_scale, after_oom);
 }
 
+// The scale an out-of-memory error left holds the model above what the readings fit (it keeps the failed plan out
+// of reach): the plan stays, and its prediction is its own reading, not the floored model's (GPT-char at 0.5 GB on
+// the H100 was predicted 0.434 GB and peaked at 0.391).
+TEST(MemoryPlanControllerTest, APlanHeldAboveItsReadingsByAnOutOfMemoryPredictsItsOwnPeak) {
+  CalibrationRig r;
+  r.steps(1, 1);
+  r.c.on_out_of_memory();
+  ASSERT_DOUBLE_EQ(r.c.model().activation_scale, kOomScaleStep);
+  r.steps(2, 6);  // the five calibration readings, no step after them (a captured step's replays read nothing)
+  EXPECT_DOUBLE_EQ(r.c.model().activation_scale, kOomScaleStep);  // the floor holds
+  const MemoryPlan& plan = r.c.plan();
+  MemoryModel floored = r.c.model();
+  EXPECT_GT(memory_plan_peak(floored, plan.batch, plan.micro_batch, plan.recompute, plan.data_placement),
+            1.2 * r.truth(plan));  // what the floored model alone would predict
+  EXPECT_NEAR(plan.predicted_peak_bytes, r.truth(plan), 1.0);  // the meter reads whole bytes
+}
+
 // After calibration a plan whose own peak is off its prediction by more than 5 %: over-predicted, the plan stays and
 // its prediction is corrected, the model's scale kept (a refit down on one plan's low reading under-predicted the
 // next plans); under-predicted past the limit, the scale is refit on its reading (a few times at most) and a new plan

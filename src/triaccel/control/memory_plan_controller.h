@@ -134,6 +134,7 @@ class MemoryPlanController final : public StepController {
   std::vector<Precision> precisions_;  // the step's unit precisions the model was built for
   double limit_scale_;                 // limit_from_first_model: the activation scale the limit is priced at
   double oom_scale_ = 0;               // the scale after the last out-of-memory error: calibration stays above it
+  bool oom_floored_ = false;           // the last calibration's fit was under oom_scale_ (the scale held there)
   double measured_peak_bytes_ = 0;     // the last calibration reading
   double plan_measured_peak_bytes_ = 0;  // plan_measured_peak_bytes()
   int64_t calibrations_ = 0;           // readings taken (eager or capturing steps; replays allocate nothing)
