@@ -95,7 +95,7 @@ elif [ "$STAGE" = runs ]; then  # the runs RUNS names, each <model>_<arm>_s<seed
   # Fisher), tri_fisher (both, Fisher), tri (both, the Hessian), tri_cudnnoff (the Hessian's probes without cuDNN),
   # tri_fisher_cudnnon (the Fisher's with it), default (--method tri-accel and nothing else); any arm with _<B>GB
   # after it runs under --vram-budget <B>GB (r18_default_0.5GB_s0). The estimator is spelled out in every arm but
-  # default. Issue 19's EfficientNet-B0 ablation: a 10-minute call holds two EfficientNet-B0 runs. A run named
+  # default; mean: default with --curv-lr-mean true. Issue 19's EfficientNet-B0 ablation: a 10-minute call holds two EfficientNet-B0 runs. A run named
   # base_<run> runs <run> with $BIN/triaccel_base (an A/B of two builds in one call).
   F="--curv-estimator fisher"
   H="--curv-estimator hessian"
@@ -121,6 +121,7 @@ elif [ "$STAGE" = runs ]; then  # the runs RUNS names, each <model>_<arm>_s<seed
       tri_cudnnoff) A="--method tri-accel $H --curv-cudnn off" ;;
       tri_fisher_cudnnon) A="--method tri-accel $F --curv-cudnn on" ;;
       default) A="--method tri-accel" ;;
+      mean) A="--method tri-accel --curv-lr-mean true" ;;
       *) echo "unknown arm in $r"; exit 2 ;;
     esac
     job "$r0" $M $A $B $PROTO --seed "$s"

@@ -89,6 +89,24 @@ class SingleThreadScope {
   int threads_;
 };
 
+
+// --curv-lr-mean: the scales divided by their parameter-weighted mean; the ratios between units stay, and the
+// network's mean rate is the schedule's (weighted by parameters: a big flat unit dominates it).
+TEST(CurvatureLrScales, MeanOneKeepsTheRatiosAndWeighsByParameters) {
+  std::vector<double> scales{0.5, 1.0, 0.8};
+  const std::vector<int64_t> params{100, 300, 600};
+  lr_scales_mean_one(&scales, params);
+  const double mean = (0.5 * 100 + 1.0 * 300 + 0.8 * 600) / 1000;  // 0.83
+  EXPECT_NEAR(scales[0], 0.5 / mean, 1e-12);
+  EXPECT_NEAR(scales[1], 1.0 / mean, 1e-12);
+  EXPECT_NEAR(scales[2], 0.8 / mean, 1e-12);
+  EXPECT_NEAR((scales[0] * 100 + scales[1] * 300 + scales[2] * 600) / 1000, 1.0, 1e-12);
+  std::vector<double> none{0.0, 0.0};
+  lr_scales_mean_one(&none, {5, 5});  // nothing to divide by: unchanged
+  EXPECT_EQ(none, (std::vector<double>{0.0, 0.0}));
+  EXPECT_THROW(lr_scales_mean_one(&none, {5}), c10::Error);
+}
+
 TEST(HvpTest, QuadraticEqualsAv) {
   const at::Tensor a = symmetric_random(7, 1);  // (7, 7)
   // Two parameters (3) and (2, 2) make up x, so the per-parameter split of H·v is checked too.

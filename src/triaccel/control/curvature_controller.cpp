@@ -126,6 +126,18 @@ int64_t CurvatureController::probe_samples_for(StepContext& ctx, const std::vect
   return probe_samples_fitting(unit_probe_fixed_[first], unit_probe_slope_[first], room, full);
 }
 
+void lr_scales_mean_one(std::vector<double>* scales, const std::vector<int64_t>& unit_params) {
+  TORCH_CHECK(scales->size() == unit_params.size(), "lr_scales_mean_one: ", scales->size(), " scales for ",
+              unit_params.size(), " units");
+  double weighted = 0, total = 0;
+  for (size_t u = 0; u < scales->size(); ++u) {
+    weighted += static_cast<double>(unit_params[u]) * (*scales)[u];
+    total += static_cast<double>(unit_params[u]);
+  }
+  if (weighted <= 0 || total <= 0) return;
+  for (double& s : *scales) s *= total / weighted;
+}
+
 void CurvatureController::apply_lr_scales() {
   std::vector<float> scales;
   for (int64_t u : unit_of_param_) scales.push_back(static_cast<float>(unit_lr_scale_[static_cast<size_t>(u)]));
@@ -377,6 +389,11 @@ Events CurvatureController::after_step(StepContext& ctx) {
     if (alpha_ >= 0) {
       for (size_t u = 0; u < n_units; ++u) {
         if (unit_probed_[u]) unit_lr_scale_[u] = 1.0 / (1.0 + alpha_ * std::max(0.0, unit_lambda_[u]));
+      }
+      if (options_.lr_mean_one) {
+        std::vector<int64_t> params;
+        for (const Unit& unit : model_.units()) params.push_back(unit.parameter_count());
+        lr_scales_mean_one(&unit_lr_scale_, params);
       }
       apply_lr_scales();
     }

@@ -26,6 +26,7 @@ struct CurvatureControllerOptions {
   double budget = 0.05;        // share of training time for probes (0: every curvature.every_steps)
   double alpha = -1;           // α; < 0: 1 / (0.9-quantile of λ_max) once every unit has been probed
   bool lr_scaling = true;      // false: probe for the precision policy only (ablation)
+  bool lr_mean_one = false;    // the lr scales divided by their parameter-weighted mean (lr_scales_mean_one)
   CurvatureOptions probe;      // k, iterations, batch, T_curv, seed, graphs, clock
   // Every unit each round, by one CurvatureRound (k = 1; its pass replays a CUDA graph on a GPU); the schedule then
   // plans whole rounds with the last steady round's cost.
@@ -42,6 +43,12 @@ struct CurvatureControllerOptions {
   bool share_step_pool = false;
   std::vector<int64_t> probe_samples;  // the dataset indices of the probe batch (for the event)
 };
+
+// The per-unit lr scales divided by their mean weighted by each unit's parameter count, so that the network's mean
+// learning rate stays the schedule's: curvature moves rate from the sharp units to the flat ones instead of only
+// lowering it (not the paper's rule, η_l = η₀ / (1 + α·λ_max,l), whose scales are all ≤ 1). Unchanged when the
+// weighted mean is not positive.
+void lr_scales_mean_one(std::vector<double>* scales, const std::vector<int64_t>& unit_params);
 
 // Lockstep rounds in a run of `total_steps` steps: is a round due at `step`? The budget still to spend is
 // budget × the run's projected training time (training_s so far, plus step_s for each step left) less probe_s, what

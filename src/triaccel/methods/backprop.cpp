@@ -537,6 +537,7 @@ void Trainer::controllers_build() {
       co.budget = ta.curv_budget;
       co.alpha = ta.curv_alpha;
       co.lr_scaling = ta.ta_curvature;
+      co.lr_mean_one = ta.curv_lr_mean;
       co.probe.top_k = static_cast<int>(ta.curv_top_k);
       co.probe.max_iters = static_cast<int>(ta.curv_max_iters);
       co.probe.tol = ta.curv_tol;
