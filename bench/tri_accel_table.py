@@ -25,7 +25,8 @@ METHOD_LABEL = {"fp32": "FP32", "bf16": "AMP bf16", "fp16": "AMP fp16", "tri": "
                 "tri_cudnnoff": "Tri-Accel, probes without cuDNN",
                 "tri_fisher_cudnnon": "Tri-Accel, Fisher curvature, probes with cuDNN",
                 "tri_1GB": "Tri-Accel, --vram-budget 1GB", "tri_3GB": "Tri-Accel, --vram-budget 3GB",
-                "precf": "Tri-Accel precision only, Fisher curvature", "default": "Tri-Accel, the defaults"}
+                "precf": "Tri-Accel precision only, Fisher curvature", "default": "Tri-Accel, the defaults",
+                "mean": "Tri-Accel, --curv-lr-mean true"}
 
 
 def load(path):

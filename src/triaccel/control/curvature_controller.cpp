@@ -138,6 +138,30 @@ void lr_scales_mean_one(std::vector<double>* scales, const std::vector<int64_t>&
   for (double& s : *scales) s *= total / weighted;
 }
 
+void CurvatureController::lr_scales_update() {
+  const bool all_known = std::all_of(unit_probed_.begin(), unit_probed_.end(), [](bool b) { return b; });
+  if (alpha_ < 0 && options_.alpha >= 0) alpha_ = options_.alpha;
+  if (alpha_ < 0 && all_known) {
+    // No manual tuning: α so that the 0.9-quantile unit gets half its rate (flat units keep nearly all of theirs),
+    // fixed once every unit has been probed.
+    std::vector<double> positive;
+    for (double l : unit_lambda_) {
+      if (l > 0) positive.push_back(l);
+    }
+    alpha_ = positive.empty() ? 0.0 : 1.0 / quantile(positive, 0.9);
+  }
+  if (alpha_ < 0) return;
+  for (size_t u = 0; u < unit_lr_scale_.size(); ++u) {
+    if (unit_probed_[u]) unit_lr_scale_[u] = 1.0 / (1.0 + alpha_ * std::max(0.0, unit_lambda_[u]));
+  }
+  if (options_.lr_mean_one) {
+    std::vector<int64_t> params;
+    for (const Unit& unit : model_.units()) params.push_back(unit.parameter_count());
+    lr_scales_mean_one(&unit_lr_scale_, params);
+  }
+  apply_lr_scales();
+}
+
 void CurvatureController::apply_lr_scales() {
   std::vector<float> scales;
   for (int64_t u : unit_of_param_) scales.push_back(static_cast<float>(unit_lr_scale_[static_cast<size_t>(u)]));
@@ -374,30 +398,7 @@ Events CurvatureController::after_step(StepContext& ctx) {
     unit_probed_[u] = true;
     ctx.unit_lambda_max[u] = c.lambda_max;
   }
-  const bool all_known = std::all_of(unit_probed_.begin(), unit_probed_.end(), [](bool b) { return b; });
-  if (options_.lr_scaling) {
-    if (alpha_ < 0 && options_.alpha >= 0) alpha_ = options_.alpha;
-    if (alpha_ < 0 && all_known) {
-      // No manual tuning: α so that the 0.9-quantile unit gets half its rate (flat units keep nearly all of theirs),
-      // fixed once every unit has been probed.
-      std::vector<double> positive;
-      for (double l : unit_lambda_) {
-        if (l > 0) positive.push_back(l);
-      }
-      alpha_ = positive.empty() ? 0.0 : 1.0 / quantile(positive, 0.9);
-    }
-    if (alpha_ >= 0) {
-      for (size_t u = 0; u < n_units; ++u) {
-        if (unit_probed_[u]) unit_lr_scale_[u] = 1.0 / (1.0 + alpha_ * std::max(0.0, unit_lambda_[u]));
-      }
-      if (options_.lr_mean_one) {
-        std::vector<int64_t> params;
-        for (const Unit& unit : model_.units()) params.push_back(unit.parameter_count());
-        lr_scales_mean_one(&unit_lr_scale_, params);
-      }
-      apply_lr_scales();
-    }
-  }
+  if (options_.lr_scaling) lr_scales_update();
   Json lambda = Json::array();
   for (size_t u = 0; u < n_units; ++u) lambda.push_back(unit_probed_[u] ? Json(unit_lambda_[u]) : Json(nullptr));
   events.push_back({event::kCurvature, Json{{"units", unit_names_json(model_)},

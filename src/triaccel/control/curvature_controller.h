@@ -92,6 +92,8 @@ class CurvatureController final : public StepController {
   // Data parallelism: rank 0's probe results (eigenvalues, products, seconds of `chosen`) on every rank.
   void agree_results(const StepContext& ctx, const std::vector<size_t>& chosen, std::vector<UnitCurvature>* curv,
                      double* seconds) const;
+  // α (calibrated once every unit has been probed, unless given) and each probed unit's lr scale from its λ_max.
+  void lr_scales_update();
   void apply_lr_scales();
   Json round_json() const;  // the last lockstep round's passes, times and graph (null without one)
   // This round's probe: the lockstep round, or curvature_probe of `chosen` on the first `samples` of the probe batch
