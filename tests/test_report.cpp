@@ -248,6 +248,7 @@ TEST(Report, ChartSeries) {
   EXPECT_EQ(c["memory"]["current_gb"], Json::array({0.5, 0.9, 0.7}));
   EXPECT_EQ(c["memory"]["peak_gb"], Json::array({0.5, 0.9, 0.9}));  // running maximum
   EXPECT_EQ(c["memory"]["budget_gb"], Json::array({1.0, 1.0, 1.0}));
+  EXPECT_FALSE(c["memory"].contains("predicted_gb"));  // batch events predict nothing
   EXPECT_EQ(c["plan"]["plans"], 2);
   EXPECT_EQ(c["plan"]["units"][0]["format"], "adamw-8bit");  // the last plan
   EXPECT_EQ(c["plan"]["budget_bytes"], 300);
@@ -276,7 +277,7 @@ TEST(Report, NeuroFluxSeries) {
   text += line(event("block_plan", 0, 0.6, Json{{"method", "neuroflux"}, {"budget_gb", 0.008},
                                           {"units", {{{"unit", "conv1"}, {"params", 10}}}}}));
   text += line(event("block", 10, 2.0,
-                     Json{{"block", 0}, {"final_batch", 64}, {"peak_vram_gb", 0.004},
+                     Json{{"block", 0}, {"final_batch", 64}, {"peak_vram_gb", 0.004}, {"predicted_gb", 0.0041},
                           {"local", {{{"unit", "conv1"}, {"train_acc", 60.0}, {"holdout_acc", 58.0}, {"test_acc", 57.0}},
                                      {{"unit", "conv2"}, {"train_acc", 70.0}, {"holdout_acc", 68.0}, {"test_acc", 66.0}}}}}));
   text += line(event("block", 20, 4.0,
@@ -298,6 +299,7 @@ TEST(Report, NeuroFluxSeries) {
   EXPECT_EQ(c["memory"]["source"], "NeuroFlux block events");
   EXPECT_EQ(c["memory"]["batch"], Json::array({64, 32}));
   EXPECT_EQ(c["memory"]["budget_gb"], Json::array({0.008, 0.008}));  // from NeuroFlux's plan
+  EXPECT_EQ(c["memory"]["predicted_gb"], Json::array({0.0041, nullptr}));  // each block's prediction (a run before it: none)
 }
 
 TEST(Report, CsvIsExact) {

@@ -344,19 +344,28 @@
       runLegend(fig, list);
     });
     figure(grid, 'vram-time', 'VRAM over time',
-           'current: peak allocated in each interval; peak: the largest so far; budget: --vram-budget (where set)',
+           'current: peak allocated in each interval; peak: the largest so far; budget: --vram-budget (where set); ' +
+           'predicted: the peak the run planned for the interval (NeuroFlux\'s blocks)',
            (fig) => {
              const series = [];
+             let predicted = false;
              for (const r of list) {
                const m = r.charts.memory;
                series.push({name: r.name, color: r.color, width: 1.2, points: zip(m.time_s, m.current_gb)});
                series.push({name: r.name + ' peak', color: r.color, dash: '6 3', width: 2, points: zip(m.time_s, m.peak_gb)});
                series.push({name: r.name + ' budget', color: r.color, dash: '2 3', width: 1.5,
                             points: zip(m.time_s, m.budget_gb)});
+               if (m.predicted_gb) {
+                 predicted = true;
+                 series.push({name: r.name + ' predicted', color: r.color, dash: '1 2', width: 1.2,
+                              points: zip(m.time_s, m.predicted_gb)});
+               }
              }
              fig.appendChild(lineChart({id: 'vram-time', series: series, xLabel: 'time (s)', yLabel: 'GB', yZero: true}));
-             runLegend(fig, list, [{name: 'current', color: '#555'}, {name: 'peak', color: '#555', dash: '6 3'},
-                                   {name: 'budget', color: '#555', dash: '2 3'}]);
+             const keys = [{name: 'current', color: '#555'}, {name: 'peak', color: '#555', dash: '6 3'},
+                           {name: 'budget', color: '#555', dash: '2 3'}];
+             if (predicted) keys.push({name: 'predicted', color: '#555', dash: '1 2'});
+             runLegend(fig, list, keys);
            });
   }
 

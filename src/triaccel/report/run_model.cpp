@@ -141,10 +141,11 @@ void memory_fill(const std::vector<Json>& events, Json& charts) {
     const char* label;
     const char* batch_key;
     const char* current_key;
+    const char* predicted_key;  // the peak the run predicted for the interval (nullptr: none)
   };
-  const Source sources[] = {{event::kBatch, "batch events", "batch", "peak_gb"},
-                            {event::kEpoch, "epoch events", "batch", "peak_vram_gb"},
-                            {event::kBlock, "NeuroFlux block events", "final_batch", "peak_vram_gb"}};
+  const Source sources[] = {{event::kBatch, "batch events", "batch", "peak_gb", nullptr},
+                            {event::kEpoch, "epoch events", "batch", "peak_vram_gb", nullptr},
+                            {event::kBlock, "NeuroFlux block events", "final_batch", "peak_vram_gb", "predicted_gb"}};
   std::optional<double> plan_budget;
   for (const auto* p : of_kind(events, event::kBlockPlan, event::kLegacyPlan)) {
     if (auto b = number(*p, "budget_gb")) plan_budget = b;
@@ -153,7 +154,8 @@ void memory_fill(const std::vector<Json>& events, Json& charts) {
     const auto list = of_kind(events, src.kind);
     if (list.empty()) continue;
     Json time_s = Json::array(), batch = Json::array(), current = Json::array(), peak = Json::array(),
-         budget = Json::array();
+         budget = Json::array(), predicted = Json::array();
+    bool any_predicted = false;
     std::optional<double> running;
     for (const auto* e : list) {
       time_s.push_back(value_or_null(*e, "time_s"));
@@ -164,9 +166,13 @@ void memory_fill(const std::vector<Json>& events, Json& charts) {
       peak.push_back(optional_json(running));
       auto b = number(*e, "budget_gb");
       budget.push_back(optional_json(b ? b : plan_budget));
+      const auto p = src.predicted_key ? number(*e, src.predicted_key) : std::nullopt;
+      any_predicted = any_predicted || p.has_value();
+      predicted.push_back(optional_json(p));
     }
     charts["memory"] = Json{{"source", src.label}, {"time_s", time_s}, {"batch", batch}, {"current_gb", current},
                             {"peak_gb", peak}, {"budget_gb", budget}};
+    if (any_predicted) charts["memory"]["predicted_gb"] = predicted;
     return;
   }
 }
