@@ -196,7 +196,7 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
   }
   ++calibrations_;
   measured_peak_bytes_ = measured;
-  calibrate(ran, measured);
+  const bool oom_floored = calibrate(ran, measured);
   limit_scale_ = model_.activation_scale;
   const MemoryPlan before = plan_;
   replan();
@@ -206,7 +206,7 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
     // that failed out of reach): this plan's prediction is its own reading, as a calibrated plan's is when its peak
     // comes in under the prediction (below). GPT-char at 0.5 GB on the H100: 0.434 GB predicted, 0.391 measured.
     const double predicted = plan_.predicted_peak_bytes;
-    if (oom_floored_ && predicted > 0 && plan_measured_peak_bytes_ < (1 - kPredictionTolerance) * predicted) {
+    if (oom_floored && predicted > 0 && plan_measured_peak_bytes_ < (1 - kPredictionTolerance) * predicted) {
       plan_.predicted_peak_bytes = plan_measured_peak_bytes_;
     }
   }
@@ -218,7 +218,7 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
   return events;
 }
 
-void MemoryPlanController::calibrate(const MemoryPlan& ran, double measured) {
+bool MemoryPlanController::calibrate(const MemoryPlan& ran, double measured) {
   // measured = base (modelled) + offset + scale · x, with x the plan's modelled activation bytes at scale 1.
   MemoryModel unscaled = model_;
   unscaled.activation_scale = 1;
@@ -248,7 +248,7 @@ void MemoryPlanController::calibrate(const MemoryPlan& ran, double measured) {
   }
   scale = std::clamp(scale, kCalibrationMin, kCalibrationMax);
   offset = std::clamp(my - scale * mx, kOffsetMin, kOffsetMax);
-  oom_floored_ = scale < oom_scale_;
+  const bool oom_floored = scale < oom_scale_;
   const double least = std::max(model_.activation_scale * kCalibrationDownStep, oom_scale_);
   if (scale < least) {  // a step down, not the fit: the fixed bytes stay as they were
     scale = least;
@@ -257,6 +257,7 @@ void MemoryPlanController::calibrate(const MemoryPlan& ran, double measured) {
   model_.activation_scale = scale;
   offset_ = offset;
   model_.fixed_bytes = unscaled.fixed_bytes + offset_;
+  return oom_floored;
 }
 
 Event MemoryPlanController::on_out_of_memory() {

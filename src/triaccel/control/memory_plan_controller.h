@@ -116,8 +116,9 @@ class MemoryPlanController final : public StepController {
 
  private:
   void apply();
-  // Adds a reading (the plan the step ran with, the allocator's peak) and refits the scale and the offset.
-  void calibrate(const MemoryPlan& ran, double measured);
+  // Adds a reading (the plan the step ran with, the allocator's peak) and refits the scale and the offset; true when
+  // the fit came out under the scale the last out-of-memory error left (the scale is held there).
+  bool calibrate(const MemoryPlan& ran, double measured);
   // Plans again on the current model; UserError naming the floor when nothing fits.
   void replan();
   // The model traced for these precisions with the corrections measured so far (activation scale, fixed offset).
@@ -134,7 +135,6 @@ class MemoryPlanController final : public StepController {
   std::vector<Precision> precisions_;  // the step's unit precisions the model was built for
   double limit_scale_;                 // limit_from_first_model: the activation scale the limit is priced at
   double oom_scale_ = 0;               // the scale after the last out-of-memory error: calibration stays above it
-  bool oom_floored_ = false;           // the last calibration's fit was under oom_scale_ (the scale held there)
   double measured_peak_bytes_ = 0;     // the last calibration reading
   double plan_measured_peak_bytes_ = 0;  // plan_measured_peak_bytes()
   int64_t calibrations_ = 0;           // readings taken (eager or capturing steps; replays allocate nothing)

@@ -56,12 +56,6 @@ Footprint trace_footprint(const std::function<at::Tensor(int64_t)>& fn, double* 
   return graph;
 }
 
-void grads_release(const std::vector<at::Tensor>& params) {
-  for (const auto& p : params) {
-    if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
-  }
-}
-
 // Measured: allocator peak above what was allocated before, over fn(input) + a backward from a gradient of the
 // output's shape and type (what the next unit or the head sends back), at two batch sizes. The input is allocated
 // before the window (its bytes are the caller's to count) and the parameters' gradients are taken out (the
@@ -70,27 +64,41 @@ Footprint measure_footprint(const std::vector<int64_t>& in_shape, const std::fun
                             const std::vector<at::Tensor>& params, const c10::Device& device) {
   double y[2] = {0, 0};
   const int64_t batches[2] = {kMeasureBatchSmall, kMeasureBatchLarge};
-  double grad_bytes = 0;
-  for (const auto& p : params) grad_bytes += p.requires_grad() ? static_cast<double>(p.numel() * p.element_size()) : 0;
   for (int repeat = 0; repeat < 2; ++repeat) {  // the first pass lets cuDNN pick its algorithms
     for (int i = 0; i < 2; ++i) {
       const at::Tensor x = at::zeros(with_batch(batches[i], in_shape), at::TensorOptions().dtype(at::kFloat).device(device));
-      device_synchronize(device);
-      const int64_t before = memory_stats(device).allocated_bytes;
-      memory_stats_reset_peak(device);
-      {
-        at::Tensor out = fn(x);
-        out.backward(at::ones_like(out));
-      }
-      device_synchronize(device);
-      y[i] = static_cast<double>(memory_stats(device).peak_allocated_bytes - before) - grad_bytes;
-      grads_release(params);
+      y[i] = step_peak_bytes(
+          [&] {
+            at::Tensor out = fn(x);
+            out.backward(at::ones_like(out));
+          },
+          params, device);
     }
   }
   return line_fit(batches[0], y[0], batches[1], y[1]);
 }
 
 }  // namespace
+
+void grads_release(const std::vector<at::Tensor>& params) {
+  for (const auto& p : params) {
+    if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
+  }
+}
+
+double step_peak_bytes(const std::function<void()>& step, const std::vector<at::Tensor>& params,
+                       const c10::Device& device) {
+  double grad_bytes = 0;
+  for (const auto& p : params) grad_bytes += p.requires_grad() ? static_cast<double>(p.numel() * p.element_size()) : 0;
+  device_synchronize(device);
+  const int64_t before = memory_stats(device).allocated_bytes;
+  memory_stats_reset_peak(device);
+  step();
+  device_synchronize(device);
+  const double bytes = static_cast<double>(memory_stats(device).peak_allocated_bytes - before) - grad_bytes;
+  grads_release(params);
+  return bytes;
+}
 
 std::vector<double> autograd_graph_tensor_bytes(const at::Tensor& output) {
   std::vector<double> bytes;

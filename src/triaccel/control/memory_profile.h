@@ -19,6 +19,7 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,15 @@ std::vector<double> autograd_graph_tensor_bytes(const at::Tensor& output);
 // shapes: the larger trace's largest tensor over its batch.
 double largest_tensor_per_sample(const std::vector<double>& small, int64_t small_batch,
                                  const std::vector<double>& large, int64_t large_batch);
+
+// Drops the parameters' gradients (their memory goes back to the allocator).
+void grads_release(const std::vector<at::Tensor>& params);
+
+// The allocator's peak over `step` (a forward and a backward on an input the caller allocated before it) above what
+// was allocated before, less the bytes of the gradients of `params`, which are released afterwards. Meaningful on
+// CUDA only (no allocator readings elsewhere). The peak stays readable in memory_stats until the next reset.
+double step_peak_bytes(const std::function<void()>& step, const std::vector<at::Tensor>& params,
+                       const c10::Device& device);
 
 // Profiles every unit of `model` (and its aux heads at every level) for inputs of one sample's shape
 // `sample_shape` (C, H, W). kMeasured needs a CUDA device. The model may live on any device.

@@ -206,8 +206,6 @@ double neuroflux_block_step_bytes(const Model& model, const std::vector<AuxHead>
     const torch::NoGradGuard no_grad;
     for (const auto& t : buffers) saved.push_back(t.clone());
   }
-  double grad_bytes = 0;
-  for (const auto& p : params) grad_bytes += p.requires_grad() ? static_cast<double>(p.numel() * p.element_size()) : 0;
   std::vector<int64_t> shape{rows};
   shape.insert(shape.end(), in_shape.begin(), in_shape.end());
   double body = -1;
@@ -215,30 +213,24 @@ double neuroflux_block_step_bytes(const Model& model, const std::vector<AuxHead>
     const at::Tensor x =
         SplitInput::layout(at::zeros(shape, at::TensorOptions().dtype(at::kFloat).device(device)), channels_last);
     const at::Tensor y = at::zeros({rows}, at::TensorOptions().dtype(at::kLong).device(device));
-    device_synchronize(device);
-    const int64_t before = memory_stats(device).allocated_bytes;
-    memory_stats_reset_peak(device);
-    {
+    const auto step = [&] {
       at::Tensor loss;
       {
         const AutocastScope autocast(device, precision);
         loss = neuroflux_block_loss(model, heads, first, end, x, y, label_smoothing);
       }
       loss.backward();
-    }
-    device_synchronize(device);
-    const MemoryStats mem = memory_stats(device);
-    if (peak_gb) *peak_gb = std::max(*peak_gb, static_cast<double>(mem.peak_allocated_bytes) / kGB);
-    body = std::max(0.0, static_cast<double>(mem.peak_allocated_bytes - before) - grad_bytes);
+    };
+    body = std::max(0.0, step_peak_bytes(step, params, device));
+    const double peak = static_cast<double>(memory_stats(device).peak_allocated_bytes) / kGB;
+    if (peak_gb) *peak_gb = std::max(*peak_gb, peak);
   } catch (const c10::OutOfMemoryError&) {
     body = -1;
+    grads_release(params);
   }
   {
     const torch::NoGradGuard no_grad;
     for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
-  }
-  for (const auto& p : params) {
-    if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
   }
   memory_cache_release(device);
   return body;
@@ -942,11 +934,7 @@ BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size
   r_.input_place = cache_place_or_null(train_in_.cache);
 }
 
-void BlockTrainer::grads_release() {
-  for (const auto& p : params_) {
-    if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().reset();
-  }
-}
+void BlockTrainer::grads_release() { triaccel::grads_release(params_); }
 
 // One training step of the block on (x, y): local losses, one backward, the fused SGD step (lr read on the device).
 // Data parallel: this rank's share of the rows, its loss weighted by the share's part of the batch (as the backprop

@@ -27,8 +27,8 @@ at::Tensor conv2d_forward(torch::nn::Conv2dImpl& conv, const at::Tensor& x) {
   // The weight (C, 1, k, k) has the same memory in both layouts, but its channels_last strides make cuDNN choose
   // channels_last again: a contiguous copy (C·k² values) does not.
   const at::Tensor weight = conv.weight.clone(at::MemoryFormat::Contiguous);
-  const at::Tensor bias = conv.bias.defined() ? conv.bias : at::Tensor();
-  const at::Tensor y = at::conv2d(x.contiguous(), weight, bias, *o.stride(), **padding, *o.dilation(), o.groups());
+  const at::Tensor y =
+      at::conv2d(x.contiguous(), weight, conv.bias, *o.stride(), **padding, *o.dilation(), o.groups());
   return y.contiguous(at::MemoryFormat::ChannelsLast);
 }
 
