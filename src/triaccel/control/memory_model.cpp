@@ -97,11 +97,7 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
               in.unit_precisions.size(), " precisions for ", units.size(), " units");
   // Tracing runs BatchNorm in train mode and may draw random numbers (dropout): everything is put back.
   const NamedTensors rng = rng_state(device);
-  std::vector<at::Tensor> buffers = model.buffers(), saved;
-  {
-    const torch::NoGradGuard no_grad;
-    for (const auto& b : buffers) saved.push_back(b.clone());
-  }
+  const BuffersKept kept(model.buffers());
   const bool was_training = model.is_training();
   model.train();
 
@@ -176,10 +172,6 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   m.transient_bytes = 2 * largest;  // backward: a gradient of the largest tensor and the one it produces
   if (in.measure_scale && device.is_cuda()) m.activation_scale = measured_activation_scale(model, sample, in, m, device);
 
-  {
-    const torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
-  }
   for (auto& p : model.parameters()) p.mutable_grad() = at::Tensor();
   model.train(was_training);
   rng_restore(rng, device);

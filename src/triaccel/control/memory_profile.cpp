@@ -146,12 +146,7 @@ MemoryProfile memory_profile(Model& model, const std::vector<int64_t>& sample_sh
                              ProfileSource source, const c10::Device& device) {
   TORCH_CHECK(source == ProfileSource::kModel || device.is_cuda(), "a measured memory profile needs a CUDA device");
   // Profiling runs BatchNorm in train mode on zero batches: keep the running statistics as they were.
-  std::vector<at::Tensor> buffers = model.buffers();
-  std::vector<at::Tensor> saved;
-  {
-    const torch::NoGradGuard no_grad;
-    for (const auto& b : buffers) saved.push_back(b.clone());
-  }
+  const BuffersKept kept(model.buffers());
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
   const bool was_training = model.is_training();
   model.train();
@@ -216,10 +211,6 @@ MemoryProfile memory_profile(Model& model, const std::vector<int64_t>& sample_sh
     profile.backprop_per_sample = f.per_sample_bytes + input_bytes;
   }
 
-  {
-    const torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
-  }
   grads_release(model.parameters());
   model.train(was_training);
   return profile;

@@ -200,12 +200,9 @@ double neuroflux_block_step_bytes(const Model& model, const std::vector<AuxHead>
                                   const std::vector<int64_t>& in_shape, int64_t rows, bool channels_last,
                                   PrecisionMode precision, double label_smoothing, const c10::Device& device,
                                   double* peak_gb) {
-  std::vector<at::Tensor> params, buffers, saved;
+  std::vector<at::Tensor> params, buffers;
   block_tensors(model, heads, first, end, &params, &buffers);
-  {
-    const torch::NoGradGuard no_grad;
-    for (const auto& t : buffers) saved.push_back(t.clone());
-  }
+  const BuffersKept kept(std::move(buffers));
   std::vector<int64_t> shape{rows};
   shape.insert(shape.end(), in_shape.begin(), in_shape.end());
   double body = -1;
@@ -227,10 +224,6 @@ double neuroflux_block_step_bytes(const Model& model, const std::vector<AuxHead>
   } catch (const c10::OutOfMemoryError&) {
     body = -1;
     grads_release(params);
-  }
-  {
-    const torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(saved[i]);
   }
   memory_cache_release(device);
   return body;

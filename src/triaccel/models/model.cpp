@@ -30,6 +30,17 @@ int64_t Unit::parameter_count() const {
   return count;
 }
 
+BuffersKept::BuffersKept(std::vector<at::Tensor> buffers) : buffers_(std::move(buffers)) {
+  const torch::NoGradGuard no_grad;
+  saved_.reserve(buffers_.size());
+  for (const auto& b : buffers_) saved_.push_back(b.clone());
+}
+
+BuffersKept::~BuffersKept() {
+  const torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved_[i]);
+}
+
 void ModelOptions::validate(bool reads_tokens) const {
   TRIACCEL_CHECK_INPUT(num_classes >= 1, "num_classes must be >= 1, got ", num_classes);
   TRIACCEL_CHECK_INPUT(in_channels >= 1, "in_channels must be >= 1, got ", in_channels);

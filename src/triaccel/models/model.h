@@ -67,6 +67,20 @@ class Model : public torch::nn::Module {
 // that belongs to no unit.
 std::vector<int64_t> model_unit_of_params(const Model& model, const std::vector<at::Tensor>& params);
 
+// Puts `buffers` (BatchNorm's running statistics and counts) back as they were when it was made, when it goes out of
+// scope, also on an exception: for the passes that run a model in train mode without training it (memory profiles
+// and models, NeuroFlux's calibration step).
+class BuffersKept {
+ public:
+  explicit BuffersKept(std::vector<at::Tensor> buffers);
+  ~BuffersKept();
+  BuffersKept(const BuffersKept&) = delete;
+  BuffersKept& operator=(const BuffersKept&) = delete;
+
+ private:
+  std::vector<at::Tensor> buffers_, saved_;
+};
+
 // torchvision's ResNet initialization: kaiming-normal (fan-out, relu) for every Conv2d, BatchNorm weight 1 and
 // bias 0; other modules keep their defaults. Uses the global torch RNG.
 void model_init_conv_bn(torch::nn::Module& model);
