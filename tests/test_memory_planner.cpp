@@ -1088,6 +1088,14 @@ TEST(MemoryPlanControllerTest, APromotedPlanAboveItsPredictionKeepsTheCalibrated
   EXPECT_GT(c.plan().predicted_peak_bytes, static_cast<double>(calibrated));
   EXPECT_NEAR(c.plan().predicted_peak_bytes, c.plan().floor_bytes, 1.0);
   EXPECT_EQ(c.limit_bytes(), calibrated);
+  // Every unit back in 16 bits: AMP's own step, the peak the limit is, whatever that scale prices it at: nothing
+  // recomputed, the whole batch at once (at scale 50 a plan under the limit recomputes every unit).
+  step.set_unit_precisions({Precision::kBF16, Precision::kFP16, Precision::kBF16});
+  steps(17, 18);
+  EXPECT_EQ(c.plan().recompute, std::vector<bool>(3, false));
+  EXPECT_EQ(c.plan().micro_batch, 16);
+  EXPECT_EQ(std::count(step.recompute().begin(), step.recompute().end(), true), 0);
+  EXPECT_EQ(c.plan_fields("test")["plan_limit_bytes"].get<int64_t>(), calibrated);
 }
 
 // The planner answers whether a promotion fits: under the 16-bit peak of PaysForAPromotionWithinTheFirstPeak's
