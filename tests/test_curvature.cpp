@@ -14,6 +14,7 @@
 #include "triaccel/models/batch_norm.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/sgd.h"
+#include "triaccel/run/config.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/step.h"
 
@@ -105,6 +106,19 @@ TEST(CurvatureLrScales, MeanOneKeepsTheRatiosAndWeighsByParameters) {
   lr_scales_mean_one(&none, {5, 5});  // nothing to divide by: unchanged
   EXPECT_EQ(none, (std::vector<double>{0.0, 0.0}));
   EXPECT_THROW(lr_scales_mean_one(&none, {5}), c10::Error);
+}
+
+// The scales at mean 1 are the default; a configuration stored before the option existed (an older checkpoint's)
+// resumes with the paper's scales, as it resumes with its tolerance and estimator of that time.
+TEST(CurvatureLrScales, MeanOneIsTheDefaultAndOlderConfigurationsKeepThePapersRule) {
+  EXPECT_TRUE(Config{}.tri_accel.curv_lr_mean);
+  Json stored = Config{}.to_json();
+  EXPECT_TRUE(Config::from_json(stored).tri_accel.curv_lr_mean);
+  for (const char* key : {"curv_lr_mean", "curv_tol", "curv_estimator"}) stored.erase(key);
+  const Config older = Config::from_json(stored);
+  EXPECT_FALSE(older.tri_accel.curv_lr_mean);
+  EXPECT_DOUBLE_EQ(older.tri_accel.curv_tol, 1e-3);
+  EXPECT_EQ(older.tri_accel.curv_estimator, CurvatureEstimator::kHessian);
 }
 
 TEST(HvpTest, QuadraticEqualsAv) {

@@ -28,6 +28,7 @@
 
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <set>
@@ -575,7 +576,11 @@ TEST_F(TrainerTest, TriAccelLoopRunsAndLogsItsDecisions) {
     if (e["event"] == "curvature") {
       ++curvature_events;
       ASSERT_EQ(e["lambda_max"].size(), 4u);  // one per unit
-      for (const auto& l : e["lr_scale"]) EXPECT_TRUE(l.get<double>() > 0 && l.get<double>() <= 1.0);
+      // The default's scales are at mean 1 (curv_lr_mean): 1 lies between the sharpest unit's and the flattest's.
+      const auto scales = e["lr_scale"].get<std::vector<double>>();
+      for (double l : scales) EXPECT_GT(l, 0.0);
+      EXPECT_LE(*std::min_element(scales.begin(), scales.end()), 1.0 + 1e-9) << e["lr_scale"];
+      EXPECT_GE(*std::max_element(scales.begin(), scales.end()), 1.0 - 1e-9) << e["lr_scale"];
       // What an independent check needs: the probe batch's sample indices and the weights it probed.
       const auto samples = e["probe_samples"].get<std::vector<int64_t>>();
       EXPECT_EQ(samples.size(), 16u);

@@ -414,6 +414,8 @@ Config Config::from_json(const Json& j) {
   if (!j.contains("curv_tol")) c.tri_accel.curv_tol = 1e-3;
   // Written before curv_estimator existed: the Hessian, the only estimator of that time.
   if (!j.contains("curv_estimator")) c.tri_accel.curv_estimator = CurvatureEstimator::kHessian;
+  // Written before curv_lr_mean existed: the paper's scales, the only rule of that time.
+  if (!j.contains("curv_lr_mean")) c.tri_accel.curv_lr_mean = false;
   return c;
 }
 

@@ -236,7 +236,7 @@ struct TriAccelConfig {
   int64_t curv_chunk = -1;       // lockstep: samples per forward/backward; 0: curv_batch; -1: hessian 16, fisher 4
   Toggle curv_cudnn = Toggle::kAuto;  // the probes' convolutions through cuDNN; auto: probe_cudnn_auto
   double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
-  bool curv_lr_mean = false;     // the lr scales divided by their parameter-weighted mean (not the paper's rule)
+  bool curv_lr_mean = true;      // the lr scales divided by their parameter-weighted mean (false: the paper's rule)
   bool curv_checkpoint = false;  // a checkpoint at each probe's step (the weights it probed)
   double tau_low = -1;
   double tau_high = -1;
@@ -502,7 +502,8 @@ void TriAccelConfig::fields(S& s, V&& v) {
   v(s.curv_alpha, FieldInfo{"curv_alpha", "alpha in lr / (1 + alpha * lambda_max); -1: calibrate"});
   v(s.curv_lr_mean, FieldInfo{"curv_lr_mean",
                               "divide the curvature lr scales by their parameter-weighted mean, so the network's mean "
-                              "lr stays the schedule's (true|false; false: the paper's scales, all <= 1)"});
+                              "lr stays the schedule's and curvature moves rate from sharp units to flat ones (true|false; "
+                              "false: the paper's scales, all <= 1)"});
   v(s.curv_checkpoint, FieldInfo{"curv_checkpoint",
                                  "write curvature-step-N.pt at each probe's step: the weights it probed (true|false)"});
   v(s.tau_low, FieldInfo{"tau_low", "fp16 below this gradient variance; -1: calibrate"});
