@@ -1088,8 +1088,8 @@ TEST(MemoryPlanControllerTest, APromotedPlanAboveItsPredictionKeepsTheCalibrated
   EXPECT_GT(c.plan().predicted_peak_bytes, static_cast<double>(calibrated));
   EXPECT_NEAR(c.plan().predicted_peak_bytes, c.plan().floor_bytes, 1.0);
   EXPECT_EQ(c.limit_bytes(), calibrated);
-  // Every unit back in 16 bits: AMP's own step, the peak the limit is, whatever that scale prices it at: nothing
-  // recomputed, the whole batch at once (at scale 50 a plan under the limit recomputes every unit).
+  // Every unit back in 16 bits: priced at the scale the 16-bit steps measured (the limit's, 1), not at the 50 the
+  // state brought: nothing recomputed, the whole batch at once (at scale 50 every unit is recomputed).
   step.set_unit_precisions({Precision::kBF16, Precision::kFP16, Precision::kBF16});
   steps(17, 18);
   EXPECT_EQ(c.plan().recompute, std::vector<bool>(3, false));

@@ -57,15 +57,17 @@ bool MemoryPlanController::fits(const std::vector<Precision>& unit_precisions) c
 
 void MemoryPlanController::replan() {
   if (limits_.limit_from_first_model) limits_.budget_bytes = limit_bytes();
-  // No budget and no unit in fp32: the step is AMP's own, whose peak the limit is, so it has nothing to pay for, at
-  // whatever scale a promoted plan's reading refit the model to. Priced at that scale it came out above the limit,
-  // and units back in 16 bits kept being recomputed for the rest of the run (H200, ResNet-18: three units, +10 % a
-  // step, in one run of six; the stem in all six).
-  const bool amp_step = limits_.limit_from_first_model &&
-                        std::none_of(precisions_.begin(), precisions_.end(),
-                                     [](Precision p) { return p == Precision::kFP32; });
-  MemoryPlan next = memory_plan_solve(model_, limits_.batch, amp_step ? 0 : limits_.budget_bytes, limits_.constraints);
-  next.budget_bytes = limits_.budget_bytes;  // the limit it was planned under, for the events
+  // No budget and no unit in fp32: a 16-bit step, priced at the scale the 16-bit calibration steps measured (the
+  // limit's), not at one a promoted plan's reading refit the model to. At that scale the units back in 16 bits came
+  // out above the limit and kept being recomputed for the rest of the run (H200, ResNet-18: the stem, layer1.0 and
+  // layer4.0, +10 % a step). A 16-bit mix still pays for its casts between fp16 and bf16 units (the rebuilt model
+  // prices them): without that, the peak rose 0.2-0.4 % above AMP bf16's.
+  const bool step16 = limits_.limit_from_first_model &&
+                      std::none_of(precisions_.begin(), precisions_.end(),
+                                   [](Precision p) { return p == Precision::kFP32; });
+  MemoryModel priced = model_;
+  if (step16) priced.activation_scale = limit_scale_;
+  MemoryPlan next = memory_plan_solve(priced, limits_.batch, limits_.budget_bytes, limits_.constraints);
   if (!next.feasible && limits_.cap_bytes > 0 && limits_.cap_share < limits_.initial_share) {
     // Captures shrank the share and a correction now leaves no plan: give the share back, give the graph up.
     limits_.cap_share = limits_.initial_share;
@@ -75,7 +77,7 @@ void MemoryPlanController::replan() {
   }
   if (!next.feasible && limits_.limit_from_first_model) {
     // No budget, only AMP's peak as the limit (a model corrected past it): the plan at the floor, the nearest to it.
-    next = memory_plan_solve(model_, limits_.batch, static_cast<int64_t>(std::ceil(next.floor_bytes)),
+    next = memory_plan_solve(priced, limits_.batch, static_cast<int64_t>(std::ceil(next.floor_bytes)),
                              limits_.constraints);
   }
   TRIACCEL_CHECK_INPUT(next.feasible, "no way to train batch ", limits_.batch, " within ", option_ref("vram_budget"),
