@@ -156,6 +156,21 @@ TEST_F(GradBucketsTest, Bf16OnTheWireIsSummedAndCastBack) {
   }
 }
 
+// What the memory planner and NeuroFlux's block plans count for the buckets is what they allocate: 4 bytes a float32
+// parameter, 6 with bf16 on the wire, however the parameters are split into buckets.
+TEST_F(GradBucketsTest, TheirBytesAreWhatThePlansCount) {
+  int64_t n = 0;
+  for (const auto& p : params) n += p.numel();
+  for (const GradBucketsOptions& o : {GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined},
+                                      GradBucketsOptions{kLayerBytes, at::kBFloat16},
+                                      GradBucketsOptions{0, at::kBFloat16}}) {
+    GradBuckets buckets(params, o, doubling());
+    EXPECT_EQ(buckets.bytes(), grad_buckets_bytes(n, o));
+  }
+  EXPECT_EQ(grad_buckets_bytes(n, GradBucketsOptions{}), 4 * n);
+  EXPECT_EQ(grad_buckets_bytes(n, GradBucketsOptions{0, at::kBFloat16}), 6 * n);
+}
+
 TEST_F(GradBucketsTest, UnarmedPassesAccumulateAndTheLastPassReducesTheirSum) {
   const at::Tensor x1 = torch::randn({8, 16}), x2 = torch::randn({8, 16});
   std::vector<at::Tensor> ref = reference(x1);

@@ -212,7 +212,7 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   in.for_gpu = gpu;
   in.budgeted = budget > 0;
   // Several ranks: the gradient buckets hold a copy of every fp32 gradient (and a bf16 one to send, compressed).
-  if (world > 1) in.grad_reduce_bytes = (ex.grad_compression == GradCompression::kBf16 ? 6 : 4) * n;
+  if (world > 1) in.grad_reduce_bytes = grad_buckets_bytes(n, grad_buckets_options(config));
   MemoryModelInputs first = in;
   first.measure_scale = true;  // on CUDA, before the loaders exist (rebuilds while training do not measure)
   setup->model = memory_model_build(model, setup->sample, first, device);

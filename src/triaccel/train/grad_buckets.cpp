@@ -10,6 +10,10 @@
 
 namespace triaccel {
 
+int64_t grad_buckets_bytes(int64_t params, const GradBucketsOptions& options) {
+  return (options.wire == at::kBFloat16 ? 6 : 4) * params;
+}
+
 struct GradBuckets::State {
   struct Bucket {
     std::vector<size_t> params;    // indices into State::params
@@ -209,5 +213,13 @@ bool GradBuckets::finish_poisoned() {
 const std::vector<std::vector<size_t>>& GradBuckets::buckets() const { return state_->layout; }
 
 int64_t GradBuckets::started_during_backward() const { return state_->started_during_backward; }
+
+int64_t GradBuckets::bytes() const {
+  int64_t total = 0;
+  for (const State::Bucket& b : state_->buckets) {
+    total += b.flat.nbytes() + (b.wire.defined() ? static_cast<int64_t>(b.wire.nbytes()) : 0);
+  }
+  return total;
+}
 
 }  // namespace triaccel

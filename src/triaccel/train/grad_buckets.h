@@ -45,6 +45,10 @@ struct GradBucketsOptions {
   int64_t tail_bytes = 0;
 };
 
+// The bytes the buckets of `params` parameters hold, allocated with them and kept: a float32 copy of every gradient,
+// and a bf16 one to send where the options compress (the memory planner's fixed bytes, NeuroFlux's block plans).
+int64_t grad_buckets_bytes(int64_t params, const GradBucketsOptions& options);
+
 class GradBuckets {
  public:
   // `params`: the optimizer's parameters, in its order (their gradients' dtype and device make the buckets').
@@ -68,6 +72,8 @@ class GradBuckets {
   const std::vector<std::vector<size_t>>& buckets() const;
   // How many buckets the last reducing pass started from its hooks, while backward ran (the rest started in finish()).
   int64_t started_during_backward() const;
+  // The bytes the buckets' buffers hold (grad_buckets_bytes models them).
+  int64_t bytes() const;
 
  private:
   struct State;
