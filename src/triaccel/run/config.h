@@ -502,8 +502,8 @@ void TriAccelConfig::fields(S& s, V&& v) {
   v(s.curv_alpha, FieldInfo{"curv_alpha", "alpha in lr / (1 + alpha * lambda_max); -1: calibrate"});
   v(s.curv_lr_mean, FieldInfo{"curv_lr_mean",
                               "divide the curvature lr scales by their parameter-weighted mean, so the network's mean "
-                              "lr stays the schedule's and curvature moves rate from sharp units to flat ones (true|false; "
-                              "false: the paper's scales, all <= 1)"});
+                              "lr stays the schedule's and curvature moves rate from sharp units to flat ones "
+                              "(true|false; false: the paper's scales, all <= 1)"});
   v(s.curv_checkpoint, FieldInfo{"curv_checkpoint",
                                  "write curvature-step-N.pt at each probe's step: the weights it probed (true|false)"});
   v(s.tau_low, FieldInfo{"tau_low", "fp16 below this gradient variance; -1: calibrate"});
