@@ -40,7 +40,7 @@ struct EnumNames<ProbePrecision> {
                                                         {ProbePrecision::kBF16, "bf16"}};
 };
 
-// What a unit's curvature is the top eigenvalue of (docs/tri-accel.md "Two estimators"):
+// What a unit's curvature is the top eigenvalue of (docs/tri-accel.md "Curvature"):
 //   hessian: the unit's block of the Hessian of the probe batch's mean loss, in train mode (BatchNorm on the batch's
 //            statistics), by Hessian-vector products (double backward): the paper's definition, the reference.
 //   fisher:  the unit's block of the Monte-Carlo Fisher F = (1/n) Σ_i g_i g_iᵀ, g_i the gradient of sample i's loss
@@ -61,10 +61,10 @@ constexpr int64_t kHessianChunk = 16;
 constexpr int64_t kFisherChunk = 4;
 
 // curv_cudnn auto: whether a probe's convolutions go through cuDNN. Off for the Fisher's rounds on a model with grouped
-// (depthwise) convolutions, on otherwise. Measured on the H100 (bench_curvature, docs/tri-accel.md): on EfficientNet-B0
-// at 224 cuDNN spent ~9 s of a 10 s cold round building plans for the probe's shapes, PyTorch's own kernels take
-// 1.0 s (a replayed pass 62 against 39 ms); on ResNet-18 cuDNN's set-up is cheap (a cold round 0.41 against 0.54 s)
-// and its passes 2.3× faster (14.6 against 33 ms). The Hessian's double backward keeps cuDNN.
+// (depthwise) convolutions, on otherwise. Measured on the H100 (bench_curvature, docs/results/tri-accel.md): on
+// EfficientNet-B0 at 224 cuDNN spent ~9 s of a 10 s cold round building plans for the probe's shapes, PyTorch's own
+// kernels take 1.0 s (a replayed pass 62 against 39 ms); on ResNet-18 cuDNN's set-up is cheap (a cold round 0.41
+// against 0.54 s) and its passes 2.3× faster (14.6 against 33 ms). The Hessian's double backward keeps cuDNN.
 bool probe_cudnn_auto(const Model& model, CurvatureEstimator estimator);
 
 struct CurvatureOptions {
