@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The Python module as a user on the GPU machine builds it (issue 54): from this checkout, with that machine's own
+# python3, compiler, torch and pybind11, through `pip install . --no-build-isolation` (scikit-build-core), the Debian
+# build dependencies it lacks carried in .device/deps (scripts/pack_build_deps.sh). Then: a plan and a one-epoch run
+# from Python on the CPU and the GPU (dev/python_crash_probe.py; on a crash, cuda-gdb's backtrace) and
+# tests/python/test_module.py. Prints a table last. Device call: carry [".device"], `bash bench/check_python_gpu.sh`.
+# MODE=cmake builds with cmake directly (the same flags) instead of pip.
+set -uo pipefail
+FINAL_OUT=${OUT:-out}
+mkdir -p "$FINAL_OUT"
+DEPS=$(pwd)/.device/deps
+export CMAKE_PREFIX_PATH=$DEPS LD_LIBRARY_PATH=$DEPS/lib:${LD_LIBRARY_PATH:-}
+SITE=/tmp/triaccel_site
+rows=()
+row() { rows+=("$1|$2"); echo "== $1: $2"; }
+
+echo "python $(python3 -V 2>&1), torch $(python3 -c 'import torch; print(torch.__version__)'), $(g++ --version | head -1),"\
+  "pybind11 $(python3 -c 'import pybind11; print(pybind11.__version__)' 2>&1), cmake $(cmake --version | head -1)"
+t0=$(date +%s)
+if [ "${MODE:-pip}" = pip ]; then
+  SKBUILD_BUILD_DIR=/tmp/triaccel_skbuild python3 -m pip install --no-build-isolation --no-deps --no-index \
+    --target "$SITE" -v . >"$FINAL_OUT/build.log" 2>&1
+else
+  cmake -S . -B /tmp/triaccel_cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRIACCEL_BUILD_TESTS=OFF \
+    -DTRIACCEL_BUILD_BENCH=OFF >"$FINAL_OUT/build.log" 2>&1 &&
+    cmake --build /tmp/triaccel_cmake -j "$(nproc)" --target python >>"$FINAL_OUT/build.log" 2>&1 &&
+    mkdir -p "$SITE" && cp -r /tmp/triaccel_cmake/python/triaccel "$SITE/"
+fi
+status=$?
+row "build (${MODE:-pip})" "$([ $status = 0 ] && echo ok || echo FAILED) in $(( $(date +%s) - t0 )) s"
+if [ $status != 0 ]; then grep -E "error|Error|FAILED" "$FINAL_OUT/build.log" | head -30; tail -20 "$FINAL_OUT/build.log"; fi
+export PYTHONPATH=$SITE
+MOD=$(ls "$SITE"/triaccel/_triaccel*.so 2>/dev/null | head -1)
+echo "compiler's libstdc++: $(g++ -print-file-name=libstdc++.so) / $(g++ -print-file-name=libstdc++.so.6)"
+if [ -n "$MOD" ]; then
+  python3 tools/check_linkage.py "$MOD"
+  row "module links the shared libstdc++" "$([ $? = 0 ] && echo yes || echo NO)"
+fi
+
+for dev in cpu cuda; do
+  python3 dev/python_crash_probe.py $dev >"$FINAL_OUT/probe_$dev.log" 2>&1
+  s=$?
+  row "probe $dev" "$([ $s = 0 ] && echo ok || echo "exit $s")"
+  if [ $s != 0 ]; then
+    tail -25 "$FINAL_OUT/probe_$dev.log"
+    if [ $s -ge 128 ] && [ "$dev" = cpu ]; then
+      cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 dev/python_crash_probe.py cpu \
+        >"$FINAL_OUT/gdb.log" 2>&1
+      grep -E "^#|SIGSEGV" "$FINAL_OUT/gdb.log" | head -30
+      grep -E "stdc\+\+|libc10|libtorch\.so|torch_cpu" "$FINAL_OUT/gdb.log" | head
+    fi
+  fi
+done
+
+timeout ${TEST_TIMEOUT:-240} python3 tests/python/test_module.py >"$FINAL_OUT/test_module.log" 2>&1
+s=$?
+row "tests/python/test_module.py" "$(grep -E '^(Ran|OK|FAILED)' "$FINAL_OUT/test_module.log" | tr '\n' ' ') (exit $s)"
+[ $s = 0 ] || grep -E "^(ERROR|FAIL):|Error" "$FINAL_OUT/test_module.log" | head -20
+
+echo
+echo "| check | result |"
+echo "|---|---|"
+for r in "${rows[@]}"; do echo "| ${r%%|*} | ${r#*|} |"; done
