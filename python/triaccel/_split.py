@@ -303,6 +303,27 @@ def _merge_args(a, b, index_a, index_b):
         return None
 
 
+def _same_target(model, a, b):
+    """The same target, or two get_attr of equal constants: each trace stores the tensors the forward makes (a
+    torch.tensor(...) in forward) on the model as _tensor_constant<i>, under a new name each time."""
+    if a.target == b.target:
+        return True
+    if a.op != "get_attr":
+        return False
+    x, y = _attr(model, a.target), _attr(model, b.target)
+    if x is y:
+        return True
+    return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+            and x.shape == y.shape and x.device == y.device and bool(torch.equal(x, y)))
+
+
+def _attr(model, target):
+    value = model
+    for field in target.split("."):
+        value = getattr(value, field)
+    return value
+
+
 def _trace(model):
     """The forward's fx graph. Where the forward reads self.training outside torch.nn's leaf modules (torchvision's
     stochastic depth: stochastic_depth(x, p, mode, self.training)), the train- and eval-mode traces differ by a bool;
@@ -320,7 +341,7 @@ def _trace(model):
         merged = []
         for a, b in zip(nodes_a, nodes_b) if same else ():
             args = _merge_args((a.args, a.kwargs), (b.args, b.kwargs), index_a, index_b)
-            if a.op != b.op or a.target != b.target or args is None:
+            if a.op != b.op or not _same_target(model, a, b) or args is None:
                 same = False
                 break
             merged.append(args)
@@ -372,7 +393,17 @@ def auto_units(model: torch.nn.Module, max_units: int = 32):
         raise TypeError(f"auto_units() takes a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(max_units, int) or max_units < 1:
         raise ValueError(f"max_units must be a positive int, got {max_units!r}")
-    graph = _trace(model)
+    before = set(model.__dict__)
+    try:
+        return _auto_units(model, max_units, _trace(model))
+    finally:
+        # fx's tracer stores the tensors the forward makes as model._tensor_constant<i>; the units hold their own
+        # references (as their buffers), so the model is left as it was.
+        for key in [k for k in model.__dict__ if k not in before and k.startswith("_tensor_constant")]:
+            del model.__dict__[key]
+
+
+def _auto_units(model, max_units, graph):
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     if len(inputs) != 1:
         raise _untraceable(model, f"its forward takes {len(inputs)} inputs ({', '.join(n.target for n in inputs)}), "

@@ -224,7 +224,8 @@ class FunctionalBlock(nn.Module):
 
 
 class RootDropout(nn.Module):
-    """F.dropout(..., self.training) at the root: the unit reads its own training flag at run time."""
+    """F.dropout(..., self.training) at the root: the unit reads its own training flag at run time (the train- and
+    eval-mode traces differ by that bool only, their constants being equal)."""
 
     def __init__(self):
         super().__init__()
@@ -232,7 +233,8 @@ class RootDropout(nn.Module):
         self.b = nn.Linear(8, 8)
 
     def forward(self, x):
-        return self.b(F.dropout(self.a(x), 0.5, self.training))
+        shift = torch.linspace(0.0, 1.0, 8)  # a constant: fx stores it on the model, under a new name per trace
+        return self.b(F.dropout(self.a(x) + shift, 0.5, self.training))
 
 
 class SmallModels(Checks):
@@ -345,6 +347,7 @@ class SmallModels(Checks):
         model = RootDropout().train()
         units = split.auto_units(model)
         self.assertEqual(len(units), 2)
+        self.assertEqual([k for k in vars(model) if k.startswith("_tensor_constant")], [])  # left as it was
         x = torch.randn(4, 8)
         for _, unit, _ in units:
             unit.eval()
