@@ -50,7 +50,12 @@ Json run(const Config& config, const RunHooks& hooks) {
   context_trace("run start");
   Config resolved = config_for_run(config);
   std::string chosen;  // method auto's line, said once every rank has chosen alike
-  if (resolved.execution.method == Method::kAuto) resolved = method_resolve(resolved, hooks, &chosen);
+  if (resolved.execution.method == Method::kAuto && hooks.objective) {
+    resolved.execution.method = Method::kBackprop;  // the only method that takes a program's loss
+    chosen = "method auto: backprop (the program gave its own loss)";
+  } else if (resolved.execution.method == Method::kAuto) {
+    resolved = method_resolve(resolved, hooks, &chosen);
+  }
   context_trace("method chosen");
   Session session(resolved, hooks);
   context_trace("session built");
@@ -58,6 +63,10 @@ Json run(const Config& config, const RunHooks& hooks) {
     method_agree(session.dist(), resolved.execution.method);
     session.printer().line(chosen);
   }
+  TRIACCEL_CHECK_INPUT(!hooks.objective || session.config().execution.method == Method::kBackprop,
+                       "a loss of the program's own trains with ", option_ref("method"), " backprop (",
+                       enum_name(session.config().execution.method), " computes cross-entropy in its own steps); "
+                       "leave ", option_ref("method"), " unset or drop the loss");
   if (session.config().execution.method == Method::kNeuroFlux) return neuroflux_train(session);
   Trainer trainer(session);
   return trainer.run();

@@ -12,12 +12,29 @@
 #include <ATen/Tensor.h>
 
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <string>
 #include <vector>
 
 namespace triaccel {
 
-enum class DatasetKind { kImage, kTokens };
+// kImage: uint8 pixels, normalized and augmented by the loader; kTokens: a character corpus's ids; kTensors: inputs
+// and targets a program passes as they are (any shape and dtype), which the loader only batches.
+enum class DatasetKind { kImage, kTokens, kTensors };
+
+// Samples a program serves itself (the Python module's torch Dataset and DataLoader, kTensors): the loader asks for
+// the samples of its epoch's order by offset, and the source returns them collated on the CPU (pinned where it can).
+class SampleSource {
+ public:
+  virtual ~SampleSource() = default;
+  virtual int64_t size() const = 0;
+  // The epoch's order of dataset indices (a source may start fetching ahead in it).
+  virtual void epoch_begin(const std::vector<int64_t>& order) = 0;
+  // Samples [offset, offset + ids.size()) of the order; `ids` are their dataset indices. (inputs, targets), each
+  // (count, ...), with the shapes and dtypes of the dataset's example.
+  virtual std::pair<at::Tensor, at::Tensor> fetch(int64_t offset, const std::vector<int64_t>& ids) = 0;
+};
 
 struct Dataset {
   std::string name;        // "cifar10", "cifar100", "mnist", "fashion-mnist", "tinyshakespeare", "folder"
@@ -27,7 +44,9 @@ struct Dataset {
   int64_t num_classes = 0; // tokens: the vocabulary size
   std::string vocab;       // tokens: the characters (bytes) of ids 0 .. num_classes - 1, sorted
 
-  int64_t size() const { return images.defined() ? images.size(0) : 0; }
+  // kTensors served by the program: images and labels then hold one example sample (1, ...) for shapes and dtypes.
+  std::shared_ptr<SampleSource> source;
+  int64_t size() const { return source ? source->size() : images.defined() ? images.size(0) : 0; }
   int64_t channels() const { return images.size(1); }
   int64_t height() const { return images.size(2); }
   int64_t width() const { return images.size(3); }
@@ -81,6 +100,12 @@ DatasetSplits dataset_load(const std::string& name, const std::string& dir, int6
 // a test label above it is refused. Copied to the CPU. UserError naming the split and what is wrong.
 DatasetSplits dataset_from_tensors(const at::Tensor& train_images, const at::Tensor& train_labels,
                                    const at::Tensor& test_images, const at::Tensor& test_labels);
+// The dataset "tensors" of kind kTensors: inputs (N, ...) and targets (N, ...) of any dtype, batched as they are (no
+// normalization, no augmentation); num_classes is the largest integer target + 1 (1 for other targets). Either split
+// may come from a SampleSource instead (its first sample gives the shapes). UserError naming the split and the fault.
+DatasetSplits dataset_from_tensors_raw(const at::Tensor& train_inputs, const at::Tensor& train_targets,
+                                       const at::Tensor& test_inputs, const at::Tensor& test_targets);
+Dataset dataset_from_source(std::shared_ptr<SampleSource> source, const std::string& split);
 
 // Per-channel mean and std of a uint8 image tensor, scaled to [0, 1].
 void dataset_channel_stats(const at::Tensor& images, std::vector<float>& mean, std::vector<float>& std);

@@ -49,17 +49,28 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
   if (host_) staging_ = std::make_shared<Staging>();
   // The dataset's home: the device, or pinned host memory (kHost).
   const auto home = [this](const at::Tensor& t) { return host_ ? t.contiguous().pin_memory() : t.contiguous().to(device_); };
-  if (kind_ == DatasetKind::kTokens) {
-    TORCH_CHECK(data.images.defined() && data.images.dim() == 2 && data.images.scalar_type() == at::kLong &&
-                    data.labels.sizes() == data.images.sizes(),
+  size_ = data.size();
+  if (kind_ != DatasetKind::kImage) {  // tokens or a program's tensors: batched as they are
+    TORCH_CHECK(kind_ != DatasetKind::kTokens ||
+                    (data.images.defined() && data.images.dim() == 2 && data.images.scalar_type() == at::kLong &&
+                     data.labels.sizes() == data.images.sizes()),
                 "Loader: token datasets must hold (N, T) int64 inputs and targets");
+    const char* what = kind_ == DatasetKind::kTokens ? " is text" : " holds tensors passed as they are";
     TRIACCEL_CHECK_INPUT(!options_.augment, option_ref("augment") + " on applies to images only; dataset ", data.name,
-                         " is text: use " + option_ref("augment") + " off (or auto)");
+                         what, ": use " + option_ref("augment") + " off (or auto)");
     TRIACCEL_CHECK_INPUT(options_.cutout == 0, option_ref("cutout") + " applies to images only; dataset ", data.name,
-                         " is text: drop the flag");
+                         what, ": drop the flag");
     TRIACCEL_CHECK_INPUT(data.size() > 0, "dataset ", data.name, " is empty");
-    images_ = home(data.images);
-    labels_ = home(data.labels);
+    if (data.source) {
+      source_ = data.source;
+      host_ = false;
+      staging_.reset();
+      images_ = data.images;  // the example sample, on the CPU
+      labels_ = data.labels;
+    } else {
+      images_ = home(data.images);
+      labels_ = home(data.labels);
+    }
     epoch_begin(0);
     return;
   }
@@ -79,11 +90,11 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
 }
 
 int64_t Loader::image_height() const {
-  if (kind_ == DatasetKind::kTokens) return 0;
+  if (kind_ != DatasetKind::kImage) return 0;
   return options_.image_size > 0 ? options_.image_size : images_.size(2);
 }
 int64_t Loader::image_width() const {
-  if (kind_ == DatasetKind::kTokens) return 0;
+  if (kind_ != DatasetKind::kImage) return 0;
   return options_.image_size > 0 ? options_.image_size : images_.size(3);
 }
 
@@ -92,8 +103,9 @@ void Loader::epoch_begin(int64_t epoch) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_mix(options_.seed, static_cast<uint64_t>(epoch)));
   const auto i64 = at::TensorOptions().dtype(at::kLong);
   const at::Tensor order = options_.shuffle ? at::randperm(n, gen, i64) : at::arange(n, i64);
-  order_ = order.to(device_);
-  if (host_) order_cpu_ = order;
+  order_ = source_ ? order : order.to(device_);
+  if (host_ || source_) order_cpu_ = order;
+  if (source_) source_->epoch_begin(std::vector<int64_t>(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + n));
   if (options_.augment) {
     shift_ = at::randint(0, 2 * options_.pad + 1, {n, 2}, gen, i64).to(device_);
     flip_ = at::randint(0, 2, {n}, gen, i64).to(at::kByte).to(device_);
@@ -102,7 +114,7 @@ void Loader::epoch_begin(int64_t epoch) {
     flip_ = at::Tensor();
   }
   // Drawn after the crops and flips, so that --cutout 0 leaves every earlier draw as it was.
-  if (options_.cutout > 0 && kind_ != DatasetKind::kTokens) {
+  if (options_.cutout > 0 && kind_ == DatasetKind::kImage) {
     const at::Tensor cy = at::randint(0, images_.size(2), {n}, gen, i64);
     const at::Tensor cx = at::randint(0, images_.size(3), {n}, gen, i64);
     cutout_ = at::stack({cy, cx}, 1).to(device_);
@@ -113,12 +125,17 @@ void Loader::epoch_begin(int64_t epoch) {
 
 at::Tensor Loader::batch_labels_empty(int64_t count) const {
   const auto i64 = at::TensorOptions().dtype(at::kLong).device(device_);
-  return kind_ == DatasetKind::kTokens ? at::empty({count, labels_.size(1)}, i64) : at::empty({count}, i64);
+  if (kind_ == DatasetKind::kImage) return at::empty({count}, i64);
+  std::vector<int64_t> shape = labels_.sizes().vec();
+  shape[0] = count;
+  return at::empty(shape, labels_.options().device(device_));
 }
 
 at::Tensor Loader::batch_images_empty(int64_t count) const {
-  if (kind_ == DatasetKind::kTokens) {
-    return at::empty({count, images_.size(1)}, at::TensorOptions().dtype(at::kLong).device(device_));
+  if (kind_ != DatasetKind::kImage) {
+    std::vector<int64_t> shape = images_.sizes().vec();
+    shape[0] = count;
+    return at::empty(shape, images_.options().device(device_));
   }
   auto opts = at::TensorOptions().dtype(at::kFloat).device(device_);
   if (options_.channels_last) opts = opts.memory_format(at::MemoryFormat::ChannelsLast);
@@ -129,9 +146,18 @@ void Loader::batch_into(int64_t offset, int64_t count, at::Tensor& images, at::T
   TORCH_CHECK(offset >= 0 && count > 0 && offset + count <= size(), "Loader::batch_into: samples [", offset, ", ",
               offset + count, ") out of range [0, ", size(), ")");
   const torch::NoGradGuard no_grad;
+  if (source_) {  // the program's samples, fetched on the host and copied (pinned: without a host sync)
+    auto [x, y] = source_->fetch(offset, sample_indices(offset, count));
+    TRIACCEL_CHECK_INPUT(x.sizes() == images.sizes() && y.sizes() == labels.sizes(), "the data gave inputs of shape ",
+                         x.sizes(), " and targets of shape ", y.sizes(), " for ", count, " samples; expected ",
+                         images.sizes(), " and ", labels.sizes(), " (every sample of one shape, as the first)");
+    images.copy_(x, /*non_blocking=*/x.is_pinned());
+    labels.copy_(y, /*non_blocking=*/y.is_pinned());
+    return;
+  }
   const at::Tensor index = order_.narrow(0, offset, count);
   const at::Tensor index_cpu = host_ ? order_cpu_.narrow(0, offset, count) : at::Tensor();
-  if (kind_ == DatasetKind::kTokens) {  // (count, T) int64 inputs and targets, as stored
+  if (kind_ != DatasetKind::kImage) {  // (count, ...) inputs and targets, as stored
     images.copy_(host_ ? stage(images_, index_cpu, 0) : images_.index_select(0, index));
     labels.copy_(host_ ? stage(labels_, index_cpu, 1) : labels_.index_select(0, index));
     return;
@@ -204,16 +230,18 @@ std::vector<int64_t> Loader::sample_indices(int64_t offset, int64_t count) const
 }
 
 int64_t Loader::resident_bytes() const {
+  if (source_) return 0;
   const auto bytes = [](const at::Tensor& t) { return t.is_cuda() ? t.numel() * t.element_size() : int64_t{0}; };
   return device_.is_cuda() ? bytes(images_) + bytes(labels_)
                            : images_.numel() * images_.element_size() + labels_.numel() * labels_.element_size();
 }
 
 int64_t Loader::batch_staging_bytes() const {
-  if (!host_) return 0;
   const auto per_sample = [](const at::Tensor& t) { return t.numel() / std::max<int64_t>(1, t.size(0)) * t.element_size(); };
+  if (source_) return device_.is_cuda() ? per_sample(images_) + per_sample(labels_) : 0;  // the copies' targets
+  if (!host_) return 0;
   // Two slots; labels are staged only for tokens (image labels stay on the device).
-  return 2 * (per_sample(images_) + (kind_ == DatasetKind::kTokens ? per_sample(labels_) : 0));
+  return 2 * (per_sample(images_) + (kind_ != DatasetKind::kImage ? per_sample(labels_) : 0));
 }
 
 void augment_reference(const at::Tensor& images, const at::Tensor& index, const at::Tensor& shift,

@@ -58,7 +58,7 @@ class Loader {
   // Draws the order (and augmentation) of epoch `epoch`. Must be called before batch().
   void epoch_begin(int64_t epoch);
 
-  int64_t size() const { return labels_.size(0); }
+  int64_t size() const { return size_; }
   int64_t steps_per_epoch() const { return (size() + options_.batch_size - 1) / options_.batch_size; }
   int64_t image_height() const;  // 0 for tokens
   int64_t image_width() const;   // 0 for tokens
@@ -88,6 +88,10 @@ class Loader {
   at::Tensor stage(const at::Tensor& source, const at::Tensor& index_cpu, int slot_group) const;
 
   bool host_ = false;  // placement kHost on a CUDA device
+  // kTensors a program serves (Dataset::source): images_ and labels_ hold its one-sample example; the order stays
+  // on the CPU, and each batch is fetched and copied to the device.
+  std::shared_ptr<SampleSource> source_;
+  int64_t size_ = 0;
   LoaderOptions options_;
   DatasetKind kind_;
   c10::Device device_;

@@ -30,6 +30,7 @@ Json baoc_plan_warmup(Session& session) {
   so.cuda_graphs = config.execution.cuda_graphs;
   so.graph_batch_size = config.schedule.batch_size;
   so.label_smoothing = config.optim.label_smoothing;
+  so.objective = session.hooks().objective;
   TrainStep step(session.model(), *optimizer, scaler, so, device);
   BaocControllerOptions bo;
   bo.memory_budget = config.baoc.optim_memory_budget;

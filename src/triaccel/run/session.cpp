@@ -161,7 +161,7 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
   context_trace("data loaded");
   model_options_.name = config_.model.model;
   model_options_.num_classes = data_.train.num_classes;
-  model_options_.in_channels = data_.train.channels();
+  model_options_.in_channels = data_.train.images.dim() >= 2 ? data_.train.channels() : 1;
   model_options_.image_size = image_size();
   if (data_.train.kind == DatasetKind::kTokens) model_options_.block_size = data_.train.images.size(1);  // vocab = classes
   {
@@ -298,7 +298,7 @@ std::pair<StopRequest, bool> Session::stop_agreed(int64_t step, const std::vecto
 }
 
 int64_t Session::image_size() const {
-  if (data_.train.kind == DatasetKind::kTokens) return 0;
+  if (data_.train.kind != DatasetKind::kImage) return 0;
   return config_.data.image_size > 0 ? config_.data.image_size : data_.train.height();
 }
 

@@ -23,6 +23,7 @@
 #include "triaccel/run/progress.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/grad_buckets.h"
+#include "triaccel/train/objective.h"
 
 #include <functional>
 #include <memory>
@@ -91,6 +92,8 @@ struct RunHooks {
   // Builds the model instead of the registry's builder for the configured `model` name (which must still be
   // registered: its entry says what the model supports). The Python module passes the user's own torch.nn.Module here.
   std::function<std::shared_ptr<Model>(const ModelOptions&)> model;
+  // The loss and metric (the Python module's loss= and metric=); null: cross-entropy and accuracy. Backprop only.
+  std::shared_ptr<const Objective> objective;
 };
 
 // The configuration a run uses: `given` with its dependent defaults resolved (Config::resolve), or, when it resumes

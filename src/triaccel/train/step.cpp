@@ -144,11 +144,10 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
     const bool whole = len == n;
     const at::Tensor x = whole ? images : images.narrow(0, start, len);
     const at::Tensor y = whole ? labels : labels.narrow(0, start, len);
-    // (len, classes), or (len, T, V) for a language model: flattened to one prediction per label element.
-    const at::Tensor logits = forward(x).flatten(0, -2);
-    const at::Tensor targets = y.flatten();
-    at::Tensor loss = at::cross_entropy_loss(logits.to(at::kFloat), targets, {}, at::Reduction::Mean, -100,
-                                             options_.label_smoothing);
+    // The objective's mean loss and metric (train/objective.h: cross-entropy and accuracy unless the program gave
+    // its own).
+    const ObjectiveTerms terms = objective_terms(options_.objective.get(), forward(x), y, options_.label_smoothing);
+    at::Tensor loss = terms.loss;
     if (loss_factor_.defined()) loss = loss * loss_factor_;
     if (!whole) loss = loss * (static_cast<double>(len) / static_cast<double>(n));  // the micro-batch's share
     // Data parallelism: this rank's share of the global batch weights its gradients through the loss (a multiply
@@ -157,10 +156,10 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
     if (grad_buckets_ && start + len >= n) grad_buckets_->arm();  // the last micro-batch: reduces
     scaler_.scale(share != 1.0 ? loss * share : loss).backward();
     const torch::NoGradGuard no_grad;
-    const at::Tensor correct = logits.detach().argmax(1).eq(targets).sum().to(at::kFloat);
+    const at::Tensor& correct = terms.metric;
     loss_total = loss_total.defined() ? loss_total + loss.detach() : loss.detach();
     correct_total = correct_total.defined() ? correct_total + correct : correct;
-    label_elements += targets.numel();
+    label_elements += terms.counted;
   }
   const torch::NoGradGuard no_grad;
   if (n == 0) {  // a data-parallel rank with no samples in this (short) batch: it contributes zero gradients

@@ -18,6 +18,7 @@
 #include "triaccel/train/grad_buckets.h"
 #include "triaccel/train/grad_stats.h"
 #include "triaccel/train/loss_scaler.h"
+#include "triaccel/train/objective.h"
 #include "triaccel/train/precision.h"
 #include "triaccel/train/step_graph.h"
 
@@ -39,6 +40,8 @@ struct StepOptions {
   // Tests only: called inside the capture, after capture_begin (e.g. to raise an out-of-memory error there).
   std::function<void()> during_capture;
   double label_smoothing = 0.0;
+  // The loss and metric (train/objective.h); null: cross-entropy and accuracy.
+  std::shared_ptr<const Objective> objective;
   int64_t micro_batch = 0;        // samples per forward/backward pass (0: the whole batch at once)
   // Data parallelism: the ranks' gradients summed, each rank's weighted by its share of the global batch, in
   // buckets started while the last micro-batch's backward runs (train/grad_buckets.h), all of them waited for before
