@@ -17,7 +17,9 @@ row() { rows+=("$1|$2"); echo "== $1: $2"; }
 echo "python $(python3 -V 2>&1), torch $(python3 -c 'import torch; print(torch.__version__)'), $(g++ --version | head -1),"\
   "pybind11 $(python3 -c 'import pybind11; print(pybind11.__version__)' 2>&1), cmake $(cmake --version | head -1)"
 t0=$(date +%s)
-if [ "${MODE:-pip}" = pip ]; then
+if [ -f "$SITE/triaccel/__init__.py" ] && [ -n "${REUSE_BUILD:-}" ]; then
+  cp python/triaccel/*.py "$SITE/triaccel/"  # a warm machine's build of the same C++ (the Python half refreshed)
+elif [ "${MODE:-pip}" = pip ]; then
   SKBUILD_BUILD_DIR=/tmp/triaccel_skbuild python3 -m pip install --no-build-isolation --no-deps --no-index \
     --target "$SITE" -v . >"$FINAL_OUT/build.log" 2>&1
 else
@@ -52,10 +54,28 @@ for dev in cpu cuda; do
   fi
 done
 
-timeout ${TEST_TIMEOUT:-240} python3 tests/python/test_module.py >"$FINAL_OUT/test_module.log" 2>&1
-s=$?
-row "tests/python/test_module.py" "$(grep -E '^(Ran|OK|FAILED)' "$FINAL_OUT/test_module.log" | tr '\n' ' ') (exit $s)"
-[ $s = 0 ] || grep -E "^(ERROR|FAIL):|Error" "$FINAL_OUT/test_module.log" | head -20
+for t in test_module test_pytorch_inputs test_split; do
+  timeout ${TEST_TIMEOUT:-240} python3 tests/python/$t.py >"$FINAL_OUT/$t.log" 2>&1
+  s=$?
+  row "tests/python/$t.py" "$(grep -E '^(Ran|OK|FAILED)' "$FINAL_OUT/$t.log" | tr '\n' ' ') (exit $s)"
+  [ $s = 0 ] || grep -E "^(ERROR|FAIL):|Error" "$FINAL_OUT/$t.log" | head -20
+done
+
+# The acceptance runs (bench/python_models.py) on the CIFAR-10 copy carried in .device/data, when asked.
+if [ -n "${MODELS_PART:-}" ]; then
+  DATA=/tmp/cifar10-bin
+  [ -f $DATA/test_batch.bin ] || python3 .device/data/build_cifar10_bin.py $DATA >/dev/null 2>&1 || echo "CIFAR conversion failed"
+  timeout ${MODELS_TIMEOUT:-300} python3 bench/python_models.py $DATA /tmp/models_runs --part "$MODELS_PART" \
+    --json "$FINAL_OUT/python_models.json" >"$FINAL_OUT/python_models.log" 2>&1
+  row "bench/python_models.py --part $MODELS_PART" "exit $?"
+  grep -E "^\|" "$FINAL_OUT/python_models.log"
+fi
+if [ -n "${GPT:-}" ]; then
+  timeout ${GPT_TIMEOUT:-240} python3 bench/python_gpt.py .device/data/tinyshakespeare /tmp/gpt_runs --epochs "${GPT_EPOCHS:-3}" \
+    --json "$FINAL_OUT/python_gpt.json" >"$FINAL_OUT/python_gpt.log" 2>&1
+  row "bench/python_gpt.py" "exit $?"
+  grep -E "^\||ratio" "$FINAL_OUT/python_gpt.log"
+fi
 
 echo
 echo "| check | result |"

@@ -24,6 +24,23 @@ namespace py = pybind11;
 
 namespace {
 
+// Runs f (which calls Python) from any of the engine's threads: under the GIL, a Python exception as a UserError
+// "<what>: <type>: <its first line>" (its input is the user's), except an out-of-memory error, which stays one so
+// the engine's recovery sees it.
+template <typename F>
+auto python_call(const std::string& what, F&& f) {
+  py::gil_scoped_acquire gil;
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    const std::string type = py::str(e.type().attr("__name__"));
+    const std::string text = py::str(e.value());
+    if (type == "OutOfMemoryError") TORCH_CHECK_WITH(OutOfMemoryError, false, text);
+    throw triaccel::UserError(triaccel::str_cat(what, ": ", type, ": ", text.substr(0, text.find('\n'))));
+  }
+}
+
+
 // The children of one unit (one module, or a parametered child with the parameterless ones after it). Its Python
 // references are dropped under the GIL, so copies of a unit's forward may live on threads that do not hold it.
 struct PyCalls {
@@ -46,7 +63,8 @@ class PythonModel final : public triaccel::Model {
   PythonModel() : Model("python") {}
 
   // Registers one state_dict entry under its dotted name, creating the path's holders in first-seen order (which
-  // keeps Python's state_dict order: a module's own tensors, then its children's).
+  // keeps Python's state_dict order: a module's own tensors, then its children's). A tensor tied to another (one
+  // tensor under two names) is passed once, under its first name.
   void tensor_add(const std::string& name, const at::Tensor& tensor, bool parameter) {
     const auto dot = name.rfind('.');
     torch::nn::Module& owner = dot == std::string::npos ? static_cast<torch::nn::Module&>(*this)
@@ -57,17 +75,29 @@ class PythonModel final : public triaccel::Model {
     } else {
       owner.register_buffer(leaf, tensor);
     }
+    tensors_[name] = {tensor, parameter};
   }
 
-  // One unit: its name, the Python callables it runs in order, and the dotted paths of the modules that hold its
-  // parameters (each registered by tensor_add before).
-  void unit_add_python(const std::string& name, std::vector<py::object> modules, const std::vector<std::string>& paths) {
-    std::vector<std::shared_ptr<torch::nn::Module>> owners;
-    for (const auto& path : paths) owners.push_back(holder(path));
+  // One unit: its name, the Python callables it runs in order, and the state names (registered by tensor_add
+  // before) of the tensors it owns. The unit's owner module holds exactly those tensors (the same TensorImpls as the
+  // tree's), so a unit can own a bare parameter of a module (ViT's class token) and a tied weight is owned once
+  // even when two units use it.
+  void unit_add_python(const std::string& name, std::vector<py::object> modules, const std::vector<std::string>& owned) {
+    auto owner = std::make_shared<torch::nn::Module>("unit");
+    for (size_t i = 0; i < owned.size(); ++i) {
+      const auto it = tensors_.find(owned[i]);
+      TRIACCEL_CHECK_INPUT(it != tensors_.end(), "unit '", name, "' owns '", owned[i], "', which is not in the state");
+      const std::string key = "t" + std::to_string(i);
+      if (it->second.second) {
+        owner->register_parameter(key, it->second.first, it->second.first.requires_grad());
+      } else {
+        owner->register_buffer(key, it->second.first);
+      }
+    }
     auto calls = std::make_shared<PyCalls>();
     calls->modules = std::move(modules);
     const torch::nn::Module* model = this;
-    unit_add(name, owners, [calls, model, name](const at::Tensor& x) { return unit_call(*calls, *model, name, x); });
+    unit_add(name, {owner}, [calls, model, name](const at::Tensor& x) { return unit_call(*calls, *model, name, x); });
   }
 
  private:
@@ -98,8 +128,8 @@ class PythonModel final : public triaccel::Model {
   // recovery sees it.
   static at::Tensor unit_call(const PyCalls& calls, const torch::nn::Module& model, const std::string& name,
                               const at::Tensor& x) {
-    py::gil_scoped_acquire gil;
-    try {
+    const std::string what = triaccel::str_cat("unit '", name, "' of the model failed on an input of shape ", x.sizes());
+    return python_call(what, [&] {
       const bool training = model.is_training();
       py::object h = py::cast(x);
       for (const auto& m : calls.modules) {
@@ -110,16 +140,11 @@ class PythonModel final : public triaccel::Model {
                            py::str(py::type::of(h).attr("__name__")).cast<std::string>(),
                            ", not a tensor; every unit maps one tensor to the next");
       return h.cast<at::Tensor>();
-    } catch (py::error_already_set& e) {
-      const std::string type = py::str(e.type().attr("__name__"));
-      const std::string what = py::str(e.value());
-      if (type == "OutOfMemoryError") TORCH_CHECK_WITH(OutOfMemoryError, false, what);
-      throw triaccel::UserError(triaccel::str_cat("unit '", name, "' of the model failed on an input of shape ",
-                                                  x.sizes(), ": ", type, ": ", what.substr(0, what.find('\n'))));
-    }
+    });
   }
 
   std::map<std::string, std::shared_ptr<Holder>> roots_;
+  std::map<std::string, std::pair<at::Tensor, bool>> tensors_;  // state name -> (tensor, is a parameter)
 };
 
 triaccel::Config config_from(const std::string& options_json) {
@@ -129,36 +154,111 @@ triaccel::Config config_from(const std::string& options_json) {
   return config;
 }
 
-// What the Python side passes for a model: units as (name, [modules], [parameter-holding paths]) and the
-// state_dict's entries as (name, tensor, is_parameter).
+// What the Python side passes for a model: units as (name, [modules], [owned state names]) and the state_dict's
+// entries as (name, tensor, is_parameter), each tensor once.
 using UnitSpec = std::tuple<std::string, std::vector<py::object>, std::vector<std::string>>;
 using StateSpec = std::tuple<std::string, at::Tensor, bool>;
 
 std::shared_ptr<PythonModel> model_from(std::vector<UnitSpec> units, const std::vector<StateSpec>& state) {
   auto model = std::make_shared<PythonModel>();
   for (const auto& [name, tensor, parameter] : state) model->tensor_add(name, tensor, parameter);
-  for (auto& [name, modules, paths] : units) model->unit_add_python(name, std::move(modules), paths);
+  for (auto& [name, modules, owned] : units) model->unit_add_python(name, std::move(modules), owned);
   return model;
 }
 
-// The hooks that give the engine the program's model and tensors (either may be absent).
-triaccel::RunHooks inputs_hooks(const std::shared_ptr<PythonModel>& model, const py::object& data) {
+// A torch Dataset or DataLoader as the engine's SampleSource (python/triaccel/_data.py serves the batches).
+class PySource final : public triaccel::SampleSource {
+ public:
+  PySource(py::object served, std::string split) : served_(std::move(served)), split_(std::move(split)) {
+    size_ = served_.attr("size")().cast<int64_t>();
+  }
+  ~PySource() override {
+    py::gil_scoped_acquire gil;
+    served_ = py::object();
+  }
+  int64_t size() const override { return size_; }
+  void epoch_begin(const std::vector<int64_t>& order) override {
+    python_call("the " + split_ + " data failed", [&] { served_.attr("epoch_begin")(order); });
+  }
+  std::pair<at::Tensor, at::Tensor> fetch(int64_t offset, const std::vector<int64_t>& ids) override {
+    return python_call("the " + split_ + " data failed", [&] {
+      const py::tuple batch = served_.attr("fetch")(offset, ids);
+      return std::make_pair(batch[0].cast<at::Tensor>(), batch[1].cast<at::Tensor>());
+    });
+  }
+
+ private:
+  py::object served_;
+  std::string split_;
+  int64_t size_ = 0;
+};
+
+// One split as the Python side gives it: (inputs, targets) tensors, or a served source.
+triaccel::Dataset split_from(const py::object& given, const std::string& split, at::Tensor* x, at::Tensor* y) {
+  if (py::isinstance<py::tuple>(given)) {
+    const auto pair = given.cast<std::pair<at::Tensor, at::Tensor>>();
+    *x = pair.first;
+    *y = pair.second;
+    return {};
+  }
+  return triaccel::dataset_from_source(std::make_shared<PySource>(given, split), split);
+}
+
+// The hooks that give the engine the program's model, data and objective (each may be absent). `data`: None, or
+// (kind, train, test) with kind "images" (pixels the engine normalizes and augments) or "raw" (batched as they are),
+// each split (inputs, targets) or a served source (raw only). `objective`: None or (loss, metric or None).
+triaccel::RunHooks inputs_hooks(const std::shared_ptr<PythonModel>& model, const py::object& data,
+                                const py::object& objective) {
   triaccel::RunHooks hooks;
   if (model) hooks.model = [model](const triaccel::ModelOptions&) { return model; };
   if (!data.is_none()) {
-    const auto tensors = data.cast<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>>();
-    hooks.data = std::make_shared<const triaccel::DatasetSplits>(triaccel::dataset_from_tensors(
-        std::get<0>(tensors), std::get<1>(tensors), std::get<2>(tensors), std::get<3>(tensors)));
+    const auto spec = data.cast<py::tuple>();
+    const std::string kind = spec[0].cast<std::string>();
+    at::Tensor x_train, y_train, x_test, y_test;
+    triaccel::Dataset train = split_from(spec[1], "train", &x_train, &y_train);
+    triaccel::Dataset test = split_from(spec[2], "test", &x_test, &y_test);
+    triaccel::DatasetSplits splits;
+    if (kind == "images") {
+      splits = triaccel::dataset_from_tensors(x_train, y_train, x_test, y_test);
+    } else {
+      if (!train.source || !test.source) {
+        // Tensors for a split not served: the raw reader checks them (a served split keeps its source).
+        const triaccel::DatasetSplits raw = triaccel::dataset_from_tensors_raw(
+            train.source ? train.images : x_train, train.source ? train.labels : y_train,
+            test.source ? test.images : x_test, test.source ? test.labels : y_test);
+        if (!train.source) train = raw.train;
+        if (!test.source) test = raw.test;
+      }
+      splits.train = std::move(train);
+      splits.test = std::move(test);
+      splits.test.num_classes = splits.train.num_classes = std::max(splits.train.num_classes, splits.test.num_classes);
+    }
+    hooks.data = std::make_shared<const triaccel::DatasetSplits>(std::move(splits));
+  }
+  if (!objective.is_none()) {
+    const auto pair = objective.cast<py::tuple>();
+    auto o = std::make_shared<triaccel::Objective>();
+    auto loss = std::make_shared<PyCalls>();
+    loss->modules = {pair[0], pair[1]};
+    o->loss = [loss](const at::Tensor& out, const at::Tensor& target) {
+      return python_call("loss= failed", [&] { return loss->modules[0](out, target).cast<at::Tensor>(); });
+    };
+    if (!pair[1].is_none()) {
+      o->metric = [loss](const at::Tensor& out, const at::Tensor& target) {
+        return python_call("metric= failed", [&] { return loss->modules[1](out, target).cast<at::Tensor>(); });
+      };
+    }
+    hooks.objective = std::move(o);
   }
   hooks.spell_option = [](const std::string& key) { return key; };
   return hooks;
 }
 
 std::string train(const std::string& options_json, std::vector<UnitSpec> units, const std::vector<StateSpec>& state,
-                  const py::object& data) {
+                  const py::object& data, const py::object& objective) {
   const triaccel::Config config = config_from(options_json);
   const std::shared_ptr<PythonModel> model = units.empty() ? nullptr : model_from(std::move(units), state);
-  triaccel::RunHooks hooks = inputs_hooks(model, data);
+  triaccel::RunHooks hooks = inputs_hooks(model, data, objective);
   hooks.stop_requested = &triaccel::api::StopSignals::requested;
   triaccel::Json result;
   {
@@ -170,10 +270,10 @@ std::string train(const std::string& options_json, std::vector<UnitSpec> units, 
 }
 
 std::string plan(const std::string& options_json, std::vector<UnitSpec> units, const std::vector<StateSpec>& state,
-                 const py::object& data) {
+                 const py::object& data, const py::object& objective) {
   const triaccel::Config config = config_from(options_json);
   const std::shared_ptr<PythonModel> model = units.empty() ? nullptr : model_from(std::move(units), state);
-  const triaccel::RunHooks hooks = inputs_hooks(model, data);
+  const triaccel::RunHooks hooks = inputs_hooks(model, data, objective);
   triaccel::Json result;
   {
     const py::gil_scoped_release nogil;
@@ -271,8 +371,9 @@ PYBIND11_MODULE(_triaccel, m) {
       PyErr_SetString(PyExc_ValueError, e.message([](const std::string& key) { return key; }).c_str());
     }
   });
-  m.def("train", &train, py::arg("options"), py::arg("units"), py::arg("state"), py::arg("data"));
-  m.def("plan", &plan, py::arg("options"), py::arg("units"), py::arg("state"), py::arg("data"));
+  m.def("train", &train, py::arg("options"), py::arg("units"), py::arg("state"), py::arg("data"),
+        py::arg("objective"));
+  m.def("plan", &plan, py::arg("options"), py::arg("units"), py::arg("state"), py::arg("data"), py::arg("objective"));
   m.def("report", &report, py::arg("runs"), py::arg("output"), py::arg("csv"), py::arg("title"));
   m.def("options", &options);
   using triaccel::api::LoopOptimizer;

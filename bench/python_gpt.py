@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Issue 54's language-model acceptance: a GPT-style character model defined in Python (the built-in gpt-char's shape:
+6 pre-norm causal blocks, 6 heads, width 384, context 256, GELU MLP, trunc-normal 0.02 init) with its embedding and
+output layer TIED, trained through triaccel.train on tinyshakespeare tensors with loss= next-token cross-entropy,
+beside the built-in gpt-char (untied) trained through the same call on the same windows (the engine's text reader:
+90 % / 10 % split, windows of 257 characters at stride 256), same optimizer, schedule, batch, steps and seed.
+Compares the validation loss (nats per character) after the same steps.
+
+Usage: python_gpt.py TINYSHAKESPEARE_DIR OUT_DIR [--epochs 3] [--json OUT.json]
+"""
+import argparse
+import json
+import os
+
+import torch
+from torch import nn
+
+import triaccel
+
+BLOCK, DIM, HEADS, LAYERS = 256, 384, 6, 6
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.fc1, self.fc2 = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return h + self.fc2(nn.functional.gelu(self.fc1(self.norm2(h))))
+
+
+class TiedGpt(nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, DIM)
+        self.pos = nn.Parameter(torch.zeros(1, BLOCK, DIM))
+        self.blocks = nn.Sequential(*[Block() for _ in range(LAYERS)])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.trunc_normal_(m.weight, std=0.02, a=-0.04, b=0.04)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        nn.init.trunc_normal_(self.pos, std=0.02, a=-0.04, b=0.04)
+
+    def forward(self, idx):
+        h = self.tok(idx) + self.pos[:, : idx.shape[1]]
+        return self.head(self.norm(self.blocks(h)))
+
+
+def next_token_loss(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def windows(text_path):
+    raw = open(text_path, "rb").read()
+    vocab = sorted(set(raw))
+    lookup = torch.full((256,), -1, dtype=torch.long)
+    lookup[torch.tensor(vocab)] = torch.arange(len(vocab))
+    data = lookup[torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()]
+    cut = len(data) * 9 // 10
+
+    def split(d):
+        n = (len(d) - 1) // BLOCK
+        w = d[: n * BLOCK + 1]
+        x = torch.stack([w[i * BLOCK:(i + 1) * BLOCK] for i in range(n)])
+        y = torch.stack([w[i * BLOCK + 1:(i + 1) * BLOCK + 1] for i in range(n)])
+        return x, y
+    return split(data[:cut]), split(data[cut:]), len(vocab)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("data")
+    ap.add_argument("out")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    train, val, vocab = windows(os.path.join(a.data, "input.txt"))
+    recipe = dict(epochs=a.epochs, batch_size=64, optimizer="adamw", lr=1e-3, warmup_epochs=0, precision="amp-bf16",
+                  seed=0, progress="off", device=os.environ.get("BENCH_DEVICE", "cuda"))
+    rows = []
+    torch.manual_seed(0)
+    s = triaccel.train(TiedGpt(vocab), train=train, test=val, loss=next_token_loss, out=os.path.join(a.out, "py"),
+                       **recipe)
+    rows.append({"run": "python_tied_gpt", "val_loss": s["test_loss"], "test_acc": s["test_acc"],
+                 "steps": s.get("steps"), "units": s.get("units"), "peak_vram_gb": s.get("peak_vram_gb")})
+    s = triaccel.train("gpt-char", dataset="tinyshakespeare", data_dir=a.data, out=os.path.join(a.out, "builtin"),
+                       **recipe)
+    rows.append({"run": "builtin_gpt_char", "val_loss": s["test_loss"], "test_acc": s["test_acc"],
+                 "steps": s.get("steps"), "peak_vram_gb": s.get("peak_vram_gb")})
+    ratio = rows[0]["val_loss"] / rows[1]["val_loss"]
+    result = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "rows": rows, "val_loss_ratio": ratio,
+              "train_windows": len(train[0]), "val_windows": len(val[0]), "vocab": vocab}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print("\n| run | val loss | next-char acc | steps | units |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['run']} | {r['val_loss']:.4f} | {r['test_acc']} | {r['steps']} | {len(r.get('units') or [])} |")
+    print(f"val loss ratio (python / built-in): {ratio:.4f}")
+
+
+if __name__ == "__main__":
+    main()

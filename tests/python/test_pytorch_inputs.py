@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Any PyTorch model and data through triaccel.train (issue 54), on the CPU: a torch Dataset and a DataLoader (also
+with a worker) give the weights the same data as tensors gives, in the engine's order; a loss of the user's own
+(regression: no accuracy reported); a character model defined in Python with tied embeddings trains them once; a
+model fx splits into units (torchvision's ResNet-18 with the CIFAR stem), and one it cannot trace, trained whole with
+the reason said. Run by ctest `python_inputs` with PYTHONPATH=BUILD/python.
+"""
+import contextlib
+import io
+import os
+import tempfile
+import unittest
+
+import torch
+import torchvision
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import triaccel
+
+
+def quiet(**options):
+    options.setdefault("device", "cpu")
+    options.setdefault("progress", "off")
+    return options
+
+
+def regression_data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    w = torch.arange(8, dtype=torch.float32).view(8, 1) / 8
+    return x, x @ w + 0.5
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+class Doubled(Dataset):
+    """A map-style dataset whose transform runs at each access (here: a fixed scaling, so results are comparable)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] * 2.0, self.y[i]
+
+
+class PythonData(unittest.TestCase):
+    def train_on(self, train, test, out):
+        model = mlp()
+        triaccel.train(model, train=train, test=test, loss=nn.functional.mse_loss,
+                       **quiet(epochs=2, batch_size=32, optimizer="adamw", lr=1e-2, out=out))
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def test_dataset_and_dataloader_give_the_weights_of_the_same_tensors(self):
+        x, y = regression_data(200, 1)
+        xt, yt = regression_data(64, 2)
+        with tempfile.TemporaryDirectory() as d:
+            ref = self.train_on((x * 2.0, y), (xt * 2.0, yt), os.path.join(d, "t"))
+            ds = self.train_on(Doubled(x, y), Doubled(xt, yt), os.path.join(d, "ds"))
+            dl = self.train_on(DataLoader(Doubled(x, y), batch_size=32), DataLoader(Doubled(xt, yt), batch_size=64),
+                               os.path.join(d, "dl"))
+            workers = self.train_on(DataLoader(Doubled(x, y), batch_size=32, num_workers=1),
+                                    (xt * 2.0, yt), os.path.join(d, "w"))
+            untrained = torch.cat([p.detach().flatten() for p in mlp().parameters()])
+        self.assertFalse(torch.equal(ref, untrained))
+        self.assertTrue(torch.equal(ds, ref), "a Dataset trained other weights than its tensors")
+        self.assertTrue(torch.equal(dl, ref), "a DataLoader trained other weights than its tensors")
+        self.assertTrue(torch.equal(workers, ref), "a DataLoader with a worker trained other weights")
+
+    def test_own_loss_learns_a_regression_and_reports_no_accuracy(self):
+        x, y = regression_data(512, 3)
+        xt, yt = regression_data(128, 4)
+        model = mlp()
+        before = nn.functional.mse_loss(model(xt), yt).item()
+        with tempfile.TemporaryDirectory() as d:
+            s = triaccel.train(model, train=(x, y), test=(xt, yt), loss=nn.functional.mse_loss,
+                               **quiet(epochs=8, batch_size=32, optimizer="adamw", lr=1e-2, out=d))
+        after = nn.functional.mse_loss(model(xt), yt).item()
+        self.assertLess(after, before / 10)
+        self.assertAlmostEqual(s["test_loss"], after, delta=1e-3 + after * 1e-3)  # the engine's loss is the user's
+        self.assertIsNone(s["test_acc"])
+
+    def test_a_failing_loss_names_itself(self):
+        x, y = regression_data(64, 5)
+        with tempfile.TemporaryDirectory() as d, self.assertRaisesRegex(ValueError, "loss= failed: IndexError"):
+            triaccel.train(mlp(), train=(x, y), test=(x, y), loss=lambda out, t: out.sum() + torch.zeros(3)[5],
+                           **quiet(out=d))
+
+    def test_an_iterable_dataset_is_refused_with_the_reason(self):
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return iter([])
+        with self.assertRaisesRegex(TypeError, "IterableDataset has no order"):
+            triaccel.train(mlp(), train=Stream(), test=Stream(), **quiet())
+
+
+class CharModel(nn.Module):
+    """A small GPT-style character model; the output layer's weight is the embedding's (tied)."""
+
+    def __init__(self, vocab=12, dim=16, block=8):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(block, dim))
+        self.body = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        h = self.tok(idx) + self.pos[: idx.shape[1]]
+        h = h + self.body(h)
+        return self.head(self.ln(h))
+
+
+class TiedWeights(unittest.TestCase):
+    def test_tied_embedding_is_one_tensor_trained_once(self):
+        torch.manual_seed(0)
+        text = torch.arange(12).repeat(60)  # a periodic sequence: next = (cur + 1) % 12
+        x = text[:-1].unfold(0, 8, 8)[:80]
+        y = text[1:].unfold(0, 8, 8)[:80]
+        model = CharModel()
+        unique = sum(p.numel() for p in model.parameters())
+        plan = triaccel.plan(model, train=(x, y), test=(x, y), **quiet(optimizer="sgd"))
+        self.assertEqual(plan["params"], unique)  # each tied tensor once (twice: + 12 x 16)
+        with tempfile.TemporaryDirectory() as d:
+            s = triaccel.train(model, train=(x, y), test=(x, y), **quiet(epochs=6, batch_size=16, optimizer="adamw",
+                                                                          lr=3e-2, out=d))
+            self.assertIs(model.head.weight, model.tok.weight)
+            fresh = CharModel()
+            fresh.load_state_dict(torch.load(os.path.join(d, "model.pt")))  # both tied names are in model.pt
+            self.assertTrue(torch.equal(fresh.head.weight, model.tok.weight.detach().cpu()))
+        self.assertGreater(s["test_acc"], 0.9)  # per-token accuracy of next-token prediction
+        self.assertGreater(len(s["units"]), 1)
+        self.assertEqual(s["units_found"], "auto")
+
+
+class AutomaticSplit(unittest.TestCase):
+    def test_torchvision_resnet18_is_split_into_its_blocks(self):
+        model = torchvision.models.resnet18(num_classes=10)
+        model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+        x = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8)
+        y = torch.arange(16) % 10
+        plan = triaccel.plan(model, train=(x, y), test=(x, y), **quiet(optimizer="sgd", batch_size=8))
+        names = [u["unit"] for u in plan["units"]]
+        blocks = [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+        self.assertEqual(names, ["conv1", *blocks, "fc"])
+        self.assertEqual(plan["units_found"], "auto")
+        self.assertEqual(sum(u["params"] for u in plan["units"]), sum(p.numel() for p in model.parameters()))
+
+    def test_an_untraceable_model_trains_whole_and_says_why(self):
+        class Branchy(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+            def forward(self, x):
+                if x.sum() > 0:  # control flow on a value: fx cannot trace it
+                    x = -x
+                return self.b(torch.relu(self.a(x)))
+
+        x, y = regression_data(64, 6)
+        err = io.StringIO()
+        with tempfile.TemporaryDirectory() as d, contextlib.redirect_stderr(err):
+            s = triaccel.train(Branchy(), train=(x, y), test=(x, y), loss=nn.functional.mse_loss, **quiet(out=d))
+        self.assertEqual(s["units"], ["model"])
+        self.assertTrue(s["units_found"].startswith("whole model: "))
+        self.assertIn("units()", err.getvalue())
+
+
+if __name__ == "__main__":
+    unittest.main()
