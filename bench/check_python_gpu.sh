@@ -54,7 +54,7 @@ for dev in cpu cuda; do
   fi
 done
 
-for t in test_module test_pytorch_inputs test_split; do
+for t in ${TESTS-test_module test_pytorch_inputs test_split}; do
   timeout ${TEST_TIMEOUT:-240} python3 tests/python/$t.py >"$FINAL_OUT/$t.log" 2>&1
   s=$?
   row "tests/python/$t.py" "$(grep -E '^(Ran|OK|FAILED)' "$FINAL_OUT/$t.log" | tr '\n' ' ') (exit $s)"
@@ -66,8 +66,9 @@ if [ -n "${MODELS_PART:-}" ]; then
   DATA=/tmp/cifar10-bin
   [ -f $DATA/test_batch.bin ] || python3 .device/data/build_cifar10_bin.py $DATA >/dev/null 2>&1 || echo "CIFAR conversion failed"
   timeout ${MODELS_TIMEOUT:-300} python3 bench/python_models.py $DATA /tmp/models_runs --part "$MODELS_PART" \
-    --json "$FINAL_OUT/python_models.json" >"$FINAL_OUT/python_models.log" 2>&1
-  row "bench/python_models.py --part $MODELS_PART" "exit $?"
+    --json "$FINAL_OUT/python_models.json" ${MODELS_ARGS:-} >"$FINAL_OUT/python_models.log" 2>&1
+  row "bench/python_models.py --part $MODELS_PART ${MODELS_ARGS:-}" "exit $?"
+  tar czf "$FINAL_OUT/models_events.tgz" -C /tmp/models_runs $(cd /tmp/models_runs && ls -d */events.jsonl) 2>/dev/null
   grep -E "^\|" "$FINAL_OUT/python_models.log"
 fi
 if [ -n "${GPT:-}" ]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 54's language-model acceptance: a GPT-style character model defined in Python (the built-in gpt-char's shape:
 6 pre-norm causal blocks, 6 heads, width 384, context 256, GELU MLP, trunc-normal 0.02 init) with its embedding and
-output layer TIED, trained through triaccel.train on tinyshakespeare tensors with loss= next-token cross-entropy,
+output layer TIED (and the same model untied), trained through triaccel.train on tinyshakespeare tensors with loss= next-token cross-entropy,
 beside the built-in gpt-char (untied) trained through the same call on the same windows (the engine's text reader:
 90 % / 10 % split, windows of 257 characters at stride 256), same optimizer, schedule, batch, steps and seed.
 Compares the validation loss (nats per character) after the same steps.
@@ -36,14 +36,15 @@ class Block(nn.Module):
 
 
 class TiedGpt(nn.Module):
-    def __init__(self, vocab):
+    def __init__(self, vocab, tied=True):
         super().__init__()
         self.tok = nn.Embedding(vocab, DIM)
         self.pos = nn.Parameter(torch.zeros(1, BLOCK, DIM))
         self.blocks = nn.Sequential(*[Block() for _ in range(LAYERS)])
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied
+        if tied:
+            self.head.weight = self.tok.weight
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.trunc_normal_(m.weight, std=0.02, a=-0.04, b=0.04)
@@ -97,6 +98,11 @@ def main():
                        **recipe)
     rows.append({"run": "builtin_gpt_char", "val_loss": s["test_loss"], "test_acc": s["test_acc"],
                  "steps": s.get("steps"), "peak_vram_gb": s.get("peak_vram_gb")})
+    torch.manual_seed(0)
+    s = triaccel.train(TiedGpt(vocab, tied=False), train=train, test=val, loss=next_token_loss,
+                       out=os.path.join(a.out, "py_untied"), **recipe)
+    rows.append({"run": "python_untied_gpt", "val_loss": s["test_loss"], "test_acc": s["test_acc"],
+                 "steps": s.get("steps"), "units": s.get("units"), "peak_vram_gb": s.get("peak_vram_gb")})
     ratio = rows[0]["val_loss"] / rows[1]["val_loss"]
     result = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "rows": rows, "val_loss_ratio": ratio,
               "train_windows": len(train[0]), "val_windows": len(val[0]), "vocab": vocab}

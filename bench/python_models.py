@@ -13,8 +13,10 @@ engine's GPU augmentation), where the loader is not the bottleneck (resnet50, b9
 against the loader's own rate).
 
 Usage: python_models.py CIFAR_BIN_DIR OUT_DIR [--json OUT.json] [--part models|resnet18|loader|all] [--train-n N]
+       [--image-size 64] [--model-epochs 2] [--only resnet50,convnext_tiny]
 """
 import argparse
+import gc
 import json
 import os
 import time
@@ -58,23 +60,31 @@ def last_epoch(out):
 
 
 def train(model, data, out, **kw):
+    gc.collect()  # an earlier run's model (a failed run's traceback holds it) leaves the GPU first
+    torch.cuda.empty_cache()
     t = time.time()
     try:
         s = triaccel.train(model, train=data[0], test=data[1], out=out, progress="off",
                            device=os.environ.get("BENCH_DEVICE", "cuda"), **kw)
     except Exception as e:  # noqa: BLE001 - a row that failed is a row of the table
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", "wall_s": round(time.time() - t, 1)}
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", "error_text": str(e)[:6000],
+                "wall_s": round(time.time() - t, 1)}
     e, ooms = last_epoch(out)
     return {"test_acc": s.get("test_acc"), "peak_vram_gb": s.get("peak_vram_gb"), "epoch_s": e.get("epoch_s"),
             "images_per_s": e.get("images_per_s"), "units": s.get("units"), "units_found": s.get("units_found"),
             "oom_events": len(ooms), "wall_s": round(time.time() - t, 1)}
 
 
-def part_models(train_set, test_set, out_dir, n):
+def part_models(train_set, test_set, out_dir, n, image_size, epochs, only):
     data = ((train_set[0][:n], train_set[1][:n]), (test_set[0][:2048], test_set[1][:2048]))
     rows = []
     for name, make in MODELS.items():
-        common = dict(epochs=1, batch_size=96, precision="amp-bf16", seed=0, augment="on")
+        if only and name not in only:
+            continue
+        if name == "vit_b_16" and image_size:
+            make = lambda: torchvision.models.vit_b_16(num_classes=10, image_size=image_size)  # noqa: E731
+        common = dict(epochs=epochs, batch_size=96, precision="amp-bf16", seed=0, augment="on",
+                      image_size=image_size)
         torch.manual_seed(0)
         free = train(make(), data, os.path.join(out_dir, name + "_free"), **common)
         row = {"model": name, "unbudgeted": free}
@@ -164,11 +174,15 @@ def main():
     ap.add_argument("--train-n", type=int, default=10240)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--image-size", type=int, default=0, help="part models: the engine resizes to this (0: 32)")
+    ap.add_argument("--model-epochs", type=int, default=1)
+    ap.add_argument("--only", default="", help="part models: these models (comma-separated)")
     a = ap.parse_args()
     train_set, test_set = cifar_read(a.data)
     result = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__}
     if a.part in ("models", "all"):
-        result["models"] = part_models(train_set, test_set, a.out, a.train_n)
+        result["models"] = part_models(train_set, test_set, a.out, a.train_n, a.image_size, a.model_epochs,
+                                       [m for m in a.only.split(",") if m])
     if a.part in ("resnet18", "all"):
         result["resnet18"] = part_resnet18(train_set, test_set, a.out, a.epochs)
     if a.part in ("loader", "all"):

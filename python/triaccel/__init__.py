@@ -12,6 +12,7 @@ weights are trained in place, and OUT/model.pt loads into a fresh copy of the mo
 option of `triaccel train --help` is a keyword argument under its key (batch_size, vram_budget, ...).
 """
 import copy
+import gc
 import json
 import os
 import sys
@@ -239,6 +240,7 @@ def train(model, train=None, test=None, dataset=None, loss=None, metric=None, **
     from (resume=OUT). Raises ValueError for a bad value, TypeError for an unknown option or argument."""
     opts, (unit_specs, aliases, how), state, data, objective = _inputs("train", model, train, test, dataset, options,
                                                                        loss, metric)
+    gc.collect()  # tensors of earlier runs held only by reference cycles leave the GPU before this one is planned
     summary = json.loads(_triaccel.train(json.dumps(opts), unit_specs, state, data, objective))
     out = opts.get("out", _OPTIONS["out"][0])
     if aliases and os.path.exists(os.path.join(out, "model.pt")):

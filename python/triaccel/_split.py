@@ -477,6 +477,10 @@ def _auto_units(model, max_units, graph):
             unique = f"{name}.{n}"
         names.add(unique)
         module = torch.fx.GraphModule(model, _unit_graph(g, s, e, value_in, value_out), class_name="Unit")
+        # fx's call wrapper prints the generated code's frame to stderr on any exception; the engine retries an
+        # out-of-memory error in a unit as part of its plan, so the unit is called as a plain module (its class is
+        # this instance's own).
+        type(module).__call__ = torch.nn.Module.__call__
         units.append([unique, module])
         value_in = value_out
 
