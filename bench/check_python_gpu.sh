@@ -65,11 +65,13 @@ done
 if [ -n "${MODELS_PART:-}" ]; then
   DATA=/tmp/cifar10-bin
   [ -f $DATA/test_batch.bin ] || python3 .device/data/build_cifar10_bin.py $DATA >/dev/null 2>&1 || echo "CIFAR conversion failed"
-  timeout ${MODELS_TIMEOUT:-300} python3 bench/python_models.py $DATA /tmp/models_runs --part "$MODELS_PART" \
-    --json "$FINAL_OUT/python_models.json" ${MODELS_ARGS:-} >"$FINAL_OUT/python_models.log" 2>&1
-  row "bench/python_models.py --part $MODELS_PART ${MODELS_ARGS:-}" "exit $?"
+  for part in $MODELS_PART; do
+    timeout ${MODELS_TIMEOUT:-300} python3 bench/python_models.py $DATA /tmp/models_runs --part "$part" \
+      --json "$FINAL_OUT/python_models_$part.json" ${MODELS_ARGS:-} >"$FINAL_OUT/python_models_$part.log" 2>&1
+    row "bench/python_models.py --part $part ${MODELS_ARGS:-}" "exit $?"
+    grep -E "^\|" "$FINAL_OUT/python_models_$part.log"
+  done
   tar czf "$FINAL_OUT/models_events.tgz" -C /tmp/models_runs $(cd /tmp/models_runs && ls -d */events.jsonl) 2>/dev/null
-  grep -E "^\|" "$FINAL_OUT/python_models.log"
 fi
 if [ -n "${GPT:-}" ]; then
   timeout ${GPT_TIMEOUT:-240} python3 bench/python_gpt.py .device/data/tinyshakespeare /tmp/gpt_runs --epochs "${GPT_EPOCHS:-3}" \
@@ -78,6 +80,7 @@ if [ -n "${GPT:-}" ]; then
   grep -E "^\||ratio" "$FINAL_OUT/python_gpt.log"
 fi
 
+(cd "$FINAL_OUT" && ls *.log >/dev/null 2>&1 && tar czf logs.tgz *.log && rm -f *.log)  # 8 files come back at most
 echo
 echo "| check | result |"
 echo "|---|---|"

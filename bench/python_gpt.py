@@ -88,22 +88,28 @@ def main():
     train, val, vocab = windows(os.path.join(a.data, "input.txt"))
     recipe = dict(epochs=a.epochs, batch_size=64, optimizer="adamw", lr=1e-3, warmup_epochs=0, precision="amp-bf16",
                   seed=0, progress="off", device=os.environ.get("BENCH_DEVICE", "cuda"))
+    arms = os.environ.get("GPT_ARMS", "tied,builtin,untied").split(",")
+    makers = {
+        "tied": ("python_tied_gpt", lambda: TiedGpt(vocab), {}),
+        "untied": ("python_untied_gpt", lambda: TiedGpt(vocab, tied=False), {}),
+        "eager": ("python_tied_gpt_eager", lambda: TiedGpt(vocab), {"cuda_graphs": False}),
+        "fp32": ("python_tied_gpt_fp32", lambda: TiedGpt(vocab), {"precision": "fp32"}),
+    }
     rows = []
-    torch.manual_seed(0)
-    s = triaccel.train(TiedGpt(vocab), train=train, test=val, loss=next_token_loss, out=os.path.join(a.out, "py"),
-                       **recipe)
-    rows.append({"run": "python_tied_gpt", "val_loss": s["test_loss"], "test_acc": s["test_acc"],
-                 "steps": s.get("steps"), "units": s.get("units"), "peak_vram_gb": s.get("peak_vram_gb")})
-    s = triaccel.train("gpt-char", dataset="tinyshakespeare", data_dir=a.data, out=os.path.join(a.out, "builtin"),
-                       **recipe)
-    rows.append({"run": "builtin_gpt_char", "val_loss": s["test_loss"], "test_acc": s["test_acc"],
-                 "steps": s.get("steps"), "peak_vram_gb": s.get("peak_vram_gb")})
-    torch.manual_seed(0)
-    s = triaccel.train(TiedGpt(vocab, tied=False), train=train, test=val, loss=next_token_loss,
-                       out=os.path.join(a.out, "py_untied"), **recipe)
-    rows.append({"run": "python_untied_gpt", "val_loss": s["test_loss"], "test_acc": s["test_acc"],
-                 "steps": s.get("steps"), "units": s.get("units"), "peak_vram_gb": s.get("peak_vram_gb")})
-    ratio = rows[0]["val_loss"] / rows[1]["val_loss"]
+    for arm in arms:
+        torch.manual_seed(0)
+        if arm == "builtin":
+            s = triaccel.train("gpt-char", dataset="tinyshakespeare", data_dir=a.data,
+                               out=os.path.join(a.out, "builtin"), **recipe)
+            rows.append({"run": "builtin_gpt_char", "val_loss": s["test_loss"], "test_acc": s["test_acc"],
+                         "steps": s.get("steps"), "peak_vram_gb": s.get("peak_vram_gb")})
+            continue
+        name, make, extra = makers[arm]
+        s = triaccel.train(make(), train=train, test=val, loss=next_token_loss, out=os.path.join(a.out, arm),
+                           **{**recipe, **extra})
+        rows.append({"run": name, "val_loss": s["test_loss"], "test_acc": s["test_acc"], "steps": s.get("steps"),
+                     "units": s.get("units"), "peak_vram_gb": s.get("peak_vram_gb")})
+    ratio = rows[0]["val_loss"] / rows[1]["val_loss"] if len(rows) > 1 else None
     result = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "rows": rows, "val_loss_ratio": ratio,
               "train_windows": len(train[0]), "val_windows": len(val[0]), "vocab": vocab}
     if a.json:
@@ -113,7 +119,7 @@ def main():
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['run']} | {r['val_loss']:.4f} | {r['test_acc']} | {r['steps']} | {len(r.get('units') or [])} |")
-    print(f"val loss ratio (python / built-in): {ratio:.4f}")
+    print(f"val loss ratio (first / second arm): {ratio}")
 
 
 if __name__ == "__main__":
