@@ -56,8 +56,10 @@ class Served:
             if self._iter is None or self._next != offset or self._size != len(ids):
                 starts = range(offset, len(self.order), len(ids))
                 sampler = [self.order[s:s + len(ids)] for s in starts]
+                # No pin-memory thread: it calls CUDA while the engine captures its step in a CUDA graph, which
+                # breaks the capture (and the context with it); _pair pins on the engine's thread, between steps.
                 loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
-                                    collate_fn=self.collate_fn, pin_memory=self.pin_memory,
+                                    collate_fn=self.collate_fn, pin_memory=False,
                                     worker_init_fn=self.worker_init_fn)
                 self._iter, self._next, self._size = iter(loader), offset, len(ids)
             batch = next(self._iter)
