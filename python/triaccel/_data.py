@@ -30,6 +30,7 @@ class Served:
         self.worker_init_fn = worker_init_fn
         self.split = split
         self.order = list(range(len(dataset)))
+        self._ordered = False  # an epoch's order given: the workers fetch ahead in it (the example before is fetched here)
         self._iter = None      # the workers' DataLoader over the order, from self._next
         self._next = None      # the offset of the next batch it yields
         self._size = None      # its batch size
@@ -39,6 +40,7 @@ class Served:
 
     def epoch_begin(self, order):
         self.order = list(order)
+        self._ordered = True
         self._iter = None
 
     def _pair(self, batch):
@@ -52,7 +54,7 @@ class Served:
         return x, y
 
     def fetch(self, offset, ids):
-        if self.num_workers > 0 and list(self.order[offset:offset + len(ids)]) == list(ids):
+        if self.num_workers > 0 and self._ordered and list(self.order[offset:offset + len(ids)]) == list(ids):
             if self._iter is None or self._next != offset or self._size != len(ids):
                 starts = range(offset, len(self.order), len(ids))
                 sampler = [self.order[s:s + len(ids)] for s in starts]
