@@ -30,7 +30,7 @@ class Served:
         self.worker_init_fn = worker_init_fn
         self.split = split
         self.order = list(range(len(dataset)))
-        self._ordered = False  # an epoch's order given: the workers fetch ahead in it (the example before is fetched here)
+        self._ordered = False  # epoch_begin came: the workers fetch ahead in its order
         self._iter = None      # the workers' DataLoader over the order, from self._next
         self._next = None      # the offset of the next batch it yields
         self._size = None      # its batch size
