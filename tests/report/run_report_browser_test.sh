@@ -2,7 +2,7 @@
 # `triaccel report` in a real headless browser (Debian's chromium): the page is loaded, its scripts run, and the
 # RENDERED DOM (--dump-dom) is checked by check_report_dom.py: no page or console errors, every chart drew data.
 #   1. synthetic runs covering every chart kind + a broken, an empty and a missing run (write_synthetic_runs.py)
-#   2. real H200 runs from bench/results (Tri-Accel, fp32, BAOC), where charts without data show their note
+#   2. real H200 runs kept in tests/fixtures/report (Tri-Accel, fp32, BAOC), where charts without data show their note
 #   3. the checker itself: the synthetic page with a drawing function that throws, and with a script syntax error,
 #      must fail the check (so a broken page cannot pass)
 #   4. the command's own errors: no RUN_DIR, an output folder that does not exist (exit 2, one line)
@@ -60,9 +60,9 @@ python3 "$HERE/check_report_dom.py" "$WORK/synthetic.dom" "$WORK/synthetic.log" 
   --expect-text "micro-batch 48 × 2, data on the host (streamed)" || fail "synthetic report: rendered page check"
 
 # 2. Real runs (H200): Tri-Accel with precision/curvature, fp32 backprop, BAOC with plan events; no NeuroFlux.
-H200=$ROOT/bench/results/h200
-"$CLI" report "$H200/tri_accel_runs/r18_tri_s0.events.jsonl" "$H200/tri_accel_runs/r18_fp32_s0.events.jsonl" \
-  "$H200/baoc/r18_baoc_25.events.jsonl" -o "$WORK/out/real.html" >/dev/null 2>"$WORK/real.err" ||
+H200=$ROOT/tests/fixtures/report
+"$CLI" report "$H200/r18_tri_s0.events.jsonl" "$H200/r18_fp32_s0.events.jsonl" \
+  "$H200/r18_baoc_25.events.jsonl" -o "$WORK/out/real.html" >/dev/null 2>"$WORK/real.err" ||
   fail "report on real runs: $(cat "$WORK/real.err")"
 [ ! -s "$WORK/real.err" ] || fail "warnings on complete real runs: $(cat "$WORK/real.err")"
 render "$WORK/out/real.html" real
