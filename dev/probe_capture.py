@@ -1,7 +1,7 @@
 """Which EfficientNet-B0 layer (32x32 input, bf16 autocast, channels_last, cuDNN heuristics) fails CUDA-graph capture
 of its forward + backward at a given batch? NeuroFlux blocks features.5.1 / 6.0 / 3.1 fell back to eager steps with
 "operation failed due to a previous error during capture" at batch 512 but captured at 344-416.
-Usage: python3 bench/probe_capture.py [--batches 344,416,512] [--out FILE]"""
+Usage: python3 dev/probe_capture.py [--batches 344,416,512] [--out FILE]"""
 import argparse, json, subprocess, sys, torch
 import torch.nn as nn
 

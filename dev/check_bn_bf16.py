@@ -3,7 +3,7 @@
 PyTorch 2.11 uses for bf16 (bench/profile_kernels.py: 3.45 ms of a 9.3 ms ResNet-18 b512 step, against 1.9 ms for
 cuDNN's fp16 kernels)? For each ResNet-18/CIFAR BN shape at batch 512: the largest differences of output, input
 gradient, weight/bias gradients and running stats against F.batch_norm in float64, and the forward+backward time of
-each path (CUDA events, median of 20). Usage: python3 bench/check_bn_bf16.py [--batch 512] [--out FILE]
+each path (CUDA events, median of 20). Usage: python3 dev/check_bn_bf16.py [--batch 512] [--out FILE]
 """
 import argparse
 import json

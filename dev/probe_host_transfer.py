@@ -3,7 +3,7 @@
 host gathers cache rows, how fast pinned memory crosses to and from the GPU, whether a copy on its own stream overlaps
 GPU work, and what first touch of fresh host memory costs. Prints one JSON object (the rates in GB/s).
 
-Usage: python3 bench/probe_host_transfer.py [--rows 20000] [--row-kb 128] [--batch 112]
+Usage: python3 dev/probe_host_transfer.py [--rows 20000] [--row-kb 128] [--batch 112]
 """
 import argparse
 import json

@@ -3,11 +3,11 @@
 # beside a run of ours, with the run's own output lines timestamped on the same clock. Finds CUDA contexts a rank makes
 # on a GPU not its own (each costs ~518 MiB on an H100). Variants: "two" (--nproc 2 backprop), "one_gpu1" (one
 # process on GPU 1 through LOCAL_RANK=1, WORLD_SIZE=1).
-# Usage: OUT=$OUT VARIANTS="two one_gpu1" bash bench/probe_rank_contexts.sh
+# Usage: OUT=$OUT VARIANTS="two one_gpu1" bash dev/probe_rank_contexts.sh
 set -uo pipefail
 FINAL_OUT=${OUT:-out}
 mkdir -p "$FINAL_OUT"
-source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/../bench/device_env.sh"
 cifar10_bin >/dev/null 2>&1
 BIN=${BIN:-.device/bin/triaccel}
 args=(train --dataset cifar10 --data "$DATA" --model resnet18 --method backprop --epochs 3 --batch-size 96

@@ -1,6 +1,6 @@
 """Times EfficientNet-B0's depthwise convolutions (32x32 input, the NeuroFlux shapes) forward + backward, per
 precision and memory layout, to find where the B0 blocks' step time goes. Prints a table, writes JSON (--out).
-Usage: python3 bench/probe_depthwise.py [--batch 416] [--heuristics | --native] [--out FILE]"""
+Usage: python3 dev/probe_depthwise.py [--batch 416] [--heuristics | --native] [--out FILE]"""
 import argparse, json, torch
 
 # (channels, input H=W, kernel, stride): B0's depthwise layers at a 32x32 input (stem stride 2 -> 16x16)
