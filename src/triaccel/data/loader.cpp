@@ -197,11 +197,15 @@ at::Tensor Loader::stage(const at::Tensor& source, const at::Tensor& index_cpu, 
   if (st.pending[group][slot]) st.copied[group][slot].synchronize();  // its previous copy has left the buffer
   const int64_t count = index_cpu.numel();
   at::Tensor& host = st.host[group][slot];
-  if (!host.defined() || host.size(0) < count) {
+  if (!host.defined() || host.size(0) < count || !st.device[group][slot].defined()) {
     std::vector<int64_t> shape = source.sizes().vec();
     shape[0] = count;
-    host = at::empty(shape, source.options().pinned_memory(true));
-    st.device[group][slot] = at::empty(shape, source.options().pinned_memory(false).device(device_));
+    // Both made before either is kept: an out-of-memory error on the device buffer (under a budget) leaves the
+    // slot as it was, so the retry does not find a grown host buffer beside a device buffer that never grew.
+    at::Tensor device_buffer = at::empty(shape, source.options().pinned_memory(false).device(device_));
+    at::Tensor host_buffer = at::empty(shape, source.options().pinned_memory(true));
+    st.device[group][slot] = std::move(device_buffer);
+    host = std::move(host_buffer);
   }
   at::Tensor h = host.narrow(0, 0, count);
   at::index_select_out(h, source, 0, index_cpu);
