@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Issue 54's language-model acceptance: a GPT-style character model defined in Python (the built-in gpt-char's shape:
 6 pre-norm causal blocks, 6 heads, width 384, context 256, GELU MLP, trunc-normal 0.02 init) with its embedding and
-output layer TIED (and the same model untied), trained through triaccel.train on tinyshakespeare tensors with loss= next-token cross-entropy,
-beside the built-in gpt-char (untied) trained through the same call on the same windows (the engine's text reader:
+output layer TIED (and the same model untied), trained through triaccel.train on tinyshakespeare tensors with loss=
+next-token cross-entropy, beside the built-in gpt-char (untied) trained through the same call on the same windows (the engine's text reader:
 90 % / 10 % split, windows of 257 characters at stride 256), same optimizer, schedule, batch, steps and seed.
 Compares the validation loss (nats per character) after the same steps.
 
@@ -110,7 +110,8 @@ def main():
         rows.append({"run": name, "val_loss": s["test_loss"], "test_acc": s["test_acc"], "steps": s.get("steps"),
                      "units": s.get("units"), "peak_vram_gb": s.get("peak_vram_gb")})
     ratio = rows[0]["val_loss"] / rows[1]["val_loss"] if len(rows) > 1 else None
-    result = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "rows": rows, "val_loss_ratio": ratio,
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    result = {"gpu": gpu, "rows": rows, "val_loss_ratio": ratio,
               "train_windows": len(train[0]), "val_windows": len(val[0]), "vocab": vocab}
     if a.json:
         with open(a.json, "w") as f:

@@ -234,7 +234,8 @@ def train(model, train=None, test=None, dataset=None, loss=None, metric=None, **
     dataset (dataset="fashion-mnist", data_dir=...). Images (N, C, H, W) or (N, H, W), uint8 or float in [0, 1], with
     class indices (N) are normalized and augmented by the engine; any other tensors reach the model as they are.
     loss=fn(output, target) -> the batch's mean loss (default: cross-entropy over the last dimension); metric=fn(output,
-    target) -> the batch's mean (default with integer targets: accuracy). Returns the run's summary (test_acc, test_loss,
+    target) -> the batch's mean (default with integer targets: accuracy). Returns the run's summary (test_acc,
+    test_loss,
     steps, peak memory, the units found, ...). Options by key: epochs, batch_size, lr, precision, method, optimizer,
     vram_budget, device, out, resume, ... (triaccel.options()). Ctrl-C stops at the step with a checkpoint to resume
     from (resume=OUT). Raises ValueError for a bad value, TypeError for an unknown option or argument."""
