@@ -235,8 +235,7 @@ def train(model, train=None, test=None, dataset=None, loss=None, metric=None, **
     class indices (N) are normalized and augmented by the engine; any other tensors reach the model as they are.
     loss=fn(output, target) -> the batch's mean loss (default: cross-entropy over the last dimension); metric=fn(output,
     target) -> the batch's mean (default with integer targets: accuracy). Returns the run's summary (test_acc,
-    test_loss,
-    steps, peak memory, the units found, ...). Options by key: epochs, batch_size, lr, precision, method, optimizer,
+    test_loss, steps, peak memory, the units found, ...). Options by key: epochs, batch_size, lr, precision, method, optimizer,
     vram_budget, device, out, resume, ... (triaccel.options()). Ctrl-C stops at the step with a checkpoint to resume
     from (resume=OUT). Raises ValueError for a bad value, TypeError for an unknown option or argument."""
     opts, (unit_specs, aliases, how), state, data, objective = _inputs("train", model, train, test, dataset, options,
