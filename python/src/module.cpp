@@ -40,9 +40,9 @@ auto python_call(const std::string& what, F&& f) {
   }
 }
 
-
-// The children of one unit (one module, or a parametered child with the parameterless ones after it). Its Python
-// references are dropped under the GIL, so copies of a unit's forward may live on threads that do not hold it.
+// Python callables the engine holds: the children of one unit (one module, or a parametered child with the
+// parameterless ones after it), or a program's loss and metric. Its references are dropped under the GIL, so copies
+// of the functions that hold it may live on threads that do not hold the GIL.
 struct PyCalls {
   std::vector<py::object> modules;
   ~PyCalls() {
@@ -193,13 +193,11 @@ class PySource final : public triaccel::SampleSource {
   int64_t size_ = 0;
 };
 
-// One split as the Python side gives it: (inputs, targets) tensors, or a served source.
-triaccel::Dataset split_from(const py::object& given, const std::string& split, at::Tensor* x, at::Tensor* y) {
+// One split passed as it is: (inputs, targets) tensors, or a served source.
+triaccel::Dataset raw_split(const py::object& given, const std::string& split) {
   if (py::isinstance<py::tuple>(given)) {
-    const auto pair = given.cast<std::pair<at::Tensor, at::Tensor>>();
-    *x = pair.first;
-    *y = pair.second;
-    return {};
+    const auto [x, y] = given.cast<std::pair<at::Tensor, at::Tensor>>();
+    return triaccel::dataset_raw(split, x, y);
   }
   return triaccel::dataset_from_source(std::make_shared<PySource>(given, split), split);
 }
@@ -213,39 +211,27 @@ triaccel::RunHooks inputs_hooks(const std::shared_ptr<PythonModel>& model, const
   if (model) hooks.model = [model](const triaccel::ModelOptions&) { return model; };
   if (!data.is_none()) {
     const auto spec = data.cast<py::tuple>();
-    const std::string kind = spec[0].cast<std::string>();
-    at::Tensor x_train, y_train, x_test, y_test;
-    triaccel::Dataset train = split_from(spec[1], "train", &x_train, &y_train);
-    triaccel::Dataset test = split_from(spec[2], "test", &x_test, &y_test);
-    triaccel::DatasetSplits splits;
-    if (kind == "images") {
-      splits = triaccel::dataset_from_tensors(x_train, y_train, x_test, y_test);
+    if (spec[0].cast<std::string>() == "images") {
+      const auto [x_train, y_train] = spec[1].cast<std::pair<at::Tensor, at::Tensor>>();
+      const auto [x_test, y_test] = spec[2].cast<std::pair<at::Tensor, at::Tensor>>();
+      hooks.data = std::make_shared<const triaccel::DatasetSplits>(
+          triaccel::dataset_from_tensors(x_train, y_train, x_test, y_test));
     } else {
-      if (!train.source || !test.source) {
-        // Tensors for a split not served: the raw reader checks them (a served split keeps its source).
-        const triaccel::DatasetSplits raw = triaccel::dataset_from_tensors_raw(
-            train.source ? train.images : x_train, train.source ? train.labels : y_train,
-            test.source ? test.images : x_test, test.source ? test.labels : y_test);
-        if (!train.source) train = raw.train;
-        if (!test.source) test = raw.test;
-      }
-      splits.train = std::move(train);
-      splits.test = std::move(test);
-      splits.test.num_classes = splits.train.num_classes = std::max(splits.train.num_classes, splits.test.num_classes);
+      hooks.data = std::make_shared<const triaccel::DatasetSplits>(
+          triaccel::dataset_splits_raw(raw_split(spec[1], "train"), raw_split(spec[2], "test")));
     }
-    hooks.data = std::make_shared<const triaccel::DatasetSplits>(std::move(splits));
   }
   if (!objective.is_none()) {
     const auto pair = objective.cast<py::tuple>();
     auto o = std::make_shared<triaccel::Objective>();
-    auto loss = std::make_shared<PyCalls>();
-    loss->modules = {pair[0], pair[1]};
-    o->loss = [loss](const at::Tensor& out, const at::Tensor& target) {
-      return python_call("loss= failed", [&] { return loss->modules[0](out, target).cast<at::Tensor>(); });
+    auto fns = std::make_shared<PyCalls>();  // (loss, metric or None)
+    fns->modules = {pair[0], pair[1]};
+    o->loss = [fns](const at::Tensor& out, const at::Tensor& target) {
+      return python_call("loss= failed", [&] { return fns->modules[0](out, target).cast<at::Tensor>(); });
     };
     if (!pair[1].is_none()) {
-      o->metric = [loss](const at::Tensor& out, const at::Tensor& target) {
-        return python_call("metric= failed", [&] { return loss->modules[1](out, target).cast<at::Tensor>(); });
+      o->metric = [fns](const at::Tensor& out, const at::Tensor& target) {
+        return python_call("metric= failed", [&] { return fns->modules[1](out, target).cast<at::Tensor>(); });
       };
     }
     hooks.objective = std::move(o);

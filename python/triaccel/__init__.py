@@ -178,7 +178,7 @@ def _data_spec(fn, train_data, test_data, dataset, opts, loss):
             if which == "train" and loader_batch is not None:
                 opts.setdefault("batch_size", loader_batch)
             if target_dtype is None:
-                target_dtype = served._pair(served.collate_fn([served.dataset[0]]))[1].dtype
+                target_dtype = served.fetch(0, [0])[1].dtype
             splits.append(served)
         else:
             splits.append(_pair_of(fn, which, given))

@@ -19,12 +19,16 @@ RunHooks inputs_of(const RunHooks& hooks) {
   return out;
 }
 
-// Method auto: backprop when the memory planner fits the budget (or there is none, or no GPU), else NeuroFlux for a
-// model it trains; a model it does not train gets the planner's floor. Returns the configuration with the method
+// Method auto: backprop when the program gave its own loss (the only method that takes one) or the memory planner
+// fits the budget (or there is none, or no GPU), else NeuroFlux for a model it trains; a model it does not train gets the planner's floor. Returns the configuration with the method
 // chosen and, in `said`, the line that says why. With several processes each rank looks at its own GPU's plan for its
 // share of the batch (on that GPU); api::run has the ranks agree.
 Config method_resolve(Config c, const RunHooks& hooks, std::string* said) {
   c.execution.method = Method::kBackprop;
+  if (hooks.objective) {  // the only method that takes a program's loss
+    *said = "method auto: backprop (the program gave its own loss)";
+    return c;
+  }
   RunHooks look = inputs_of(hooks);
   DistOptions one;  // one process, on this rank's GPU
   one.local_rank = dist_options_for(hooks, /*output=*/true).local_rank;
@@ -50,12 +54,7 @@ Json run(const Config& config, const RunHooks& hooks) {
   context_trace("run start");
   Config resolved = config_for_run(config);
   std::string chosen;  // method auto's line, said once every rank has chosen alike
-  if (resolved.execution.method == Method::kAuto && hooks.objective) {
-    resolved.execution.method = Method::kBackprop;  // the only method that takes a program's loss
-    chosen = "method auto: backprop (the program gave its own loss)";
-  } else if (resolved.execution.method == Method::kAuto) {
-    resolved = method_resolve(resolved, hooks, &chosen);
-  }
+  if (resolved.execution.method == Method::kAuto) resolved = method_resolve(resolved, hooks, &chosen);
   context_trace("method chosen");
   Session session(resolved, hooks);
   context_trace("session built");

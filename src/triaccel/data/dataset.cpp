@@ -248,22 +248,31 @@ DatasetSplits dataset_from_tensors(const at::Tensor& train_images, const at::Ten
   return out;
 }
 
-namespace {
-
-Dataset dataset_split_raw(const std::string& split, const at::Tensor& inputs_in, const at::Tensor& targets_in) {
-  TRIACCEL_CHECK_INPUT(inputs_in.defined() && targets_in.defined(), split, " needs (inputs, targets), both tensors");
-  TRIACCEL_CHECK_INPUT(inputs_in.dim() >= 1 && inputs_in.size(0) > 0, split, " holds no samples (inputs of shape ",
-                       inputs_in.sizes(), ")");
-  TRIACCEL_CHECK_INPUT(targets_in.dim() >= 1 && targets_in.size(0) == inputs_in.size(0), split, " has ",
-                       inputs_in.size(0), " inputs but targets of shape ", targets_in.sizes(),
+Dataset dataset_raw(const std::string& split, const at::Tensor& inputs, const at::Tensor& targets) {
+  TRIACCEL_CHECK_INPUT(inputs.defined() && targets.defined(), split, " needs (inputs, targets), both tensors");
+  TRIACCEL_CHECK_INPUT(inputs.dim() >= 1 && inputs.size(0) > 0, split, " holds no samples (inputs of shape ",
+                       inputs.sizes(), ")");
+  TRIACCEL_CHECK_INPUT(targets.dim() >= 1 && targets.size(0) == inputs.size(0), split, " has ", inputs.size(0),
+                       " inputs but targets of shape ", targets.sizes(),
                        "; give one target per input along the first dimension");
   Dataset out;
   out.name = "tensors";
   out.kind = DatasetKind::kTensors;
-  out.images = inputs_in.detach().cpu().contiguous();
-  out.labels = targets_in.detach().cpu().contiguous();
+  out.images = inputs.detach().cpu().contiguous();
+  out.labels = targets.detach().cpu().contiguous();
   return out;
 }
+
+Dataset dataset_from_source(std::shared_ptr<SampleSource> source, const std::string& split) {
+  TRIACCEL_CHECK_INPUT(source && source->size() > 0, split, " holds no samples");
+  auto [x, y] = source->fetch(0, {0});
+  Dataset out = dataset_raw(split, x, y);
+  TRIACCEL_CHECK_INPUT(out.images.size(0) == 1, split, ": fetching one sample gave ", out.images.size(0));
+  out.source = std::move(source);
+  return out;
+}
+
+namespace {
 
 int64_t classes_of(const at::Tensor& targets) {
   if (targets.is_floating_point() || targets.is_complex() || targets.scalar_type() == at::kBool) return 1;
@@ -272,29 +281,17 @@ int64_t classes_of(const at::Tensor& targets) {
 
 }  // namespace
 
-DatasetSplits dataset_from_tensors_raw(const at::Tensor& train_inputs, const at::Tensor& train_targets,
-                                       const at::Tensor& test_inputs, const at::Tensor& test_targets) {
+DatasetSplits dataset_splits_raw(Dataset train, Dataset test) {
+  TRIACCEL_CHECK_INPUT(train.images.sizes().slice(1) == test.images.sizes().slice(1) &&
+                           train.images.scalar_type() == test.images.scalar_type(),
+                       "train inputs are ", train.images.scalar_type(), " ", train.images.sizes().slice(1),
+                       " per sample but test inputs are ", test.images.scalar_type(), " ",
+                       test.images.sizes().slice(1), "; give both splits one shape and dtype");
   DatasetSplits out;
-  out.train = dataset_split_raw("train", train_inputs, train_targets);
-  out.test = dataset_split_raw("test", test_inputs, test_targets);
-  TRIACCEL_CHECK_INPUT(out.train.images.sizes().slice(1) == out.test.images.sizes().slice(1) &&
-                           out.train.images.scalar_type() == out.test.images.scalar_type(),
-                       "train inputs are ", out.train.images.scalar_type(), " ", out.train.images.sizes().slice(1),
-                       " per sample but test inputs are ", out.test.images.scalar_type(), " ",
-                       out.test.images.sizes().slice(1), "; give both splits one shape and dtype");
+  out.train = std::move(train);
+  out.test = std::move(test);
   out.train.num_classes = std::max(classes_of(out.train.labels), classes_of(out.test.labels));
   out.test.num_classes = out.train.num_classes;
-  return out;
-}
-
-Dataset dataset_from_source(std::shared_ptr<SampleSource> source, const std::string& split) {
-  TRIACCEL_CHECK_INPUT(source && source->size() > 0, split, " holds no samples");
-  const std::vector<int64_t> first{0};
-  auto [x, y] = source->fetch(0, first);
-  Dataset out = dataset_split_raw(split, x, y);
-  TRIACCEL_CHECK_INPUT(out.images.size(0) == 1, split, ": fetching one sample gave ", out.images.size(0));
-  out.num_classes = classes_of(out.labels);
-  out.source = std::move(source);
   return out;
 }
 

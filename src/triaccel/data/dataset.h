@@ -101,11 +101,12 @@ DatasetSplits dataset_load(const std::string& name, const std::string& dir, int6
 DatasetSplits dataset_from_tensors(const at::Tensor& train_images, const at::Tensor& train_labels,
                                    const at::Tensor& test_images, const at::Tensor& test_labels);
 // The dataset "tensors" of kind kTensors: inputs (N, ...) and targets (N, ...) of any dtype, batched as they are (no
-// normalization, no augmentation); num_classes is the largest integer target + 1 (1 for other targets). Either split
-// may come from a SampleSource instead (its first sample gives the shapes). UserError naming the split and the fault.
-DatasetSplits dataset_from_tensors_raw(const at::Tensor& train_inputs, const at::Tensor& train_targets,
-                                       const at::Tensor& test_inputs, const at::Tensor& test_targets);
+// normalization, no augmentation). One split from tensors (copied to the CPU), or from a SampleSource (its first
+// sample is the example that gives the shapes); dataset_splits_raw checks that both splits hold samples of one shape
+// and dtype and sets num_classes: the largest integer target + 1 (1 for other targets). UserError naming the split.
+Dataset dataset_raw(const std::string& split, const at::Tensor& inputs, const at::Tensor& targets);
 Dataset dataset_from_source(std::shared_ptr<SampleSource> source, const std::string& split);
+DatasetSplits dataset_splits_raw(Dataset train, Dataset test);
 
 // Per-channel mean and std of a uint8 image tensor, scaled to [0, 1].
 void dataset_channel_stats(const at::Tensor& images, std::vector<float>& mean, std::vector<float>& std);

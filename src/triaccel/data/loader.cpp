@@ -45,7 +45,8 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
                const c10::Device& device)
     : options_(options), kind_(data.kind), device_(device), mean_(std::move(mean)), std_(std::move(std)) {
   options_.validate();
-  host_ = options_.placement == DataPlacement::kHost && device_.is_cuda();
+  // A served dataset (data.source) is fetched on the host batch by batch: it has no home to place.
+  host_ = !data.source && options_.placement == DataPlacement::kHost && device_.is_cuda();
   if (host_) staging_ = std::make_shared<Staging>();
   // The dataset's home: the device, or pinned host memory (kHost).
   const auto home = [this](const at::Tensor& t) { return host_ ? t.contiguous().pin_memory() : t.contiguous().to(device_); };
@@ -63,8 +64,6 @@ Loader::Loader(const Dataset& data, std::vector<float> mean, std::vector<float> 
     TRIACCEL_CHECK_INPUT(data.size() > 0, "dataset ", data.name, " is empty");
     if (data.source) {
       source_ = data.source;
-      host_ = false;
-      staging_.reset();
       images_ = data.images;  // the example sample, on the CPU
       labels_ = data.labels;
     } else {

@@ -189,15 +189,15 @@ std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& sessio
   in.precision = ex.method == Method::kTriAccel ? PrecisionMode::kAmpBF16 : ex.precision;
   in.optimizer_state_bytes = state_bytes_per_element(config.optim) * n;
   const auto bytes = [](const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : int64_t{0}; };
-  const bool tokens = data.train.kind != DatasetKind::kImage;  // tokens or a program's tensors: stored as given
+  const bool as_stored = data.train.kind != DatasetKind::kImage;  // token ids or a program's tensors
   const int64_t samples = data.train.size() + data.test.size();
-  // Labels as the loader holds them (int64); images as stored (uint8) or token ids.
+  // Labels as the loader holds them (int64); images as stored (uint8), or inputs and targets as stored.
   in.dataset_device_bytes = bytes(data.train.images) + bytes(data.test.images) +
-                            (tokens ? bytes(data.train.labels) + bytes(data.test.labels) : 8 * samples);
+                            (as_stored ? bytes(data.train.labels) + bytes(data.test.labels) : 8 * samples);
   // Streamed: image labels, the order and the augmentation draws stay on the device.
-  in.dataset_stream_bytes = (tokens ? 0 : 8 * samples) + 41 * data.train.size();
+  in.dataset_stream_bytes = (as_stored ? 0 : 8 * samples) + 41 * data.train.size();
   const int64_t side = session.image_size();
-  if (tokens) {  // one sample's input of its shape and dtype; its input and target bytes
+  if (as_stored) {  // one sample's input of its shape and dtype; its input and target bytes
     const at::Tensor& x = data.train.images;
     const at::Tensor& y = data.train.labels;
     setup->sample = at::zeros(x.sizes().slice(1), x.options().device(device));
@@ -378,7 +378,6 @@ Trainer::Trainer(Session& session)
                                                                     : config_.execution.precision),
       faults_(config_.execution.inject_faults),
       progress_(std::make_unique<Progress>()) {
-  objective_ = session.hooks().objective;
   context_trace("memory plan and loaders");
   if (const char* path = std::getenv("TRIACCEL_MEMORY_HISTORY"); path && *path) {
     const char* entries = std::getenv("TRIACCEL_MEMORY_HISTORY_ENTRIES");  // a count; unset or not one: 20,000
@@ -437,7 +436,7 @@ Trainer::Trainer(Session& session)
   so.cuda_graphs = config_.execution.cuda_graphs;
   so.graph_batch_size = session_.dist().share(config_.schedule.batch_size).second;  // this rank's share
   so.label_smoothing = config_.optim.label_smoothing;
-  so.objective = objective_;
+  so.objective = session_.hooks().objective;
   so.fault_injection = !faults_.empty();
   if (session_.dist().active()) grad_reduce_set(so.grad_reduce);
   if (param_shards_) so.after_update = [this] { param_shards_->sync(); };
@@ -967,8 +966,8 @@ std::array<double, 4> Trainer::evaluate_share(int64_t batch_size) {
     const int64_t count = std::min(batch_size, end - offset);
     auto [images, labels] = test_loader_.batch(offset, count);
     const AutocastScope autocast(device_, eval_precision_);
-    if (objective_) {  // the program's loss and metric (train/objective.h), weighted by the batch's samples
-      const ObjectiveTerms terms = objective_terms(objective_.get(), model.forward(images), labels, 0.0);
+    if (const Objective* objective = session_.hooks().objective.get()) {  // the program's, weighted by samples
+      const ObjectiveTerms terms = objective_terms(objective, model.forward(images), labels, 0.0);
       loss_sum.add_(terms.loss * static_cast<double>(terms.counted));
       correct.add_(terms.metric);
       predictions += static_cast<double>(terms.counted);

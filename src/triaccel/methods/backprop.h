@@ -175,7 +175,6 @@ class Trainer : private MemoryMeter {
   std::optional<std::pair<StopRequest, bool>> agreed_;  // data parallel: the last step's stop agreement (step_agreed)
   bool stopped_ = false;
   std::string stop_reason_;                // why it stopped early: max_steps, sigint, sigterm
-  std::shared_ptr<const Objective> objective_;  // the program's loss and metric; null: cross-entropy, accuracy
 };
 
 }  // namespace triaccel
