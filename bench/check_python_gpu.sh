@@ -61,10 +61,22 @@ for t in ${TESTS-test_module test_pytorch_inputs test_split}; do
   [ $s = 0 ] || grep -E "^(ERROR|FAIL):|Error" "$FINAL_OUT/$t.log" | head -20
 done
 
-# The acceptance runs (bench/python_models.py) on the CIFAR-10 copy carried in .device/data, when asked.
+# The acceptance runs (bench/python_models.py, bench/python_resnet18.py) on the CIFAR-10 copy carried in
+# .device/data, when asked.
+DATA=/tmp/cifar10-bin
+if [ -n "${MODELS_PART:-}${R18_ARGS:-}" ] && [ ! -f $DATA/test_batch.bin ]; then
+  python3 .device/data/build_cifar10_bin.py $DATA >/dev/null 2>&1 || echo "CIFAR conversion failed"
+fi
+# R18_ARGS: torchvision's ResNet-18 split automatically beside the built-in model, PyTorch eager and torch.compile
+# (e.g. "--epochs 2", or "--protocol --epochs 15 --seeds 0,1,2 --arms auto,builtin").
+if [ -n "${R18_ARGS:-}" ]; then
+  timeout ${R18_TIMEOUT:-540} python3 bench/python_resnet18.py $DATA /tmp/r18_runs $R18_ARGS \
+    --json "$FINAL_OUT/python_resnet18.json" >"$FINAL_OUT/python_resnet18.log" 2>&1
+  row "bench/python_resnet18.py $R18_ARGS" "exit $?"
+  grep -E "^\||x$" "$FINAL_OUT/python_resnet18.log"
+  grep -E "Error|error" "$FINAL_OUT/python_resnet18.log" | head -5
+fi
 if [ -n "${MODELS_PART:-}" ]; then
-  DATA=/tmp/cifar10-bin
-  [ -f $DATA/test_batch.bin ] || python3 .device/data/build_cifar10_bin.py $DATA >/dev/null 2>&1 || echo "CIFAR conversion failed"
   for part in $MODELS_PART; do
     timeout ${MODELS_TIMEOUT:-300} python3 bench/python_models.py $DATA /tmp/models_runs --part "$part" \
       --json "$FINAL_OUT/python_models_$part.json" ${MODELS_ARGS:-} >"$FINAL_OUT/python_models_$part.log" 2>&1

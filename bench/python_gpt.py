@@ -4,12 +4,14 @@
 output layer TIED (and the same model untied), trained through triaccel.train on tinyshakespeare tensors with loss=
 next-token cross-entropy, beside the built-in gpt-char (untied) trained through the same call on the same windows (the engine's text reader:
 90 % / 10 % split, windows of 257 characters at stride 256), same optimizer, schedule, batch, steps and seed.
-Compares the validation loss (nats per character) after the same steps.
+Compares the validation loss (nats per character) after the same steps; arms torch_tied and torch_untied train the same
+models in a plain PyTorch loop (the reference a tied model is judged against).
 
 Usage: python_gpt.py TINYSHAKESPEARE_DIR OUT_DIR [--epochs 3] [--json OUT.json]
 """
 import argparse
 import json
+import math
 import os
 
 import torch
@@ -61,6 +63,39 @@ def next_token_loss(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def torch_loop(model, train, val, epochs, batch, lr, seed, device):
+    """The same model, windows and recipe in a plain PyTorch loop: AdamW (weight decay 0.01 on matrices only),
+    cosine decay to 0 without warm-up, bf16 autocast, a new order each epoch; the validation loss after the last."""
+    torch.manual_seed(seed)
+    model = model.to(device).train()
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], lr=lr)
+    n = len(train[0])
+    steps = epochs * ((n + batch - 1) // batch)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    x, y = train[0].to(device), train[1].to(device)
+    cuda = str(device).startswith("cuda")
+    for _ in range(epochs):
+        order = torch.randperm(n, device=device)
+        for i in range(0, n, batch):
+            idx = order[i:i + batch]
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                loss = next_token_loss(model(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+        for i in range(0, len(val[0]), batch):
+            xv, yv = val[0][i:i + batch].to(device), val[1][i:i + batch].to(device)
+            total += float(next_token_loss(model(xv), yv)) * len(xv)
+            count += len(xv)
+    return total / count, steps
+
+
 def windows(text_path):
     raw = open(text_path, "rb").read()
     vocab = sorted(set(raw))
@@ -98,6 +133,11 @@ def main():
     rows = []
     for arm in arms:
         torch.manual_seed(0)
+        if arm in ("torch_tied", "torch_untied"):
+            loss, steps = torch_loop(TiedGpt(vocab, tied=arm == "torch_tied"), train, val, a.epochs, recipe["batch_size"],
+                                     recipe["lr"], 0, recipe["device"])
+            rows.append({"run": "pytorch_" + arm[6:] + "_gpt", "val_loss": loss, "test_acc": None, "steps": steps})
+            continue
         if arm == "builtin":
             s = triaccel.train("gpt-char", dataset="tinyshakespeare", data_dir=a.data,
                                out=os.path.join(a.out, "builtin"), **recipe)
