@@ -86,7 +86,7 @@ if [ -n "${MODELS_PART:-}" ]; then
   tar czf "$FINAL_OUT/models_events.tgz" -C /tmp/models_runs $(cd /tmp/models_runs && ls -d */events.jsonl) 2>/dev/null
 fi
 if [ -n "${GPT:-}" ]; then
-  timeout ${GPT_TIMEOUT:-240} python3 bench/python_gpt.py .device/data/tinyshakespeare /tmp/gpt_runs --epochs "${GPT_EPOCHS:-3}" \
+  timeout ${GPT_TIMEOUT:-240} python3 bench/python_gpt.py .device/data/tinyshakespeare /tmp/gpt_runs --epochs "${GPT_EPOCHS:-3}" ${GPT_ARGS:-} \
     --json "$FINAL_OUT/python_gpt.json" >"$FINAL_OUT/python_gpt.log" 2>&1
   row "bench/python_gpt.py" "exit $?"
   grep -E "^\||ratio" "$FINAL_OUT/python_gpt.log"

@@ -7,7 +7,7 @@ next-token cross-entropy, beside the built-in gpt-char (untied) trained through 
 Compares the validation loss (nats per character) after the same steps; arms torch_tied and torch_untied train the same
 models in a plain PyTorch loop (the reference a tied model is judged against).
 
-Usage: python_gpt.py TINYSHAKESPEARE_DIR OUT_DIR [--epochs 3] [--json OUT.json]
+Usage: python_gpt.py TINYSHAKESPEARE_DIR OUT_DIR [--epochs 3] [--warmup-epochs 0] [--seed 0] [--json OUT.json]
 """
 import argparse
 import json
@@ -63,17 +63,20 @@ def next_token_loss(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def torch_loop(model, train, val, epochs, batch, lr, seed, device):
+def torch_loop(model, train, val, epochs, batch, lr, seed, device, warmup_epochs=0.0):
     """The same model, windows and recipe in a plain PyTorch loop: AdamW (weight decay 0.01 on matrices only),
-    cosine decay to 0 without warm-up, bf16 autocast, a new order each epoch; the validation loss after the last."""
+    linear warm-up, then cosine decay to 0, bf16 autocast, a new order each epoch; the validation loss after the
+    last."""
     torch.manual_seed(seed)
     model = model.to(device).train()
     decay = [p for p in model.parameters() if p.dim() > 1]
     rest = [p for p in model.parameters() if p.dim() <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], lr=lr)
     n = len(train[0])
-    steps = epochs * ((n + batch - 1) // batch)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    per_epoch = (n + batch - 1) // batch
+    steps, warm = epochs * per_epoch, int(warmup_epochs * per_epoch)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warm if s < warm else
+                                              0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm))))
     x, y = train[0].to(device), train[1].to(device)
     cuda = str(device).startswith("cuda")
     for _ in range(epochs):
@@ -118,11 +121,13 @@ def main():
     ap.add_argument("data")
     ap.add_argument("out")
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--warmup-epochs", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     a = ap.parse_args()
     train, val, vocab = windows(os.path.join(a.data, "input.txt"))
-    recipe = dict(epochs=a.epochs, batch_size=64, optimizer="adamw", lr=1e-3, warmup_epochs=0, precision="amp-bf16",
-                  seed=0, progress="off", device=os.environ.get("BENCH_DEVICE", "cuda"))
+    recipe = dict(epochs=a.epochs, batch_size=64, optimizer="adamw", lr=1e-3, warmup_epochs=a.warmup_epochs,
+                  precision="amp-bf16", seed=a.seed, progress="off", device=os.environ.get("BENCH_DEVICE", "cuda"))
     arms = os.environ.get("GPT_ARMS", "tied,builtin,untied").split(",")
     makers = {
         "tied": ("python_tied_gpt", lambda: TiedGpt(vocab), {}),
@@ -132,10 +137,10 @@ def main():
     }
     rows = []
     for arm in arms:
-        torch.manual_seed(0)
+        torch.manual_seed(a.seed)
         if arm in ("torch_tied", "torch_untied"):
             loss, steps = torch_loop(TiedGpt(vocab, tied=arm == "torch_tied"), train, val, a.epochs, recipe["batch_size"],
-                                     recipe["lr"], 0, recipe["device"])
+                                     recipe["lr"], a.seed, recipe["device"], a.warmup_epochs)
             rows.append({"run": "pytorch_" + arm[6:] + "_gpt", "val_loss": loss, "test_acc": None, "steps": steps})
             continue
         if arm == "builtin":
