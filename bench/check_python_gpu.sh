@@ -92,6 +92,12 @@ if [ -n "${GPT:-}" ]; then
   grep -E "^\||ratio" "$FINAL_OUT/python_gpt.log"
 fi
 
+# REPEAT=N: memory left on the GPU after each of N train() calls in one process (dev/python_repeat_probe.py).
+if [ -n "${REPEAT:-}" ]; then
+  timeout 240 python3 dev/python_repeat_probe.py "$REPEAT" 2>&1 | grep -E "^(before|run)"
+  row "dev/python_repeat_probe.py $REPEAT" "exit ${PIPESTATUS[0]}"
+fi
+
 (cd "$FINAL_OUT" && ls *.log >/dev/null 2>&1 && tar czf logs.tgz *.log && rm -f *.log)  # 8 files come back at most
 echo
 echo "| check | result |"

@@ -9,6 +9,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/cuda/memory_snapshot.h>
 #endif
 
@@ -67,6 +68,14 @@ void memory_stats_reset_peak(const c10::Device& device) {
 void memory_cache_release(const c10::Device& device) {
 #ifdef TRIACCEL_WITH_CUDA
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
+void cublas_workspaces_release(const c10::Device& device) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (!device.is_cuda() || !c10::cuda::hasPrimaryContext(device.index())) return;
+  c10::cuda::device_synchronize();
+  at::cuda::clearCublasWorkspaces();
 #endif
 }
 

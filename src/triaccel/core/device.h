@@ -89,6 +89,12 @@ class MemoryCapScope {
 // CUBLAS_WORKSPACE_CONFIG stays.
 void cublas_workspace_small();
 
+// Frees the workspaces cuBLAS and cuBLASLt keep per (handle, stream) in the caching allocator (32 MiB each on Hopper
+// by default). A run takes a fresh stream from the pool, so without this every run in one process (the Python
+// module's train() calls) left its workspaces allocated after it ended. Synchronizes the device first. No-op on the
+// CPU.
+void cublas_workspaces_release(const c10::Device& device);
+
 // Whether the caching allocator makes expandable segments now (false on the CPU).
 bool memory_expandable_segments();
 

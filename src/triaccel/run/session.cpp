@@ -223,6 +223,7 @@ std::function<int(int)> capture_agreement(Dist& dist) {
 
 Session::~Session() {
   memory_cap_.reset();
+  cublas_workspaces_release(device_);
   at::globalContext().setBenchmarkCuDNN(cudnn_benchmark_before_);
 }
 
