@@ -14,6 +14,7 @@
 #include <torch/csrc/utils/pybind.h>                // at::Tensor <-> torch.Tensor
 #include <torch/library.h>
 
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
@@ -172,8 +173,14 @@ class PySource final : public triaccel::SampleSource {
   PySource(py::object served, std::string split) : served_(std::move(served)), split_(std::move(split)) {
     size_ = served_.attr("size")().cast<int64_t>();
   }
+  // Stops the source's fetching ahead (a run stopped mid-epoch leaves its thread and workers waiting otherwise).
   ~PySource() override {
     py::gil_scoped_acquire gil;
+    try {
+      if (py::hasattr(served_, "close")) served_.attr("close")();
+    } catch (const py::error_already_set& e) {
+      std::fprintf(stderr, "triaccel: stopping the %s data's loader failed: %s\n", split_.c_str(), e.what());
+    }
     served_ = py::object();
   }
   int64_t size() const override { return size_; }

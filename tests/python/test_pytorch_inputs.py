@@ -9,6 +9,7 @@ import contextlib
 import io
 import os
 import tempfile
+import threading
 import unittest
 
 import torch
@@ -51,10 +52,10 @@ class Doubled(Dataset):
 
 
 class PythonData(unittest.TestCase):
-    def train_on(self, train, test, out):
+    def train_on(self, train, test, out, **extra):
         model = mlp()
         triaccel.train(model, train=train, test=test, loss=nn.functional.mse_loss,
-                       **quiet(epochs=2, batch_size=32, optimizer="adamw", lr=1e-2, out=out))
+                       **quiet(epochs=2, batch_size=32, optimizer="adamw", lr=1e-2, out=out, **extra))
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     def test_dataset_and_dataloader_give_the_weights_of_the_same_tensors(self):
@@ -72,6 +73,16 @@ class PythonData(unittest.TestCase):
         self.assertTrue(torch.equal(ds, ref), "a Dataset trained other weights than its tensors")
         self.assertTrue(torch.equal(dl, ref), "a DataLoader trained other weights than its tensors")
         self.assertTrue(torch.equal(workers, ref), "a DataLoader with a worker trained other weights")
+
+    def test_a_run_stopped_mid_epoch_leaves_no_loader_running(self):
+        # The workers' batches are read ahead by a thread of the source; a run that stops mid-epoch (max_steps here)
+        # must stop it and its workers, or every such run leaves them waiting on a full queue.
+        x, y = regression_data(640, 5)
+        loader = DataLoader(Doubled(x, y), batch_size=32, num_workers=1)
+        with tempfile.TemporaryDirectory() as d:
+            self.train_on(loader, (x[:64] * 2.0, y[:64]), d, max_steps=3)
+        ahead = [t.name for t in threading.enumerate() if t.name == "triaccel-fetch-ahead"]
+        self.assertEqual(ahead, [], "a thread reading a DataLoader outlived its run")
 
     def test_own_loss_learns_a_regression_and_reports_no_accuracy(self):
         x, y = regression_data(512, 3)
