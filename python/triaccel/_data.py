@@ -40,6 +40,8 @@ class Served:
         self.split = split
         self.order = list(range(len(dataset)))
         self._ordered = False  # epoch_begin came: the workers fetch ahead in its order
+        self._loader = None    # the workers' DataLoader over self._batches, made once: its workers persist
+        self._batches = _Batches(self)
         self._ahead = None     # the thread reading the workers' batches from offset self._next on
         self._next = None      # the offset of the next batch it yields
         self._size = None      # its batch size
@@ -48,12 +50,16 @@ class Served:
         return len(self.dataset)
 
     def epoch_begin(self, order):
-        self.close()
+        self._ahead_stop()
         self.order = list(order)
         self._ordered = True
 
     def close(self):
-        """Stops the thread that fetches ahead (and with its loader, the workers)."""
+        """Stops the thread that fetches ahead and the loader's workers (at the run's end)."""
+        self._ahead_stop()
+        self._loader = None  # its iterator's workers shut down with it
+
+    def _ahead_stop(self):
         if self._ahead is not None:
             self._ahead.stop()
             self._ahead = None
@@ -74,19 +80,36 @@ class Served:
     def fetch(self, offset, ids):
         if self.num_workers > 0 and self._ordered and list(self.order[offset:offset + len(ids)]) == list(ids):
             if self._ahead is None or self._next != offset or self._size != len(ids):
-                self.close()
-                starts = range(offset, len(self.order), len(ids))
-                sampler = [self.order[s:s + len(ids)] for s in starts]
-                # No pin-memory thread of the loader's own: it calls CUDA (see the top of this file).
-                loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
-                                    collate_fn=self.collate_fn, pin_memory=False,
-                                    worker_init_fn=self.worker_init_fn)
-                self._ahead = _Ahead(loader, self._pair, depth=2 * self.num_workers)
+                self._ahead_stop()
+                if self._loader is None:
+                    # Workers that persist across epochs (starting 12 of them took about a second an epoch); no
+                    # pin-memory thread of the loader's own: it calls CUDA (see the top of this file).
+                    self._loader = DataLoader(self.dataset, batch_sampler=self._batches,
+                                              num_workers=self.num_workers, collate_fn=self.collate_fn,
+                                              pin_memory=False, worker_init_fn=self.worker_init_fn,
+                                              persistent_workers=True)
                 self._next, self._size = offset, len(ids)
+                self._batches.start, self._batches.size = offset, len(ids)
+                self._ahead = _Ahead(self._loader, self._pair, depth=2 * self.num_workers)
             pair = self._ahead.get()
             self._next += len(ids)
             return self._pinned(pair)
         return self._pinned(self._pair(self.collate_fn([self.dataset[i] for i in ids])))
+
+
+class _Batches:
+    """The loader's batch sampler: the served order from `start` on, cut into batches of `size` (read when the
+    loader starts an iteration)."""
+
+    def __init__(self, served):
+        self.served, self.start, self.size = served, 0, 1
+
+    def __iter__(self):
+        order = self.served.order
+        return iter([order[s:s + self.size] for s in range(self.start, len(order), self.size)])
+
+    def __len__(self):
+        return max(0, (len(self.served.order) - self.start + self.size - 1) // self.size)
 
 
 class _Ahead:
