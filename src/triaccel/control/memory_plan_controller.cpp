@@ -104,23 +104,11 @@ Json MemoryPlanController::plan_fields(const std::string& reason) const {
   return f;
 }
 
-Events MemoryPlanController::after_step(StepContext& ctx) {
-  Events events;
-  const MemoryPlan ran = plan_;  // the plan the step just ran with
-  const bool first_step = !seen_step_;
-  seen_step_ = true;
-  // Tri-Accel changed a unit's precision: its activations change size.
-  if (step_.unit_precisions() != precisions_) {
-    precisions_ = step_.unit_precisions();
-    model_ = corrected_model(precisions_);
-    const MemoryPlan before = plan_;
-    replan();
-    if (!(plan_ == before)) events.push_back({event::kMemoryPlan, plan_fields("precision")});
-    return events;  // this step ran with the old precisions: no calibration reading from it
-  }
-  // This rank's observations: whether a capture ran out of memory, and the allocator's peak over an eager or
-  // capturing step (a replay allocates nothing: its window shows only the live tensors). An eager step beside a
-  // captured graph (an epoch's short last batch) reads the graph's pool as well: no reading.
+// This rank's observations of the step that just ran (with several ranks, the worst rank's, so that every rank
+// decides alike): whether a capture ran out of memory, and the allocator's peak over an eager or capturing step (a
+// replay allocates nothing: its window shows only the live tensors). An eager step beside a captured graph (an
+// epoch's short last batch) reads the graph's pool as well: no reading (0).
+MemoryPlanController::StepReading MemoryPlanController::step_reading(const StepContext& ctx) {
   const int64_t capture_ooms = step_.graph().capture_ooms();
   bool capture_failed = capture_ooms > capture_ooms_seen_;
   capture_ooms_seen_ = capture_ooms;
@@ -131,25 +119,30 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
   if (ctx.memory != nullptr && allocated && !beside_graph) {
     measured = static_cast<double>(ctx.memory->window().peak_allocated_bytes);
   }
-  if (agree_) {  // several ranks: the worst rank's, so that every rank decides alike
+  if (agree_) {
     const std::vector<double> worst = agree_({capture_failed ? 1.0 : 0.0, measured});
     capture_failed = worst.at(0) > 0;
     measured = worst.at(1);
   }
+  return {capture_failed, measured};
+}
+
+// A capture that ran out of memory; true when the step is done with (no calibration reading).
+bool MemoryPlanController::capture_oom_handle(Events& events) {
   // A capture that ran out of memory right after a precision raise: the raise is put back (refused) and the plan for
   // the precisions before it stands, instead of a smaller share of the budget for every later plan (call 5 of
   // bench/results/h100/tri_accel_budget_rounds: the planner shrank its limit twice for raises it then paid for).
-  if (capture_failed && capture_oom_undo_ && capture_oom_undo_()) {
+  if (capture_oom_undo_ && capture_oom_undo_()) {
     precisions_ = step_.unit_precisions();
     model_ = corrected_model(precisions_);
     replan();
     step_.graph_allow();
     events.push_back({event::kMemoryPlan, plan_fields("capture_oom_undone")});
-    return events;  // a failed capture's peak is no calibration reading
+    return true;  // a failed capture's peak is no calibration reading
   }
   // A capture that ran out of memory: the plan may fill less of the budget; the step captures again. When the
   // smaller share leaves no plan, the graph is given up instead: eager steps at the current share.
-  if (capture_failed && limits_.cap_bytes > 0) {  // a disabled graph captures no more
+  if (limits_.cap_bytes > 0) {  // a disabled graph captures no more
     const double share = limits_.cap_share * kCaptureShareStep;
     const auto bytes = static_cast<int64_t>(share * static_cast<double>(limits_.cap_bytes));
     if (share >= kCaptureShareMin && memory_plan_solve(model_, limits_.batch, bytes, limits_.constraints).feasible) {
@@ -163,47 +156,49 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
       events.push_back({event::kMemoryPlan, plan_fields("capture_oom_eager")});
     }
   }
-  // Calibration reads the peak. The first step of a session is not read: it makes what later steps reuse (cuDNN's
-  // and cuBLAS's handles and workspaces; before the step engine made the optimizer state first, SGD's momentum
-  // too). A capture that ran out of memory allocated up to the cap before it failed: not the plan's peak (at 0.4 GB
-  // on the H100 such a reading, 0.366 GB for a plan that peaks at 0.28, pulled the calibration 16 % high).
-  if (measured <= 0 || first_step || capture_failed) return events;
-  if (calibrations_ >= kCalibrationSteps) {  // calibrated: the steps that allocate under the plan measure it
-    if (!(ran == plan_)) return events;
-    plan_measured_peak_bytes_ = std::max(plan_measured_peak_bytes_, measured);
-    // A plan chosen after calibration may recompute units the readings never did (the cost model's recompute term
-    // is the least sure: GPT-char at 1.1 GB peaked 18 % under such a plan's prediction on the H100). When its own
-    // reading is off by more than kPredictionTolerance: above it (a few times at most), the scale is refit on it
-    // alone; below it, only this plan's prediction is corrected. A scale refit down on a recompute plan's low
-    // reading under-predicted the plans without recompute after it (H100, Tri-Accel: 558 MB against 609 predicted
-    // moved the scale 0.487 → 0.433, and the next plan, predicted at 600, peaked at 647).
-    const double predicted = plan_.predicted_peak_bytes;
-    if (predicted <= 0 || std::abs(measured - predicted) <= kPredictionTolerance * predicted) return events;
-    if (measured < predicted) {
-      plan_.predicted_peak_bytes = measured;
-      events.push_back({event::kMemoryPlan, plan_fields("remeasured")});
-      return events;
-    }
-    if (recalibrations_ >= kRecalibrations) return events;
-    ++recalibrations_;
-    measured_peak_bytes_ = measured;
-    // The scale refit on this plan's reading alone, the fixed bytes kept: the line through the earlier plans'
-    // readings is what missed it.
-    readings_.clear();
-    calibrate(ran, measured);
-    // The plan stays while it still fits: a plan the correction would make look cheaper was left before for a
-    // reason (on the H100 GPT-char at 1.1 GB flipped between two plans, one of which never captured).
-    const double corrected = memory_plan_peak(model_, plan_.batch, plan_.micro_batch, plan_.recompute,
-                                              plan_.data_placement);
-    if (corrected <= static_cast<double>(limit_bytes())) {
-      plan_.predicted_peak_bytes = corrected;
-      events.push_back({event::kMemoryPlan, plan_fields("remeasured")});
-      return events;
-    }
-    replan();
-    events.push_back({event::kMemoryPlan, plan_fields("recalibrated")});
-    return events;
+  return false;
+}
+
+// A reading once calibrated: the steps that allocate under the plan measure it; a reading off the prediction by more
+// than kPredictionTolerance corrects the prediction (below it) or refits the scale on it alone (above it).
+void MemoryPlanController::calibrated_reading(const MemoryPlan& ran, double measured, Events& events) {
+  if (!(ran == plan_)) return;
+  plan_measured_peak_bytes_ = std::max(plan_measured_peak_bytes_, measured);
+  // A plan chosen after calibration may recompute units the readings never did (the cost model's recompute term
+  // is the least sure: GPT-char at 1.1 GB peaked 18 % under such a plan's prediction on the H100). When its own
+  // reading is off by more than kPredictionTolerance: above it (a few times at most), the scale is refit on it
+  // alone; below it, only this plan's prediction is corrected. A scale refit down on a recompute plan's low
+  // reading under-predicted the plans without recompute after it (H100, Tri-Accel: 558 MB against 609 predicted
+  // moved the scale 0.487 → 0.433, and the next plan, predicted at 600, peaked at 647).
+  const double predicted = plan_.predicted_peak_bytes;
+  if (predicted <= 0 || std::abs(measured - predicted) <= kPredictionTolerance * predicted) return;
+  if (measured < predicted) {
+    plan_.predicted_peak_bytes = measured;
+    events.push_back({event::kMemoryPlan, plan_fields("remeasured")});
+    return;
   }
+  if (recalibrations_ >= kRecalibrations) return;
+  ++recalibrations_;
+  measured_peak_bytes_ = measured;
+  // The scale refit on this plan's reading alone, the fixed bytes kept: the line through the earlier plans'
+  // readings is what missed it.
+  readings_.clear();
+  calibrate(ran, measured);
+  // The plan stays while it still fits: a plan the correction would make look cheaper was left before for a
+  // reason (on the H100 GPT-char at 1.1 GB flipped between two plans, one of which never captured).
+  const double corrected = memory_plan_peak(model_, plan_.batch, plan_.micro_batch, plan_.recompute,
+                                            plan_.data_placement);
+  if (corrected <= static_cast<double>(limit_bytes())) {
+    plan_.predicted_peak_bytes = corrected;
+    events.push_back({event::kMemoryPlan, plan_fields("remeasured")});
+    return;
+  }
+  replan();
+  events.push_back({event::kMemoryPlan, plan_fields("recalibrated")});
+}
+
+// One of the first kCalibrationSteps readings: the scale and the offset refit, the plan made again.
+void MemoryPlanController::calibration_reading(const MemoryPlan& ran, double measured, Events& events) {
   ++calibrations_;
   measured_peak_bytes_ = measured;
   const bool oom_floored = calibrate(ran, measured);
@@ -224,6 +219,34 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
     events.push_back({event::kMemoryPlan, plan_fields("recalibrated")});
   } else if (calibrations_ == kCalibrationSteps) {
     events.push_back({event::kMemoryPlan, plan_fields("measured")});
+  }
+}
+
+Events MemoryPlanController::after_step(StepContext& ctx) {
+  Events events;
+  const MemoryPlan ran = plan_;  // the plan the step just ran with
+  const bool first_step = !seen_step_;
+  seen_step_ = true;
+  // Tri-Accel changed a unit's precision: its activations change size.
+  if (step_.unit_precisions() != precisions_) {
+    precisions_ = step_.unit_precisions();
+    model_ = corrected_model(precisions_);
+    const MemoryPlan before = plan_;
+    replan();
+    if (!(plan_ == before)) events.push_back({event::kMemoryPlan, plan_fields("precision")});
+    return events;  // this step ran with the old precisions: no calibration reading from it
+  }
+  const StepReading reading = step_reading(ctx);
+  if (reading.capture_failed && capture_oom_handle(events)) return events;
+  // Calibration reads the peak. The first step of a session is not read: it makes what later steps reuse (cuDNN's
+  // and cuBLAS's handles and workspaces; before the step engine made the optimizer state first, SGD's momentum
+  // too). A capture that ran out of memory allocated up to the cap before it failed: not the plan's peak (at 0.4 GB
+  // on the H100 such a reading, 0.366 GB for a plan that peaks at 0.28, pulled the calibration 16 % high).
+  if (reading.measured <= 0 || first_step || reading.capture_failed) return events;
+  if (calibrations_ >= kCalibrationSteps) {
+    calibrated_reading(ran, reading.measured, events);
+  } else {
+    calibration_reading(ran, reading.measured, events);
   }
   return events;
 }

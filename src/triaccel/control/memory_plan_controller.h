@@ -121,6 +121,15 @@ class MemoryPlanController final : public StepController {
   bool calibrate(const MemoryPlan& ran, double measured);
   // Plans again on the current model; UserError naming the floor when nothing fits.
   void replan();
+  // after_step's parts, in the order it runs them.
+  struct StepReading {
+    bool capture_failed = false;
+    double measured = 0;  // the allocator's peak over the step (0: no reading)
+  };
+  StepReading step_reading(const StepContext& ctx);
+  bool capture_oom_handle(Events& events);
+  void calibrated_reading(const MemoryPlan& ran, double measured, Events& events);
+  void calibration_reading(const MemoryPlan& ran, double measured, Events& events);
   // The model traced for these precisions with the corrections measured so far (activation scale, fixed offset).
   MemoryModel corrected_model(const std::vector<Precision>& unit_precisions) const;
 
