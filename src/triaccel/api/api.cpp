@@ -5,6 +5,7 @@
 #include "triaccel/methods/baoc_plan.h"
 #include "triaccel/methods/neuroflux.h"
 #include "triaccel/models/registry.h"
+#include "triaccel/run/memory_setup.h"
 
 namespace triaccel::api {
 
@@ -34,7 +35,7 @@ Config method_resolve(Config c, const RunHooks& hooks, std::string* said) {
   one.local_rank = dist_options_for(hooks, /*output=*/true).local_rank;
   look.dist = one;
   Session probe(c, look, /*output=*/false);
-  const Json plan = Trainer::memory_plan_preview(probe);
+  const Json plan = memory_plan_preview(probe);
   const bool fits = !probe.device().is_cuda() || plan.is_null() || plan["feasible"].get<bool>();
   if (!fits) {
     TRIACCEL_CHECK_INPUT(model_entry(c.model.model).local_learning, option_ref("vram_budget"), " ",
@@ -92,7 +93,7 @@ Json plan(const Config& config, const RunHooks& hooks) {
            {"units", units},
            {"budget_bytes", c.execution.vram_budget_bytes() > 0 ? Json(c.execution.vram_budget_bytes()) : Json(nullptr)},
            {"device", device_long_name(session.device())}};
-  if (memory && c.execution.method != Method::kNeuroFlux) out["memory_plan"] = Trainer::memory_plan_preview(session);
+  if (memory && c.execution.method != Method::kNeuroFlux) out["memory_plan"] = memory_plan_preview(session);
   if (c.optim.optimizer == OptimizerKind::kBaoc) {
     Json optim = baoc_plan_warmup(session);
     optim["optim_memory_budget"] = c.baoc.optim_memory_budget;

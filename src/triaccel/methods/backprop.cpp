@@ -12,6 +12,7 @@
 #include "triaccel/core/profile.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/baoc_optimizer.h"
+#include "triaccel/run/memory_setup.h"
 #include "triaccel/run/rank_rows.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/param_shards.h"
@@ -79,218 +80,7 @@ Json controller_states(const std::vector<std::unique_ptr<StepController>>& contr
   return out;
 }
 
-// The share of the vram_budget a plan may fill: the cap limits what the caching allocator reserves, which exceeds
-// what is allocated by its rounding and by blocks cached in one pool (the CUDA graph's, the eager steps') while
-// another needs them.
-constexpr double kPlanShareOfCap = 0.9;
-
-// The recompute option as per-unit flags: empty for auto (the planner chooses), all false for none.
-std::vector<bool> recompute_parse(const std::string& text, const Model& model) {
-  if (text == "auto") return {};
-  const auto& units = model.units();
-  std::vector<bool> flags(units.size(), false);
-  if (text == "none") return flags;
-  std::string names;
-  for (const Unit& u : units) names += (names.empty() ? "" : ", ") + u.name;
-  size_t start = 0;
-  while (start <= text.size()) {
-    const size_t comma = std::min(text.find(',', start), text.size());
-    const std::string name = text.substr(start, comma - start);
-    size_t i = 0;
-    while (i < units.size() && units[i].name != name) ++i;
-    TRIACCEL_CHECK_INPUT(i < units.size(), option_ref("recompute"), ": model ", model.arch(), " has no unit '", name,
-                         "'; use auto, none, or some of: ", names);
-    flags[i] = true;
-    start = comma + 1;
-  }
-  return flags;
-}
-
-// Data parallelism: each number's largest value over the ranks (what the memory planner's ranks agree through);
-// null with one process.
-MemoryPlanController::Agree max_over_ranks(Session& session) {
-  if (!session.dist().active()) return nullptr;
-  return [&dist = session.dist()](std::vector<double> values) { return dist.all_reduce_max(std::move(values)); };
-}
-
-// Each parameter's element count, in the optimizer's order (the model's named parameters).
-std::vector<int64_t> parameter_numels(Model& model) {
-  std::vector<int64_t> out;
-  for (const auto& item : model.named_parameters()) out.push_back(item.value().numel());
-  return out;
-}
-
-// Whether the configuration allows sharding the optimizer state over `world` ranks (ZeRO stage 1): several ranks,
-// an optimizer that keeps state, and not shard_optimizer off.
-bool shard_possible(const Config& config, int64_t world) {
-  const OptimConfig& o = config.optim;
-  const bool stateful = o.optimizer != OptimizerKind::kSgd || o.momentum > 0;
-  return world > 1 && stateful && config.execution.shard_optimizer != Toggle::kOff;
-}
-
-// The optimizer's state bytes per parameter element: SGD's momentum 4 (0 without momentum), AdamW's two moments 8
-// (and BAOC's warm-up, which runs AdamW).
-int64_t state_bytes_per_element(const OptimConfig& o) {
-  return o.optimizer == OptimizerKind::kSgd ? (o.momentum > 0 ? 4 : 0) : 8;
-}
-
 }  // namespace
-
-struct Trainer::MemorySetup {
-  bool planned = false;               // a MemoryPlanController keeps the step on `plan`
-  bool shard_optimizer = false;       // ZeRO stage 1 (train/param_shards.h)
-  ShardLayout shards;                 // the owners and buckets over the ranks, wherever sharding is possible
-  MemoryModelInputs inputs;
-  MemoryModel model;
-  MemoryPlan plan;
-  MemoryPlanLimits limits;
-  at::Tensor sample;                  // one input sample on the device (the model's trace)
-  DataPlacement placement = DataPlacement::kDevice;
-
-  // The largest evaluation batch (at most `asked`) that fits beside the `held_bytes` the allocator reserves, the
-  // step's pool included (memory_model_eval_batch); `asked` without a budget.
-  bool budgeted() const { return planned && limits.cap_bytes > 0; }
-  int64_t eval_batch(int64_t asked, int64_t held_bytes, int64_t micro_batch) const {
-    if (!budgeted()) return asked;
-    return memory_model_eval_batch(model, limits.cap_bytes, held_bytes, micro_batch, asked);
-  }
-};
-
-std::unique_ptr<Trainer::MemorySetup> Trainer::memory_setup_make(Session& session, bool preview) {
-  auto setup = std::make_unique<MemorySetup>();
-  const Config& config = session.config();
-  const ExecutionConfig& ex = config.execution;
-  const c10::Device device = session.device();
-  const bool gpu = device.is_cuda() || preview;  // planning for a GPU
-  const int64_t budget = gpu ? ex.vram_budget_bytes() : 0;
-  // Before the first cuBLAS call, which is the model's trace below.
-  if (budget > 0 && device.is_cuda()) cublas_workspace_small();
-  const bool levers = ex.micro_batch > 0 || ex.recompute != "auto" || ex.data_placement != PlacementChoice::kAuto;
-  const bool elastic = ex.method == Method::kTriAccel && ex.batch_policy == BatchPolicy::kElastic;
-  // Tri-Accel's precision promotions, without a budget, may not raise the peak above its 16-bit start's. Not with
-  // several ranks yet: the ranks' agreement on the planner's readings has not run on GPUs, the only place this does
-  // (docs/distributed.md).
-  const bool precision_limited = budget == 0 && gpu && !preview && ex.method == Method::kTriAccel &&
-                                 config.tri_accel.ta_precision && !elastic && session.dist().world_size() == 1;
-  setup->planned = levers || (budget > 0 && !elastic) || precision_limited;
-  const int64_t world = std::max<int64_t>(session.dist().world_size(), ex.nproc);
-  const bool shard_possible_here = shard_possible(config, world);
-  setup->shard_optimizer = shard_possible_here && ex.shard_optimizer == Toggle::kOn;
-  Model& model = session.model();
-  if (shard_possible_here) {
-    setup->shards = shard_layout(parameter_numels(model), static_cast<int>(world), state_bytes_per_element(config.optim));
-  }
-  if (!setup->planned) return setup;
-
-  const DatasetSplits& data = session.data();
-  const int64_t n = model.parameter_count();
-  MemoryModelInputs& in = setup->inputs;
-  // Tri-Accel starts every unit in bf16 (its precision controller's default); its step records per-unit precisions.
-  in.precision = ex.method == Method::kTriAccel ? PrecisionMode::kAmpBF16 : ex.precision;
-  in.optimizer_state_bytes = state_bytes_per_element(config.optim) * n;
-  const auto bytes = [](const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : int64_t{0}; };
-  const bool as_stored = data.train.kind != DatasetKind::kImage;  // token ids or a program's tensors
-  const int64_t samples = data.train.size() + data.test.size();
-  // Labels as the loader holds them (int64); images as stored (uint8), or inputs and targets as stored.
-  in.dataset_device_bytes = bytes(data.train.images) + bytes(data.test.images) +
-                            (as_stored ? bytes(data.train.labels) + bytes(data.test.labels) : 8 * samples);
-  // Streamed: image labels, the order and the augmentation draws stay on the device.
-  in.dataset_stream_bytes = (as_stored ? 0 : 8 * samples) + 41 * data.train.size();
-  const int64_t side = session.image_size();
-  if (as_stored) {  // one sample's input of its shape and dtype; its input and target bytes
-    const at::Tensor& x = data.train.images;
-    const at::Tensor& y = data.train.labels;
-    setup->sample = at::zeros(x.sizes().slice(1), x.options().device(device));
-    const int64_t per_sample = (x.numel() * x.element_size() + y.numel() * y.element_size()) / x.size(0);
-    in.sample_input_bytes = per_sample;
-    in.sample_staging_bytes = 2 * per_sample;
-  } else {
-    const int64_t c = data.train.images.size(1);
-    setup->sample = at::zeros({c, side, side}, at::TensorOptions().dtype(at::kFloat).device(device));
-    in.sample_input_bytes = 4 * c * side * side + 8;
-    in.sample_staging_bytes = 2 * c * data.train.images.size(2) * data.train.images.size(3);
-  }
-  in.allow_host_data = gpu;
-  in.for_gpu = gpu;
-  in.budgeted = budget > 0;
-  // Several ranks: the gradient buckets hold a copy of every fp32 gradient (and a bf16 one to send, compressed).
-  if (world > 1) in.grad_reduce_bytes = grad_buckets_bytes(n, grad_buckets_options(config));
-  MemoryModelInputs first = in;
-  first.measure_scale = true;  // on CUDA, before the loaders exist (rebuilds while training do not measure)
-  setup->model = memory_model_build(model, setup->sample, first, device);
-  if (const auto agree = max_over_ranks(session)) memory_model_agree(setup->model, agree);
-
-  PlanConstraints& c = setup->limits.constraints;
-  c.micro_batch = ex.micro_batch;
-  c.recompute = recompute_parse(ex.recompute, model);
-  c.placement_fixed = ex.data_placement != PlacementChoice::kAuto || !gpu;
-  c.placement = ex.data_placement == PlacementChoice::kHost && gpu ? DataPlacement::kHost : DataPlacement::kDevice;
-  // Each rank plans for its share of the global batch (the larger one where they differ); `plan` previews --nproc.
-  setup->limits.batch = (config.schedule.batch_size + world - 1) / world;
-  setup->limits.cap_bytes = budget;
-  setup->limits.cap_share = kPlanShareOfCap;
-  setup->limits.initial_share = kPlanShareOfCap;
-  setup->limits.budget_bytes = static_cast<int64_t>(kPlanShareOfCap * static_cast<double>(budget));
-  if (precision_limited && !levers) {
-    setup->limits.limit_from_first_model = true;
-    setup->limits.budget_bytes = static_cast<int64_t>(std::ceil(memory_plan_solve(setup->model, setup->limits.batch, 0)
-                                                                     .predicted_peak_bytes));
-  }
-  setup->plan = memory_plan_solve(setup->model, setup->limits.batch, setup->limits.budget_bytes, c);
-  // Sharded optimizer state, a lever of its own: asked for, or (auto) when the plan with the whole state on every
-  // rank needs another lever or fits nowhere and the plan with the rank's shard is faster or fits where that does
-  // not. Every rank decides alike (the same agreed model).
-  const MemoryPlan& whole = setup->plan;
-  const bool lever_used = !whole.feasible || whole.accumulation > 1 ||
-                          whole.data_placement == DataPlacement::kHost ||
-                          std::find(whole.recompute.begin(), whole.recompute.end(), true) != whole.recompute.end();
-  if (shard_possible_here && (setup->shard_optimizer || (ex.shard_optimizer == Toggle::kAuto && lever_used))) {
-    const ShardLayout& layout = setup->shards;
-    MemorySetup sharded = *setup;
-    sharded.model.optimizer_bytes = static_cast<double>(layout.sizes.state_bytes);
-    sharded.model.fixed_bytes += static_cast<double>(layout.staging_bytes);
-    sharded.inputs.optimizer_state_bytes = layout.sizes.state_bytes;
-    sharded.inputs.grad_reduce_bytes += layout.staging_bytes;
-    sharded.plan = memory_plan_solve(sharded.model, setup->limits.batch, setup->limits.budget_bytes, c);
-    const bool better = sharded.plan.feasible &&
-                        (!whole.feasible || sharded.plan.predicted_step_s < whole.predicted_step_s);
-    if (setup->shard_optimizer || better) {
-      *setup = std::move(sharded);
-      setup->shard_optimizer = true;
-    }
-  }
-  TRIACCEL_CHECK_INPUT(preview || setup->plan.feasible, option_ref("vram_budget"), " ", ex.vram_budget,
-                       " is below this run's floor: batch ", setup->limits.batch,
-                       world > 1 ? c10::str(" (a process's share of ", config.schedule.batch_size, ")") : "", " of ",
-                       config.model.model,
-                       " needs at least ", static_cast<int64_t>(std::ceil(setup->plan.floor_bytes / kPlanShareOfCap)),
-                       " bytes (", setup->plan.floor_bytes / kPlanShareOfCap / kGB, " GB) with micro-batches of 1, "
-                       "every unit recomputed and the data streamed",
-                       c.micro_batch > 0 || !c.recompute.empty() || ex.data_placement != PlacementChoice::kAuto
-                           ? " (fewer with the memory options left to the planner)" : "",
-                       "; raise the budget, or train in blocks with ", option_ref("method"), " neuroflux");
-  setup->placement = setup->plan.data_placement;
-  return setup;
-}
-
-Json Trainer::memory_plan_preview(Session& session) {
-  const std::unique_ptr<MemorySetup> m = memory_setup_make(session, /*preview=*/true);
-  if (!m->planned) return Json(nullptr);
-  Json j = m->plan.to_json(m->model);
-  j["budget_bytes"] = m->limits.cap_bytes > 0 ? Json(m->limits.cap_bytes) : Json();
-  j["profile"] = "modelled";
-  j["shard_optimizer"] = m->shard_optimizer;
-  Json units = Json::array();
-  for (size_t u = 0; u < m->model.units.size(); ++u) {
-    const UnitCost& c = m->model.units[u];
-    units.push_back(Json{{"unit", c.name}, {"saved_bytes_per_sample", c.saved_bytes},
-                         {"input_bytes_per_sample", c.input_bytes}, {"flops_per_sample", c.flops},
-                         {"recomputable", c.recomputable},
-                         {"recompute", u < m->plan.recompute.size() && m->plan.recompute[u]}});
-  }
-  j["units"] = units;
-  return j;
-}
 
 struct Trainer::Progress {
   // The controllers' state keys a checkpoint stores.
@@ -621,10 +411,10 @@ void Trainer::controllers_build() {
           MemoryModel rebuilt;
           step_->in_graph_pool(
               [&]() { rebuilt = memory_model_build(session_.model(), memory_->sample, in, device_); });
-          if (const auto agree = max_over_ranks(session_)) memory_model_agree(rebuilt, agree);
+          if (const auto agree = memory_agree_over_ranks(session_)) memory_model_agree(rebuilt, agree);
           return rebuilt;
         });
-    planner->set_agree(max_over_ranks(session_));
+    planner->set_agree(memory_agree_over_ranks(session_));
     memory_planner_ = planner.get();
     controllers_.push_back(std::move(planner));
     if (precision_controller != nullptr) {  // a promotion no plan can pay for is refused, not fatal

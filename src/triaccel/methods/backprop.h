@@ -21,6 +21,7 @@
 #include "triaccel/data/loader.h"
 #include "triaccel/models/batch_norm.h"
 #include "triaccel/optim/optimizer.h"
+#include "triaccel/run/memory_setup.h"
 #include "triaccel/run/session.h"
 #include "triaccel/train/faults.h"
 #include "triaccel/train/loss_scaler.h"
@@ -50,10 +51,6 @@ class Trainer : private MemoryMeter {
   // Trains to the end (or to max_steps) and returns the summary event's fields (the stop event's when stopped).
   Json run();
 
-  // The memory plan a run of the session's configuration would start with, as the memory_plan event's fields, on
-  // any device: without a GPU it is planned for one from the modelled profile (`triaccel plan --vram-budget`).
-  static Json memory_plan_preview(Session& session);
-
   // The progress record a checkpoint stores (step, epoch, data cursor, times, peaks, fault counters, controllers).
   struct Progress;
 
@@ -64,10 +61,6 @@ class Trainer : private MemoryMeter {
     double acc_tta = -1;  // percent with flip test-time augmentation; -1 when not measured
   };
   enum class Attempt { kTrained, kRetry, kDropped };
-  // The memory planner's model and first plan, made before the loaders (they hold the data where it says).
-  struct MemorySetup;
-  // preview: plan for a GPU whatever the device (no CUDA-only condition).
-  static std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview = false);
 
   // Set-up.
   void budget_floor_check() const;

@@ -1,0 +1,55 @@
+// The memory planner's set-up for a run on a Session (docs/memory-planner.md): the consumers of GPU memory priced
+// from the model's trace (control/memory_model.h), the optimizer state sharded over the ranks where that is a lever
+// (train/param_shards.h), and the first plan under the vram_budget (control/memory_planner.h), made before the
+// loaders (they hold the data where the plan says). Backprop (methods/backprop.cpp) trains on it; `triaccel plan`
+// (api/) previews it.
+#pragma once
+
+#include "triaccel/control/memory_model.h"
+#include "triaccel/control/memory_plan_controller.h"
+#include "triaccel/control/memory_planner.h"
+#include "triaccel/core/json.h"
+#include "triaccel/run/session.h"
+#include "triaccel/train/param_shards.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace triaccel {
+
+struct MemorySetup {
+  bool planned = false;               // a MemoryPlanController keeps the step on `plan`
+  bool shard_optimizer = false;       // ZeRO stage 1 (train/param_shards.h)
+  ShardLayout shards;                 // the owners and buckets over the ranks, wherever sharding is possible
+  MemoryModelInputs inputs;
+  MemoryModel model;
+  MemoryPlan plan;
+  MemoryPlanLimits limits;
+  at::Tensor sample;                  // one input sample on the device (the model's trace)
+  DataPlacement placement = DataPlacement::kDevice;
+
+  // The largest evaluation batch (at most `asked`) that fits beside the `held_bytes` the allocator reserves, the
+  // step's pool included (memory_model_eval_batch); `asked` without a budget.
+  bool budgeted() const { return planned && limits.cap_bytes > 0; }
+  int64_t eval_batch(int64_t asked, int64_t held_bytes, int64_t micro_batch) const {
+    if (!budgeted()) return asked;
+    return memory_model_eval_batch(model, limits.cap_bytes, held_bytes, micro_batch, asked);
+  }
+};
+
+// The set-up for this session's run; preview: plan for a GPU whatever the device (no CUDA-only condition). UserError
+// naming the floor when no plan fits the vram_budget (not in a preview).
+std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview = false);
+
+// The memory plan a run of the session's configuration would start with, as the memory_plan event's fields, on any
+// device: without a GPU it is planned for one from the modelled profile (`triaccel plan --vram-budget`); null when the
+// run would not plan (no budget and no memory option set).
+Json memory_plan_preview(Session& session);
+
+// Data parallelism: each number's largest value over the ranks (what the memory planner's ranks agree through);
+// null with one process.
+MemoryPlanController::Agree memory_agree_over_ranks(Session& session);
+
+}  // namespace triaccel
