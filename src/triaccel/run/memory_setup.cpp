@@ -72,32 +72,15 @@ MemoryPlanController::Agree memory_agree_over_ranks(Session& session) {
   return [&dist = session.dist()](std::vector<double> values) { return dist.all_reduce_max(std::move(values)); };
 }
 
-std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
-  auto setup = std::make_unique<MemorySetup>();
+namespace {
+
+// The memory model's inputs that do not come from the model's trace: precision, the optimizer state, the dataset on
+// the device or streamed, one sample's bytes (and the sample the trace runs on), the gradient buckets of several ranks.
+void memory_inputs_set(Session& session, int64_t world, bool gpu, bool budgeted, MemorySetup* setup) {
   const Config& config = session.config();
   const ExecutionConfig& ex = config.execution;
   const c10::Device device = session.device();
-  const bool gpu = device.is_cuda() || preview;  // planning for a GPU
-  const int64_t budget = gpu ? ex.vram_budget_bytes() : 0;
-  // Before the first cuBLAS call, which is the model's trace below.
-  if (budget > 0 && device.is_cuda()) cublas_workspace_small();
-  const bool levers = ex.micro_batch > 0 || ex.recompute != "auto" || ex.data_placement != PlacementChoice::kAuto;
-  const bool elastic = ex.method == Method::kTriAccel && ex.batch_policy == BatchPolicy::kElastic;
-  // Tri-Accel's precision promotions, without a budget, may not raise the peak above its 16-bit start's. Not with
-  // several ranks yet: the ranks' agreement on the planner's readings has not run on GPUs, the only place this does
-  // (docs/distributed.md).
-  const bool precision_limited = budget == 0 && gpu && !preview && ex.method == Method::kTriAccel &&
-                                 config.tri_accel.ta_precision && !elastic && session.dist().world_size() == 1;
-  setup->planned = levers || (budget > 0 && !elastic) || precision_limited;
-  const int64_t world = std::max<int64_t>(session.dist().world_size(), ex.nproc);
-  const bool shard_possible_here = shard_possible(config, world);
-  setup->shard_optimizer = shard_possible_here && ex.shard_optimizer == Toggle::kOn;
   Model& model = session.model();
-  if (shard_possible_here) {
-    setup->shards = shard_layout(parameter_numels(model), static_cast<int>(world), state_bytes_per_element(config.optim));
-  }
-  if (!setup->planned) return setup;
-
   const DatasetSplits& data = session.data();
   const int64_t n = model.parameter_count();
   MemoryModelInputs& in = setup->inputs;
@@ -128,10 +111,41 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
   }
   in.allow_host_data = gpu;
   in.for_gpu = gpu;
-  in.budgeted = budget > 0;
+  in.budgeted = budgeted;
   // Several ranks: the gradient buckets hold a copy of every fp32 gradient (and a bf16 one to send, compressed).
   if (world > 1) in.grad_reduce_bytes = grad_buckets_bytes(n, grad_buckets_options(config));
-  MemoryModelInputs first = in;
+}
+
+}  // namespace
+
+std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
+  auto setup = std::make_unique<MemorySetup>();
+  const Config& config = session.config();
+  const ExecutionConfig& ex = config.execution;
+  const c10::Device device = session.device();
+  const bool gpu = device.is_cuda() || preview;  // planning for a GPU
+  const int64_t budget = gpu ? ex.vram_budget_bytes() : 0;
+  // Before the first cuBLAS call, which is the model's trace below.
+  if (budget > 0 && device.is_cuda()) cublas_workspace_small();
+  const bool levers = ex.micro_batch > 0 || ex.recompute != "auto" || ex.data_placement != PlacementChoice::kAuto;
+  const bool elastic = ex.method == Method::kTriAccel && ex.batch_policy == BatchPolicy::kElastic;
+  // Tri-Accel's precision promotions, without a budget, may not raise the peak above its 16-bit start's. Not with
+  // several ranks yet: the ranks' agreement on the planner's readings has not run on GPUs, the only place this does
+  // (docs/distributed.md).
+  const bool precision_limited = budget == 0 && gpu && !preview && ex.method == Method::kTriAccel &&
+                                 config.tri_accel.ta_precision && !elastic && session.dist().world_size() == 1;
+  setup->planned = levers || (budget > 0 && !elastic) || precision_limited;
+  const int64_t world = std::max<int64_t>(session.dist().world_size(), ex.nproc);
+  const bool shard_possible_here = shard_possible(config, world);
+  setup->shard_optimizer = shard_possible_here && ex.shard_optimizer == Toggle::kOn;
+  Model& model = session.model();
+  if (shard_possible_here) {
+    setup->shards = shard_layout(parameter_numels(model), static_cast<int>(world), state_bytes_per_element(config.optim));
+  }
+  if (!setup->planned) return setup;
+
+  memory_inputs_set(session, world, gpu, budget > 0, setup.get());
+  MemoryModelInputs first = setup->inputs;
   first.measure_scale = true;  // on CUDA, before the loaders exist (rebuilds while training do not measure)
   setup->model = memory_model_build(model, setup->sample, first, device);
   if (const auto agree = memory_agree_over_ranks(session)) memory_model_agree(setup->model, agree);
