@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Every combination inside every budget (issue 56): a seeded random grid of `triaccel train` runs over the options a
+budget combines with, each classified by how it ended.
+
+Axes: model (the built-in ones, each on its dataset at a batch it is trained at), method (backprop, tri-accel,
+neuroflux, auto), optimizer (sgd, adamw, baoc), precision (fp32, amp-bf16, amp-fp16), Tri-Accel's controllers (all,
+or one of them off), vram_budget (none, or a share of the model's unbudgeted peak on the H200 at that batch: 0.9 down
+to 0.2), data placement (auto, device, host), CUDA graphs (on, off) and processes (1, or 2 where GPUS >= 2). A
+combination the CLI refuses in one line (exit 2: an option that does not apply, a budget below the floor) is a
+result, not a failure.
+
+Outcomes: ok (exit 0, and under a budget the peak within it), refused (exit 2, one `triaccel:` line), over_budget
+(exit 0, peak above the budget), internal_error (a `triaccel: internal error` line), crash (killed by a signal, or
+an exit code other than 0 and 2), timeout. The last four are bugs (issue 56: "never internal error").
+
+Usage: budget_grid.py --list [--seed 0 --count 150]         the combinations, one per line (no GPU needed)
+       budget_grid.py --bin triaccel --data-cifar DIR --data-text DIR [--shard 0/3] [--max-steps 60] [--json OUT]
+The runs of one call: those with index % n == i for --shard i/n (a grid of 150 takes ~3 calls of 10 minutes).
+"""
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+# Each built-in model: its dataset, batch, and about its unbudgeted peak (GB) on the H200 at that batch in amp-bf16
+# (the README's tables; the budgets are shares of it, so a rough figure only moves where the shares fall).
+MODELS = {
+    "resnet18": {"dataset": "cifar10", "batch": 96, "peak_gb": 0.62},
+    "efficientnet-b0": {"dataset": "cifar10", "batch": 96, "peak_gb": 0.45},
+    "small-cnn": {"dataset": "cifar10", "batch": 128, "peak_gb": 0.25},
+    "vit-tiny": {"dataset": "cifar10", "batch": 512, "peak_gb": 1.9},
+    "gpt-char": {"dataset": "tinyshakespeare", "batch": 64, "peak_gb": 1.79},
+}
+METHODS = ["backprop", "tri-accel", "neuroflux", "auto"]
+OPTIMIZERS = ["sgd", "adamw", "baoc"]
+PRECISIONS = ["fp32", "amp-bf16", "amp-fp16"]
+CONTROLLERS = ["all", "ta_precision", "ta_curvature", "ta_batch"]  # tri-accel: all on, or this one off
+BUDGET_SHARES = [None, 0.9, 0.7, 0.5, 0.35, 0.25, 0.2]
+PLACEMENTS = ["auto", "device", "host"]
+GRAPHS = ["true", "false"]
+
+
+def combos(seed, count, gpus=1):
+    """`count` combinations drawn with random.Random(seed): the same list on every machine. Each axis value appears
+    about equally often (each axis is drawn uniformly, independently)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        model = rng.choice(sorted(MODELS))
+        c = {
+            "index": i,
+            "model": model,
+            "method": rng.choice(METHODS),
+            "optimizer": rng.choice(OPTIMIZERS),
+            "precision": rng.choice(PRECISIONS),
+            "controllers": rng.choice(CONTROLLERS),
+            "budget_share": rng.choice(BUDGET_SHARES),
+            "placement": rng.choice(PLACEMENTS),
+            "cuda_graphs": rng.choice(GRAPHS),
+            "nproc": rng.choice([1, 2]) if gpus >= 2 else 1,
+        }
+        share = c["budget_share"]
+        c["vram_budget"] = None if share is None else f"{round(share * MODELS[model]['peak_gb'], 3)}GB"
+        out.append(c)
+    return out
+
+
+def args_of(c, data_cifar, data_text, max_steps, out):
+    """The `triaccel train` arguments of a combination."""
+    m = MODELS[c["model"]]
+    data = data_text if m["dataset"] == "tinyshakespeare" else data_cifar
+    a = ["train", "--model", c["model"], "--dataset", m["dataset"], "--data", data, "--batch-size", str(m["batch"]),
+         "--method", c["method"], "--optimizer", c["optimizer"], "--precision", c["precision"],
+         "--data-placement", c["placement"], "--cuda-graphs", c["cuda_graphs"], "--epochs", "1",
+         "--max-steps", str(max_steps), "--out", out, "--progress", "lines", "--log-every", "1000000"]
+    if c["method"] == "tri-accel" and c["controllers"] != "all":
+        a += ["--" + c["controllers"].replace("_", "-"), "false"]
+    if c["vram_budget"]:
+        a += ["--vram-budget", c["vram_budget"]]
+    if c["nproc"] > 1:
+        a += ["--nproc", str(c["nproc"])]
+    return a
+
+
+def classify(returncode, stderr, summary, budget_bytes, timed_out=False):
+    """(outcome, the line that says why). summary: the events' last `summary` (or `stop`) event, or None."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    if timed_out:
+        return "timeout", lines[-1] if lines else ""
+    internal = [line for line in lines if "internal error" in line]
+    if internal:
+        return "internal_error", internal[0]
+    if returncode < 0 or returncode not in (0, 2):
+        return "crash", (lines[-1] if lines else f"exit {returncode}")
+    if returncode == 2:
+        said = [line for line in lines if line.startswith("triaccel:")]
+        return "refused", said[-1] if said else (lines[-1] if lines else "")
+    peak = (summary or {}).get("peak_vram_gb")
+    if budget_bytes and peak is not None and peak * 1e9 > budget_bytes:
+        return "over_budget", f"peak {peak:.3f} GB above {budget_bytes / 1e9:.3f} GB"
+    return "ok", ""
+
+
+def bytes_of(size):
+    if not size:
+        return 0
+    value, unit = re.fullmatch(r"([0-9.]+)\s*(GB|MB)", size).groups()
+    return float(value) * (1e9 if unit == "GB" else 1e6)
+
+
+def run_one(c, a, timeout):
+    out = os.path.join(a.work, f"run_{c['index']}")
+    argv = [a.bin] + args_of(c, a.data_cifar, a.data_text, a.max_steps, out)
+    if a.device:
+        argv += ["--device", a.device]
+    t = time.time()
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        code, err, timed_out = p.returncode, p.stderr, False
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr if isinstance(e.stderr, str) else (e.stderr or b"").decode(errors="replace")
+        code, timed_out = None, True
+    events = []
+    path = os.path.join(out, "events.jsonl")
+    if os.path.exists(path):
+        events = [json.loads(line) for line in open(path) if line.strip()]
+    last = next((e for e in reversed(events) if e["event"] in ("summary", "stop")), None)
+    outcome, why = classify(code if code is not None else 0, err, last, bytes_of(c["vram_budget"]), timed_out)
+    epochs = [e for e in events if e["event"] == "epoch"]
+    return dict(c, outcome=outcome, why=why[:300], exit=code, wall_s=round(time.time() - t, 1),
+                oom_events=sum(1 for e in events if e["event"] == "oom"),
+                peak_vram_gb=(last or {}).get("peak_vram_gb"), steps=(last or {}).get("steps"),
+                images_per_s=epochs[-1].get("images_per_s") if epochs else None,
+                command=" ".join(["triaccel"] + argv[1:]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--count", type=int, default=150)
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--bin", default="triaccel")
+    ap.add_argument("--data-cifar", default="")
+    ap.add_argument("--data-text", default="")
+    ap.add_argument("--work", default="/tmp/budget_grid")
+    ap.add_argument("--shard", default="0/1")
+    ap.add_argument("--max-steps", type=int, default=60)
+    ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--models", default="", help="only these models' combinations (comma-separated; a quick check)")
+    ap.add_argument("--device", default="", help="cpu: a smoke test of the runner (budgets and graphs are no-ops)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    grid = combos(a.seed, a.count, a.gpus)
+    if a.list:
+        for c in grid:
+            print(json.dumps(c))
+        return 0
+    i, n = (int(x) for x in a.shard.split("/"))
+    rows = []
+    for c in grid:
+        if c["index"] % n != i or (a.models and c["model"] not in a.models.split(",")):
+            continue
+        rows.append(run_one(c, a, a.timeout))
+        r = rows[-1]
+        print(f"{r['index']:4d} {r['outcome']:14s} {r['wall_s']:6.1f}s {r['command'][9:160]}  {r['why'][:120]}",
+              flush=True)
+    counts = {}
+    for r in rows:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    result = {"bench": "budget_grid", "seed": a.seed, "count": a.count, "shard": a.shard, "max_steps": a.max_steps,
+              "counts": counts, "rows": rows}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print("\n| outcome | runs |\n|---|---|")
+    for k in ("ok", "refused", "over_budget", "internal_error", "crash", "timeout"):
+        print(f"| {k} | {counts.get(k, 0)} |")
+    bad = sum(counts.get(k, 0) for k in ("over_budget", "internal_error", "crash", "timeout"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""bench/budget_grid.py (issue 56's randomized grid): the same seed draws the same combinations on every machine,
+every value of every axis is drawn, the arguments say what the combination says, and each way a run can end is
+classified as the issue counts it (an internal error is never "refused"). No engine needed."""
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+import budget_grid as g  # noqa: E402
+
+
+class Grid(unittest.TestCase):
+    def test_a_seed_draws_the_same_grid_and_another_seed_another(self):
+        self.assertEqual(g.combos(0, 150), g.combos(0, 150))
+        self.assertNotEqual(g.combos(0, 150), g.combos(1, 150))
+        self.assertEqual([c["index"] for c in g.combos(3, 20)], list(range(20)))
+
+    def test_every_value_of_every_axis_is_drawn(self):
+        grid = g.combos(0, 150, gpus=2)
+        axes = {"model": sorted(g.MODELS), "method": g.METHODS, "optimizer": g.OPTIMIZERS,
+                "precision": g.PRECISIONS, "controllers": g.CONTROLLERS, "budget_share": g.BUDGET_SHARES,
+                "placement": g.PLACEMENTS, "cuda_graphs": g.GRAPHS, "nproc": [1, 2]}
+        for axis, values in axes.items():
+            self.assertEqual({repr(c[axis]) for c in grid}, {repr(v) for v in values}, axis)
+        self.assertEqual({c["nproc"] for c in g.combos(0, 150, gpus=1)}, {1})
+
+    def test_arguments_follow_the_combination(self):
+        c = {"index": 7, "model": "gpt-char", "method": "tri-accel", "optimizer": "adamw", "precision": "amp-fp16",
+             "controllers": "ta_batch", "budget_share": 0.5, "vram_budget": "0.895GB", "placement": "host",
+             "cuda_graphs": "false", "nproc": 2}
+        a = g.args_of(c, "/cifar", "/text", 30, "/out")
+        pairs = dict(zip(a[1::2], a[2::2]))
+        self.assertEqual(pairs["--data"], "/text")
+        self.assertEqual(pairs["--batch-size"], "64")
+        self.assertEqual(pairs["--ta-batch"], "false")
+        self.assertEqual(pairs["--vram-budget"], "0.895GB")
+        self.assertEqual(pairs["--nproc"], "2")
+        self.assertEqual(pairs["--max-steps"], "30")
+        self.assertEqual(pairs["--data-placement"], "host")
+        unbudgeted = dict(c, budget_share=None, vram_budget=None, nproc=1, method="backprop")
+        b = g.args_of(unbudgeted, "/cifar", "/text", 30, "/out")
+        self.assertNotIn("--vram-budget", b)
+        self.assertNotIn("--nproc", b)
+        self.assertNotIn("--ta-batch", b)
+
+    def test_how_a_run_ended(self):
+        ok = {"peak_vram_gb": 0.29}
+        self.assertEqual(g.classify(0, "done\n", ok, 0.3e9)[0], "ok")
+        self.assertEqual(g.classify(0, "done\n", {"peak_vram_gb": 0.31}, 0.3e9)[0], "over_budget")
+        self.assertEqual(g.classify(0, "", {"peak_vram_gb": 5.0}, 0)[0], "ok")  # no budget: any peak
+        refused = g.classify(2, "triaccel: --vram-budget 0.1GB is below this run's floor ...\n", None, 1e8)
+        self.assertEqual(refused, ("refused", "triaccel: --vram-budget 0.1GB is below this run's floor ..."))
+        internal = "oom ...\ntriaccel: internal error: CUDA out of memory. Tried to allocate 20.00 MiB\n"
+        self.assertEqual(g.classify(1, internal, None, 3e8)[0], "internal_error")
+        self.assertEqual(g.classify(2, internal, None, 3e8)[0], "internal_error")  # never counted as refused
+        self.assertEqual(g.classify(-11, "", None, 0)[0], "crash")
+        self.assertEqual(g.classify(1, "Traceback\n", None, 0)[0], "crash")
+        self.assertEqual(g.classify(0, "", None, 0, timed_out=True)[0], "timeout")
+        self.assertEqual(g.bytes_of("0.25GB"), 0.25e9)
+        self.assertEqual(g.bytes_of("800MB"), 8e8)
+        self.assertEqual(g.bytes_of(None), 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
