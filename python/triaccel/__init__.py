@@ -48,6 +48,11 @@ def _options_json(fn, given):
         if not isinstance(value, (bool, int, float, str)):
             raise TypeError(f"{fn}() option '{key}' takes a bool, int, float or str, got {type(value).__name__}")
         out[key] = value
+    if isinstance(out.get("nproc"), int) and not isinstance(out["nproc"], bool) and out["nproc"] > 1:
+        raise ValueError(f"{fn}() nproc={out['nproc']}: from Python the processes are yours to start: run the script "
+                         f"with torchrun --nproc-per-node {out['nproc']} (each process calls {fn}() with the same "
+                         "model, data and options, and trains its share of every batch) and leave nproc at 1 "
+                         "(docs/python.md, 'Several GPUs')")
     return out
 
 

@@ -8,7 +8,10 @@ the reason said. Run by ctest `python_inputs` with PYTHONPATH=BUILD/python.
 import contextlib
 import io
 import os
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 import unittest
 
@@ -83,6 +86,48 @@ class PythonData(unittest.TestCase):
             self.train_on(loader, (x[:64] * 2.0, y[:64]), d, max_steps=3)
         ahead = [t.name for t in threading.enumerate() if t.name == "triaccel-fetch-ahead"]
         self.assertEqual(ahead, [], "a thread reading a DataLoader outlived its run")
+
+    def test_two_processes_under_torchrun_end_with_one_process_weights(self):
+        # The recipe docs/python.md gives for several GPUs, on the CPU with Gloo: the same script under torchrun with
+        # two processes trains each one's half of every batch, and both end with the weights one process reaches
+        # (to fp32 summation order: the gradients are summed over the processes).
+        script = textwrap.dedent("""
+            import os, sys, torch
+            from torch import nn
+            import triaccel
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))
+            g = torch.Generator().manual_seed(1)
+            x, y = torch.randn(512, 1, 8, 8, generator=g), torch.randint(0, 4, (512,), generator=g)
+            s = triaccel.train(model, train=(x, y), test=(x[:128], y[:128]), epochs=2, batch_size=64,
+                               device="cpu", progress="off", out=sys.argv[1], lr=float(sys.argv[3]))
+            w = torch.cat([p.detach().flatten() for p in model.parameters()])
+            torch.save({"weights": w, "world": s["world_size"]}, sys.argv[2] % os.environ.get("RANK", "solo"))
+            """)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "train.py")
+            with open(path, "w") as f:
+                f.write(script)
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            out = os.path.join(d, "w_%s.pt")
+            for argv in ([sys.executable, path, os.path.join(d, "one"), out, "0.05"],
+                         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          path, os.path.join(d, "two"), out, "0.05"],
+                         [sys.executable, path, os.path.join(d, "other"), os.path.join(d, "lr_%s.pt"), "0.02"]):
+                p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+                self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+            solo, r0, r1 = (torch.load(out % k) for k in ("solo", "0", "1"))
+            other = torch.load(os.path.join(d, "lr_solo.pt"))
+        self.assertEqual((solo["world"], r0["world"], r1["world"]), (1, 2, 2))
+        self.assertTrue(torch.equal(r0["weights"], r1["weights"]), "the two processes hold different weights")
+        self.assertLess((r0["weights"] - solo["weights"]).abs().max().item(), 1e-5)
+        self.assertGreater((other["weights"] - solo["weights"]).abs().max().item(), 1e-3)  # the tolerance is tight
+
+    def test_nproc_from_python_points_to_torchrun(self):
+        x, y = regression_data(64, 6)
+        with self.assertRaises(ValueError) as caught:
+            triaccel.train(mlp(), train=(x, y), test=(x, y), loss=nn.functional.mse_loss, **quiet(nproc=2))
+        self.assertIn("torchrun --nproc-per-node 2", str(caught.exception))
 
     def test_own_loss_learns_a_regression_and_reports_no_accuracy(self):
         x, y = regression_data(512, 3)
