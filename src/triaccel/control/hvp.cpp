@@ -145,8 +145,8 @@ std::vector<at::Tensor> hessian_vector_product(const at::Tensor& loss, const std
 }
 
 StartVectors::StartVectors(uint64_t seed, const at::TensorOptions& options) : options_(options) {
-  // Drawing 4.7M float64 values on the H100 machine's CPU took ~50 ms, more than a warm probe's products for
-  // ResNet-18's layer4 units: on a GPU the draw stays there, in the parameters' dtype.
+  // Drawing a large unit's millions of float64 values on the CPU can take longer than a warm probe's products for it
+  // (measured: docs/results/tri-accel.md): on a GPU the draw stays there, in the parameters' dtype.
   if (options_.device().is_cuda()) {
     generator_ = at::detail::getCUDAHooks().getNewGenerator(options_.device().index());
     generator_.set_current_seed(seed);

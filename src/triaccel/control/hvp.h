@@ -48,10 +48,10 @@ class HvpOperator {
   // CUDA: after the first apply_flat (eager, which also makes cuBLAS/cuDNN set up their handles and workspaces), the
   // product is captured once in a CUDA graph on a fixed input vector, and every later apply_flat copies v in and
   // replays it: the same kernels on the same saved tensors, without autograd's per-node host work. That helps the
-  // products near the output (fc: ~1 ms each on the H100); deeper units' products are bound by GPU work (ResNet-18's
-  // layer4.1: ~13 ms each at b_curv = 32, graphed or not). Needs a non-default current stream (the trainer's); where
-  // the capture is refused or fails the operator stays eager. The graph and its memory pool live as long as the
-  // operator.
+  // products near the output, small enough for the host work to dominate; deeper units' products are bound by GPU
+  // work and take as long graphed or not (docs/results/tri-accel.md). Needs a non-default current stream (the
+  // trainer's); where the capture is refused or fails the operator stays eager. The graph and its memory pool live
+  // as long as the operator.
   void graph_after_first_product(bool enabled) { graph_wanted_ = enabled; }
   bool graphed() const { return graph_ != nullptr; }
 

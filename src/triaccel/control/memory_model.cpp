@@ -152,9 +152,9 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
     auto [out_large, graph_large] = run(large, &tensors_large);
     c.saved_bytes = std::max(0.0, (graph_large - graph_small) / static_cast<double>(kTraceLarge - kTraceSmall));
     // Per sample: a weight's 16-bit cast (4.7 MB for ResNet-18's layer4.1 at any batch) is no sample's backward
-    // transient. Counted over the trace's 4 samples it made the transient term half of ResNet-18's modelled
-    // activations, and the calibrated scale (0.43-0.49) took that back from every other per-sample byte: a unit
-    // promoted to fp32 was priced at half of what its activations grew.
+    // transient. Counted over the trace's 4 samples it would make the transient term about half of ResNet-18's
+    // modelled activations, and the calibration would take that back by roughly halving the scale of every other
+    // per-sample byte: a unit promoted to fp32 would be priced at half of what its activations grow.
     largest = std::max(largest, largest_tensor_per_sample(tensors_small, kTraceSmall, tensors_large, kTraceLarge));
     c.flops = 2.0 * static_cast<double>(units[u].parameter_count()) * positions(out_large);
     {

@@ -2,7 +2,7 @@
 // each unit runs forward on a zero batch at two sizes, under the precision it trains in, with autograd on, and what it
 // keeps for backward gives its saved activations per sample: on CUDA the allocator's growth over the forward (each
 // saved tensor once, at its dtype), elsewhere the tensors its autograd graph records (control/memory_profile.h:
-// autograd_graph_bytes; on the H100 these were 2.5-4× the allocator's reading for ResNet-18, ViT-Tiny and GPT-char);
+// autograd_graph_bytes, an over-count: several times what the allocator reads; docs/results/memory-planner.md);
 // its input's bytes, its forward FLOPs (2 · parameters · output positions) and whether it can be recomputed (no
 // dropout) come from the same pass. Weights, gradients, optimizer state, weight casts and the dataset come from the
 // run's configuration. On CUDA, before training, the allocator's peak over the whole model's forward + backward at
@@ -47,17 +47,17 @@ constexpr double kMeasuredScaleMin = 0.2;
 constexpr double kMeasuredScaleMax = 5;
 
 // Per-micro-batch overhead of a step, in units of one sample's forward + backward: what makes small micro-batches
-// slow on a GPU (launches, an under-filled device). Measured on the H100 for ResNet-18 at 32×32 (bench/results):
-// 41k img/s at batch 96 and 70k at 512 give an overhead of ~100 samples; 64 keeps some weight on recompute.
+// slow on a GPU (launches, an under-filled device). ResNet-18's (32×32) throughput at batch 96 and at 512 gives an
+// overhead of ~100 samples (docs/results/memory-planner.md); 64 keeps some weight on recompute.
 constexpr double kGpuOverheadSamples = 64;
 // The host gather and copy of one streamed sample, in the same unit.
 constexpr double kStreamSampleCost = 0.05;
 // Batch-independent device memory the shapes do not show: cuBLAS and cuDNN workspaces, the CUDA context's share
 // of the caching allocator, the graph pool's rounding.
 constexpr double kGpuFixedTransientBytes = 48e6;
-// The same under a vram_budget, where cuBLAS's workspace is one 4 MiB chunk a stream (core/device.h): on the H100 the
-// calibration's fitted offset of budgeted ResNet-18, Tri-Accel and GPT-char runs was -16 to -64 MB against 48 (most
-// near -40), so the line through the readings paid for the missing 40 MB with its slope instead.
+// The same under a vram_budget, where cuBLAS's workspace is one 4 MiB chunk a stream (core/device.h): priced at
+// kGpuFixedTransientBytes there, the calibration's fitted offset comes out tens of MB negative, down to kOffsetMin,
+// and the line through the readings pays for the difference with its slope instead (docs/results/memory-planner.md).
 constexpr double kGpuFixedTransientBytesBudgeted = 12e6;
 
 // `sample`: one input sample (C, H, W) float or (T) int64, on the model's device.

@@ -58,10 +58,10 @@ bool MemoryPlanController::fits(const std::vector<Precision>& unit_precisions) c
 void MemoryPlanController::replan() {
   if (limits_.limit_from_first_model) limits_.budget_bytes = limit_bytes();
   // No budget and no unit in fp32: a 16-bit step, priced at the scale the 16-bit calibration steps measured (the
-  // limit's), not at one a promoted plan's reading refit the model to. At that scale the units back in 16 bits came
-  // out above the limit and kept being recomputed for the rest of the run (H200, ResNet-18: the stem, layer1.0 and
-  // layer4.0, +10 % a step). A 16-bit mix still pays for its casts between fp16 and bf16 units (the rebuilt model
-  // prices them): without that, the peak rose 0.2-0.4 % above AMP bf16's.
+  // limit's), not at one a promoted plan's reading refit the model to. At that scale the units back in 16 bits come
+  // out above the limit and stay recomputed for the rest of the run, every step slower for no memory saved. A 16-bit
+  // mix still pays for its casts between fp16 and bf16 units (the rebuilt model prices them): without that, the peak
+  // rises above AMP bf16's (measured: docs/results/memory-planner.md).
   const bool step16 = limits_.limit_from_first_model &&
                       std::none_of(precisions_.begin(), precisions_.end(),
                                    [](Precision p) { return p == Precision::kFP32; });
@@ -130,8 +130,8 @@ MemoryPlanController::StepReading MemoryPlanController::step_reading(const StepC
 // A capture that ran out of memory; true when the step is done with (no calibration reading).
 bool MemoryPlanController::capture_oom_handle(Events& events) {
   // A capture that ran out of memory right after a precision raise: the raise is put back (refused) and the plan for
-  // the precisions before it stands, instead of a smaller share of the budget for every later plan (call 5 of
-  // bench/results/h100/tri_accel_budget_rounds: the planner shrank its limit twice for raises it then paid for).
+  // the precisions before it stands, instead of a smaller share of the budget for every later plan (the limit would
+  // shrink for a raise whose cost the later plans then pay anyway).
   if (capture_oom_undo_ && capture_oom_undo_()) {
     precisions_ = step_.unit_precisions();
     model_ = corrected_model(precisions_);
@@ -165,11 +165,10 @@ void MemoryPlanController::calibrated_reading(const MemoryPlan& ran, double meas
   if (!(ran == plan_)) return;
   plan_measured_peak_bytes_ = std::max(plan_measured_peak_bytes_, measured);
   // A plan chosen after calibration may recompute units the readings never did (the cost model's recompute term
-  // is the least sure: GPT-char at 1.1 GB peaked 18 % under such a plan's prediction on the H100). When its own
-  // reading is off by more than kPredictionTolerance: above it (a few times at most), the scale is refit on it
-  // alone; below it, only this plan's prediction is corrected. A scale refit down on a recompute plan's low
-  // reading under-predicted the plans without recompute after it (H100, Tri-Accel: 558 MB against 609 predicted
-  // moved the scale 0.487 → 0.433, and the next plan, predicted at 600, peaked at 647).
+  // is the least sure: such a plan can peak well under its prediction). When its own reading is off by more than
+  // kPredictionTolerance: above it (a few times at most), the scale is refit on it alone; below it, only this plan's
+  // prediction is corrected. A scale refit down on a recompute plan's low reading under-predicts the plans without
+  // recompute after it, which then peak above their predictions (measured: docs/results/memory-planner.md).
   const double predicted = plan_.predicted_peak_bytes;
   if (predicted <= 0 || std::abs(measured - predicted) <= kPredictionTolerance * predicted) return;
   if (measured < predicted) {
@@ -185,7 +184,7 @@ void MemoryPlanController::calibrated_reading(const MemoryPlan& ran, double meas
   readings_.clear();
   calibrate(ran, measured);
   // The plan stays while it still fits: a plan the correction would make look cheaper was left before for a
-  // reason (on the H100 GPT-char at 1.1 GB flipped between two plans, one of which never captured).
+  // reason (replanning here can flip a run between two plans for good, one of them a plan whose capture fails).
   const double corrected = memory_plan_peak(model_, plan_.batch, plan_.micro_batch, plan_.recompute,
                                             plan_.data_placement);
   if (corrected <= static_cast<double>(limit_bytes())) {
@@ -209,7 +208,8 @@ void MemoryPlanController::calibration_reading(const MemoryPlan& ran, double mea
     plan_measured_peak_bytes_ = std::max(plan_measured_peak_bytes_, measured);
     // The scale an out-of-memory error left holds the model above what this plan's steps read (it keeps the plan
     // that failed out of reach): this plan's prediction is its own reading, as a calibrated plan's is when its peak
-    // comes in under the prediction (below). GPT-char at 0.5 GB on the H100: 0.434 GB predicted, 0.391 measured.
+    // comes in under the prediction (calibrated_reading). Else the floor keeps the held plan's prediction above its
+    // peak for the rest of the run (measured: docs/results/memory-planner.md).
     const double predicted = plan_.predicted_peak_bytes;
     if (oom_floored && predicted > 0 && plan_measured_peak_bytes_ < (1 - kPredictionTolerance) * predicted) {
       plan_.predicted_peak_bytes = plan_measured_peak_bytes_;
@@ -240,8 +240,8 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
   if (reading.capture_failed && capture_oom_handle(events)) return events;
   // Calibration reads the peak. The first step of a session is not read: it makes what later steps reuse (cuDNN's
   // and cuBLAS's handles and workspaces; before the step engine made the optimizer state first, SGD's momentum
-  // too). A capture that ran out of memory allocated up to the cap before it failed: not the plan's peak (at 0.4 GB
-  // on the H100 such a reading, 0.366 GB for a plan that peaks at 0.28, pulled the calibration 16 % high).
+  // too). A capture that ran out of memory allocated up to the cap before it failed: not the plan's peak (read, it
+  // would pull the calibration toward the cap, far above what the plan needs).
   if (reading.measured <= 0 || first_step || reading.capture_failed) return events;
   if (calibrations_ >= kCalibrationSteps) {
     calibrated_reading(ran, reading.measured, events);

@@ -45,9 +45,9 @@ constexpr double kCalibrationSpread = 1.25;
 constexpr double kCalibrationMin = 0.2;
 constexpr double kCalibrationMax = 5;
 // One reading lowers the scale by this factor at most, and never below a scale that ran out of memory (after its
-// kOomScaleStep): a reading from a plan that recomputes many units at a small micro-batch, far under its prediction,
-// fitted a scale that the next, bolder plan ran out of memory with (H100, GPT-char at 0.3 GB: 1.19 to 0.2, then eight
-// errors in a row as the scale climbed back; ResNet-18 Tri-Accel at 0.35 GB: 0.78 to 0.41, then two).
+// kOomScaleStep): a reading from a plan that recomputes many units at a small micro-batch can come in far under its
+// prediction, and a scale fitted to it lets the next, bolder plan run out of memory, again and again as the scale
+// climbs back (measured: docs/results/memory-planner.md).
 constexpr double kCalibrationDownStep = 0.8;
 // After calibration: a plan whose own peak is off its prediction by more than this share has the scale refit on that
 // reading, at most kRecalibrations times in a run.
@@ -66,10 +66,10 @@ struct MemoryPlanLimits {
   // Tri-Accel without a budget: the limit is the peak the first plan's precisions predict (all 16-bit: AMP's), so
   // that a unit promoted to fp32 pays for its bigger activations with recompute or micro-batches instead of
   // raising the peak. Kept equal to that prediction at the scale the calibration steps measured (and an
-  // out-of-memory error raised), not at a scale refit on a later plan's reading: a promoted plan that peaked above
-  // its prediction (H100, ResNet-18: three fp32 units recomputed, 625 MB against 595) moved the limit 33 MB above
-  // the AMP peak the calibration had measured, and the run's peak followed. When the corrected model leaves no plan
-  // under it, the plan at the floor.
+  // out-of-memory error raised), not at a scale refit on a later plan's reading: a promoted plan that peaks above
+  // its prediction would move the limit above the AMP peak the calibration measured, and the run's peak would follow
+  // (measured: docs/results/memory-planner.md). When the corrected model leaves no plan under it, the plan at the
+  // floor.
   bool limit_from_first_model = false;
 };
 

@@ -36,8 +36,8 @@ struct PartitionOptions {
   int64_t max_batch = 512;
   int64_t min_batch = 2;        // BatchNorm in train mode needs two samples
   int64_t target_batch = 128;   // heads keep their widest level while the block still reaches this batch
-  // Time model (not measured; defaults guessed for an H100: ResNet-18 trains ~12k CIFAR images/s in bf16 at large
-  // batch on ~4 MB of per-sample activations, so ~5e10 effective bytes/s).
+  // Time model (not measured; defaults guessed for a Hopper GPU: ResNet-18 trains ~12k CIFAR images/s in bf16 at
+  // large batch on ~4 MB of per-sample activations, so ~5e10 effective bytes/s).
   double bytes_per_s = 5e10;    // per-sample training bytes processed per second
   double sat_batch = 128;       // batch at which the device is half as fast per sample as at infinity
   double host_bytes_per_s = 1e10;  // host cache: gather + pinned copy rate; 0 = no transfer cost (CPU)

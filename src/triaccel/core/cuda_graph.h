@@ -34,10 +34,10 @@ std::unique_ptr<at::cuda::CUDAGraph> cuda_graph_capture(const std::function<void
 
 // Runs `body` with the current stream's allocations taken from `graph`'s private pool: the memory its replays use
 // as scratch serves an eager call between two replays (a step of another batch size, an evaluation) instead of
-// memory of its own beside the pool — under a --vram-budget the two did not fit together (ResNet-18 at 0.4-0.8 GB
-// on the H100). The pool grows if it must. Contract: what `body` allocates is dead before the graph is replayed
-// again (a replay overwrites the pool), so `body` may create no lasting state — no tensor it keeps, no lazily made
-// buffer; a caller's tensors that `body` writes in place are not in the pool and are safe.
+// memory of its own beside the pool — under a --vram-budget the two may not fit together (measured:
+// docs/results/memory-planner.md). The pool grows if it must. Contract: what `body` allocates is dead before the
+// graph is replayed again (a replay overwrites the pool), so `body` may create no lasting state — no tensor it keeps,
+// no lazily made buffer; a caller's tensors that `body` writes in place are not in the pool and are safe.
 void cuda_graph_pool_run(at::cuda::CUDAGraph& graph, const std::function<void()>& body);
 
 // dst = src for two contiguous tensors of the same size and dtype, one in pinned host memory, the other on the

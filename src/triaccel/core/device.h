@@ -50,8 +50,8 @@ void memory_cap_set(const c10::Device& device, int64_t bytes);
 // Turns the caching allocator's expandable segments on for the scope (see MemoryCapScope), unless they are on already
 // or a PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF names them (the user's choice). A session under a --vram-budget
 // holds one from its start, so what it allocates before the cap (weights, NeuroFlux's memory profile) sits in them
-// too: two H200 ranks of NeuroFlux's ResNet-18 at 0.15 GB each ran out of memory 14 times and stopped with them
-// turned on only at the cap, and finished with 3 retries with them from the start. A no-op on the CPU.
+// too: with them turned on only at the cap, those blocks sit in plain segments whose freed gaps stay reserved under
+// it, and a tight budget runs out of memory again and again (measured: docs/results/neuroflux.md). A no-op on the CPU.
 class ExpandableSegmentsScope {
  public:
   explicit ExpandableSegmentsScope(const c10::Device& device);
@@ -67,9 +67,9 @@ class ExpandableSegmentsScope {
 // a --vram-budget leaves later work in the same process uncapped.
 // With `expandable` the scope also turns the caching allocator's expandable segments on (new segments map pages into
 // one growing address range, and pages freed inside a segment go back to the cap). Without them what fits under a
-// cap is what fragmentation leaves: blocks freed inside segments that still hold a live block stay reserved
-// (ResNet-18 b96 at 0.3 GB on the H100: 0.20 GB allocated, the cap reached, the step's CUDA graph never fit; with
-// them it fits, 27 → 3.2 s/epoch). A PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF that names expandable_segments
+// cap is what fragmentation leaves: blocks freed inside segments that still hold a live block stay reserved, so a
+// tight cap is reached with far less allocated and the step's CUDA graph may never fit (measured:
+// docs/results/memory-planner.md). A PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF that names expandable_segments
 // is the user's choice and is left alone.
 class MemoryCapScope {
  public:

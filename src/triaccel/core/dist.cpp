@@ -279,9 +279,9 @@ bool port_binds(int port, int* bound) {
 
 int free_local_port() {
   // Below Linux's ephemeral range (32768-60999): the kernel hands those to every outgoing connection and port-0
-  // listener (Gloo's, NCCL's bootstrap), and one of them took a port picked there between the pick and the store's
-  // bind (EADDRINUSE on two H200s, 2026-11-27). A random port in 20000-32767 that binds now; the kernel's pick after
-  // 64 taken ones.
+  // listener (Gloo's, NCCL's bootstrap), and one of them can take a port picked there between the pick and the
+  // store's bind (which then fails with EADDRINUSE). A random port in 20000-32767 that binds now; the kernel's pick
+  // after 64 taken ones.
   std::random_device seed;
   std::mt19937 draw(seed());
   std::uniform_int_distribution<int> in_range(20000, 32767);

@@ -33,7 +33,7 @@ inline constexpr const char* kBlock = "block";            // NeuroFlux: a block 
 inline constexpr const char* kExit = "exit";              // NeuroFlux: the exported early exit
 inline constexpr const char* kMemoryPlan = "memory_plan";  // the memory planner: its levers, predicted and measured peak
 inline constexpr const char* kProfile = "profile";        // a timeline of chosen steps was written (profile_steps)
-// Written by runs before the two plans had their own names (still read: bench/results/ holds such files).
+// Written by runs before the two plans had their own names (still read: tests/fixtures/report/ holds such files).
 inline constexpr const char* kLegacyPlan = "plan";
 }  // namespace event
 

@@ -1,8 +1,8 @@
 // A small pool of host threads for memory-bound copies that must use every core: NeuroFlux's host cache gathers
 // (rows at random offsets into a pinned staging buffer). ATen's at::parallel_for cannot be used from our code: with
 // LibTorch's OpenMP backend it is a header template whose `#pragma omp parallel` only runs in parallel in a
-// translation unit compiled with -fopenmp (ours runs it on one thread), and ATen's own index_select gathered 128 KB
-// rows at 8.7 GB/s with 16 threads on the H100 machine (7.7 GB/s with one).
+// translation unit compiled with -fopenmp (ours runs it on one thread), and ATen's own index_select gathers rows
+// barely faster with all threads than with one (methods/activation_cache.cpp: gather_rows).
 #pragma once
 
 #include <cstdint>

@@ -42,9 +42,9 @@ std::vector<at::Tensor> host_pool;
 constexpr size_t kHostPoolKeep = 3;
 
 // The host gather: dst row i ← src row index[i], split over the host workers (core/host_workers.h) in pieces of
-// about 1 MB. Measured on the H100 machine (16 threads; dev/probe_host_transfer.py): ATen's index_select gathered
-// 128 KB bf16 rows at 8.7 GB/s (7.7 with one thread), while one thread's memcpy moves 11.6 GB/s and ATen's copy_ of
-// a contiguous range 167 GB/s with all threads — so contiguous ranges use copy_, and gathers this.
+// about 1 MB. ATen's index_select gathers rows barely faster with all threads than with one, and slower than one
+// thread's memcpy, while ATen's copy_ of a contiguous range scales with the threads — so contiguous ranges use copy_,
+// and gathers this (dev/probe_host_transfer.py; measured: docs/results/neuroflux.md).
 void gather_rows(std::byte* dst, const std::byte* src, int64_t n, int64_t row_bytes, const int64_t* index) {
   const int64_t piece = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(row_bytes, 1));
   host_parallel((n + piece - 1) / piece, [&](int64_t part) {

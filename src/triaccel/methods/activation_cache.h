@@ -27,9 +27,9 @@ class ActivationCache {
   // `channels_last` (a (C, H, W) sample shape), a row holds its sample in (H, W, C) order: channels_last batches are
   // written with one plain copy (a device-to-host copy that must permute runs on the host, several times slower)
   // and read back as channels_last batches.
-  // A host cache is plain (pageable) memory: pinning gigabytes costs more than it saves (cudaHostAlloc took ~5 s per
-  // 8 GB cache on the H100 machine, most of a cache pass). Rows cross to and from the GPU through two small pinned
-  // staging buffers, without waiting: the host copies or gathers batch i+1 while the GPU works on batch i.
+  // A host cache is plain (pageable) memory: pinning gigabytes costs more than it saves (cudaHostAlloc of a multi-GB
+  // cache takes seconds, most of a cache pass; docs/results/neuroflux.md). Rows cross to and from the GPU through two
+  // small pinned staging buffers, without waiting: the host copies or gathers batch i+1 while the GPU works on batch i.
   // On CUDA the copies run on their own streams (one per direction), so a batch's transfer overlaps the GPU's work
   // on the previous batch instead of queuing behind it; the caller's stream waits for a read's copy by an event.
   ActivationCache(int64_t samples, const std::vector<int64_t>& sample_shape, CachePlace place,
@@ -43,8 +43,8 @@ class ActivationCache {
   static void host_pool_release();
   static int64_t host_pool_bytes();  // kept now
   // Faults in host buffers of these sizes (bf16 elements) on background threads and adds them to the pool, for the
-  // first cache passes: their fresh multi-GB caches otherwise pay the first touch inside the pass (4.3 of 10.7 s of a
-  // ResNet-18 run at 0.5 GB on the H100 machine). A cache that needs a buffer, and host_pool_bytes, wait for it.
+  // first cache passes: their fresh multi-GB caches otherwise pay the first touch inside the pass (a large share of
+  // a short run's time; docs/results/neuroflux.md). A cache that needs a buffer, and host_pool_bytes, wait for it.
   static void host_pool_prefill(const std::vector<int64_t>& numels);
 
   // Rows [offset, offset + batch.size(0)) from a float batch on `device` (converted to bf16). A host cache on CUDA

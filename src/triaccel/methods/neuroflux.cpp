@@ -160,8 +160,8 @@ void NeuroFluxRun::data_split() {
   plain_lo_ = session_.loader_options(LoaderRole::kPlain);
   train_lo_ = session_.loader_options(LoaderRole::kTrain);
   // Under a tight vram_budget the images stay in pinned host memory and stream a batch at a time (data/loader.h):
-  // resident, the training split alone took 138 of ResNet-18's 286 MiB at 0.3 GB on the H100 and its upload ran out
-  // of memory before the first step.
+  // resident, more than kHostDataShare of the budget would go to them, and their upload can run out of memory before
+  // the first step.
   const double budget = static_cast<double>(config_.execution.vram_budget_bytes());
   const double images = static_cast<double>(data.train.images.numel() + data.test.images.numel());
   host_data_ = device_.is_cuda() && budget > 0 && images > kHostDataShare * budget;
@@ -361,9 +361,8 @@ BlockResult NeuroFluxRun::block_train(size_t b) {
     const double t0 = session_.clock().now_s();
     const BlockPlan planned = plan_.blocks[b];
     Dist& dist = session_.dist();
-    // Held: what is allocated now and, with several ranks, the gradient buckets the block's trainer will allocate.
-    // Two H200s, ResNet-18 at 0.35 GB, before they were counted: blocks at 1.02-1.16 of their predictions (one GPU:
-    // 1.00-1.01); the buckets (up to 19 MB a block) are part of those 2-30 MB.
+    // Held: what is allocated now and, with several ranks, the gradient buckets the block's trainer will allocate
+    // (uncounted, they put data-parallel blocks above their predictions; measured: docs/results/neuroflux.md).
     double held = static_cast<double>(memory_stats(device_).allocated_bytes);
     if (dist.active()) {
       std::vector<at::Tensor> params;

@@ -309,10 +309,10 @@ BlockResult BlockTrainer::train() {
   r_.capture_ooms = graph_.capture_ooms();
   r_.capture_error = graph_.capture_error();
   r_.relaxed = graph_.relaxed();
-  // The graph's pool goes back before the cache pass, which needs the room (a 0.45 GB ResNet-18 run ran out of
-  // memory in its first pass beside it). The block's gradients were allocated in the graph's pool: while they live,
-  // its segments cannot be freed (an EfficientNet-B0 run at 0.5 GB ran out of memory in a later pass at batch 2 with
-  // the finished blocks' pools held).
+  // The graph's pool goes back before the cache pass, which needs the room (under a tight budget the pass runs out
+  // of memory beside it). The block's gradients were allocated in the graph's pool: while they live, its segments
+  // cannot be freed, and the finished blocks' pools, held together, leave a later pass no room even at its smallest
+  // batch (measured: docs/results/neuroflux.md).
   grads_release();
   graph_.drop();
   memory_cache_release(session_.device());
@@ -415,8 +415,8 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
     if (graph_.captured()) {
       // A step's input or an eager step (the epoch's short last batch) beside the graph's pool: drop the graph and
       // retry the same samples at the same batch. The first time the graph is captured again after the warm-up; the
-      // second time the block stays eager (a graph captured again only ran out of memory again: an H100 ResNet-18 run
-      // at 0.35 GB captured and dropped it every 4 steps of a block). Data parallel: every rank's graph goes, and
+      // second time the block stays eager (a graph captured again tends only to run out of memory again: without the
+      // limit a block captures and drops its graph every few steps). Data parallel: every rank's graph goes, and
       // comes back, together (step_agreed).
       if (buckets_) return step_failed(fields, batch_);
       graph_.drop();

@@ -99,7 +99,7 @@ void NeuroFluxRun::cache_pass_split(size_t b, SplitInput& in, std::vector<double
   // alone), a cache on the GPU (NCCL), or a run on the CPU. Each rank runs its share of the rows (contiguous, in rank
   // order); the hits are summed and the output rows passed to every rank after the loop, so every rank ends with one
   // process's scores and whole caches. A host cache on a GPU is computed whole on every rank: passing its rows
-  // through Gloo took longer than computing them (two H200s, ResNet-18 at 0.5 GB: block 0's pass 1.25 → 3.23 s).
+  // through Gloo takes longer than computing them (measured: docs/results/neuroflux.md).
   Dist& dist = session_.dist();
   const bool split = dist.active() && (!out || !device_.is_cuda() || (place == CachePlace::kDevice && dist.nccl()));
   const auto [first, own] = split ? dist.share(n) : std::pair<int64_t, int64_t>{0, n};

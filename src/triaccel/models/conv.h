@@ -9,10 +9,10 @@
 namespace triaccel {
 
 // Whether a depthwise convolution (groups == channels > 1) should run on NCHW copies of a channels_last CUDA input:
-// under cuDNN's heuristics (`cudnn_autotune` false), on maps of at most 2x2 pixels with a kernel over 3. Measured on
-// the H100 with cuDNN 9.19 (dev/probe_depthwise.py, batch 96, bf16, forward + backward): channels_last takes
-// 2.6-4.4 ms at 480/672 channels, 2x2, k5, against 0.14-0.17 ms in NCHW; at k3 on 2x2 and on 4x4 maps channels_last is
-// as fast or faster, and autotuned it is fast everywhere.
+// under cuDNN's heuristics (`cudnn_autotune` false), on maps of at most 2x2 pixels with a kernel over 3, where the
+// heuristics pick channels_last kernels an order of magnitude slower than NCHW's; at k3 on 2x2 and on 4x4 maps
+// channels_last is as fast or faster, and autotuned it is fast everywhere (dev/probe_depthwise.py; measured:
+// docs/results/memory-planner.md).
 bool depthwise_nchw_wins(int64_t channels, int64_t groups, int64_t kernel, int64_t height, int64_t width,
                          bool cuda_channels_last, bool cudnn_autotune);
 

@@ -140,8 +140,8 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
 #ifdef TRIACCEL_WITH_CUDA
   if (device_.is_cuda()) {
     // The rank's GPU is made current first: taking a stream of another device than the current one (device 0 in a
-    // fresh process) left every rank but rank 0 with a CUDA context on GPU 0 as well, 518 MiB of it on the H100s
-    // (TRIACCEL_TRACE_CONTEXTS; bench/results/h100x2/auto_contexts_a10e204).
+    // fresh process) leaves every rank but rank 0 with a CUDA context on GPU 0 as well, hundreds of MiB of GPU 0's
+    // memory each (TRIACCEL_TRACE_CONTEXTS lists them; measured: docs/results/data-parallel.md).
     c10::cuda::set_device(device_.index());
     if (config_.execution.vram_budget_bytes() > 0) expandable_.emplace(device_);
     device_scope_->stream.emplace(c10::cuda::getStreamFromPool(false, device_.index()));
@@ -192,9 +192,9 @@ GradBucketsOptions grad_buckets_options(const Config& config) {
   GradBucketsOptions o;
   o.bucket_bytes = static_cast<int64_t>(config.execution.grad_bucket_mb * 1024 * 1024);
   // The last gradients of backward, up to 1 MiB (DDP's first bucket's size, at the other end), reduce on their own:
-  // on two H200s ResNet-18's last bucket held the cap's leftover 20 MB, reduced after backward with the GPU otherwise
-  // idle (0.13 ms of a 7.0 ms step; 0.04 ms with this; over NVLink the steps' speed did not change, the all-reduce
-  // beside backward slowing it as much: bench/results/h200x2/tail_bucket_7e0e28f).
+  // else the last bucket holds whatever the cap left over (for ResNet-18 most of a bucket), reduced after backward with
+  // the GPU otherwise idle; with it only this small bucket is left after backward. Over a fast link the step's time
+  // may not change, the all-reduce beside backward slowing backward as much (measured: docs/results/data-parallel.md).
   o.tail_bytes = std::min<int64_t>(int64_t{1} << 20, o.bucket_bytes / 4);
   o.wire = config.execution.grad_compression == GradCompression::kBf16 ? at::kBFloat16
                                                                         : at::ScalarType::Undefined;
@@ -280,8 +280,9 @@ std::pair<StopRequest, bool> Session::stop_agreed(int64_t step, const std::vecto
     return {own, due};
   }
   TRIACCEL_PROFILE_RANGE("triaccel::stop_agreement");
-  // Gathered through the rendezvous store: a Gloo all-reduce of these few numbers took 2.5 ms of each rank's host a
-  // step, and set the pace of NeuroFlux's two-GPU block steps (bench/results/h200x2/nf_timeline_7e0e28f).
+  // Gathered through the rendezvous store: a Gloo all-reduce of these few numbers costs each rank's host milliseconds
+  // a step, enough to set the pace of short steps such as NeuroFlux's block steps (measured:
+  // docs/results/data-parallel.md).
   std::vector<double> mine{own == StopRequest::kInterrupt ? 1.0 : 0.0, own == StopRequest::kTerminate ? 1.0 : 0.0,
                            dist.rank() == 0 && due ? 1.0 : 0.0};
   mine.insert(mine.end(), row.begin(), row.end());

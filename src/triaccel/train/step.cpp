@@ -311,10 +311,10 @@ void TrainStep::grads_release() {
 
 void TrainStep::run(const at::Tensor& images, const at::Tensor& labels, double lr) {
   // The optimizer's state before the first forward, not after the first backward (where the optimizer would make it):
-  // there it took the holes the freed activations left, and under a --vram-budget those partly used 20 MiB pages of
-  // the allocator's expandable segments stayed reserved for good — on the H100, ResNet-18 b96's momentum kept 80 MB
-  // mapped around 102 MB of weights and state at 0.3 GB, which the step's CUDA graph (a pool of its own) could not
-  // use, so captures whose eager steps fit ran out of memory.
+  // there it would take the holes the freed activations left, and under a --vram-budget those partly used 20 MiB
+  // pages of the allocator's expandable segments would stay mapped for good around the state, memory the step's CUDA
+  // graph (a pool of its own) cannot use, so captures whose eager steps fit would run out of memory (measured:
+  // docs/results/memory-planner.md).
   optimizer_.state_init();
   lr_.fill_(lr);
   graph_.run([this](const at::Tensor& x, const at::Tensor& y) { body(x, y); }, images, labels);

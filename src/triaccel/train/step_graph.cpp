@@ -73,7 +73,7 @@ bool StepGraph::capture(const Body& body, const at::Tensor& x, const at::Tensor&
   g->x = x;  // the caller's tensors become the graph's static inputs (no copy); later steps are copied into them
   g->y = y;
   // What the last eager step left (its gradients) goes back first: the capture's pool cannot reuse those blocks,
-  // and under a budget the two copies together did not fit (ResNet-18 at 0.5-0.62 GB on the H100).
+  // and under a tight budget the two copies together may not fit (measured: docs/results/memory-planner.md).
   if (options_.before_replay) options_.before_replay();
   std::string error;
   g->graph = cuda_graph_capture(
