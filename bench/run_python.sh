@@ -14,7 +14,7 @@ source "$(dirname "$0")/device_env.sh"
 cifar10_bin
 export PYTHONPATH="$(pwd)/.device/python"
 python3 -c "import triaccel" || { echo "the carried Python module does not import here (python $(python3 -V))"; exit 1; }
-python3 bench/python_resnet18.py "$DATA" "$WORK/runs" --epochs "${EPOCHS:-2}" --seed "${SEED:-0}" \
+python3 bench/python_resnet18.py "$DATA" "$WORK/runs" --epochs "${EPOCHS:-2}" --seeds "${SEED:-0}" --arms units,builtin,eager \
   --json "$FINAL_OUT/python_resnet18.json" 2>"$WORK/progress.log"
 status=$?
 [ $status -eq 0 ] || tail -20 "$WORK/progress.log"
