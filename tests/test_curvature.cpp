@@ -256,11 +256,23 @@ std::shared_ptr<Model> small_cnn_make() {
   return model_create(options);
 }
 
+// The probe's options these tests were written for: the Hessian's, k = 5 (the paper's), tol 1e-3, the whole batch
+// in one pass (the run's defaults are the Fisher's, k = 1, tol 0.01, chunks of the estimator's own); each test sets
+// what it varies.
+CurvatureOptions hessian_probe_options() {
+  CurvatureOptions o;
+  o.top_k = 5;
+  o.tol = 1e-3;
+  o.chunk = 0;
+  o.estimator = CurvatureEstimator::kHessian;
+  return o;
+}
+
 // A batch of 8 random 28×28 images and labels drawn from `seed`, and probe options for it (top-2, batch 8).
 struct ProbeBatch {
   at::Tensor images;  // (8, 1, 28, 28)
   at::Tensor labels;  // (8)
-  CurvatureOptions options;
+  CurvatureOptions options = hessian_probe_options();
 };
 ProbeBatch probe_batch(uint64_t seed, int max_iters) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -467,7 +479,7 @@ TEST(CurvatureRoundTest, FisherLabelsComeFromTheModelAndApproachTheOutputLayersH
   auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
   const at::Tensor inputs = at::randn({24, 1, 28, 28}, gen);
   const at::Tensor truth = at::randint(0, 10, {24}, gen, at::kLong);
-  CurvatureOptions options;
+  CurvatureOptions options = hessian_probe_options();
   options.top_k = 1;
   options.max_iters = 60;
   options.tol = 1e-7;
@@ -553,7 +565,7 @@ TEST(CurvatureProbeTest, SmallCnnOneEntryPerUnitAndModelUnchanged) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
   const at::Tensor images = at::randn({12, 1, 28, 28}, gen);       // (12, 1, 28, 28), fp32
   const at::Tensor labels = at::randint(0, 10, {12}, gen, at::kLong);  // (12)
-  CurvatureOptions options;
+  CurvatureOptions options = hessian_probe_options();
   options.top_k = 3;
   options.max_iters = 4;
   options.batch = 8;
@@ -717,6 +729,8 @@ TEST(CurvatureControllerTest, AProbeUsesTheSamplesThatFitTheRoomThePlanLeaves) {
   const at::Tensor labels = at::randint(0, 10, {32}, gen, at::kLong);
   const auto make = [&]() {
     CurvatureControllerOptions co;
+    co.lr_mean_one = false;
+    co.probe = hessian_probe_options();
     co.ctrl_every = 1;
     co.budget = 0;  // every unit at every probe: the stem is always the earliest
     co.lr_scaling = false;
@@ -818,7 +832,7 @@ GpuProbeRig resnet18_on_gpu(uint64_t seed) {
 TEST(CurvatureProbeTest, CudaGraphedProductsGiveTheEagerEigenvalues) {
   TRIACCEL_SKIP_WITHOUT_GPU();
   const auto [model, images, labels] = resnet18_on_gpu(21);
-  CurvatureOptions options;
+  CurvatureOptions options = hessian_probe_options();
   options.top_k = 2;
   options.max_iters = 6;
   options.tol = 0.0;  // every eigenvalue takes all its products: the counts must match exactly
@@ -868,7 +882,7 @@ TEST(CurvatureRoundTest, ReplayedPassesReadTheCurrentWeights) {
   for (const CurvatureEstimator estimator : {CurvatureEstimator::kHessian, CurvatureEstimator::kFisher}) {
     SCOPED_TRACE(enum_name(estimator));
     const auto [model, images, labels] = resnet18_on_gpu(23);
-    CurvatureOptions options;
+    CurvatureOptions options = hessian_probe_options();
     options.top_k = 1;
     options.max_iters = 4;
     options.tol = 0.0;
@@ -926,7 +940,7 @@ void expect_user_error(const CurvatureOptions& options, const std::string& messa
 TEST(CurvatureOptionsTest, ValidateNamesTheFlag) {
   CurvatureOptions options;
   EXPECT_NO_THROW(options.validate());
-  EXPECT_EQ(options.top_k, 5);          // the paper's k
+  EXPECT_EQ(options.top_k, 1);          // the run's curv_top_k: λ_max (the paper's k is 5)
   EXPECT_EQ(options.batch, 32);         // b_curv
   EXPECT_EQ(options.every_steps, 200);  // T_curv
 

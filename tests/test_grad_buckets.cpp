@@ -68,7 +68,7 @@ constexpr int64_t kLayerBytes = 1100;
 TEST_F(GradBucketsTest, BucketsStartInOrderWhileBackwardRunsAndHoldTheSums) {
   const at::Tensor x = torch::randn({8, 16});
   const std::vector<at::Tensor> ref = reference(x);
-  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined}, doubling());
+  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined, 0}, doubling());
   // Last layer first: {bias, weight} of layer 3, then 2, 1, 0.
   const std::vector<std::vector<size_t>> expected{{7, 6}, {5, 4}, {3, 2}, {1, 0}};
   EXPECT_EQ(buckets.buckets(), expected);
@@ -104,7 +104,7 @@ TEST_F(GradBucketsTest, BucketsStartInOrderWhileBackwardRunsAndHoldTheSums) {
 TEST_F(GradBucketsTest, TheLastGradientsMakeASmallBucketOfTheirOwn) {
   const at::Tensor x = torch::randn({8, 16});
   const std::vector<at::Tensor> ref = reference(x);
-  GradBucketsOptions options{2 * kLayerBytes, at::ScalarType::Undefined};
+  GradBucketsOptions options{2 * kLayerBytes, at::ScalarType::Undefined, 0};
   options.tail_bytes = kLayerBytes;
   GradBuckets buckets(params, options, doubling());
   const std::vector<std::vector<size_t>> expected{{7, 6, 5, 4}, {3, 2}, {1, 0}};
@@ -124,7 +124,7 @@ TEST_F(GradBucketsTest, TheLastGradientsMakeASmallBucketOfTheirOwn) {
 TEST_F(GradBucketsTest, APassAbandonedMidwayLeavesNothingForTheNextArm) {
   const at::Tensor x = torch::randn({8, 16});
   const std::vector<at::Tensor> ref = reference(x);
-  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined}, doubling());
+  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined, 0}, doubling());
   buckets.arm();
   // Only the last layer's parameters: its bucket starts, the others wait for gradients that never come.
   (layers[3]->forward(x).square().sum()).backward();
@@ -143,7 +143,7 @@ TEST_F(GradBucketsTest, APassAbandonedMidwayLeavesNothingForTheNextArm) {
 TEST_F(GradBucketsTest, Bf16OnTheWireIsSummedAndCastBack) {
   const at::Tensor x = torch::randn({8, 16});
   const std::vector<at::Tensor> ref = reference(x);
-  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::kBFloat16}, doubling());
+  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::kBFloat16, 0}, doubling());
   buckets.arm();
   forward(x).backward();
   buckets.finish();
@@ -161,21 +161,21 @@ TEST_F(GradBucketsTest, Bf16OnTheWireIsSummedAndCastBack) {
 TEST_F(GradBucketsTest, TheirBytesAreWhatThePlansCount) {
   int64_t n = 0;
   for (const auto& p : params) n += p.numel();
-  for (const GradBucketsOptions& o : {GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined},
-                                      GradBucketsOptions{kLayerBytes, at::kBFloat16},
-                                      GradBucketsOptions{0, at::kBFloat16}}) {
+  for (const GradBucketsOptions& o : {GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined, 0},
+                                      GradBucketsOptions{kLayerBytes, at::kBFloat16, 0},
+                                      GradBucketsOptions{0, at::kBFloat16, 0}}) {
     GradBuckets buckets(params, o, doubling());
     EXPECT_EQ(buckets.bytes(), grad_buckets_bytes(n, o));
   }
   EXPECT_EQ(grad_buckets_bytes(n, GradBucketsOptions{}), 4 * n);
-  EXPECT_EQ(grad_buckets_bytes(n, GradBucketsOptions{0, at::kBFloat16}), 6 * n);
+  EXPECT_EQ(grad_buckets_bytes(n, GradBucketsOptions{0, at::kBFloat16, 0}), 6 * n);
 }
 
 TEST_F(GradBucketsTest, UnarmedPassesAccumulateAndTheLastPassReducesTheirSum) {
   const at::Tensor x1 = torch::randn({8, 16}), x2 = torch::randn({8, 16});
   std::vector<at::Tensor> ref = reference(x1);
   const std::vector<at::Tensor> ref2 = reference(x2);
-  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined}, doubling());
+  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined, 0}, doubling());
   forward(x1).backward();  // a micro-batch before the last: no reduction
   EXPECT_TRUE(started.empty());
   // A product through torch::autograd::grad (as the curvature probe's) runs no reduction either.
@@ -191,7 +191,7 @@ TEST_F(GradBucketsTest, UnarmedPassesAccumulateAndTheLastPassReducesTheirSum) {
 
 TEST_F(GradBucketsTest, AnUnusedLayerAndAnEmptyShareReduceZerosOrWhatTheyHold) {
   const at::Tensor x = torch::randn({8, 16});
-  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined}, doubling());
+  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined, 0}, doubling());
   // The last pass skips layer 0: its bucket (the last) cannot start from a hook; finish() starts it with zeros.
   buckets.arm();
   at::Tensor h = x;
@@ -219,7 +219,7 @@ TEST_F(GradBucketsTest, AnUnusedLayerAndAnEmptyShareReduceZerosOrWhatTheyHold) {
 TEST_F(GradBucketsTest, APoisonedPassSendsNaNInTheBucketsNotYetStarted) {
   const at::Tensor x = torch::randn({8, 16});
   const std::vector<at::Tensor> ref = reference(x);
-  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined}, doubling());
+  GradBuckets buckets(params, GradBucketsOptions{kLayerBytes, at::ScalarType::Undefined, 0}, doubling());
   buckets.arm();
   (layers[3]->forward(x).square().sum()).backward();  // only the last layer's bucket starts
   ASSERT_EQ(buckets.started_during_backward(), 1);
@@ -254,7 +254,7 @@ TEST(GradBucketsLayoutTest, AGradientIsItsBucketSlotInTheParametersLayout) {
   w.mutable_grad() = at::Tensor();
   b.mutable_grad() = at::Tensor();
   at::Tensor flat;
-  GradBuckets buckets({w, b}, GradBucketsOptions{1 << 20, at::ScalarType::Undefined}, [&](const at::Tensor& t) {
+  GradBuckets buckets({w, b}, GradBucketsOptions{1 << 20, at::ScalarType::Undefined, 0}, [&](const at::Tensor& t) {
     flat = t;
     at::Tensor u = t;
     return DistWork([u]() mutable { u.mul_(2); });
@@ -273,7 +273,7 @@ TEST(GradBucketsLayoutTest, AGradientIsItsBucketSlotInTheParametersLayout) {
 TEST_F(GradBucketsTest, ZeroBytesIsOneBucketStartedAfterBackward) {
   const at::Tensor x = torch::randn({8, 16});
   const std::vector<at::Tensor> ref = reference(x);
-  GradBuckets buckets(params, GradBucketsOptions{0, at::ScalarType::Undefined}, doubling());
+  GradBuckets buckets(params, GradBucketsOptions{0, at::ScalarType::Undefined, 0}, doubling());
   ASSERT_EQ(buckets.buckets().size(), 1u);
   buckets.arm();
   forward(x).backward();

@@ -49,6 +49,7 @@ CurvatureController::CurvatureController(CurvatureControllerOptions options, Mod
       probe_images_(std::move(probe_images)),
       probe_labels_(std::move(probe_labels)) {
   options_.probe.validate();
+  options_.lockstep = options_.lockstep_rounds();
   unit_of_param_ = model_unit_of_params(model_, optimizer_.params());
   const size_t n_units = model_.units().size();
   unit_lr_scale_.assign(n_units, 1.0);

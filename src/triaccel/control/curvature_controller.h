@@ -21,15 +21,19 @@
 
 namespace triaccel {
 
+// The defaults here are the run's (Config's ctrl_every, curv_budget, curv_alpha, curv_lr_mean, curv_lockstep and
+// ta_curvature read them).
 struct CurvatureControllerOptions {
-  int64_t ctrl_every = 50;     // steps per control window: probes happen at window ends only
-  double budget = 0.05;        // share of training time for probes (0: every curvature.every_steps)
-  double alpha = -1;           // α; < 0: 1 / (0.9-quantile of λ_max) once every unit has been probed
-  bool lr_scaling = true;      // false: probe for the precision policy only (ablation)
-  bool lr_mean_one = false;    // the lr scales divided by their parameter-weighted mean (lr_scales_mean_one)
+  int64_t ctrl_every = 50;     // ctrl_every: steps per control window: probes happen at window ends only
+  double budget = 0.05;        // curv_budget: share of training time for probes (0: every curvature.every_steps)
+  double alpha = -1;           // curv_alpha: α; < 0: 1 / (0.9-quantile of λ_max) once every unit has been probed
+  bool lr_scaling = true;      // ta_curvature; false: probe for the precision policy only (ablation)
+  bool lr_mean_one = true;     // curv_lr_mean: the lr scales over their parameter-weighted mean (lr_scales_mean_one)
   CurvatureOptions probe;      // k, iterations, batch, T_curv, seed, graphs, clock
-  // Every unit each round, by one CurvatureRound (k = 1; its pass replays a CUDA graph on a GPU); the schedule then
-  // plans whole rounds with the last steady round's cost.
+  // curv_lockstep: every unit each round, by one CurvatureRound (k = 1; its pass replays a CUDA graph on a GPU); the
+  // schedule then plans whole rounds with the last steady round's cost. The Fisher's rounds are lockstep whatever this
+  // says (lockstep_rounds()). Off by default for the Hessian: a first round costs more than a short run's share, and
+  // its graph's pool is not in the memory plan (docs/tri-accel.md).
   bool lockstep = false;
   // Lockstep rounds with a run of known length (the trainer's total steps; 0: unknown): the budget is the whole run's
   // (round_pace_due) — the rounds it still pays for are spread evenly over the steps left, the first round's cost
@@ -42,6 +46,9 @@ struct CurvatureControllerOptions {
   // step's graph (skipped "no step graph" while the step runs eagerly).
   bool share_step_pool = false;
   std::vector<int64_t> probe_samples;  // the dataset indices of the probe batch (for the event)
+
+  // Whether the controller runs lockstep rounds: when asked, and always for the Fisher (it has no per-unit probe).
+  bool lockstep_rounds() const { return lockstep || probe.estimator == CurvatureEstimator::kFisher; }
 };
 
 // The per-unit lr scales divided by their mean weighted by each unit's parameter count, so that the network's mean

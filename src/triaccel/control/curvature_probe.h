@@ -67,10 +67,12 @@ constexpr int64_t kFisherChunk = 4;
 // against 0.54 s) and its passes 2.3× faster (14.6 against 33 ms). The Hessian's double backward keeps cuDNN.
 bool probe_cudnn_auto(const Model& model, CurvatureEstimator estimator);
 
+// The defaults here are the run's (Config's curv_* options read them): a probe built in C++ runs what the CLI runs.
 struct CurvatureOptions {
-  int top_k = 5;               // curv_top_k: eigenvalues per unit (paper: 5)
+  // curv_top_k: eigenvalues per unit. λ_max is what the lr scale and the precision promotion use; the paper's k is 5.
+  int top_k = 1;
   int max_iters = 20;          // curv_max_iters: power-iteration steps per eigenvalue
-  double tol = 1e-3;           // stop when the Rayleigh quotient changes by less than tol, relative
+  double tol = 0.01;           // curv_tol: stop when the Rayleigh quotient changes by less than tol, relative
   int64_t batch = 32;          // curv_batch: samples the probe uses (paper: b_curv = 32)
   int64_t every_steps = 200;   // curv_every: training steps between probes (paper: T_curv = 200)
   uint64_t seed = 0;           // start vectors of the power iteration (the run's seed)
@@ -81,9 +83,10 @@ struct CurvatureOptions {
   bool cudnn = true;
   // curv_chunk: CurvatureRound's samples per forward/backward (0: the whole batch; -1: the estimator's own,
   // kHessianChunk or kFisherChunk).
-  int64_t chunk = 0;
+  int64_t chunk = -1;
   int warm_passes = 0;         // CurvatureRound: a warm round's most passes (0: max_iters)
-  CurvatureEstimator estimator = CurvatureEstimator::kHessian;  // CurvatureRound's; curvature_probe is the Hessian's
+  // curv_estimator: CurvatureRound's (the Fisher needs top_k 1); curvature_probe is the Hessian's whatever this says.
+  CurvatureEstimator estimator = CurvatureEstimator::kFisher;
   const Clock* clock = nullptr;  // what times the probe and each unit (nullptr: the steady clock)
 
   // Throws UserError naming the flag and the bad value.

@@ -12,6 +12,7 @@
 #include "triaccel/core/profile.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/baoc_optimizer.h"
+#include "triaccel/run/component_options.h"
 #include "triaccel/run/memory_setup.h"
 #include "triaccel/run/rank_rows.h"
 #include "triaccel/train/checkpoint.h"
@@ -156,13 +157,7 @@ Trainer::Trainer(Session& session)
                     placed(session.loader_options(LoaderRole::kTrain), memory_->placement), session.device()),
       test_loader_(session.data().test, session.data().mean, session.data().std,
                    placed(session.loader_options(LoaderRole::kEval), memory_->placement), session.device()),
-      scaler_([&] {
-        LossScalerOptions lso;
-        // Tri-Accel may put units in fp16 at any window: the loss scaler runs from the start.
-        lso.enabled = config_.execution.precision == PrecisionMode::kAmpFP16 ||
-                      config_.execution.method == Method::kTriAccel;
-        return lso;
-      }(), session.device()),
+      scaler_(loss_scaler_options(config_), session.device()),
       // Evaluation (and Tri-Accel's calibration phase) uses bf16 for tri-accel, the chosen mode otherwise.
       eval_precision_(config_.execution.method == Method::kTriAccel ? PrecisionMode::kAmpBF16
                                                                     : config_.execution.precision),
@@ -196,11 +191,7 @@ Trainer::Trainer(Session& session)
   budget_floor_check();
 
   const int64_t steps_per_epoch = train_loader_.steps_per_epoch();
-  schedule_.base_lr = config_.optim.lr;
-  schedule_.decay = config_.schedule.lr_decay;
-  schedule_.total_steps = steps_per_epoch * config_.schedule.epochs;
-  schedule_.warmup_steps = static_cast<int64_t>(
-      std::llround(config_.schedule.warmup_epochs_resolved() * static_cast<double>(steps_per_epoch)));
+  schedule_ = schedule_options(config_, steps_per_epoch);
   schedule_.validate();
   restore();
 
@@ -221,11 +212,8 @@ Trainer::Trainer(Session& session)
       session_.dist().active() ? c10::str(", ", session_.dist().world_size(), " processes") : std::string(),
       session_.checkpoint() ? ", resumed at step " + std::to_string(p.step) : ""));
 
-  StepOptions so;
-  so.precision = config_.execution.precision;
-  so.cuda_graphs = config_.execution.cuda_graphs;
+  StepOptions so = step_options(config_);
   so.graph_batch_size = session_.dist().share(config_.schedule.batch_size).second;  // this rank's share
-  so.label_smoothing = config_.optim.label_smoothing;
   so.objective = session_.hooks().objective;
   so.fault_injection = !faults_.empty();
   if (session_.dist().active()) grad_reduce_set(so.grad_reduce);
@@ -324,59 +312,27 @@ void Trainer::controllers_build() {
       train_loader_.epoch_begin(0);
       const int64_t curv_count = std::min(ta.curv_batch, train_loader_.size());
       auto [images, labels] = train_loader_.batch(0, curv_count);
-      CurvatureControllerOptions co;
+      CurvatureControllerOptions co = curvature_controller_options(config_, session_.model());
       co.probe_samples = train_loader_.sample_indices(0, curv_count);
-      co.ctrl_every = ta.ctrl_every;
-      co.budget = ta.curv_budget;
-      co.alpha = ta.curv_alpha;
-      co.lr_scaling = ta.ta_curvature;
-      co.lr_mean_one = ta.curv_lr_mean;
-      co.probe.top_k = static_cast<int>(ta.curv_top_k);
-      co.probe.max_iters = static_cast<int>(ta.curv_max_iters);
-      co.probe.tol = ta.curv_tol;
-      co.probe.batch = ta.curv_batch;
-      co.probe.every_steps = ta.curv_every;
-      co.probe.seed = config_.execution.seed;
-      co.probe.cuda_graphs = config_.execution.cuda_graphs;
       co.probe.clock = &session_.clock();
-      co.probe.chunk = ta.curv_chunk;
-      co.probe.cudnn = ta.curv_cudnn == Toggle::kAuto ? probe_cudnn_auto(session_.model(), ta.curv_estimator)
-                                                      : ta.curv_cudnn == Toggle::kOn;
-      // Off by default: a first round costs more than a short run's share (ResNet-18 on the H100: 1.6 s, 7 % of the
-      // 15-epoch protocol; EfficientNet-B0 at 224: 79 s), and its graph's pool (0.33 GB, 5.8 GB) is not in the
-      // memory plan (docs/tri-accel.md).
-      co.lockstep = ta.curv_lockstep || ta.curv_estimator == CurvatureEstimator::kFisher;
-      // Under a budget the plan fills it with the steps: the rounds take the step graph's pool as scratch.
-      co.share_step_pool = co.lockstep && config_.execution.vram_budget_bytes() > 0 && device_.is_cuda() &&
-                           config_.execution.cuda_graphs;
-      co.probe.estimator = ta.curv_estimator;
       co.probe.warm_passes = kLockstepWarmPasses;
+      // Under a budget the plan fills it with the steps: the rounds take the step graph's pool as scratch.
+      co.share_step_pool = co.lockstep_rounds() && config_.execution.vram_budget_bytes() > 0 && device_.is_cuda() &&
+                           config_.execution.cuda_graphs;
       co.total_steps = config_.schedule.max_steps > 0 ? std::min(schedule_.total_steps, config_.schedule.max_steps)
                                                       : schedule_.total_steps;
       controllers_.push_back(std::make_unique<CurvatureController>(co, session_.model(), *optimizer_, *step_,
                                                                    images, labels));
     }
     if (ta.ta_precision) {
-      PrecisionPolicyOptions po;
-      po.tau_low = ta.tau_low;
-      po.tau_high = ta.tau_high;
-      po.tau_curv = ta.tau_curv;
-      auto precision = std::make_unique<PrecisionController>(po, ta.ctrl_every, session_.model(), *optimizer_, *step_,
-                                                             device_);
+      auto precision = std::make_unique<PrecisionController>(precision_policy_options(config_), ta.ctrl_every,
+                                                             session_.model(), *optimizer_, *step_, device_);
       precision_controller = precision.get();
       controllers_.push_back(std::move(precision));
     }
   }
   if (config_.optim.optimizer == OptimizerKind::kBaoc) {
-    BaocControllerOptions bo;
-    bo.memory_budget = config_.baoc.optim_memory_budget;
-    bo.time_budget = config_.baoc.optim_time_budget;
-    bo.formats = config_.baoc.optim_formats;
-    bo.time_table = config_.baoc.optim_time_table;
-    bo.risk_floor = config_.baoc.optim_risk_floor;
-    bo.plan_warmup = config_.baoc.plan_warmup;
-    bo.replan_every = config_.baoc.replan_every;
-    controllers_.push_back(std::make_unique<BaocController>(bo, session_.model(),
+    controllers_.push_back(std::make_unique<BaocController>(baoc_controller_options(config_), session_.model(),
                                                             static_cast<BaocOptimizer&>(*optimizer_),
                                                             [this]() { step_->invalidate_graph(); }, progress_->step + 1));
   }
@@ -386,10 +342,7 @@ void Trainer::controllers_build() {
   // Batch sizes: bucketed halving after out of memory; under a vram_budget, Tri-Accel's elastic batch (the paper's
   // rule on the measured peak) every control window. The lr follows the batch by lr_batch_rule.
   const int64_t budget = config_.execution.vram_budget_bytes();
-  batch_rules_.min_batch = std::min<int64_t>(batch_rules_.min_batch, config_.schedule.batch_size);
-  batch_rules_.max_batch = std::max<int64_t>(config_.schedule.batch_size, std::min<int64_t>(4096, train_loader_.size()));
-  batch_rules_.budget_bytes = budget;
-  batch_rules_.lr_rule = config_.schedule.lr_batch_rule;
+  batch_rules_ = batch_controller_options(config_, train_loader_.size());
   const bool elastic = config_.execution.method == Method::kTriAccel && ta.ta_batch && budget > 0 &&
                        config_.execution.batch_policy == BatchPolicy::kElastic &&
                        (device_.is_cuda() || session_.hooks().memory_signal);

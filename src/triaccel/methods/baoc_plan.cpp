@@ -4,6 +4,7 @@
 #include "triaccel/core/errors.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/optim/baoc_optimizer.h"
+#include "triaccel/run/component_options.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/schedule.h"
 #include "triaccel/train/step.h"
@@ -25,20 +26,12 @@ Json baoc_plan_warmup(Session& session) {
   LossScalerOptions lso;
   lso.enabled = config.execution.precision == PrecisionMode::kAmpFP16;
   LossScaler scaler(lso, device);
-  StepOptions so;
-  so.precision = config.execution.precision;
-  so.cuda_graphs = config.execution.cuda_graphs;
+  StepOptions so = step_options(config);
   so.graph_batch_size = config.schedule.batch_size;
-  so.label_smoothing = config.optim.label_smoothing;
   so.objective = session.hooks().objective;
   TrainStep step(session.model(), *optimizer, scaler, so, device);
-  BaocControllerOptions bo;
-  bo.memory_budget = config.baoc.optim_memory_budget;
-  bo.time_budget = config.baoc.optim_time_budget;
-  bo.formats = config.baoc.optim_formats;
-  bo.time_table = config.baoc.optim_time_table;
-  bo.risk_floor = config.baoc.optim_risk_floor;
-  bo.plan_warmup = warmup;
+  BaocControllerOptions bo = baoc_controller_options(config);
+  bo.replan_every = 0;  // the warm-up ends with its one plan
   // The budgets are checked first (the controller refuses one no plan can meet), then the warm-up's length.
   BaocController controller(bo, session.model(), static_cast<BaocOptimizer&>(*optimizer),
                             [&step]() { step.invalidate_graph(); }, 1);
@@ -46,12 +39,7 @@ Json baoc_plan_warmup(Session& session) {
                        option_ref("plan_warmup"), " ", warmup, " steps: raise ", option_ref("epochs"), " or lower ",
                        option_ref("plan_warmup"));
 
-  ScheduleOptions schedule;
-  schedule.base_lr = config.optim.lr;
-  schedule.decay = config.schedule.lr_decay;
-  schedule.total_steps = loader.steps_per_epoch() * config.schedule.epochs;
-  schedule.warmup_steps = static_cast<int64_t>(std::llround(config.schedule.warmup_epochs_resolved() *
-                                                            static_cast<double>(loader.steps_per_epoch())));
+  const ScheduleOptions schedule = schedule_options(config, loader.steps_per_epoch());
   schedule.validate();
   const int64_t batch = config.schedule.batch_size;
   at::Tensor images = loader.batch_images_empty(batch), labels = loader.batch_labels_empty(batch);

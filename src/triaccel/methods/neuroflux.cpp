@@ -203,12 +203,10 @@ void NeuroFluxRun::plan_make() {
   // training split (held-out part included) and the test split resident.
   budget_ = explicit_budget_ ? static_cast<double>(config_.execution.vram_budget_bytes())
                              : profile_.backprop_bytes(config_.schedule.batch_size) + resident_;
+  po_ = partition_options(config_);
   po_.budget_bytes = budget_;
   po_.base_bytes = resident_;
   po_.samples = n_train_;
-  po_.epochs = config_.schedule.epochs;
-  po_.max_batch = config_.neuroflux.nf_max_batch;
-  po_.target_batch = config_.schedule.batch_size;
   if (!device_.is_cuda()) {  // the CPU: slower, saturated at small batches, and its "host cache" is just memory
     po_.bytes_per_s = 5e9;
     po_.sat_batch = 32;

@@ -86,23 +86,15 @@ BlockTrainer::BlockTrainer(Session& session, const BlockPlan& bp, size_t b, size
     buckets_ = std::make_unique<GradBuckets>(params_, grad_buckets_options(config_),
                                              [&dist](const at::Tensor& flat) { return dist.all_reduce_sum_start(flat); });
   }
-  SgdOptions so;
-  so.momentum = config_.optim.momentum;
-  so.nesterov = config_.optim.nesterov;
-  so.weight_decay = config_.optim.weight_decay;
-  sgd_ = std::make_unique<Sgd>(named, so);
+  sgd_ = std::make_unique<Sgd>(named, sgd_options(config_));
   if (b == 0) {
     LoaderOptions lo = train_lo_;
     lo.batch_size = bp.batch;
     train_aug_ = std::make_unique<Loader>(train_set, session_.data().mean, session_.data().std, lo, device);
   }
   const int64_t steps_per_epoch = (n_train_ + bp.batch - 1) / bp.batch;
-  sched_.base_lr = config_.optim.lr * lr_scale_for_batch(config_.schedule.lr_batch_rule, bp.batch,
-                                                          config_.schedule.batch_size);
-  sched_.decay = config_.schedule.lr_decay;
-  sched_.total_steps = steps_per_epoch * config_.schedule.epochs;
-  sched_.warmup_steps = static_cast<int64_t>(
-      std::llround(config_.schedule.warmup_epochs_resolved() * static_cast<double>(steps_per_epoch)));
+  sched_ = schedule_options(config_, steps_per_epoch);
+  sched_.base_lr *= lr_scale_for_batch(config_.schedule.lr_batch_rule, bp.batch, config_.schedule.batch_size);
   sched_.validate();
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   lr_ = at::zeros({1}, f32);

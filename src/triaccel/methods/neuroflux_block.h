@@ -18,6 +18,7 @@
 #include "triaccel/methods/activation_cache.h"
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/sgd.h"
+#include "triaccel/run/component_options.h"
 #include "triaccel/run/rank_rows.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/grad_buckets.h"

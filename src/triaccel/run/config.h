@@ -5,18 +5,27 @@
 // arguments, `--help` and parsing from text. Adding an option: one field line in its section (+ its check in the
 // section's validate(), + a line in the README where users need it). Past parsing every choice is an enum.
 //
+// An option that a component reads has its default in the component's options struct (CurvatureOptions::top_k for
+// curv_top_k); the section's field is initialized from it, and run/component_options.h builds each component's options
+// from a Config. tests/test_option_defaults.cpp checks that a default Config builds every component's default options.
+//
 // Options whose default depends on another option (AdamW's lr and weight decay) are resolved by resolve(), which
 // knows which keys the user set (`given`).
 #pragma once
 
+#include "triaccel/control/baoc_controller.h"
 #include "triaccel/control/batch_controller.h"
+#include "triaccel/control/curvature_controller.h"
 #include "triaccel/control/curvature_probe.h"
+#include "triaccel/control/partitioner.h"
+#include "triaccel/control/precision_policy.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/enum_names.h"
 #include "triaccel/core/json.h"
 #include "triaccel/data/dataset.h"
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/optimizer.h"
+#include "triaccel/train/grad_buckets.h"
 #include "triaccel/train/precision.h"
 #include "triaccel/train/schedule.h"
 
@@ -139,13 +148,14 @@ struct ModelConfig {
 struct OptimConfig {
   static constexpr const char* kTitle = "Optimizer";
   OptimizerKind optimizer = OptimizerKind::kSgd;
-  double lr = 0.1;               // adamw/baoc: 1e-3 unless given (resolve)
-  double momentum = 0.9;
-  bool nesterov = true;
-  double weight_decay = 5e-4;    // adamw/baoc: 1e-2 unless given (resolve); never on norms and biases
-  double adam_beta1 = 0.9;
-  double adam_beta2 = 0.999;
-  double adam_eps = 1e-8;
+  double lr = ScheduleOptions{}.base_lr;  // adamw/baoc: 1e-3 unless given (resolve)
+  double momentum = OptimizerOptions{}.momentum;
+  bool nesterov = OptimizerOptions{}.nesterov;
+  // adamw/baoc: 1e-2 unless given (resolve); never on norms and biases
+  double weight_decay = OptimizerOptions{}.weight_decay;
+  double adam_beta1 = OptimizerOptions{}.beta1;
+  double adam_beta2 = OptimizerOptions{}.beta2;
+  double adam_eps = OptimizerOptions{}.eps;
   double label_smoothing = 0.0;
 
   template <typename S, typename V>
@@ -161,8 +171,8 @@ struct ScheduleConfig {
   int64_t max_steps = 0;         // 0: no limit; the schedule always spans `epochs`
   int64_t batch_size = 128;
   double warmup_epochs = -1.0;   // < 0: auto = min(1, 0.1 × epochs)
-  LrDecay lr_decay = LrDecay::kCosine;
-  LrBatchRule lr_batch_rule = LrBatchRule::kSqrt;
+  LrDecay lr_decay = ScheduleOptions{}.decay;
+  LrBatchRule lr_batch_rule = BatchControllerOptions{}.lr_rule;
 
   template <typename S, typename V>
   static void fields(S& s, V&& v);
@@ -192,7 +202,8 @@ struct ExecutionConfig {
   int64_t nproc = 1;             // data-parallel processes on this host (docs/distributed.md)
   DistBackend dist_backend = DistBackend::kAuto;
   GradCompression grad_compression = GradCompression::kNone;
-  double grad_bucket_mb = 25;    // data parallelism's gradient buckets (MiB; 0: one collective after backward)
+  // data parallelism's gradient buckets (MiB; 0: one collective after backward)
+  double grad_bucket_mb = static_cast<double>(GradBucketsOptions{}.bucket_bytes) / (1 << 20);
   Toggle shard_optimizer = Toggle::kAuto;  // ZeRO stage 1 (auto: when a vram_budget on several ranks binds)
   bool sync_bn = false;
 
@@ -220,29 +231,31 @@ struct OutputConfig {
   void validate() const;
 };
 
-// Tri-Accel (--method tri-accel; docs/tri-accel.md). Thresholds < 0 calibrate themselves.
+// Tri-Accel (--method tri-accel; docs/tri-accel.md). Thresholds < 0 calibrate themselves. The defaults are the
+// curvature controller's (control/curvature_controller.h), its probe's (control/curvature_probe.h) and the precision
+// policy's (control/precision_policy.h).
 struct TriAccelConfig {
   static constexpr const char* kTitle = "Tri-Accel (method tri-accel)";
-  int64_t ctrl_every = 50;       // T_ctrl: steps per control window
-  int64_t curv_every = 200;      // T_curv: steps between curvature probes
-  int64_t curv_batch = 32;       // b_curv
-  int64_t curv_top_k = 1;        // λ_max is what the lr scale and the precision promotion use; 5: the paper's k
-  int64_t curv_max_iters = 20;
-  double curv_tol = 0.01;        // power iteration stops when λ moves less than this, relative
-  double curv_budget = 0.05;     // probes take at most this share of training time (0: every T_curv)
-  bool curv_lockstep = false;    // every unit each round, one captured pass per power-iteration step
+  int64_t ctrl_every = CurvatureControllerOptions{}.ctrl_every;  // T_ctrl: steps per control window
+  int64_t curv_every = CurvatureOptions{}.every_steps;           // T_curv: steps between curvature probes
+  int64_t curv_batch = CurvatureOptions{}.batch;                 // b_curv
+  int64_t curv_top_k = CurvatureOptions{}.top_k;
+  int64_t curv_max_iters = CurvatureOptions{}.max_iters;
+  double curv_tol = CurvatureOptions{}.tol;
+  double curv_budget = CurvatureControllerOptions{}.budget;       // share of training time (0: every T_curv)
+  bool curv_lockstep = CurvatureControllerOptions{}.lockstep;    // every unit each round, one captured pass a step
   // fisher: lockstep rounds on the MC Fisher; unless given, fisher when curv_top_k is 1, else hessian (resolve)
-  CurvatureEstimator curv_estimator = CurvatureEstimator::kFisher;
-  int64_t curv_chunk = -1;       // lockstep: samples per forward/backward; 0: curv_batch; -1: hessian 16, fisher 4
+  CurvatureEstimator curv_estimator = CurvatureOptions{}.estimator;
+  int64_t curv_chunk = CurvatureOptions{}.chunk;  // lockstep: samples per pass; 0: curv_batch; -1: the estimator's
   Toggle curv_cudnn = Toggle::kAuto;  // the probes' convolutions through cuDNN; auto: probe_cudnn_auto
-  double curv_alpha = -1;        // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
-  bool curv_lr_mean = true;      // the lr scales divided by their parameter-weighted mean (false: the paper's rule)
+  double curv_alpha = CurvatureControllerOptions{}.alpha;         // α in η_l = η0 / (1 + α·λ_max); < 0: calibrated
+  bool curv_lr_mean = CurvatureControllerOptions{}.lr_mean_one;   // false: the paper's rule
   bool curv_checkpoint = false;  // a checkpoint at each probe's step (the weights it probed)
-  double tau_low = -1;
-  double tau_high = -1;
-  double tau_curv = -1;
+  double tau_low = PrecisionPolicyOptions{}.tau_low;
+  double tau_high = PrecisionPolicyOptions{}.tau_high;
+  double tau_curv = PrecisionPolicyOptions{}.tau_curv;
   bool ta_precision = true;      // ablation switches
-  bool ta_curvature = true;
+  bool ta_curvature = CurvatureControllerOptions{}.lr_scaling;
   bool ta_batch = true;          // the memory-elastic batch (under a vram_budget)
 
   template <typename S, typename V>
@@ -250,16 +263,20 @@ struct TriAccelConfig {
   void validate() const;
 };
 
-// BAOC (--optimizer baoc; docs/baoc.md).
+// BAOC (--optimizer baoc; docs/baoc.md). The defaults are BaocControllerOptions' (control/baoc_controller.h).
 struct BaocConfig {
   static constexpr const char* kTitle = "BAOC (optimizer baoc)";
-  std::string optim_memory_budget = "25%";  // bytes ("200MB") or a percentage of fp32 AdamW's state
-  std::string optim_time_budget;            // "": none, or "1.1x" of fp32 AdamW's step time (time model)
-  std::string optim_formats;                // "": all; else a comma-separated menu
-  std::string optim_time_table;             // bench_optim_step JSON with measured step times ("": the model)
-  int64_t plan_warmup = 50;                 // steps of fp32 AdamW gathering statistics before the first plan
-  int64_t replan_every = 0;                 // steps between re-plans (0: plan once)
-  double optim_risk_floor = 1.0;            // RiskOptions::unit_floor
+  // bytes ("200MB") or a percentage of fp32 AdamW's state
+  std::string optim_memory_budget = BaocControllerOptions{}.memory_budget;
+  // "": none, or "1.1x" of fp32 AdamW's step time (time model)
+  std::string optim_time_budget = BaocControllerOptions{}.time_budget;
+  std::string optim_formats = BaocControllerOptions{}.formats;  // "": all; else a comma-separated menu
+  // bench_optim_step JSON with measured step times ("": the model)
+  std::string optim_time_table = BaocControllerOptions{}.time_table;
+  // steps of fp32 AdamW gathering statistics before the first plan
+  int64_t plan_warmup = BaocControllerOptions{}.plan_warmup;
+  int64_t replan_every = BaocControllerOptions{}.replan_every;  // steps between re-plans (0: plan once)
+  double optim_risk_floor = BaocControllerOptions{}.risk_floor;  // RiskOptions::unit_floor
 
   template <typename S, typename V>
   static void fields(S& s, V&& v);
@@ -269,7 +286,7 @@ struct BaocConfig {
 // NeuroFlux (--method neuroflux; docs/neuroflux.md).
 struct NeuroFluxConfig {
   static constexpr const char* kTitle = "NeuroFlux (method neuroflux)";
-  int64_t nf_max_batch = 512;
+  int64_t nf_max_batch = PartitionOptions{}.max_batch;
   int64_t nf_holdout = 5000;
   double nf_exit_tolerance = 1.0;
   ProfileChoice nf_profile = ProfileChoice::kAuto;

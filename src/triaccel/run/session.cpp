@@ -188,19 +188,6 @@ void module_state_broadcast(Dist& dist, const std::vector<const torch::nn::Modul
   dist.broadcast(state, 0);
 }
 
-GradBucketsOptions grad_buckets_options(const Config& config) {
-  GradBucketsOptions o;
-  o.bucket_bytes = static_cast<int64_t>(config.execution.grad_bucket_mb * 1024 * 1024);
-  // The last gradients of backward, up to 1 MiB (DDP's first bucket's size, at the other end), reduce on their own:
-  // else the last bucket holds whatever the cap left over (for ResNet-18 most of a bucket), reduced after backward with
-  // the GPU otherwise idle; with it only this small bucket is left after backward. Over a fast link the step's time
-  // may not change, the all-reduce beside backward slowing backward as much (measured: docs/results/data-parallel.md).
-  o.tail_bytes = std::min<int64_t>(int64_t{1} << 20, o.bucket_bytes / 4);
-  o.wire = config.execution.grad_compression == GradCompression::kBf16 ? at::kBFloat16
-                                                                        : at::ScalarType::Undefined;
-  return o;
-}
-
 void method_agree(Dist& dist, Method chosen) {
   if (!dist.active()) return;
   const double neuroflux = dist.all_reduce_sum({chosen == Method::kNeuroFlux ? 1.0 : 0.0})[0];

@@ -19,6 +19,7 @@
 #include "triaccel/data/dataset.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/models/model.h"
+#include "triaccel/run/component_options.h"
 #include "triaccel/run/config.h"
 #include "triaccel/run/progress.h"
 #include "triaccel/train/checkpoint.h"
@@ -42,10 +43,6 @@ std::mutex& model_build_mutex();
 // Data parallelism: every rank takes rank 0's parameters and buffers of `modules` (in place, one broadcast), as
 // PyTorch's DDP starts its replicas: the Session's model, NeuroFlux's heads. A no-op with one process.
 void module_state_broadcast(Dist& dist, const std::vector<const torch::nn::Module*>& modules);
-
-// The gradient buckets of data parallelism as the configuration asks: their size (grad_bucket_mb) and what goes on
-// the wire (grad_compression: bf16, or the gradients' own dtype).
-GradBucketsOptions grad_buckets_options(const Config& config);
 
 // Method auto decides in each process, from its own GPU's plan (api::run): every rank must train with the same method.
 // A no-op with one process, or when every rank chose `chosen`; else UserError on every rank naming the split and

@@ -35,14 +35,17 @@ namespace triaccel {
 // Starts the sum over the ranks of `flat` in place (Dist::all_reduce_sum_start); the returned work waits for it.
 using GradBucketStart = std::function<DistWork(const at::Tensor& flat)>;
 
+// The defaults here are the run's (Config's grad_bucket_mb reads bucket_bytes; grad_buckets_options derives tail_bytes
+// from it the same way).
 struct GradBucketsOptions {
-  int64_t bucket_bytes = 0;  // > 0: buckets of about this many gradient bytes, started during backward; 0: one, after
+  // grad_bucket_mb: > 0: buckets of about this many gradient bytes, started during backward; 0: one, after backward.
+  int64_t bucket_bytes = int64_t{25} << 20;
   at::ScalarType wire = at::ScalarType::Undefined;  // the dtype the sums run in (kBFloat16: compression); Undefined:
                                                     // the gradients' own
   // > 0 (with bucket_bytes): the gradients backward produces last, up to this many bytes, make a bucket of their own,
   // so the bucket before it starts while they are computed and only this small one is left after backward (else the
   // last bucket is whatever the cap left over: ResNet-18's 20 of 45 MB, reduced with the GPU otherwise idle).
-  int64_t tail_bytes = 0;
+  int64_t tail_bytes = int64_t{1} << 20;
 };
 
 // The bytes the buckets of `params` parameters hold, allocated with them and kept: a float32 copy of every gradient,
