@@ -301,20 +301,12 @@ std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>&
   return curv;
 }
 
-Events CurvatureController::after_step(StepContext& ctx) {
-  Events events;
-  if (last_call_s_ >= 0) {
-    training_s_ += ctx.now_s - last_call_s_;
-  }
-  const bool window = ctx.step % options_.ctrl_every == 0;
-  const bool due = window && (next_probe_step_ < 0 || ctx.step >= next_probe_step_);
-  if (!due) {
-    last_call_s_ = ctx.now_s;
-    return events;
-  }
+// This round's units (units_due); with several ranks, rank 0's choice for every rank (the credit follows each rank's
+// clock).
+std::vector<size_t> CurvatureController::units_agreed(StepContext& ctx) {
   std::vector<size_t> chosen = units_due(ctx.step);
   const size_t n_all = model_.units().size();
-  if (ctx.agree) {  // the credit follows each rank's clock: rank 0's choice for every rank
+  if (ctx.agree) {
     std::vector<double> mask(n_all, 0.0);
     for (size_t u : chosen) mask[u] = 1.0;
     mask = ctx.agree(std::move(mask));
@@ -323,54 +315,15 @@ Events CurvatureController::after_step(StepContext& ctx) {
       if (mask[u] != 0) chosen.push_back(u);
     }
   }
-  // Not enough credit yet: try again after the next T_curv; paced lockstep rounds, at the next window.
-  if (chosen.empty()) {
-    if (!paced()) next_probe_step_ = ctx.step + options_.probe.every_steps;
-    last_call_s_ = ctx.now_s;
-    return events;
-  }
-  next_probe_step_ = ctx.step + options_.probe.every_steps;
-  if (options_.lockstep && options_.share_step_pool) {
-    // The round is a side graph of the step's (rank 0's state for every rank: the skip must agree).
-    double eager = step_.graph().captured() ? 0.0 : 1.0;
-    if (ctx.agree) eager = ctx.agree({eager})[0];
-    if (eager != 0) {
-      events.push_back({event::kCurvature, Json{{"skipped", "no step graph"}, {"next_probe_step", next_probe_step_}}});
-      last_call_s_ = ctx.now_s;
-      return events;
-    }
-  }
+  return chosen;
+}
+
+// A probe's results: each probed unit's λ_max, cost and lr scale kept, the step's per-unit λ_max for the other
+// controllers, and the curvature event.
+void CurvatureController::probe_record(StepContext& ctx, const std::vector<size_t>& chosen,
+                                       const std::vector<UnitCurvature>& curv, double seconds, int64_t samples,
+                                       double probe_bytes, Events& events) {
   const size_t n_units = model_.units().size();
-  // The GPU finishes the steps queued before the probe first: training time (on the H100 it was a third of a warm
-  // Fisher round's measured time).
-  device_synchronize(probe_images_.device());
-  const double synced_s = clock_.now_s();
-  training_s_ += synced_s - ctx.now_s;
-  double seconds = 0;
-  std::vector<UnitCurvature> curv;
-  int64_t samples = 0;
-  double probe_bytes = -1;  // what the probe allocated above what was held (< 0: not measured)
-  try {
-    curv = probe_sized(ctx, chosen, &samples, &probe_bytes, &seconds);
-    if (samples == 0) {
-      // Not even kMinProbeSamples fit beside what the run holds: no probe this time; the credit keeps accruing.
-      events.push_back({event::kCurvature, Json{{"skipped", "no memory"}, {"room_bytes", last_room_bytes_},
-                                                {"next_probe_step", next_probe_step_}}});
-      probe_seconds_ += seconds;
-      last_call_s_ = clock_.now_s();
-      return events;
-    }
-    if (ctx.agree) agree_results(ctx, chosen, &curv, &seconds);
-  } catch (const c10::OutOfMemoryError&) {
-    // With several ranks a skip on one rank alone would put it out of step: the error ends the run (a rank that dies
-    // ends the job; the last checkpoint resumes).
-    if (ctx.agree) throw;
-    // Under a tight --vram-budget the probe may not fit beside the captured step: skip it, train on.
-    memory_cache_release(probe_images_.device());
-    events.push_back({event::kCurvature, Json{{"skipped", "out of memory"}, {"next_probe_step", next_probe_step_}}});
-    last_call_s_ = clock_.now_s();
-    return events;
-  }
   probe_seconds_ += seconds;
   if (options_.lockstep) {
     last_round_step_ = ctx.step;
@@ -427,6 +380,68 @@ Events CurvatureController::after_step(StepContext& ctx) {
                                             {"cudnn", options_.probe.cudnn},
                                             {"round_cost_s", round_cost_s_ >= 0 ? Json(round_cost_s_) : Json()},
                                             {"round", round_json()}}});
+}
+
+Events CurvatureController::after_step(StepContext& ctx) {
+  Events events;
+  if (last_call_s_ >= 0) {
+    training_s_ += ctx.now_s - last_call_s_;
+  }
+  const bool window = ctx.step % options_.ctrl_every == 0;
+  const bool due = window && (next_probe_step_ < 0 || ctx.step >= next_probe_step_);
+  if (!due) {
+    last_call_s_ = ctx.now_s;
+    return events;
+  }
+  const std::vector<size_t> chosen = units_agreed(ctx);
+  // Not enough credit yet: try again after the next T_curv; paced lockstep rounds, at the next window.
+  if (chosen.empty()) {
+    if (!paced()) next_probe_step_ = ctx.step + options_.probe.every_steps;
+    last_call_s_ = ctx.now_s;
+    return events;
+  }
+  next_probe_step_ = ctx.step + options_.probe.every_steps;
+  if (options_.lockstep && options_.share_step_pool) {
+    // The round is a side graph of the step's (rank 0's state for every rank: the skip must agree).
+    double eager = step_.graph().captured() ? 0.0 : 1.0;
+    if (ctx.agree) eager = ctx.agree({eager})[0];
+    if (eager != 0) {
+      events.push_back({event::kCurvature, Json{{"skipped", "no step graph"}, {"next_probe_step", next_probe_step_}}});
+      last_call_s_ = ctx.now_s;
+      return events;
+    }
+  }
+  // The GPU finishes the steps queued before the probe first: that time is training's, not the probe's (a large
+  // share of a warm round's time otherwise).
+  device_synchronize(probe_images_.device());
+  const double synced_s = clock_.now_s();
+  training_s_ += synced_s - ctx.now_s;
+  double seconds = 0;
+  std::vector<UnitCurvature> curv;
+  int64_t samples = 0;
+  double probe_bytes = -1;  // what the probe allocated above what was held (< 0: not measured)
+  try {
+    curv = probe_sized(ctx, chosen, &samples, &probe_bytes, &seconds);
+    if (samples == 0) {
+      // Not even kMinProbeSamples fit beside what the run holds: no probe this time; the credit keeps accruing.
+      events.push_back({event::kCurvature, Json{{"skipped", "no memory"}, {"room_bytes", last_room_bytes_},
+                                                {"next_probe_step", next_probe_step_}}});
+      probe_seconds_ += seconds;
+      last_call_s_ = clock_.now_s();
+      return events;
+    }
+    if (ctx.agree) agree_results(ctx, chosen, &curv, &seconds);
+  } catch (const c10::OutOfMemoryError&) {
+    // With several ranks a skip on one rank alone would put it out of step: the error ends the run (a rank that dies
+    // ends the job; the last checkpoint resumes).
+    if (ctx.agree) throw;
+    // Under a tight --vram-budget the probe may not fit beside the captured step: skip it, train on.
+    memory_cache_release(probe_images_.device());
+    events.push_back({event::kCurvature, Json{{"skipped", "out of memory"}, {"next_probe_step", next_probe_step_}}});
+    last_call_s_ = clock_.now_s();
+    return events;
+  }
+  probe_record(ctx, chosen, curv, seconds, samples, probe_bytes, events);
   last_call_s_ = clock_.now_s();  // the probe's own time is not training time
   return events;
 }

@@ -96,6 +96,9 @@ class CurvatureController final : public StepController {
 
  private:
   std::vector<size_t> units_due(int64_t step);  // this round's units at `step`; advances nothing
+  std::vector<size_t> units_agreed(StepContext& ctx);
+  void probe_record(StepContext& ctx, const std::vector<size_t>& chosen, const std::vector<UnitCurvature>& curv,
+                    double seconds, int64_t samples, double probe_bytes, Events& events);
   // Data parallelism: rank 0's probe results (eigenvalues, products, seconds of `chosen`) on every rank.
   void agree_results(const StepContext& ctx, const std::vector<size_t>& chosen, std::vector<UnitCurvature>* curv,
                      double* seconds) const;

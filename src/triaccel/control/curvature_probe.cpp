@@ -510,6 +510,36 @@ const CurvatureRound::Timing& CurvatureRound::timing() const { return s_->timing
 const at::Tensor& CurvatureRound::labels() const { return s_->y; }
 int64_t CurvatureRound::chunk() const { return s_->chunk(); }
 
+namespace {
+
+// One lockstep pass's readings (per unit with parameters, in order: the Rayleigh quotient and ‖H·v‖) applied to the
+// units still iterating: λ takes the quotient; a unit is done when ‖H·v‖ is 0 or not finite (converged if λ is
+// finite), or, after the first pass, when λ moved less than `tol` relative.
+void pass_readings_apply(const double* h, const std::vector<int64_t>& numel, bool first_pass, double tol,
+                         std::vector<double>& lambda, std::vector<int>& iterations, std::vector<bool>& done,
+                         std::vector<bool>& converged) {
+  for (size_t u = 0; u < numel.size(); ++u) {
+    if (numel[u] == 0) continue;
+    const double quotient = *h++;
+    const double w_norm = *h++;
+    if (done[u]) continue;
+    const double previous = lambda[u];
+    lambda[u] = quotient;
+    ++iterations[u];
+    if (w_norm == 0.0 || !std::isfinite(w_norm)) {
+      done[u] = true;
+      converged[u] = std::isfinite(lambda[u]);
+      continue;
+    }
+    if (!first_pass && std::abs(lambda[u] - previous) <= tol * std::abs(lambda[u])) {
+      done[u] = true;
+      converged[u] = true;
+    }
+  }
+}
+
+}  // namespace
+
 std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
   TRIACCEL_PROFILE_RANGE("triaccel::curvature_round");
   State& s = *s_;
@@ -568,25 +598,8 @@ std::vector<UnitCurvature> CurvatureRound::run(double* wall_seconds) {
         ++replays;
         if (s.timing.fastest_replay_s < 0 || pass_s < s.timing.fastest_replay_s) s.timing.fastest_replay_s = pass_s;
       }
-      const double* h = host.data_ptr<double>();
-      for (size_t u = 0; u < n_units; ++u) {
-        if (s.numel[u] == 0) continue;
-        const double quotient = *h++;
-        const double w_norm = *h++;
-        if (done[u]) continue;
-        const double previous = lambda[u];
-        lambda[u] = quotient;
-        ++iterations[u];
-        if (w_norm == 0.0 || !std::isfinite(w_norm)) {
-          done[u] = true;
-          converged[u] = std::isfinite(lambda[u]);
-          continue;
-        }
-        if (it > 0 && std::abs(lambda[u] - previous) <= s.options.tol * std::abs(lambda[u])) {
-          done[u] = true;
-          converged[u] = true;
-        }
-      }
+      pass_readings_apply(host.data_ptr<double>(), s.numel, it == 0, s.options.tol, lambda, iterations, done,
+                          converged);
     }
     if (replays > 0) s.timing.replay_s = replay_total / replays;
     state.restore();
