@@ -25,7 +25,8 @@ Json unit_names_json(const Model& model) {
 }
 
 // cuDNN autotuning off for the probe's scope: benchmarking the double-backward convolutions tries algorithms with
-// workspaces of gigabytes, which set the run's memory peak (3.05 GB instead of ~0.4 GB on the H100 smoke run).
+// workspaces of gigabytes, which then set the run's memory peak at several times the training's own (measured:
+// docs/results/memory-planner.md).
 class CudnnHeuristics {
  public:
   CudnnHeuristics() { at::globalContext().setBenchmarkCuDNN(false); }
@@ -173,8 +174,8 @@ void CurvatureController::apply_lr_scales() {
 std::vector<size_t> CurvatureController::units_due(int64_t step) {
   // All units on the fixed schedule (budget 0); else the next ones, round-robin from the output end (their products
   // are the cheapest), while their cost fits the credit. A unit never probed is estimated at twice the dearest probed
-  // one (the next unit in the order sits deeper, so its products backpropagate further: ResNet-18's layer4.1 cost
-  // 3.4x fc on the H100); the very first round probes one unit to learn the cost.
+  // one (the next unit in the order sits deeper, so its products backpropagate further and cost several times those
+  // near the output; measured: docs/results/tri-accel.md); the very first round probes one unit to learn the cost.
   const size_t n_units = model_.units().size();
   std::vector<size_t> chosen;
   // Lockstep: a whole round when one is due (round_due).
@@ -284,10 +285,10 @@ std::vector<UnitCurvature> CurvatureController::probe(const std::vector<size_t>&
   std::vector<UnitCurvature> curv =
       curvature_probe(model_, probe_images_, probe_labels_, sized, seconds, &warm_start_, &chosen);
   if (bootstrap && options_.budget > 0) {
-    // The first probe pays once for cuDNN's fp32 plans of every layer (ResNet-18 on the H100: fc's first probe
-    // 0.25–0.39 s, later ones ~10 ms). Estimating the other units from it starved the schedule: two or three units
-    // probed in 15 epochs. Probing the unit again from its warm start measures its steady cost (charged to the
-    // credit too).
+    // The first probe pays once for cuDNN's fp32 plans of every layer, so it costs many times a later one.
+    // Estimating the other units from it starved the schedule: a few units probed in a whole run (measured:
+    // docs/results/tri-accel.md). Probing the unit again from its warm start measures its steady cost (charged to
+    // the credit too).
     double again_s = 0;
     const auto again = curvature_probe(model_, probe_images_, probe_labels_, sized, &again_s, &warm_start_, &chosen);
     *seconds += again_s;

@@ -37,9 +37,9 @@ struct CurvatureControllerOptions {
   bool lockstep = false;
   // Lockstep rounds with a run of known length (the trainer's total steps; 0: unknown): the budget is the whole run's
   // (round_pace_due) — the rounds it still pays for are spread evenly over the steps left, the first round's cost
-  // (its capture: ResNet-18 on the H100, 0.45–0.70 s against 0.07 s a warm round) taken out of it once. Without a
-  // known length each round waits for the credit the steps before it accrued (a 15-epoch ResNet-18 run probed 1–3
-  // times, the longest stretch unprobed 11–15 epochs).
+  // (its capture, several times a warm round's cost) taken out of it once. Without a known length each round waits
+  // for the credit the steps before it accrued, and a run is probed only a few times, most of it in one unprobed
+  // stretch (measured: docs/results/tri-accel.md).
   int64_t total_steps = 0;
   // Lockstep rounds in the training step's CUDA-graph pool (CurvatureRound::share_pool): under a --vram-budget,
   // whose plan fills the budget with the steps and leaves no room for a pool of the rounds' own. A round waits for the
@@ -62,8 +62,8 @@ void lr_scales_mean_one(std::vector<double>* scales, const std::vector<int64_t>&
 // the probes spent; it pays for m = ⌊left / round_cost_s⌋ more rounds, spread evenly over the steps from the last
 // round to the end: the next is due (total_steps − last_round_step) / (m + 1) steps after the last. Spending runs
 // ahead of the credit accrued so far and ends within budget × training time when the projection holds. step_s is the
-// rate since the last round: the run's average, slowed by its first epoch (H100, ResNet-18: 2.3 s against 1.4 s
-// later), projected rounds the run then did not pay for and left its last 4.5 epochs unprobed.
+// rate since the last round: the run's average, slowed by its first epoch (slower than the later ones), projected
+// rounds the run then did not pay for and left its last epochs unprobed (measured: docs/results/tri-accel.md).
 struct RoundPace {
   double budget = 0;            // share of training time for the rounds
   double training_s = 0;        // training time so far (rounds excluded)

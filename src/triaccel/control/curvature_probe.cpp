@@ -200,8 +200,8 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
       } else {
         HvpOperator op(params, std::move(grads));  // this unit's slice of the shared first-order gradients
         const bool warm = warm_start != nullptr && warm_start->size() == units.size() && !(*warm_start)[i].empty();
-        // A warm start converges in a few products, fewer than a capture costs (ResNet-18 on the H100: a warm probe
-        // 35–180 ms eager, 60–270 ms with the capture): the graph is for cold starts.
+        // A warm start converges in a few products, fewer than a capture costs (a warm probe runs faster eager than
+        // with the capture; measured: docs/results/tri-accel.md): the graph is for cold starts.
         op.graph_after_first_product(options.cuda_graphs && !warm);
         const EigenResult eigen = power_iteration_topk(op, options.top_k, options.max_iters, options.tol,
                                                        options.seed + i,
@@ -399,9 +399,8 @@ struct CurvatureRound::State {
   }
 
   // The pass: replayed when captured. Without a graph yet (and one wanted) it is captured first and replayed — the
-  // eager pass costs as much host work as the capture (ResNet-18 on the H100: 0.68 s eager, 0.29 s capture, at
-  // b_curv 32) — and where that capture fails (a library setting itself up) once more after an eager pass. True when
-  // the pass ran as a replay.
+  // eager pass costs as much host work as the capture (measured: docs/results/tri-accel.md) — and where that capture
+  // fails (a library setting itself up) once more after an eager pass. True when the pass ran as a replay.
   bool run_pass(const Clock& clock) {
 #ifdef TRIACCEL_WITH_CUDA
     if (host) return run_side_pass(clock);

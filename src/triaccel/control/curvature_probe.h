@@ -27,9 +27,9 @@
 namespace triaccel {
 
 // The arithmetic of the probe's forward and Hessian-vector products. The power iteration's vectors and Rayleigh
-// quotients stay fp32 in both modes; the parameters are the fp32 master weights. Runs use fp32: on the H100 the bf16
-// products were no faster (ResNet-18's are bound by host work, EfficientNet-B0's at 224 ran 0.9–1.5x slower) and
-// their λ_1 was off by up to 4 % (ResNet-18) and 2–72 % (EfficientNet-B0); bench_curvature compares the two.
+// quotients stay fp32 in both modes; the parameters are the fp32 master weights. Runs use fp32: the bf16 products
+// were no faster (bound by host work on small models, slower on some larger ones) and their λ_1 was off by a few to
+// tens of % (measured: docs/results/tri-accel.md); bench_curvature compares the two.
 //   fp32: fp32 tensors (cuDNN convolutions as PyTorch allows them by default, with TF32 tensor cores): the reference.
 //   bf16: the forward under bf16 autocast, so the products' convolutions and matmuls run in bf16 with fp32
 //         accumulation (the loss and what autocast keeps in fp32 stay fp32).
@@ -55,16 +55,17 @@ struct EnumNames<CurvatureEstimator> {
                                                             {CurvatureEstimator::kFisher, "fisher"}};
 };
 
-// The rounds' samples per forward/backward by default: the Hessian's memory (a chunk's double-backward graph; H100,
-// ResNet-18: a 325 MB pool at 16), the Fisher's rank (n/m terms) and cost (n/m one-chunk passes per power step).
+// The rounds' samples per forward/backward by default: the Hessian's memory (a chunk's double-backward graph, its
+// pool growing with the chunk; measured: docs/results/memory-planner.md), the Fisher's rank (n/m terms) and cost
+// (n/m one-chunk passes per power step).
 constexpr int64_t kHessianChunk = 16;
 constexpr int64_t kFisherChunk = 4;
 
 // curv_cudnn auto: whether a probe's convolutions go through cuDNN. Off for the Fisher's rounds on a model with grouped
-// (depthwise) convolutions, on otherwise. Measured on the H100 (bench_curvature, docs/results/tri-accel.md): on
-// EfficientNet-B0 at 224 cuDNN spent ~9 s of a 10 s cold round building plans for the probe's shapes, PyTorch's own
-// kernels take 1.0 s (a replayed pass 62 against 39 ms); on ResNet-18 cuDNN's set-up is cheap (a cold round 0.41
-// against 0.54 s) and its passes 2.3× faster (14.6 against 33 ms). The Hessian's double backward keeps cuDNN.
+// (depthwise) convolutions, on otherwise: there cuDNN spends most of a cold round building plans for the probe's
+// shapes, far longer than PyTorch's own kernels take, and its replayed passes are slower too; elsewhere its set-up is
+// cheap and its passes several times faster (bench_curvature; measured: docs/results/tri-accel.md). The Hessian's
+// double backward keeps cuDNN.
 bool probe_cudnn_auto(const Model& model, CurvatureEstimator estimator);
 
 // The defaults here are the run's (Config's curv_* options read them): a probe built in C++ runs what the CLI runs.

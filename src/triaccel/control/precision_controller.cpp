@@ -23,8 +23,8 @@ std::vector<Precision> PrecisionController::affordable(const std::vector<Precisi
   std::vector<Precision> asked = wanted;
   if (fits_ && hold_curvature_) {
     // Under a budget a promotion by curvature stays where it was, unasked: the plan's price for one was wrong every
-    // time it was measured (ResNet-18 under 0.5 GB on the H100: each of 6 ran a step or its capture out of memory,
-    // and the re-plans that followed ran micro-batches, 1.4–1.6× slower, for epochs).
+    // time it was measured (each ran a step or its capture out of memory, and the re-plans that followed ran slower
+    // micro-batches for epochs; measured: docs/results/memory-planner.md).
     for (size_t u = 0; u < asked.size() && u < before.size() && u < state_.promoted.size(); ++u) {
       if (state_.promoted[u] && asked[u] > before[u]) {
         asked[u] = before[u];

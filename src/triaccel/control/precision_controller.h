@@ -46,9 +46,9 @@ class PrecisionController final : public StepController {
   // The last window's raise, after a step at it ran out of memory under a plan that priced it (the trainer calls this
   // before re-planning): the raised units go back where they were, the decision counts as refused (not tried again;
   // the next event names them "memory" when the policy asks for it again). The plan in force before the raise ran,
-  // so keeping it is the cheaper answer: ResNet-18 under 0.5 GB on the H100 ran at 48 × 2 micro-batches for epochs
-  // after re-planning for curvature promotions that did not fit. False when the last window raised nothing or it was
-  // put back already.
+  // so keeping it is the cheaper answer: re-planning for curvature promotions that did not fit left the run in
+  // micro-batches for epochs (measured: docs/results/memory-planner.md). False when the last window raised nothing
+  // or it was put back already.
   bool revert_raise();
 
  private:

@@ -38,8 +38,8 @@ namespace {
 constexpr double kGB = 1e9;
 
 // Lockstep curvature rounds after the first stop after this many power-iteration passes (each unit's λ then sits
-// within a few % of its converged value from the last round's vector): in a 15-epoch ResNet-18 run on the H100 warm
-// Fisher rounds to --curv-tol took 6–11 passes, more than the budget allowed every 3 epochs.
+// within a few % of its converged value from the last round's vector): warm Fisher rounds run to --curv-tol took
+// more passes than the budget pays for with rounds a few epochs apart (measured: docs/results/tri-accel.md).
 constexpr int kLockstepWarmPasses = 4;
 
 LoaderOptions placed(LoaderOptions o, DataPlacement placement) {
@@ -262,8 +262,8 @@ void Trainer::controllers_build() {
           MemoryModelInputs in = memory_->inputs;
           in.unit_precisions = precisions;
           // Traced in the captured step's pool, whose scratch is idle between steps (as for the evaluation): beside
-          // it, under a budget, the trace's few MB did not fit (Tri-Accel ResNet-18 at 0.35 and 0.4 GB on the H100
-          // ended with an out-of-memory error at its first precision decision).
+          // it, under a budget, the trace's few MB need not fit, and the run then ends with an out-of-memory error at
+          // its first precision decision (measured: docs/results/memory-planner.md).
           MemoryModel rebuilt;
           step_->in_graph_pool(
               [&]() { rebuilt = memory_model_build(session_.model(), memory_->sample, in, device_); });

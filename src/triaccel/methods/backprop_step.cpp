@@ -136,8 +136,8 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
     }
     attempt_ += 1;
     // An eager step of another size (the epoch's short last batch) takes its memory from the captured graph's pool
-    // (train/step_graph.h): beside it, under a budget, it did not fit (ResNet-18 b96 at 0.4 GB on the H100: out of
-    // memory even in passes of one sample), and releasing the graph cost a capture an epoch (0.96× at 0.8 GB).
+    // (train/step_graph.h): beside it, under a budget, it need not fit (out of memory even in passes of one sample),
+    // and releasing the graph costs a capture an epoch (measured: docs/results/memory-planner.md).
     {
       TRIACCEL_PROFILE_RANGE("triaccel::step");
       step_->run(images, labels, lr);

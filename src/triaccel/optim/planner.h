@@ -23,7 +23,7 @@ double optim_time_budget_parse(const std::string& text, double adamw_fp32_second
 // param, grad and state, write param and state) at kModelBandwidth; the GPU micro-benchmark
 // (bench/bench_optim_step.cpp) measures the real figures, which can replace these.
 struct StepTimeModel {
-  static constexpr double kModelBandwidth = 3.0e12;  // bytes / s (H100 HBM3 order of magnitude)
+  static constexpr double kModelBandwidth = 3.0e12;  // bytes / s (a Hopper GPU's HBM bandwidth, order of magnitude)
   std::vector<double> seconds_per_element;           // indexed by StateFormat
   std::string source = "bytes-moved model";          // or the benchmark file the times come from
   StepTimeModel();

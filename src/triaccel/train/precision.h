@@ -58,9 +58,9 @@ class AutocastScope {
 // The forward of a model whose units run at their own precisions (Tri-Accel; precisions as applied on the device).
 // Each unit's input is cast to the unit's dtype at its entry, and 16-bit units run under autocast in that dtype. The
 // cast matters for the ops autocast leaves alone: a residual add of a bf16 block output and an fp32 (or fp16)
-// identity promotes to fp32, and the fp32 stream then runs on through every later unit of the stage (ResNet-18
-// peaked at 0.73 GB with an fp32 stem and 0.82 GB with fp16 after bf16 units, against 0.62 GB in bf16 throughout,
-// on the H100 before this cast). `unit_input` (tests) sees each unit's input after the cast.
+// identity promotes to fp32, and the fp32 stream then runs on through every later unit of the stage, raising the
+// memory peak above that of a run in bf16 throughout (measured: docs/results/memory-planner.md). `unit_input`
+// (tests) sees each unit's input after the cast.
 at::Tensor unit_precision_forward(Model& model, const at::Tensor& images, const std::vector<Precision>& precisions,
                                   const c10::Device& device,
                                   const std::function<void(size_t, const at::Tensor&)>& unit_input = {});
