@@ -9,7 +9,7 @@
 //                        [--chunk -1] [--cudnn-rounds true] [--out FILE]
 // --estimators: also whole rounds of every unit (CurvatureRound) per estimator; --precisions "" skips the per-unit
 // probes.
-#include "triaccel/control/curvature_probe.h"
+#include "triaccel/control/curvature/curvature_probe.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/enum_names.h"
 #include "triaccel/core/io.h"

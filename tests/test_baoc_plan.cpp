@@ -5,9 +5,9 @@
 #include "triaccel/core/io.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/allocation.h"
-#include "triaccel/control/baoc_controller.h"
+#include "triaccel/control/optimizer_state/baoc_controller.h"
 #include "triaccel/optim/baoc_optimizer.h"
-#include "triaccel/optim/planner.h"
+#include "triaccel/control/optimizer_state/format_plan.h"
 #include "triaccel/optim/risk.h"
 #include "triaccel/optim/signals.h"
 
@@ -169,7 +169,7 @@ TEST(PlannerTest, BudgetsParse) {
 
 TEST(PlannerTest, ChoosesTheLowRiskCheapFormatsAndSaysTheMinimumWhenTheBudgetIsTooSmall) {
   // Two equal units: A quantizes badly, B has unstable gradients (momentum matters).
-  std::vector<PlanUnitInput> units = {{"A", {{100, 10}}}, {"B", {{100, 10}}}};
+  std::vector<FormatPlanUnit> units = {{"A", {{100, 10}}}, {"B", {{100, 10}}}};
   UnitSignals a, b;
   a.quant_error_8bit = 0.5;
   a.cos_successive = a.cos_momentum = 1;  // stable: momentum-free formats cost nothing
@@ -180,22 +180,22 @@ TEST(PlannerTest, ChoosesTheLowRiskCheapFormatsAndSaysTheMinimumWhenTheBudgetIsT
   b.quant_error_8bit = 0.01;
   b.cos_successive = b.cos_momentum = -0.5;
   b.factor_error = 0.01;
-  PlannerOptions o;
+  FormatPlanOptions o;
   o.memory_budget = "20%";  // 3200 bytes: too little for bf16 on B (4000)
-  const Plan plan = plan_solve(units, {a, b}, o);
+  const FormatPlan plan = format_plan_solve(units, {a, b}, o);
   ASSERT_EQ(plan.units.size(), 2u);
   EXPECT_EQ(plan.adamw_fp32_bytes, 16000);
   EXPECT_LE(plan.bytes, 3200);
   EXPECT_EQ(plan.units[0].format, StateFormat::kFactored);  // cheap and (almost) riskless for the stable unit
   EXPECT_EQ(plan.units[1].format, StateFormat::kAdamW8);   // keeps momentum, quantizes well
-  const Json j = plan_to_json(plan);
+  const Json j = format_plan_to_json(plan);
   EXPECT_EQ(j["units"][1]["format"], "adamw-8bit");
   EXPECT_EQ(j["adamw_fp32_bytes"], 16000);
 
   o.formats = {StateFormat::kAdamW32, StateFormat::kAdamW8};
   o.memory_budget = "10%";
   try {
-    plan_solve(units, {a, b}, o);
+    format_plan_solve(units, {a, b}, o);
     FAIL() << "expected a UserError";
   } catch (const UserError& e) {
     const std::string msg = e.what();
@@ -207,7 +207,7 @@ TEST(PlannerTest, ChoosesTheLowRiskCheapFormatsAndSaysTheMinimumWhenTheBudgetIsT
 TEST(PlannerTest, LookupUnitsKeepPerElementMoments) {
   // Unit A is stable (momentum-free formats cost nothing) and quantizes badly: as a plain unit it goes factored;
   // as a lookup unit (an embedding table) only fp32 / bf16 / 8-bit are offered, and 8-bit is what fits.
-  std::vector<PlanUnitInput> units = {{"A", {{100, 10}}}, {"B", {{100, 10}}}};
+  std::vector<FormatPlanUnit> units = {{"A", {{100, 10}}}, {"B", {{100, 10}}}};
   UnitSignals a, b;
   a.quant_error_8bit = 0.5;
   a.cos_successive = a.cos_momentum = 1;
@@ -217,20 +217,20 @@ TEST(PlannerTest, LookupUnitsKeepPerElementMoments) {
   b.cos_successive = b.cos_momentum = -0.5;
   b.precond_error = 0.5;
   b.factor_error = 0.01;
-  PlannerOptions o;
+  FormatPlanOptions o;
   o.memory_budget = "30%";  // 4800 bytes: both 8-bit (2 × 2016) fit, bf16 (4000) + anything does not
-  EXPECT_EQ(plan_solve(units, {a, b}, o).units[0].format, StateFormat::kFactored);
+  EXPECT_EQ(format_plan_solve(units, {a, b}, o).units[0].format, StateFormat::kFactored);
   units[0].lookup = true;
-  const Plan plan = plan_solve(units, {a, b}, o);
+  const FormatPlan plan = format_plan_solve(units, {a, b}, o);
   EXPECT_EQ(plan.units[0].format, StateFormat::kAdamW8);
   EXPECT_EQ(plan.units[1].format, StateFormat::kAdamW8);
-  EXPECT_TRUE(plan_to_json(plan)["units"][0]["lookup"].get<bool>());
+  EXPECT_TRUE(format_plan_to_json(plan)["units"][0]["lookup"].get<bool>());
   // A menu without per-element formats is honoured (a uniform run stays uniform).
   o.formats = {StateFormat::kSgd};
-  EXPECT_EQ(plan_solve(units, {a, b}, o).units[0].format, StateFormat::kSgd);
-  EXPECT_EQ(plan_unit_menu(units[0], state_formats_all()),
+  EXPECT_EQ(format_plan_solve(units, {a, b}, o).units[0].format, StateFormat::kSgd);
+  EXPECT_EQ(format_plan_unit_menu(units[0], state_formats_all()),
             (std::vector<StateFormat>{StateFormat::kAdamW32, StateFormat::kAdamW16, StateFormat::kAdamW8}));
-  EXPECT_EQ(plan_unit_menu(units[1], state_formats_all()), state_formats_all());
+  EXPECT_EQ(format_plan_unit_menu(units[1], state_formats_all()), state_formats_all());
 }
 
 TEST(PlannerTest, MeasuredStepTimesDecideUnderATimeBudget) {
@@ -244,22 +244,22 @@ TEST(PlannerTest, MeasuredStepTimesDecideUnderATimeBudget) {
   rows.push_back(Json{{"system", "libtorch"}, {"time", Json{{"median_ms", 3.0}}}});
   const std::string path = dir.file("optim_step.json");
   file_write_atomic(path, Json{{"bench", "optim_step"}, {"params", 1000}, {"rows", rows}}.dump());
-  PlannerOptions o;
+  FormatPlanOptions o;
   o.time_model = step_time_model_from_bench(path);
   EXPECT_DOUBLE_EQ(o.time_model.seconds(StateFormat::kAdamW8, 1000), 1.5e-3);
-  std::vector<PlanUnitInput> units = {{"A", {{100, 10}}}};
+  std::vector<FormatPlanUnit> units = {{"A", {{100, 10}}}};
   UnitSignals s;
   s.quant_error_8bit = 0.001;  // 8-bit is nearly free in risk
   s.factor_error = 0.3;
   s.precond_error = 0.3;
   s.cos_successive = s.cos_momentum = 0;
   o.memory_budget = "30%";
-  EXPECT_EQ(plan_solve(units, {s}, o).units[0].format, StateFormat::kAdamW8);
+  EXPECT_EQ(format_plan_solve(units, {s}, o).units[0].format, StateFormat::kAdamW8);
   o.time_budget = "1.2x";  // 1.2 ms: 8-bit (1.5 ms) no longer fits
-  const Plan timed = plan_solve(units, {s}, o);
+  const FormatPlan timed = format_plan_solve(units, {s}, o);
   EXPECT_NE(timed.units[0].format, StateFormat::kAdamW8);
   EXPECT_LE(timed.time_s, 1.2e-3 + 1e-12);
-  EXPECT_EQ(plan_to_json(timed)["time_model"], path);
+  EXPECT_EQ(format_plan_to_json(timed)["time_model"], path);
   file_write_atomic(path, Json{{"bench", "optim_step"}, {"params", 1000}, {"rows", Json::array()}}.dump());
   EXPECT_THROW(step_time_model_from_bench(path), UserError);
   EXPECT_THROW(step_time_model_from_bench(dir.file("missing.json")), UserError);

@@ -1,7 +1,7 @@
 // BatchController on made-up memory signals: the paper's grow/shrink rule, the growth guard, buckets, OOM back-off,
 // the lr rule.
 #include "triaccel/core/errors.h"
-#include "triaccel/control/batch_controller.h"
+#include "triaccel/control/batch/batch_policy.h"
 
 #include <gtest/gtest.h>
 
@@ -10,8 +10,8 @@
 namespace triaccel {
 namespace {
 
-BatchControllerOptions options_1gb() {
-  BatchControllerOptions o;
+BatchPolicyOptions options_1gb() {
+  BatchPolicyOptions o;
   o.budget_bytes = 1'000'000'000;
   return o;  // rho 0.70 / 0.90, steps 32, bucket 16, batch in [16, 4096]
 }
@@ -19,14 +19,14 @@ BatchControllerOptions options_1gb() {
 TEST(BatchControllerTest, GrowsShrinksAndHolds) {
   const auto o = options_1gb();
   // 200 MB static + 2 MB per sample at batch 96 = 392 MB < 700 MB: grow to 128 (predicted 456 MB).
-  BatchDecision d = batch_controller_step(o, 96, {392'000'000, 200'000'000});
+  BatchDecision d = batch_policy_step(o, 96, {392'000'000, 200'000'000});
   EXPECT_EQ(d.batch, 128);
   EXPECT_EQ(d.reason, "grow");
   EXPECT_NEAR(d.predicted_peak_bytes, 456e6, 1.0);
-  d = batch_controller_step(o, 256, {950'000'000, 200'000'000});  // above 900 MB: shrink by 32
+  d = batch_policy_step(o, 256, {950'000'000, 200'000'000});  // above 900 MB: shrink by 32
   EXPECT_EQ(d.batch, 224);
   EXPECT_EQ(d.reason, "shrink");
-  d = batch_controller_step(o, 256, {800'000'000, 200'000'000});  // between: hold
+  d = batch_policy_step(o, 256, {800'000'000, 200'000'000});  // between: hold
   EXPECT_FALSE(d.changed);
   EXPECT_EQ(d.reason, "hold");
 }
@@ -34,10 +34,10 @@ TEST(BatchControllerTest, GrowsShrinksAndHolds) {
 TEST(BatchControllerTest, GrowthNeverPlansPastRhoHigh) {
   const auto o = options_1gb();
   // 100 MB static + 6 MB/sample at 96 = 676 MB < 700 MB; at 128 the model predicts 868 MB ≤ 900 MB: grow.
-  BatchDecision d = batch_controller_step(o, 96, {676'000'000, 100'000'000});
+  BatchDecision d = batch_policy_step(o, 96, {676'000'000, 100'000'000});
   EXPECT_EQ(d.batch, 128);
   // 50 MB static + 10 MB/sample at 64 = 690 MB < 700 MB, but 96 would need 1010 MB > 900 MB: hold.
-  d = batch_controller_step(o, 64, {690'000'000, 50'000'000});
+  d = batch_policy_step(o, 64, {690'000'000, 50'000'000});
   EXPECT_NEAR(d.predicted_peak_bytes, 1010e6, 1.0);
   EXPECT_FALSE(d.changed);
   EXPECT_EQ(d.reason, "hold: growth would pass rho_high");
@@ -48,7 +48,7 @@ TEST(BatchControllerTest, BucketsAndBounds) {
   EXPECT_EQ(batch_bucket(o, 100), 96);
   EXPECT_EQ(batch_bucket(o, 5), 16);
   o.max_batch = 128;
-  const BatchDecision d = batch_controller_step(o, 128, {300'000'000, 200'000'000});
+  const BatchDecision d = batch_policy_step(o, 128, {300'000'000, 200'000'000});
   EXPECT_FALSE(d.changed);
   EXPECT_EQ(d.reason, "hold: at max_batch");
 }

@@ -6,9 +6,9 @@
 // enough steps that the Rayleigh quotient error, which falls as (λ_{j+1}/λ_j)^{2t}, is far below the 1e-4 (MLP)
 // and 1e-8 (diagonal) relative tolerances.
 #include "test_util.h"
-#include "triaccel/control/hvp.h"
-#include "triaccel/control/curvature_controller.h"
-#include "triaccel/control/curvature_probe.h"
+#include "triaccel/control/curvature/hvp.h"
+#include "triaccel/control/curvature/curvature_controller.h"
+#include "triaccel/control/curvature/curvature_probe.h"
 
 #include "triaccel/core/errors.h"
 #include "triaccel/models/batch_norm.h"
@@ -510,8 +510,8 @@ TEST(CurvatureRoundTest, FisherLabelsComeFromTheModelAndApproachTheOutputLayersH
   EXPECT_TRUE(at::all(biased.labels() == 3).item<bool>()) << biased.labels();
 }
 
-// curv_cudnn off: every forward of a round (the Fisher's passes, which draw its labels) and of a per-unit probe runs with
-// cuDNN disabled, and the setting the training step had comes back afterwards.
+// curv_cudnn off: every forward of a round (the Fisher's passes, which draw its labels) and of a per-unit probe runs
+// with cuDNN disabled, and the setting the training step had comes back afterwards.
 TEST(CurvatureRoundTest, ProbesWithoutCudnnRunEveryForwardWithItOffAndRestoreIt) {
   const SingleThreadScope single_thread;
   struct Recorder : Model {
@@ -874,8 +874,8 @@ TEST(CurvatureProbeTest, CudaGraphedProductsGiveTheEagerEigenvalues) {
   }
 }
 
-// The captured pass reads the weights as they are at each replay: after an in-place update (what the optimizer does)
-// a replayed round gives the eager round's eigenvalues at the new weights, not the old ones. Both estimators; the vectors
+// The captured pass reads the weights as they are at each replay: after an in-place update (what the optimizer does) a
+// replayed round gives the eager round's eigenvalues at the new weights, not the old ones. Both estimators; the vectors
 // live in host memory and the replayed pass copies them in and out.
 TEST(CurvatureRoundTest, ReplayedPassesReadTheCurrentWeights) {
   TRIACCEL_SKIP_WITHOUT_GPU();

@@ -11,7 +11,7 @@
 #include "triaccel/optim/sgd.h"
 #include "triaccel/train/step.h"
 #include "triaccel/core/events.h"
-#include "triaccel/methods/backprop.h"
+#include "triaccel/methods/backprop_trainer.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

@@ -80,11 +80,11 @@ TEST(OptionDefaultsTest, BaocController) {
 
 // The batch range follows batch_size and the training split: the default batch on a split of 4096 samples or more.
 TEST(OptionDefaultsTest, BatchController) {
-  const BatchControllerOptions built = batch_controller_options(config_default(), 60000);
-  EXPECT_FIELD_DEFAULT(built, BatchControllerOptions, budget_bytes);
-  EXPECT_FIELD_DEFAULT(built, BatchControllerOptions, min_batch);
-  EXPECT_FIELD_DEFAULT(built, BatchControllerOptions, max_batch);
-  EXPECT_FIELD_DEFAULT(built, BatchControllerOptions, lr_rule);
+  const BatchPolicyOptions built = batch_policy_options(config_default(), 60000);
+  EXPECT_FIELD_DEFAULT(built, BatchPolicyOptions, budget_bytes);
+  EXPECT_FIELD_DEFAULT(built, BatchPolicyOptions, min_batch);
+  EXPECT_FIELD_DEFAULT(built, BatchPolicyOptions, max_batch);
+  EXPECT_FIELD_DEFAULT(built, BatchPolicyOptions, lr_rule);
 }
 
 TEST(OptionDefaultsTest, NeuroFluxPartition) {

@@ -1,7 +1,7 @@
 // PrecisionPolicy on made-up signals: the variance rule, self-calibrated thresholds, hysteresis, dwell, curvature
 // promotion. Each expectation is a decision a wrong controller would get wrong.
 #include "triaccel/core/errors.h"
-#include "triaccel/control/precision_policy.h"
+#include "triaccel/control/precision/precision_policy.h"
 
 #include <gtest/gtest.h>
 

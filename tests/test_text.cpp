@@ -13,7 +13,7 @@
 #include "triaccel/run/config.h"
 #include "triaccel/optim/sgd.h"
 #include "triaccel/train/step.h"
-#include "triaccel/methods/backprop.h"
+#include "triaccel/methods/backprop_trainer.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

@@ -7,6 +7,7 @@
 #include "triaccel/core/errors.h"
 #include "triaccel/core/events.h"
 #include "triaccel/core/io.h"
+#include "triaccel/methods/controller_registry.h"
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/optim/sgd.h"
@@ -60,6 +61,68 @@ TEST_F(TrainerTest, EventsLayoutAndLearning) {
   EXPECT_GT(summary["test_acc"].get<double>(), 40.0) << summary.dump();
   EXPECT_TRUE(std::filesystem::exists(out.file("model.pt")));
   EXPECT_TRUE(std::filesystem::exists(out.file("checkpoint.pt")));
+}
+
+// A new controller is its own class and one registry entry (docs/architecture.md, "a controller"): registered from
+// here, it runs after every step of a run, its events reach events.jsonl, its state reaches the checkpoint and a
+// resumed run restores it; unregistered, a run no longer builds it.
+class StepCounter final : public StepController {
+ public:
+  explicit StepCounter(std::vector<int64_t>* seen) : seen_(seen) {}
+  const char* state_key() const override { return "step_counter"; }
+  Events after_step(StepContext& ctx) override {
+    seen_->push_back(ctx.step);
+    ++calls_;
+    if (calls_ % 5 == 0) return {Event{"step_counter", Json{{"calls", calls_}}}};
+    return {};
+  }
+  Json state() const override { return Json{{"calls", calls_}}; }
+  void restore(const Json& state) override { calls_ = state.value("calls", int64_t{0}); }
+
+ private:
+  std::vector<int64_t>* seen_;
+  int64_t calls_ = 0;
+};
+
+TEST_F(TrainerTest, ARegisteredControllerRunsAfterEveryStepAndResumes) {
+  const std::vector<std::string> builtin = {"curvature", "precision", "baoc", "measure_window", "elastic_batch",
+                                            "memory_plan"};
+  auto names = [] {
+    std::vector<std::string> out;
+    for (const auto& e : controller_registry()) out.push_back(e.name);
+    return out;
+  };
+  EXPECT_EQ(names(), builtin);  // the order they act in: the memory planner last, after precision decisions
+  test::TempDir out("run");
+  std::vector<int64_t> seen;
+  {
+    ControllerRegistration counter({"step_counter", [&seen](ControllerParts&) {
+                                      return std::make_unique<StepCounter>(&seen);
+                                    }});
+    Config first = options(out.path());
+    first.set("max_steps", "4");
+    api::run(first);
+    EXPECT_EQ(seen, (std::vector<int64_t>{1, 2, 3, 4}));
+    EXPECT_EQ(checkpoint_read(out.file("checkpoint.pt")).progress["controllers"]["step_counter"]["calls"], 4);
+
+    Config again = options(out.path());
+    again.set("resume", out.path());
+    api::run(again);  // 12 steps in all: the counter restored at 4 counts on to 12
+    EXPECT_EQ(seen.size(), 12u);
+    EXPECT_EQ(seen.back(), 12);
+    EXPECT_EQ(checkpoint_read(out.file("checkpoint.pt")).progress["controllers"]["step_counter"]["calls"], 12);
+    int logged = 0;
+    for (const auto& e : events_read(out.file("events.jsonl"))) {
+      if (e["event"] == "step_counter") EXPECT_EQ(e["calls"], 5 * ++logged);
+    }
+    EXPECT_EQ(logged, 2);  // at calls 5 and 10, both after the resume
+  }
+  EXPECT_EQ(names(), builtin);
+  test::TempDir plain("plain");
+  Config c = options(plain.path());
+  c.set("max_steps", "2");
+  api::run(c);
+  EXPECT_EQ(seen.size(), 12u);  // no longer built
 }
 
 TEST_F(TrainerTest, ResumeMidEpochIsBitExact) {

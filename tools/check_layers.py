@@ -32,7 +32,9 @@ def violations(root):
         if folder not in LAYERS:
             found.append(f"src/triaccel/{folder}/: a folder in no layer (add it to LAYERS and docs/architecture.md)")
             continue
-        for name in sorted(os.listdir(path)):
+        # A layer's files, its sub-folders' (control/memory/, ...) included: a sub-folder is part of its layer.
+        names = sorted(os.path.relpath(os.path.join(d, n), path) for d, _, ns in os.walk(path) for n in ns)
+        for name in names:
             rel = f"src/triaccel/{folder}/{name}"
             if folder == "kernels" and not name.endswith((".cu", ".cuh", ".h")):
                 found.append(f"{rel}: kernels/ holds .cu, .cuh and .h files only")
@@ -74,13 +76,17 @@ def self_test():
         if clean.returncode != 0:
             print("self-test: the tree itself does not pass:\n" + clean.stdout)
             return 1
-        victim = os.path.join(tmp, "src", "triaccel", "core", "io.cpp")
-        with open(victim, "a") as f:
-            f.write('\n#include "triaccel/train/step.h"\n')
+        # One upward include in a layer's top folder, one in a sub-folder (control/memory/ reaching methods/).
+        for victim, include in ((("core", "io.cpp"), "train/step.h"),
+                                (("control", "memory", "memory_planner.cpp"), "methods/neuroflux.h")):
+            with open(os.path.join(tmp, "src", "triaccel", *victim), "a") as f:
+                f.write(f'\n#include "triaccel/{include}"\n')
         broken = subprocess.run([sys.executable, __file__, tmp], capture_output=True, text=True)
-        if broken.returncode == 0 or "core/io.cpp includes triaccel/train/" not in broken.stdout:
-            print("self-test: an include of train/ from core/ was not refused:\n" + broken.stdout)
-            return 1
+        for expected in ("core/io.cpp includes triaccel/train/",
+                         "control/memory/memory_planner.cpp includes triaccel/methods/"):
+            if broken.returncode == 0 or expected not in broken.stdout:
+                print(f"self-test: '{expected}' was not refused:\n" + broken.stdout)
+                return 1
         print("self-test: the check refuses the upward include: " + broken.stdout.strip())
     return 0
 

@@ -1,7 +1,7 @@
 #include "triaccel/api/api.h"
 
 #include "triaccel/core/context_trace.h"
-#include "triaccel/methods/backprop.h"
+#include "triaccel/methods/backprop_trainer.h"
 #include "triaccel/methods/baoc_plan.h"
 #include "triaccel/methods/neuroflux.h"
 #include "triaccel/models/registry.h"
@@ -20,10 +20,11 @@ RunHooks inputs_of(const RunHooks& hooks) {
   return out;
 }
 
-// Method auto: backprop when the program gave its own loss (the only method that takes one) or the memory planner
-// fits the budget (or there is none, or no GPU), else NeuroFlux for a model it trains; a model it does not train gets the planner's floor. Returns the configuration with the method
-// chosen and, in `said`, the line that says why. With several processes each rank looks at its own GPU's plan for its
-// share of the batch (on that GPU); api::run has the ranks agree.
+// Method auto: backprop when the program gave its own loss (the only method that takes one) or the memory planner fits
+// the budget (or there is none, or no GPU), else NeuroFlux for a model it trains; a model it does not train gets the
+// planner's floor. Returns the configuration with the method chosen and, in `said`, the line that says why. With
+// several processes each rank looks at its own GPU's plan for its share of the batch (on that GPU); api::run has the
+// ranks agree.
 Config method_resolve(Config c, const RunHooks& hooks, std::string* said) {
   c.execution.method = Method::kBackprop;
   if (hooks.objective) {  // the only method that takes a program's loss
@@ -68,7 +69,7 @@ Json run(const Config& config, const RunHooks& hooks) {
                        enum_name(session.config().execution.method), " computes cross-entropy in its own steps); "
                        "leave ", option_ref("method"), " unset or drop the loss");
   if (session.config().execution.method == Method::kNeuroFlux) return neuroflux_train(session);
-  Trainer trainer(session);
+  BackpropTrainer trainer(session);
   return trainer.run();
 }
 
@@ -76,7 +77,7 @@ Json plan(const Config& config, const RunHooks& hooks) {
   TRIACCEL_CHECK_INPUT(config.output.resume.empty(), "plan does not take ", option_ref("resume"),
                        " (it plans a fresh run)");
   Config planned = config;
-  // `triaccel plan` is BAOC's planner unless another optimizer is named, or a vram_budget asks for the memory plan
+  // `triaccel plan` is BAOC's format plan unless another optimizer is named, or a vram_budget asks for the memory plan
   // of the run as configured.
   const bool memory = !config.execution.vram_budget.empty();
   if (!planned.was_given("optimizer") && !memory) planned.optim.optimizer = OptimizerKind::kBaoc;

@@ -10,7 +10,7 @@
 // and a CUDA graph can capture it.
 #pragma once
 
-#include "triaccel/control/baoc_controller.h"
+#include "triaccel/control/optimizer_state/baoc_controller.h"
 #include "triaccel/core/json.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/baoc_optimizer.h"

@@ -1,12 +1,12 @@
 // One interface for every controller of the training loop: Tri-Accel's precision policy and curvature probe, the
-// elastic batch, the BAOC planner, the measurement window after an optimizer warm-up. The trainer holds a list of
+// elastic batch, BAOC's format plan, the measurement window after an optimizer warm-up. The trainer holds a list of
 // them and, after every optimizer step, calls each in order with the step's context; a controller reads its signals
 // (gradient statistics, memory, time, what an earlier controller found this step), decides through its pure policy
 // function, applies the decision to what it was built on (the step engine, the optimizer) or asks the trainer for a
 // new batch size, and returns the events to log. Controllers never run a training step themselves.
 #pragma once
 
-#include "triaccel/control/batch_controller.h"
+#include "triaccel/control/batch/batch_policy.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/events.h"
 #include "triaccel/core/json.h"

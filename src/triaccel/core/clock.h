@@ -1,6 +1,7 @@
-// The clock every time-dependent decision reads (the curvature probe's time budget, the planners' time models) and
-// every measured period (epoch times, events' time_s). Injectable: tests pass a clock that advances a fixed amount
-// per reading, so a decision that depends on time depends only on the work done, not on how loaded the machine is.
+// The clock every time-dependent decision reads (the curvature probe's time budget, BAOC's and the memory planner's
+// time models) and every measured period (epoch times, events' time_s). Injectable: tests pass a clock that advances a
+// fixed amount per reading, so a decision that depends on time depends only on the work done, not on how loaded the
+// machine is.
 #pragma once
 
 namespace triaccel {

@@ -1,6 +1,6 @@
 #include "triaccel/methods/baoc_plan.h"
 
-#include "triaccel/control/baoc_controller.h"
+#include "triaccel/control/optimizer_state/baoc_controller.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/optim/baoc_optimizer.h"

@@ -39,7 +39,7 @@ std::vector<std::pair<std::string, at::Tensor>> head_state(const std::vector<Aux
   return out;
 }
 
-Json plan_to_json(const Partition& plan) {
+Json format_plan_to_json(const Partition& plan) {
   Json blocks = Json::array();
   for (const auto& b : plan.blocks) {
     blocks.push_back(Json{{"first", b.first}, {"end", b.end}, {"batch", b.batch}, {"head_level", b.head_level},
@@ -450,7 +450,7 @@ void NeuroFluxRun::checkpoint(const BlockTrainer* in_block) {
   c.rng = rng_state(device_);
   c.progress = Json{{"neuroflux", true}, {"blocks_done", blocks_done_}, {"step", step_},
                     {"elapsed_s", session_.now()}, {"peak_vram_gb", peak_gb_}, {"block_seconds", block_seconds_},
-                    {"plan", plan_to_json(plan_)}};
+                    {"plan", format_plan_to_json(plan_)}};
   if (in_block) {
     c.progress["block_in_progress"] = in_block->progress();
     c.optimizer = std::move(block_state);

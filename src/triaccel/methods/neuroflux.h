@@ -1,12 +1,11 @@
-// NeuroFlux (method neuroflux; docs/neuroflux.md): memory-bounded CNN training by adaptive local learning.
-// On a Session: profile the units' memory, partition them into blocks under the budget (control/partitioner.h), then
+// NeuroFlux (method neuroflux; docs/neuroflux.md): memory-bounded CNN training by adaptive local learning. On a
+// Session: profile the units' memory, partition them into blocks under the budget (control/memory/partitioner.h), then
 // train block after block — every unit with its own auxiliary head and a detached input, each block at its own batch
-// size, its steps through the same StepGraph as the trainer's (train/step_graph.h) — reading the block's input from
-// the activation cache written by the previous block; evaluate every exit on held-out data; export the full model
-// and the prefix up to the chosen exit.
-// Output folder (OUT = the `out` option): events.jsonl (config, block_plan, block…, exit, summary), checkpoint.pt
-// (after every block, and inside one when checkpoint_every, checkpoint_minutes or a stop request asks), model.pt
-// (the full network), exit_model.pt + exit.json (the early-exit model).
+// size, its steps through the same StepGraph as the trainer's (train/step_graph.h) — reading the block's input from the
+// activation cache written by the previous block; evaluate every exit on held-out data; export the full model and the
+// prefix up to the chosen exit. Output folder (OUT = the `out` option): events.jsonl (config, block_plan, block…, exit,
+// summary), checkpoint.pt (after every block, and inside one when checkpoint_every, checkpoint_minutes or a stop
+// request asks), model.pt (the full network), exit_model.pt + exit.json (the early-exit model).
 #pragma once
 
 #include "triaccel/core/json.h"

@@ -5,9 +5,9 @@
 // block's result, the seed streams and checkpoint prefixes. Internal to methods/neuroflux*.
 #pragma once
 
-#include "triaccel/control/batch_controller.h"
-#include "triaccel/control/memory_profile.h"
-#include "triaccel/control/partitioner.h"
+#include "triaccel/control/batch/batch_policy.h"
+#include "triaccel/control/memory/memory_profile.h"
+#include "triaccel/control/memory/partitioner.h"
 #include "triaccel/core/bytes.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"

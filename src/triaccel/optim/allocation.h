@@ -13,7 +13,7 @@ namespace triaccel {
 struct AllocationOption {
   double risk = 0;
   int64_t bytes = 0;
-  double time = 0;  // any unit (seconds in the planner)
+  double time = 0;  // any unit (seconds in the format plan)
 };
 
 struct AllocationProblem {

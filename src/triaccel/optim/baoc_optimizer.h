@@ -1,20 +1,19 @@
-// BaocOptimizer: one optimizer whose every parameter tensor has its own state format (optim/state_format.h):
-// AdamW with fp32 / bf16 / 8-bit states, factored second moment, no first moment, SGD with momentum, plain SGD.
-// `--optimizer adamw` is this class with every tensor in kAdamW32 (the same trajectory as torch::optim::AdamW);
-// `--optimizer baoc` lets the planner (optim/planner.h) choose the formats and convert between them.
+// BaocOptimizer: one optimizer whose every parameter tensor has its own state format (optim/state_format.h): AdamW with
+// fp32 / bf16 / 8-bit states, factored second moment, no first moment, SGD with momentum, plain SGD. `--optimizer
+// adamw` is this class with every tensor in kAdamW32 (the same trajectory as torch::optim::AdamW); `--optimizer baoc`
+// lets its format plan (control/optimizer_state/format_plan.h) choose the formats and convert between them.
 //
-// Invariants. step() on CUDA never synchronizes: per-tensor step counts (for bias correction) live in a device
-// tensor and are advanced on the device when found_inf = 0; the fused kernels (kernels/adam_step.cu, one launch per
-// format group; kernels/adam8_step.cu for 8-bit; kernels/factored_step.cu, four launches, for factored matrices)
-// read lr, counts and found_inf there. State tensors keep their addresses between steps; formats_set() replaces the state
-// of the tensors whose format changes (callers drop captured CUDA graphs after it). Moments survive a conversion
-// (re-encoded in the new format, up to its rounding); a moment the old format lacked starts at zero with its step
-// count at zero. Weight decay is decoupled and, as for SGD, not applied to tensors of dim ≤ 1.
-// The CPU path runs baoc_tensor_step_reference, the spec the CUDA kernels are tested against.
-// Sharded state (ZeRO stage 1, Optimizer::set_owned): a tensor's moments, its statistics and its SGD scale are its
-// owner's; what a plan reads (the window's sums, the signals, the SGD scales after a conversion) is summed over the
-// ranks through set_sum_over_ranks, each tensor's share coming from its owner alone, so every rank plans as one
-// process would.
+// Invariants. step() on CUDA never synchronizes: per-tensor step counts (for bias correction) live in a device tensor
+// and are advanced on the device when found_inf = 0; the fused kernels (kernels/adam_step.cu, one launch per format
+// group; kernels/adam8_step.cu for 8-bit; kernels/factored_step.cu, four launches, for factored matrices) read lr,
+// counts and found_inf there. State tensors keep their addresses between steps; formats_set() replaces the state of the
+// tensors whose format changes (callers drop captured CUDA graphs after it). Moments survive a conversion (re-encoded
+// in the new format, up to its rounding); a moment the old format lacked starts at zero with its step count at zero.
+// Weight decay is decoupled and, as for SGD, not applied to tensors of dim ≤ 1. The CPU path runs
+// baoc_tensor_step_reference, the spec the CUDA kernels are tested against. Sharded state (ZeRO stage 1,
+// Optimizer::set_owned): a tensor's moments, its statistics and its SGD scale are its owner's; what a plan reads (the
+// window's sums, the signals, the SGD scales after a conversion) is summed over the ranks through set_sum_over_ranks,
+// each tensor's share coming from its owner alone, so every rank plans as one process would.
 #pragma once
 
 #include "triaccel/optim/state_format.h"

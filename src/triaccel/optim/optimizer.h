@@ -100,7 +100,7 @@ struct OptimizerOptions {
 };
 
 // sgd: SGD with momentum; adamw: AdamW with fp32 states (BaocOptimizer in its fp32 format); baoc: the same until the
-// BAOC planner (control/baoc_controller.h) sets per-unit formats.
+// BAOC's format plan (control/optimizer_state/baoc_controller.h) sets per-unit formats.
 std::unique_ptr<Optimizer> optimizer_create(OptimizerKind kind,
                                             const std::vector<std::pair<std::string, at::Tensor>>& named_params,
                                             const OptimizerOptions& options);

@@ -9,10 +9,10 @@
 //                1-D tensors keep a full float32 v.                 p −= lr·s · g / (√v̂ + ε)
 //   kNoMomentum  no first moment, full float32 v                    p −= lr·s · g / (√v̂ + ε)
 //   kSgdMomentum float32 m (the same EMA as AdamW's m)              p −= lr·s·k · m̂
-//   kSgd         no state                                           p −= lr·s·k · g
-// m̂, v̂ are bias-corrected by per-tensor step counts (a moment created fresh by a conversion restarts its count).
-// k is a per-tensor constant 1 / (√mean(v̂) + ε) frozen when the tensor enters an SGD format (BAOC planner): SGD on
-// the AdamW learning-rate scale, with one scalar preconditioner per tensor instead of one per element.
+// kSgd         no state                                           p −= lr·s·k · g m̂, v̂ are bias-corrected by
+// per-tensor step counts (a moment created fresh by a conversion restarts its count). k is a per-tensor constant 1 /
+// (√mean(v̂) + ε) frozen when the tensor enters an SGD format (BAOC's format plan): SGD on the AdamW learning-rate
+// scale, with one scalar preconditioner per tensor instead of one per element.
 //
 // A format is one row of state_format_table(): how it stores each moment (a MomentCodec), and from that everything
 // else follows: its bytes, its update rule (m and v → AdamW, v only → no-momentum, m only → SGD-momentum, none →
@@ -43,7 +43,7 @@ enum class MomentCodec {
 
 struct StateFormatTraits {
   StateFormat format;
-  const char* name;  // the planner's menus, events and plans
+  const char* name;  // the format plan's menus, events and plans
   MomentCodec m;     // first moment
   MomentCodec v;     // second moment
   bool sgd_scaled;   // p −= lr·s·k·(m̂ or g) with k frozen on entry; requires v = kNone

@@ -428,7 +428,7 @@
                                             label: (v, i) => `${p.units[i].format}, ${fmtBytes(p.units[i].bytes)}`}]}));
         legend(fig, keys);
       }).setAttribute('data-run', r.name);
-      figure(grid, 'plan-risk', `Risk per unit — ${r.name}`, 'the planner\'s estimate of the loss of update quality',
+      figure(grid, 'plan-risk', `Risk per unit — ${r.name}`, 'the format plan\'s estimate of the loss of update quality',
              (fig) => {
                fig.appendChild(barChart({id: 'plan-risk', categories: units, yLabel: 'risk',
                                          series: [{name: '', color: '#888', colors: colors,

@@ -59,7 +59,7 @@ void table_row_fill(const RunModel& model, const std::vector<Json>& events, Tabl
     row.model = text(o, "model");
     row.dataset = text(o, "dataset");
     row.precision = text(o, "precision");
-    if (row.method == "tri-accel") row.precision = "adaptive";  // as its summary says (methods/backprop.cpp)
+    if (row.method == "tri-accel") row.precision = "adaptive";  // as its summary says (methods/backprop_trainer.cpp)
     if (auto e = number(o, "epochs")) row.epochs = static_cast<int64_t>(*e);
   }
   const auto summaries = of_kind(events, event::kSummary);

@@ -55,9 +55,9 @@ BaocControllerOptions baoc_controller_options(const Config& config) {
   return o;
 }
 
-BatchControllerOptions batch_controller_options(const Config& config, int64_t train_samples) {
+BatchPolicyOptions batch_policy_options(const Config& config, int64_t train_samples) {
   const int64_t batch = config.schedule.batch_size;
-  BatchControllerOptions o;
+  BatchPolicyOptions o;
   o.min_batch = std::min<int64_t>(o.min_batch, batch);
   o.max_batch = std::max<int64_t>(batch, std::min<int64_t>(4096, train_samples));
   o.budget_bytes = config.execution.vram_budget_bytes();

@@ -5,12 +5,12 @@
 // result.
 #pragma once
 
-#include "triaccel/control/baoc_controller.h"
-#include "triaccel/control/batch_controller.h"
-#include "triaccel/control/curvature_controller.h"
-#include "triaccel/control/curvature_probe.h"
-#include "triaccel/control/partitioner.h"
-#include "triaccel/control/precision_policy.h"
+#include "triaccel/control/optimizer_state/baoc_controller.h"
+#include "triaccel/control/batch/batch_policy.h"
+#include "triaccel/control/curvature/curvature_controller.h"
+#include "triaccel/control/curvature/curvature_probe.h"
+#include "triaccel/control/memory/partitioner.h"
+#include "triaccel/control/precision/precision_policy.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/sgd.h"
 #include "triaccel/run/config.h"
@@ -38,7 +38,7 @@ BaocControllerOptions baoc_controller_options(const Config& config);
 
 // lr_batch_rule, the vram_budget, and the batch range: from min(16, batch_size) to max(batch_size, min(4096,
 // train_samples)).
-BatchControllerOptions batch_controller_options(const Config& config, int64_t train_samples);
+BatchPolicyOptions batch_policy_options(const Config& config, int64_t train_samples);
 
 // nf_max_batch, epochs, and batch_size as the batch a block's heads aim for. The caller sets the budget, the bytes
 // always allocated, the samples and the device's rates.

@@ -1,10 +1,10 @@
 #include "triaccel/run/config.h"
 
-#include "triaccel/control/baoc_controller.h"
+#include "triaccel/control/optimizer_state/baoc_controller.h"
 #include "triaccel/core/bytes.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/core/profile.h"
-#include "triaccel/optim/planner.h"
+#include "triaccel/control/optimizer_state/format_plan.h"
 #include "triaccel/train/faults.h"
 
 #include <algorithm>

@@ -13,12 +13,12 @@
 // knows which keys the user set (`given`).
 #pragma once
 
-#include "triaccel/control/baoc_controller.h"
-#include "triaccel/control/batch_controller.h"
-#include "triaccel/control/curvature_controller.h"
-#include "triaccel/control/curvature_probe.h"
-#include "triaccel/control/partitioner.h"
-#include "triaccel/control/precision_policy.h"
+#include "triaccel/control/optimizer_state/baoc_controller.h"
+#include "triaccel/control/batch/batch_policy.h"
+#include "triaccel/control/curvature/curvature_controller.h"
+#include "triaccel/control/curvature/curvature_probe.h"
+#include "triaccel/control/memory/partitioner.h"
+#include "triaccel/control/precision/precision_policy.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/enum_names.h"
 #include "triaccel/core/json.h"
@@ -172,7 +172,7 @@ struct ScheduleConfig {
   int64_t batch_size = 128;
   double warmup_epochs = -1.0;   // < 0: auto = min(1, 0.1 × epochs)
   LrDecay lr_decay = ScheduleOptions{}.decay;
-  LrBatchRule lr_batch_rule = BatchControllerOptions{}.lr_rule;
+  LrBatchRule lr_batch_rule = BatchPolicyOptions{}.lr_rule;
 
   template <typename S, typename V>
   static void fields(S& s, V&& v);
@@ -232,8 +232,8 @@ struct OutputConfig {
 };
 
 // Tri-Accel (--method tri-accel; docs/tri-accel.md). Thresholds < 0 calibrate themselves. The defaults are the
-// curvature controller's (control/curvature_controller.h), its probe's (control/curvature_probe.h) and the precision
-// policy's (control/precision_policy.h).
+// curvature controller's (control/curvature/curvature_controller.h), its probe's (control/curvature/curvature_probe.h)
+// and the precision policy's (control/precision/precision_policy.h).
 struct TriAccelConfig {
   static constexpr const char* kTitle = "Tri-Accel (method tri-accel)";
   int64_t ctrl_every = CurvatureControllerOptions{}.ctrl_every;  // T_ctrl: steps per control window
@@ -263,7 +263,8 @@ struct TriAccelConfig {
   void validate() const;
 };
 
-// BAOC (--optimizer baoc; docs/baoc.md). The defaults are BaocControllerOptions' (control/baoc_controller.h).
+// BAOC (--optimizer baoc; docs/baoc.md). The defaults are BaocControllerOptions'
+// (control/optimizer_state/baoc_controller.h).
 struct BaocConfig {
   static constexpr const char* kTitle = "BAOC (optimizer baoc)";
   // bytes ("200MB") or a percentage of fp32 AdamW's state

@@ -1,13 +1,13 @@
-// The memory planner's set-up for a run on a Session (docs/memory-planner.md): the consumers of GPU memory priced
-// from the model's trace (control/memory_model.h), the optimizer state sharded over the ranks where that is a lever
-// (train/param_shards.h), and the first plan under the vram_budget (control/memory_planner.h), made before the
-// loaders (they hold the data where the plan says). Backprop (methods/backprop.cpp) trains on it; `triaccel plan`
-// (api/) previews it.
+// The memory planner's set-up for a run on a Session (docs/memory-planner.md): the consumers of GPU memory priced from
+// the model's trace (control/memory/memory_model.h), the optimizer state sharded over the ranks where that is a lever
+// (train/param_shards.h), and the first plan under the vram_budget (control/memory/memory_planner.h), made before the
+// loaders (they hold the data where the plan says). Backprop (methods/backprop_trainer.cpp) trains on it; `triaccel
+// plan` (api/) previews it.
 #pragma once
 
-#include "triaccel/control/memory_model.h"
-#include "triaccel/control/memory_plan_controller.h"
-#include "triaccel/control/memory_planner.h"
+#include "triaccel/control/memory/memory_model.h"
+#include "triaccel/control/memory/memory_plan_controller.h"
+#include "triaccel/control/memory/memory_planner.h"
 #include "triaccel/core/json.h"
 #include "triaccel/run/session.h"
 #include "triaccel/train/param_shards.h"

@@ -1,8 +1,9 @@
 // A Session is what every training method sets up and tears down, in one place: the configuration (validated), the
-// data-parallel group (its rank's GPU), the device and its stream, cuDNN's flags (restored when the session ends), the seed, the output folder, the checkpoint
-// to resume from, the dataset, the model (on the device, channels_last where asked, in train mode), the event log,
-// the run's clock, progress output and the memory cap of a vram_budget (lifted when the session ends).
-// A method (methods/backprop.h, methods/neuroflux.h) builds its own loaders, optimizer and loop on top of it.
+// data-parallel group (its rank's GPU), the device and its stream, cuDNN's flags (restored when the session ends), the
+// seed, the output folder, the checkpoint to resume from, the dataset, the model (on the device, channels_last where
+// asked, in train mode), the event log, the run's clock, progress output and the memory cap of a vram_budget (lifted
+// when the session ends). A method (methods/backprop_trainer.h, methods/neuroflux.h) builds its own loaders, optimizer
+// and loop on top of it.
 //
 // Output folder layout (OUT = the `out` option):
 //   OUT/events.jsonl   config (first line), epoch, checkpoint, ... summary (last line)
@@ -10,7 +11,7 @@
 //   OUT/model.pt       the final weights as a torchvision-named state_dict
 #pragma once
 
-#include "triaccel/control/batch_controller.h"
+#include "triaccel/control/batch/batch_policy.h"
 #include "triaccel/core/clock.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/dist.h"

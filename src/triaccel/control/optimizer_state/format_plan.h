@@ -1,4 +1,4 @@
-// The BAOC planner: budgets as users write them, the per-format step-time model, and one plan = for every unit, the
+// BAOC's format plan: budgets as users write them, the per-format step-time model, and one plan = for every unit, the
 // state format minimizing the total risk (optim/risk.h) under the optimizer-state memory budget and the step-time
 // budget (optim/allocation.h). Pure: unit shapes and signals in, a plan out.
 #pragma once
@@ -34,7 +34,7 @@ struct StepTimeModel {
 // elements). UserError naming the file and what is missing.
 StepTimeModel step_time_model_from_bench(const std::string& path);
 
-struct PlanUnitInput {
+struct FormatPlanUnit {
   std::string name;
   std::vector<std::vector<int64_t>> shapes;  // the unit's parameter tensors
   // The unit holds an embedding table (rows looked up by token id). Such a unit is offered only the formats that
@@ -45,9 +45,9 @@ struct PlanUnitInput {
 
 // The formats of `menu` a unit may use: for a lookup unit, those with per-element AdamW moments if the menu has any
 // (else the whole menu: an explicit uniform menu such as --optim-formats sgd stays uniform).
-std::vector<StateFormat> plan_unit_menu(const PlanUnitInput& unit, const std::vector<StateFormat>& menu);
+std::vector<StateFormat> format_plan_unit_menu(const FormatPlanUnit& unit, const std::vector<StateFormat>& menu);
 
-struct PlannerOptions {
+struct FormatPlanOptions {
   std::string memory_budget = "25%";
   std::string time_budget;                       // "" = none
   std::vector<StateFormat> formats = state_formats_all();  // the menu
@@ -55,9 +55,9 @@ struct PlannerOptions {
   StepTimeModel time_model;
 };
 
-struct UnitPlan {
+struct UnitFormatPlan {
   std::string name;
-  bool lookup = false;  // PlanUnitInput::lookup
+  bool lookup = false;  // FormatPlanUnit::lookup
   StateFormat format = StateFormat::kAdamW32;
   int64_t params = 0;
   int64_t bytes = 0;
@@ -66,8 +66,8 @@ struct UnitPlan {
   UnitSignals signals;
 };
 
-struct Plan {
-  std::vector<UnitPlan> units;
+struct FormatPlan {
+  std::vector<UnitFormatPlan> units;
   int64_t bytes = 0;
   double risk = 0;
   double time_s = 0;
@@ -79,9 +79,9 @@ struct Plan {
 };
 
 // Throws UserError when no plan fits: the message names the budget, the minimum a plan needs and the flag to change.
-Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitSignals>& signals,
-                const PlannerOptions& options);
+FormatPlan format_plan_solve(const std::vector<FormatPlanUnit>& units, const std::vector<UnitSignals>& signals,
+                const FormatPlanOptions& options);
 
-Json plan_to_json(const Plan& plan);
+Json format_plan_to_json(const FormatPlan& plan);
 
 }  // namespace triaccel

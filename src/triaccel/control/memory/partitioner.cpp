@@ -1,5 +1,5 @@
 // NeuroFlux partitioner; see partitioner.h.
-#include "triaccel/control/partitioner.h"
+#include "triaccel/control/memory/partitioner.h"
 
 #include "triaccel/core/bytes.h"
 #include "triaccel/core/errors.h"

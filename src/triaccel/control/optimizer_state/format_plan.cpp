@@ -1,4 +1,4 @@
-#include "triaccel/optim/planner.h"
+#include "triaccel/control/optimizer_state/format_plan.h"
 
 #include "triaccel/core/bytes.h"
 #include "triaccel/core/errors.h"
@@ -13,13 +13,13 @@
 namespace triaccel {
 namespace {
 
-int64_t unit_bytes(StateFormat f, const PlanUnitInput& u) {
+int64_t unit_bytes(StateFormat f, const FormatPlanUnit& u) {
   int64_t b = 0;
   for (const auto& s : u.shapes) b += state_format_bytes(f, s);
   return b;
 }
 
-int64_t unit_params(const PlanUnitInput& u) {
+int64_t unit_params(const FormatPlanUnit& u) {
   int64_t n = 0;
   for (const auto& s : u.shapes) {
     int64_t k = 1;
@@ -91,7 +91,7 @@ double optim_time_budget_parse(const std::string& text, double adamw_fp32_second
   return factor * adamw_fp32_seconds;
 }
 
-std::vector<StateFormat> plan_unit_menu(const PlanUnitInput& unit, const std::vector<StateFormat>& menu) {
+std::vector<StateFormat> format_plan_unit_menu(const FormatPlanUnit& unit, const std::vector<StateFormat>& menu) {
   if (!unit.lookup) return menu;
   std::vector<StateFormat> kept;
   for (StateFormat f : menu) {
@@ -100,11 +100,12 @@ std::vector<StateFormat> plan_unit_menu(const PlanUnitInput& unit, const std::ve
   return kept.empty() ? menu : kept;
 }
 
-Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitSignals>& signals,
-                const PlannerOptions& o) {
-  TORCH_CHECK(signals.size() == units.size(), "plan_solve: ", signals.size(), " signals for ", units.size(), " units");
+FormatPlan format_plan_solve(const std::vector<FormatPlanUnit>& units, const std::vector<UnitSignals>& signals,
+                const FormatPlanOptions& o) {
+  TORCH_CHECK(signals.size() == units.size(), "format_plan_solve: ", signals.size(), " signals for ", units.size(),
+              " units");
   TRIACCEL_CHECK_INPUT(!o.formats.empty(), option_ref("optim_formats") + " must name at least one format");
-  Plan plan;
+  FormatPlan plan;
   int64_t total_params = 0;
   for (const auto& u : units) {
     plan.adamw_fp32_bytes += unit_bytes(StateFormat::kAdamW32, u);
@@ -118,7 +119,7 @@ Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitS
   problem.time_budget = plan.budget_time_s;
   std::vector<std::vector<StateFormat>> menus;
   for (size_t u = 0; u < units.size(); ++u) {
-    menus.push_back(plan_unit_menu(units[u], o.formats));
+    menus.push_back(format_plan_unit_menu(units[u], o.formats));
     std::vector<AllocationOption> options;
     for (StateFormat f : menus.back()) {
       UnitSignals s = signals[u];
@@ -143,7 +144,7 @@ Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitS
   for (size_t u = 0; u < units.size(); ++u) {
     const StateFormat f = menus[u][static_cast<size_t>(r.choice[u])];
     const AllocationOption& opt = problem.units[u][static_cast<size_t>(r.choice[u])];
-    UnitPlan up;
+    UnitFormatPlan up;
     up.name = units[u].name;
     up.lookup = units[u].lookup;
     up.format = f;
@@ -162,7 +163,7 @@ Plan plan_solve(const std::vector<PlanUnitInput>& units, const std::vector<UnitS
   return plan;
 }
 
-Json plan_to_json(const Plan& plan) {
+Json format_plan_to_json(const FormatPlan& plan) {
   Json units = Json::array();
   for (const auto& u : plan.units) {
     const UnitSignals& s = u.signals;

@@ -1,4 +1,4 @@
-#include "triaccel/control/batch_controller.h"
+#include "triaccel/control/batch/batch_policy.h"
 
 #include "triaccel/core/errors.h"
 
@@ -7,7 +7,7 @@
 
 namespace triaccel {
 
-void BatchControllerOptions::validate() const {
+void BatchPolicyOptions::validate() const {
   TRIACCEL_CHECK_INPUT(budget_bytes > 0, option_ref("vram_budget") + " must be > 0");
   TRIACCEL_CHECK_INPUT(rho_low > 0 && rho_low < rho_high && rho_high <= 1,
                        "batch controller: need 0 < rho_low < rho_high <= 1, got ", rho_low, ", ", rho_high);
@@ -16,12 +16,12 @@ void BatchControllerOptions::validate() const {
   TRIACCEL_CHECK_INPUT(min_batch > 0 && min_batch <= max_batch, "batch controller: need 0 < min_batch <= max_batch");
 }
 
-int64_t batch_bucket(const BatchControllerOptions& o, int64_t batch) {
+int64_t batch_bucket(const BatchPolicyOptions& o, int64_t batch) {
   const int64_t rounded = (batch / o.bucket) * o.bucket;
   return std::clamp(rounded, o.min_batch, o.max_batch);
 }
 
-BatchDecision batch_controller_step(const BatchControllerOptions& o, int64_t batch, const MemorySignal& m) {
+BatchDecision batch_policy_step(const BatchPolicyOptions& o, int64_t batch, const MemorySignal& m) {
   BatchDecision d;
   d.batch = batch;
   const double budget = static_cast<double>(o.budget_bytes);
@@ -48,7 +48,7 @@ BatchDecision batch_controller_step(const BatchControllerOptions& o, int64_t bat
   return d;
 }
 
-int64_t batch_after_oom(const BatchControllerOptions& o, int64_t batch) {
+int64_t batch_after_oom(const BatchPolicyOptions& o, int64_t batch) {
   TRIACCEL_CHECK_INPUT(batch > o.min_batch, "out of memory at batch ", batch, ", the smallest allowed (", o.min_batch,
                        "): the " + option_ref("vram_budget") + " is below what this model needs; raise it or choose a smaller model");
   return std::min(batch - 1, batch_bucket(o, batch / 2));

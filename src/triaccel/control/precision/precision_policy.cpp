@@ -1,4 +1,4 @@
-#include "triaccel/control/precision_policy.h"
+#include "triaccel/control/precision/precision_policy.h"
 
 #include "triaccel/core/errors.h"
 

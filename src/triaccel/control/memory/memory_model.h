@@ -1,18 +1,18 @@
-// The memory planner's cost model of a run (control/memory_planner.h), built from the model's shapes on any device:
-// each unit runs forward on a zero batch at two sizes, under the precision it trains in, with autograd on, and what it
-// keeps for backward gives its saved activations per sample: on CUDA the allocator's growth over the forward (each
-// saved tensor once, at its dtype), elsewhere the tensors its autograd graph records (control/memory_profile.h:
-// autograd_graph_bytes, an over-count: several times what the allocator reads; docs/results/memory-planner.md);
-// its input's bytes, its forward FLOPs (2 · parameters · output positions) and whether it can be recomputed (no
-// dropout) come from the same pass. Weights, gradients, optimizer state, weight casts and the dataset come from the
-// run's configuration. On CUDA, before training, the allocator's peak over the whole model's forward + backward at
-// two small batches sets the starting activation scale; what it measures while training corrects it
-// (MemoryModel::activation_scale).
+// The memory planner's cost model of a run (control/memory/memory_planner.h), built from the model's shapes on any
+// device: each unit runs forward on a zero batch at two sizes, under the precision it trains in, with autograd on, and
+// what it keeps for backward gives its saved activations per sample: on CUDA the allocator's growth over the forward
+// (each saved tensor once, at its dtype), elsewhere the tensors its autograd graph records
+// (control/memory/memory_profile.h: autograd_graph_bytes, an over-count: several times what the allocator reads;
+// docs/results/memory-planner.md); its input's bytes, its forward FLOPs (2 · parameters · output positions) and whether
+// it can be recomputed (no dropout) come from the same pass. Weights, gradients, optimizer state, weight casts and the
+// dataset come from the run's configuration. On CUDA, before training, the allocator's peak over the whole model's
+// forward + backward at two small batches sets the starting activation scale; what it measures while training corrects
+// it (MemoryModel::activation_scale).
 //
 // Invariant: building the model leaves the weights and buffers exactly as it found them.
 #pragma once
 
-#include "triaccel/control/memory_planner.h"
+#include "triaccel/control/memory/memory_planner.h"
 #include "triaccel/models/model.h"
 #include "triaccel/train/precision.h"
 

@@ -1,7 +1,7 @@
 // The memory planner's cost model of a run; see memory_model.h.
-#include "triaccel/control/memory_model.h"
+#include "triaccel/control/memory/memory_model.h"
 
-#include "triaccel/control/memory_profile.h"
+#include "triaccel/control/memory/memory_profile.h"
 #include "triaccel/core/device.h"
 #include "triaccel/train/rng.h"
 

@@ -1,15 +1,15 @@
-// The Trainer's loop (methods/backprop.h): epochs of steps, each step with its recovery (an out-of-memory error, a
-// skipped inf/NaN step, injected faults; with several ranks, agreed by all), the controllers after every step, and
-// the readings the controllers take through the Trainer.
-#include "triaccel/methods/backprop.h"
-#include "triaccel/methods/backprop_progress.h"
+// The BackpropTrainer's loop (methods/backprop_trainer.h): epochs of steps, each step with its recovery (an
+// out-of-memory error, a skipped inf/NaN step, injected faults; with several ranks, agreed by all), the controllers
+// after every step, and the readings the controllers take through the BackpropTrainer.
+#include "triaccel/methods/backprop_trainer.h"
+#include "triaccel/methods/backprop_trainer_progress.h"
 
-#include "triaccel/control/baoc_controller.h"
-#include "triaccel/control/curvature_controller.h"
-#include "triaccel/control/elastic_batch.h"
-#include "triaccel/control/measure_window.h"
-#include "triaccel/control/memory_model.h"
-#include "triaccel/control/precision_controller.h"
+#include "triaccel/control/optimizer_state/baoc_controller.h"
+#include "triaccel/control/curvature/curvature_controller.h"
+#include "triaccel/control/batch/elastic_batch_controller.h"
+#include "triaccel/control/measure_window_controller.h"
+#include "triaccel/control/memory/memory_model.h"
+#include "triaccel/control/precision/precision_controller.h"
 #include "triaccel/core/context_trace.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
@@ -56,7 +56,7 @@ constexpr int64_t kSkipRetryLimit = 8;
 
 }  // namespace
 
-Json Trainer::run() {
+Json BackpropTrainer::run() {
   Progress& p = *progress_;
   while (p.epoch < config_.schedule.epochs && !stopped_) {
     if (!epoch()) break;  // stopped inside the epoch
@@ -70,7 +70,7 @@ Json Trainer::run() {
   return summary();
 }
 
-bool Trainer::epoch() {
+bool BackpropTrainer::epoch() {
   Progress& p = *progress_;
   train_loader_.epoch_begin(p.epoch);
   step_->metrics_reset();
@@ -105,7 +105,7 @@ bool Trainer::epoch() {
   return true;
 }
 
-Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
+BackpropTrainer::Attempt BackpropTrainer::step_with_recovery(int64_t count) {
   Progress& p = *progress_;
   // A shorter batch (the epoch's last, or after an out-of-memory retry) uses the front of the full-size buffers:
   // dim 0 is outermost in NCHW and channels_last alike, so the view stays dense and nothing is allocated.
@@ -170,7 +170,7 @@ Trainer::Attempt Trainer::step_with_recovery(int64_t count) {
   return Attempt::kTrained;
 }
 
-std::optional<Trainer::OomSeen> Trainer::step_agreed(bool failed, bool unskippable, bool beside_pool,
+std::optional<BackpropTrainer::OomSeen> BackpropTrainer::step_agreed(bool failed, bool unskippable, bool beside_pool,
                                                      const MemoryStats& at_failure) {
   const Progress& p = *progress_;
   // Per rank {ran out of memory, could not skip, beside the graph's pool, allocated GB, reserved GB}.
@@ -202,7 +202,7 @@ std::optional<Trainer::OomSeen> Trainer::step_agreed(bool failed, bool unskippab
   return seen;
 }
 
-Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count, const OomSeen& seen) {
+BackpropTrainer::Attempt BackpropTrainer::on_out_of_memory(FaultKind fault, int64_t count, const OomSeen& seen) {
   Progress& p = *progress_;
   attempt_ += fault == FaultKind::kOom ? 1 : 0;  // the injected error came before the increment
   p.oom_retries += 1;
@@ -263,7 +263,7 @@ Trainer::Attempt Trainer::on_out_of_memory(FaultKind fault, int64_t count, const
   return Attempt::kRetry;
 }
 
-Trainer::Attempt Trainer::on_skipped_step(FaultKind fault, int64_t count) {
+BackpropTrainer::Attempt BackpropTrainer::on_skipped_step(FaultKind fault, int64_t count) {
   Progress& p = *progress_;
   // An inf/NaN gradient or loss: parameters and optimizer state did not change (the optimizer's found_inf rule),
   // the buffers are put back, and the same samples are tried again — up to kSkipRetryLimit times in a row.
@@ -290,7 +290,7 @@ Trainer::Attempt Trainer::on_skipped_step(FaultKind fault, int64_t count) {
   return Attempt::kDropped;
 }
 
-void Trainer::after_step(int64_t count) {
+void BackpropTrainer::after_step(int64_t count) {
   Progress& p = *progress_;
   const RunHooks& hooks = session_.hooks();
   if (hooks.on_batch) hooks.on_batch(p.epoch, p.epoch_offset + shard_offset_, shard_count_);
@@ -332,7 +332,7 @@ void Trainer::after_step(int64_t count) {
   }
 }
 
-void Trainer::train_time_pause() {
+void BackpropTrainer::train_time_pause() {
   device_synchronize(device_);
   progress_->epoch_train_s += session_.clock().now_s() - t_epoch_;
   for (auto& c : controllers_) c->pause();
@@ -340,7 +340,7 @@ void Trainer::train_time_pause() {
 
 // --- helpers ---
 
-void Trainer::dist_out_of_memory_check() const {
+void BackpropTrainer::dist_out_of_memory_check() const {
   const Dist& dist = session_.dist();
   if (!dist.active()) return;
   const int64_t batch = config_.schedule.batch_size;
@@ -352,7 +352,7 @@ void Trainer::dist_out_of_memory_check() const {
                           " N, or start again with a smaller ", option_ref("batch_size")));
 }
 
-Json Trainer::memory_plan_brief() const {
+Json BackpropTrainer::memory_plan_brief() const {
   if (!memory_planner_) return Json(nullptr);
   const MemoryPlan& plan = memory_planner_->plan();
   return Json{{"micro_batch", plan.micro_batch},
@@ -365,7 +365,7 @@ Json Trainer::memory_plan_brief() const {
                                        : Json(nullptr)}};
 }
 
-void Trainer::batch_set(int64_t batch) {
+void BackpropTrainer::batch_set(int64_t batch) {
   progress_->batch = batch;
   step_->set_graph_batch_size(session_.dist().share(batch).second);
   const int64_t world = session_.dist().world_size();
@@ -380,12 +380,12 @@ void Trainer::batch_set(int64_t batch) {
 
 // The schedule's position in units of the initial batch: equal to the step count while the batch is unchanged, and
 // it still ends with the data when the batch changes.
-double Trainer::schedule_position() const {
+double BackpropTrainer::schedule_position() const {
   return static_cast<double>(progress_->epoch * train_loader_.steps_per_epoch()) +
          static_cast<double>(progress_->epoch_offset) / static_cast<double>(config_.schedule.batch_size);
 }
 
-MemoryStats Trainer::window() {
+MemoryStats BackpropTrainer::window() {
   MemoryStats m = memory_stats(device_);
   m.peak_allocated_bytes = std::max(m.peak_allocated_bytes, window_carry_);
   progress_->peak_vram_gb = std::max(progress_->peak_vram_gb, static_cast<double>(m.peak_allocated_bytes) / kGB);
@@ -395,7 +395,7 @@ MemoryStats Trainer::window() {
   return m;
 }
 
-void Trainer::restart() {
+void BackpropTrainer::restart() {
   Progress& p = *progress_;
   p.peak_vram_warmup_gb = std::max(p.peak_vram_gb, static_cast<double>(peak_now()) / kGB);
   p.peak_vram_gb = 0;
@@ -403,23 +403,23 @@ void Trainer::restart() {
   peak_reset();
 }
 
-int64_t Trainer::peak_now() const {
+int64_t BackpropTrainer::peak_now() const {
   return std::max({memory_stats(device_).peak_allocated_bytes, window_carry_, transient_carry_});
 }
 
 // Since the allocator's last reset only steps ran: every transient (measure()) and every evaluation resets it after.
-int64_t Trainer::steps_peak_now() const {
+int64_t BackpropTrainer::steps_peak_now() const {
   return std::max({steps_peak_, window_carry_, memory_stats(device_).peak_allocated_bytes});
 }
 
-void Trainer::peak_reset() {
+void BackpropTrainer::peak_reset() {
   memory_stats_reset_peak(device_);
   window_carry_ = 0;
   transient_carry_ = 0;
   traced_peak_ = 0;
 }
 
-double Trainer::room_bytes() {
+double BackpropTrainer::room_bytes() {
   if (!device_.is_cuda()) return -1;
   if (memory_planner_ == nullptr) {
     // No plan: a transient is sized to stay inside the peak the training steps reached (to its prediction's error).
@@ -436,7 +436,7 @@ double Trainer::room_bytes() {
   return static_cast<double>(memory_planner_->limit_bytes()) - held;
 }
 
-double Trainer::measure(const std::function<void()>& fn) {
+double BackpropTrainer::measure(const std::function<void()>& fn) {
   if (!device_.is_cuda()) {
     fn();
     return 0;

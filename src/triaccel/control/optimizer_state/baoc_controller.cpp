@@ -1,4 +1,4 @@
-#include "triaccel/control/baoc_controller.h"
+#include "triaccel/control/optimizer_state/baoc_controller.h"
 
 #include "triaccel/core/errors.h"
 #include "triaccel/optim/signals.h"
@@ -27,10 +27,10 @@ std::vector<StateFormat> optim_formats_parse(const std::string& text) {
   return out;
 }
 
-std::vector<PlanUnitInput> baoc_plan_units(const Model& model, const std::vector<at::Tensor>& params) {
-  std::vector<PlanUnitInput> units;
+std::vector<FormatPlanUnit> baoc_plan_units(const Model& model, const std::vector<at::Tensor>& params) {
+  std::vector<FormatPlanUnit> units;
   for (const auto& u : model.units()) {
-    PlanUnitInput in{u.name, {}};
+    FormatPlanUnit in{u.name, {}};
     for (const auto& m : u.modules) {
       for (const auto& sub : m->modules(/*include_self=*/true)) {
         if (sub->as<torch::nn::EmbeddingImpl>() != nullptr) in.lookup = true;
@@ -45,14 +45,14 @@ std::vector<PlanUnitInput> baoc_plan_units(const Model& model, const std::vector
   return units;
 }
 
-PlannerOptions baoc_planner_options(const BaocControllerOptions& options) {
-  PlannerOptions planner;
-  planner.memory_budget = options.memory_budget;
-  planner.time_budget = options.time_budget;
-  planner.formats = optim_formats_parse(options.formats);
-  planner.risk.unit_floor = options.risk_floor;
-  if (!options.time_table.empty()) planner.time_model = step_time_model_from_bench(options.time_table);
-  return planner;
+FormatPlanOptions baoc_format_plan_options(const BaocControllerOptions& options) {
+  FormatPlanOptions plan;
+  plan.memory_budget = options.memory_budget;
+  plan.time_budget = options.time_budget;
+  plan.formats = optim_formats_parse(options.formats);
+  plan.risk.unit_floor = options.risk_floor;
+  if (!options.time_table.empty()) plan.time_model = step_time_model_from_bench(options.time_table);
+  return plan;
 }
 
 BaocController::BaocController(BaocControllerOptions options, const Model& model, BaocOptimizer& optimizer,
@@ -62,9 +62,9 @@ BaocController::BaocController(BaocControllerOptions options, const Model& model
       step_changed_(std::move(step_changed)),
       unit_of_tensor_(model_unit_of_params(model, optimizer.params())),
       plan_units_(baoc_plan_units(model, optimizer.params())),
-      planner_(baoc_planner_options(options_)) {
+      plan_options_(baoc_format_plan_options(options_)) {
   // Budgets that no plan can meet fail now, not after the warm-up (feasibility does not depend on the signals).
-  plan_solve(plan_units_, std::vector<UnitSignals>(plan_units_.size()), planner_);
+  format_plan_solve(plan_units_, std::vector<UnitSignals>(plan_units_.size()), plan_options_);
   window_sync(next_step);
 }
 
@@ -96,14 +96,14 @@ Events BaocController::after_step(StepContext& ctx) {
   if (is_plan_step(step)) {
     const at::Tensor sums = optimizer_.stream_stats_take();
     signals_ = baoc_signals(optimizer_, sums, unit_of_tensor_, static_cast<int64_t>(plan_units_.size()), signals_);
-    const Plan plan = plan_solve(plan_units_, signals_, planner_);
+    const FormatPlan plan = format_plan_solve(plan_units_, signals_, plan_options_);
     std::vector<StateFormat> formats(unit_of_tensor_.size());
     for (size_t i = 0; i < formats.size(); ++i) formats[i] = plan.units[static_cast<size_t>(unit_of_tensor_[i])].format;
     const std::vector<StateFormat> before = optimizer_.formats();
     optimizer_.formats_set(formats);
     if (formats != before && step_changed_) step_changed_();
     ++plans_;
-    Json fields = plan_to_json(plan);
+    Json fields = format_plan_to_json(plan);
     fields["plan"] = plans_;
     fields["state_bytes"] = optimizer_.state_bytes();
     events.push_back({event::kOptimPlan, fields});
@@ -139,7 +139,7 @@ void BaocController::restore(const Json& j) {
       signals_.push_back(s);
     }
   } catch (const Json::exception&) {
-    throw UserError("checkpoint has an unreadable BAOC planner state");
+    throw UserError("checkpoint has an unreadable BAOC format plan state");
   }
 }
 

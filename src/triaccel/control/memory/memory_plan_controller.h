@@ -22,7 +22,7 @@
 #pragma once
 
 #include "triaccel/control/controller.h"
-#include "triaccel/control/memory_planner.h"
+#include "triaccel/control/memory/memory_planner.h"
 #include "triaccel/train/step.h"
 
 #include <cstdint>

@@ -1,20 +1,23 @@
-// What the Trainer's files share (methods/backprop.cpp: set-up; backprop_step.cpp: the loop, the step with its
-// recovery; backprop_eval.cpp: evaluation, checkpoints, the summary): the progress record a checkpoint stores, and the
-// loss scaler's state by name. Internal to methods/backprop*.
+// What the BackpropTrainer's files share (methods/backprop_trainer.cpp: set-up; backprop_trainer_step.cpp: the loop,
+// the step with its recovery; backprop_trainer_eval.cpp: evaluation, checkpoints, the summary): the progress record a
+// checkpoint stores, and the loss scaler's state by name. Internal to methods/backprop*.
 #pragma once
 
 #include "triaccel/core/json.h"
-#include "triaccel/methods/backprop.h"
+#include "triaccel/methods/backprop_trainer.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/loss_scaler.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <vector>
 
 namespace triaccel {
 
-struct Trainer::Progress {
-  // The controllers' state keys a checkpoint stores.
+struct BackpropTrainer::Progress {
+  // The built-in controllers' state keys, each stored at the top of the progress record (as checkpoints always have
+  // them); any other controller's state is stored under "controllers", by its key.
   static constexpr const char* kControllerKeys[] = {"tri_accel", "baoc", "memory_plan"};
   int64_t step = 0;          // optimizer steps done
   int64_t epoch = 0;         // current epoch (0-based)
@@ -43,6 +46,13 @@ struct Trainer::Progress {
            {"epoch_train_s", epoch_train_s}, {"epoch_times", epoch_times}, {"peak_vram_gb", peak_vram_gb},
            {"batch", batch}, {"last_epoch", last_epoch}};
     for (const char* key : kControllerKeys) j[key] = controllers.value(key, Json());
+    Json others = Json::object();
+    for (const auto& [key, state] : controllers.items()) {
+      if (std::find(std::begin(kControllerKeys), std::end(kControllerKeys), key) == std::end(kControllerKeys)) {
+        others[key] = state;
+      }
+    }
+    if (!others.empty()) j["controllers"] = others;
     j["peak_vram_warmup_gb"] = peak_vram_warmup_gb;
     const Json faults = fault_counters();
     for (const auto& [k, v] : faults.items()) j[k] = v;
@@ -63,6 +73,9 @@ struct Trainer::Progress {
       p.controllers = Json::object();
       for (const char* key : kControllerKeys) {
         if (j.contains(key) && !j[key].is_null()) p.controllers[key] = j[key];
+      }
+      if (j.contains("controllers")) {
+        for (const auto& [key, state] : j.at("controllers").items()) p.controllers[key] = state;
       }
       p.peak_vram_warmup_gb = j.value("peak_vram_warmup_gb", -1.0);
       p.oom_retries = j.value("oom_retries", int64_t{0});  // absent in checkpoints before fault counters

@@ -1,6 +1,6 @@
-#include "triaccel/control/curvature_controller.h"
+#include "triaccel/control/curvature/curvature_controller.h"
 
-#include "triaccel/control/precision_policy.h"
+#include "triaccel/control/precision/precision_policy.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
 

@@ -1,5 +1,5 @@
 // The memory planner's solver; see memory_planner.h for the cost model.
-#include "triaccel/control/memory_planner.h"
+#include "triaccel/control/memory/memory_planner.h"
 
 #include <algorithm>
 #include <cmath>

@@ -27,7 +27,7 @@ struct EnumNames<LrBatchRule> {
       {LrBatchRule::kNone, "none"}, {LrBatchRule::kLinear, "linear"}, {LrBatchRule::kSqrt, "sqrt"}};
 };
 
-struct BatchControllerOptions {
+struct BatchPolicyOptions {
   int64_t budget_bytes = 0;   // VRAM budget (allocator peak allocated bytes)
   double rho_low = 0.70;
   double rho_high = 0.90;
@@ -53,16 +53,16 @@ struct BatchDecision {
   double predicted_peak_bytes = 0;
 };
 
-BatchDecision batch_controller_step(const BatchControllerOptions& options, int64_t batch, const MemorySignal& memory);
+BatchDecision batch_policy_step(const BatchPolicyOptions& options, int64_t batch, const MemorySignal& memory);
 
 // After an out-of-memory error at `batch`: the next smaller size to retry the same samples with (halved, bucketed,
 // at least min_batch). Throws UserError when batch is already min_batch: the budget is below the model's minimum.
-int64_t batch_after_oom(const BatchControllerOptions& options, int64_t batch);
+int64_t batch_after_oom(const BatchPolicyOptions& options, int64_t batch);
 
 // Learning-rate multiplier for `batch` relative to `base_batch` under the rule.
 double lr_scale_for_batch(LrBatchRule rule, int64_t batch, int64_t base_batch);
 
 // Rounds down to a multiple of the bucket, clamped to [min_batch, max_batch].
-int64_t batch_bucket(const BatchControllerOptions& options, int64_t batch);
+int64_t batch_bucket(const BatchPolicyOptions& options, int64_t batch);
 
 }  // namespace triaccel

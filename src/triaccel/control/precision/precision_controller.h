@@ -1,17 +1,17 @@
 // Tri-Accel's precision component (paper §3.1; docs/tri-accel.md), as a StepController: every ctrl_every steps the
 // per-unit gradient variance the step accumulated (train/grad_stats.h) and any λ_max a curvature probe left in the
-// context this step go into the pure policy (control/precision_policy.h); its decision becomes the step's per-unit
-// autocast precision.
-// Memory: with a memory check (the memory planner's, set by the trainer whenever it plans), a decision that raises
-// units' precision is applied only if a plan fits it; otherwise those units stay where they were; under a
-// --vram-budget a promotion by curvature is not asked for (its price was wrong whenever measured). The event says
-// why each unit is where it is: "calibrating", "low variance" (fp16), "variance" (bf16), "high variance" (fp32),
-// "curvature" (promoted by λ_max), "memory" (a promotion no plan could pay for). A promotion the check let through
-// whose step then ran out of memory is put back by the trainer (revert_raise) instead of the plan shrinking for it.
+// context this step go into the pure policy (control/precision/precision_policy.h); its decision becomes the step's
+// per-unit autocast precision. Memory: with a memory check (the memory planner's, set by the trainer whenever it
+// plans), a decision that raises units' precision is applied only if a plan fits it; otherwise those units stay where
+// they were; under a --vram-budget a promotion by curvature is not asked for (its price was wrong whenever measured).
+// The event says why each unit is where it is: "calibrating", "low variance" (fp16), "variance" (bf16), "high variance"
+// (fp32), "curvature" (promoted by λ_max), "memory" (a promotion no plan could pay for). A promotion the check let
+// through whose step then ran out of memory is put back by the trainer (revert_raise) instead of the plan shrinking for
+// it.
 #pragma once
 
 #include "triaccel/control/controller.h"
-#include "triaccel/control/precision_policy.h"
+#include "triaccel/control/precision/precision_policy.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/optimizer.h"
 #include "triaccel/train/step.h"

@@ -2,13 +2,13 @@
 // then at windows at least curv_every steps apart, a CurvatureProbe on a fixed batch — of every unit (budget 0, or
 // lockstep rounds paced over the run's budget, round_pace_due) or of the next units, round-robin from the output end,
 // whose cost fits a credit that accrues at budget × training time (so probes stay within that share of it) — then
-// per-unit η_l = η0 / (1 + α·λ_max,l) as the optimizer's per-tensor lr scales (when lr scaling is on), and λ_max of
-// the probed units left in the step's context for the precision policy (control/precision_controller.h). Time comes
-// from the injected clock only.
+// per-unit η_l = η0 / (1 + α·λ_max,l) as the optimizer's per-tensor lr scales (when lr scaling is on), and λ_max of the
+// probed units left in the step's context for the precision policy (control/precision/precision_controller.h). Time
+// comes from the injected clock only.
 #pragma once
 
 #include "triaccel/control/controller.h"
-#include "triaccel/control/curvature_probe.h"
+#include "triaccel/control/curvature/curvature_probe.h"
 #include "triaccel/core/clock.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/optimizer.h"

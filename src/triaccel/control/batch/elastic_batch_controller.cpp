@@ -1,4 +1,4 @@
-#include "triaccel/control/elastic_batch.h"
+#include "triaccel/control/batch/elastic_batch_controller.h"
 
 #include <algorithm>
 
@@ -6,7 +6,7 @@ namespace triaccel {
 
 constexpr double kGB = 1e9;
 
-ElasticBatchController::ElasticBatchController(const BatchControllerOptions& rules, int64_t ctrl_every,
+ElasticBatchController::ElasticBatchController(const BatchPolicyOptions& rules, int64_t ctrl_every,
                                                int64_t base_batch,
                                                std::function<MemorySignal(int64_t, int64_t)> signal_override)
     : rules_(rules), ctrl_every_(ctrl_every), base_batch_(base_batch), signal_override_(std::move(signal_override)) {}
@@ -27,7 +27,7 @@ Events ElasticBatchController::after_step(StepContext& ctx) {
     reserved_gb = static_cast<double>(m.reserved_bytes) / kGB;
   }
   const int64_t before = ctx.batch;
-  const BatchDecision d = batch_controller_step(rules_, before, signal);
+  const BatchDecision d = batch_policy_step(rules_, before, signal);
   if (d.changed) ctx.batch = d.batch;
   events.push_back({event::kBatch, Json{{"batch", ctx.batch},
                                         {"previous", before},

@@ -2,7 +2,7 @@
 //   steps 1 … W (W = plan_warmup): every tensor in fp32 AdamW, gradient-stream statistics on;
 //   after step W: signals → risk → allocation under the budgets → formats applied (state converted, moments kept);
 //   every R = replan_every steps after that (if R > 0): statistics over the last min(W, R) steps, then a re-plan.
-// The controller owns the planner's memory (the last signals per unit) and applies decisions through the optimizer
+// The controller owns the format plan's memory (the last signals per unit) and applies decisions through the optimizer
 // and the step engine (a captured CUDA graph is dropped when the step's work changes: statistics switched on or off,
 // state converted). Its event is event::kOptimPlan.
 #pragma once
@@ -11,7 +11,7 @@
 #include "triaccel/core/json.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/baoc_optimizer.h"
-#include "triaccel/optim/planner.h"
+#include "triaccel/control/optimizer_state/format_plan.h"
 
 #include <functional>
 #include <string>
@@ -32,10 +32,10 @@ struct BaocControllerOptions {
   int64_t replan_every = 0;
 };
 
-// The planner's inputs for a model: one PlanUnitInput per unit, with the shapes of its optimizer tensors.
-std::vector<PlanUnitInput> baoc_plan_units(const Model& model, const std::vector<at::Tensor>& params);
-// The planner's options from the controller's (budgets, menu, risk floor, time model).
-PlannerOptions baoc_planner_options(const BaocControllerOptions& options);
+// The format plan's inputs for a model: one FormatPlanUnit per unit, with the shapes of its optimizer tensors.
+std::vector<FormatPlanUnit> baoc_plan_units(const Model& model, const std::vector<at::Tensor>& params);
+// The format plan's options from the controller's (budgets, menu, risk floor, time model).
+FormatPlanOptions baoc_format_plan_options(const BaocControllerOptions& options);
 
 class BaocController final : public StepController {
  public:
@@ -49,8 +49,8 @@ class BaocController final : public StepController {
   Json state() const override;
   void restore(const Json& state) override;
 
-  const std::vector<PlanUnitInput>& plan_units() const { return plan_units_; }
-  const PlannerOptions& planner_options() const { return planner_; }
+  const std::vector<FormatPlanUnit>& plan_units() const { return plan_units_; }
+  const FormatPlanOptions& plan_options() const { return plan_options_; }
   const std::vector<UnitSignals>& signals() const { return signals_; }
 
  private:
@@ -62,8 +62,8 @@ class BaocController final : public StepController {
   BaocOptimizer& optimizer_;
   std::function<void()> step_changed_;
   std::vector<int64_t> unit_of_tensor_;
-  std::vector<PlanUnitInput> plan_units_;
-  PlannerOptions planner_;
+  std::vector<FormatPlanUnit> plan_units_;
+  FormatPlanOptions plan_options_;
   std::vector<UnitSignals> signals_;
   int64_t plans_ = 0;
 };

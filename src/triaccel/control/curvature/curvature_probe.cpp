@@ -2,14 +2,14 @@
 // that unit's parameters from the same loss and power iteration for its top-k eigenvalues. Everything the forward
 // changes (BatchNorm running statistics, num_batches_tracked, generator states) is snapshotted before and
 // written back after, so probing never perturbs training.
-#include "triaccel/control/curvature_probe.h"
+#include "triaccel/control/curvature/curvature_probe.h"
 
 #include "triaccel/core/clock.h"
 #include "triaccel/core/cuda_graph.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/core/profile.h"
-#include "triaccel/control/hvp.h"
+#include "triaccel/control/curvature/hvp.h"
 #include "triaccel/models/batch_norm.h"
 
 #include <ATen/ATen.h>

@@ -1,13 +1,14 @@
-// The Trainer's evaluation (within the budget), epoch end, checkpoints, stop and summary (methods/backprop.h).
-#include "triaccel/methods/backprop.h"
-#include "triaccel/methods/backprop_progress.h"
+// The BackpropTrainer's evaluation (within the budget), epoch end, checkpoints, stop and summary
+// (methods/backprop_trainer.h).
+#include "triaccel/methods/backprop_trainer.h"
+#include "triaccel/methods/backprop_trainer_progress.h"
 
-#include "triaccel/control/baoc_controller.h"
-#include "triaccel/control/curvature_controller.h"
-#include "triaccel/control/elastic_batch.h"
-#include "triaccel/control/measure_window.h"
-#include "triaccel/control/memory_model.h"
-#include "triaccel/control/precision_controller.h"
+#include "triaccel/control/optimizer_state/baoc_controller.h"
+#include "triaccel/control/curvature/curvature_controller.h"
+#include "triaccel/control/batch/elastic_batch_controller.h"
+#include "triaccel/control/measure_window_controller.h"
+#include "triaccel/control/memory/memory_model.h"
+#include "triaccel/control/precision/precision_controller.h"
 #include "triaccel/core/context_trace.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
@@ -56,7 +57,7 @@ Json controller_states(const std::vector<std::unique_ptr<StepController>>& contr
 
 }  // namespace
 
-std::array<double, 4> Trainer::evaluate_share(int64_t batch_size) {
+std::array<double, 4> BackpropTrainer::evaluate_share(int64_t batch_size) {
   const torch::NoGradGuard no_grad;
   Model& model = session_.model();
   model.eval();
@@ -96,7 +97,7 @@ std::array<double, 4> Trainer::evaluate_share(int64_t batch_size) {
   return {loss_sum.item<double>(), correct.item<double>(), correct_tta.item<double>(), predictions};
 }
 
-Trainer::EvalResult Trainer::evaluate_within_budget() {
+BackpropTrainer::EvalResult BackpropTrainer::evaluate_within_budget() {
   // A planned run's evaluation batch fits what the plan leaves; halving remains for a model that under-predicts,
   // and the batch that then fit is kept for the later evaluations (one out-of-memory error a run, not one an epoch).
   step_->grads_release();  // the last step's gradients (the size of the weights) are not needed to evaluate
@@ -156,7 +157,7 @@ Trainer::EvalResult Trainer::evaluate_within_budget() {
   return {sums[0] / sums[3], 100.0 * sums[1] / sums[3], tta};
 }
 
-void Trainer::epoch_end(double train_s) {
+void BackpropTrainer::epoch_end(double train_s) {
   Progress& p = *progress_;
   // Peak VRAM is the training peak (the measured period); evaluation's own peak is reported beside it.
   // This epoch's training steps (since the reset after the last evaluation); peak_vram_gb is the run's so far, which
@@ -236,19 +237,19 @@ void Trainer::epoch_end(double train_s) {
   if (config_.output.checkpoint_every == 0 || p.epoch == config_.schedule.epochs) checkpoint();
 }
 
-std::string Trainer::curvature_checkpoint() {
+std::string BackpropTrainer::curvature_checkpoint() {
   const std::string file = "curvature-step-" + std::to_string(progress_->step) + ".pt";
   checkpoint_mid_epoch(file);
   return session_.out_file(file);
 }
 
-void Trainer::checkpoint_mid_epoch(const std::string& file) {
+void BackpropTrainer::checkpoint_mid_epoch(const std::string& file) {
   train_time_pause();
   checkpoint(file);
   t_epoch_ = session_.clock().now_s();  // the epoch's clock runs again from here
 }
 
-void Trainer::checkpoint(const std::string& file) {
+void BackpropTrainer::checkpoint(const std::string& file) {
   NamedTensors optimizer_state;
   if (param_shards_) {  // every owner sends rank 0 the state of its parameters
     optimizer_state = optimizer_->state_tensors();
@@ -274,7 +275,7 @@ void Trainer::checkpoint(const std::string& file) {
   peak_trace("checkpoint");
 }
 
-void Trainer::peak_trace(const char* phase) {
+void BackpropTrainer::peak_trace(const char* phase) {
   if (!trace_peak_) return;
   const int64_t peak = peak_now();
   if (peak > traced_peak_ + static_cast<int64_t>(1e6)) {
@@ -301,7 +302,7 @@ void Trainer::peak_trace(const char* phase) {
   memory_history_clear(device_);
 }
 
-Json Trainer::stop() {
+Json BackpropTrainer::stop() {
   const Progress& p = *progress_;
   checkpoint();
   const Json fields{{"reason", stop_reason_}, {"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}};
@@ -311,7 +312,7 @@ Json Trainer::stop() {
   return fields;
 }
 
-Json Trainer::summary() {
+Json BackpropTrainer::summary() {
   const Progress& p = *progress_;
   const std::string model_path = session_.out_file("model.pt");
   if (session_.writer()) model_export_state_dict(session_.model(), model_path);

@@ -1,5 +1,5 @@
 // NeuroFlux memory profile; see memory_profile.h.
-#include "triaccel/control/memory_profile.h"
+#include "triaccel/control/memory/memory_profile.h"
 
 #include "triaccel/core/autograd_walk.h"
 #include "triaccel/core/device.h"

@@ -1,4 +1,4 @@
-#include "triaccel/control/precision_controller.h"
+#include "triaccel/control/precision/precision_controller.h"
 
 #include "triaccel/core/errors.h"
 #include "triaccel/train/grad_stats.h"

@@ -1,14 +1,11 @@
-// The Trainer's set-up (methods/backprop.h): the memory plan, loaders, optimizer, step and controllers, a resumed
-// run's state; the loop is in backprop_step.cpp, evaluation, checkpoints and the summary in backprop_eval.cpp.
-#include "triaccel/methods/backprop.h"
-#include "triaccel/methods/backprop_progress.h"
+// The BackpropTrainer's set-up (methods/backprop_trainer.h): the memory plan, loaders, optimizer, step and controllers,
+// a resumed run's state; the loop is in backprop_trainer_step.cpp, evaluation, checkpoints and the summary in
+// backprop_trainer_eval.cpp.
+#include "triaccel/methods/backprop_trainer.h"
+#include "triaccel/methods/backprop_trainer_progress.h"
+#include "triaccel/methods/controller_registry.h"
 
-#include "triaccel/control/baoc_controller.h"
-#include "triaccel/control/curvature_controller.h"
-#include "triaccel/control/elastic_batch.h"
-#include "triaccel/control/measure_window.h"
-#include "triaccel/control/memory_model.h"
-#include "triaccel/control/precision_controller.h"
+#include "triaccel/control/memory/memory_model.h"
 #include "triaccel/core/context_trace.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
@@ -37,10 +34,6 @@ namespace {
 
 constexpr double kGB = 1e9;
 
-// Lockstep curvature rounds after the first stop after this many power-iteration passes (each unit's λ then sits
-// within a few % of its converged value from the last round's vector): warm Fisher rounds run to --curv-tol took
-// more passes than the budget pays for with rounds a few epochs apart (measured: docs/results/tri-accel.md).
-constexpr int kLockstepWarmPasses = 4;
 
 LoaderOptions placed(LoaderOptions o, DataPlacement placement) {
   o.placement = placement;
@@ -51,7 +44,7 @@ LoaderOptions placed(LoaderOptions o, DataPlacement placement) {
 
 // --- set-up ---
 
-Trainer::Trainer(Session& session)
+BackpropTrainer::BackpropTrainer(Session& session)
     : session_(session),
       config_(session.config()),
       device_(session.device()),
@@ -138,9 +131,9 @@ Trainer::Trainer(Session& session)
   last_lr_ = schedule_lr(schedule_, schedule_position());
 }
 
-Trainer::~Trainer() = default;
+BackpropTrainer::~BackpropTrainer() = default;
 
-void Trainer::grad_reduce_set(StepOptions::GradReduce& reduce) {
+void BackpropTrainer::grad_reduce_set(StepOptions::GradReduce& reduce) {
   const bool nccl = session_.dist().nccl();
   reduce.buckets = grad_buckets_options(config_);
   reduce.weight = [this] { return grad_weight_; };
@@ -159,7 +152,7 @@ void Trainer::grad_reduce_set(StepOptions::GradReduce& reduce) {
   if (nccl) reduce.agree_capture = capture_agreement(session_.dist());
 }
 
-void Trainer::sync_bn_start() {
+void BackpropTrainer::sync_bn_start() {
   // Each BatchNorm sums its statistics over the ranks in every training forward: every rank must run one forward per
   // step, so no batch may leave a rank without samples.
   const int64_t world = session_.dist().world_size();
@@ -174,7 +167,7 @@ void Trainer::sync_bn_start() {
   bn_sync_ = std::make_unique<BatchNormSyncScope>(std::move(sync));
 }
 
-void Trainer::budget_floor_check() const {
+void BackpropTrainer::budget_floor_check() const {
   const int64_t budget = config_.execution.vram_budget_bytes();
   if (budget <= 0) return;
   // The floor no batch size can go under, on any device: fp32 weights and gradients, the optimizer's state and the
@@ -192,7 +185,7 @@ void Trainer::budget_floor_check() const {
                        static_cast<double>(resident) / 1e6, " MB; activations come on top); raise the budget");
 }
 
-void Trainer::restore() {
+void BackpropTrainer::restore() {
   if (!session_.checkpoint()) return;
   const Checkpoint& ckpt = *session_.checkpoint();
   const std::string& file = session_.checkpoint_file();
@@ -206,81 +199,28 @@ void Trainer::restore() {
                        train_loader_.size(), ")");
 }
 
-void Trainer::controllers_build() {
-  const TriAccelConfig& ta = config_.tri_accel;
-  PrecisionController* precision_controller = nullptr;
-  if (config_.execution.method == Method::kTriAccel) {
-    if (ta.ta_curvature || ta.ta_precision) {
-      // The fixed curvature batch: the first b_curv samples of epoch 0's (seeded) order.
-      train_loader_.epoch_begin(0);
-      const int64_t curv_count = std::min(ta.curv_batch, train_loader_.size());
-      auto [images, labels] = train_loader_.batch(0, curv_count);
-      CurvatureControllerOptions co = curvature_controller_options(config_, session_.model());
-      co.probe_samples = train_loader_.sample_indices(0, curv_count);
-      co.probe.clock = &session_.clock();
-      co.probe.warm_passes = kLockstepWarmPasses;
-      // Under a budget the plan fills it with the steps: the rounds take the step graph's pool as scratch.
-      co.share_step_pool = co.lockstep_rounds() && config_.execution.vram_budget_bytes() > 0 && device_.is_cuda() &&
-                           config_.execution.cuda_graphs;
-      co.total_steps = config_.schedule.max_steps > 0 ? std::min(schedule_.total_steps, config_.schedule.max_steps)
-                                                      : schedule_.total_steps;
-      controllers_.push_back(std::make_unique<CurvatureController>(co, session_.model(), *optimizer_, *step_,
-                                                                   images, labels));
-    }
-    if (ta.ta_precision) {
-      auto precision = std::make_unique<PrecisionController>(precision_policy_options(config_), ta.ctrl_every,
-                                                             session_.model(), *optimizer_, *step_, device_);
-      precision_controller = precision.get();
-      controllers_.push_back(std::move(precision));
-    }
-  }
-  if (config_.optim.optimizer == OptimizerKind::kBaoc) {
-    controllers_.push_back(std::make_unique<BaocController>(baoc_controller_options(config_), session_.model(),
-                                                            static_cast<BaocOptimizer&>(*optimizer_),
-                                                            [this]() { step_->invalidate_graph(); }, progress_->step + 1));
-  }
-  if (config_.optim.optimizer != OptimizerKind::kSgd) {
-    controllers_.push_back(std::make_unique<MeasureWindowController>(config_.baoc.plan_warmup, *step_));
-  }
-  // Batch sizes: bucketed halving after out of memory; under a vram_budget, Tri-Accel's elastic batch (the paper's
-  // rule on the measured peak) every control window. The lr follows the batch by lr_batch_rule.
-  const int64_t budget = config_.execution.vram_budget_bytes();
-  batch_rules_ = batch_controller_options(config_, train_loader_.size());
-  const bool elastic = config_.execution.method == Method::kTriAccel && ta.ta_batch && budget > 0 &&
-                       config_.execution.batch_policy == BatchPolicy::kElastic &&
-                       (device_.is_cuda() || session_.hooks().memory_signal);
-  if (elastic) {
-    controllers_.push_back(std::make_unique<ElasticBatchController>(batch_rules_, ta.ctrl_every,
-                                                                    config_.schedule.batch_size,
-                                                                    session_.hooks().memory_signal));
-  }
-  // The memory planner runs last: it sees this step's precision decisions.
-  if (memory_->planned) {
-    MemorySetup& m = *memory_;
-    auto planner = std::make_unique<MemoryPlanController>(
-        m.model, m.plan, m.limits, *step_, [this](const std::vector<Precision>& precisions) {
-          MemoryModelInputs in = memory_->inputs;
-          in.unit_precisions = precisions;
-          // Traced in the captured step's pool, whose scratch is idle between steps (as for the evaluation): beside
-          // it, under a budget, the trace's few MB need not fit, and the run then ends with an out-of-memory error at
-          // its first precision decision (measured: docs/results/memory-planner.md).
-          MemoryModel rebuilt;
-          step_->in_graph_pool(
-              [&]() { rebuilt = memory_model_build(session_.model(), memory_->sample, in, device_); });
-          if (const auto agree = memory_agree_over_ranks(session_)) memory_model_agree(rebuilt, agree);
-          return rebuilt;
-        });
-    planner->set_agree(memory_agree_over_ranks(session_));
-    memory_planner_ = planner.get();
-    controllers_.push_back(std::move(planner));
-    if (precision_controller != nullptr) {  // a promotion no plan can pay for is refused, not fatal
-      precision_controller_ = precision_controller;
-      precision_controller->set_memory_check(
-          [planner = memory_planner_](const std::vector<Precision>& p) { return planner->fits(p); },
-          /*hold_curvature=*/config_.execution.vram_budget_bytes() > 0);
-      memory_planner_->set_capture_oom_undo([precision_controller]() { return precision_controller->revert_raise(); });
-    }
-  }
+void BackpropTrainer::controllers_build() {
+  // The out-of-memory halving and the elastic batch share the batch rules.
+  batch_rules_ = batch_policy_options(config_, train_loader_.size());
+  ControllerParts parts{config_, session_, *optimizer_, *step_, train_loader_, device_};
+  parts.next_step = progress_->step + 1;
+  parts.total_steps = schedule_.total_steps;
+  parts.batch_rules = &batch_rules_;
+  parts.memory = memory_.get();
+  parts.memory_model_rebuild = [this](const std::vector<Precision>& precisions) {
+    MemoryModelInputs in = memory_->inputs;
+    in.unit_precisions = precisions;
+    // Traced in the captured step's pool, whose scratch is idle between steps (as for the evaluation): beside it,
+    // under a budget, the trace's few MB need not fit, and the run then ends with an out-of-memory error at its first
+    // precision decision (measured: docs/results/memory-planner.md).
+    MemoryModel rebuilt;
+    step_->in_graph_pool([&]() { rebuilt = memory_model_build(session_.model(), memory_->sample, in, device_); });
+    if (const auto agree = memory_agree_over_ranks(session_)) memory_model_agree(rebuilt, agree);
+    return rebuilt;
+  };
+  controllers_ = controllers_make(parts);
+  memory_planner_ = parts.memory_planner;
+  if (memory_planner_ != nullptr) precision_controller_ = parts.precision;  // its promotions priced by the plan
   for (auto& c : controllers_) {
     if (progress_->controllers.contains(c->state_key())) c->restore(progress_->controllers[c->state_key()]);
   }
@@ -295,7 +235,7 @@ void Trainer::controllers_build() {
   }
 }
 
-void Trainer::memory_cap() {
+void BackpropTrainer::memory_cap() {
   const int64_t budget = config_.execution.vram_budget_bytes();
   if (budget <= 0) return;
   if (device_.is_cuda()) {

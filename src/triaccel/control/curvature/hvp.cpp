@@ -1,7 +1,7 @@
 // Hessian-vector products by double backward and power iteration with deflation (see hvp.h).
 // H·v is the vector-Jacobian product of the first-order gradients g = ∂loss/∂θ with v, i.e. one backward of
 // Σ_i g_i·v_i through the graph that create_graph kept; both backwards retain the loss's graph.
-#include "triaccel/control/hvp.h"
+#include "triaccel/control/curvature/hvp.h"
 
 #include "triaccel/core/cuda_graph.h"
 

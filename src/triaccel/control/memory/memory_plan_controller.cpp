@@ -1,4 +1,4 @@
-#include "triaccel/control/memory_plan_controller.h"
+#include "triaccel/control/memory/memory_plan_controller.h"
 
 #include "triaccel/core/errors.h"
 

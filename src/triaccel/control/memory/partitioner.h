@@ -19,7 +19,7 @@
 // The partition is exact: dynamic programming over the split points (O(U²·levels)).
 #pragma once
 
-#include "triaccel/control/memory_profile.h"
+#include "triaccel/control/memory/memory_profile.h"
 
 #include <cstdint>
 #include <string>

@@ -1,21 +1,21 @@
-// Backprop: the Trainer. On a Session (run/session.h) it builds the loaders, the optimizer, the loss scaler, the
-// schedule, the step engine (train/step.h) and the list of controllers the configuration asks for (Tri-Accel's
-// curvature, precision and elastic batch; BAOC's planner; the measurement window of AdamW and BAOC runs), then runs
+// Backprop: the BackpropTrainer. On a Session (run/session.h) it builds the loaders, the optimizer, the loss scaler,
+// the schedule, the step engine (train/step.h) and the list of controllers the configuration asks for (Tri-Accel's
+// curvature, precision and elastic batch; BAOC's format plan; the measurement window of AdamW and BAOC runs), then runs
 // epochs of steps with recovery (out-of-memory retries, skipped inf/NaN steps, injected faults), evaluation,
-// checkpoints and the summary. Every sample of an epoch is trained exactly once, whatever the batch size does.
-// Under a vram_budget (on CUDA), or when the user fixes a memory lever, the memory planner
-// (control/memory_plan_controller.h) plans the run before the loaders exist (where the data lives), and its
+// checkpoints and the summary. Every sample of an epoch is trained exactly once, whatever the batch size does. Under a
+// vram_budget (on CUDA), or when the user fixes a memory lever, the memory planner
+// (control/memory/memory_plan_controller.h) plans the run before the loaders exist (where the data lives), and its
 // controller keeps the step engine on the plan; an out-of-memory error is then a planning error, retried on the same
-// samples at the same batch with a new plan.
-// Data parallel (Session::dist() active, docs/distributed.md): batch_size is the global batch; each step every rank
-// trains its contiguous share of the same batch of the same seeded order, the gradients are summed across ranks
-// (weighted by share) before the non-finite check and the update, so every rank makes the same update; evaluation
-// is sharded too, with rank 0's BatchNorm statistics; only rank 0 writes events, checkpoints and model.pt.
+// samples at the same batch with a new plan. Data parallel (Session::dist() active, docs/distributed.md): batch_size is
+// the global batch; each step every rank trains its contiguous share of the same batch of the same seeded order, the
+// gradients are summed across ranks (weighted by share) before the non-finite check and the update, so every rank makes
+// the same update; evaluation is sharded too, with rank 0's BatchNorm statistics; only rank 0 writes events,
+// checkpoints and model.pt.
 #pragma once
 
-#include "triaccel/control/batch_controller.h"
+#include "triaccel/control/batch/batch_policy.h"
 #include "triaccel/control/controller.h"
-#include "triaccel/control/memory_plan_controller.h"
+#include "triaccel/control/memory/memory_plan_controller.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/json.h"
 #include "triaccel/data/loader.h"
@@ -41,12 +41,12 @@ namespace triaccel {
 class ParamShards;
 class PrecisionController;
 
-class Trainer : private MemoryMeter {
+class BackpropTrainer : private MemoryMeter {
  public:
-  explicit Trainer(Session& session);
-  ~Trainer() override;
-  Trainer(const Trainer&) = delete;
-  Trainer& operator=(const Trainer&) = delete;
+  explicit BackpropTrainer(Session& session);
+  ~BackpropTrainer() override;
+  BackpropTrainer(const BackpropTrainer&) = delete;
+  BackpropTrainer& operator=(const BackpropTrainer&) = delete;
 
   // Trains to the end (or to max_steps) and returns the summary event's fields (the stop event's when stopped).
   Json run();
@@ -138,7 +138,7 @@ class Trainer : private MemoryMeter {
   std::unique_ptr<TrainStep> step_;
   std::unique_ptr<BatchNormSyncScope> bn_sync_;  // --sync-bn across the ranks (docs/distributed.md)
   std::unique_ptr<ParamShards> param_shards_;      // optimizer state sharded across the ranks (ZeRO stage 1)
-  BatchControllerOptions batch_rules_;     // out-of-memory halving and the elastic batch share these
+  BatchPolicyOptions batch_rules_;     // out-of-memory halving and the elastic batch share these
   std::vector<std::unique_ptr<StepController>> controllers_;
   MemoryPlanController* memory_planner_ = nullptr;  // one of controllers_, when the memory is planned
   PrecisionController* precision_controller_ = nullptr;  // one of controllers_: Tri-Accel precision under a plan
