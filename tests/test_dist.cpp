@@ -4,6 +4,7 @@
 #include "test_util.h"
 #include "triaccel/core/dist.h"
 #include "triaccel/core/errors.h"
+#include "triaccel/run/step_agreement.h"
 
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -214,6 +215,47 @@ TEST(DistTest, ARestartedAttemptUnderTheAgentsStoreReadsOnlyItsOwnKeys) {
     ASSERT_TRUE(errors[r].empty()) << "rank " << r << ": " << errors[r];
     EXPECT_EQ(rows[r], (std::vector<std::vector<double>>{{0.0}, {1.0}})) << "rank " << r;
   }
+}
+
+// The ranks' step outcomes travel as rows of numbers; every rank reads the same recovery from them: who ran out, the
+// smallest proposed batch, whether a rank that ran out must stop or ran out beside the graph's pool. Flags of a rank
+// that did not run out count for nothing.
+TEST(StepAgreementTest, EveryRankReadsTheSameRecoveryFromTheRows) {
+  RankStepOutcome fine;
+  fine.batch = 64;
+  fine.beside_pool = true;  // not out of memory: ignored
+  fine.must_stop = true;
+  RankStepOutcome beside;
+  beside.out_of_memory = true;
+  beside.beside_pool = true;
+  beside.batch = 32;
+  beside.allocated_gb = 1.5;
+  beside.reserved_gb = 2.25;
+  StepAgreement a;
+  for (const RankStepOutcome& r : {fine, beside}) a.ranks.push_back(RankStepOutcome::from_row(r.to_row()));
+  EXPECT_TRUE(a.out_of_memory());
+  EXPECT_TRUE(a.beside_pool());
+  EXPECT_FALSE(a.must_stop());
+  EXPECT_EQ(a.batch_agreed(64), 32);
+  EXPECT_EQ(a.batch_agreed(16), 16);
+  EXPECT_EQ(a.oom_who(), "rank 1 of 2");
+  EXPECT_EQ(a.oom_ranks(), Json::parse(R"([{"rank": 1, "allocated_gb": 1.5, "reserved_gb": 2.25}])"));
+
+  RankStepOutcome stopped;
+  stopped.out_of_memory = true;
+  stopped.must_stop = true;
+  stopped.batch = 48;
+  a.ranks.push_back(RankStepOutcome::from_row(stopped.to_row()));
+  EXPECT_TRUE(a.must_stop());
+  EXPECT_EQ(a.oom_who(), "ranks 1, 2 of 3");
+  EXPECT_EQ(a.oom_ranks().size(), 2u);
+
+  StepAgreement none;
+  none.ranks = {fine, fine};
+  EXPECT_FALSE(none.out_of_memory());
+  EXPECT_FALSE(none.beside_pool());
+  EXPECT_FALSE(none.must_stop());
+  EXPECT_TRUE(none.oom_ranks().empty());
 }
 
 }  // namespace

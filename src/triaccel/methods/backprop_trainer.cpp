@@ -14,7 +14,6 @@
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/run/component_options.h"
 #include "triaccel/run/memory_setup.h"
-#include "triaccel/run/rank_rows.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/param_shards.h"
 #include "triaccel/train/rng.h"

@@ -18,7 +18,7 @@
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/run/component_options.h"
 #include "triaccel/run/memory_setup.h"
-#include "triaccel/run/rank_rows.h"
+#include "triaccel/run/step_agreement.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/param_shards.h"
 #include "triaccel/train/rng.h"
@@ -171,32 +171,26 @@ BackpropTrainer::Attempt BackpropTrainer::step_with_recovery(int64_t count) {
 }
 
 std::optional<BackpropTrainer::OomSeen> BackpropTrainer::step_agreed(bool failed, bool unskippable, bool beside_pool,
-                                                     const MemoryStats& at_failure) {
+                                                                     const MemoryStats& at_failure) {
   const Progress& p = *progress_;
-  // Per rank {ran out of memory, could not skip, beside the graph's pool, allocated GB, reserved GB}.
-  const std::vector<double> own{failed ? 1.0 : 0.0, unskippable ? 1.0 : 0.0, beside_pool ? 1.0 : 0.0,
-                                static_cast<double>(at_failure.allocated_bytes) / kGB,
-                                static_cast<double>(at_failure.reserved_bytes) / kGB};
-  std::vector<std::vector<double>> rows;
-  agreed_ = session_.stop_agreed(p.step + 1, own, &rows);  // the step after_step is about to count
-  const RanksOutOfMemory out = ranks_out_of_memory(rows, /*allocated=*/3);
-  if (out.ranks.empty()) return std::nullopt;
+  RankStepOutcome own;
+  own.out_of_memory = failed;
+  own.must_stop = unskippable;
+  own.beside_pool = beside_pool;
+  own.allocated_gb = static_cast<double>(at_failure.allocated_bytes) / kGB;
+  own.reserved_gb = static_cast<double>(at_failure.reserved_bytes) / kGB;
+  const StepAgreement agreed = step_agreement(session_, p.step + 1, own);  // the step after_step is about to count
+  agreed_ = agreed.stop;
+  if (!agreed.out_of_memory()) return std::nullopt;
   agreed_.reset();  // a stop or a checkpoint waits for a step that ran
-  OomSeen seen;
-  seen.ranks = out.ranks;
-  bool stop = false;
-  for (const auto& row : rows) {
-    if (row[0] == 0) continue;
-    stop = stop || row[1] > 0;
-    seen.beside_pool = seen.beside_pool || row[2] > 0;
-  }
-  if (stop) {
+  OomSeen seen{agreed.beside_pool(), agreed.oom_ranks()};
+  if (agreed.must_stop()) {
     session_.event(event::kOom, p.step, Json{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"batch", p.batch},
                                              {"ranks", seen.ranks}, {"action", "stopped"}});
-    throw UserError(str_cat(out.who, " ran out of GPU memory in training after the step's update had begun (the ranks' weights "
-                            "may differ); resume from the last checkpoint with a smaller ", option_ref("batch_size"),
-                            " or on more GPUs: ", option_ref("resume"), " ", config_.output.out, " ",
-                            option_ref("nproc"), " N"));
+    throw UserError(str_cat(agreed.oom_who(), " ran out of GPU memory in training after the step's update had begun "
+                            "(the ranks' weights may differ); resume from the last checkpoint with a smaller ",
+                            option_ref("batch_size"), " or on more GPUs: ", option_ref("resume"), " ",
+                            config_.output.out, " ", option_ref("nproc"), " N"));
   }
   step_->failed_step_restore();
   return seen;

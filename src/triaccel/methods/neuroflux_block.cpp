@@ -179,26 +179,21 @@ bool BlockTrainer::step_failed(Json reading, int64_t proposal) {
 
 bool BlockTrainer::step_agreed(bool ran) {
   const int world = session_.dist().world_size();
-  // In the step's stop agreement (one round trip): per rank {ran out of memory, the batch it proposes, it stops,
-  // allocated GB, reserved GB}.
-  std::vector<double> own(5, 0.0);
-  own[1] = static_cast<double>(ran ? batch_ : proposal_);
+  RankStepOutcome own;
+  own.batch = ran ? batch_ : proposal_;
   if (!ran) {
-    own[0] = 1.0;
-    own[2] = phase_ == 2 ? 1.0 : 0.0;
-    own[3] = own_oom_.value("allocated_gb", 0.0);
-    own[4] = own_oom_.value("reserved_gb", 0.0);
+    own.out_of_memory = true;
+    own.must_stop = phase_ == 2;  // out of memory after the update had begun
+    own.allocated_gb = own_oom_.value("allocated_gb", 0.0);
+    own.reserved_gb = own_oom_.value("reserved_gb", 0.0);
   }
-  std::vector<std::vector<double>> rows;
-  agreed_ = session_.stop_agreed(*run_step_ + 1, own, &rows);
-  const auto [ranks, who] = ranks_out_of_memory(rows, /*allocated=*/3);
-  int64_t retry = batch_;
-  bool stop = false;
-  for (const auto& row : rows) {
-    retry = std::min(retry, static_cast<int64_t>(row[1]));
-    stop = stop || (row[0] != 0 && row[2] > 0);
-  }
-  if (ranks.empty()) return true;
+  const StepAgreement agreed = step_agreement(session_, *run_step_ + 1, own);
+  agreed_ = agreed.stop;
+  if (!agreed.out_of_memory()) return true;
+  const int64_t retry = agreed.batch_agreed(batch_);
+  const bool stop = agreed.must_stop();
+  const Json ranks = agreed.oom_ranks();
+  const std::string who = agreed.oom_who();
   agreed_.reset();  // a stop or a checkpoint waits for a step that ran
   skip_.zero_();
   grads_release();

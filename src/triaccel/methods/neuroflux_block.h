@@ -19,7 +19,7 @@
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/sgd.h"
 #include "triaccel/run/component_options.h"
-#include "triaccel/run/rank_rows.h"
+#include "triaccel/run/step_agreement.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/grad_buckets.h"
 #include "triaccel/train/precision.h"
