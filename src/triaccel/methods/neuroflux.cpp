@@ -9,6 +9,7 @@
 #include "triaccel/methods/neuroflux.h"
 
 #include "triaccel/methods/neuroflux_run.h"
+#include "triaccel/run/block_memory_setup.h"
 
 namespace triaccel {
 namespace neuroflux {
@@ -16,8 +17,6 @@ namespace {
 
 constexpr uint64_t kHoldoutStream = 0x4e46486f6c64ULL;  // independent seed streams (seed_mix)
 constexpr uint64_t kHeadStream = 0x4e4648656164ULL;
-// Under a vram_budget the dataset streams from pinned host memory when its images would take more than this share.
-constexpr double kHostDataShare = 0.25;
 
 Dataset dataset_rows(const Dataset& d, const at::Tensor& index) {
   Dataset out;
@@ -159,12 +158,9 @@ void NeuroFluxRun::data_split() {
   hold_set_ = dataset_rows(data.train, std::get<0>(split.narrow(0, 0, n_hold_).sort()));
   plain_lo_ = session_.loader_options(LoaderRole::kPlain);
   train_lo_ = session_.loader_options(LoaderRole::kTrain);
-  // Under a tight vram_budget the images stay in pinned host memory and stream a batch at a time (data/loader.h):
-  // resident, more than kHostDataShare of the budget would go to them, and their upload can run out of memory before
-  // the first step.
-  const double budget = static_cast<double>(config_.execution.vram_budget_bytes());
-  const double images = static_cast<double>(data.train.images.numel() + data.test.images.numel());
-  host_data_ = device_.is_cuda() && budget > 0 && images > kHostDataShare * budget;
+  // Under a tight vram_budget the images stream from pinned host memory (run/block_memory_setup.h).
+  host_data_ = block_data_on_host(config_, device_,
+                                  static_cast<double>(data.train.images.numel() + data.test.images.numel()));
   if (host_data_) plain_lo_.placement = train_lo_.placement = DataPlacement::kHost;
   const auto make_input = [&](const Dataset& d) {
     SplitInput in;
@@ -198,24 +194,14 @@ void NeuroFluxRun::plan_make() {
     profile_ = memory_profile(model_, sample_shape_, session_.model_options().num_classes, source_, device_);
   }
   profile_s_ = session_.clock().now_s() - t_profile;
-  explicit_budget_ = config_.execution.vram_budget_bytes() > 0;
-  // Without a budget NeuroFlux trains in the memory backprop would use at batch_size; backprop keeps the whole
-  // training split (held-out part included) and the test split resident.
-  budget_ = explicit_budget_ ? static_cast<double>(config_.execution.vram_budget_bytes())
-                             : profile_.backprop_bytes(config_.schedule.batch_size) + resident_;
-  po_ = partition_options(config_);
-  po_.budget_bytes = budget_;
-  po_.base_bytes = resident_;
-  po_.samples = n_train_;
-  if (!device_.is_cuda()) {  // the CPU: slower, saturated at small batches, and its "host cache" is just memory
-    po_.bytes_per_s = 5e9;
-    po_.sat_batch = 32;
-    po_.host_bytes_per_s = 0;
-  }
+  const BlockMemorySetup memory = block_memory_setup(config_, device_, profile_, resident_, n_train_);
+  explicit_budget_ = memory.explicit_budget;
+  budget_ = memory.budget_bytes;
+  po_ = memory.options;
+  backprop_batch_ = memory.backprop_batch;
   const auto& ckpt = session_.checkpoint();
   plan_ = ckpt ? plan_from_json(ckpt->progress.at("plan"), n_units_, session_.checkpoint_file())
                : plan_agree(session_.dist(), partition_plan(profile_, po_));
-  backprop_batch_ = profile_.backprop_max_batch(po_.safety * budget_ - resident_);
 }
 
 void NeuroFluxRun::heads_make() {

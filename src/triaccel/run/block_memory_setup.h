@@ -1,0 +1,39 @@
+// NeuroFlux's memory set-up, the block-wise counterpart of memory_setup.h (backprop's): from the run's configuration
+// and the model's memory profile (control/memory/memory_profile.h), where the dataset lives, the budget the block
+// partition plans against, and the partitioner's options (control/memory/partitioner.h: the planner over blocks).
+// NeuroFlux (methods/neuroflux.cpp) plans its blocks with it; nothing here allocates.
+#pragma once
+
+#include "triaccel/control/memory/memory_profile.h"
+#include "triaccel/control/memory/partitioner.h"
+#include "triaccel/run/config.h"
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+
+namespace triaccel {
+
+// Under a vram_budget the dataset streams from pinned host memory when its images would take more than this share.
+constexpr double kBlockHostDataShare = 0.25;
+
+// Whether the images stay in pinned host memory and stream a batch at a time (data/loader.h): on CUDA under a
+// vram_budget that `image_bytes` (every split's images, resident) would take more than kBlockHostDataShare of, where
+// their upload could run out of memory before the first step.
+bool block_data_on_host(const Config& config, const c10::Device& device, double image_bytes);
+
+struct BlockMemorySetup {
+  bool explicit_budget = false;  // a vram_budget was given
+  // The budget the blocks plan against: the vram_budget, or without one the memory backprop would use at batch_size
+  // with the run's resident data (NeuroFlux then trains in what backprop would take).
+  double budget_bytes = 0;
+  PartitionOptions options;      // the partitioner's, with the budget, the resident bytes and the training samples
+  int64_t backprop_batch = 0;    // the largest batch backprop could train in the same budget (for the summary)
+};
+
+// `resident_bytes`: what stays on the device whatever the blocks (the datasets' resident part, staging buffers);
+// `train_samples`: the samples the blocks train on.
+BlockMemorySetup block_memory_setup(const Config& config, const c10::Device& device, const MemoryProfile& profile,
+                                    double resident_bytes, int64_t train_samples);
+
+}  // namespace triaccel
