@@ -1,4 +1,4 @@
-#include "triaccel/api/loop_optimizer.h"
+#include "triaccel/methods/loop_optimizer.h"
 
 #include "triaccel/core/cuda_graph.h"
 #include "triaccel/core/errors.h"
@@ -10,7 +10,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-namespace triaccel::api {
+namespace triaccel {
 
 namespace {
 
@@ -195,4 +195,4 @@ void LoopOptimizer::load(const NamedTensors& tensors, const Json& record) {
   }
 }
 
-}  // namespace triaccel::api
+}  // namespace triaccel
