@@ -59,6 +59,7 @@ DistOptions dist_options_from_env() {
   if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != '\0') o.master_addr = addr;
   const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   o.rank0_serves_store = !(agent_store != nullptr && std::string(agent_store) == "True");
+  o.restart = env_int("TORCHELASTIC_RESTART_COUNT", 0, 0, std::numeric_limits<int>::max());
   return o;
 }
 
@@ -96,8 +97,8 @@ Dist::Dist(const DistOptions& options) : options_(options) {
       // torchrun's agent keeps its store while it restarts the workers (--max-restarts): each attempt's keys (Gloo's,
       // NCCL's, rows_gather's) under a prefix of its own, as PyTorch's env:// rendezvous does, so that a restarted
       // group does not read the last attempt's.
-      const int attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0, 0, std::numeric_limits<int>::max());
-      group_->store = c10::make_intrusive<c10d::PrefixStore>(str_cat("/worker/attempt_", attempt), group_->store);
+      group_->store = c10::make_intrusive<c10d::PrefixStore>(str_cat("/worker/attempt_", options_.restart),
+                                                             group_->store);
     }
     group_->rows = c10::make_intrusive<c10d::PrefixStore>("rows", group_->store);
     auto go = c10d::ProcessGroupGloo::Options::create();

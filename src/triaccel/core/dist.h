@@ -26,13 +26,18 @@ struct DistOptions {
   // Whether rank 0 serves the TCPStore. torchrun's agent serves it itself (TORCHELASTIC_USE_AGENT_STORE=True):
   // then every rank is a client.
   bool rank0_serves_store = true;
+  // Which attempt of the group this is: torchrun's TORCHELASTIC_RESTART_COUNT, 0 at the start and n after its n-th
+  // restart of the group (--max-restarts). Under torchrun's agent store each attempt keeps its keys apart; a restarted
+  // run resumes from the checkpoint in its output folder (Session).
+  int restart = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // rendezvous and each collective
 };
 
 // The ranks a launcher put in the environment (torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-// MASTER_PORT). world_size 1 when WORLD_SIZE is unset; local_rank defaults to rank.
+// MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT). world_size 1 when WORLD_SIZE is unset;
+// local_rank defaults to rank.
 // UserError naming the variable when one is malformed or out of range (RANK outside [0, WORLD_SIZE)).
 DistOptions dist_options_from_env();
 // A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range so that no outgoing connection takes it before

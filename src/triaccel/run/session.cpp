@@ -16,6 +16,7 @@
 #endif
 
 #include <algorithm>
+#include <exception>
 #include <filesystem>
 #include <mutex>
 
@@ -45,6 +46,56 @@ c10::Device rank_device(const Config& config, const DistOptions& dist) {
                        " GPU", gpus == 1 ? " is" : "s are", " visible; start at most ", gpus, " processes on this "
                        "host (", option_ref("nproc"), ")");
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(dist.local_rank));
+}
+
+// A torchrun restart (`restart` > 0: the agent restarted the group after a rank was lost) continues from the
+// checkpoint in OUT, the last one the lost attempt wrote; nullopt when OUT holds none (the run starts afresh). Every
+// rank reads it there, so with several hosts OUT must be on a filesystem they share (as `resume` on several ranks
+// assumes). It must hold this run's configuration (every identity key equal, config_identity_keys): UserError naming
+// the first key that differs and the fix.
+std::optional<Checkpoint> checkpoint_for_restart(const Config& config, int restart, std::string* file) {
+  const std::string path = checkpoint_path(config.output.out);
+  if (!file_exists(path)) return std::nullopt;
+  Checkpoint ckpt = checkpoint_read(path);
+  Json here = config.to_json();
+  Json there = Config::from_json(ckpt.config).to_json();
+  for (const auto& key : config_identity_keys()) {
+    TRIACCEL_CHECK_INPUT(here[key] == there[key], "torchrun restart ", restart, ": ", path, " is another run's "
+                         "checkpoint (", option_ref(key), " ", there[key].dump(), " there, ", here[key].dump(),
+                         " in this run), which this restart would resume from; give the run an ", option_ref("out"),
+                         " of its own, or remove that checkpoint to start afresh");
+  }
+  *file = path;
+  return ckpt;
+}
+
+// The step a checkpoint resumes at; -1 for a fresh start.
+int64_t start_step(const std::optional<Checkpoint>& ckpt) {
+  return ckpt ? ckpt->progress.value("step", int64_t{0}) : -1;
+}
+
+std::string start_said(int64_t step) { return step < 0 ? "afresh" : str_cat("from step ", step); }
+
+// Every rank starts at the same point: the ranks compare, through the rendezvous store, the step each one's checkpoint
+// resumes at and whether it could read one, so that a rank that read another checkpoint (`out` not shared between
+// hosts), none, or a broken one stops every rank with a line, where the others would wait in the first collective.
+// Rethrows `unreadable` (this rank's error reading the checkpoint). A no-op with one process.
+void checkpoint_agree(Dist& dist, const std::optional<Checkpoint>& ckpt, const std::exception_ptr& unreadable,
+                      const std::string& file) {
+  if (!dist.active()) return;
+  const int64_t step = start_step(ckpt);
+  const std::vector<std::vector<double>> rows =
+      dist.rows_gather({unreadable ? 1.0 : 0.0, static_cast<double>(step)});
+  if (unreadable) std::rethrow_exception(unreadable);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    TRIACCEL_CHECK_INPUT(rows[r].at(0) == 0, "rank ", r, " could not read the checkpoint to resume from (its own "
+                         "line says why); every rank stopped");
+    const auto other = static_cast<int64_t>(rows[r].at(1));
+    TRIACCEL_CHECK_INPUT(other == step, "rank ", r, " starts ", start_said(other), " and rank ", dist.rank(), " ",
+                         start_said(step), ": every rank must read the same checkpoint", file.empty() ? "" : " (",
+                         file, file.empty() ? "" : ")", "; put ", option_ref("out"), " on a filesystem every host "
+                         "shares");
+  }
 }
 
 }  // namespace
@@ -134,8 +185,28 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
       file_remove_stale_temps(out_file(name));
     }
   }
-  checkpoint_ = checkpoint_for_resume(config_.output.resume, config_.model.model, &checkpoint_file_);
+  const int restart = dist_options_.restart;
+  std::exception_ptr unreadable;  // this rank's error reading the checkpoint: raised once the ranks have compared
+  bool restarted = false;  // resuming from OUT's checkpoint after a torchrun restart
+  try {
+    if (restart > 0) checkpoint_ = checkpoint_for_restart(config_, restart, &checkpoint_file_);
+    restarted = checkpoint_.has_value();
+    if (!checkpoint_) {
+      checkpoint_ = checkpoint_for_resume(config_.output.resume, config_.model.model, &checkpoint_file_);
+    }
+  } catch (const UserError&) {
+    if (!dist_->active()) throw;
+    unreadable = std::current_exception();
+  }
+  checkpoint_agree(*dist_, checkpoint_, unreadable, checkpoint_file_);
   if (checkpoint_) elapsed_before_ = checkpoint_->progress.value("elapsed_s", 0.0);
+  if (restarted) {
+    printer_.line(str_cat("torchrun restart ", restart, ": resuming from ", checkpoint_file_, " at step ",
+                          start_step(checkpoint_)));
+  } else if (restart > 0 && !checkpoint_) {
+    printer_.line(str_cat("torchrun restart ", restart, ": no checkpoint in ", config_.output.out,
+                          ", starting afresh"));
+  }
 
 #ifdef TRIACCEL_WITH_CUDA
   if (device_.is_cuda()) {

@@ -112,6 +112,11 @@ class Session {
   // Validates the configuration, prepares OUT, reads the checkpoint to resume from (checked to hold this model),
   // sets up the device, seeds, loads the dataset and builds the model. UserError for bad input. A session without
   // `output` (a plan) touches no file: no OUT, no events, no checkpoint.
+  // After a torchrun restart (DistOptions::restart > 0) the run resumes from OUT's checkpoint where there is one, the
+  // last its lost attempt wrote (checked to hold this configuration, else UserError naming the option that differs),
+  // and says so in a line; without one it starts as its command line says. Data parallel, the ranks compare the step
+  // they start at (through the rendezvous store) and all stop with a line where they differ: every rank reads OUT, so
+  // with several hosts OUT is on a filesystem they share.
   Session(const Config& config, const RunHooks& hooks, bool output = true);
   ~Session();
   Session(const Session&) = delete;
