@@ -8,6 +8,7 @@
 #include "triaccel/control/memory/memory_plan_controller.h"
 #include "triaccel/control/memory/memory_planner.h"
 #include "triaccel/control/memory/memory_profile.h"
+#include "triaccel/control/memory/partitioner.h"
 #include "triaccel/control/precision/precision_controller.h"
 #include "triaccel/core/cuda_graph.h"
 #include "triaccel/core/device.h"
@@ -15,6 +16,7 @@
 #include "triaccel/core/events.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/methods/backprop_trainer.h"
+#include "triaccel/models/aux_head.h"
 #include "triaccel/models/model.h"
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/sgd.h"
@@ -280,6 +282,76 @@ StepRun train_steps(int64_t micro_batch, const std::vector<bool>& recompute, boo
 // The step engine makes the optimizer state before its first forward (train/step.cpp), not after the first backward
 // where the optimizer would: a first step whose forward fails (an input of the wrong width) leaves the momentum
 // made. On a GPU that puts the state beside the weights (MemoryGpuTest.TheOptimizerStateLeavesNoPartlyUsedPages).
+// An epoch of backprop at a plan: every step at the plan's levers (the micro-batches' overhead and the recompute's
+// repeated forward priced), a short last step at its own size, and the evaluation's forward; in seconds at the FLOP
+// rate (Σ flops 6 / forward_share 1/3 = 18 FLOPs a sample at 18 FLOP/s: one second a unit of the model's time).
+TEST(MemoryPlannerTest, AnEpochPricesSmallMicroBatchesAndRecompute) {
+  const MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  EXPECT_DOUBLE_EQ(memory_model_seconds_per_unit(m, 18), 1);
+  const EpochSamples samples{40, 10};
+  const MemoryPlan whole = memory_plan_solve(m, 16, 0);
+  // 2 steps of 16 (8 + 16) + one of 8 (8 + 8) + the evaluation's one batch: (8 + 10) / 3.
+  EXPECT_DOUBLE_EQ(memory_plan_epoch_s(m, whole, samples, 18), 2 * 24 + 16 + 6);
+  EXPECT_DOUBLE_EQ(memory_plan_epoch_s(m, whole, samples, 36), (2 * 24 + 16 + 6) / 2.0);
+  MemoryPlan small = whole;
+  small.micro_batch = 4;
+  small.accumulation = 4;
+  small.recompute = {true, false, false};  // u0's FLOPs, 1 of 6, repeated: a step's forward share of them
+  const double again = 1 + (1.0 / 3) * (1.0 / 6);
+  const double expected = 2 * (4 * 8 + 16 * again) + (2 * 8 + 8 * again) + (3 * 8 + 10) / 3.0;
+  EXPECT_NEAR(memory_plan_epoch_s(m, small, samples, 18), expected, 1e-9);
+  EXPECT_GT(expected, 2 * (2 * 24 + 16 + 6));  // micro-batches of 4 with a recompute: more than twice as long
+  MemoryPlan none = whole;
+  none.feasible = false;
+  EXPECT_TRUE(std::isinf(memory_plan_epoch_s(m, none, samples, 18)));
+}
+
+// A NeuroFlux epoch on the same basis: each block's forward + backward with its heads at its batch, every step with
+// the per-step overhead, its cache pass (held-out, test and, but for the last block, training rows) shared over the
+// epochs, and host caches' transfers. u0: 100 parameters at 4×4 positions, a head of 8 filters (576 conv weights at
+// 16 positions, 424 other parameters once); u1, the classifier: 50 parameters at one position.
+TEST(PartitionerTest, AnEpochPricesBlocksHeadsAndCachePasses) {
+  MemoryProfile p;
+  UnitProfile u0;
+  u0.params = 100;
+  u0.out_shape = {8, 4, 4};
+  u0.in_bytes = 40;
+  u0.out_bytes = 64;
+  u0.head_params = {1000, 500, 250, 125};
+  u0.head_train.assign(kAuxLevels, Footprint{});
+  UnitProfile u1;
+  u1.params = 50;
+  u1.out_shape = {10};
+  u1.in_bytes = 64;
+  p.units = {u0, u1};
+  PartitionEpochInputs in;
+  in.train_samples = 100;
+  in.holdout_samples = 10;
+  in.test_samples = 20;
+  in.epochs = 2;
+  in.flops_per_s = 1000;
+  in.overhead_samples = 4;
+  const double w0 = 2 * 100 * 16 + 2 * 576 * 16 + 2 * 424, w1 = 2 * 50;
+  Partition one;
+  one.blocks = {BlockPlan{0, 2, 16, 0}};
+  partition_epoch_s(p, in, &one);
+  // 7 steps of (16 + 4) samples, 3 passes' work each; the pass over 30 rows in 2 batches, once in 2 epochs.
+  const double step = 20 * (w0 + w1) / 1000;
+  EXPECT_DOUBLE_EQ(one.epoch_s, 7 * 3 * step + 2 * step / 2);
+  EXPECT_DOUBLE_EQ(one.blocks[0].epoch_s, one.epoch_s);
+  Partition two;
+  two.blocks = {BlockPlan{0, 1, 16, 0}, BlockPlan{1, 2, 32, 0}};
+  in.host_bytes_per_s = 100;
+  partition_epoch_s(p, in, &two);
+  const double step0 = 20 * w0 / 1000, step1 = 36 * w1 / 1000;
+  // Block 0 writes 130 rows of 32 bytes (bf16) once; block 1 reads 100 rows of 32 bytes every epoch.
+  const double first = 7 * 3 * step0 + 9 * step0 / 2 + 130.0 * 32 / 2 / 100;
+  const double last = 4 * 3 * step1 + 1 * step1 / 2 + 100.0 * 32 / 100;
+  EXPECT_DOUBLE_EQ(two.blocks[0].epoch_s, first);
+  EXPECT_DOUBLE_EQ(two.blocks[1].epoch_s, last);
+  EXPECT_DOUBLE_EQ(two.epoch_s, first + last);
+}
+
 TEST(MemoryLeverTest, TheOptimizerStateIsMadeBeforeTheFirstForward) {
   UnitRig rig(false, StepOptions{}, torch::kCPU);
   EXPECT_TRUE(rig.sgd.momenta().empty());
@@ -1437,6 +1509,8 @@ TEST_F(MemoryRunTest, ARunWithHandSetLeversTrainsAndReportsThePlan) {
         EXPECT_GT(u["activation_bytes"].get<int64_t>(), 0) << u.dump();
       }
       EXPECT_GT(e["consumers"]["weights"].get<int64_t>(), 0);
+      EXPECT_EQ(e["method"], "backprop");
+      EXPECT_GT(e["predicted_epoch_s"].get<double>(), 0);
     }
   }
   EXPECT_EQ(plans, 1);
@@ -1529,6 +1603,7 @@ TEST_F(MemoryRunTest, PlanOnTwoRanksShardsTheOptimizerStateBeforeTheOtherLevers)
   EXPECT_TRUE(sharded["recompute"].empty()) << sharded.dump();
   EXPECT_LT(sharded["predicted_peak_bytes"].get<double>(), need - 2000);
 }
+
 
 }  // namespace
 }  // namespace triaccel

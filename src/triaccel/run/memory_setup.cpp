@@ -157,6 +157,8 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
   c.placement = ex.data_placement == PlacementChoice::kHost && gpu ? DataPlacement::kHost : DataPlacement::kDevice;
   // Each rank plans for its share of the global batch (the larger one where they differ); `plan` previews --nproc.
   setup->limits.batch = (config.schedule.batch_size + world - 1) / world;
+  setup->limits.samples.train = (session.data().train.size() + world - 1) / world;
+  setup->limits.samples.eval = (session.data().test.size() + world - 1) / world;
   setup->limits.cap_bytes = budget;
   setup->limits.cap_share = kPlanShareOfCap;
   setup->limits.initial_share = kPlanShareOfCap;
@@ -208,6 +210,8 @@ Json memory_plan_preview(Session& session) {
   if (!m->planned) return Json(nullptr);
   Json j = m->plan.to_json(m->model);
   j["budget_bytes"] = m->limits.cap_bytes > 0 ? Json(m->limits.cap_bytes) : Json();
+  j["method"] = "backprop";
+  j["predicted_epoch_s"] = m->plan.feasible ? Json(memory_plan_epoch_s(m->model, m->plan, m->limits.samples)) : Json();
   j["profile"] = "modelled";
   j["shard_optimizer"] = m->shard_optimizer;
   Json units = Json::array();
