@@ -20,6 +20,7 @@
 #include "triaccel/models/model.h"
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/sgd.h"
+#include "triaccel/run/memory_setup.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/recompute.h"
 #include "triaccel/train/step.h"
@@ -350,6 +351,82 @@ TEST(PartitionerTest, AnEpochPricesBlocksHeadsAndCachePasses) {
   EXPECT_DOUBLE_EQ(two.blocks[0].epoch_s, first);
   EXPECT_DOUBLE_EQ(two.blocks[1].epoch_s, last);
   EXPECT_DOUBLE_EQ(two.epoch_s, first + last);
+}
+
+// Method auto's rule: the fastest candidate that fits, the reason naming both predictions; when only one fits, that
+// one; when none fits, the one that needs the least budget (its run names it); one that cannot run is never chosen.
+TEST(MethodChoiceTest, AutoPicksTheFastestMethodThatFits) {
+  const auto candidates = [](bool bp_fits, double bp_s, bool nf_fits, double nf_s) {
+    MethodCandidate bp{Method::kBackprop, bp_fits, bp_s, 1.5e8, ""};
+    MethodCandidate nf{Method::kNeuroFlux, nf_fits, nf_s, 0.5e8, ""};
+    return std::vector<MethodCandidate>{bp, nf};
+  };
+  MethodChoice c = method_choose(candidates(true, 96.5, true, 12.25));
+  EXPECT_EQ(c.method, Method::kNeuroFlux);
+  EXPECT_TRUE(c.fits);
+  EXPECT_NE(c.reason.find("12.25"), std::string::npos) << c.reason;
+  EXPECT_NE(c.reason.find("backprop 96.5"), std::string::npos) << c.reason;
+  c = method_choose(candidates(true, 7.75, true, 12.25));
+  EXPECT_EQ(c.method, Method::kBackprop);
+  EXPECT_NE(c.reason.find("7.75"), std::string::npos) << c.reason;
+  EXPECT_NE(c.reason.find("neuroflux 12.25"), std::string::npos) << c.reason;
+  c = method_choose(candidates(true, 96.5, false, 0));
+  EXPECT_EQ(c.method, Method::kBackprop);
+  EXPECT_NE(c.reason.find("neuroflux does not fit"), std::string::npos) << c.reason;
+  c = method_choose(candidates(false, 0, true, 12.25));
+  EXPECT_EQ(c.method, Method::kNeuroFlux);
+  EXPECT_NE(c.reason.find("backprop does not fit (it needs 0.15 GB)"), std::string::npos) << c.reason;
+  c = method_choose(candidates(false, 0, false, 0));
+  EXPECT_FALSE(c.fits);
+  EXPECT_EQ(c.method, Method::kNeuroFlux);  // 0.05 GB short of fitting rather than backprop's 0.15
+  std::vector<MethodCandidate> cnn_only = candidates(true, 96.5, true, 12.25);
+  cnn_only[1].not_why = "trains CNNs only";
+  c = method_choose(cnn_only);
+  EXPECT_EQ(c.method, Method::kBackprop);
+  EXPECT_NE(c.reason.find("neuroflux cannot run (trains CNNs only)"), std::string::npos) << c.reason;
+  const Json j = method_candidates_json(candidates(true, 96.5, false, 0));
+  EXPECT_EQ(j[0]["method"], "backprop");
+  EXPECT_EQ(j[0]["predicted_epoch_s"], 96.5);
+  EXPECT_FALSE(j[1]["fits"].get<bool>());
+  EXPECT_TRUE(j[1]["predicted_epoch_s"].is_null());
+}
+
+// The case on made-up costs: a budget backprop fits only with micro-batches of a few samples and recompute,
+// where NeuroFlux trains one unit a block at the whole batch: both fit, NeuroFlux is predicted faster and chosen;
+// with room for backprop's whole batch, backprop is (the same steps without NeuroFlux's cache passes).
+TEST(MethodChoiceTest, BackpropStarvedByTheBudgetLosesToNeuroFlux) {
+  MemoryModel m = made_up({400, 400, 400}, {20, 20, 20}, {100, 100, 100});
+  m.overhead_s = 64;
+  const EpochSamples samples{1000, 0};
+  const MemoryPlan tight = memory_plan_solve(m, 96, 2000);
+  ASSERT_TRUE(tight.feasible);
+  ASSERT_LT(tight.micro_batch, 8);
+  const MemoryPlan roomy = memory_plan_solve(m, 96, 0);
+  MemoryProfile p;
+  for (int u = 0; u < 3; ++u) {
+    UnitProfile up;
+    up.params = 50;
+    up.out_shape = {1, 1, 1};  // 2 · 50 FLOPs a sample: the made-up units' 100
+    if (u < 2) {
+      up.head_params = {0, 0, 0, 0};
+      up.head_train.assign(kAuxLevels, Footprint{});
+    }
+    p.units.push_back(up);
+  }
+  PartitionEpochInputs in;
+  in.train_samples = 1000;
+  in.epochs = 1;
+  in.flops_per_s = kGpuTrainFlopsPerS;
+  in.overhead_samples = 64;
+  Partition blocks;
+  blocks.blocks = {BlockPlan{0, 1, 96, 3}, BlockPlan{1, 2, 96, 3}, BlockPlan{2, 3, 96, 3}};
+  partition_epoch_s(p, in, &blocks);
+  const auto choose = [&](const MemoryPlan& plan) {
+    return method_choose({MethodCandidate{Method::kBackprop, true, memory_plan_epoch_s(m, plan, samples), 0, ""},
+                          MethodCandidate{Method::kNeuroFlux, true, blocks.epoch_s, 0, ""}});
+  };
+  EXPECT_EQ(choose(tight).method, Method::kNeuroFlux) << choose(tight).reason;
+  EXPECT_EQ(choose(roomy).method, Method::kBackprop) << choose(roomy).reason;
 }
 
 TEST(MemoryLeverTest, TheOptimizerStateIsMadeBeforeTheFirstForward) {
@@ -1604,6 +1681,32 @@ TEST_F(MemoryRunTest, PlanOnTwoRanksShardsTheOptimizerStateBeforeTheOtherLevers)
   EXPECT_LT(sharded["predicted_peak_bytes"].get<double>(), need - 2000);
 }
 
+
+// `plan` with method auto names the candidates, each with whether it fits and its predicted seconds per epoch, and
+// the method is the fastest that fits; under backprop's floor only NeuroFlux fits.
+TEST_F(MemoryRunTest, PlanWithMethodAutoNamesTheCandidatesAndTheFastest) {
+  Config o = options("unused");
+  o.set("method", "auto");
+  o.set("vram_budget", "1GB");
+  Json p = api::plan(o);
+  ASSERT_TRUE(p.contains("method_candidates")) << p.dump();
+  const Json& c = p["method_candidates"];
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[0]["method"], "backprop");
+  EXPECT_EQ(c[1]["method"], "neuroflux");
+  ASSERT_TRUE(c[0]["fits"].get<bool>() && c[1]["fits"].get<bool>()) << c.dump();
+  const double bp = c[0]["predicted_epoch_s"].get<double>(), nf = c[1]["predicted_epoch_s"].get<double>();
+  EXPECT_GT(bp, 0);
+  EXPECT_GT(nf, 0);
+  EXPECT_EQ(p["method"], bp <= nf ? "backprop" : "neuroflux") << p["method_reason"];
+  EXPECT_DOUBLE_EQ(p["memory_plan"]["predicted_epoch_s"].get<double>(), bp);
+  o.set("vram_budget", std::to_string(p["memory_plan"]["floor_bytes"].get<int64_t>()));  // below it: a 0.9 share
+  p = api::plan(o);
+  EXPECT_FALSE(p["method_candidates"][0]["fits"].get<bool>()) << p["method_candidates"].dump();
+  EXPECT_TRUE(p["method_candidates"][1]["fits"].get<bool>()) << p["method_candidates"].dump();
+  EXPECT_EQ(p["method"], "neuroflux") << p["method_reason"];
+  EXPECT_NE(p["method_reason"].get<std::string>().find("backprop does not fit"), std::string::npos);
+}
 
 }  // namespace
 }  // namespace triaccel
