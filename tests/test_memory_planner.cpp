@@ -8,6 +8,7 @@
 #include "triaccel/control/memory/memory_plan_controller.h"
 #include "triaccel/control/memory/memory_planner.h"
 #include "triaccel/control/memory/memory_profile.h"
+#include "triaccel/control/memory/partitioner.h"
 #include "triaccel/control/precision/precision_controller.h"
 #include "triaccel/core/cuda_graph.h"
 #include "triaccel/core/device.h"
@@ -15,9 +16,11 @@
 #include "triaccel/core/events.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/methods/backprop_trainer.h"
+#include "triaccel/models/aux_head.h"
 #include "triaccel/models/model.h"
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/sgd.h"
+#include "triaccel/run/memory_setup.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/recompute.h"
 #include "triaccel/train/step.h"
@@ -280,6 +283,152 @@ StepRun train_steps(int64_t micro_batch, const std::vector<bool>& recompute, boo
 // The step engine makes the optimizer state before its first forward (train/step.cpp), not after the first backward
 // where the optimizer would: a first step whose forward fails (an input of the wrong width) leaves the momentum
 // made. On a GPU that puts the state beside the weights (MemoryGpuTest.TheOptimizerStateLeavesNoPartlyUsedPages).
+// An epoch of backprop at a plan: every step at the plan's levers (the micro-batches' overhead and the recompute's
+// repeated forward priced), a short last step at its own size, and the evaluation's forward; in seconds at the FLOP
+// rate (Σ flops 6 / forward_share 1/3 = 18 FLOPs a sample at 18 FLOP/s: one second a unit of the model's time).
+TEST(MemoryPlannerTest, AnEpochPricesSmallMicroBatchesAndRecompute) {
+  const MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  EXPECT_DOUBLE_EQ(memory_model_seconds_per_unit(m, 18), 1);
+  const EpochSamples samples{40, 10};
+  const MemoryPlan whole = memory_plan_solve(m, 16, 0);
+  // 2 steps of 16 (8 + 16) + one of 8 (8 + 8) + the evaluation's one batch: (8 + 10) / 3.
+  EXPECT_DOUBLE_EQ(memory_plan_epoch_s(m, whole, samples, 18), 2 * 24 + 16 + 6);
+  EXPECT_DOUBLE_EQ(memory_plan_epoch_s(m, whole, samples, 36), (2 * 24 + 16 + 6) / 2.0);
+  MemoryPlan small = whole;
+  small.micro_batch = 4;
+  small.accumulation = 4;
+  small.recompute = {true, false, false};  // u0's FLOPs, 1 of 6, repeated: a step's forward share of them
+  const double again = 1 + (1.0 / 3) * (1.0 / 6);
+  const double expected = 2 * (4 * 8 + 16 * again) + (2 * 8 + 8 * again) + (3 * 8 + 10) / 3.0;
+  EXPECT_NEAR(memory_plan_epoch_s(m, small, samples, 18), expected, 1e-9);
+  EXPECT_GT(expected, 2 * (2 * 24 + 16 + 6));  // micro-batches of 4 with a recompute: more than twice as long
+  MemoryPlan none = whole;
+  none.feasible = false;
+  EXPECT_TRUE(std::isinf(memory_plan_epoch_s(m, none, samples, 18)));
+}
+
+// A NeuroFlux epoch on the same basis: each block's forward + backward with its heads at its batch, every step with
+// the per-step overhead, its cache pass (held-out, test and, but for the last block, training rows) shared over the
+// epochs, and host caches' transfers. u0: 100 parameters at 4×4 positions, a head of 8 filters (576 conv weights at
+// 16 positions, 424 other parameters once); u1, the classifier: 50 parameters at one position.
+TEST(PartitionerTest, AnEpochPricesBlocksHeadsAndCachePasses) {
+  MemoryProfile p;
+  UnitProfile u0;
+  u0.params = 100;
+  u0.out_shape = {8, 4, 4};
+  u0.in_bytes = 40;
+  u0.out_bytes = 64;
+  u0.head_params = {1000, 500, 250, 125};
+  u0.head_train.assign(kAuxLevels, Footprint{});
+  UnitProfile u1;
+  u1.params = 50;
+  u1.out_shape = {10};
+  u1.in_bytes = 64;
+  p.units = {u0, u1};
+  PartitionEpochInputs in;
+  in.train_samples = 100;
+  in.holdout_samples = 10;
+  in.test_samples = 20;
+  in.epochs = 2;
+  in.flops_per_s = 1000;
+  in.overhead_samples = 4;
+  const double w0 = 2 * 100 * 16 + 2 * 576 * 16 + 2 * 424, w1 = 2 * 50;
+  Partition one;
+  one.blocks = {BlockPlan{0, 2, 16, 0}};
+  partition_epoch_s(p, in, &one);
+  // 7 steps of (16 + 4) samples, 3 passes' work each; the pass over 30 rows in 2 batches, once in 2 epochs.
+  const double step = 20 * (w0 + w1) / 1000;
+  EXPECT_DOUBLE_EQ(one.epoch_s, 7 * 3 * step + 2 * step / 2);
+  EXPECT_DOUBLE_EQ(one.blocks[0].epoch_s, one.epoch_s);
+  Partition two;
+  two.blocks = {BlockPlan{0, 1, 16, 0}, BlockPlan{1, 2, 32, 0}};
+  in.host_bytes_per_s = 100;
+  partition_epoch_s(p, in, &two);
+  const double step0 = 20 * w0 / 1000, step1 = 36 * w1 / 1000;
+  // Block 0 writes 130 rows of 32 bytes (bf16) once; block 1 reads 100 rows of 32 bytes every epoch.
+  const double first = 7 * 3 * step0 + 9 * step0 / 2 + 130.0 * 32 / 2 / 100;
+  const double last = 4 * 3 * step1 + 1 * step1 / 2 + 100.0 * 32 / 100;
+  EXPECT_DOUBLE_EQ(two.blocks[0].epoch_s, first);
+  EXPECT_DOUBLE_EQ(two.blocks[1].epoch_s, last);
+  EXPECT_DOUBLE_EQ(two.epoch_s, first + last);
+}
+
+// Method auto's rule: the fastest candidate that fits, the reason naming both predictions; when only one fits, that
+// one; when none fits, the one that needs the least budget (its run names it); one that cannot run is never chosen.
+TEST(MethodChoiceTest, AutoPicksTheFastestMethodThatFits) {
+  const auto candidates = [](bool bp_fits, double bp_s, bool nf_fits, double nf_s) {
+    MethodCandidate bp{Method::kBackprop, bp_fits, bp_s, 1.5e8, ""};
+    MethodCandidate nf{Method::kNeuroFlux, nf_fits, nf_s, 0.5e8, ""};
+    return std::vector<MethodCandidate>{bp, nf};
+  };
+  MethodChoice c = method_choose(candidates(true, 96.5, true, 12.25));
+  EXPECT_EQ(c.method, Method::kNeuroFlux);
+  EXPECT_TRUE(c.fits);
+  EXPECT_NE(c.reason.find("12.25"), std::string::npos) << c.reason;
+  EXPECT_NE(c.reason.find("backprop 96.5"), std::string::npos) << c.reason;
+  c = method_choose(candidates(true, 7.75, true, 12.25));
+  EXPECT_EQ(c.method, Method::kBackprop);
+  EXPECT_NE(c.reason.find("7.75"), std::string::npos) << c.reason;
+  EXPECT_NE(c.reason.find("neuroflux 12.25"), std::string::npos) << c.reason;
+  c = method_choose(candidates(true, 96.5, false, 0));
+  EXPECT_EQ(c.method, Method::kBackprop);
+  EXPECT_NE(c.reason.find("neuroflux does not fit"), std::string::npos) << c.reason;
+  c = method_choose(candidates(false, 0, true, 12.25));
+  EXPECT_EQ(c.method, Method::kNeuroFlux);
+  EXPECT_NE(c.reason.find("backprop does not fit (it needs 0.15 GB)"), std::string::npos) << c.reason;
+  c = method_choose(candidates(false, 0, false, 0));
+  EXPECT_FALSE(c.fits);
+  EXPECT_EQ(c.method, Method::kNeuroFlux);  // 0.05 GB short of fitting rather than backprop's 0.15
+  std::vector<MethodCandidate> cnn_only = candidates(true, 96.5, true, 12.25);
+  cnn_only[1].not_why = "trains CNNs only";
+  c = method_choose(cnn_only);
+  EXPECT_EQ(c.method, Method::kBackprop);
+  EXPECT_NE(c.reason.find("neuroflux cannot run (trains CNNs only)"), std::string::npos) << c.reason;
+  const Json j = method_candidates_json(candidates(true, 96.5, false, 0));
+  EXPECT_EQ(j[0]["method"], "backprop");
+  EXPECT_EQ(j[0]["predicted_epoch_s"], 96.5);
+  EXPECT_FALSE(j[1]["fits"].get<bool>());
+  EXPECT_TRUE(j[1]["predicted_epoch_s"].is_null());
+}
+
+// The case on made-up costs: a budget backprop fits only with micro-batches of a few samples and recompute,
+// where NeuroFlux trains one unit a block at the whole batch: both fit, NeuroFlux is predicted faster and chosen;
+// with room for backprop's whole batch, backprop is (the same steps without NeuroFlux's cache passes).
+TEST(MethodChoiceTest, BackpropStarvedByTheBudgetLosesToNeuroFlux) {
+  MemoryModel m = made_up({400, 400, 400}, {20, 20, 20}, {100, 100, 100});
+  m.overhead_s = 64;
+  const EpochSamples samples{1000, 0};
+  const MemoryPlan tight = memory_plan_solve(m, 96, 2000);
+  ASSERT_TRUE(tight.feasible);
+  ASSERT_LT(tight.micro_batch, 8);
+  const MemoryPlan roomy = memory_plan_solve(m, 96, 0);
+  MemoryProfile p;
+  for (int u = 0; u < 3; ++u) {
+    UnitProfile up;
+    up.params = 50;
+    up.out_shape = {1, 1, 1};  // 2 · 50 FLOPs a sample: the made-up units' 100
+    if (u < 2) {
+      up.head_params = {0, 0, 0, 0};
+      up.head_train.assign(kAuxLevels, Footprint{});
+    }
+    p.units.push_back(up);
+  }
+  PartitionEpochInputs in;
+  in.train_samples = 1000;
+  in.epochs = 1;
+  in.flops_per_s = kGpuTrainFlopsPerS;
+  in.overhead_samples = 64;
+  Partition blocks;
+  blocks.blocks = {BlockPlan{0, 1, 96, 3}, BlockPlan{1, 2, 96, 3}, BlockPlan{2, 3, 96, 3}};
+  partition_epoch_s(p, in, &blocks);
+  const auto choose = [&](const MemoryPlan& plan) {
+    return method_choose({MethodCandidate{Method::kBackprop, true, memory_plan_epoch_s(m, plan, samples), 0, ""},
+                          MethodCandidate{Method::kNeuroFlux, true, blocks.epoch_s, 0, ""}});
+  };
+  EXPECT_EQ(choose(tight).method, Method::kNeuroFlux) << choose(tight).reason;
+  EXPECT_EQ(choose(roomy).method, Method::kBackprop) << choose(roomy).reason;
+}
+
 TEST(MemoryLeverTest, TheOptimizerStateIsMadeBeforeTheFirstForward) {
   UnitRig rig(false, StepOptions{}, torch::kCPU);
   EXPECT_TRUE(rig.sgd.momenta().empty());
@@ -1437,6 +1586,8 @@ TEST_F(MemoryRunTest, ARunWithHandSetLeversTrainsAndReportsThePlan) {
         EXPECT_GT(u["activation_bytes"].get<int64_t>(), 0) << u.dump();
       }
       EXPECT_GT(e["consumers"]["weights"].get<int64_t>(), 0);
+      EXPECT_EQ(e["method"], "backprop");
+      EXPECT_GT(e["predicted_epoch_s"].get<double>(), 0);
     }
   }
   EXPECT_EQ(plans, 1);
@@ -1528,6 +1679,33 @@ TEST_F(MemoryRunTest, PlanOnTwoRanksShardsTheOptimizerStateBeforeTheOtherLevers)
   EXPECT_EQ(sharded["micro_batch"], 32) << sharded.dump();
   EXPECT_TRUE(sharded["recompute"].empty()) << sharded.dump();
   EXPECT_LT(sharded["predicted_peak_bytes"].get<double>(), need - 2000);
+}
+
+
+// `plan` with method auto names the candidates, each with whether it fits and its predicted seconds per epoch, and
+// the method is the fastest that fits; under backprop's floor only NeuroFlux fits.
+TEST_F(MemoryRunTest, PlanWithMethodAutoNamesTheCandidatesAndTheFastest) {
+  Config o = options("unused");
+  o.set("method", "auto");
+  o.set("vram_budget", "1GB");
+  Json p = api::plan(o);
+  ASSERT_TRUE(p.contains("method_candidates")) << p.dump();
+  const Json& c = p["method_candidates"];
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[0]["method"], "backprop");
+  EXPECT_EQ(c[1]["method"], "neuroflux");
+  ASSERT_TRUE(c[0]["fits"].get<bool>() && c[1]["fits"].get<bool>()) << c.dump();
+  const double bp = c[0]["predicted_epoch_s"].get<double>(), nf = c[1]["predicted_epoch_s"].get<double>();
+  EXPECT_GT(bp, 0);
+  EXPECT_GT(nf, 0);
+  EXPECT_EQ(p["method"], bp <= nf ? "backprop" : "neuroflux") << p["method_reason"];
+  EXPECT_DOUBLE_EQ(p["memory_plan"]["predicted_epoch_s"].get<double>(), bp);
+  o.set("vram_budget", std::to_string(p["memory_plan"]["floor_bytes"].get<int64_t>()));  // below it: a 0.9 share
+  p = api::plan(o);
+  EXPECT_FALSE(p["method_candidates"][0]["fits"].get<bool>()) << p["method_candidates"].dump();
+  EXPECT_TRUE(p["method_candidates"][1]["fits"].get<bool>()) << p["method_candidates"].dump();
+  EXPECT_EQ(p["method"], "neuroflux") << p["method_reason"];
+  EXPECT_NE(p["method_reason"].get<std::string>().find("backprop does not fit"), std::string::npos);
 }
 
 }  // namespace

@@ -20,11 +20,19 @@ RunHooks inputs_of(const RunHooks& hooks) {
   return out;
 }
 
-// Method auto: backprop when the program gave its own loss (the only method that takes one) or the memory planner fits
-// the budget (or there is none, or no GPU), else NeuroFlux for a model it trains; a model it does not train gets the
-// planner's floor. Returns the configuration with the method chosen and, in `said`, the line that says why. With
-// several processes each rank looks at its own GPU's plan for its share of the batch (on that GPU); api::run has the
-// ranks agree.
+// Method auto's candidates on a session that only looks: backprop at its memory plan (`preview`:
+// memory_plan_preview's), NeuroFlux at the blocks it would train, each with whether it fits the vram_budget and its
+// predicted seconds per epoch (run/memory_setup.h).
+std::vector<MethodCandidate> auto_candidates(Session& probe, const Json& preview) {
+  return {method_candidate_backprop(preview), method_candidate_neuroflux(probe)};
+}
+
+// Method auto: backprop when the program gave its own loss (the only method that takes one), or when there is no
+// budget to train within (none, or no GPU); else the candidate predicted fastest among those that fit
+// (method_choose); when none fits, the one that needs the least budget: NeuroFlux's run names its minimum, backprop's
+// floor is named here (with why NeuroFlux is no way out). Returns the configuration with the method chosen and, in
+// `said`, the line that says why. With several processes each rank looks at its own GPU's plan for its share of the
+// batch (on that GPU); api::run has the ranks agree.
 Config method_resolve(Config c, const RunHooks& hooks, std::string* said) {
   c.execution.method = Method::kBackprop;
   if (hooks.objective) {  // the only method that takes a program's loss
@@ -37,16 +45,20 @@ Config method_resolve(Config c, const RunHooks& hooks, std::string* said) {
   look.dist = one;
   Session probe(c, look, /*output=*/false);
   const Json plan = memory_plan_preview(probe);
-  const bool fits = !probe.device().is_cuda() || plan.is_null() || plan["feasible"].get<bool>();
-  if (!fits) {
-    TRIACCEL_CHECK_INPUT(model_entry(c.model.model).local_learning, option_ref("vram_budget"), " ",
-                         c.execution.vram_budget, " is below backprop's floor of ", plan["floor_bytes"].get<int64_t>(),
-                         " bytes for ", c.model.model, ", and neuroflux trains CNNs only; raise the budget");
-    c.execution.method = Method::kNeuroFlux;
+  if (!probe.device().is_cuda() || plan.is_null() || plan["budget_bytes"].is_null()) {
+    *said = "method auto: backprop (the memory plan fits)";
+    return c;
   }
-  *said = fits ? "method auto: backprop (the memory plan fits)"
-               : c10::str("method auto: neuroflux (backprop's floor is ", plan["floor_bytes"].get<int64_t>(),
-                          " bytes, above ", option_ref("vram_budget"), " ", c.execution.vram_budget, ")");
+  const std::vector<MethodCandidate> candidates = auto_candidates(probe, plan);
+  const MethodChoice choice = method_choose(candidates);
+  const MethodCandidate& nf = candidates.back();
+  TRIACCEL_CHECK_INPUT(choice.fits || choice.method == Method::kNeuroFlux, option_ref("vram_budget"), " ",
+                       c.execution.vram_budget, " is below backprop's floor of ", plan["floor_bytes"].get<int64_t>(),
+                       " bytes for ", c.model.model, ", and neuroflux ",
+                       nf.not_why.empty() ? c10::str("needs at least ", nf.need_bytes / 1e9, " GB") : nf.not_why,
+                       "; raise the budget");
+  c.execution.method = choice.method;
+  *said = c10::str("method auto: ", enum_name(choice.method), " (", choice.reason, ")");
   return c;
 }
 
@@ -94,7 +106,18 @@ Json plan(const Config& config, const RunHooks& hooks) {
            {"units", units},
            {"budget_bytes", c.execution.vram_budget_bytes() > 0 ? Json(c.execution.vram_budget_bytes()) : Json(nullptr)},
            {"device", device_long_name(session.device())}};
-  if (memory && c.execution.method != Method::kNeuroFlux) out["memory_plan"] = memory_plan_preview(session);
+  if (memory) {
+    const Json preview = memory_plan_preview(session);
+    if (c.execution.method != Method::kNeuroFlux) out["memory_plan"] = preview;
+    // Planned for a GPU wherever it runs: what method auto would choose there, and why.
+    const std::vector<MethodCandidate> candidates = auto_candidates(session, preview);
+    out["method_candidates"] = method_candidates_json(candidates);
+    if (c.execution.method == Method::kAuto) {
+      const MethodChoice choice = method_choose(candidates);
+      out["method"] = enum_name(choice.method);
+      out["method_reason"] = choice.reason;
+    }
+  }
   if (c.optim.optimizer == OptimizerKind::kBaoc) {
     Json optim = baoc_plan_warmup(session);
     optim["optim_memory_budget"] = c.baoc.optim_memory_budget;

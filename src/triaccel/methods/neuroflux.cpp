@@ -152,15 +152,22 @@ NeuroFluxRun::NeuroFluxRun(Session& session)
 void NeuroFluxRun::data_split() {
   const DatasetSplits& data = session_.data();
   const int64_t n_all = data.train.size();
-  n_hold_ = std::min(config_.neuroflux.nf_holdout, n_all / 10);
+  // Under a tight vram_budget the images stay in pinned host memory and stream a batch at a time (data/loader.h):
+  // resident, more than kNeuroFluxHostDataShare of the budget would go to them, and their upload can run out of memory
+  // before the first step. Streamed: labels and the order stay, plus two uint8 staging batches of the largest block
+  // batch (control/memory/partitioner.h: neuroflux_data, which method auto's preview reads too).
+  const int64_t sample_elements = data.train.images.numel() / std::max<int64_t>(1, n_all);
+  const NeuroFluxData kept = neuroflux_data(n_all, data.test.size(), sample_elements, config_.neuroflux.nf_holdout,
+                                            config_.neuroflux.nf_max_batch,
+                                            static_cast<double>(config_.execution.vram_budget_bytes()),
+                                            device_.is_cuda());
+  n_hold_ = kept.holdout;
   const at::Tensor split = permutation(n_all, seed_mix(config_.execution.seed, kHoldoutStream));
   train_set_ = dataset_rows(data.train, std::get<0>(split.narrow(0, n_hold_, n_all - n_hold_).sort()));
   hold_set_ = dataset_rows(data.train, std::get<0>(split.narrow(0, 0, n_hold_).sort()));
   plain_lo_ = session_.loader_options(LoaderRole::kPlain);
   train_lo_ = session_.loader_options(LoaderRole::kTrain);
-  // Under a tight vram_budget the images stream from pinned host memory (run/block_memory_setup.h).
-  host_data_ = block_data_on_host(config_, device_,
-                                  static_cast<double>(data.train.images.numel() + data.test.images.numel()));
+  host_data_ = kept.host;
   if (host_data_) plain_lo_.placement = train_lo_.placement = DataPlacement::kHost;
   const auto make_input = [&](const Dataset& d) {
     SplitInput in;
@@ -174,13 +181,7 @@ void NeuroFluxRun::data_split() {
   train_in_.labels = train_set_.labels.to(device_);
   n_train_ = train_set_.size();
   sample_shape_ = {data.train.channels(), test_in_.loader->image_height(), test_in_.loader->image_width()};
-  // Streamed: labels and the order stay, plus two uint8 staging batches of the largest block batch.
-  const double staging = 2.0 * static_cast<double>(config_.neuroflux.nf_max_batch * data.train.images[0].numel());
-  const auto resident_of = [&](const Dataset& d) {
-    return host_data_ ? static_cast<double>(16 * d.size()) + staging
-                      : static_cast<double>(d.images.numel() + 16 * d.size());
-  };
-  resident_ = resident_of(train_set_) + resident_of(hold_set_) + resident_of(data.test);
+  resident_ = kept.resident_bytes();
 }
 
 void NeuroFluxRun::plan_make() {

@@ -4,11 +4,6 @@
 
 namespace triaccel {
 
-bool block_data_on_host(const Config& config, const c10::Device& device, double image_bytes) {
-  const double budget = static_cast<double>(config.execution.vram_budget_bytes());
-  return device.is_cuda() && budget > 0 && image_bytes > kBlockHostDataShare * budget;
-}
-
 BlockMemorySetup block_memory_setup(const Config& config, const c10::Device& device, const MemoryProfile& profile,
                                     double resident_bytes, int64_t train_samples) {
   BlockMemorySetup out;

@@ -1,6 +1,7 @@
 // NeuroFlux's memory set-up, the block-wise counterpart of memory_setup.h (backprop's): from the run's configuration
-// and the model's memory profile (control/memory/memory_profile.h), where the dataset lives, the budget the block
-// partition plans against, and the partitioner's options (control/memory/partitioner.h: the planner over blocks).
+// and the model's memory profile (control/memory/memory_profile.h), the budget the block partition plans against
+// and the partitioner's options (control/memory/partitioner.h: the planner over blocks; where the data lives is its
+// neuroflux_data).
 // NeuroFlux (methods/neuroflux.cpp) plans its blocks with it; nothing here allocates.
 #pragma once
 
@@ -13,14 +14,6 @@
 #include <cstdint>
 
 namespace triaccel {
-
-// Under a vram_budget the dataset streams from pinned host memory when its images would take more than this share.
-constexpr double kBlockHostDataShare = 0.25;
-
-// Whether the images stay in pinned host memory and stream a batch at a time (data/loader.h): on CUDA under a
-// vram_budget that `image_bytes` (every split's images, resident) would take more than kBlockHostDataShare of, where
-// their upload could run out of memory before the first step.
-bool block_data_on_host(const Config& config, const c10::Device& device, double image_bytes);
 
 struct BlockMemorySetup {
   bool explicit_budget = false;  // a vram_budget was given

@@ -1,12 +1,19 @@
 #include "triaccel/run/memory_setup.h"
 
+#include "triaccel/run/block_memory_setup.h"
+
+#include "triaccel/control/memory/partitioner.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/models/model.h"
+#include "triaccel/models/registry.h"
+#include "triaccel/run/component_options.h"
 #include "triaccel/train/grad_buckets.h"
+#include "triaccel/train/precision.h"
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -157,6 +164,8 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
   c.placement = ex.data_placement == PlacementChoice::kHost && gpu ? DataPlacement::kHost : DataPlacement::kDevice;
   // Each rank plans for its share of the global batch (the larger one where they differ); `plan` previews --nproc.
   setup->limits.batch = (config.schedule.batch_size + world - 1) / world;
+  setup->limits.samples.train = (session.data().train.size() + world - 1) / world;
+  setup->limits.samples.eval = (session.data().test.size() + world - 1) / world;
   setup->limits.cap_bytes = budget;
   setup->limits.cap_share = kPlanShareOfCap;
   setup->limits.initial_share = kPlanShareOfCap;
@@ -208,6 +217,8 @@ Json memory_plan_preview(Session& session) {
   if (!m->planned) return Json(nullptr);
   Json j = m->plan.to_json(m->model);
   j["budget_bytes"] = m->limits.cap_bytes > 0 ? Json(m->limits.cap_bytes) : Json();
+  j["method"] = "backprop";
+  j["predicted_epoch_s"] = m->plan.feasible ? Json(memory_plan_epoch_s(m->model, m->plan, m->limits.samples)) : Json();
   j["profile"] = "modelled";
   j["shard_optimizer"] = m->shard_optimizer;
   Json units = Json::array();
@@ -220,6 +231,111 @@ Json memory_plan_preview(Session& session) {
   }
   j["units"] = units;
   return j;
+}
+
+MethodChoice method_choose(const std::vector<MethodCandidate>& candidates) {
+  MethodChoice out;
+  const MethodCandidate* best = nullptr;
+  for (const MethodCandidate& c : candidates) {
+    if (c.fits && c.not_why.empty() && (best == nullptr || c.epoch_s < best->epoch_s)) best = &c;
+  }
+  const MethodCandidate* closest = nullptr;  // when none fits: the one that needs the least budget
+  for (const MethodCandidate& c : candidates) {
+    if (c.not_why.empty() && (closest == nullptr || c.need_bytes < closest->need_bytes)) closest = &c;
+  }
+  const auto said = [](const MethodCandidate& c) {
+    if (!c.not_why.empty()) return c10::str(enum_name(c.method), " cannot run (", c.not_why, ")");
+    if (!c.fits) return c10::str(enum_name(c.method), " does not fit (it needs ", c.need_bytes / 1e9, " GB)");
+    return c10::str(enum_name(c.method), " ", c.epoch_s, " s");
+  };
+  std::string others;
+  for (const MethodCandidate& c : candidates) {
+    if (&c != best) others += c10::str(others.empty() ? "" : ", ", said(c));
+  }
+  if (best != nullptr) {
+    out.method = best->method;
+    out.fits = true;
+    out.reason = c10::str("predicted ", best->epoch_s, " s per epoch, the fastest that fits",
+                          others.empty() ? "" : "; ", others);
+    return out;
+  }
+  if (closest != nullptr) out.method = closest->method;
+  out.reason = c10::str("no method fits: ", others,
+                        closest != nullptr ? c10::str("; ", enum_name(closest->method), " needs the least") : "");
+  return out;
+}
+
+Json method_candidates_json(const std::vector<MethodCandidate>& candidates) {
+  Json out = Json::array();
+  for (const MethodCandidate& c : candidates) {
+    out.push_back(Json{{"method", enum_name(c.method)},
+                       {"fits", c.fits && c.not_why.empty()},
+                       {"predicted_epoch_s", c.fits && c.not_why.empty() ? Json(c.epoch_s) : Json()},
+                       {"need_bytes", c.need_bytes > 0 ? Json(static_cast<int64_t>(std::ceil(c.need_bytes))) : Json()},
+                       {"not_why", c.not_why.empty() ? Json() : Json(c.not_why)}});
+  }
+  return out;
+}
+
+MethodCandidate method_candidate_backprop(const Json& preview) {
+  MethodCandidate c;
+  c.method = Method::kBackprop;
+  if (preview.is_null()) return c;
+  c.fits = preview.value("feasible", false) && preview.contains("predicted_epoch_s") &&
+           preview["predicted_epoch_s"].is_number();
+  c.epoch_s = c.fits ? preview["predicted_epoch_s"].get<double>() : 0;
+  c.need_bytes = static_cast<double>(preview.value("floor_bytes", int64_t{0})) / kPlanShareOfCap;
+  return c;
+}
+
+MethodCandidate method_candidate_neuroflux(Session& session) {
+  MethodCandidate c;
+  c.method = Method::kNeuroFlux;
+  const Config& config = session.config();
+  if (!model_entry(config.model.model).local_learning) {
+    c.not_why = "trains CNNs only";
+    return c;
+  }
+  if (config.execution.precision == PrecisionMode::kAmpFP16) {
+    c.not_why = "takes fp32 or amp-bf16, not amp-fp16";
+    return c;
+  }
+  const double budget = static_cast<double>(config.execution.vram_budget_bytes());
+  if (budget <= 0) return c;
+  const DatasetSplits& data = session.data();
+  const int64_t rows = data.train.size();
+  const NeuroFluxData kept =
+      neuroflux_data(rows, data.test.size(), data.train.images.numel() / std::max<int64_t>(1, rows),
+                     config.neuroflux.nf_holdout, config.neuroflux.nf_max_batch, budget, /*gpu=*/true);
+  const c10::Device device = session.device();
+  const bool measured = device.is_cuda() && config.neuroflux.nf_profile != ProfileChoice::kModel;
+  const int64_t side = session.image_size();
+  MemoryProfile profile;
+  {
+    const AutocastScope autocast(device, config.execution.precision);
+    profile = memory_profile(session.model(), {data.train.channels(), side, side}, session.model_options().num_classes,
+                             measured ? ProfileSource::kMeasured : ProfileSource::kModel, device);
+  }
+  if (device.is_cuda()) memory_cache_release(device);  // the profile's cached blocks
+  // The partitioner's options as NeuroFlux itself sets them (run/block_memory_setup.h).
+  const PartitionOptions po = block_memory_setup(config, device, profile, kept.resident_bytes(), kept.train).options;
+  try {
+    Partition partition = partition_plan(profile, po);
+    PartitionEpochInputs in;
+    in.train_samples = kept.train;
+    in.holdout_samples = kept.holdout;
+    in.test_samples = kept.test;
+    in.epochs = config.schedule.epochs;
+    in.flops_per_s = kGpuTrainFlopsPerS;
+    in.overhead_samples = kGpuOverheadSamples;
+    in.host_bytes_per_s = po.host_bytes_per_s;
+    partition_epoch_s(profile, in, &partition);
+    c.fits = true;
+    c.epoch_s = partition.epoch_s;
+  } catch (const UserError&) {
+    c.need_bytes = partition_min_budget(profile, po);
+  }
+  return c;
 }
 
 }  // namespace triaccel

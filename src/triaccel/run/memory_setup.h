@@ -16,6 +16,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 namespace triaccel {
 
@@ -51,5 +53,29 @@ Json memory_plan_preview(Session& session);
 // Data parallelism: each number's largest value over the ranks (what the memory planner's ranks agree through);
 // null with one process.
 MemoryPlanController::Agree memory_agree_over_ranks(Session& session);
+
+// Method auto (api/api.cpp): each method's fit under the vram_budget and its predicted seconds per epoch, on one basis
+// (memory_plan_epoch_s for backprop at its memory plan, partition_epoch_s for NeuroFlux at its blocks).
+struct MethodCandidate {
+  Method method = Method::kBackprop;
+  bool fits = false;
+  double epoch_s = 0;      // predicted seconds per epoch (meaningful when it fits)
+  double need_bytes = 0;   // the least vram_budget it fits in (when it does not: its floor)
+  std::string not_why;     // a method that cannot run this configuration at all: why ("" otherwise)
+};
+struct MethodChoice {
+  Method method = Method::kBackprop;
+  bool fits = false;       // false: no candidate fits (`method` is then the first candidate that can run)
+  std::string reason;      // names the candidates' predictions
+};
+// The fastest candidate that fits (the earlier one on a tie); when none fits, the first that can run at all. Pure.
+MethodChoice method_choose(const std::vector<MethodCandidate>& candidates);
+// [{"method", "fits", "predicted_epoch_s", "need_bytes", "not_why"}, ...]
+Json method_candidates_json(const std::vector<MethodCandidate>& candidates);
+// Backprop's candidate from its plan preview (memory_plan_preview's fields: feasible, predicted_epoch_s, floor).
+MethodCandidate method_candidate_backprop(const Json& preview);
+// NeuroFlux's candidate for the session's configuration under its vram_budget, planned for a GPU: the units' memory
+// profile (modelled, or measured on CUDA as the run would), the partition NeuroFlux would train and its epoch.
+MethodCandidate method_candidate_neuroflux(Session& session);
 
 }  // namespace triaccel

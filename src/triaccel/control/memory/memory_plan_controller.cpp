@@ -93,6 +93,9 @@ void MemoryPlanController::replan() {
 Json MemoryPlanController::plan_fields(const std::string& reason) const {
   Json f = plan_.to_json(model_);
   f["reason"] = reason;
+  f["method"] = "backprop";
+  f["predicted_epoch_s"] =
+      limits_.samples.train > 0 && plan_.feasible ? Json(memory_plan_epoch_s(model_, plan_, limits_.samples)) : Json();
   f["budget_bytes"] = limits_.cap_bytes > 0 ? Json(limits_.cap_bytes) : Json();
   f["cap_share"] = limits_.cap_share;
   f["fixed_offset_bytes"] = offset_;

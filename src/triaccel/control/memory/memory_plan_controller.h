@@ -63,6 +63,7 @@ struct MemoryPlanLimits {
   double cap_share = 0.9;          // budget_bytes = cap_share · cap_bytes (when cap_bytes > 0)
   double initial_share = 0.9;      // cap_share before any capture shrank it
   PlanConstraints constraints;     // the user's levers; the placement is fixed once the loaders hold the data
+  EpochSamples samples;            // one epoch's samples of this process (the events' predicted_epoch_s)
   // Tri-Accel without a budget: the limit is the peak the first plan's precisions predict (all 16-bit: AMP's), so
   // that a unit promoted to fp32 pays for its bigger activations with recompute or micro-batches instead of
   // raising the peak. Kept equal to that prediction at the scale the calibration steps measured (and an

@@ -143,6 +143,28 @@ double memory_plan_step_s(const MemoryModel& model, int64_t batch, int64_t micro
   return k * model.overhead_s + static_cast<double>(batch) * model.per_sample_s * (1 + share) + stream;
 }
 
+double memory_model_seconds_per_unit(const MemoryModel& model, double flops_per_s) {
+  const double step_flops = total_flops(model) / std::max(model.forward_share, 1e-9);
+  return step_flops / std::max(flops_per_s, 1e-30) / std::max(model.per_sample_s, 1e-30);
+}
+
+double memory_plan_epoch_s(const MemoryModel& model, const MemoryPlan& plan, const EpochSamples& samples,
+                           double flops_per_s) {
+  if (!plan.feasible || plan.batch <= 0 || plan.micro_batch <= 0) return std::numeric_limits<double>::infinity();
+  const int64_t full = samples.train / plan.batch, rest = samples.train % plan.batch;
+  double units = static_cast<double>(full) *
+                 memory_plan_step_s(model, plan.batch, plan.micro_batch, plan.recompute, plan.data_placement);
+  if (rest > 0) {
+    units += memory_plan_step_s(model, rest, std::min(plan.micro_batch, rest), plan.recompute, plan.data_placement);
+  }
+  if (samples.eval > 0) {
+    const double batches = static_cast<double>(micro_batches(samples.eval, plan.micro_batch));
+    units += model.forward_share *
+             (batches * model.overhead_s + static_cast<double>(samples.eval) * model.per_sample_s);
+  }
+  return units * memory_model_seconds_per_unit(model, flops_per_s);
+}
+
 MemoryPlan memory_plan_solve(const MemoryModel& model, int64_t batch, int64_t budget_bytes,
                              const PlanConstraints& constraints) {
   MemoryPlan plan;

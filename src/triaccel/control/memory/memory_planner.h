@@ -17,6 +17,11 @@
 // with k = ceil(B / m) micro-batches and recompute_share the recomputed units' share of the forward FLOPs times the
 // forward's share of a training step.
 //
+//   epoch_s = (Σ over the epoch's steps of step_s, a short last step at its own size
+//              + forward_share · (ceil(E / m) · overhead_s + E · per_sample_s))   the evaluation of E samples
+//             × seconds per unit of the model's time (memory_model_seconds_per_unit: Σ_u flops_u / forward_share
+//               FLOPs at kGpuTrainFlopsPerS), the basis NeuroFlux's blocks are priced on too (partitioner.h).
+//
 // The levers: the micro-batch (any m in [1, B]), per-unit recompute, and the dataset resident on the GPU or streamed
 // from pinned host memory. The solver is exact over that space (up to a rounding that only errs towards fitting):
 // for every placement and micro-batch it finds the recompute set of least FLOPs whose peak fits, by dynamic
@@ -85,6 +90,26 @@ double memory_plan_peak(const MemoryModel& model, int64_t batch, int64_t micro_b
                         const std::vector<bool>& recompute, DataPlacement placement);
 double memory_plan_step_s(const MemoryModel& model, int64_t batch, int64_t micro_batch,
                           const std::vector<bool>& recompute, DataPlacement placement);
+
+// The seconds both methods' predictions are in (method auto compares them): a sample's forward + backward is its
+// forward FLOPs (Σ_u flops_u, 2 · parameters · output positions) over forward_share, run at kGpuTrainFlopsPerS, an
+// effective rate assumed for a GPU training in 16 bits (convolutions at small images: well below the peak). The
+// comparison depends on the ratio of the two predictions only, not on this rate.
+constexpr double kGpuTrainFlopsPerS = 1e14;
+
+// The samples of one epoch (per process): the training steps' and the evaluation's.
+struct EpochSamples {
+  int64_t train = 0;
+  int64_t eval = 0;
+};
+
+// Seconds one unit of the model's time (per_sample_s: one sample's forward + backward) stands for at `flops_per_s`.
+double memory_model_seconds_per_unit(const MemoryModel& model, double flops_per_s = kGpuTrainFlopsPerS);
+// The plan's predicted seconds per epoch: every step of the epoch at the plan's levers (memory_plan_step_s: the
+// micro-batches' overhead and the recompute included; a short last step at its own size), then the evaluation pass
+// over samples.eval at the micro-batch (forward_share of a step per sample and per batch), at `flops_per_s`.
+double memory_plan_epoch_s(const MemoryModel& model, const MemoryPlan& plan, const EpochSamples& samples,
+                           double flops_per_s = kGpuTrainFlopsPerS);
 
 // Levers the user fixed (the micro_batch, recompute and data_placement options): the search keeps them.
 struct PlanConstraints {

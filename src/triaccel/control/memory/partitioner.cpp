@@ -81,6 +81,23 @@ int64_t batch_that_fits(const BlockCost& c, const PartitionOptions& o) {
   return batch_in_room(c.fixed(), c.per_sample, o);
 }
 
+// Output positions of one sample: H·W of a (C, H, W) map, 1 of a vector.
+double out_positions(const std::vector<int64_t>& shape) {
+  return shape.size() >= 3 ? static_cast<double>(shape[shape.size() - 2] * shape.back()) : 1.0;
+}
+
+// Forward FLOPs of one sample through unit u and, when it has one, its head at `level`.
+double unit_head_flops(const UnitProfile& up, int64_t level) {
+  const double positions = out_positions(up.out_shape);
+  double flops = 2.0 * static_cast<double>(up.params) * positions;
+  if (up.head_params.empty()) return flops;
+  const int64_t channels = up.out_shape.empty() ? 0 : up.out_shape[0];
+  const int64_t k = up.out_shape.size() >= 3 ? aux_filters(channels, level) : 0;
+  const double conv = 9.0 * static_cast<double>(channels * k);
+  const double rest = std::max(0.0, static_cast<double>(up.head_params[static_cast<size_t>(level)]) - conv);
+  return flops + 2.0 * conv * positions + 2.0 * rest;  // the conv at every position; BN and the linear once
+}
+
 }  // namespace
 
 void PartitionOptions::validate() const {
@@ -200,6 +217,50 @@ BlockPlan block_replan_measured(const MemoryProfile& p, const PartitionOptions& 
   out.batch = std::min(block.batch, batch_in_room(fixed, body + c.input_per_sample, o));
   out.bytes = fixed + static_cast<double>(out.batch) * (in + std::max(body, kInputCopies * in));
   return out;
+}
+
+void partition_epoch_s(const MemoryProfile& p, const PartitionEpochInputs& in, Partition* partition) {
+  TORCH_CHECK(in.flops_per_s > 0 && in.epochs > 0, "partition_epoch_s: bad inputs");
+  const auto steps = [](int64_t rows, int64_t batch) { return static_cast<double>((rows + batch - 1) / batch); };
+  const auto n_blocks = partition->blocks.size();
+  const double epochs = static_cast<double>(in.epochs);
+  partition->epoch_s = 0;
+  for (size_t b = 0; b < n_blocks; ++b) {
+    BlockPlan& bp = partition->blocks[b];
+    double w = 0;
+    for (int64_t u = bp.first; u < bp.end; ++u) w += unit_head_flops(p.units[static_cast<size_t>(u)], bp.head_level);
+    const double per_step = (static_cast<double>(bp.batch) + in.overhead_samples) * w / in.flops_per_s;
+    const bool last = b + 1 == n_blocks;
+    const int64_t pass_rows = in.holdout_samples + in.test_samples + (last ? 0 : in.train_samples);
+    double s = steps(in.train_samples, bp.batch) * 3 * per_step + steps(pass_rows, bp.batch) * per_step / epochs;
+    if (in.host_bytes_per_s > 0) {
+      const double in_b = bp.first > 0 ? 0.5 * static_cast<double>(p.units[static_cast<size_t>(bp.first)].in_bytes) : 0;
+      const double out_b = last ? 0 : 0.5 * static_cast<double>(p.units[static_cast<size_t>(bp.end - 1)].out_bytes);
+      s += (static_cast<double>(in.train_samples) * in_b + static_cast<double>(pass_rows) * out_b / epochs) /
+           in.host_bytes_per_s;
+    }
+    bp.epoch_s = s;
+    partition->epoch_s += s;
+  }
+}
+
+double NeuroFluxData::resident_bytes() const {
+  const double rows = static_cast<double>(train + holdout + test);
+  if (host) return 16 * rows + 2.0 * static_cast<double>(max_batch * sample_elements) * 3;
+  return rows * (static_cast<double>(sample_elements) + 16);
+}
+
+NeuroFluxData neuroflux_data(int64_t train_rows, int64_t test_rows, int64_t sample_elements, int64_t holdout_asked,
+                             int64_t max_batch, double budget_bytes, bool gpu) {
+  NeuroFluxData d;
+  d.holdout = std::min(holdout_asked, train_rows / 10);
+  d.train = train_rows - d.holdout;
+  d.test = test_rows;
+  d.sample_elements = sample_elements;
+  d.max_batch = max_batch;
+  const double images = static_cast<double>((train_rows + test_rows) * sample_elements);
+  d.host = gpu && budget_bytes > 0 && images > kNeuroFluxHostDataShare * budget_bytes;
+  return d;
 }
 
 int64_t oom_retry_batch(int64_t batch, double fixed_bytes, const PartitionOptions& o) {

@@ -52,12 +52,57 @@ struct BlockPlan {
   int64_t head_level = 0;      // aux_head.h ladder level
   double bytes = 0;            // predicted peak at `batch`
   double time_s = 0;           // predicted training time (all epochs) incl. its cache pass
+  double epoch_s = 0;          // predicted seconds per epoch on the memory planner's basis (partition_epoch_s)
 };
 
 struct Partition {
   std::vector<BlockPlan> blocks;
   double time_s = 0;           // predicted total
+  double epoch_s = 0;          // predicted seconds per epoch on the memory planner's basis (partition_epoch_s)
 };
+
+// A NeuroFlux epoch priced on the basis the memory planner prices a backprop epoch on (memory_planner.h), so that
+// method auto can compare the two: FLOPs at one rate, and a per-step overhead of `overhead_samples` samples of the
+// step's own work (launches, an under-filled device: what makes small batches slow), as the planner's overhead_s is
+// of a whole-network sample.
+struct PartitionEpochInputs {
+  int64_t train_samples = 0;    // rows each block trains on per epoch (the training split less the held-out rows)
+  int64_t holdout_samples = 0;  // rows every cache pass scores
+  int64_t test_samples = 0;
+  int64_t epochs = 1;           // each block trains this many epochs; its cache pass runs once
+  double flops_per_s = 0;       // the planner's kGpuTrainFlopsPerS
+  double overhead_samples = 0;  // the planner's kGpuOverheadSamples
+  double host_bytes_per_s = 0;  // > 0: the caches live in host memory and cross at this rate; 0: on the device
+};
+
+// Seconds per epoch of each block (BlockPlan::epoch_s) and of the partition (Partition::epoch_s). Block [s, e) at
+// batch B with heads at its level, w = Σ_u (F_u + H_u) the forward FLOPs of a sample through its units and heads
+// (F_u = 2 · params_u · output positions, as the planner's UnitCost::flops; H_u: the head's conv3x3 at the unit's
+// output positions and its linear layer on the 2×2 pool):
+//   train  = ceil(N / B) · (B + overhead) · 3 · w / rate            every step at B (epoch_fill), forward + backward
+//   pass   = ceil(P / B) · (B + overhead) · w / rate / epochs       the cache pass, once per block: a forward over the
+//            held-out, test and (all but the last block) training rows P, shared over the epochs
+//   cache  = (N · in_b + P · out_b / epochs) / host rate            host caches: the block's input read each epoch, its
+//            output written once (bf16: half the fp32 bytes in_b, out_b of one sample; none for the first input)
+// The split points stay those of partition_plan (its own time model chooses them); this prices what it chose.
+void partition_epoch_s(const MemoryProfile& profile, const PartitionEpochInputs& inputs, Partition* partition);
+
+// What NeuroFlux keeps of the data (methods/neuroflux.cpp): its held-out rows come out of the training split
+// (holdout_asked, at most a tenth of it); under a vram_budget on a GPU the images stream from host memory when they
+// would take more than kNeuroFluxHostDataShare of it; the resident bytes are the images (uint8) and 16 bytes a row
+// (labels and order), or, streamed, the 16 bytes a row and two uint8 staging batches of max_batch rows.
+constexpr double kNeuroFluxHostDataShare = 0.25;
+struct NeuroFluxData {
+  int64_t train = 0;            // rows trained on
+  int64_t holdout = 0;
+  int64_t test = 0;
+  int64_t sample_elements = 0;  // one sample's stored image elements (uint8)
+  bool host = false;            // the images stream from host memory
+  int64_t max_batch = 0;        // the largest block batch (staging)
+  double resident_bytes() const;
+};
+NeuroFluxData neuroflux_data(int64_t train_rows, int64_t test_rows, int64_t sample_elements, int64_t holdout_asked,
+                             int64_t max_batch, double budget_bytes, bool gpu);
 
 // The best plan for one block [first, end), or batch = 0 when it does not fit at min_batch.
 BlockPlan block_plan(const MemoryProfile& profile, const PartitionOptions& options, int64_t first, int64_t end);
