@@ -19,7 +19,9 @@
 #include "triaccel/models/aux_head.h"
 #include "triaccel/models/model.h"
 #include "triaccel/models/registry.h"
+#include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/optim/sgd.h"
+#include "triaccel/optim/state_format.h"
 #include "triaccel/run/memory_setup.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/recompute.h"
@@ -37,7 +39,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <vector>
@@ -301,7 +305,7 @@ TEST(MemoryPlannerTest, AnEpochPricesSmallMicroBatchesAndRecompute) {
   const double again = 1 + (1.0 / 3) * (1.0 / 6);
   const double expected = 2 * (4 * 8 + 16 * again) + (2 * 8 + 8 * again) + (3 * 8 + 10) / 3.0;
   EXPECT_NEAR(memory_plan_epoch_s(m, small, samples, 18), expected, 1e-9);
-  EXPECT_GT(expected, 2 * (2 * 24 + 16 + 6));  // micro-batches of 4 with a recompute: more than twice as long
+  EXPECT_GT(expected, 1.8 * (2 * 24 + 16 + 6));  // micro-batches of 4 with a recompute: nearly twice as long
   MemoryPlan none = whole;
   none.feasible = false;
   EXPECT_TRUE(std::isinf(memory_plan_epoch_s(m, none, samples, 18)));
@@ -1681,6 +1685,87 @@ TEST_F(MemoryRunTest, PlanOnTwoRanksShardsTheOptimizerStateBeforeTheOtherLevers)
   EXPECT_LT(sharded["predicted_peak_bytes"].get<double>(), need - 2000);
 }
 
+
+// The model's parameter shapes, in the optimizer's order.
+std::vector<std::vector<int64_t>> parameter_shapes(Model& model) {
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& item : model.named_parameters()) shapes.push_back(item.value().sizes().vec());
+  return shapes;
+}
+
+// What BAOC adds to AdamW's state is priced before it allocates: per tensor the largest state of its warm-up (fp32
+// AdamW) and its menu, the statistics window's previous gradients (4 bytes an element), the step counts and window
+// sums (float64), the 8-bit maps, and its largest conversion (the largest tensor's two moments decoded to float32
+// beside its new state); `plan` (warm-up of 2 steps for its format plan) shows it in the optimizer's consumer and in
+// the peak, at the same levers.
+TEST_F(MemoryRunTest, PlanPricesBaocsFormatsItsWindowAndItsConversions) {
+  Config o = options("unused");
+  o.set("vram_budget", "1GB");
+  o.set("lr", "1e-3");
+  o.set("optimizer", "adamw");
+  const Json adamw = api::plan(o)["memory_plan"];
+  o.set("optimizer", "baoc");
+  o.set("optim_formats", "adamw-8bit,factored,sgd");
+  o.set("plan_warmup", "2");
+  const Json baoc = api::plan(o)["memory_plan"];
+  ModelOptions mo;
+  mo.name = "small-cnn";
+  mo.in_channels = 1;
+  mo.image_size = 28;
+  const std::shared_ptr<Model> model = model_create(mo);
+  const auto shapes = parameter_shapes(*model);
+  int64_t n = 0, largest = 0;
+  for (const auto& shape : shapes) {
+    const int64_t numel = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+    n += numel;
+    largest = std::max(largest, numel);
+  }
+  const auto tensors = static_cast<int64_t>(shapes.size());
+  const int64_t extra = 4 * n + tensors * (2 + kStreamColumns) * 8 + 4 * 256 * 4 + (8 + 8) * largest;
+  EXPECT_EQ(baoc["consumers"]["optimizer"].get<int64_t>() - adamw["consumers"]["optimizer"].get<int64_t>(), extra);
+  ASSERT_EQ(baoc["micro_batch"], adamw["micro_batch"]);
+  EXPECT_NEAR(baoc["predicted_peak_bytes"].get<double>() - adamw["predicted_peak_bytes"].get<double>(),
+              static_cast<double>(extra), 2);
+  // Whatever the format plan chooses from its menu, its state is within what is priced.
+  Config resolved = o;
+  resolved.resolve();
+  const OptimizerBytes priced = optimizer_priced(resolved, shapes);
+  for (StateFormat f : {StateFormat::kAdamW32, StateFormat::kAdamW8, StateFormat::kFactored, StateFormat::kSgd}) {
+    int64_t bytes = 0;
+    for (const auto& shape : shapes) bytes += state_format_bytes(f, shape);
+    EXPECT_LE(bytes, priced.state) << state_format_name(f);
+  }
+  EXPECT_EQ(priced.state, 8 * n);  // the warm-up's fp32 AdamW, the largest
+}
+
+// fp32 against amp-bf16 at the same levers: the peak differs by what the two price differently, the activations at
+// 4 bytes an element instead of 2 (each unit's, and backward's transients) and the 16-bit weight casts that fp32 does
+// not make; the loss scaler's state is in both.
+TEST_F(MemoryRunTest, PlanPricesFp32ActivationsAndNoWeightCasts) {
+  Config o = options("unused");
+  o.set("vram_budget", "1GB");
+  const auto plan_at = [&](const char* precision) {
+    o.set("precision", precision);
+    return api::plan(o)["memory_plan"];
+  };
+  const Json fp32 = plan_at("fp32"), bf16 = plan_at("amp-bf16");
+  ASSERT_EQ(fp32["micro_batch"], bf16["micro_batch"]);
+  ASSERT_TRUE(fp32["recompute"].empty() && bf16["recompute"].empty());
+  const auto activations = [](const Json& plan) {  // m · scale · (Σ saved + transient), nothing recomputed
+    double saved = 0;
+    for (const auto& u : plan["units"]) saved += u["saved_bytes_per_sample"].get<double>();
+    return plan["consumers"]["transient"].get<double>() +
+           plan["micro_batch"].get<double>() * plan["activation_scale"].get<double>() * saved;
+  };
+  const auto fixed = [](const Json& plan) { return plan["consumers"]["fixed"].get<double>(); };
+  const double params = static_cast<double>(api::plan(o)["params"].get<int64_t>());
+  EXPECT_DOUBLE_EQ(fixed(bf16) - fixed(fp32), 2 * params);  // the bf16 casts of the fp32 weights
+  EXPECT_GE(fixed(fp32), kLossScalerBytes + kGpuFixedTransientBytesBudgeted);
+  EXPECT_GT(activations(fp32), 1.6 * activations(bf16));  // 4 bytes an element against 2 (the pools' int64 indices:
+                                                          // 8 in both)
+  EXPECT_NEAR(fp32["predicted_peak_bytes"].get<double>() - bf16["predicted_peak_bytes"].get<double>(),
+              activations(fp32) - activations(bf16) - 2 * params, 16);
+}
 
 // `plan` with method auto names the candidates, each with whether it fits and its predicted seconds per epoch, and
 // the method is the fastest that fits; under backprop's floor only NeuroFlux fits.

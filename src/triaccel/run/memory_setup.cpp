@@ -3,10 +3,12 @@
 #include "triaccel/run/block_memory_setup.h"
 
 #include "triaccel/control/memory/partitioner.h"
+#include "triaccel/control/optimizer_state/baoc_controller.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/models/model.h"
 #include "triaccel/models/registry.h"
+#include "triaccel/optim/state_format.h"
 #include "triaccel/run/component_options.h"
 #include "triaccel/train/grad_buckets.h"
 #include "triaccel/train/precision.h"
@@ -93,7 +95,11 @@ void memory_inputs_set(Session& session, int64_t world, bool gpu, bool budgeted,
   MemoryModelInputs& in = setup->inputs;
   // Tri-Accel starts every unit in bf16 (its precision controller's default); its step records per-unit precisions.
   in.precision = ex.method == Method::kTriAccel ? PrecisionMode::kAmpBF16 : ex.precision;
-  in.optimizer_state_bytes = state_bytes_per_element(config.optim) * n;
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& item : model.named_parameters()) shapes.push_back(item.value().sizes().vec());
+  const OptimizerBytes optimizer = optimizer_priced(config, shapes);
+  in.optimizer_state_bytes = optimizer.state;
+  in.optimizer_transient_bytes = optimizer.transient;
   const auto bytes = [](const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : int64_t{0}; };
   const bool as_stored = data.train.kind != DatasetKind::kImage;  // token ids or a program's tensors
   const int64_t samples = data.train.size() + data.test.size();
@@ -186,7 +192,8 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
   if (shard_possible_here && (setup->shard_optimizer || (ex.shard_optimizer == Toggle::kAuto && lever_used))) {
     const ShardLayout& layout = setup->shards;
     MemorySetup sharded = *setup;
-    sharded.model.optimizer_bytes = static_cast<double>(layout.sizes.state_bytes);
+    sharded.model.optimizer_bytes =
+        static_cast<double>(layout.sizes.state_bytes + setup->inputs.optimizer_transient_bytes);
     sharded.model.fixed_bytes += static_cast<double>(layout.staging_bytes);
     sharded.inputs.optimizer_state_bytes = layout.sizes.state_bytes;
     sharded.inputs.grad_reduce_bytes += layout.staging_bytes;
@@ -231,6 +238,35 @@ Json memory_plan_preview(Session& session) {
   }
   j["units"] = units;
   return j;
+}
+
+OptimizerBytes optimizer_priced(const Config& config, const std::vector<std::vector<int64_t>>& param_shapes) {
+  OptimizerBytes out;
+  int64_t elements = 0;
+  for (const auto& shape : param_shapes) {
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    elements += numel;
+  }
+  if (config.optim.optimizer != OptimizerKind::kBaoc) {
+    out.state = state_bytes_per_element(config.optim) * elements;
+    return out;
+  }
+  std::vector<StateFormat> menu = optim_formats_parse(config.baoc.optim_formats);
+  menu.push_back(StateFormat::kAdamW32);  // the warm-up's
+  int64_t conversion = 0;
+  for (const auto& shape : param_shapes) {
+    int64_t most = 0, numel = 1;
+    for (StateFormat f : menu) most = std::max(most, state_format_bytes(f, shape));
+    for (int64_t d : shape) numel *= d;
+    out.state += most;
+    conversion = std::max(conversion, 8 * numel + most);  // m and v decoded to float32, the new state beside the old
+  }
+  const auto tensors = static_cast<int64_t>(param_shapes.size());
+  constexpr int64_t kMaps = 4 * 256 * 4;  // the 8-bit codec's signed and unsigned maps and their midpoints
+  const int64_t bookkeeping = tensors * (2 + kStreamColumns) * 8 + kMaps;  // step counts and window sums, float64
+  out.transient = 4 * elements + bookkeeping + conversion;
+  return out;
 }
 
 MethodChoice method_choose(const std::vector<MethodCandidate>& candidates) {

@@ -54,6 +54,22 @@ Json memory_plan_preview(Session& session);
 // null with one process.
 MemoryPlanController::Agree memory_agree_over_ranks(Session& session);
 
+// The optimizer's bytes as the memory plan prices them (MemoryModelInputs): its state and what it allocates beside
+// the state at times. SGD: momentum, 4 bytes an element (none without momentum); AdamW: 8. BAOC: per tensor the
+// largest state of its warm-up's fp32 AdamW and every format of its menu (optim_formats), which is the worst case
+// rather than the format plan's bytes: the memory plan is made before the warm-up's signals exist, the warm-up
+// holds fp32 AdamW state for its first steps whatever the plan then chooses, and a re-plan may move any unit to any
+// format of the menu. Beside it: the statistics window's float32 copy of the previous gradients (4 bytes an element,
+// during the warm-up and every window), the per-tensor step counts and window sums and the 8-bit maps, and the
+// largest conversion between formats (formats_set: one tensor at a time, its two moments decoded to float32 and its
+// new state made before the old one goes), priced on top of the step's peak because a conversion runs between steps
+// while a captured step's graph pool still holds the step's memory.
+struct OptimizerBytes {
+  int64_t state = 0;
+  int64_t transient = 0;
+};
+OptimizerBytes optimizer_priced(const Config& config, const std::vector<std::vector<int64_t>>& param_shapes);
+
 // Method auto (api/api.cpp): each method's fit under the vram_budget and its predicted seconds per epoch, on one basis
 // (memory_plan_epoch_s for backprop at its memory plan, partition_epoch_s for NeuroFlux at its blocks).
 struct MethodCandidate {

@@ -107,10 +107,11 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   for (Precision p : in.unit_precisions) any16 = any16 || p != Precision::kFP32;
   m.weights_bytes = 4.0 * static_cast<double>(n);
   m.grads_bytes = 4.0 * static_cast<double>(n);
-  m.optimizer_bytes = static_cast<double>(in.optimizer_state_bytes);
+  m.optimizer_bytes = static_cast<double>(in.optimizer_state_bytes + in.optimizer_transient_bytes);
   const double workspaces = in.budgeted ? kGpuFixedTransientBytesBudgeted : kGpuFixedTransientBytes;
+  // 16-bit units: the weights' casts, which their backward keeps (no autocast cache: a cast per use).
   m.fixed_bytes = (any16 ? 2.0 * static_cast<double>(n) : 0.0) + (in.for_gpu ? workspaces : 0.0) +
-                  static_cast<double>(in.grad_reduce_bytes);
+                  static_cast<double>(in.grad_reduce_bytes) + kLossScalerBytes;
   m.dataset_bytes = static_cast<double>(in.dataset_device_bytes);
   m.stream_bytes = static_cast<double>(in.dataset_stream_bytes);
   m.batch_input_bytes = static_cast<double>(in.sample_input_bytes);

@@ -4,8 +4,9 @@
 // (each saved tensor once, at its dtype), elsewhere the tensors its autograd graph records
 // (control/memory/memory_profile.h: autograd_graph_bytes, an over-count: several times what the allocator reads;
 // docs/results/memory-planner.md); its input's bytes, its forward FLOPs (2 · parameters · output positions) and whether
-// it can be recomputed (no dropout) come from the same pass. Weights, gradients, optimizer state, weight casts and the
-// dataset come from the run's configuration. On CUDA, before training, the allocator's peak over the whole model's
+// it can be recomputed (no dropout) come from the same pass. Weights, gradients, optimizer state (with what the
+// optimizer allocates beside it), 16-bit weight casts, the loss scaler and the dataset come from the run's
+// configuration. On CUDA, before training, the allocator's peak over the whole model's
 // forward + backward at two small batches sets the starting activation scale; what it measures while training corrects
 // it (MemoryModel::activation_scale).
 //
@@ -29,6 +30,9 @@ struct MemoryModelInputs {
   PrecisionMode precision = PrecisionMode::kFP32;
   std::vector<Precision> unit_precisions;  // Tri-Accel's per-unit precisions (empty: `precision` for every unit)
   int64_t optimizer_state_bytes = 0;
+  // Allocated by the optimizer beside its state at times, and priced all the time (one plan serves the whole run):
+  // BAOC's statistics window and its largest conversion between formats (run/memory_setup.h: optimizer_priced).
+  int64_t optimizer_transient_bytes = 0;
   int64_t dataset_device_bytes = 0;    // the training and test sets resident on the device
   int64_t dataset_stream_bytes = 0;    // what stays on the device when they are streamed from the host
   int64_t sample_input_bytes = 0;      // one sample of the step's static input and labels
@@ -59,6 +63,10 @@ constexpr double kGpuFixedTransientBytes = 48e6;
 // kGpuFixedTransientBytes there, the calibration's fitted offset comes out tens of MB negative, down to kOffsetMin,
 // and the line through the readings pays for the difference with its slope instead (docs/results/memory-planner.md).
 constexpr double kGpuFixedTransientBytesBudgeted = 12e6;
+
+// The loss scaler's state (train/loss_scaler.h: seven one-element tensors, each a 512-byte block of the caching
+// allocator), held in every precision mode (amp-fp16 scales; the others detect non-finite gradients with it).
+constexpr double kLossScalerBytes = 7 * 512;
 
 // `sample`: one input sample (C, H, W) float or (T) int64, on the model's device.
 MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const MemoryModelInputs& inputs,
