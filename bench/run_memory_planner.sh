@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The memory planner under --vram-budget (docs/memory-planner.md), ours and PyTorch's best recipe side by side in one
 # device call. Stages (STAGES, comma-separated; default "tests,r18,pytorch"):
-#   tests    the GPU unit tests of the planner's levers and the loader (gtest filter), as a log
+#   tests    the GPU unit tests of the planner's levers, the loader and FP8 (gtest filter; TESTS_FILTER), as a log
 #   mutant   .device/bin/triaccel_tests_mutant (a build with deliberate bugs) on MUTANT_FILTER: the tests that fail
 #   r18      ResNet-18 / CIFAR-10 copy, batch 96, amp-bf16, cuDNN heuristics, EPOCHS epochs per budget in BUDGETS
 #            (default: none 0.8GB 0.62GB 0.5GB 0.4GB 0.3GB 0.25GB); s/epoch of the last epoch, the plan, the
@@ -23,6 +23,10 @@
 #            GRID_BINS ("triaccel" by default; e.g. "triaccel_base triaccel"): every entry under each binary of
 #            .device/bin, tagged with the binary's name when it is not triaccel (an A/B in one call). NeuroFlux rows
 #            list their blocks: planned and used batch, predicted and measured peak, out-of-memory retries, seconds
+#   corners  CORNERS ("model:budget:method:precision:optimizer ...", CIFAR-10 b96, CORNER_EPOCHS (2) epochs; the
+#            last is the steady one): issue 56's corners. A budget "0.8x" is 0.8 of the peak of the same entry with
+#            budget "none", which must come earlier in CORNERS. Rows carry the plan's method, its reason and
+#            predicted_epoch_s beside the measured epoch
 #   history  HISTORY ("model:budget[:method] ...", CIFAR-10 b96, 1 epoch) with the allocator's history recorded: what
 #            the eager steps' peak and each capture that ran out of memory hold (bench/memory_peak.py)
 # Binaries: .device/bin (built here with `make gpu-binaries`, carried: carry [".device"]); data: .device/data.
@@ -47,7 +51,7 @@ has() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 if has tests; then
   TRIACCEL_SOURCE_DIR=$(pwd) "$BIN/triaccel_tests" --gtest_brief=1 \
-    --gtest_filter='NeuroFluxTest.Probe*:NeuroFluxRunTest.*Gpu*:MemoryLever*:MemoryPlanner*:MemoryModel*:MemoryGpu*:MemoryPlanController*:Loader*:StepGraph*:Trainer*Gpu*:TrainerTest.UnderABudget*:TrainerTest.TheShortBatch*:*Cuda*:CurvatureController*:CurvatureRound*' \
+    --gtest_filter="${TESTS_FILTER:-NeuroFluxTest.Probe*:NeuroFluxRunTest.*Gpu*:MemoryLever*:MemoryPlanner*:MemoryModel*:MemoryGpu*:MemoryPlanController*:Loader*:StepGraph*:Trainer*Gpu*:TrainerTest.UnderABudget*:TrainerTest.TheShortBatch*:*Cuda*:Fp8*:CurvatureController*:CurvatureRound*}" \
     >"$WORK/unit_tests_gpu.log" 2>&1
   echo "gpu unit tests: exit $?; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$WORK/unit_tests_gpu.log" | tr '\n' ' ')"
   grep -B12 -E '^\[  FAILED  \] [A-Za-z]+\.[A-Za-z]+ \(' "$WORK/unit_tests_gpu.log" | grep -vE '^(frame #|\[ RUN|\[       OK)' | head -40
@@ -68,13 +72,14 @@ train() {
   if [ "$SECONDS" -gt "${DEADLINE:-1000000}" ]; then echo "$tag: skipped (DEADLINE ${DEADLINE} s passed)"; return; fi
   local b=()
   [ "$budget" != none ] && b=(--vram-budget "$budget")
-  timeout "${RUN_TIMEOUT:-300}" "$BIN/${TRIACCEL_BIN:-triaccel}" train --model "$model" "${b[@]}" --precision amp-bf16 --cudnn-autotune off \
+  timeout "${RUN_TIMEOUT:-300}" "$BIN/${TRIACCEL_BIN:-triaccel}" train --model "$model" "${b[@]}" \
+    --precision "${PRECISION:-amp-bf16}" --cudnn-autotune off \
     --seed "${SEED:-0}" \
     --progress lines --log-every 100000 --out "$WORK/runs/$tag" "$@" >"$WORK/runs/$tag.log" 2>&1
-  echo "$tag: exit $? $(grep -E '^(memory plan|done)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-220)"
+  echo "$tag: exit $? $(grep -E '^(memory plan|method auto|done)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-220)"
 }
 
-if has r18 || has tri || has grid || has models || has acc || has history; then cifar10_bin; fi
+if has r18 || has tri || has grid || has models || has acc || has history || has corners; then cifar10_bin; fi
 if has r18; then
   for conf in ${ALLOC_CONFS:-default}; do
     suffix=""
@@ -155,6 +160,26 @@ if has grid; then
       TRIACCEL_BIN=$bin train "grid_${model}_${budget}_$method$suffix" "$model" "$budget" --method "$method" \
         "${extra[@]}" --epochs 1
     done
+  done
+fi
+
+if has corners; then
+  declare -A corner_peak
+  for entry in ${CORNERS:-}; do
+    IFS=: read -r model budget method precision optimizer <<<"$entry"
+    key="$model:$method:$precision:$optimizer"
+    if [[ "$budget" == *x ]]; then
+      [ -n "${corner_peak[$key]:-}" ] || { echo "$entry: no unbudgeted run of $key before it"; continue; }
+      budget=$(python3 -c "print(f'{float(\"${budget%x}\") * ${corner_peak[$key]}:.4f}GB')")
+    fi
+    tag="c_${model}_${method}_${precision}_${optimizer}_$budget"
+    PRECISION=$precision train "$tag" "$model" "$budget" --method "$method" --optimizer "$optimizer" \
+      --dataset cifar10 --data "$DATA" --batch-size 96 --epochs "${CORNER_EPOCHS:-2}"
+    if [ "$budget" = none ]; then
+      corner_peak[$key]=$(python3 -c "import json,sys
+ev=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(next((e['peak_vram_gb'] for e in ev if e['event']=='summary'), 0))" "$WORK/runs/$tag/events.jsonl" 2>/dev/null)
+    fi
   done
 fi
 
@@ -275,6 +300,13 @@ for r in rows:
                   f"{b['planned_batch']}>{b['batch']}/{b['final_batch']}({b['pass_batch']}) "
                   f"{b['peak_vram_gb']:.3f}, {b['train_peak_gb'] or 0:.3f}/{b['predicted_gb']:.3f} "
                   f"({(b['train_peak_gb'] or 0) / b['predicted_gb']:.2f})" for b in bl))
+for r in rows:
+    if r["run"].startswith("c_"):
+        p = r["plan"] or {}
+        print(f"corner {r['run'][2:]:44} exit-ok {'yes' if r['finished'] else 'NO':>3} s/ep {r['epoch_s_last'] or 0:6.2f} "
+              f"pred {p.get('predicted_epoch_s') or 0:6.2f} method {p.get('method', r['method'])} peak {r['peak_vram_gb'] or 0:.3f} "
+              f"<=bud {r['within_budget']} oom {r['oom_events']} micro {p.get('micro_batch', '-')}x{p.get('accumulation', '-')} "
+              f"rcmp {len(p.get('recompute', []))} {p.get('method_reason', '')}")
 for p in pt:
     b = p["best"]
     print(f"pytorch best under {p['cap_gb']} GB ({p['resident_gb']} GB resident): {b['recipe']} k={b['k']} {b['img_s']:.0f} img/s")
