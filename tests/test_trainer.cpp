@@ -518,8 +518,9 @@ TEST_F(TrainerTest, ElasticBatchFollowsTheMemorySignal) {
 // Lockstep rounds (--curv-lockstep true, k = 1; --curv-estimator fisher runs them too, here with --curv-cudnn off):
 // every probe event covers every unit, so α is calibrated at the first and the lr scales leave 1 there. The run's
 // length is known, so the rounds its budget pays for are spread evenly over it (round_pace_due): on a clock of 1 ms a
-// reading, a 50 % budget and 8 epochs of 6 steps, rounds at steps 2, 18, 34; the credit advanced by the first round's
-// unpaid share put them at 2, 22, 42, and the credit alone the second at step 30 (gaps this test refuses).
+// reading, a 75 % budget and 8 epochs of 6 steps, rounds at steps 2, 14, 26, 38 (at 50 % with the precision
+// controller's readings too, 2, 18, 34; the credit advanced by the first round's unpaid share had put those at 2, 22,
+// 42, a gap this test refuses). Curvature alone: the precision controller's bf16 convolutions took ~40 s a run here.
 TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
   for (const std::string estimator : {"hessian", "fisher"}) {
     SCOPED_TRACE(estimator);
@@ -527,7 +528,8 @@ TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
     FixedStepClock clock(1e-3);
     RunHooks hooks;
     hooks.clock = &clock;
-    Config o = with_tri_accel(options(out.path()), "0.5");
+    Config o = with_tri_accel(options(out.path()), "0.75");
+    o.set("ta_precision", "false");
     o.set("curv_top_k", "1");
     o.set("epochs", "8");
     if (estimator == "hessian") o.set("curv_lockstep", "true");
@@ -561,7 +563,7 @@ TEST_F(TrainerTest, LockstepRoundsProbeEveryUnitEachTime) {
     EXPECT_GE(steps.back(), 32);
     const double training_per_step = last["training_s"].get<double>() / static_cast<double>(steps.back());
     EXPECT_LE(last["probe_s_total"].get<double>(),
-              0.5 * training_per_step * 48 + last["round_cost_s"].get<double>());
+              0.75 * training_per_step * 48 + last["round_cost_s"].get<double>());
   }
 }
 
