@@ -131,7 +131,10 @@ def run_one(c, a, timeout):
     last = next((e for e in reversed(events) if e["event"] in ("summary", "stop")), None)
     outcome, why = classify(code if code is not None else 0, err, last, bytes_of(c["vram_budget"]), timed_out)
     epochs = [e for e in events if e["event"] == "epoch"]
-    return dict(c, outcome=outcome, why=why[:300], exit=code, wall_s=round(time.time() - t, 1),
+    plans = [e for e in events if e["event"] == "memory_plan" and e.get("predicted_peak_bytes")]
+    return dict(c, outcome=outcome,
+                predicted_peak_gb=plans[-1]["predicted_peak_bytes"] / 1e9 if plans else None,
+                method_run=plans[-1].get("method") if plans else None, why=why[:300], exit=code, wall_s=round(time.time() - t, 1),
                 oom_events=sum(1 for e in events if e["event"] == "oom"),
                 peak_vram_gb=(last or {}).get("peak_vram_gb"), steps=(last or {}).get("steps"),
                 images_per_s=epochs[-1].get("images_per_s") if epochs else None,
@@ -154,6 +157,8 @@ def main():
     ap.add_argument("--models", default="", help="only these models' combinations (comma-separated; a quick check)")
     ap.add_argument("--device", default="", help="cpu: a smoke test of the runner (budgets and graphs are no-ops)")
     ap.add_argument("--json")
+    ap.add_argument("--deadline-s", type=float, default=0,
+                    help="start no run after this many seconds (a device call's limit); the rest are listed as not run")
     a = ap.parse_args()
     grid = combos(a.seed, a.count, a.gpus)
     if a.list:
@@ -161,9 +166,13 @@ def main():
             print(json.dumps(c))
         return 0
     i, n = (int(x) for x in a.shard.split("/"))
-    rows = []
+    rows, not_run = [], []
+    start = time.monotonic()
     for c in grid:
         if c["index"] % n != i or (a.models and c["model"] not in a.models.split(",")):
+            continue
+        if a.deadline_s and time.monotonic() - start > a.deadline_s:
+            not_run.append(c["index"])
             continue
         rows.append(run_one(c, a, a.timeout))
         r = rows[-1]
@@ -173,10 +182,12 @@ def main():
     for r in rows:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     result = {"bench": "budget_grid", "seed": a.seed, "count": a.count, "shard": a.shard, "max_steps": a.max_steps,
-              "counts": counts, "rows": rows}
+              "counts": counts, "not_run": not_run, "rows": rows}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
+    if not_run:
+        print(f"not run (deadline): {len(not_run)} of this shard's combinations")
     print("\n| outcome | runs |\n|---|---|")
     for k in ("ok", "refused", "over_budget", "internal_error", "crash", "timeout"):
         print(f"| {k} | {counts.get(k, 0)} |")
