@@ -125,6 +125,38 @@ TEST_F(TrainerTest, ARegisteredControllerRunsAfterEveryStepAndResumes) {
   EXPECT_EQ(seen.size(), 12u);  // no longer built
 }
 
+// An out-of-memory error outside a training step (here a controller's, after step 3; on the H200 BAOC's under
+// --data-placement device) reaches the user as one line naming the allocation and the way on, not an internal error.
+class OutOfMemoryAfterStep final : public StepController {
+ public:
+  const char* state_key() const override { return "oom_after_step"; }
+  Events after_step(StepContext& ctx) override {
+    TORCH_CHECK_WITH(OutOfMemoryError, ctx.step != 3,
+                     "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 139.80 GiB");
+    return {};
+  }
+};
+
+TEST_F(TrainerTest, AnOutOfMemoryOutsideTheStepIsOneLineForTheUser) {
+  test::TempDir out("run_oom");
+  const ControllerRegistration failing({"oom_after_step", [](ControllerParts&) {
+                                          return std::make_unique<OutOfMemoryAfterStep>();
+                                        }});
+  Config c = options(out.path());
+  c.set("checkpoint_every", "2");
+  try {
+    api::run(c);
+    FAIL() << "the run went on";
+  } catch (const UserError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("ran out of GPU memory outside a training step (Tried to allocate 20.00 MiB)"), std::string::npos)
+        << m;
+    EXPECT_NE(m.find("vram_budget"), std::string::npos) << m;
+    EXPECT_NE(m.find("continue from the last checkpoint with resume " + out.path()), std::string::npos) << m;
+  }
+  EXPECT_EQ(checkpoint_read(out.file("checkpoint.pt")).progress["step"], 2);  // what was saved stays
+}
+
 TEST_F(TrainerTest, ResumeMidEpochIsBitExact) {
   test::TempDir a("run_a"), b("run_b");
   api::run(options(a.path()));

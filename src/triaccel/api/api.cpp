@@ -7,6 +7,8 @@
 #include "triaccel/models/registry.h"
 #include "triaccel/run/memory_setup.h"
 
+#include <filesystem>
+
 namespace triaccel::api {
 
 namespace {
@@ -62,6 +64,29 @@ Config method_resolve(Config c, const RunHooks& hooks, std::string* said) {
   return c;
 }
 
+// An out-of-memory error that no step's recovery took (a controller's re-plan, an optimizer's state conversion,
+// evaluation's set-up): one line naming what was asked for, the budget and the way on, instead of an internal error.
+std::string out_of_memory_message(const Session& session, const c10::OutOfMemoryError& e) {
+  const std::string what = e.what();
+  const size_t at = what.find("Tried to allocate");
+  const std::string asked = at == std::string::npos ? error_one_line(e) : what.substr(at, what.find(". ", at) - at);
+  const Config& c = session.config();
+  std::string out = c.execution.vram_budget.empty()
+                        ? str_cat("ran out of GPU memory outside a training step (", asked, "); set ",
+                                  option_ref("vram_budget"), " to what this GPU can give the run and the memory "
+                                  "planner fits the batch inside it")
+                        : str_cat("ran out of GPU memory outside the training steps the memory plan covers, under ",
+                                  option_ref("vram_budget"), " ", c.execution.vram_budget, " (", asked, "); raise ",
+                                  option_ref("vram_budget"), ", or leave the data's placement and the optimizer to the "
+                                  "planner (", option_ref("data_placement"), " auto, ", option_ref("optimizer"),
+                                  " sgd)");
+  const std::string checkpoint = c.output.out + "/checkpoint.pt";
+  if (std::filesystem::exists(checkpoint)) {
+    out += str_cat("; continue from the last checkpoint with ", option_ref("resume"), " ", c.output.out);
+  }
+  return out;
+}
+
 }  // namespace
 
 Json run(const Config& config, const RunHooks& hooks) {
@@ -80,9 +105,13 @@ Json run(const Config& config, const RunHooks& hooks) {
                        "a loss of the program's own trains with ", option_ref("method"), " backprop (",
                        enum_name(session.config().execution.method), " computes cross-entropy in its own steps); "
                        "leave ", option_ref("method"), " unset or drop the loss");
-  if (session.config().execution.method == Method::kNeuroFlux) return neuroflux_train(session);
-  BackpropTrainer trainer(session);
-  return trainer.run();
+  try {
+    if (session.config().execution.method == Method::kNeuroFlux) return neuroflux_train(session);
+    BackpropTrainer trainer(session);
+    return trainer.run();
+  } catch (const c10::OutOfMemoryError& e) {
+    throw UserError(out_of_memory_message(session, e));
+  }
 }
 
 Json plan(const Config& config, const RunHooks& hooks) {
