@@ -6,6 +6,17 @@
 #include <execinfo.h>
 #include <unistd.h>
 
+#include <string>
+
+namespace triaccel::test {
+
+std::string source_dir() {
+  const char* env = std::getenv("TRIACCEL_SOURCE_DIR");
+  return env != nullptr && *env != '\0' ? env : TRIACCEL_SOURCE_DIR;
+}
+
+}  // namespace triaccel::test
+
 namespace {
 
 // A crash (the GPU machine has no debugger) prints the failing thread's stack to stderr before the process dies:

@@ -1791,6 +1791,21 @@ TEST_F(MemoryRunTest, PlanWithMethodAutoNamesTheCandidatesAndTheFastest) {
   EXPECT_TRUE(p["method_candidates"][1]["fits"].get<bool>()) << p["method_candidates"].dump();
   EXPECT_EQ(p["method"], "neuroflux") << p["method_reason"];
   EXPECT_NE(p["method_reason"].get<std::string>().find("backprop does not fit"), std::string::npos);
+  // Options NeuroFlux's run would refuse keep auto on backprop (the H200 grid: auto with --optimizer baoc or a hand-set
+  // --data-placement chose neuroflux, whose run then refused them).
+  for (const auto& [key, value] : {std::pair<const char*, const char*>{"optimizer", "adamw"},
+                                   {"data_placement", "host"}}) {
+    SCOPED_TRACE(key);
+    Config given = o;
+    given.set(key, value);
+    const Json q = api::plan(given);
+    EXPECT_FALSE(q["method_candidates"][1]["fits"].get<bool>()) << q["method_candidates"].dump();
+    EXPECT_NE(q["method_candidates"][1]["not_why"].get<std::string>().find(key == std::string("optimizer")
+                                                                               ? "fused SGD"
+                                                                               : "applies to backprop"),
+              std::string::npos);
+    EXPECT_EQ(q["method"], "backprop") << q["method_reason"];
+  }
 }
 
 }  // namespace

@@ -35,10 +35,8 @@ inline bool gpu_available() { return torch::cuda::is_available(); }
 
 // The repository's root: $TRIACCEL_SOURCE_DIR when set (a test binary run on another machine, e.g. the GPU one),
 // else the source folder it was built from.
-inline std::string source_dir() {
-  const char* env = std::getenv("TRIACCEL_SOURCE_DIR");
-  return env != nullptr && *env != '\0' ? env : TRIACCEL_SOURCE_DIR;
-}
+// (Defined in test_main.cpp, the one file compiled with that folder's path.)
+std::string source_dir();
 
 }  // namespace triaccel::test
 

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from crash_resume_test import write_dataset  # noqa: E402
@@ -41,6 +40,23 @@ def rank_children(parent):
     return out
 
 
+def kill_rank_after_checkpoint(p, out, rank=1, steps=4):
+    """Reads the launcher's output (p: a Popen with text stdout) until it has printed `steps` step lines and OUT holds
+    a checkpoint, then kills rank `rank` among its children with SIGKILL. Returns (the lines read, None) or (the lines,
+    why it could not: the launcher was killed then)."""
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if sum(" step " in l for l in lines) >= steps and os.path.exists(os.path.join(out, "checkpoint.pt")):
+            break
+    ranks = rank_children(p.pid)
+    if rank not in ranks:
+        p.kill()
+        return lines, f"no rank {rank} among the launcher's children ({ranks})"
+    os.kill(ranks[rank], signal.SIGKILL)
+    return lines, None
+
+
 def main():
     cli = sys.argv[1]
     with tempfile.TemporaryDirectory() as work:
@@ -51,17 +67,10 @@ def main():
                 "--batch-size", "16", "--epochs", "40", "--log-every", "1", "--progress", "lines",
                 "--checkpoint-every", "2", "--nproc", "2", "--out", out]
         p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines = []
-        for line in p.stdout:
-            lines.append(line)
-            if sum(" step " in l for l in lines) >= 4 and os.path.exists(os.path.join(out, "checkpoint.pt")):
-                break
-        ranks = rank_children(p.pid)
-        if 1 not in ranks:
-            print(f"FAIL: no rank 1 among the launcher's children ({ranks})")
-            p.kill()
+        lines, failed = kill_rank_after_checkpoint(p, out)
+        if failed:
+            print("FAIL:", failed)
             return 1
-        os.kill(ranks[1], signal.SIGKILL)
         try:
             rest, _ = p.communicate(timeout=60)
         except subprocess.TimeoutExpired:

@@ -17,14 +17,13 @@ Usage: torchrun_restart_test.py path/to/triaccel
 """
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from crash_resume_test import write_dataset  # noqa: E402
-from rank_death_test import rank_children  # noqa: E402
+from rank_death_test import kill_rank_after_checkpoint  # noqa: E402
 from torchrun_hosts_test import HUNG_S, SKIP, events, quiet_env, state_differences, torchrun_argv  # noqa: E402
 
 
@@ -50,17 +49,10 @@ def main():
         argv = torchrun + ["--standalone", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
                            "--no-python", cli] + train + ["--log-every", "1", "--progress", "lines", "--out", out]
         p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines = []
-        for line in p.stdout:
-            lines.append(line)
-            if sum(" step " in l for l in lines) >= 4 and os.path.exists(os.path.join(out, "checkpoint.pt")):
-                break
-        ranks = rank_children(p.pid)
-        if 1 not in ranks:
-            p.kill()
-            print(f"FAIL: no rank 1 among torchrun's children ({ranks}):\n{''.join(lines)[-3000:]}")
+        lines, failed = kill_rank_after_checkpoint(p, out)
+        if failed:
+            print(f"FAIL: {failed}:\n{''.join(lines)[-3000:]}")
             return 1
-        os.kill(ranks[1], signal.SIGKILL)
         try:
             rest, _ = p.communicate(timeout=HUNG_S)
         except subprocess.TimeoutExpired:

@@ -336,6 +336,17 @@ MethodCandidate method_candidate_neuroflux(Session& session) {
     c.not_why = "takes fp32 or amp-bf16, not amp-fp16";
     return c;
   }
+  // What its run would refuse (run/config.cpp): another optimizer than its fused SGD, backprop's levers set by hand.
+  if (config.optim.optimizer != OptimizerKind::kSgd) {
+    c.not_why = str_cat("trains with its fused SGD, not ", enum_name(config.optim.optimizer));
+    return c;
+  }
+  for (const char* key : {"micro_batch", "recompute", "data_placement", "batch_policy", "inject_faults"}) {
+    if (config.was_given(key)) {
+      c.not_why = str_cat(key, " was given, which applies to backprop");
+      return c;
+    }
+  }
   const double budget = static_cast<double>(config.execution.vram_budget_bytes());
   if (budget <= 0) return c;
   const DatasetSplits& data = session.data();
