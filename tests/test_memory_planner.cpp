@@ -137,6 +137,24 @@ TEST(MemoryPlannerTest, BelowTheFloorNothingFitsAndTheFloorIsNamed) {
   EXPECT_DOUBLE_EQ(at_floor.predicted_peak_bytes, 531);
 }
 
+// Levers fixed by hand raise the floor to what a plan with them needs (the H200 grid: `--data-placement device` under
+// 0.125 GB was refused with a floor of 17 MB, the floor with the data streamed).
+TEST(MemoryPlannerTest, TheFloorHoldsTheLeversGivenByHand) {
+  const MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  PlanConstraints device;
+  device.placement_fixed = true;
+  device.placement = DataPlacement::kDevice;
+  EXPECT_NEAR(memory_plan_solve(m, 16, 400, device).floor_bytes, 531 + 900, 531 * 0.01);  // the data's 1000, not 100
+  PlanConstraints micro;
+  micro.micro_batch = 4;  // 4 samples of the least activations (49 a sample) instead of 1
+  EXPECT_NEAR(memory_plan_solve(m, 16, 400, micro).floor_bytes, 531 + 3 * 49, 531 * 0.01);
+  PlanConstraints kept;
+  kept.recompute = {false, false, false};  // nothing recomputed: 5 + 10 + 20 + ... every unit's activations, 64
+  EXPECT_DOUBLE_EQ(memory_plan_solve(m, 16, 400, kept).floor_bytes, 100 + 350 + 32 + 64);
+  const MemoryPlan at_floor = memory_plan_solve(m, 16, 1431 + 10, device);
+  EXPECT_TRUE(at_floor.feasible);  // the floor is reachable under the constraint
+}
+
 // The solver is exact up to its rounding (which only errs towards fitting): on random models and budgets its plan
 // fits, and is at least as fast as the brute force's best plan under a 1 % smaller budget.
 TEST(MemoryPlannerTest, FindsTheFastestPlanThatFits) {

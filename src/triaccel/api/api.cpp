@@ -7,6 +7,7 @@
 #include "triaccel/models/registry.h"
 #include "triaccel/run/memory_setup.h"
 
+#include <cmath>
 #include <filesystem>
 
 namespace triaccel::api {
@@ -54,9 +55,11 @@ Config method_resolve(Config c, const RunHooks& hooks, std::string* said) {
   const std::vector<MethodCandidate> candidates = auto_candidates(probe, plan);
   const MethodChoice choice = method_choose(candidates);
   const MethodCandidate& nf = candidates.back();
+  const std::string levers = memory_levers_given(c);
   TRIACCEL_CHECK_INPUT(choice.fits || choice.method == Method::kNeuroFlux, option_ref("vram_budget"), " ",
-                       c.execution.vram_budget, " is below backprop's floor of ", plan["floor_bytes"].get<int64_t>(),
-                       " bytes for ", c.model.model, ", and neuroflux ",
+                       c.execution.vram_budget, " is below backprop's floor of ",
+                       static_cast<int64_t>(std::ceil(candidates.front().need_bytes)), " bytes for ", c.model.model,
+                       levers.empty() ? "" : " " + levers, ", and neuroflux ",
                        nf.not_why.empty() ? c10::str("needs at least ", nf.need_bytes / 1e9, " GB") : nf.not_why,
                        "; raise the budget");
   c.execution.method = choice.method;

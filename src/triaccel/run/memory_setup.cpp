@@ -131,6 +131,20 @@ void memory_inputs_set(Session& session, int64_t world, bool gpu, bool budgeted,
 
 }  // namespace
 
+std::string memory_levers_given(const Config& config) {
+  const ExecutionConfig& ex = config.execution;
+  std::vector<std::string> given;
+  if (ex.micro_batch > 0) given.push_back(str_cat(option_ref("micro_batch"), " ", ex.micro_batch));
+  if (ex.recompute != "auto") given.push_back(str_cat(option_ref("recompute"), " ", ex.recompute));
+  if (ex.data_placement != PlacementChoice::kAuto) {
+    given.push_back(str_cat(option_ref("data_placement"), " ", enum_name(ex.data_placement)));
+  }
+  if (given.empty()) return "";
+  std::string list;
+  for (const auto& g : given) list += (list.empty() ? "" : ", ") + g;
+  return str_cat("with ", list, " as given (less with ", given.size() == 1 ? "it" : "them", " left to the planner)");
+}
+
 std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
   auto setup = std::make_unique<MemorySetup>();
   const Config& config = session.config();
@@ -210,10 +224,9 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
                        world > 1 ? c10::str(" (a process's share of ", config.schedule.batch_size, ")") : "", " of ",
                        config.model.model,
                        " needs at least ", static_cast<int64_t>(std::ceil(setup->plan.floor_bytes / kPlanShareOfCap)),
-                       " bytes (", setup->plan.floor_bytes / kPlanShareOfCap / kGB, " GB) with micro-batches of 1, "
-                       "every unit recomputed and the data streamed",
-                       c.micro_batch > 0 || !c.recompute.empty() || ex.data_placement != PlacementChoice::kAuto
-                           ? " (fewer with the memory options left to the planner)" : "",
+                       " bytes (", setup->plan.floor_bytes / kPlanShareOfCap / kGB, " GB) ",
+                       levers ? memory_levers_given(config)
+                              : std::string("with micro-batches of 1, every unit recomputed and the data streamed"),
                        "; raise the budget, or train in blocks with ", option_ref("method"), " neuroflux");
   setup->placement = setup->plan.data_placement;
   return setup;

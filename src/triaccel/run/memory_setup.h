@@ -45,6 +45,10 @@ struct MemorySetup {
 // naming the floor when no plan fits the vram_budget (not in a preview).
 std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview = false);
 
+// "with --micro-batch 8, --data-placement device as given (less with them left to the planner)": the memory planner's
+// levers the configuration fixes, for a floor message; "" when it fixes none.
+std::string memory_levers_given(const Config& config);
+
 // The memory plan a run of the session's configuration would start with, as the memory_plan event's fields, on any
 // device: without a GPU it is planned for one from the modelled profile (`triaccel plan --vram-budget`); null when the
 // run would not plan (no budget and no memory option set).

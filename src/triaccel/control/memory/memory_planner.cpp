@@ -116,10 +116,17 @@ double least_activation_bytes(const MemoryModel& model) {
   return hi;
 }
 
-double floor_bytes(const MemoryModel& model, int64_t batch) {
-  double base = base_bytes(model, batch, DataPlacement::kDevice);
-  if (model.allow_host_data) base = std::min(base, base_bytes(model, batch, DataPlacement::kHost));
-  return base + model.activation_scale * least_activation_bytes(model);
+// The least any plan needs: micro-batches of 1, the recompute set that holds least, the data where it takes least —
+// each unless the constraints fix it (a placement, micro-batch or recompute set given by hand).
+double floor_bytes(const MemoryModel& model, int64_t batch, const PlanConstraints& constraints) {
+  double base = base_bytes(model, batch, constraints.placement_fixed ? constraints.placement : DataPlacement::kDevice);
+  if (!constraints.placement_fixed && model.allow_host_data) {
+    base = std::min(base, base_bytes(model, batch, DataPlacement::kHost));
+  }
+  const double micro = constraints.micro_batch > 0 ? static_cast<double>(std::min(constraints.micro_batch, batch)) : 1;
+  const double activations =
+      constraints.recompute.empty() ? least_activation_bytes(model) : activation_bytes(model, constraints.recompute);
+  return base + micro * model.activation_scale * activations;
 }
 
 }  // namespace
@@ -170,7 +177,7 @@ MemoryPlan memory_plan_solve(const MemoryModel& model, int64_t batch, int64_t bu
   MemoryPlan plan;
   plan.batch = batch;
   plan.budget_bytes = budget_bytes;
-  plan.floor_bytes = floor_bytes(model, batch);
+  plan.floor_bytes = floor_bytes(model, batch, constraints);
   const std::vector<bool> none(model.units.size(), false);
   const double budget = budget_bytes > 0 ? static_cast<double>(budget_bytes) : std::numeric_limits<double>::infinity();
   // Micro-batch sizes worth trying: ceil(B / k) for every k (larger k with the same size only adds steps); without
