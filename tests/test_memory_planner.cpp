@@ -1820,7 +1820,7 @@ TEST_F(MemoryRunTest, PlanWithMethodAutoNamesTheCandidatesAndTheFastest) {
     EXPECT_FALSE(q["method_candidates"][1]["fits"].get<bool>()) << q["method_candidates"].dump();
     EXPECT_NE(q["method_candidates"][1]["not_why"].get<std::string>().find(key == std::string("optimizer")
                                                                                ? "fused SGD"
-                                                                               : "applies to backprop"),
+                                                                               : "a lever of backprop's"),
               std::string::npos);
     EXPECT_EQ(q["method"], "backprop") << q["method_reason"];
   }

@@ -356,7 +356,7 @@ MethodCandidate method_candidate_neuroflux(Session& session) {
   }
   for (const char* key : {"micro_batch", "recompute", "data_placement", "batch_policy", "inject_faults"}) {
     if (config.was_given(key)) {
-      c.not_why = str_cat(key, " was given, which applies to backprop");
+      c.not_why = str_cat("refuses ", key, ", a lever of backprop's");
       return c;
     }
   }
