@@ -195,7 +195,7 @@ void NeuroFluxRun::plan_make() {
     profile_ = memory_profile(model_, sample_shape_, session_.model_options().num_classes, source_, device_);
   }
   profile_s_ = session_.clock().now_s() - t_profile;
-  const BlockMemorySetup memory = block_memory_setup(config_, device_, profile_, resident_, n_train_);
+  const BlockMemorySetup memory = block_memory_setup(config_, device_.is_cuda(), profile_, resident_, n_train_);
   explicit_budget_ = memory.explicit_budget;
   budget_ = memory.budget_bytes;
   po_ = memory.options;

@@ -4,7 +4,7 @@
 
 namespace triaccel {
 
-BlockMemorySetup block_memory_setup(const Config& config, const c10::Device& device, const MemoryProfile& profile,
+BlockMemorySetup block_memory_setup(const Config& config, bool for_gpu, const MemoryProfile& profile,
                                     double resident_bytes, int64_t train_samples) {
   BlockMemorySetup out;
   out.explicit_budget = config.execution.vram_budget_bytes() > 0;
@@ -16,7 +16,7 @@ BlockMemorySetup block_memory_setup(const Config& config, const c10::Device& dev
   po.budget_bytes = out.budget_bytes;
   po.base_bytes = resident_bytes;
   po.samples = train_samples;
-  if (!device.is_cuda()) {  // the CPU: slower, saturated at small batches, and its "host cache" is just memory
+  if (!for_gpu) {  // the CPU: slower, saturated at small batches, and its "host cache" is just memory
     po.bytes_per_s = 5e9;
     po.sat_batch = 32;
     po.host_bytes_per_s = 0;

@@ -9,8 +9,6 @@
 #include "triaccel/control/memory/partitioner.h"
 #include "triaccel/run/config.h"
 
-#include <c10/core/Device.h>
-
 #include <cstdint>
 
 namespace triaccel {
@@ -24,9 +22,10 @@ struct BlockMemorySetup {
   int64_t backprop_batch = 0;    // the largest batch backprop could train in the same budget (for the summary)
 };
 
-// `resident_bytes`: what stays on the device whatever the blocks (the datasets' resident part, staging buffers);
-// `train_samples`: the samples the blocks train on.
-BlockMemorySetup block_memory_setup(const Config& config, const c10::Device& device, const MemoryProfile& profile,
+// `for_gpu`: the blocks train on a GPU (the run's device, or method auto's preview, which plans for one wherever it
+// runs, as neuroflux_data's placement does); else the CPU's speeds. `resident_bytes`: what stays on the device whatever
+// the blocks (the datasets' resident part, staging buffers); `train_samples`: the samples the blocks train on.
+BlockMemorySetup block_memory_setup(const Config& config, bool for_gpu, const MemoryProfile& profile,
                                     double resident_bytes, int64_t train_samples);
 
 }  // namespace triaccel

@@ -377,8 +377,9 @@ MethodCandidate method_candidate_neuroflux(Session& session) {
                              measured ? ProfileSource::kMeasured : ProfileSource::kModel, device);
   }
   if (device.is_cuda()) memory_cache_release(device);  // the profile's cached blocks
-  // The partitioner's options as NeuroFlux itself sets them (run/block_memory_setup.h).
-  const PartitionOptions po = block_memory_setup(config, device, profile, kept.resident_bytes(), kept.train).options;
+  // The partitioner's options as NeuroFlux sets them on a GPU (run/block_memory_setup.h), as its data placement above.
+  const PartitionOptions po =
+      block_memory_setup(config, /*for_gpu=*/true, profile, kept.resident_bytes(), kept.train).options;
   try {
     Partition partition = partition_plan(profile, po);
     PartitionEpochInputs in;

@@ -1,0 +1,136 @@
+// Shared by the memory planner's tests (test_memory_planner.cpp, test_memory_gpu.cpp,
+// test_memory_plan_controller.cpp): a made-up cost model, a small network of Linear units with its step engine, and
+// a memory meter whose readings a test makes up.
+#pragma once
+
+#include "test_util.h"
+#include "triaccel/control/memory/memory_model.h"
+#include "triaccel/control/memory/memory_plan_controller.h"
+#include "triaccel/control/memory/memory_planner.h"
+#include "triaccel/control/memory/memory_profile.h"
+#include "triaccel/control/memory/partitioner.h"
+#include "triaccel/control/precision/precision_controller.h"
+#include "triaccel/core/cuda_graph.h"
+#include "triaccel/core/device.h"
+#include "triaccel/core/dist.h"
+#include "triaccel/core/events.h"
+#include "triaccel/data/loader.h"
+#include "triaccel/methods/backprop_trainer.h"
+#include "triaccel/models/aux_head.h"
+#include "triaccel/models/model.h"
+#include "triaccel/models/registry.h"
+#include "triaccel/optim/baoc_optimizer.h"
+#include "triaccel/optim/sgd.h"
+#include "triaccel/optim/state_format.h"
+#include "triaccel/run/memory_setup.h"
+#include "triaccel/train/loss_scaler.h"
+#include "triaccel/train/recompute.h"
+#include "triaccel/train/step.h"
+#include "triaccel/train/step_graph.h"
+
+#include <gtest/gtest.h>
+#ifdef TRIACCEL_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <vector>
+
+namespace triaccel::memory_test {
+// A made-up network: unit u keeps saved[u] bytes per sample, reads input[u], costs flops[u].
+inline MemoryModel made_up(const std::vector<double>& saved, const std::vector<double>& input,
+                    const std::vector<double>& flops) {
+  MemoryModel m;
+  for (size_t u = 0; u < saved.size(); ++u) {
+    UnitCost c;
+    c.name = "u" + std::to_string(u);
+    c.saved_bytes = saved[u];
+    c.input_bytes = input[u];
+    c.flops = flops[u];
+    m.units.push_back(c);
+  }
+  m.weights_bytes = 100;
+  m.grads_bytes = 100;
+  m.optimizer_bytes = 100;
+  m.fixed_bytes = 50;
+  m.dataset_bytes = 1000;
+  m.stream_bytes = 100;
+  m.batch_input_bytes = 2;
+  m.transient_bytes = 4;
+  m.overhead_s = 8;
+  m.per_sample_s = 1;
+  m.stream_per_sample_s = 0.05;
+  return m;
+}
+
+// A network of Linear (+ optional BatchNorm) units for the step-engine tests.
+class UnitNet : public Model {
+ public:
+  explicit UnitNet(bool batch_norm) : Model("unit-net") {
+    const int64_t widths[] = {12, 24, 24, 5};
+    for (int u = 0; u < 3; ++u) {
+      auto linear = register_module("fc" + std::to_string(u), torch::nn::Linear(widths[u], widths[u + 1]));
+      std::vector<std::shared_ptr<torch::nn::Module>> modules{linear};
+      if (batch_norm && u == 1) {
+        auto bn = register_module("bn" + std::to_string(u), torch::nn::BatchNorm1d(widths[u + 1]));
+        modules.push_back(bn);
+        unit_add("unit" + std::to_string(u), modules, [linear, bn](const at::Tensor& x) {
+          return torch::relu(bn->forward(linear->forward(x)));
+        });
+      } else {
+        const bool last = u == 2;
+        unit_add("unit" + std::to_string(u), modules, [linear, last](const at::Tensor& x) {
+          const at::Tensor y = linear->forward(x);
+          return last ? y : torch::tanh(y);
+        });
+      }
+    }
+  }
+};
+
+// A UnitNet on `device` with plain SGD, a loss scaler and the step engine over them (members in construction order:
+// the step refers to the others).
+inline std::vector<std::pair<std::string, at::Tensor>> named_on(Model& net, const c10::Device& device) {
+  net.to(device);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& item : net.named_parameters()) named.emplace_back(item.key(), item.value());
+  return named;
+}
+
+struct UnitRig {
+  UnitNet net;
+  Sgd sgd;
+  LossScaler scaler;
+  TrainStep step;
+  UnitRig(bool batch_norm, const StepOptions& so, const c10::Device& device)
+      : net(batch_norm),
+        sgd(named_on(net, device), SgdOptions{}),
+        scaler(LossScalerOptions{}, device),
+        step(net, sgd, scaler, so, device) {}
+};
+
+// A memory meter whose readings the test makes up.
+class FakeMeter : public MemoryMeter {
+ public:
+  std::function<double()> peak;
+  int windows = 0;
+  MemoryStats window() override {
+    ++windows;
+    MemoryStats m;
+    m.peak_allocated_bytes = static_cast<int64_t>(peak());
+    return m;
+  }
+  void restart() override {}
+};
+
+}  // namespace triaccel::memory_test

@@ -1,0 +1,531 @@
+// The memory planner's levers on a GPU (docs/memory-planner.md): the host-streamed loader, a planned step in its
+// CUDA graph against eager, eager steps of other sizes in the graph's pool, captures that run out of memory, the
+// budget's cap on freed memory. Each skips without a GPU.
+#include "memory_test_util.h"
+
+namespace triaccel {
+namespace {
+
+using namespace memory_test;
+
+// GPU: the host-streamed loader gives the device loader's batches bit for bit (order, crops, flips, cutout), also
+// when the batch size changes mid-epoch and across epochs.
+TEST(MemoryGpuTest, HostPlacementGivesTheDeviceBatches) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  Dataset data;
+  data.name = "synthetic";
+  data.images = at::randint(0, 256, {100, 3, 16, 16}, at::TensorOptions().dtype(at::kByte));
+  data.labels = at::randint(0, 10, {100}, at::TensorOptions().dtype(at::kLong));
+  data.num_classes = 10;
+  LoaderOptions lo;
+  lo.batch_size = 16;
+  lo.augment = true;
+  lo.cutout = 4;
+  lo.seed = 9;
+  const c10::Device gpu(c10::kCUDA, 0);
+  const Loader device(data, {0.5f, 0.5f, 0.5f}, {0.25f, 0.25f, 0.25f}, lo, gpu);
+  lo.placement = DataPlacement::kHost;
+  Loader host(data, {0.5f, 0.5f, 0.5f}, {0.25f, 0.25f, 0.25f}, lo, gpu);
+  Loader& dev = const_cast<Loader&>(device);
+  EXPECT_EQ(host.placement(), DataPlacement::kHost);
+  EXPECT_LT(host.resident_bytes(), dev.resident_bytes());
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    dev.epoch_begin(epoch);
+    host.epoch_begin(epoch);
+    for (int64_t offset = 0, count = 16; offset < 100; offset += count, count = count == 16 ? 7 : 16) {
+      const int64_t n = std::min<int64_t>(count, 100 - offset);
+      const auto [xa, ya] = dev.batch(offset, n);
+      const auto [xb, yb] = host.batch(offset, n);
+      EXPECT_TRUE(torch::equal(xa, xb)) << "epoch " << epoch << " offset " << offset;
+      EXPECT_TRUE(torch::equal(ya, yb)) << "epoch " << epoch << " offset " << offset;
+    }
+  }
+}
+
+// GPU: `steps` steps of the three-unit rig at batch 12 (every third one of `short_batch` samples when it is > 0), amp
+// bf16, with or without the step's CUDA graph (captured after one warm-up step); the weights after them.
+struct GpuRigRun {
+  std::vector<at::Tensor> weights;
+  bool captured = false;
+  int64_t captures = 0;
+};
+GpuRigRun gpu_rig_steps(bool graphs, int64_t micro_batch, const std::vector<bool>& recompute, int steps,
+                        int64_t short_batch) {
+  const c10::Device gpu(c10::kCUDA, 0);
+  torch::manual_seed(3);
+  StepOptions so;
+  so.precision = PrecisionMode::kAmpBF16;
+  so.cuda_graphs = graphs;
+  so.graph_batch_size = 12;
+  so.warmup_steps = 1;
+  so.micro_batch = micro_batch;
+  UnitRig rig(false, so, gpu);
+  TrainStep& step = rig.step;
+  step.set_recompute(recompute);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  const at::Tensor x = at::empty({12, 12}, at::TensorOptions().device(gpu));
+  const at::Tensor y = at::empty({12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  for (int s = 0; s < steps; ++s) {
+    const int64_t n = short_batch > 0 && s % 3 == 2 ? short_batch : 12;
+    x.copy_(at::randn({12, 12}, gen));
+    y.copy_(at::randint(0, 5, {12}, gen));
+    step.run(x.narrow(0, 0, n), y.narrow(0, 0, n), 0.05);
+  }
+  GpuRigRun out;
+  for (const auto& p : rig.net.parameters()) out.weights.push_back(p.detach().cpu());
+  out.captured = step.graph().captured();
+  out.captures = step.graph().captures();
+  return out;
+}
+
+void expect_same_weights(const GpuRigRun& eager, const GpuRigRun& graphed) {
+  ASSERT_EQ(eager.weights.size(), graphed.weights.size());
+  for (size_t i = 0; i < eager.weights.size(); ++i) {
+    EXPECT_TRUE(at::allclose(eager.weights[i], graphed.weights[i], 1e-5, 1e-6)) << i;
+  }
+}
+
+// GPU: a step with micro-batches and recomputed units, captured in a CUDA graph and replayed, trains the weights
+// the same step gives eagerly.
+TEST(MemoryGpuTest, PlannedStepInACudaGraphMatchesEager) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());  // captures need a non-default stream
+#endif
+  const GpuRigRun eager = gpu_rig_steps(false, 5, {true, false, true}, 6, 0);
+  const GpuRigRun graphed = gpu_rig_steps(true, 5, {true, false, true}, 6, 0);
+  EXPECT_FALSE(eager.captured);
+  EXPECT_TRUE(graphed.captured);
+  expect_same_weights(eager, graphed);
+}
+
+// GPU: with eager_in_pool, an eager step of another batch size while a graph is captured (the epoch's short last
+// batch) takes its memory from the graph's pool: with the default pool emptied, the allocator reserves nothing for
+// its 20 MB temporary (without, it reserves a segment for it); the eager step and the replays after it compute what
+// they should.
+TEST(MemoryGpuTest, AnEagerStepOfAnotherSizeRunsInTheGraphsPool) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  constexpr int64_t kWidth = 1 << 20;  // 4 MB of float32 per sample
+  for (const bool in_pool : {true, false}) {
+    StepGraphOptions o;
+    o.batch = 8;
+    o.warmup_steps = 1;
+    o.eager_in_pool = in_pool;
+    StepGraph graph(o);
+    const at::Tensor out = at::zeros({8}, at::TensorOptions().device(gpu));  // outside the pool: what the body keeps
+    const StepGraph::Body body = [&](const at::Tensor& x, const at::Tensor&) {
+      const at::Tensor scratch = x * 2 + 1;  // a temporary of the batch's size
+      out.narrow(0, 0, x.size(0)).copy_(scratch.sum(1));
+    };
+    const at::Tensor y = at::zeros({8}, at::TensorOptions().dtype(at::kLong).device(gpu));
+    std::vector<int64_t> growth;
+    for (int s = 0; s < 7; ++s) {
+      const int64_t n = s % 3 == 2 ? 5 : 8;  // 8, 8, 5, ...: captured at the second step, a short step after it
+      const at::Tensor x = at::full({n, kWidth}, static_cast<float>(s), at::TensorOptions().device(gpu));
+      const bool short_captured = n == 5 && graph.captured();
+      if (short_captured) memory_cache_release(gpu);
+      const int64_t before = memory_stats(gpu).reserved_bytes;
+      graph.run(body, x, y.narrow(0, 0, n));
+      if (short_captured) growth.push_back(memory_stats(gpu).reserved_bytes - before);
+      // Every sample's sum is (2s + 1) · kWidth, exact in float32.
+      EXPECT_EQ(out.narrow(0, 0, n).cpu().min().item<float>(), static_cast<float>((2 * s + 1) * kWidth)) << s;
+      EXPECT_EQ(out.narrow(0, 0, n).cpu().max().item<float>(), static_cast<float>((2 * s + 1) * kWidth)) << s;
+    }
+    EXPECT_EQ(graph.captures(), 1);
+    ASSERT_EQ(growth.size(), 2u);
+    for (const int64_t g : growth) {
+      if (in_pool) {
+        EXPECT_EQ(g, 0) << "the eager short step reserved memory beside the graph's pool";
+      } else {
+        EXPECT_GE(g, 5 * kWidth * 4) << "the test cannot tell: the step's temporary fit in memory already reserved";
+      }
+    }
+  }
+#endif
+}
+
+// GPU: the ranks agree on every capture (agree_capture: NCCL's collectives must be captured and replayed on every
+// rank). When another rank's capture ran out of memory, this rank's good capture goes too: the step runs eagerly and
+// the batch size is refused, as if its own had failed; when every rank captured, it replays. Either way each step's
+// work runs once.
+TEST(MemoryGpuTest, ACaptureAnotherRankLostGoesOnThisRankToo) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  const auto opts = at::TensorOptions().device(gpu);
+  for (const int others : {0, 1}) {
+    SCOPED_TRACE(others);
+    StepGraphOptions o;
+    o.batch = 4;
+    o.warmup_steps = 1;
+    std::vector<int> outcomes;
+    o.agree_capture = [&](int own) {
+      outcomes.push_back(own);
+      return std::max(own, others);
+    };
+    StepGraph graph(o);
+    const at::Tensor out = at::zeros({4}, opts);
+    int runs = 0;  // the body's host calls: eager steps and captures (a replay makes none)
+    const StepGraph::Body body = [&](const at::Tensor& x, const at::Tensor&) {
+      ++runs;
+      out.add_(x.sum(1));
+    };
+    const at::Tensor x = at::ones({4, 8}, opts);
+    const at::Tensor y = at::zeros({4}, opts.dtype(at::kLong));
+    for (int s = 0; s < 4; ++s) graph.run(body, x, y);
+    EXPECT_EQ(outcomes, std::vector<int>{0});
+    EXPECT_EQ(graph.captured(), others == 0);
+    EXPECT_EQ(graph.capture_ooms(), others);
+    EXPECT_EQ(runs, others == 0 ? 2 : 5);  // warm-up, capture; or warm-up, capture, its eager step, two eager steps
+    EXPECT_EQ(out.cpu().min().item<float>(), 32.f);
+    EXPECT_EQ(out.cpu().max().item<float>(), 32.f);
+  }
+#endif
+}
+
+// GPU: a side graph (Tri-Accel's curvature pass under a budget) captured in the step graph's pool takes the step's
+// scratch as its own: its 24 MB temporary reserves nothing beside the step's 32 MB one (a pool of its own reserves a
+// segment for it: checked, so the test can tell); both graphs replay what they should, in any order; the side graph
+// goes with the step's graph (invalidate) and a new capture replaces it.
+TEST(MemoryGpuTest, ASideGraphTakesTheStepGraphsScratchAndGoesWithIt) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  constexpr int64_t kWidth = 1 << 20;  // 4 MB of float32 per row
+  const auto opts = at::TensorOptions().device(gpu);
+  StepGraphOptions o;
+  o.batch = 8;
+  o.warmup_steps = 1;
+  o.eager_in_pool = true;
+  StepGraph graph(o);
+  const at::Tensor out = at::zeros({8}, opts);       // what the step keeps: outside the pool
+  const at::Tensor side_out = at::zeros({6}, opts);  // what the side graph keeps
+  const at::Tensor side_in = at::zeros({6, kWidth}, opts);
+  const StepGraph::Body body = [&](const at::Tensor& x, const at::Tensor&) { out.copy_((x * 2 + 1).sum(1)); };
+  const auto side_fn = [&]() { side_out.copy_((side_in * 3 - 1).sum(1)); };
+  const at::Tensor y = at::zeros({8}, opts.dtype(at::kLong));
+  const auto step = [&](float v) { graph.run(body, at::full({8, kWidth}, v, opts), y); };
+  const auto expect_all = [](const at::Tensor& t, float v, const char* what) {
+    EXPECT_EQ(t.cpu().min().item<float>(), v) << what;
+    EXPECT_EQ(t.cpu().max().item<float>(), v) << what;
+  };
+  EXPECT_EQ(graph.side_capture(side_fn), 0) << "no step graph yet";
+  step(0);  // warm-up
+  step(1);  // captured
+  ASSERT_TRUE(graph.captured());
+  memory_cache_release(gpu);
+  int64_t before = memory_stats(gpu).reserved_bytes;
+  const int64_t handle = graph.side_capture(side_fn);
+  ASSERT_GT(handle, 0);
+  EXPECT_EQ(memory_stats(gpu).reserved_bytes - before, 0) << "the side graph reserved memory beside the step's pool";
+  for (int r = 0; r < 3; ++r) {
+    side_in.fill_(static_cast<float>(r));
+    ASSERT_TRUE(graph.side_replay(handle));
+    step(static_cast<float>(r + 2));
+    expect_all(side_out, static_cast<float>((3 * r - 1) * kWidth), "side");
+    expect_all(out, static_cast<float>((2 * (r + 2) + 1) * kWidth), "step");
+  }
+  graph.invalidate();
+  EXPECT_FALSE(graph.side_replay(handle)) << "the side graph outlived the step's";
+  step(5);  // eager (the warm-up after an invalidation)
+  step(6);  // captured again
+  ASSERT_TRUE(graph.captured());
+  const int64_t again = graph.side_capture(side_fn);
+  ASSERT_GT(again, 0);
+  EXPECT_TRUE(graph.side_replay(again));
+  EXPECT_FALSE(graph.side_replay(handle));
+  // A pool of its own needs a segment for the same temporary: the first check above can fail.
+  memory_cache_release(gpu);
+  before = memory_stats(gpu).reserved_bytes;
+  const auto own = cuda_graph_capture(side_fn);
+  ASSERT_NE(own, nullptr);
+  EXPECT_GE(memory_stats(gpu).reserved_bytes - before, 6 * kWidth * 4);
+#endif
+}
+
+// GPU: under a budget's cap, memory freed inside a segment that still holds a live block serves a later, larger
+// block (the scope's expandable segments). A 60 MB block is freed, a 12 MB block is cut from its segment and kept,
+// then a 56 MB block is asked for under a cap 100 MB above what was reserved: the plain allocator needs a new 56 MB
+// segment (116 MB in all) and has nothing wholly free to return, so it runs out of memory; an expandable segment
+// grows the free 48 MB after the kept block by one 20 MB chunk (80 MB in all) and fits it.
+TEST(MemoryGpuTest, UnderABudgetFreedMemoryInsideSegmentsGoesBackToTheCap) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  constexpr int64_t kMB = 1 << 20;
+  const auto bytes = [&](int64_t mb) { return at::empty({mb * kMB}, at::TensorOptions().dtype(at::kByte).device(gpu)); };
+  const auto fragment_then_allocate = [&](bool expandable) {
+    memory_cache_release(gpu);
+    const int64_t base = memory_stats(gpu).reserved_bytes;
+    const MemoryCapScope cap(gpu, base + 100 * kMB, expandable);
+    EXPECT_EQ(memory_expandable_segments(), expandable);
+    bool fit = true;
+    {
+      (void)bytes(60);                  // freed at once: its segment stays cached
+      const at::Tensor kept = bytes(12);  // cut from the cached 60 MB
+      try {
+        bytes(56).fill_(1);
+      } catch (const c10::OutOfMemoryError&) {
+        fit = false;
+      }
+    }
+    memory_cache_release(gpu);
+    return fit;
+  };
+  if (std::getenv("PYTORCH_ALLOC_CONF") == nullptr && std::getenv("PYTORCH_CUDA_ALLOC_CONF") == nullptr) {
+    EXPECT_FALSE(fragment_then_allocate(false)) << "the test cannot tell: the plain allocator fit the block";
+  }
+  EXPECT_TRUE(fragment_then_allocate(true)) << "the freed memory inside the segment did not serve the block";
+  EXPECT_FALSE(memory_expandable_segments()) << "the scope's setting outlived it";
+#endif
+}
+
+#ifdef TRIACCEL_WITH_CUDA
+// Five units, each y = tanh(x ⊙ w) with a 4 MiB weight broadcast over the batch, whose activations (32 MiB a unit at
+// batch 8) dwarf it, as ResNet-18's do at CIFAR's batch 96; the logits are the first 10 features. Elementwise work
+// only: no cuBLAS workspace made on the test's stream.
+class ChainNet : public Model {
+ public:
+  ChainNet() : Model("chain-net") {
+    for (int u = 0; u < 5; ++u) {
+      auto scale = std::make_shared<torch::nn::Module>();
+      const at::Tensor w = scale->register_parameter("weight", torch::rand({1 << 20}) + 0.5);
+      register_module("scale" + std::to_string(u), scale);
+      unit_add("unit" + std::to_string(u), {scale}, [w, u](const at::Tensor& x) {
+        const at::Tensor y = torch::tanh(x * w);
+        return u == 4 ? y.narrow(1, 0, 10) : y;
+      });
+    }
+  }
+};
+#endif
+
+// GPU: the optimizer state made before the first forward sits beside the weights, so after two steps, with the
+// gradients released (as before a capture), the caching allocator keeps no partly used 20 MiB page of its expandable
+// segments mapped: input (40 MiB), weights and momentum (20 MiB each) fill four pages, and cache release leaves no
+// free byte in them (a small-block page aside). Made after the first backward, each momentum buffer took a hole the
+// activations left and kept a page mapped (ResNet-18 b96 at 0.3 GB on the H100: 80 MB beside 102 MB of weights and
+// state, which the step's CUDA graph could not use). The steps run on a stream of their own, so no block an earlier
+// test left cached on a stream serves them.
+TEST(MemoryGpuTest, TheOptimizerStateLeavesNoPartlyUsedPages) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  cudaStream_t raw = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking), cudaSuccess);
+  const auto slack = [&]() {
+    memory_cache_release(gpu);
+    const MemoryStats m = memory_stats(gpu);
+    return m.reserved_bytes - m.allocated_bytes;
+  };
+  const int64_t before = slack();
+  int64_t after = 0;
+  bool expandable_on = false;
+  {
+    const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromExternal(raw, gpu.index()));
+    const ExpandableSegmentsScope expandable(gpu);
+    expandable_on = memory_expandable_segments();
+    torch::manual_seed(3);
+    const at::Tensor x = at::randn({10, 1 << 20}, at::TensorOptions().device(gpu));
+    const at::Tensor y = at::randint(0, 10, {10}, at::TensorOptions().dtype(at::kLong).device(gpu));
+    ChainNet net;
+    Sgd sgd(named_on(net, gpu), SgdOptions{});
+    LossScaler scaler(LossScalerOptions{}, gpu);
+    TrainStep step(net, sgd, scaler, StepOptions{}, gpu);
+    for (int s = 0; s < 2; ++s) step.run(x, y, 0.05);
+    for (const auto& p : sgd.params()) p.mutable_grad() = at::Tensor();
+    device_synchronize(gpu);
+    after = slack();
+  }
+  memory_cache_release(gpu);
+  ASSERT_EQ(cudaStreamDestroy(raw), cudaSuccess);
+  std::printf("reserved beyond allocated: %.1f MiB before, %.1f MiB after two steps (expandable segments: %d)\n",
+              static_cast<double>(before) / (1 << 20), static_cast<double>(after) / (1 << 20), expandable_on);
+  EXPECT_LE(after - before, int64_t{4} << 20) << "the optimizer state left partly used pages mapped";
+#endif
+}
+
+// GPU: the trainer's step with its short steps in the graph's pool (eager_in_pool) trains the weights the same
+// steps give eagerly.
+TEST(MemoryGpuTest, ShortStepsInTheGraphsPoolTrainTheEagerWeights) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+#endif
+  // Batches 12, 12, 7, ...: a short step after the capture, between replays.
+  const GpuRigRun eager = gpu_rig_steps(false, 0, {}, 9, 7);
+  const GpuRigRun graphed = gpu_rig_steps(true, 0, {}, 9, 7);
+  EXPECT_FALSE(eager.captured);
+  EXPECT_TRUE(graphed.captured);
+  EXPECT_EQ(graphed.captures, 1);
+  expect_same_weights(eager, graphed);
+}
+
+#ifdef TRIACCEL_WITH_CUDA
+// What a plan controller did over six steps of a made-up model whose step graph's captures run out of memory:
+// `failing` of them (the first ones; -1: all), with the cap `cap_over_floor` times the plan's floor and `undo` as the
+// controller's capture-oom undo. With `replan_at_end`, an out-of-memory re-plan and two more steps follow.
+struct CaptureOomRun {
+  std::vector<std::string> reasons;  // the memory_plan events' reasons
+  double cap_share = 0;
+  int captures = 0;                  // captures tried
+  bool captured = false;             // a graph at the end
+};
+
+CaptureOomRun capture_oom_steps(double cap_over_floor, int failing, const MemoryPlanController::Undo& undo,
+                                bool replan_at_end) {
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  m.dataset_bytes = 0;
+  m.allow_host_data = false;
+  const double floor = memory_plan_solve(m, 12, 1).floor_bytes;
+  torch::manual_seed(3);
+  CaptureOomRun out;
+  StepOptions so;
+  so.precision = PrecisionMode::kAmpBF16;
+  so.graph_batch_size = 12;
+  so.warmup_steps = 1;
+  so.during_capture = [&out, failing]() {
+    ++out.captures;
+    TORCH_CHECK_WITH(OutOfMemoryError, failing >= 0 && out.captures > failing, "test: no room for the graph's pool");
+  };
+  UnitRig rig(false, so, gpu);
+  TrainStep& step = rig.step;
+  MemoryPlanLimits limits;
+  limits.batch = 12;
+  limits.cap_bytes = static_cast<int64_t>(cap_over_floor * floor);
+  limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
+  const MemoryPlan plan = memory_plan_solve(m, 12, limits.budget_bytes);
+  EXPECT_TRUE(plan.feasible);
+  MemoryPlanController c(m, plan, limits, step, [&](const std::vector<Precision>&) { return m; });
+  if (undo) c.set_capture_oom_undo(undo);
+  const at::Tensor x = at::randn({12, 12}, at::TensorOptions().device(gpu));
+  const at::Tensor y = at::randint(0, 5, {12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  StepContext ctx;
+  for (int s = 1; s <= 6; ++s) {
+    ctx.step = s;
+    step.run(x, y, 0.05);
+    for (const Event& e : c.after_step(ctx)) out.reasons.push_back(e.fields["reason"].get<std::string>());
+  }
+  if (replan_at_end) {
+    c.on_out_of_memory();
+    step.run(x, y, 0.05);
+    step.run(x, y, 0.05);
+  }
+  out.cap_share = c.state()["cap_share"].get<double>();
+  out.captured = step.graph().captured();
+  return out;
+}
+#endif
+
+// A capture that runs out of memory shrinks the plan's share of the budget while a plan still fits the smaller
+// share; near the floor (0.9 of the cap fits, 0.81 does not) the graph is given up instead: the share stays, every
+// later step runs eagerly, and no capture is tried again, even after a re-plan.
+TEST(MemoryGpuTest, ACaptureThatNeverFitsNearTheFloorLeavesTheStepEager) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  for (const bool near_floor : {false, true}) {
+    const CaptureOomRun run = capture_oom_steps(near_floor ? 1 / 0.85 : 4.0, -1, nullptr, /*replan_at_end=*/true);
+    if (near_floor) {
+      EXPECT_EQ(run.reasons, std::vector<std::string>{"capture_oom_eager"});
+      EXPECT_DOUBLE_EQ(run.cap_share, 0.9);
+      EXPECT_EQ(run.captures, 1);
+    } else {
+      ASSERT_FALSE(run.reasons.empty());
+      EXPECT_EQ(run.reasons[0], "capture_oom");
+      EXPECT_LT(run.cap_share, 0.9);
+      EXPECT_GT(run.captures, 1);  // it captures again after each shrink
+    }
+    EXPECT_FALSE(run.captured);
+  }
+#endif
+}
+
+// A capture that runs out of memory right after what made the step bigger (Tri-Accel's precision raise, put back by
+// the undo) keeps the plan's share of the budget and captures again; when the undo finds nothing to put back, the
+// share shrinks as above.
+TEST(MemoryGpuTest, ACaptureOutOfMemoryAfterARaiseUndoesTheRaiseNotTheShare) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  for (const bool raised : {true, false}) {
+    int undos = 0;
+    const CaptureOomRun run = capture_oom_steps(4.0, 1, [&]() {
+      ++undos;
+      return raised;
+    }, false);
+    EXPECT_EQ(undos, 1) << raised;
+    EXPECT_EQ(run.reasons, std::vector<std::string>{raised ? "capture_oom_undone" : "capture_oom"});
+    if (raised) {
+      EXPECT_DOUBLE_EQ(run.cap_share, 0.9);
+    } else {
+      EXPECT_LT(run.cap_share, 0.9);
+    }
+    EXPECT_EQ(run.captures, 2) << raised;  // the failed one, then one that fits
+    EXPECT_TRUE(run.captured) << raised;
+  }
+#endif
+}
+
+// GPU: a capture that runs out of memory allocated up to the cap before it failed; its step is no calibration
+// reading (the meter reads a peak far above any plan's on exactly those steps: read, it would end the run with "no
+// way to train"), and the plan's measured peak never holds it.
+TEST(MemoryGpuTest, AFailedCaptureIsNoCalibrationReading) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  m.dataset_bytes = 0;
+  m.allow_host_data = false;
+  bool failed_now = false;
+  int failures = 0;
+  StepOptions so;
+  so.precision = PrecisionMode::kAmpBF16;
+  so.graph_batch_size = 12;
+  so.warmup_steps = 1;
+  so.during_capture = [&]() {
+    if (failures >= 2) return;  // the first two captures fail, the third succeeds
+    ++failures;
+    failed_now = true;
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "test: the capture filled the cap");
+  };
+  UnitRig rig(false, so, gpu);
+  TrainStep& step = rig.step;
+  MemoryPlanLimits limits;
+  limits.batch = 12;
+  limits.cap_bytes = static_cast<int64_t>(100 * memory_plan_solve(m, 12, 1).floor_bytes);
+  limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
+  const MemoryPlan plan = memory_plan_solve(m, 12, limits.budget_bytes);
+  ASSERT_TRUE(plan.feasible);
+  MemoryPlanController c(m, plan, limits, step, [&](const std::vector<Precision>&) { return m; });
+  const double truth = plan.predicted_peak_bytes;
+  FakeMeter meter;
+  meter.peak = [&] { return failed_now ? 1e12 : truth; };
+  StepContext ctx;
+  ctx.memory = &meter;
+  const at::Tensor x = at::randn({12, 12}, at::TensorOptions().device(gpu));
+  const at::Tensor y = at::randint(0, 5, {12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  for (int s = 1; s <= 12; ++s) {
+    failed_now = false;
+    ctx.step = s;
+    step.run(x, y, 0.05);
+    c.after_step(ctx);
+    const Json f = c.plan_fields("test");
+    if (f["measured_peak_bytes"].is_number()) EXPECT_LT(f["measured_peak_bytes"].get<double>(), 1e11) << s;
+    EXPECT_LT(c.plan_measured_peak_bytes(), 1e11) << s;
+  }
+  EXPECT_EQ(failures, 2);
+  EXPECT_TRUE(step.graph().captured());
+  EXPECT_LT(c.model().activation_scale, 2.0);
+#endif
+}
+
+}  // namespace
+}  // namespace triaccel
