@@ -6,6 +6,7 @@
 #include "triaccel/methods/neuroflux.h"
 #include "triaccel/models/registry.h"
 #include "triaccel/run/memory_setup.h"
+#include "triaccel/train/checkpoint.h"
 
 #include <cmath>
 #include <filesystem>
@@ -83,8 +84,7 @@ std::string out_of_memory_message(const Session& session, const c10::OutOfMemory
                                   option_ref("vram_budget"), ", or leave the data's placement and the optimizer to the "
                                   "planner (", option_ref("data_placement"), " auto, ", option_ref("optimizer"),
                                   " sgd)");
-  const std::string checkpoint = c.output.out + "/checkpoint.pt";
-  if (std::filesystem::exists(checkpoint)) {
+  if (std::filesystem::exists(session.out_file(kCheckpointFile))) {
     out += str_cat("; continue from the last checkpoint with ", option_ref("resume"), " ", c.output.out);
   }
   return out;

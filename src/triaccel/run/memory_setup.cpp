@@ -154,7 +154,8 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
   const int64_t budget = gpu ? ex.vram_budget_bytes() : 0;
   // Before the first cuBLAS call, which is the model's trace below.
   if (budget > 0 && device.is_cuda()) cublas_workspace_small();
-  const bool levers = ex.micro_batch > 0 || ex.recompute != "auto" || ex.data_placement != PlacementChoice::kAuto;
+  const std::string levers_given = memory_levers_given(config);  // "" when the planner holds every lever
+  const bool levers = !levers_given.empty();
   const bool elastic = ex.method == Method::kTriAccel && ex.batch_policy == BatchPolicy::kElastic;
   // Tri-Accel's precision promotions, without a budget, may not raise the peak above its 16-bit start's. Not with
   // several ranks yet: the ranks' agreement on the planner's readings has not run on GPUs, the only place this does
@@ -225,7 +226,7 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
                        config.model.model,
                        " needs at least ", static_cast<int64_t>(std::ceil(setup->plan.floor_bytes / kPlanShareOfCap)),
                        " bytes (", setup->plan.floor_bytes / kPlanShareOfCap / kGB, " GB) ",
-                       levers ? memory_levers_given(config)
+                       levers ? levers_given
                               : std::string("with micro-batches of 1, every unit recomputed and the data streamed"),
                        "; raise the budget, or train in blocks with ", option_ref("method"), " neuroflux");
   setup->placement = setup->plan.data_placement;
