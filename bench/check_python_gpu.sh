@@ -85,6 +85,12 @@ if [ -n "${MODELS_PART:-}" ]; then
   done
   tar czf "$FINAL_OUT/models_events.tgz" -C /tmp/models_runs $(cd /tmp/models_runs && ls -d */events.jsonl) 2>/dev/null
 fi
+# TIED=1: one optimizer step of the engine beside PyTorch's for the tied and untied GPT (dev/tied_probe.py).
+if [ -n "${TIED:-}" ]; then
+  timeout ${TIED_TIMEOUT:-180} python3 dev/tied_probe.py .device/data/tinyshakespeare cuda >"$FINAL_OUT/tied_probe.log" 2>&1
+  row "dev/tied_probe.py" "exit $?"
+  grep -E "^==|worst|\| (tok|head)" "$FINAL_OUT/tied_probe.log"
+fi
 if [ -n "${GPT:-}" ]; then
   timeout ${GPT_TIMEOUT:-240} python3 bench/python_gpt.py .device/data/tinyshakespeare /tmp/gpt_runs --epochs "${GPT_EPOCHS:-3}" ${GPT_ARGS:-} \
     --json "$FINAL_OUT/python_gpt.json" >"$FINAL_OUT/python_gpt.log" 2>&1

@@ -139,10 +139,12 @@ def main():
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--arms", default="auto,builtin,eager,compile")
     ap.add_argument("--protocol", action="store_true")
+    ap.add_argument("--batch", type=int, default=RECIPE["batch_size"], help="batch size of every arm")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.protocol:
         RECIPE.update(PROTOCOL)
+    RECIPE["batch_size"] = a.batch
     rows = []
     for seed in [int(s) for s in a.seeds.split(",")]:
         for arm in a.arms.split(","):
