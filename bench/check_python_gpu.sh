@@ -69,12 +69,17 @@ if [ -n "${MODELS_PART:-}${R18_ARGS:-}${LOADER_PROFILE:-}" ] && [ ! -f $DATA/tes
 fi
 # R18_ARGS: torchvision's ResNet-18 split automatically beside the built-in model, PyTorch eager and torch.compile
 # (e.g. "--epochs 2", or "--protocol --epochs 15 --seeds 0,1,2 --arms auto,builtin").
+# Several invocations separated by "|" (e.g. "--batch 96 | --batch 512 --arms auto,auto-unfused,builtin").
 if [ -n "${R18_ARGS:-}" ]; then
-  timeout ${R18_TIMEOUT:-540} python3 bench/python_resnet18.py $DATA /tmp/r18_runs $R18_ARGS \
-    --json "$FINAL_OUT/python_resnet18.json" >"$FINAL_OUT/python_resnet18.log" 2>&1
-  row "bench/python_resnet18.py $R18_ARGS" "exit $?"
-  grep -E "^\||x$" "$FINAL_OUT/python_resnet18.log"
-  grep -E "Error|error" "$FINAL_OUT/python_resnet18.log" | head -5
+  IFS='|' read -ra r18_calls <<<"$R18_ARGS"
+  for i in "${!r18_calls[@]}"; do
+    args=${r18_calls[$i]}
+    timeout ${R18_TIMEOUT:-540} python3 bench/python_resnet18.py $DATA /tmp/r18_runs $args \
+      --json "$FINAL_OUT/python_resnet18_$i.json" >"$FINAL_OUT/python_resnet18_$i.log" 2>&1
+    row "bench/python_resnet18.py $args" "exit $?"
+    grep -E "^\||x$" "$FINAL_OUT/python_resnet18_$i.log"
+    grep -E "Error|error" "$FINAL_OUT/python_resnet18_$i.log" | head -5
+  done
 fi
 if [ -n "${MODELS_PART:-}" ]; then
   for part in $MODELS_PART; do
@@ -87,7 +92,7 @@ if [ -n "${MODELS_PART:-}" ]; then
 fi
 # TIED=1: one optimizer step of the engine beside PyTorch's for the tied and untied GPT (dev/tied_probe.py).
 if [ -n "${TIED:-}" ]; then
-  timeout ${TIED_TIMEOUT:-180} python3 dev/tied_probe.py .device/data/tinyshakespeare cuda >"$FINAL_OUT/tied_probe.log" 2>&1
+  timeout ${TIED_TIMEOUT:-180} python3 dev/tied_probe.py .device/data/tinyshakespeare cuda ${TIED_ARGS:-} >"$FINAL_OUT/tied_probe.log" 2>&1
   row "dev/tied_probe.py" "exit $?"
   grep -E "^==|worst|\| (tok|head)" "$FINAL_OUT/tied_probe.log"
 fi

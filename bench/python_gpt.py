@@ -125,6 +125,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     a = ap.parse_args()
+    if os.environ.get("GPT_SMALL"):  # 2 layers of width 64 (dev/tied_probe.py --small's model)
+        global DIM, LAYERS, HEADS
+        DIM, LAYERS, HEADS = 64, 2, 2
     train, val, vocab = windows(os.path.join(a.data, "input.txt"))
     recipe = dict(epochs=a.epochs, batch_size=64, optimizer="adamw", lr=1e-3, warmup_epochs=a.warmup_epochs,
                   precision="amp-bf16", seed=a.seed, progress="off", device=os.environ.get("BENCH_DEVICE", "cuda"))

@@ -153,8 +153,10 @@ def main():
             torch.manual_seed(seed)
             t = time.time()
             out = os.path.join(a.out, f"{arm}_s{seed}")
-            if arm == "auto":
-                r = run_triaccel("python-auto", cifar_resnet18_plain(), a.data_dir, out, a.epochs, seed)
+            if arm in ("auto", "auto-unfused"):  # unfused: the units keep PyTorch's BatchNorm (triaccel/_fused.py)
+                triaccel._fused.ENABLED = arm == "auto"
+                r = run_triaccel("python-" + arm, cifar_resnet18_plain(), a.data_dir, out, a.epochs, seed)
+                triaccel._fused.ENABLED = True
             elif arm == "units":
                 r = run_triaccel("python-units", CifarResNet18(), a.data_dir, out, a.epochs, seed)
             elif arm == "builtin":

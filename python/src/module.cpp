@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -369,6 +370,15 @@ PYBIND11_MODULE(_triaccel, m) {
   m.def("plan", &plan, py::arg("options"), py::arg("units"), py::arg("state"), py::arg("data"), py::arg("objective"));
   m.def("report", &report, py::arg("runs"), py::arg("output"), py::arg("csv"), py::arg("title"));
   m.def("options", &options);
+  // The fused BatchNorm(+ReLU) kernel for a unit's BatchNorm2d (python/triaccel/_fused.py): y, or None where it does
+  // not apply (models/batch_norm.h).
+  m.def("batch_norm_kernel", [](const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
+                                double eps, bool relu) -> std::optional<at::Tensor> {
+    at::Tensor y = triaccel::batch_norm_kernel_try(x, weight, bias, running_mean, running_var, momentum, eps, relu);
+    if (!y.defined()) return std::nullopt;
+    return y;
+  });
   using triaccel::api::LoopOptimizer;
   py::class_<LoopOptimizer>(m, "LoopOptimizer")
       .def(py::init(&loop_optimizer_make), py::arg("units"), py::arg("format"), py::arg("beta1"), py::arg("beta2"),

@@ -21,6 +21,7 @@ import torch  # loads LibTorch before the engine, which links it
 
 from . import _triaccel
 from . import _data
+from . import _fused
 from . import _split
 from . import optim
 
@@ -81,6 +82,8 @@ def _split_model(model):
         except _split.UntraceableModel as e:
             print(f"triaccel: {e}; training the whole model as one unit", file=sys.stderr)
             return [("model", [model], None)], f"whole model: {e}"
+        for _, module, _ in found:
+            _fused.fuse_batch_norms(module)  # the engine's BatchNorm(+ReLU) kernel on the GPU
         return [(name, [module], owned) for name, module, owned in found], "auto"
     groups, leading = [], []
     for name, module in pairs:
@@ -257,6 +260,8 @@ def train(model, train=None, test=None, dataset=None, loss=None, metric=None, **
     if unit_specs:
         summary["units"] = [name for name, _, _ in unit_specs]
         summary["units_found"] = how
+        summary["fused_batch_norms"] = sum(isinstance(m, _fused.FusedBatchNorm) for _, modules, _ in unit_specs
+                                           for unit in modules for m in unit.modules())
     return summary
 
 

@@ -6,6 +6,7 @@ model fx splits into units (torchvision's ResNet-18 with the CIFAR stem), and on
 the reason said. Run by ctest `python_inputs` with PYTHONPATH=BUILD/python.
 """
 import contextlib
+import copy
 import io
 import os
 import subprocess
@@ -209,6 +210,49 @@ class AutomaticSplit(unittest.TestCase):
         self.assertEqual(names, ["conv1", *blocks, "fc"])
         self.assertEqual(plan["units_found"], "auto")
         self.assertEqual(sum(u["params"] for u in plan["units"]), sum(p.numel() for p in model.parameters()))
+
+    def test_batch_norms_of_split_units_go_through_the_engine_kernel(self):
+        # Every BatchNorm2d of torchvision's ResNet-18 is rewritten, with the ReLU that alone follows it (the stem's
+        # and each block's first: 9 of 20); on the CPU the rewrite runs PyTorch's BatchNorm, so the units compose to
+        # the model exactly and its running statistics move as PyTorch's.
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=10)
+        model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+        reference = copy.deepcopy(model).train()
+        units = [m for _, ms in triaccel.units(model) for m in ms]
+        fused = [m for u in units for m in u.modules() if isinstance(m, triaccel._fused.FusedBatchNorm)]
+        self.assertEqual((len(fused), sum(m.relu for m in fused)), (20, 9))
+        x = torch.randn(4, 3, 32, 32)
+        h = x
+        for u in units:
+            h = u.train()(h)
+        self.assertTrue(torch.equal(h, reference(x)))
+        self.assertTrue(torch.equal(model.bn1.running_var, reference.bn1.running_var))
+        self.assertEqual(int(model.layer4[1].bn2.num_batches_tracked), 1)
+
+    @unittest.skipUnless(torch.cuda.is_available(), "the fused kernel runs on CUDA")
+    def test_the_fused_kernel_is_pytorchs_batch_norm_and_relu_on_the_gpu(self):
+        torch.manual_seed(0)
+        bn = nn.BatchNorm2d(32).cuda()
+        nn.init.uniform_(bn.weight, 0.5, 1.5)
+        nn.init.uniform_(bn.bias, -0.5, 0.5)
+        reference = copy.deepcopy(bn)
+        x = torch.randn(8, 32, 16, 16, device="cuda").to(torch.bfloat16, memory_format=torch.channels_last)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        fused = triaccel._fused.FusedBatchNorm(bn, relu=True)
+        self.assertIsNotNone(triaccel._triaccel.batch_norm_kernel(x, bn.weight, bn.bias, bn.running_mean.clone(),
+                                                                  bn.running_var.clone(), 0.1, 1e-5, True))
+        y, y_ref = fused(x1), torch.relu(reference(x2))
+        torch.testing.assert_close(y.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(bn.running_mean, reference.running_mean, atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(bn.running_var, reference.running_var, atol=1e-4, rtol=1e-3)
+        self.assertEqual(int(bn.num_batches_tracked), 1)
+        g = torch.randn_like(y)
+        y.backward(g)
+        y_ref.backward(g)
+        torch.testing.assert_close(x1.grad.float(), x2.grad.float(), atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(bn.weight.grad, reference.weight.grad, atol=5e-2, rtol=1e-2)
 
     def test_an_untraceable_model_trains_whole_and_says_why(self):
         class Branchy(nn.Module):

@@ -131,25 +131,45 @@ BatchNormKernelOff::BatchNormKernelOff() { ++t_kernel_off; }
 
 BatchNormKernelOff::~BatchNormKernelOff() { --t_kernel_off; }
 
-bool batch_norm_kernel_applies(const torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x) {
+namespace {
+
+// The kernel's conditions on x and the module's tensors (models/batch_norm.h).
+bool kernel_applies_to(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                       const at::Tensor& running_mean, const at::Tensor& running_var) {
 #ifdef TRIACCEL_WITH_CUDA
-  const auto& options = bn.options;
-  if (!batch_norm_kernel_enabled() || !bn.is_training() || !options.track_running_stats() || !options.affine() ||
-      !options.momentum().has_value()) {
-    return false;
-  }
   const bool sixteen_bit = x.defined() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
-  if (!sixteen_bit || !x.is_cuda() || x.dim() != 4 ||
-      x.size(1) != options.num_features() || x.size(0) * x.size(2) * x.size(3) < 2 ||
+  if (!batch_norm_kernel_enabled() || !sixteen_bit || !x.is_cuda() || x.dim() != 4 || !weight.defined() ||
+      x.size(1) != weight.numel() || x.size(0) * x.size(2) * x.size(3) < 2 ||
       !x.is_contiguous(at::MemoryFormat::ChannelsLast)) {
     return false;
   }
-  return on_device_float(bn.weight, x) && on_device_float(bn.bias, x) && on_device_float(bn.running_mean, x) &&
-         on_device_float(bn.running_var, x) && bn.weight.is_contiguous() && bn.bias.is_contiguous() &&
-         bn.running_mean.is_contiguous() && bn.running_var.is_contiguous();
+  return on_device_float(weight, x) && on_device_float(bias, x) && on_device_float(running_mean, x) &&
+         on_device_float(running_var, x) && weight.is_contiguous() && bias.is_contiguous() &&
+         running_mean.is_contiguous() && running_var.is_contiguous();
 #else
   return false;
 #endif
+}
+
+}  // namespace
+
+bool batch_norm_kernel_applies(const torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x) {
+  const auto& options = bn.options;
+  return bn.is_training() && options.track_running_stats() && options.affine() && options.momentum().has_value() &&
+         x.defined() && x.dim() == 4 && x.size(1) == options.num_features() &&
+         kernel_applies_to(x, bn.weight, bn.bias, bn.running_mean, bn.running_var);
+}
+
+at::Tensor batch_norm_kernel_try(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                 const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
+                                 double eps, bool relu) {
+#ifdef TRIACCEL_WITH_CUDA
+  if (!t_sync && kernel_applies_to(x, weight, bias, running_mean, running_var)) {
+    return BatchNormFunction::apply(x, weight, bias, running_mean, running_var, momentum, eps, relu);
+  }
+#else
+#endif
+  return at::Tensor();
 }
 
 BatchNormSyncScope::BatchNormSyncScope(BatchNormSync sync)

@@ -36,6 +36,15 @@ class BatchNormKernelOff {
 // N·H·W ≥ 2. (The module path handles everything else, including its own errors for bad shapes.)
 bool batch_norm_kernel_applies(const torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x);
 
+// The kernel for a BatchNorm2d given as its tensors (the Python module's units, python/src/module.cpp): the
+// kernel path of batch_norm_forward, or an undefined tensor where the kernel does not apply (the same conditions on
+// x and the tensors, and no BatchNormSyncScope alive), the caller then running its own BatchNorm. The caller has
+// checked that its module trains, is affine and tracks running statistics with a fixed momentum, and increments
+// num_batches_tracked itself.
+at::Tensor batch_norm_kernel_try(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                 const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
+                                 double eps, bool relu);
+
 // bn(x), then ReLU when relu is true. (N, C, H, W) → (N, C, H, W), same dtype and memory format as x.
 at::Tensor batch_norm_forward(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu);
 inline at::Tensor batch_norm_forward(const torch::nn::BatchNorm2d& bn, const at::Tensor& x, bool relu) {
