@@ -137,6 +137,9 @@ def main():
         "untied": ("python_untied_gpt", lambda: TiedGpt(vocab, tied=False), {}),
         "eager": ("python_tied_gpt_eager", lambda: TiedGpt(vocab), {"cuda_graphs": False}),
         "fp32": ("python_tied_gpt_fp32", lambda: TiedGpt(vocab), {"precision": "fp32"}),
+        "eager_fp32": ("python_tied_gpt_eager_fp32", lambda: TiedGpt(vocab), {"precision": "fp32", "cuda_graphs": False}),
+        "no_decay": ("python_tied_gpt_no_decay", lambda: TiedGpt(vocab), {"weight_decay": 0.0}),
+        "sgd": ("python_tied_gpt_sgd", lambda: TiedGpt(vocab), {"optimizer": "sgd", "lr": 0.1}),
     }
     rows = []
     for arm in arms:
