@@ -9,6 +9,7 @@
 #include "triaccel/models/aux_head.h"
 #include "triaccel/control/memory/memory_profile.h"
 #include "triaccel/methods/neuroflux.h"
+#include "triaccel/run/config.h"
 #include "triaccel/control/memory/partitioner.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/models/model.h"
@@ -896,6 +897,33 @@ TEST_F(NeuroFluxRunTest, ImpossibleBudgetIsOneClearError) {
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("at least"), std::string::npos) << e.what();
   }
+}
+
+// What --method neuroflux refuses and what method auto leaves NeuroFlux out for are one rule (run/config.h): each
+// refused option gives the run's one line, and a configuration NeuroFlux trains gives nothing.
+TEST(NeuroFluxTest, ItsRunRefusesWhatMethodAutoLeavesOut) {
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"model", "vit-tiny"}, {"optimizer", "adamw"}, {"precision", "amp-fp16"}, {"micro_batch", "8"},
+      {"recompute", "none"}, {"data_placement", "host"}, {"batch_policy", "fixed"}, {"inject_faults", "oom@3"}};
+  for (const auto& [key, value] : refused) {
+    SCOPED_TRACE(key);
+    Config config;
+    config.set("model", "small-cnn");
+    config.set(key, value);
+    const auto refusal = neuroflux_refusal(config);
+    ASSERT_TRUE(refusal.has_value());
+    EXPECT_FALSE(refusal->reason.empty());
+    config.set("method", "neuroflux");
+    try {
+      config.validate();
+      ADD_FAILURE() << "validate() accepted --method neuroflux with " << key;
+    } catch (const UserError& e) {
+      EXPECT_EQ(std::string(e.what()), UserError(refusal->message).what());
+    }
+  }
+  Config plain;
+  plain.set("model", "small-cnn");
+  EXPECT_FALSE(neuroflux_refusal(plain).has_value());
 }
 
 }  // namespace

@@ -326,6 +326,42 @@ void Config::resolve() {
   }
 }
 
+std::optional<NeuroFluxRefusal> neuroflux_refusal(const Config& config) {
+  const std::string nf = str_cat(option_ref("method"), " neuroflux");
+  // Its aux heads, cache and exits are built for CNN feature maps (docs/neuroflux.md).
+  if (!model_entry(config.model.model).local_learning) {
+    std::string cnns;
+    for (const auto& e : model_registry()) {
+      if (e.local_learning) cnns += (cnns.empty() ? "" : ", ") + std::string(e.name);
+    }
+    return NeuroFluxRefusal{"trains CNNs only",
+                            str_cat(nf, " trains CNNs (", cnns, "), got ", option_ref("model"), " ", config.model.model)};
+  }
+  const OptimizerKind optimizer = config.optim.optimizer;
+  if (optimizer != OptimizerKind::kSgd) {
+    return NeuroFluxRefusal{str_cat("trains with its fused SGD, not ", enum_name(optimizer)),
+                            str_cat(nf, " trains every block with the fused SGD; use ", option_ref("optimizer"),
+                                    " sgd, got '", enum_name(optimizer), "'")};
+  }
+  if (config.execution.precision == PrecisionMode::kAmpFP16) {
+    return NeuroFluxRefusal{"takes fp32 or amp-bf16, not amp-fp16",
+                            str_cat(nf, " supports ", option_ref("precision"), " fp32 or amp-bf16, got amp-fp16")};
+  }
+  if (!config.execution.inject_faults.empty()) {
+    return NeuroFluxRefusal{"refuses inject_faults, a lever of backprop's",
+                            str_cat(option_ref("inject_faults"), " applies to ", option_ref("method"),
+                                    " backprop and tri-accel, not neuroflux")};
+  }
+  for (const char* key : {"micro_batch", "recompute", "data_placement", "batch_policy"}) {
+    if (config.was_given(key)) {
+      return NeuroFluxRefusal{str_cat("refuses ", key, ", a lever of backprop's"),
+                              str_cat(option_ref(key), " applies to ", option_ref("method"),
+                                      " backprop and tri-accel; neuroflux plans its blocks' batches itself")};
+    }
+  }
+  return std::nullopt;
+}
+
 void Config::validate() const {
   sections(*this, [&](const auto& section) {
     using Section = std::remove_const_t<std::remove_reference_t<decltype(section)>>;
@@ -344,27 +380,12 @@ void Config::validate() const {
                        " tri-accel does not support ", option_ref("model"), " ", name,
                        " yet (its curvature probe needs double backward through attention); use ",
                        option_ref("method"), " backprop");
-  // NeuroFlux's aux heads, cache and exits are built for CNN feature maps (docs/neuroflux.md).
-  std::string cnns;
-  for (const auto& e : model_registry()) {
-    if (e.local_learning) cnns += (cnns.empty() ? "" : ", ") + std::string(e.name);
+  if (method == Method::kNeuroFlux) {
+    const auto refusal = neuroflux_refusal(*this);
+    TRIACCEL_CHECK_INPUT(!refusal, refusal->message);
   }
-  TRIACCEL_CHECK_INPUT(method != Method::kNeuroFlux || entry.local_learning, option_ref("method"),
-                       " neuroflux trains CNNs (", cnns, "), got ", option_ref("model"), " ", name);
-  TRIACCEL_CHECK_INPUT(method != Method::kNeuroFlux || optim.optimizer == OptimizerKind::kSgd, option_ref("method"),
-                       " neuroflux trains every block with the fused SGD; use ", option_ref("optimizer"),
-                       " sgd, got '", enum_name(optim.optimizer), "'");
-  TRIACCEL_CHECK_INPUT(method != Method::kNeuroFlux || execution.precision != PrecisionMode::kAmpFP16,
-                       option_ref("method"), " neuroflux supports ", option_ref("precision"),
-                       " fp32 or amp-bf16, got amp-fp16");
   TRIACCEL_CHECK_INPUT(optim.optimizer != OptimizerKind::kBaoc || method == Method::kBackprop, option_ref("optimizer"),
                        " baoc needs ", option_ref("method"), " backprop");
-  TRIACCEL_CHECK_INPUT(execution.inject_faults.empty() || method != Method::kNeuroFlux, option_ref("inject_faults"),
-                       " applies to ", option_ref("method"), " backprop and tri-accel, not neuroflux");
-  for (const char* key : {"micro_batch", "recompute", "data_placement", "batch_policy"}) {
-    TRIACCEL_CHECK_INPUT(method != Method::kNeuroFlux || !was_given(key), option_ref(key), " applies to ",
-                         option_ref("method"), " backprop and tri-accel; neuroflux plans its blocks' batches itself");
-  }
   validate_world(execution.nproc);
   TRIACCEL_CHECK_INPUT(execution.micro_batch <= schedule.batch_size, option_ref("micro_batch"), " ",
                        execution.micro_batch, " is larger than ", option_ref("batch_size"), " ", schedule.batch_size,

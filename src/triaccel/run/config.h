@@ -30,6 +30,7 @@
 #include "triaccel/train/schedule.h"
 
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -358,6 +359,16 @@ struct Config {
   static std::string flag_of(const std::string& key);  // "--batch-size"; "--data" for data_dir
   bool augment_enabled() const;               // resolves augment auto: on for CIFAR
 };
+
+// Why NeuroFlux cannot train this configuration: a model that is not a CNN, an optimizer other than its fused SGD,
+// amp-fp16, fault injection or one of backprop's levers given by hand. One rule for both uses, so they cannot
+// disagree: Config::validate refuses --method neuroflux with `message`; method auto leaves NeuroFlux out with `reason`
+// (run/memory_setup.cpp). Nothing where NeuroFlux can train it.
+struct NeuroFluxRefusal {
+  std::string reason;   // a phrase after "neuroflux": "trains with its fused SGD, not adamw"
+  std::string message;  // the user's line, with option references
+};
+std::optional<NeuroFluxRefusal> neuroflux_refusal(const Config& config);
 
 // The keys that say what is being trained: a resumed run may not change them.
 const std::vector<std::string>& config_identity_keys();

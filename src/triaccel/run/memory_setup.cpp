@@ -342,24 +342,9 @@ MethodCandidate method_candidate_neuroflux(Session& session) {
   MethodCandidate c;
   c.method = Method::kNeuroFlux;
   const Config& config = session.config();
-  if (!model_entry(config.model.model).local_learning) {
-    c.not_why = "trains CNNs only";
+  if (const auto refusal = neuroflux_refusal(config)) {  // what its run would refuse (run/config.h)
+    c.not_why = refusal->reason;
     return c;
-  }
-  if (config.execution.precision == PrecisionMode::kAmpFP16) {
-    c.not_why = "takes fp32 or amp-bf16, not amp-fp16";
-    return c;
-  }
-  // What its run would refuse (run/config.cpp): another optimizer than its fused SGD, backprop's levers set by hand.
-  if (config.optim.optimizer != OptimizerKind::kSgd) {
-    c.not_why = str_cat("trains with its fused SGD, not ", enum_name(config.optim.optimizer));
-    return c;
-  }
-  for (const char* key : {"micro_batch", "recompute", "data_placement", "batch_policy", "inject_faults"}) {
-    if (config.was_given(key)) {
-      c.not_why = str_cat("refuses ", key, ", a lever of backprop's");
-      return c;
-    }
   }
   const double budget = static_cast<double>(config.execution.vram_budget_bytes());
   if (budget <= 0) return c;
