@@ -37,7 +37,11 @@ auto python_call(const std::string& what, F&& f) {
   } catch (py::error_already_set& e) {
     const std::string type = py::str(e.type().attr("__name__"));
     const std::string text = py::str(e.value());
-    if (type == "OutOfMemoryError") TORCH_CHECK_WITH(OutOfMemoryError, false, text);
+    // torch.OutOfMemoryError, or the RuntimeError a C++ extension's allocation failure becomes: the engine's recovery
+    // (a smaller plan or batch) handles it, not the user.
+    if (type == "OutOfMemoryError" || (type == "RuntimeError" && text.rfind("CUDA out of memory", 0) == 0)) {
+      TORCH_CHECK_WITH(OutOfMemoryError, false, text);
+    }
     throw triaccel::UserError(triaccel::str_cat(what, ": ", type, ": ", text.substr(0, text.find('\n'))));
   }
 }
@@ -375,9 +379,14 @@ PYBIND11_MODULE(_triaccel, m) {
   m.def("batch_norm_kernel", [](const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                 const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
                                 double eps, bool relu) -> std::optional<at::Tensor> {
-    at::Tensor y = triaccel::batch_norm_kernel_try(x, weight, bias, running_mean, running_var, momentum, eps, relu);
-    if (!y.defined()) return std::nullopt;
-    return y;
+    try {
+      at::Tensor y = triaccel::batch_norm_kernel_try(x, weight, bias, running_mean, running_var, momentum, eps, relu);
+      if (!y.defined()) return std::nullopt;
+      return y;
+    } catch (const c10::OutOfMemoryError& e) {  // torch.OutOfMemoryError, as PyTorch's own ops raise it
+      PyErr_SetString(py::module_::import("torch").attr("OutOfMemoryError").ptr(), e.what_without_backtrace());
+      throw py::error_already_set();
+    }
   });
   using triaccel::api::LoopOptimizer;
   py::class_<LoopOptimizer>(m, "LoopOptimizer")

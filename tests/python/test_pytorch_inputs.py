@@ -8,6 +8,7 @@ the reason said. Run by ctest `python_inputs` with PYTHONPATH=BUILD/python.
 import contextlib
 import copy
 import io
+import math
 import os
 import subprocess
 import sys
@@ -148,6 +149,28 @@ class PythonData(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d, self.assertRaisesRegex(ValueError, "loss= failed: IndexError"):
             triaccel.train(mlp(), train=(x, y), test=(x, y), loss=lambda out, t: out.sum() + torch.zeros(3)[5],
                            **quiet(out=d))
+
+    def test_out_of_memory_in_a_unit_is_retried_not_raised(self):
+        # A unit's out-of-memory error reaches the engine's recovery (a smaller batch here, on the CPU), whether
+        # PyTorch raised it (torch.OutOfMemoryError) or a C++ extension's allocation failure did (a RuntimeError that
+        # says so): the run trains on, and says it retried.
+        for error in (torch.OutOfMemoryError, RuntimeError):
+            class FailsOnce(nn.Module):
+                calls = 0
+
+                def forward(self, x):
+                    FailsOnce.calls += 1
+                    if FailsOnce.calls == 2:
+                        raise error("CUDA out of memory. Tried to allocate 20.00 MiB.")
+                    return x
+
+            with self.subTest(error=error.__name__), tempfile.TemporaryDirectory() as d:
+                model = nn.Sequential(nn.Linear(8, 16), FailsOnce(), nn.ReLU(), nn.Linear(16, 1))
+                x, y = regression_data(64, 7)
+                s = triaccel.train(model, train=(x, y), test=(x, y), loss=nn.functional.mse_loss,
+                                   **quiet(batch_size=32, out=d))
+                self.assertGreaterEqual(s["oom_retries"], 1)
+                self.assertTrue(math.isfinite(s["test_loss"]))
 
     def test_an_iterable_dataset_is_refused_with_the_reason(self):
         class Stream(torch.utils.data.IterableDataset):
