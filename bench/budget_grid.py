@@ -141,6 +141,16 @@ def run_one(c, a, timeout):
                 command=" ".join(["triaccel"] + argv[1:]))
 
 
+def peak_prediction(rows):
+    """How close the memory plan's predicted peak came to the measured one, over the budgeted runs that trained and
+    have both: {runs, within_5pct, median_abs_error} (error relative to the measured peak)."""
+    errors = sorted(abs(r["predicted_peak_gb"] - r["peak_vram_gb"]) / r["peak_vram_gb"] for r in rows
+                    if r.get("vram_budget") and r["outcome"] in ("ok", "over_budget") and r.get("predicted_peak_gb")
+                    and r.get("peak_vram_gb"))
+    return {"runs": len(errors), "within_5pct": sum(e <= 0.05 for e in errors),
+            "median_abs_error": errors[len(errors) // 2] if errors else None}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
@@ -181,8 +191,9 @@ def main():
     counts = {}
     for r in rows:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    prediction = peak_prediction(rows)
     result = {"bench": "budget_grid", "seed": a.seed, "count": a.count, "shard": a.shard, "max_steps": a.max_steps,
-              "counts": counts, "not_run": not_run, "rows": rows}
+              "counts": counts, "peak_prediction": prediction, "not_run": not_run, "rows": rows}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -191,6 +202,9 @@ def main():
     print("\n| outcome | runs |\n|---|---|")
     for k in ("ok", "refused", "over_budget", "internal_error", "crash", "timeout"):
         print(f"| {k} | {counts.get(k, 0)} |")
+    if prediction["runs"]:
+        print(f"\npredicted peak within 5 % of the measured: {prediction['within_5pct']} of {prediction['runs']} "
+              f"budgeted runs (median |error| {prediction['median_abs_error']:.1%})")
     bad = sum(counts.get(k, 0) for k in ("over_budget", "internal_error", "crash", "timeout"))
     return 1 if bad else 0
 

@@ -208,6 +208,7 @@ TEST_F(TrainerTest, StopRequestCheckpointsAndResumesBitExactly) {
   EXPECT_EQ(events[events.size() - 2]["event"], "checkpoint");
   EXPECT_EQ(events.back()["event"], "stop");
   EXPECT_EQ(events.back()["step"], 4);
+  EXPECT_TRUE(events.back()["peak_vram_gb"].is_number());  // judged against a budget (bench/budget_grid.py)
   EXPECT_EQ(checkpoint_read(b.file(kCheckpointFile)).progress["step"], 4);
 
   Config again = options(b.path());

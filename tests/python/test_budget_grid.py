@@ -61,6 +61,17 @@ class Grid(unittest.TestCase):
         self.assertEqual(g.bytes_of("800MB"), 8e8)
         self.assertEqual(g.bytes_of(None), 0)
 
+    def test_the_predicted_peak_is_judged_on_budgeted_runs_that_trained(self):
+        rows = [dict(vram_budget="0.3GB", outcome="ok", predicted_peak_gb=0.29, peak_vram_gb=0.30),  # 3.3 %
+                dict(vram_budget="0.3GB", outcome="over_budget", predicted_peak_gb=0.25, peak_vram_gb=0.32),  # 22 %
+                dict(vram_budget="0.5GB", outcome="ok", predicted_peak_gb=0.40, peak_vram_gb=0.41),  # 2.4 %
+                dict(vram_budget=None, outcome="ok", predicted_peak_gb=None, peak_vram_gb=0.6),  # unbudgeted
+                dict(vram_budget="0.1GB", outcome="refused", predicted_peak_gb=0.09, peak_vram_gb=None)]
+        p = g.peak_prediction(rows)
+        self.assertEqual((p["runs"], p["within_5pct"]), (3, 2))
+        self.assertAlmostEqual(p["median_abs_error"], 0.01 / 0.30)
+        self.assertEqual(g.peak_prediction([])["median_abs_error"], None)
+
 
 if __name__ == "__main__":
     unittest.main()
