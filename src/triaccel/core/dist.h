@@ -109,8 +109,8 @@ class Dist {
   // Every rank's `own` numbers (float64), as rows in rank order, on every rank: through the rendezvous store (each
   // rank writes its row, counts itself in, waits for the last one's mark, reads every row: four round trips, keys
   // reused every other round), not a Gloo collective —
-  // a few numbers a step cost a fraction of Gloo's latency (0.2 against 1.3-1.9 ms between two processes on the
-  // 2-core CPU machine; the step's stop agreement, Session::stop_agreed). Every rank calls it the same number of
+  // a few numbers a step cost a fraction of Gloo's latency (docs/distributed.md; the step's stop agreement,
+  // Session::stop_agreed). Every rank calls it the same number of
   // times; the rows may differ in length.
   std::vector<std::vector<double>> rows_gather(const std::vector<double>& own);
   // Every rank gets `root`'s values, in place.

@@ -122,7 +122,7 @@ BackpropTrainer::EvalResult BackpropTrainer::evaluate_within_budget() {
   for (int64_t batch = eval_batch_;; batch = (batch + 1) / 2) {
     try {  // under a vram_budget, an evaluation batch that does not fit is halved, not fatal
       // In the training graph's pool: its scratch memory is idle between epochs (beside it, evaluation under a
-      // budget ran at batches small enough to fit there, 5× slower).
+      // budget ran at batches small enough to fit there, several times slower; docs/results/memory-planner.md).
       step_->in_graph_pool([&]() { own = evaluate_share(batch); });
       eval_batch_ = batch;  // the batch that fit, for the later evaluations
       break;

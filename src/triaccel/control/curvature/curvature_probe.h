@@ -137,7 +137,7 @@ std::vector<UnitCurvature> curvature_probe(Model& model, const at::Tensor& image
 // each chunk's mean-loss H·v weighted by its share of the batch — the whole batch's H·v for a model without
 // BatchNorm, with BatchNorm statistics per chunk otherwise — and the memory is one chunk's autograd graphs.
 // The first round (from random vectors) stops after kColdRoundPasses passes; the next rounds continue from there.
-// The pass's GPU work is the floor of a round's cost (ResNet-18 at b_curv 32, fp32, all ten units: 53 ms a pass).
+// The pass's GPU work is the floor of a round's cost (its figures: docs/results/tri-accel.md).
 // options.estimator kFisher: the same rounds on the Monte-Carlo Fisher blocks (CurvatureEstimator). A pass is one
 // eval-mode forward and backward per chunk of samples, its loss at labels drawn from that forward's softmax (one
 // uniform draw per sample, fixed for the run, seeded with options.seed: the weights do not move within a round, so
