@@ -7,6 +7,9 @@
 
 namespace triaccel {
 
+// One GB as sizes are printed and logged (peak VRAM in docs/measuring.md): decimal.
+constexpr double kGB = 1e9;
+
 // Parses `text` into bytes; `key` names the option in the error ("vram_budget must be a size like 2GB ...").
 int64_t bytes_parse(const std::string& text, const std::string& key);
 

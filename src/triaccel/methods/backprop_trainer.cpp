@@ -6,6 +6,7 @@
 #include "triaccel/methods/controller_registry.h"
 
 #include "triaccel/control/memory/memory_model.h"
+#include "triaccel/core/bytes.h"
 #include "triaccel/core/context_trace.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
@@ -30,9 +31,6 @@
 
 namespace triaccel {
 namespace {
-
-constexpr double kGB = 1e9;
-
 
 LoaderOptions placed(LoaderOptions o, DataPlacement placement) {
   o.placement = placement;

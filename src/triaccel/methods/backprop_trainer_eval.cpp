@@ -9,6 +9,7 @@
 #include "triaccel/control/measure_window_controller.h"
 #include "triaccel/control/memory/memory_model.h"
 #include "triaccel/control/precision/precision_controller.h"
+#include "triaccel/core/bytes.h"
 #include "triaccel/core/context_trace.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
@@ -33,8 +34,6 @@
 
 namespace triaccel {
 namespace {
-
-constexpr double kGB = 1e9;
 
 double mean_of_last(const std::vector<double>& v, size_t n) {
   if (v.empty()) return 0;

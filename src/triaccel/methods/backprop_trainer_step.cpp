@@ -10,6 +10,7 @@
 #include "triaccel/control/measure_window_controller.h"
 #include "triaccel/control/memory/memory_model.h"
 #include "triaccel/control/precision/precision_controller.h"
+#include "triaccel/core/bytes.h"
 #include "triaccel/core/context_trace.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
@@ -35,8 +36,6 @@
 
 namespace triaccel {
 namespace {
-
-constexpr double kGB = 1e9;
 
 // A skipped step's samples are retried; after this many skipped attempts in a row on the same samples they are
 // dropped (counted in dropped_samples, logged) so that a sample that always yields NaN cannot stall the run.

@@ -500,7 +500,6 @@ void NeuroFluxRun::block_end(size_t b, const BlockResult& r) {
 }  // namespace neuroflux
 
 using neuroflux::block_tensors;
-using neuroflux::kGB;
 using neuroflux::SplitInput;
 
 at::Tensor neuroflux_block_loss(const Model& model, const std::vector<AuxHead>& heads, int64_t first, int64_t end,

@@ -44,7 +44,6 @@
 namespace triaccel {
 namespace neuroflux {
 
-constexpr double kGB = 1e9;
 constexpr uint64_t kBlockStream = 0x4e46426c6f63ULL;  // an independent seed stream (seed_mix)
 constexpr const char* kAuxPrefix = "neuroflux_aux.";  // head entries in the checkpoint's model state
 constexpr const char* kBlockSums = "neuroflux_block.";  // a block in progress: its loss sums in the optimizer state

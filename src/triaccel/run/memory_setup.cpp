@@ -4,6 +4,7 @@
 
 #include "triaccel/control/memory/partitioner.h"
 #include "triaccel/control/optimizer_state/baoc_controller.h"
+#include "triaccel/core/bytes.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
 #include "triaccel/models/model.h"
@@ -21,8 +22,6 @@
 
 namespace triaccel {
 namespace {
-
-constexpr double kGB = 1e9;
 
 // The share of the vram_budget a plan may fill: the cap limits what the caching allocator reserves, which exceeds
 // what is allocated by its rounding and by blocks cached in one pool (the CUDA graph's, the eager steps') while

@@ -1,10 +1,9 @@
 #include "triaccel/control/batch/elastic_batch_controller.h"
+#include "triaccel/core/bytes.h"
 
 #include <algorithm>
 
 namespace triaccel {
-
-constexpr double kGB = 1e9;
 
 ElasticBatchController::ElasticBatchController(const BatchPolicyOptions& rules, int64_t ctrl_every,
                                                int64_t base_batch,
