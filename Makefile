@@ -47,8 +47,8 @@ run: build
 # and a sanitizer build. The sanitizer build is a unity build (ASAN_UNITY): CMake compiles each target's sources in
 # batches of ASAN_UNITY_BATCH files, one compiler job a batch, so what every job pays whatever its size (loading the
 # 700 MB precompiled LibTorch header, instrumenting and compiling the inline LibTorch code a file uses: ~12 CPU-s) is
-# paid once a batch: 37 jobs and 1,780 CPU-s (a fresh clone's build took 18 minutes, another build beside it at
-# first; make test 30.5 in all), where ~160 jobs, one a file, kept 2 cores busy for 28 minutes (8 files of data/: 41 CPU-s as one batch, 156 one by one). A batch is one translation
+# paid once a batch: 37 jobs and 1,780 CPU-s (a fresh clone on 2 idle cores: build 12.6 minutes, make test 25 in
+# all), where ~160 jobs, one a file, kept 2 cores busy for 28 minutes (8 files of data/: 41 CPU-s as one batch, 156 one by one). A batch is one translation
 # unit: the file-local names (static, anonymous namespace) of one target's sources must differ. A changed file
 # rebuilds its batch; `make test ASAN_UNITY=OFF` builds file by file. The release and CUDA builds stay file by file.
 # No link-time optimization of the Python module here (pybind11 turns it on unless told): its link took 34-79 s on
