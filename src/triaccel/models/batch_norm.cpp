@@ -121,18 +121,6 @@ bool on_device_float(const at::Tensor& t, const at::Tensor& x) {
   return t.defined() && t.device() == x.device() && t.scalar_type() == at::kFloat;
 }
 
-}  // namespace
-
-void batch_norm_kernel_set_enabled(bool enabled) { g_kernel_enabled.store(enabled); }
-
-bool batch_norm_kernel_enabled() { return g_kernel_enabled.load() && t_kernel_off == 0; }
-
-BatchNormKernelOff::BatchNormKernelOff() { ++t_kernel_off; }
-
-BatchNormKernelOff::~BatchNormKernelOff() { --t_kernel_off; }
-
-namespace {
-
 // The kernel's conditions on x and the module's tensors (models/batch_norm.h).
 bool kernel_applies_to(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                        const at::Tensor& running_mean, const at::Tensor& running_var) {
@@ -153,6 +141,14 @@ bool kernel_applies_to(const at::Tensor& x, const at::Tensor& weight, const at::
 
 }  // namespace
 
+void batch_norm_kernel_set_enabled(bool enabled) { g_kernel_enabled.store(enabled); }
+
+bool batch_norm_kernel_enabled() { return g_kernel_enabled.load() && t_kernel_off == 0; }
+
+BatchNormKernelOff::BatchNormKernelOff() { ++t_kernel_off; }
+
+BatchNormKernelOff::~BatchNormKernelOff() { --t_kernel_off; }
+
 bool batch_norm_kernel_applies(const torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x) {
   const auto& options = bn.options;
   return bn.is_training() && options.track_running_stats() && options.affine() && options.momentum().has_value() &&
@@ -167,7 +163,6 @@ at::Tensor batch_norm_kernel_try(const at::Tensor& x, const at::Tensor& weight, 
   if (!t_sync && kernel_applies_to(x, weight, bias, running_mean, running_var)) {
     return BatchNormFunction::apply(x, weight, bias, running_mean, running_var, momentum, eps, relu);
   }
-#else
 #endif
   return at::Tensor();
 }
