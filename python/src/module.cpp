@@ -26,8 +26,20 @@ namespace py = pybind11;
 
 namespace {
 
+// The line a user reads for a Python exception's text: its first line; for an error a DataLoader worker caught
+// ("Caught ValueError in DataLoader worker process 0." and then the worker's traceback) also the traceback's last
+// line, the error itself.
+std::string python_error_line(const std::string& text) {
+  const std::string first = text.substr(0, text.find('\n'));
+  const size_t end = text.find_last_not_of(" \t\r\n");
+  if (text.find("Original Traceback") == std::string::npos || end == std::string::npos) return first;
+  const size_t newline = text.rfind('\n', end);
+  const size_t start = newline == std::string::npos ? 0 : newline + 1;
+  return first + " " + text.substr(start, end - start + 1);
+}
+
 // Runs f (which calls Python) from any of the engine's threads: under the GIL, a Python exception as a UserError
-// "<what>: <type>: <its first line>" (its input is the user's), except an out-of-memory error, which stays one so
+// "<what>: <type>: <python_error_line>" (its input is the user's), except an out-of-memory error, which stays one so
 // the engine's recovery sees it.
 template <typename F>
 auto python_call(const std::string& what, F&& f) {
@@ -42,7 +54,7 @@ auto python_call(const std::string& what, F&& f) {
     if (type == "OutOfMemoryError" || (type == "RuntimeError" && text.rfind("CUDA out of memory", 0) == 0)) {
       TORCH_CHECK_WITH(OutOfMemoryError, false, text);
     }
-    throw triaccel::UserError(triaccel::str_cat(what, ": ", type, ": ", text.substr(0, text.find('\n'))));
+    throw triaccel::UserError(triaccel::str_cat(what, ": ", type, ": ", python_error_line(text)));
   }
 }
 

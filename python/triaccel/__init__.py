@@ -249,7 +249,8 @@ def train(model, train=None, test=None, dataset=None, loss=None, metric=None, **
     opts, (unit_specs, aliases, how), state, data, objective = _inputs("train", model, train, test, dataset, options,
                                                                        loss, metric)
     gc.collect()  # tensors of earlier runs held only by reference cycles leave the GPU before this one is planned
-    summary = json.loads(_triaccel.train(json.dumps(opts), unit_specs, state, data, objective))
+    with _data.host_threads_for(data[1:] if data else (), _device_of(opts).startswith("cuda")):
+        summary = json.loads(_triaccel.train(json.dumps(opts), unit_specs, state, data, objective))
     out = opts.get("out", _OPTIONS["out"][0])
     if aliases and os.path.exists(os.path.join(out, "model.pt")):
         _state_dict_write(model, os.path.join(out, "model.pt"))

@@ -7,12 +7,18 @@ and worker_init_fn, whose batch sampler is the engine's order cut at the engine'
 user's transforms while the GPU runs the step. The user's sampler and batch size are not used: the order is the
 engine's and the batch is batch_size (the loader's own when batch_size is not given).
 
-A thread of Served takes the workers' batches as they come and copies them out of the shared memory they arrive in
-(the first read of those pages is most of a batch's host cost: 1.3 ms for 96 CIFAR images on the H200 machine), so
-the engine's thread only pins and copies resident memory. The thread calls nothing of CUDA: the engine may be
-capturing its step in a CUDA graph meanwhile, and any CUDA call from another thread breaks a capture. Pinning
-happens on the engine's thread, between steps.
+Two threads of Served take the workers' batches as they come (one reads the loader, the other copies each batch out
+of the shared memory it arrives in: the first read of those pages is most of a batch's host cost), so the engine's
+thread only pins and copies resident memory. The threads call nothing of CUDA: the engine may be capturing its step
+in a CUDA graph meanwhile, and any CUDA call from another thread breaks a capture. Pinning happens on the engine's
+thread, between steps.
+
+While workers feed a GPU run, host_threads_for leaves the workers their cores: this process's intra-op threads,
+which spin on every core after each parallel copy and so take the workers' CPU, are cut to the cores the workers
+leave for the run's length (what it was measured to cost: docs/results/python.md).
 """
+import contextlib
+import os
 import queue
 import threading
 
@@ -20,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-__all__ = ["Served", "served_from"]
+__all__ = ["Served", "served_from", "host_threads_for"]
 
 
 class Served:
@@ -113,36 +119,59 @@ class _Batches:
 
 
 class _Ahead:
-    """A thread that iterates a DataLoader and keeps up to `depth` batches, each through `prepare` and copied out of
-    the workers' shared memory. An exception in the loader reaches get() in the order it came."""
+    """Two threads that keep up to `depth` batches of a DataLoader ready: one iterates the loader (its batches arrive
+    in the workers' shared memory), the other takes each batch through `prepare` and copies it into private memory.
+    The copy releases the GIL, so the loader's next batch is read while the last one is copied (one thread doing
+    both runs below the loader's own rate). An exception in the loader or in `prepare` reaches get() in the order it
+    came."""
 
     def __init__(self, loader, prepare, depth):
-        self._queue = queue.Queue(maxsize=max(depth, 2))
+        depth = max(depth, 2)
+        self._arrived = queue.Queue(maxsize=depth)  # ("batch", as the loader gave it) | ("error", e) | ("end", None)
+        self._ready = queue.Queue(maxsize=depth)    # the same, each batch prepared and private
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(loader, prepare), daemon=True,
-                                        name="triaccel-fetch-ahead")
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._read, args=(loader,), daemon=True, name="triaccel-fetch-ahead"),
+                         threading.Thread(target=self._copy, args=(prepare,), daemon=True, name="triaccel-copy-ahead")]
+        for t in self._threads:
+            t.start()
 
-    def _run(self, loader, prepare):
+    def _put(self, q, item):
+        """Puts item unless the source is stopping; True when it was put."""
+        while not self._stopping.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self, loader):
         try:
             for batch in loader:
-                if self._stopping.is_set():
-                    break
-                x, y = prepare(batch)
-                item = (x.clone(), y.clone()) if x.is_shared() else (x, y)  # resident, private memory
-                while not self._stopping.is_set():
-                    try:
-                        self._queue.put(("batch", item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                if not self._put(self._arrived, ("batch", batch)):
+                    return
         except BaseException as e:  # noqa: BLE001 - handed to the engine's thread, which raises it
-            self._queue.put(("error", e))
+            self._put(self._arrived, ("error", e))
             return
-        self._queue.put(("end", None))
+        self._put(self._arrived, ("end", None))
+
+    def _copy(self, prepare):
+        while not self._stopping.is_set():
+            try:
+                kind, item = self._arrived.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if kind == "batch":
+                try:
+                    x, y = prepare(item)
+                    item = (x.clone(), y.clone()) if x.is_shared() else (x, y)  # resident, private memory
+                except BaseException as e:  # noqa: BLE001 - as in _read
+                    kind, item = "error", e
+            if not self._put(self._ready, (kind, item)) or kind != "batch":
+                return
 
     def get(self):
-        kind, item = self._queue.get()
+        kind, item = self._ready.get()
         if kind == "error":
             raise item
         if kind == "end":
@@ -151,12 +180,8 @@ class _Ahead:
 
     def stop(self):
         self._stopping.set()
-        while self._thread.is_alive():
-            try:
-                self._queue.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        self._thread.join()
+        for t in self._threads:
+            t.join()
 
 
 def served_from(data, split, cuda, batch_size_given):
@@ -171,3 +196,25 @@ def served_from(data, split, cuda, batch_size_given):
     if isinstance(data, Dataset):
         return Served(data, None, 0, cuda, None, split), None
     return None, None
+
+
+def host_threads_for(sources, cuda):
+    """A context in which a GPU run fed by the DataLoader workers of `sources` (Served or anything else, which is
+    ignored) trains: this process's intra-op threads cut to the cores the workers leave (at least 1; two cores are
+    left to the engine's and the fetching thread), restored after. A CPU run, or one without workers, is left as it
+    is: its intra-op threads do the training's work."""
+    workers = sum(s.num_workers for s in sources if isinstance(s, Served))
+    if not cuda or workers == 0:
+        return contextlib.nullcontext()
+    return _host_threads(workers)
+
+
+@contextlib.contextmanager
+def _host_threads(workers):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(threads, cores - workers - 2)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

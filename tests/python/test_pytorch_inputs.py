@@ -16,6 +16,7 @@ import tempfile
 import textwrap
 import threading
 import unittest
+import unittest.mock
 
 import torch
 import torchvision
@@ -56,6 +57,21 @@ class Doubled(Dataset):
         return self.x[i] * 2.0, self.y[i]
 
 
+class Broken(Doubled):
+    """Sample 37 raises in the worker that reads it."""
+
+    def __getitem__(self, i):
+        if i == 37:
+            raise ValueError("sample 37 is corrupt")
+        return super().__getitem__(i)
+
+
+def collate_triples(samples):
+    """Batches of (inputs, targets, extra), but one sample (the engine's look at the data's dtypes) as a pair."""
+    x, y = torch.utils.data.default_collate(samples)
+    return (x, y) if len(samples) == 1 else (x, y, torch.zeros(len(samples)))
+
+
 class PythonData(unittest.TestCase):
     def train_on(self, train, test, out, **extra):
         model = mlp()
@@ -86,8 +102,63 @@ class PythonData(unittest.TestCase):
         loader = DataLoader(Doubled(x, y), batch_size=32, num_workers=1)
         with tempfile.TemporaryDirectory() as d:
             self.train_on(loader, (x[:64] * 2.0, y[:64]), d, max_steps=3)
-        ahead = [t.name for t in threading.enumerate() if t.name == "triaccel-fetch-ahead"]
+        ahead = [t.name for t in threading.enumerate() if t.name in ("triaccel-fetch-ahead", "triaccel-copy-ahead")]
         self.assertEqual(ahead, [], "a thread reading a DataLoader outlived its run")
+
+    def test_what_goes_wrong_in_the_loader_reaches_the_caller(self):
+        # A worker's exception, and a batch that is not (inputs, targets), each cross both read-ahead threads (the
+        # one reading the loader, the one copying its batches) to the run, which names it.
+        x, y = regression_data(200, 10)
+        for loader, expected in (
+                (DataLoader(Broken(x, y), batch_size=32, num_workers=1),
+                 "the train data failed: ValueError: Caught ValueError in DataLoader worker process 0. "
+                 "ValueError: sample 37 is corrupt"),
+                (DataLoader(Doubled(x, y), batch_size=32, num_workers=1, collate_fn=collate_triples),
+                 "the train data failed: TypeError: train data: a batch must collate to (inputs, targets), two "
+                 "tensors; got tuple of 3")):
+            with self.subTest(expected=expected), tempfile.TemporaryDirectory() as d:
+                with self.assertRaises(ValueError) as caught:
+                    self.train_on(loader, (x * 2.0, y), d)
+                self.assertEqual(str(caught.exception).splitlines()[0], expected)
+
+    def test_workers_feeding_a_gpu_run_leave_the_cores_to_them(self):
+        # 16 cores, 12 workers: the process's intra-op threads (8 here) go down to the 2 cores the workers leave,
+        # and come back after the run, also one that raised; a CPU run or one without workers keeps its 8 threads.
+        ds = TensorDataset(*regression_data(8, 9))
+        twelve, three, none = (triaccel._data.Served(ds, num_workers=n) for n in (12, 3, 0))
+        threads = torch.get_num_threads()
+        seen = {}
+        torch.set_num_threads(8)
+        try:
+            with unittest.mock.patch.object(triaccel._data.os, "sched_getaffinity", return_value=set(range(16))):
+                for name, sources, cuda in (("gpu", [twelve, (ds.tensors[0], ds.tensors[1])], True),
+                                            ("cpu", [twelve], False), ("no workers", [none], True),
+                                            ("few workers", [three], True)):
+                    with triaccel._data.host_threads_for(sources, cuda):
+                        seen[name] = torch.get_num_threads()
+                    seen[name + " after"] = torch.get_num_threads()
+                with self.assertRaises(RuntimeError):
+                    with triaccel._data.host_threads_for([twelve], True):
+                        raise RuntimeError("a failed run")
+                seen["after a failure"] = torch.get_num_threads()
+        finally:
+            torch.set_num_threads(threads)
+        self.assertEqual(seen, {"gpu": 2, "gpu after": 8, "cpu": 8, "cpu after": 8, "no workers": 8,
+                                "no workers after": 8, "few workers": 8, "few workers after": 8,
+                                "after a failure": 8})
+
+    def test_train_runs_inside_the_host_threads_of_its_sources(self):
+        calls = []
+        real = triaccel._data.host_threads_for
+
+        def recorded(sources, cuda):
+            calls.append(([getattr(s, "num_workers", None) for s in sources], cuda))
+            return real(sources, cuda)
+        x, y = regression_data(64, 8)
+        with tempfile.TemporaryDirectory() as d, \
+                unittest.mock.patch.object(triaccel._data, "host_threads_for", side_effect=recorded):
+            self.train_on(DataLoader(Doubled(x, y), batch_size=32, num_workers=1), (x * 2.0, y), d, max_steps=1)
+        self.assertEqual(calls, [([1, None], False)])
 
     def test_two_processes_under_torchrun_end_with_one_process_weights(self):
         # The recipe docs/python.md gives for several GPUs, on the CPU with Gloo: the same script under torchrun with
