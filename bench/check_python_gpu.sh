@@ -64,7 +64,7 @@ done
 # The acceptance runs (bench/python_models.py, bench/python_resnet18.py) on the CIFAR-10 copy carried in
 # .device/data, when asked.
 DATA=/tmp/cifar10-bin
-if [ -n "${MODELS_PART:-}${R18_ARGS:-}${LOADER_PROFILE:-}" ] && [ ! -f $DATA/test_batch.bin ]; then
+if [ -n "${MODELS_PART:-}${R18_ARGS:-}${LOADER_PROFILE:-}${LOADER_THREADS:-}" ] && [ ! -f $DATA/test_batch.bin ]; then
   python3 .device/data/build_cifar10_bin.py $DATA >/dev/null 2>&1 || echo "CIFAR conversion failed"
 fi
 # R18_ARGS: torchvision's ResNet-18 split automatically beside the built-in model, PyTorch eager and torch.compile
@@ -108,6 +108,12 @@ if [ -n "${LOADER_PROFILE:-}" ]; then
   timeout ${LOADER_TIMEOUT:-300} python3 dev/python_loader_profile.py $DATA /tmp/loader_profile ${LOADER_ARGS:-} 2>&1 \
     | grep -vE "Warning|warn" | head -150
   row "dev/python_loader_profile.py ${LOADER_ARGS:-}" "exit ${PIPESTATUS[0]}"
+fi
+# LOADER_THREADS=1: the DataLoader path's CPU per thread and per worker, variant by variant (dev/python_loader_threads.py).
+if [ -n "${LOADER_THREADS:-}" ]; then
+  timeout ${LOADER_TIMEOUT:-420} python3 dev/python_loader_threads.py $DATA /tmp/loader_threads ${LOADER_THREADS_ARGS:-} \
+    --json "$FINAL_OUT/python_loader_threads.json" 2>&1 | grep -vE "Warning|warn" | tail -40
+  row "dev/python_loader_threads.py ${LOADER_THREADS_ARGS:-}" "exit ${PIPESTATUS[0]}"
 fi
 # REPEAT=N: memory left on the GPU after each of N train() calls in one process (dev/python_repeat_probe.py).
 if [ -n "${REPEAT:-}" ]; then
