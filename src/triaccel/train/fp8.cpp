@@ -15,8 +15,6 @@
 namespace triaccel {
 namespace {
 
-constexpr int kMinScaleExponent = -126;  // the scale stays a normal float32 power of two
-constexpr int kMaxScaleExponent = 127;
 constexpr int64_t kFp8NanByte = 0x7f;
 
 void fp8_quantize_check(const at::Tensor& x, float scale) {
@@ -48,7 +46,7 @@ float fp8_scale_for_amax(float amax, Fp8Format format, double margin, float prev
   int e = static_cast<int>(std::floor(std::log2(target / a)));
   while (std::ldexp(a, e) > target) --e;
   while (std::ldexp(a, e + 1) <= target) ++e;
-  e = std::clamp(e, kMinScaleExponent, kMaxScaleExponent);
+  e = std::clamp(e, kFp8ScaleMinExponent, kFp8ScaleMaxExponent);
   return std::ldexp(1.f, e);
 }
 
@@ -112,11 +110,11 @@ void Fp8Scale::restore(const Json& j) {
 
 namespace {
 
-// The reference's bytes for xf (float32, contiguous).
-at::Tensor fp8_quantize_reference_data(const at::Tensor& xf, float scale, Fp8Format format) {
+// The reference's bytes for xf (float32, contiguous) and a () float32 scale on its device.
+at::Tensor fp8_quantize_reference_data(const at::Tensor& xf, const at::Tensor& scale, Fp8Format format) {
   const double fmax = fp8_max(format);
   // (…) float32: one multiply per element by the float scale, as the kernel's.
-  const at::Tensor scaled = xf.mul(at::scalar_tensor(scale, xf.options()));
+  const at::Tensor scaled = xf.mul(scale);
   at::Tensor data = at::clamp(scaled, -fmax, fmax).to(fp8_dtype(format));
   // The clamp passes NaN through with whatever sign the multiply left; the spec's NaN byte is 0x7f.
   const at::Tensor nan = at::isnan(xf);
@@ -131,7 +129,7 @@ Fp8Quantized fp8_quantize_reference(const at::Tensor& x, float scale, Fp8Format 
   const torch::NoGradGuard no_grad;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor amax = xf.numel() == 0 ? at::zeros({}, xf.options()) : at::amax(at::abs(xf));
-  return {fp8_quantize_reference_data(xf, scale, format), amax.reshape({})};
+  return {fp8_quantize_reference_data(xf, at::scalar_tensor(scale, xf.options()), format), amax.reshape({})};
 }
 
 Fp8Quantized fp8_quantize_amax(const at::Tensor& x, float scale, Fp8Format format) {
@@ -160,7 +158,19 @@ at::Tensor fp8_quantize(const at::Tensor& x, float scale, Fp8Format format) {
 #endif
   fp8_quantize_check(x, scale);
   const torch::NoGradGuard no_grad;
-  return fp8_quantize_reference_data(x.to(at::kFloat).contiguous(), scale, format);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  return fp8_quantize_reference_data(xf, at::scalar_tensor(scale, xf.options()), format);
+}
+
+at::Tensor fp8_quantize_scaled(const at::Tensor& x, const at::Tensor& scale, Fp8Format format) {
+  TORCH_CHECK(x.defined() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                              x.scalar_type() == at::kHalf),
+              "fp8_quantize_scaled: x must be float32, bfloat16 or float16");
+  TORCH_CHECK(scale.defined() && scale.numel() == 1 && scale.scalar_type() == at::kFloat &&
+                  scale.device() == x.device(),
+              "fp8_quantize_scaled: scale must be one float32 on x's device");
+  const torch::NoGradGuard no_grad;
+  return fp8_quantize_reference_data(x.to(at::kFloat).contiguous(), scale.reshape({}), format);
 }
 
 at::Tensor fp8_dequantize(const at::Tensor& q, float scale, at::ScalarType dtype) {

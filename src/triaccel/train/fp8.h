@@ -33,6 +33,10 @@ struct EnumNames<Fp8Format> {
   static constexpr EnumName<Fp8Format> kNames[] = {{Fp8Format::kE4M3, "e4m3"}, {Fp8Format::kE5M2, "e5m2"}};
 };
 
+// The scale's exponents: it stays a normal float32 power of two.
+constexpr int kFp8ScaleMinExponent = -126;
+constexpr int kFp8ScaleMaxExponent = 127;
+
 // Largest finite value: 448 (e4m3fn: 1.75·2^8) or 57344 (e5m2: 1.75·2^15).
 double fp8_max(Fp8Format format);
 // at::kFloat8_e4m3fn or at::kFloat8_e5m2.
@@ -90,6 +94,8 @@ at::Tensor fp8_quantize(const at::Tensor& x, float scale, Fp8Format format);
 Fp8Quantized fp8_quantize_amax(const at::Tensor& x, float scale, Fp8Format format);
 // The spec, in torch ops, on any device: what the kernel must equal byte for byte.
 Fp8Quantized fp8_quantize_reference(const at::Tensor& x, float scale, Fp8Format format);
+// The same bytes for a scale held on the device, () float32 (Fp8DeviceScale): torch ops on x's device, no host sync.
+at::Tensor fp8_quantize_scaled(const at::Tensor& x, const at::Tensor& scale, Fp8Format format);
 // q: float8_e4m3fn or float8_e5m2 → float(q) / scale, as `dtype`.
 at::Tensor fp8_dequantize(const at::Tensor& q, float scale, at::ScalarType dtype);
 

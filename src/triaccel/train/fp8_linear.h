@@ -1,0 +1,38 @@
+// A linear layer computed in FP8 (issue 58): y = x·Wᵀ + b with x and W quantized to E4M3 under per-tensor delayed
+// scales, the product by at::_scaled_mm (fp32 accumulation, the output in x's dtype); in backward the output's
+// gradient quantized to E5M2 under its own delayed scale, dgrad = g·W and wgrad = gᵀ·x from the FP8 tensors saved in
+// forward (so a unit in FP8 keeps its linear inputs in 1 byte, not 2), the bias gradient from g as it came.
+//
+// Each scale is an Fp8DeviceScale: the quantization uses the scale from the amaxes of earlier steps, and the amax of
+// this step's tensor is recorded after it (delayed scaling); everything stays on the device, so a captured step
+// replays it. Master weights stay as they are (fp32); W is quantized at every forward.
+//
+// On CUDA, at::_scaled_mm needs every dimension of both products a multiple of 16 (fp8_linear_applies); the CPU has
+// no such limit (its _scaled_mm is the reference the tests compare with).
+#pragma once
+
+#include "triaccel/train/fp8_device_scale.h"
+
+#include <ATen/Tensor.h>
+#include <c10/core/Device.h>
+
+namespace triaccel {
+
+// The three delayed scales of one linear layer.
+struct Fp8LinearState {
+  Fp8LinearState(const Fp8ScaleOptions& options, const c10::Device& device);
+
+  Fp8DeviceScale input;   // E4M3
+  Fp8DeviceScale weight;  // E4M3
+  Fp8DeviceScale grad;    // E5M2: the output's gradient
+};
+
+// Whether fp8_linear can compute this layer: x (..., K) float32 / bfloat16 / float16 on the weight's device, weight
+// (N, K); on CUDA, K, N and the rows of x (the product of its leading dimensions) multiples of 16.
+bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
+
+// x (..., K), weight (N, K), bias (N) or undefined → (..., N) in x's dtype, differentiable in x, weight and bias.
+// `state` must outlive the backward of the graph this call records.
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8LinearState& state);
+
+}  // namespace triaccel
