@@ -5,9 +5,12 @@
 // difference is the order of the float32 accumulation: 1e-5 of the output's largest value), and the test also
 // requires the FP8 result to be off the exact float32 product by more than that (so a layer that did not quantize
 // fails) and by less than 10 % of its largest value.
+#include "triaccel/models/linear.h"
+#include "triaccel/models/transformer.h"
 #include "triaccel/train/fp8.h"
 #include "triaccel/train/fp8_device_scale.h"
 #include "triaccel/train/fp8_linear.h"
+#include "triaccel/train/precision.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -145,6 +148,45 @@ TEST(Fp8LinearTest, AppliesOnlyToLinearShapes) {
   EXPECT_FALSE(fp8_linear_applies(l.x, l.w.reshape({32, 48, 1})));     // not a matrix
   Fp8LinearState state(Fp8ScaleOptions{4, 0}, torch::kCPU);
   EXPECT_THROW(fp8_linear(l.x.narrow(2, 0, 40), l.w, l.b, state), c10::Error);
+}
+
+TEST(Fp8LinearsTest, TakeOverATransformerBlocksLinearsWithinTheirScope) {
+  torch::manual_seed(0);
+  TransformerBlock block(32, 2, 64, AttentionMask::kCausal, 1e-5);
+  const at::Tensor x = torch::randn({2, 16, 32});
+  const at::Tensor plain = block->forward(x);
+  Fp8Linears fp8(Fp8ScaleOptions{4, 0});
+  at::Tensor y;
+  for (int call = 0; call < 2; ++call) {
+    const LinearOverrideScope scope(&fp8);
+    y = block->forward(x);
+  }
+  ASSERT_EQ(fp8.layers(), 4u);  // qkv, proj, fc1, fc2: the same four states at the second call
+  for (const torch::nn::LinearImpl* layer : {block->attn->qkv.get(), block->attn->proj.get(), block->mlp->fc1.get(),
+                                             block->mlp->fc2.get()}) {
+    const Fp8LinearState* state = fp8.state_of(*layer);
+    ASSERT_NE(state, nullptr);
+    EXPECT_GT(state->input.scale().item<float>(), 1.f);  // the first call's amaxes were recorded
+  }
+  EXPECT_GT(largest(y - plain), 1e-5 * largest(plain));  // through FP8
+  EXPECT_LT(largest(y - plain), 0.1 * largest(plain));
+  EXPECT_TRUE(torch::equal(block->forward(x), plain));    // outside the scope: the block's own linears
+  y.sum().backward();
+  const at::Tensor g = block->mlp->fc1->weight.grad();
+  ASSERT_TRUE(g.defined());
+  EXPECT_TRUE(torch::isfinite(g).all().item<bool>());
+  EXPECT_GT(largest(g), 0.0);
+}
+
+TEST(Fp8LinearsTest, UnderAutocastGiveAutocastsDtype) {
+  torch::manual_seed(1);
+  torch::nn::Linear layer(32, 16);
+  const at::Tensor x = torch::randn({16, 32});  // float32, as a LayerNorm's output under autocast
+  Fp8Linears fp8(Fp8ScaleOptions{4, 0});
+  const AutocastScope autocast(torch::kCPU, PrecisionMode::kAmpBF16);
+  const LinearOverrideScope scope(&fp8);
+  EXPECT_EQ(linear_forward(*layer, x).scalar_type(), at::kBFloat16);
+  EXPECT_EQ(fp8.layers(), 1u);
 }
 
 // The GPU's _scaled_mm against the CPU's on the same bytes (bf16 activations, as a unit under autocast has them).

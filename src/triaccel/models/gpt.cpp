@@ -8,6 +8,7 @@
 // head is untied so that every parameter belongs to exactly one unit. Causality: attention runs with
 // is_causal = true, so logits at position t depend only on tokens 0..t. Initialization: trunc-normal std 0.02 for
 // embeddings and Linear weights, zero biases, LayerNorm 1 / 0.
+#include "triaccel/models/linear.h"
 #include "triaccel/models/model.h"
 #include "triaccel/models/transformer.h"
 
@@ -57,7 +58,7 @@ class GptChar final : public Model {
       unit_add("blocks." + std::to_string(i), {block}, [block](const at::Tensor& x) { return block->forward(x); });
     }
     unit_add("head", {norm, head},
-             [norm, head](const at::Tensor& x) { return head->forward(norm->forward(x)); });  // (B, T, V)
+             [norm, head](const at::Tensor& x) { return linear_forward(*head, norm->forward(x)); });  // (B, T, V)
   }
 };
 

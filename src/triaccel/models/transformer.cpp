@@ -1,6 +1,8 @@
 // Pre-norm transformer block, attention, MLP and initialization shared by vit.cpp and gpt.cpp (transformer.h).
 #include "triaccel/models/transformer.h"
 
+#include "triaccel/models/linear.h"
+
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/nn/init.h>
@@ -19,10 +21,11 @@ SelfAttentionImpl::SelfAttentionImpl(int64_t dim, int64_t heads, AttentionMask m
 at::Tensor SelfAttentionImpl::forward(const at::Tensor& x) {
   const int64_t b = x.size(0), n = x.size(1), d = x.size(2);
   // (B, N, 3D) → (3, B, H, N, D / H)
-  const at::Tensor qkv_heads = qkv->forward(x).view({b, n, 3, heads_, d / heads_}).permute({2, 0, 3, 1, 4});
+  const at::Tensor qkv_heads =
+      linear_forward(*qkv, x).view({b, n, 3, heads_, d / heads_}).permute({2, 0, 3, 1, 4});
   const at::Tensor out = at::scaled_dot_product_attention(qkv_heads[0], qkv_heads[1], qkv_heads[2], {}, 0.0,
                                                           mask_ == AttentionMask::kCausal);  // (B, H, N, D / H)
-  return proj->forward(out.transpose(1, 2).reshape({b, n, d}));
+  return linear_forward(*proj, out.transpose(1, 2).reshape({b, n, d}));
 }
 
 MlpImpl::MlpImpl(int64_t dim, int64_t hidden) {
@@ -30,7 +33,9 @@ MlpImpl::MlpImpl(int64_t dim, int64_t hidden) {
   fc2 = register_module("fc2", torch::nn::Linear(hidden, dim));
 }
 
-at::Tensor MlpImpl::forward(const at::Tensor& x) { return fc2->forward(at::gelu(fc1->forward(x))); }
+at::Tensor MlpImpl::forward(const at::Tensor& x) {
+  return linear_forward(*fc2, at::gelu(linear_forward(*fc1, x)));
+}
 
 TransformerBlockImpl::TransformerBlockImpl(int64_t dim, int64_t heads, int64_t mlp_hidden, AttentionMask mask,
                                            double norm_eps) {

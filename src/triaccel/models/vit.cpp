@@ -6,6 +6,7 @@
 // Units: "patch_embed" (conv + class token + position embedding), "blocks.0" ... "blocks.11", "head" (final norm +
 // linear); every parameter is in exactly one unit. Initialization as timm: trunc-normal std 0.02 for Linear
 // weights, cls_token and pos_embed; zero biases; LayerNorm 1 / 0; the patch convolution keeps PyTorch's default.
+#include "triaccel/models/linear.h"
 #include "triaccel/models/model.h"
 #include "triaccel/models/transformer.h"
 
@@ -77,7 +78,7 @@ class VitTiny final : public Model {
     }
     unit_add("head", {norm, head}, [norm, head](const at::Tensor& x) {
       // LayerNorm is per token, so normalising only the class token equals timm's norm-then-select.
-      return head->forward(norm->forward(x.select(1, 0)));  // (N, classes)
+      return linear_forward(*head, norm->forward(x.select(1, 0)));  // (N, classes)
     });
   }
 };

@@ -3,6 +3,7 @@
 #include "triaccel/core/errors.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 
 #include <cstdint>
@@ -100,6 +101,22 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   const at::Tensor x2 = x.reshape({-1, x.size(-1)});
   const auto address = reinterpret_cast<int64_t>(&state);
   return Fp8LinearFunction::apply(x2, weight, bias, address).view(out_shape);
+}
+
+at::Tensor Fp8Linears::forward(torch::nn::LinearImpl& layer, const at::Tensor& x) {
+  const c10::DeviceType type = x.device().type();
+  const at::Tensor input = at::autocast::is_autocast_enabled(type) && x.is_floating_point()
+                               ? x.to(at::autocast::get_autocast_dtype(type))
+                               : x;
+  if (!fp8_linear_applies(input, layer.weight)) return at::Tensor();
+  auto& state = states_[&layer];
+  if (!state) state = std::make_unique<Fp8LinearState>(options_, input.device());
+  return fp8_linear(input, layer.weight, layer.bias, *state);
+}
+
+const Fp8LinearState* Fp8Linears::state_of(const torch::nn::LinearImpl& layer) const {
+  const auto it = states_.find(&layer);
+  return it == states_.end() ? nullptr : it->second.get();
 }
 
 }  // namespace triaccel

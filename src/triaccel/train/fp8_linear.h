@@ -11,10 +11,14 @@
 // no such limit (its _scaled_mm is the reference the tests compare with).
 #pragma once
 
+#include "triaccel/models/linear.h"
 #include "triaccel/train/fp8_device_scale.h"
 
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
+
+#include <memory>
+#include <unordered_map>
 
 namespace triaccel {
 
@@ -34,5 +38,22 @@ bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
 // x (..., K), weight (N, K), bias (N) or undefined → (..., N) in x's dtype, differentiable in x, weight and bias.
 // `state` must outlive the backward of the graph this call records.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8LinearState& state);
+
+// The built-in models' linear layers in FP8 while installed (LinearOverrideScope, models/linear.h): each layer that
+// fp8_linear applies to gets its own Fp8LinearState the first time it runs (so its first forward should be an eager
+// one, before a CUDA graph's capture), kept for as long as this object lives; the others run their own forward.
+// Under autocast the input is first cast to autocast's dtype, as autocast's linear would (a LayerNorm's output is
+// float32 there), so the output has the dtype an autocast linear gives.
+class Fp8Linears final : public LinearOverride {
+ public:
+  explicit Fp8Linears(Fp8ScaleOptions options) : options_(options) { options_.validate(); }
+  at::Tensor forward(torch::nn::LinearImpl& layer, const at::Tensor& x) override;
+  size_t layers() const { return states_.size(); }  // the layers that ran in FP8 so far
+  const Fp8LinearState* state_of(const torch::nn::LinearImpl& layer) const;
+
+ private:
+  Fp8ScaleOptions options_;
+  std::unordered_map<const torch::nn::LinearImpl*, std::unique_ptr<Fp8LinearState>> states_;
+};
 
 }  // namespace triaccel
