@@ -17,17 +17,22 @@ namespace {
 
 constexpr int64_t kFp8NanByte = 0x7f;
 
-void fp8_quantize_check(const at::Tensor& x, float scale) {
+void fp8_input_check(const at::Tensor& x) {
   TORCH_CHECK(x.defined(), "fp8_quantize: x is undefined");
-  const at::ScalarType t = x.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
-              "fp8_quantize: x must be float32, bfloat16 or float16, got ", t);
+  TORCH_CHECK(fp8_quantizable(x.scalar_type()), "fp8_quantize: x must be float32, bfloat16 or float16, got ",
+              x.scalar_type());
+}
+
+void fp8_quantize_check(const at::Tensor& x, float scale) {
+  fp8_input_check(x);
   TORCH_CHECK(std::isfinite(scale) && scale > 0.f, "fp8_quantize: scale must be finite and > 0, got ", scale);
 }
 
 }  // namespace
 
 double fp8_max(Fp8Format format) { return format == Fp8Format::kE4M3 ? 448.0 : 57344.0; }
+
+bool fp8_quantizable(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 at::ScalarType fp8_dtype(Fp8Format format) {
   return format == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
@@ -163,9 +168,7 @@ at::Tensor fp8_quantize(const at::Tensor& x, float scale, Fp8Format format) {
 }
 
 at::Tensor fp8_quantize_scaled(const at::Tensor& x, const at::Tensor& scale, Fp8Format format) {
-  TORCH_CHECK(x.defined() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-                              x.scalar_type() == at::kHalf),
-              "fp8_quantize_scaled: x must be float32, bfloat16 or float16");
+  fp8_input_check(x);
   TORCH_CHECK(scale.defined() && scale.numel() == 1 && scale.scalar_type() == at::kFloat &&
                   scale.device() == x.device(),
               "fp8_quantize_scaled: scale must be one float32 on x's device");

@@ -39,6 +39,8 @@ constexpr int kFp8ScaleMaxExponent = 127;
 
 // Largest finite value: 448 (e4m3fn: 1.75·2^8) or 57344 (e5m2: 1.75·2^15).
 double fp8_max(Fp8Format format);
+// The dtypes a quantization takes: float32, bfloat16, float16.
+bool fp8_quantizable(at::ScalarType t);
 // at::kFloat8_e4m3fn or at::kFloat8_e5m2.
 at::ScalarType fp8_dtype(Fp8Format format);
 

@@ -79,8 +79,7 @@ Fp8LinearState::Fp8LinearState(const Fp8ScaleOptions& options, const c10::Device
       grad(Fp8Format::kE5M2, options, device) {}
 
 bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight) {
-  const at::ScalarType t = x.scalar_type();
-  if (!(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) || weight.dim() != 2 || x.dim() < 1 ||
+  if (!fp8_quantizable(x.scalar_type()) || weight.dim() != 2 || x.dim() < 1 ||
       x.size(-1) != weight.size(1) || x.device() != weight.device() || !weight.is_floating_point()) {
     return false;
   }
