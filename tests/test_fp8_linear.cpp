@@ -5,12 +5,18 @@
 // difference is the order of the float32 accumulation: 1e-5 of the output's largest value), and the test also
 // requires the FP8 result to be off the exact float32 product by more than that (so a layer that did not quantize
 // fails) and by less than 10 % of its largest value.
+#include "triaccel/core/errors.h"
 #include "triaccel/models/linear.h"
+#include "triaccel/models/model.h"
+#include "triaccel/models/registry.h"
 #include "triaccel/models/transformer.h"
+#include "triaccel/optim/sgd.h"
 #include "triaccel/train/fp8.h"
 #include "triaccel/train/fp8_device_scale.h"
 #include "triaccel/train/fp8_linear.h"
+#include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/precision.h"
+#include "triaccel/train/step.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -63,6 +69,80 @@ TEST(Fp8DeviceScaleTest, EqualsTheHostRuleAmaxByAmax) { expect_device_scale_equa
 TEST(Fp8DeviceScaleTest, EqualsTheHostRuleOnTheGpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   expect_device_scale_equals_host(torch::Device(torch::kCUDA, 0));
+}
+
+// quantize(): the bytes of the reference under the scale before the call, the inverse of that scale, and then the
+// tensor's amax recorded (delayed scaling), call after call: odd sizes (a tail after the 16-byte loads), an input that
+// starts one element past an aligned address (the one-by-one kernel), each input dtype, a NaN (its byte 0x7f, its
+// amax not recorded) and an empty tensor.
+void expect_quantize_is_delayed(const c10::Device& device) {
+  torch::manual_seed(2);
+  std::vector<at::Tensor> inputs;
+  for (int call = 0; call < 4; ++call) inputs.push_back(std::ldexp(1.f, 3 * call - 4) * torch::randn({37, 19}));
+  inputs.push_back(torch::randn({1 + 64 * 9}).narrow(0, 1, 64 * 9));
+  inputs.push_back((40.f * torch::randn({3, 40})).to(at::kBFloat16));
+  inputs.push_back(torch::randn({128}).to(at::kHalf));
+  at::Tensor with_nan = torch::randn({50});
+  with_nan[7] = std::nanf("");
+  inputs.push_back(with_nan);
+  inputs.push_back(torch::zeros({0}));
+  for (const Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    Fp8DeviceScale scale(format, Fp8ScaleOptions{3, 0}, device);
+    Fp8Scale host(format, Fp8ScaleOptions{3, 0});
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& x = inputs[i];
+      const float before = host.scale();
+      const Fp8ScaledTensor q = scale.quantize(x.to(device));
+      ASSERT_EQ(q.data.scalar_type(), fp8_dtype(format));
+      EXPECT_TRUE(torch::equal(q.data.cpu().view(at::kByte), fp8_quantize(x, before, format).view(at::kByte)))
+          << enum_name(format) << " input " << i;
+      EXPECT_EQ(q.inverse.cpu().item<float>(), 1.f / before) << enum_name(format) << " input " << i;
+      host.update(x.numel() == 0 ? 0.f : x.abs().max().to(at::kFloat).item<float>());
+      EXPECT_EQ(scale.scale().cpu().item<float>(), host.scale()) << enum_name(format) << " input " << i;
+    }
+    EXPECT_NE(host.scale(), 1.f);
+  }
+}
+
+TEST(Fp8DeviceScaleTest, QuantizesUnderTheScaleBeforeItsOwnAmax) { expect_quantize_is_delayed(torch::kCPU); }
+
+TEST(Fp8DeviceScaleTest, QuantizesUnderTheScaleBeforeItsOwnAmaxOnTheGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  expect_quantize_is_delayed(torch::Device(torch::kCUDA, 0));
+}
+
+// quantize_transposed(): the bytes of quantize() and their transpose, the scale moving as quantize()'s does: matrices
+// that fill whole 64 x 64 tiles, part of one (80 x 48, multiples of 16: the 16-byte path), and odd sizes (the one by
+// one path), in each input dtype.
+void expect_quantize_transposed_equals_quantize(const c10::Device& device) {
+  torch::manual_seed(8);
+  std::vector<at::Tensor> inputs = {torch::randn({128, 64}), 5.f * torch::randn({80, 48}), torch::randn({37, 19}),
+                                    (0.01f * torch::randn({64, 192})).to(at::kBFloat16),
+                                    torch::randn({16, 144}).to(at::kHalf), torch::randn({3, 1})};
+  for (const Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    Fp8DeviceScale plain(format, Fp8ScaleOptions{4, 0}, torch::kCPU);
+    Fp8DeviceScale transposed(format, Fp8ScaleOptions{4, 0}, device);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const Fp8ScaledTensor want = plain.quantize(inputs[i]);
+      const Fp8ScaledTensor got = transposed.quantize_transposed(inputs[i].to(device));
+      const at::Tensor bytes = want.data.view(at::kByte);
+      EXPECT_TRUE(torch::equal(got.data.cpu().view(at::kByte), bytes)) << enum_name(format) << " input " << i;
+      ASSERT_EQ(got.data_t.sizes(), (std::vector<int64_t>{inputs[i].size(1), inputs[i].size(0)}));
+      EXPECT_TRUE(got.data_t.is_contiguous());
+      EXPECT_TRUE(torch::equal(got.data_t.cpu().view(at::kByte), bytes.t())) << enum_name(format) << " input " << i;
+      EXPECT_EQ(got.inverse.cpu().item<float>(), want.inverse.item<float>()) << enum_name(format) << " input " << i;
+      EXPECT_EQ(transposed.scale().cpu().item<float>(), plain.scale().item<float>()) << enum_name(format);
+    }
+  }
+}
+
+TEST(Fp8DeviceScaleTest, QuantizesAMatrixAndItsTranspose) {
+  expect_quantize_transposed_equals_quantize(torch::kCPU);
+}
+
+TEST(Fp8DeviceScaleTest, QuantizesAMatrixAndItsTransposeOnTheGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  expect_quantize_transposed_equals_quantize(torch::Device(torch::kCUDA, 0));
 }
 
 at::Tensor dequantized(const at::Tensor& x, float scale, Fp8Format format) {
@@ -178,6 +258,54 @@ TEST(Fp8LinearsTest, TakeOverATransformerBlocksLinearsWithinTheirScope) {
   EXPECT_GT(largest(g), 0.0);
 }
 
+// A checkpoint's FP8 state: a second Fp8Linears restored from the first's state() computes the next forward bit for
+// bit as the first does, where a fresh one (scales at 1) does not; an entry no layer has is refused by name.
+TEST(Fp8LinearsTest, RestoreTheirScalesFromState) {
+  torch::manual_seed(9);
+  TransformerBlock block(32, 2, 64, AttentionMask::kCausal, 1e-5);
+  const at::Tensor x = torch::randn({2, 16, 32});
+  Fp8Linears first(Fp8ScaleOptions{4, 0});
+  first.layers_name(*block);
+  for (int call = 0; call < 3; ++call) {
+    const LinearOverrideScope scope(&first);
+    block->forward(x).sum().backward();
+  }
+  NamedTensors saved;
+  for (const auto& [name, t] : first.state()) saved.emplace_back(name, t.clone());
+  ASSERT_EQ(saved.size(), 4u * 3u * 3u);  // four layers, three scales each, three tensors a scale
+  EXPECT_EQ(saved.front().first, "fp8.attn.qkv.input.ring");
+  Fp8Linears restored(Fp8ScaleOptions{4, 0}), fresh(Fp8ScaleOptions{4, 0});
+  restored.layers_name(*block);
+  restored.restore(saved, "ckpt.pt");
+  EXPECT_EQ(restored.layers(), 4u);
+  at::Tensor want, got, unrestored;
+  {
+    const LinearOverrideScope scope(&first);
+    want = block->forward(x);
+  }
+  {
+    const LinearOverrideScope scope(&restored);
+    got = block->forward(x);
+  }
+  {
+    const LinearOverrideScope scope(&fresh);
+    unrestored = block->forward(x);
+  }
+  EXPECT_TRUE(torch::equal(got, want));
+  EXPECT_FALSE(torch::equal(unrestored, want));
+  NamedTensors foreign = saved;
+  foreign.emplace_back("fp8.blocks.9.mlp.fc1.input.scale", torch::ones({}));
+  Fp8Linears other(Fp8ScaleOptions{4, 0});
+  other.layers_name(*block);
+  try {
+    other.restore(foreign, "ckpt.pt");
+    FAIL() << "a scale of a layer the model lacks was taken";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt.pt holds fp8 scales of 1 tensors no linear layer"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Fp8LinearsTest, UnderAutocastGiveAutocastsDtype) {
   torch::manual_seed(1);
   torch::nn::Linear layer(32, 16);
@@ -197,11 +325,91 @@ TEST(Fp8LinearCudaTest, EqualsTheCpuLayer) {
   const Layer on_gpu{on_cpu.x.to(gpu), on_cpu.w.to(gpu), on_cpu.b.to(gpu)};
   EXPECT_FALSE(fp8_linear_applies(on_gpu.x.narrow(2, 0, 40), on_gpu.w.narrow(1, 0, 40)));  // K = 40: not 16·n
   Fp8LinearState cpu_state(Fp8ScaleOptions{4, 0}, torch::kCPU), gpu_state(Fp8ScaleOptions{4, 0}, gpu);
-  for (int call = 0; call < 2; ++call) {
-    const at::Tensor a = fp8_linear(on_cpu.x, on_cpu.w, on_cpu.b, cpu_state).to(at::kFloat);
-    const at::Tensor b = fp8_linear(on_gpu.x, on_gpu.w, on_gpu.b, gpu_state).cpu().to(at::kFloat);
+  torch::manual_seed(4);
+  const at::Tensor g = 0.01f * torch::randn({4, 8, 32});
+  for (int call = 0; call < 3; ++call) {
+    std::vector<at::Tensor> cpu_in, gpu_in;
+    for (const at::Tensor& t : {on_cpu.x, on_cpu.w, on_cpu.b}) cpu_in.push_back(t.clone().requires_grad_(true));
+    for (const at::Tensor& t : {on_gpu.x, on_gpu.w, on_gpu.b}) gpu_in.push_back(t.clone().requires_grad_(true));
+    const at::Tensor ya = fp8_linear(cpu_in[0], cpu_in[1], cpu_in[2], cpu_state);
+    const at::Tensor yb = fp8_linear(gpu_in[0], gpu_in[1], gpu_in[2], gpu_state);
+    const at::Tensor a = ya.to(at::kFloat), b = yb.cpu().to(at::kFloat);
     EXPECT_LE(largest(a - b), 1.0 / 128 * largest(a)) << "call " << call;  // bf16 outputs: 2^-8 each, rounded twice
-    EXPECT_EQ(cpu_state.input.scale().item<float>(), gpu_state.input.scale().cpu().item<float>());
+    ya.backward(g.to(ya.scalar_type()));
+    yb.backward(g.to(yb.scalar_type()).to(gpu));
+    for (size_t i = 0; i < cpu_in.size(); ++i) {
+      const at::Tensor ga = cpu_in[i].grad().to(at::kFloat), gb = gpu_in[i].grad().cpu().to(at::kFloat);
+      EXPECT_LE(largest(ga - gb), 1.0 / 64 * largest(ga)) << "call " << call << " gradient " << i;
+    }
+    for (const auto& [c, d] : {std::pair{&cpu_state.input, &gpu_state.input}, std::pair{&cpu_state.weight,
+                               &gpu_state.weight}, std::pair{&cpu_state.grad, &gpu_state.grad}}) {
+      EXPECT_EQ(c->scale().item<float>(), d->scale().cpu().item<float>()) << "call " << call;
+    }
+  }
+  EXPECT_NE(gpu_state.grad.scale().cpu().item<float>(), 1.f);  // the gradients' amaxes were recorded
+}
+
+// A tiny GPT (one block, 32 wide) and its training step in the given precision mode, on `device`.
+struct TinyGptStep {
+  std::shared_ptr<Model> model;
+  std::unique_ptr<Sgd> sgd;
+  std::unique_ptr<LossScaler> scaler;
+  std::unique_ptr<TrainStep> step;
+};
+
+TinyGptStep tiny_gpt_step(PrecisionMode precision, const c10::Device& device) {
+  torch::manual_seed(6);
+  ModelOptions mo;
+  mo.name = "gpt-char";
+  mo.num_classes = 16;
+  mo.block_size = 16;
+  mo.gpt_layers = 1;
+  mo.gpt_heads = 2;
+  mo.gpt_embed = 32;
+  TinyGptStep t;
+  t.model = model_create(mo);
+  t.model->to(device);
+  t.model->train();
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& item : t.model->named_parameters()) named.emplace_back(item.key(), item.value());
+  t.sgd = std::make_unique<Sgd>(named, SgdOptions{});
+  t.scaler = std::make_unique<LossScaler>(LossScalerOptions{}, device);
+  StepOptions so;
+  so.precision = precision;
+  so.cuda_graphs = false;
+  t.step = std::make_unique<TrainStep>(*t.model, *t.sgd, *t.scaler, so, device);
+  return t;
+}
+
+// amp-fp8: the step's forward runs the GPT's linear layers in FP8 (qkv, proj, fc1, fc2 and the 32 -> 16 head), also
+// in a recomputed unit's second forward in backward (autograd's thread), and trains: the loss falls as amp-bf16's.
+TEST(Fp8StepTest, AmpFp8RunsTheLinearLayersInFp8AndTrains) {
+  const c10::Device cpu(c10::kCPU);
+  torch::manual_seed(7);
+  const at::Tensor tokens = torch::randint(0, 16, {4, 16}, torch::kLong);
+  const at::Tensor targets = torch::roll(tokens, 1, 1);
+  for (const bool recompute : {false, true}) {
+    TinyGptStep fp8 = tiny_gpt_step(PrecisionMode::kAmpFP8, cpu);
+    TinyGptStep bf16 = tiny_gpt_step(PrecisionMode::kAmpBF16, cpu);
+    if (recompute) {
+      std::vector<bool> flags(fp8.model->units().size(), false);
+      flags[1] = true;  // blocks.0
+      fp8.step->set_recompute(flags);
+    }
+    double first = 0, last = 0;
+    for (int s = 0; s < 8; ++s) {
+      fp8.step->run(tokens, targets, 0.05);
+      bf16.step->run(tokens, targets, 0.05);
+      (s == 0 ? first : last) = fp8.step->last_loss().item<double>();
+    }
+    EXPECT_EQ(fp8.step->fp8_layers(), 5u) << "recompute " << recompute;
+    EXPECT_EQ(bf16.step->fp8_layers(), 0u);
+    EXPECT_LT(last, first - 0.5) << "recompute " << recompute;
+    EXPECT_NEAR(last, bf16.step->last_loss().item<double>(), 0.25) << "recompute " << recompute;
+    // Through FP8: the weights after the same steps differ from amp-bf16's.
+    const at::Tensor w8 = fp8.model->named_parameters()["blocks.0.mlp.fc1.weight"];
+    const at::Tensor w16 = bf16.model->named_parameters()["blocks.0.mlp.fc1.weight"];
+    EXPECT_GT(largest(w8 - w16), 1e-4);
   }
 }
 

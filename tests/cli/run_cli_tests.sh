@@ -32,7 +32,9 @@ expect unknown_model 2 "--model must be one of" -- train "${TINY[@]}" --model re
 expect unknown_dataset 2 "--dataset must be one of" -- train --dataset imagenet
 expect batch_zero 2 "--batch-size must be > 0, got 0" -- train "${TINY[@]}" --batch-size 0
 expect batch_text 2 "--batch-size" -- train --batch-size many
-expect bad_precision 2 "--precision must be fp32, amp-bf16 or amp-fp16, got 'fp8'" -- train "${TINY[@]}" --precision fp8
+expect bad_precision 2 "--precision must be fp32, amp-bf16, amp-fp16 or amp-fp8, got 'fp6'" -- train "${TINY[@]}" --precision fp6
+expect fp8_tri_accel 2 "--precision amp-fp8 trains with --method backprop" -- train "${TINY[@]}" --method tri-accel --precision fp8
+expect fp8_no_linears 0 "note: amp-fp8 found no linear layer of small-cnn" -- train "${TINY[@]}" --precision fp8 --max-steps 1 --out "$WORK/fp8cnn" --progress lines
 expect bad_lr 2 "--lr must be a positive number" -- train "${TINY[@]}" --lr -1
 expect last_flag_wins 2 "--batch-size must be > 0, got 0" -- train "${TINY[@]}" --batch-size 8 --batch-size 0
 expect bad_lr_rule 2 "--lr-batch-rule must be none, linear or sqrt, got 'cube'" -- train "${TINY[@]}" --lr-batch-rule cube
@@ -212,6 +214,8 @@ TEXT=(--model gpt-char --dataset tinyshakespeare --data "$WORK/text" --block-siz
 expect gpt_text_stop 0 "stopped at step 2" -- train "${TEXT[@]}" --batch-size 16 --max-steps 2 --out "$WORK/gpt" --progress lines
 expect gpt_text_resume_other_block 2 "--block-size 16 differs from the checkpoint" -- train --resume "$WORK/gpt" --block-size 16 --progress off
 expect gpt_text_resume 0 "done: test acc" -- train --resume "$WORK/gpt" --progress lines
+expect gpt_fp8 0 "amp-fp8: 25 linear layers of gpt-char compute in FP8" -- train "${TEXT[@]}" --precision fp8 --batch-size 16 --max-steps 2 --out "$WORK/gpt_fp8" --progress lines
+expect gpt_fp8_resume 0 "done: test acc" -- train --resume "$WORK/gpt_fp8" --progress lines
 expect gpt_text_epoch 0 "done: test acc" -- train "${TEXT[@]}" --batch-size 64 --out "$WORK/gpt1" --progress lines
 if [ -f "$WORK/gpt1/model.pt" ] && grep '"event":"epoch"' "$WORK/gpt1/events.jsonl" | grep '"val_loss":[0-9]' | grep -q '"tokens_per_s":[0-9]'; then
   passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL gpt_text_epoch: no model.pt, val_loss or tokens_per_s"; fi

@@ -87,6 +87,7 @@ class BackpropTrainer : private MemoryMeter {
   Attempt on_out_of_memory(FaultKind fault, int64_t count, const OomSeen& seen);
   Attempt on_skipped_step(FaultKind fault, int64_t count);
   void after_step(int64_t count);
+  void fp8_say();  // amp-fp8, after the first step: how many linear layers compute in FP8
   // This rank's share of the test set at `batch_size`, with the model as it is: {summed loss, correct predictions,
   // correct with flip TTA, label elements} (one sync).
   std::array<double, 4> evaluate_share(int64_t batch_size);
@@ -132,6 +133,7 @@ class BackpropTrainer : private MemoryMeter {
   std::unique_ptr<Optimizer> optimizer_;
   LossScaler scaler_;
   PrecisionMode eval_precision_;
+  NamedTensors fp8_restore_;  // amp-fp8's scales read from the checkpoint, for the step once it is built
   ScheduleOptions schedule_;
   const FaultPlan faults_;
   std::unique_ptr<Progress> progress_;

@@ -260,6 +260,7 @@ void BackpropTrainer::checkpoint(const std::string& file) {
   c.model = model_state(session_.model());
   c.optimizer = param_shards_ ? std::move(optimizer_state) : optimizer_->state_tensors();
   c.scaler = scaler_state(scaler_);
+  for (auto& entry : step_->fp8_state()) c.scaler.push_back(std::move(entry));  // amp-fp8's delayed scales
   c.rng = rng_state(device_);
   Progress p = *progress_;
   p.elapsed_s = session_.now();
@@ -346,6 +347,7 @@ Json BackpropTrainer::summary() {
                {"model", config_.model.model},
                {"dataset", config_.data.dataset},
                {"precision", tri ? std::string("adaptive") : std::string(enum_name(config_.execution.precision))},
+               {"fp8_layers", fp8_linears(config_.execution.precision) ? Json(step_->fp8_layers()) : Json(nullptr)},
                {"probe_share", tri ? Json(overhead_s / std::max(1e-9, train_s)) : Json(nullptr)},
                {"batch_size", config_.schedule.batch_size},
                {"epochs", config_.schedule.epochs},

@@ -283,6 +283,16 @@ BackpropTrainer::Attempt BackpropTrainer::on_skipped_step(FaultKind fault, int64
   return Attempt::kDropped;
 }
 
+void BackpropTrainer::fp8_say() {
+  const size_t layers = step_->fp8_layers();
+  session_.printer().line(
+      layers > 0 ? c10::str("amp-fp8: ", layers, " linear layers of ", config_.model.model, " compute in FP8, the "
+                            "rest in bf16")
+                 : c10::str("note: amp-fp8 found no linear layer of ", config_.model.model, " to compute in FP8 (it "
+                            "takes the built-in models' linear layers whose sizes and batch rows are multiples of 16; "
+                            "convolutions stay bf16): this run is amp-bf16"));
+}
+
 void BackpropTrainer::after_step(int64_t count) {
   Progress& p = *progress_;
   const RunHooks& hooks = session_.hooks();
@@ -292,6 +302,7 @@ void BackpropTrainer::after_step(int64_t count) {
   samples_this_epoch_ += count;
   samples_since_log_ += count;
   if (hooks.after_step) hooks.after_step(p.step);
+  if (p.step == 1 && fp8_linears(config_.execution.precision)) fp8_say();
   StepContext ctx;
   ctx.step = p.step;
   ctx.batch = p.batch;

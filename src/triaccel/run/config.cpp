@@ -153,7 +153,14 @@ void DataConfig::validate() const {
   TRIACCEL_CHECK_INPUT(cutout >= 0, option_ref("cutout"), " must be >= 0 (0: off), got ", cutout);
 }
 
-void ModelConfig::validate() const { model_entry(model); }
+void ModelConfig::validate() const {
+  model_entry(model);
+  TRIACCEL_CHECK_INPUT(gpt_layers >= 1 && gpt_layers <= 1024, option_ref("gpt_layers"), " must be in [1, 1024], got ",
+                       gpt_layers);
+  TRIACCEL_CHECK_INPUT(gpt_heads >= 1, option_ref("gpt_heads"), " must be >= 1, got ", gpt_heads);
+  TRIACCEL_CHECK_INPUT(gpt_embed >= 1 && gpt_embed % gpt_heads == 0, option_ref("gpt_embed"), " must be a positive "
+                       "multiple of ", option_ref("gpt_heads"), " ", gpt_heads, ", got ", gpt_embed);
+}
 
 void OptimConfig::validate() const {
   TRIACCEL_CHECK_INPUT(lr > 0 && std::isfinite(lr), option_ref("lr"), " must be a positive number, got ", lr);
@@ -343,9 +350,11 @@ std::optional<NeuroFluxRefusal> neuroflux_refusal(const Config& config) {
                             str_cat(nf, " trains every block with the fused SGD; use ", option_ref("optimizer"),
                                     " sgd, got '", enum_name(optimizer), "'")};
   }
-  if (config.execution.precision == PrecisionMode::kAmpFP16) {
-    return NeuroFluxRefusal{"takes fp32 or amp-bf16, not amp-fp16",
-                            str_cat(nf, " supports ", option_ref("precision"), " fp32 or amp-bf16, got amp-fp16")};
+  const PrecisionMode precision = config.execution.precision;
+  if (precision == PrecisionMode::kAmpFP16 || precision == PrecisionMode::kAmpFP8) {
+    const std::string name = enum_name(precision);
+    return NeuroFluxRefusal{str_cat("takes fp32 or amp-bf16, not ", name),
+                            str_cat(nf, " supports ", option_ref("precision"), " fp32 or amp-bf16, got ", name)};
   }
   if (!config.execution.inject_faults.empty()) {
     return NeuroFluxRefusal{"refuses inject_faults, a lever of backprop's",
@@ -386,6 +395,9 @@ void Config::validate() const {
   }
   TRIACCEL_CHECK_INPUT(optim.optimizer != OptimizerKind::kBaoc || method == Method::kBackprop, option_ref("optimizer"),
                        " baoc needs ", option_ref("method"), " backprop");
+  TRIACCEL_CHECK_INPUT(!fp8_linears(execution.precision) || method != Method::kTriAccel, option_ref("precision"),
+                       " amp-fp8 trains with ", option_ref("method"), " backprop; tri-accel chooses each unit's "
+                       "precision itself (fp16, bf16 or fp32)");
   validate_world(execution.nproc);
   TRIACCEL_CHECK_INPUT(execution.micro_batch <= schedule.batch_size, option_ref("micro_batch"), " ",
                        execution.micro_batch, " is larger than ", option_ref("batch_size"), " ", schedule.batch_size,
@@ -503,7 +515,8 @@ const std::vector<std::string>& config_identity_keys() {
   static const std::vector<std::string> kKeys = {
       "method",          "model",     "dataset",    "batch_size",  "lr",         "momentum",  "nesterov",
       "weight_decay",    "warmup_epochs", "lr_decay", "label_smoothing", "precision", "augment", "cutout",
-      "image_size",      "seed",      "block_size", "optimizer",   "adam_beta1", "adam_beta2", "adam_eps"};
+      "image_size",      "seed",      "block_size", "optimizer",   "adam_beta1", "adam_beta2", "adam_eps",
+      "gpt_layers",      "gpt_heads", "gpt_embed"};
   return kKeys;
 }
 

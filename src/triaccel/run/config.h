@@ -139,6 +139,10 @@ struct DataConfig {
 struct ModelConfig {
   static constexpr const char* kTitle = "Model";
   std::string model = "small-cnn";
+  // gpt-char's shape (the model's own defaults: models/model.h).
+  int64_t gpt_layers = ModelOptions{}.gpt_layers;
+  int64_t gpt_heads = ModelOptions{}.gpt_heads;
+  int64_t gpt_embed = ModelOptions{}.gpt_embed;
 
   template <typename S, typename V>
   static void fields(S& s, V&& v);
@@ -394,6 +398,9 @@ void DataConfig::fields(S& s, V&& v) {
 template <typename S, typename V>
 void ModelConfig::fields(S& s, V&& v) {
   v(s.model, FieldInfo{"model", "model", nullptr, &model_names});
+  v(s.gpt_layers, FieldInfo{"gpt_layers", "gpt-char: transformer blocks"});
+  v(s.gpt_heads, FieldInfo{"gpt_heads", "gpt-char: attention heads per block"});
+  v(s.gpt_embed, FieldInfo{"gpt_embed", "gpt-char: width (a multiple of gpt_heads)"});
 }
 
 template <typename S, typename V>
@@ -429,7 +436,8 @@ void ExecutionConfig::fields(S& s, V&& v) {
                         "backprop; tri-accel (adaptive per-unit precision, curvature-scaled lr, elastic batch under "
                         "a budget); neuroflux (local learning in blocks that fit the budget; CNNs); auto (backprop "
                         "when the memory planner fits the vram_budget, else neuroflux)"});
-  v(s.precision, FieldInfo{"precision", "fp16 uses dynamic loss scaling"});
+  v(s.precision, FieldInfo{"precision", "fp16 uses dynamic loss scaling; fp8: bf16 with the linear layers in FP8 "
+                                        "(Hopper and later; backprop)"});
   v(s.device, FieldInfo{"device", "auto: CUDA when a GPU is visible"});
   v(s.channels_last, FieldInfo{"channels_last", "channels_last layout on CUDA (true|false)"});
   v(s.cuda_graphs, FieldInfo{"cuda_graphs", "capture the training step in a CUDA graph (true|false)"});

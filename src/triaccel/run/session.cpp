@@ -234,6 +234,9 @@ Session::Session(const Config& config, const RunHooks& hooks, bool output)
   model_options_.num_classes = data_.train.num_classes;
   model_options_.in_channels = data_.train.images.dim() >= 2 ? data_.train.channels() : 1;
   model_options_.image_size = image_size();
+  model_options_.gpt_layers = config_.model.gpt_layers;
+  model_options_.gpt_heads = config_.model.gpt_heads;
+  model_options_.gpt_embed = config_.model.gpt_embed;
   if (data_.train.kind == DatasetKind::kTokens) model_options_.block_size = data_.train.images.size(1);  // vocab = classes
   {
     const std::lock_guard<std::mutex> lock(model_build_mutex());

@@ -14,39 +14,39 @@ namespace {
 
 constexpr int64_t kScaledMmMultiple = 16;  // CUDA's _scaled_mm: every dimension of both operands
 
-// q quantized under `scale`, with |x|'s amax recorded after it (delayed scaling).
-at::Tensor fp8_quantize_recorded(const at::Tensor& x, Fp8DeviceScale& scale) {
-  const at::Tensor q = fp8_quantize_scaled(x, scale.scale(), scale.format());
-  scale.update(x.numel() == 0 ? at::zeros({}, x.options().dtype(at::kFloat)) : at::amax(at::abs(x)));
-  return q;
-}
-
-// a (M, K) fp8 row-major times bᵀ, where b_rows (N, K) is fp8 row-major: (M, N) in `dtype`. _scaled_mm takes its
-// second operand column-major, which b_rows viewed transposed is.
+// a (M, K) fp8 row-major times bᵀ, where b_rows (N, K) is fp8 row-major: (M, N) in `dtype`, plus bias (N) when
+// defined. _scaled_mm takes its second operand column-major, which b_rows viewed transposed is. fast: Hopper's
+// faster FP8 accumulation (the forward product; the gradients' products accumulate in full precision).
 at::Tensor fp8_matmul_nt(const at::Tensor& a, const at::Tensor& a_inverse, const at::Tensor& b_rows,
-                         const at::Tensor& b_inverse, at::ScalarType dtype) {
-  return at::_scaled_mm(a.contiguous(), b_rows.contiguous().t(), a_inverse, b_inverse, std::nullopt, std::nullopt,
-                        dtype);
+                         const at::Tensor& b_inverse, at::ScalarType dtype, const at::Tensor& bias = at::Tensor(),
+                         bool fast = false) {
+  // _scaled_mm adds a bias of the output's 16-bit dtype in its epilogue; another is added after it.
+  const bool fused_bias = bias.defined() && (dtype == at::kBFloat16 || dtype == at::kHalf);
+  at::Tensor y = at::_scaled_mm(a.contiguous(), b_rows.contiguous().t(), a_inverse, b_inverse,
+                                fused_bias ? std::optional<at::Tensor>(bias.to(dtype)) : std::nullopt, std::nullopt,
+                                dtype, fast);
+  if (bias.defined() && !fused_bias) y = y + bias.to(dtype);
+  return y;
 }
 
 class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
  public:
-  // x2 (M, K), weight (N, K), bias (N) or undefined → (M, N) in x2's dtype.
+  // x2 (M, K), weight (N, K), bias (N) or empty → (M, N) in out_dtype.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x2, const at::Tensor& weight,
-                            const at::Tensor& bias, int64_t state_address) {
+                            const at::Tensor& bias, int64_t state_address, at::ScalarType out_dtype) {
     auto& state = *reinterpret_cast<Fp8LinearState*>(state_address);
-    const at::Tensor x_inverse = state.input.inverse();  // before the updates: the scales these bytes were made with
-    const at::Tensor w_inverse = state.weight.inverse();
-    const at::Tensor xq = fp8_quantize_recorded(x2, state.input);      // (M, K) e4m3
-    const at::Tensor wq = fp8_quantize_recorded(weight, state.weight);  // (N, K) e4m3
-    at::Tensor y = fp8_matmul_nt(xq, x_inverse, wq, w_inverse, x2.scalar_type());
-    if (bias.defined()) y = y + bias.to(y.scalar_type());
-    ctx->save_for_backward({xq, wq, x_inverse, w_inverse});
+    const bool has_bias = bias.numel() > 0;  // empty: none (fp8_linear)
+    const Fp8ScaledTensor xq = state.input.quantize_transposed(x2);      // (M, K) e4m3, and (K, M)
+    const Fp8ScaledTensor wq = state.weight.quantize_transposed(weight);  // (N, K) e4m3, and (K, N)
+    at::Tensor y = fp8_matmul_nt(xq.data, xq.inverse, wq.data, wq.inverse, out_dtype,
+                                 has_bias ? bias : at::Tensor(), /*fast=*/true);
+    // Backward's operands: the transposes (the FP8 product takes row-major operands only).
+    ctx->save_for_backward({xq.data_t, wq.data_t, xq.inverse, wq.inverse});
     ctx->saved_data["state"] = state_address;
     ctx->saved_data["x_dtype"] = x2.scalar_type();
     ctx->saved_data["w_dtype"] = weight.scalar_type();
-    ctx->saved_data["bias"] = bias.defined();
-    ctx->saved_data["bias_dtype"] = bias.defined() ? bias.scalar_type() : at::kFloat;
+    ctx->saved_data["bias"] = has_bias;
+    ctx->saved_data["bias_dtype"] = bias.scalar_type();
     return y;
   }
 
@@ -54,20 +54,19 @@ class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
                                                  torch::autograd::variable_list grads) {
     auto& state = *reinterpret_cast<Fp8LinearState*>(ctx->saved_data["state"].toInt());
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &xq = saved[0], &wq = saved[1], &x_inverse = saved[2], &w_inverse = saved[3];
+    const at::Tensor &xq_t = saved[0], &wq_t = saved[1], &x_inverse = saved[2], &w_inverse = saved[3];
     const at::Tensor g = grads[0].contiguous();  // (M, N)
-    const at::Tensor g_inverse = state.grad.inverse();
-    const at::Tensor gq = fp8_quantize_recorded(g, state.grad);  // (M, N) e5m2
-    // dx = g·W: W's rows are its columns here, so the transposed copy (K, N) is the row-major second operand.
-    const at::Tensor dx = fp8_matmul_nt(gq, g_inverse, wq.t(), w_inverse, ctx->saved_data["x_dtype"].toScalarType());
-    // dW = gᵀ·x: (N, M) times the (K, M) rows of xᵀ.
-    const at::Tensor dw = fp8_matmul_nt(gq.t(), g_inverse, xq.t(), x_inverse, at::kFloat)
+    const Fp8ScaledTensor gq = state.grad.quantize_transposed(g);  // (M, N) e5m2, and (N, M)
+    // dx = g·W: (M, N) times the (K, N) rows of Wᵀ.
+    const at::Tensor dx = fp8_matmul_nt(gq.data, gq.inverse, wq_t, w_inverse, ctx->saved_data["x_dtype"].toScalarType());
+    // dW = gᵀ·x: (N, M) rows of gᵀ times the (K, M) rows of xᵀ.
+    const at::Tensor dw = fp8_matmul_nt(gq.data_t, gq.inverse, xq_t, x_inverse, at::kFloat)
                               .to(ctx->saved_data["w_dtype"].toScalarType());
     at::Tensor db;
     if (ctx->saved_data["bias"].toBool()) {
-      db = g.to(at::kFloat).sum(0).to(ctx->saved_data["bias_dtype"].toScalarType());
+      db = g.sum(0, /*keepdim=*/false, at::kFloat).to(ctx->saved_data["bias_dtype"].toScalarType());
     }
-    return {dx, dw, db, at::Tensor()};
+    return {dx, dw, db, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -89,7 +88,8 @@ bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight) {
          weight.size(1) % kScaledMmMultiple == 0;
 }
 
-at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8LinearState& state) {
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8LinearState& state,
+                      std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(fp8_linear_applies(x, weight), "fp8_linear: x ", x.sizes(), " (", x.scalar_type(), ", ", x.device(),
               ") and weight ", weight.sizes(), " (", weight.device(), ") are not an FP8 linear layer's "
               "(fp8_linear_applies)");
@@ -99,23 +99,85 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   out_shape.back() = weight.size(0);
   const at::Tensor x2 = x.reshape({-1, x.size(-1)});
   const auto address = reinterpret_cast<int64_t>(&state);
-  return Fp8LinearFunction::apply(x2, weight, bias, address).view(out_shape);
+  // No bias: an empty tensor in its place (a custom Function takes no undefined tensor input).
+  const at::Tensor b = bias.defined() ? bias : at::empty({0}, weight.options());
+  return Fp8LinearFunction::apply(x2, weight, b, address, out_dtype.value_or(x.scalar_type())).view(out_shape);
 }
 
 at::Tensor Fp8Linears::forward(torch::nn::LinearImpl& layer, const at::Tensor& x) {
   const c10::DeviceType type = x.device().type();
-  const at::Tensor input = at::autocast::is_autocast_enabled(type) && x.is_floating_point()
-                               ? x.to(at::autocast::get_autocast_dtype(type))
-                               : x;
-  if (!fp8_linear_applies(input, layer.weight)) return at::Tensor();
-  auto& state = states_[&layer];
-  if (!state) state = std::make_unique<Fp8LinearState>(options_, input.device());
-  return fp8_linear(input, layer.weight, layer.bias, *state);
+  const bool autocast = at::autocast::is_autocast_enabled(type) && x.is_floating_point();
+  if (!fp8_linear_applies(x, layer.weight)) return at::Tensor();
+  Fp8LinearState& state = state_for(layer, x.device());
+  // The quantization reads x in its own dtype (a float32 LayerNorm output is not cast first); the output has
+  // autocast's dtype, and x's gradient x's dtype.
+  return fp8_linear(x, layer.weight, layer.bias, state,
+                    autocast ? std::optional<at::ScalarType>(at::autocast::get_autocast_dtype(type)) : std::nullopt);
 }
 
 const Fp8LinearState* Fp8Linears::state_of(const torch::nn::LinearImpl& layer) const {
   const auto it = states_.find(&layer);
   return it == states_.end() ? nullptr : it->second.get();
+}
+
+Fp8LinearState& Fp8Linears::state_for(const torch::nn::LinearImpl& layer, const c10::Device& device) {
+  auto& state = states_[&layer];
+  if (!state) state = std::make_unique<Fp8LinearState>(options_, device);
+  return *state;
+}
+
+namespace {
+
+// A layer's three scales by their part names.
+std::vector<std::pair<const char*, const Fp8DeviceScale*>> fp8_parts(const Fp8LinearState& s) {
+  return {{"input", &s.input}, {"weight", &s.weight}, {"grad", &s.grad}};
+}
+
+}  // namespace
+
+void Fp8Linears::layers_name(torch::nn::Module& model) {
+  names_.clear();
+  for (const auto& item : model.named_modules()) {
+    if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(item.value().get())) {
+      names_.emplace_back(linear, item.key());
+    }
+  }
+}
+
+NamedTensors Fp8Linears::state() const {
+  NamedTensors out;
+  for (const auto& [layer, name] : names_) {
+    const auto it = states_.find(layer);
+    if (it == states_.end()) continue;
+    for (const auto& [part, scale] : fp8_parts(*it->second)) {
+      for (const auto& [key, t] : scale->tensors()) out.emplace_back(str_cat("fp8.", name, ".", part, ".", key), t);
+    }
+  }
+  return out;
+}
+
+void Fp8Linears::restore(const NamedTensors& stored, const std::string& path) {
+  size_t matched = 0;
+  for (const auto& [layer, name] : names_) {
+    const std::string prefix = str_cat("fp8.", name, ".");
+    NamedTensors mine;
+    for (const auto& entry : stored) {
+      if (entry.first.rfind(prefix, 0) == 0 && entry.first.find('.', prefix.size()) != std::string::npos &&
+          entry.first.find('.', entry.first.find('.', prefix.size()) + 1) == std::string::npos) {
+        mine.push_back(entry);
+      }
+    }
+    if (mine.empty()) continue;
+    NamedTensors live;
+    for (const auto& [part, scale] : fp8_parts(state_for(*layer, layer->weight.device()))) {
+      for (const auto& [key, t] : scale->tensors()) live.emplace_back(str_cat(prefix, part, ".", key), t);
+    }
+    named_tensors_load(live, mine, "fp8 scales", path);
+    matched += mine.size();
+  }
+  TRIACCEL_CHECK_INPUT(matched == stored.size(), "checkpoint ", path, " holds fp8 scales of ", stored.size() - matched,
+                       " tensors no linear layer of this model has (another model's checkpoint); resume from this "
+                       "model's own run");
 }
 
 }  // namespace triaccel

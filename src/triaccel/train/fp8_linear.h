@@ -18,7 +18,11 @@
 #include <c10/core/Device.h>
 
 #include <memory>
+#include <optional>
+#include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace triaccel {
 
@@ -35,15 +39,18 @@ struct Fp8LinearState {
 // (N, K); on CUDA, K, N and the rows of x (the product of its leading dimensions) multiples of 16.
 bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
 
-// x (..., K), weight (N, K), bias (N) or undefined → (..., N) in x's dtype, differentiable in x, weight and bias.
-// `state` must outlive the backward of the graph this call records.
-at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8LinearState& state);
+// x (..., K), weight (N, K), bias (N) or undefined → (..., N) in out_dtype (default: x's), differentiable in x,
+// weight and bias (x's gradient in x's dtype). The forward product uses Hopper's fast FP8 accumulation, the two
+// gradient products full-precision accumulation; a bias of the output's 16-bit dtype is added in the product's
+// epilogue. `state` must outlive the backward of the graph this call records.
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8LinearState& state,
+                      std::optional<at::ScalarType> out_dtype = std::nullopt);
 
 // The built-in models' linear layers in FP8 while installed (LinearOverrideScope, models/linear.h): each layer that
 // fp8_linear applies to gets its own Fp8LinearState the first time it runs (so its first forward should be an eager
 // one, before a CUDA graph's capture), kept for as long as this object lives; the others run their own forward.
-// Under autocast the input is first cast to autocast's dtype, as autocast's linear would (a LayerNorm's output is
-// float32 there), so the output has the dtype an autocast linear gives.
+// Under autocast the output has autocast's dtype, as autocast's linear gives; the input is quantized from its own
+// dtype (a LayerNorm's float32 output there) with no cast before.
 class Fp8Linears final : public LinearOverride {
  public:
   explicit Fp8Linears(Fp8ScaleOptions options) : options_(options) { options_.validate(); }
@@ -51,9 +58,20 @@ class Fp8Linears final : public LinearOverride {
   size_t layers() const { return states_.size(); }  // the layers that ran in FP8 so far
   const Fp8LinearState* state_of(const torch::nn::LinearImpl& layer) const;
 
+  // Checkpoints: the linear layers of `model` by their names in it (once, before state() or restore()).
+  void layers_name(torch::nn::Module& model);
+  // The scales of the layers that ran, "fp8.<layer>.<input|weight|grad>.<ring|next|scale>" (live tensors).
+  NamedTensors state() const;
+  // The scales state() gave, each layer's state made now (on its weight's device) and loaded; UserError naming
+  // `path` for an entry no linear layer of the model has.
+  void restore(const NamedTensors& stored, const std::string& path);
+
  private:
+  Fp8LinearState& state_for(const torch::nn::LinearImpl& layer, const c10::Device& device);
+
   Fp8ScaleOptions options_;
   std::unordered_map<const torch::nn::LinearImpl*, std::unique_ptr<Fp8LinearState>> states_;
+  std::vector<std::pair<const torch::nn::LinearImpl*, std::string>> names_;  // layers_name, in the model's order
 };
 
 }  // namespace triaccel

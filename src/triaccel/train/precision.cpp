@@ -12,6 +12,16 @@ PrecisionMode precision_mode_of(Precision p) {
                                  : PrecisionMode::kAmpFP16;
 }
 
+at::ScalarType autocast_dtype(PrecisionMode mode) {
+  switch (mode) {
+    case PrecisionMode::kFP32: return at::kFloat;
+    case PrecisionMode::kAmpFP16: return at::kHalf;
+    case PrecisionMode::kAmpBF16:
+    case PrecisionMode::kAmpFP8: return at::kBFloat16;
+  }
+  return at::kFloat;
+}
+
 AutocastScope::AutocastScope(const c10::Device& device, PrecisionMode precision)
     : type_(device.type()),
       prev_enabled_(at::autocast::is_autocast_enabled(device.type())),
@@ -19,7 +29,7 @@ AutocastScope::AutocastScope(const c10::Device& device, PrecisionMode precision)
       active_(precision != PrecisionMode::kFP32) {
   if (!active_) return;
   at::autocast::set_autocast_enabled(type_, true);
-  at::autocast::set_autocast_dtype(type_, precision == PrecisionMode::kAmpBF16 ? at::kBFloat16 : at::kHalf);
+  at::autocast::set_autocast_dtype(type_, autocast_dtype(precision));
   // No weight-cast cache: a cached cast would be baked into a captured graph with stale values.
   at::autocast::set_autocast_cache_enabled(false);
   at::autocast::increment_nesting();

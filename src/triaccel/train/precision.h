@@ -1,4 +1,5 @@
-// Precision: the run's mode (fp32, or automatic mixed precision in bf16 or fp16 with fp32 master weights), the per-unit
+// Precision: the run's mode (fp32, or automatic mixed precision in bf16 or fp16 with fp32 master weights, or amp-fp8:
+// amp-bf16 with the built-in models' linear layers in FP8, train/fp8_linear.h), the per-unit
 // precisions Tri-Accel decides, autocast scoped to a block of code, and the forward of a model whose units run at
 // their own precisions.
 #pragma once
@@ -15,15 +16,17 @@
 namespace triaccel {
 
 // A run's precision mode (the `precision` option).
-enum class PrecisionMode { kFP32, kAmpBF16, kAmpFP16 };
+enum class PrecisionMode { kFP32, kAmpBF16, kAmpFP16, kAmpFP8 };
 
 template <>
 struct EnumNames<PrecisionMode> {
   static constexpr EnumName<PrecisionMode> kNames[] = {{PrecisionMode::kFP32, "fp32"},
                                                        {PrecisionMode::kAmpBF16, "amp-bf16"},
                                                        {PrecisionMode::kAmpFP16, "amp-fp16"},
+                                                       {PrecisionMode::kAmpFP8, "amp-fp8"},
                                                        {PrecisionMode::kAmpBF16, "bf16"},
-                                                       {PrecisionMode::kAmpFP16, "fp16"}};
+                                                       {PrecisionMode::kAmpFP16, "fp16"},
+                                                       {PrecisionMode::kAmpFP8, "fp8"}};
 };
 
 // One unit's compute precision (Tri-Accel's per-unit decision). Ordered: a promotion moves up.
@@ -34,6 +37,11 @@ struct EnumNames<Precision> {
   static constexpr EnumName<Precision> kNames[] = {
       {Precision::kFP16, "fp16"}, {Precision::kBF16, "bf16"}, {Precision::kFP32, "fp32"}};
 };
+
+// The 16-bit dtype a mode autocasts to (amp-fp8: bf16, around its FP8 linears); fp32: none (kFloat).
+at::ScalarType autocast_dtype(PrecisionMode mode);
+// Whether the mode runs the linear layers the FP8 product takes in FP8 (amp-fp8).
+inline bool fp8_linears(PrecisionMode mode) { return mode == PrecisionMode::kAmpFP8; }
 
 // The autocast dtype of a unit precision (fp32: no autocast).
 PrecisionMode precision_mode_of(Precision p);

@@ -1,5 +1,7 @@
 #include "triaccel/train/step.h"
 
+#include "triaccel/core/errors.h"
+#include "triaccel/train/fp8_linear.h"
 #include "triaccel/train/recompute.h"
 
 #include <ATen/ATen.h>
@@ -62,6 +64,10 @@ TrainStep::TrainStep(Model& model, Optimizer& optimizer, LossScaler& scaler, Ste
   }
   if (options_.fault_injection || options_.grad_reduce.start) loss_factor_ = at::ones({1}, f32);
   if (options_.fault_injection) grad_fault_ = at::zeros({1}, f32);
+  if (fp8_linears(options_.precision)) {
+    fp8_ = std::make_unique<Fp8Linears>(options_.fp8);
+    fp8_->layers_name(model_);
+  }
 }
 
 bool TrainStep::last_step_skipped() const { return scaler_.found_inf().item<float>() != 0; }
@@ -119,6 +125,16 @@ void TrainStep::set_fault(FaultKind kind) {
 }
 
 TrainStep::~TrainStep() = default;
+
+size_t TrainStep::fp8_layers() const { return fp8_ ? fp8_->layers() : 0; }
+
+NamedTensors TrainStep::fp8_state() const { return fp8_ ? fp8_->state() : NamedTensors(); }
+
+void TrainStep::fp8_restore(const NamedTensors& stored, const std::string& path) {
+  if (stored.empty()) return;
+  TRIACCEL_CHECK_INPUT(fp8_ != nullptr, "checkpoint ", path, " holds fp8 scales, and this run is not amp-fp8");
+  fp8_->restore(stored, path);
+}
 
 void TrainStep::metrics_reset() {
   loss_sum_.zero_();
@@ -209,6 +225,8 @@ void TrainStep::update(const at::Tensor& loss_total, const at::Tensor& correct_t
 }
 
 at::Tensor TrainStep::forward(const at::Tensor& images) {
+  // amp-fp8: the model's linear layers FP8 takes (null: their own forward).
+  const LinearOverrideScope fp8(fp8_.get());
   if (recompute_.empty()) {
     if (unit_precisions_.empty()) {
       const AutocastScope autocast(device_, options_.precision);
@@ -241,6 +259,7 @@ at::Tensor TrainStep::unit_forward(size_t u, const at::Tensor& x) const {
                                  ? options_.precision
                                  : precision_mode_of(precision_applied(unit_precisions_[u], device_));
   const AutocastScope autocast(device_, mode);
+  const LinearOverrideScope fp8(fp8_.get());  // set here too: a recompute in backward runs on autograd's thread
   return model_.units()[u].forward(x);
 }
 

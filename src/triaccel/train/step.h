@@ -12,9 +12,11 @@
 // are recomputed in backward instead of keeping their activations (train/recompute.h).
 #pragma once
 
+#include "triaccel/core/named_tensors.h"
 #include "triaccel/models/model.h"
 #include "triaccel/optim/optimizer.h"
 #include "triaccel/train/faults.h"
+#include "triaccel/train/fp8.h"
 #include "triaccel/train/grad_buckets.h"
 #include "triaccel/train/grad_stats.h"
 #include "triaccel/train/loss_scaler.h"
@@ -32,8 +34,11 @@
 
 namespace triaccel {
 
+class Fp8Linears;  // train/fp8_linear.h
+
 struct StepOptions {
   PrecisionMode precision = PrecisionMode::kFP32;
+  Fp8ScaleOptions fp8;  // amp-fp8: the delayed scales of its linear layers
   bool cuda_graphs = true;
   int64_t graph_batch_size = 0;   // the batch size to capture (0: none)
   int64_t warmup_steps = 3;       // eager steps at graph_batch_size before capture
@@ -141,6 +146,12 @@ class TrainStep {
   // The window's per-unit mean statistics, (U, kGradStatsColumns) float32 on the CPU (syncs), and resets the sums.
   at::Tensor grad_stats_take();
 
+  // amp-fp8: the linear layers that ran in FP8 so far (0 in other modes), and their delayed scales for a checkpoint
+  // (Fp8Linears::state: empty in other modes) and back (before the first step; UserError naming `path`).
+  size_t fp8_layers() const;
+  NamedTensors fp8_state() const;
+  void fp8_restore(const NamedTensors& stored, const std::string& path);
+
   // Drops the parameters' gradients (zero_grad(set_to_none=True)); every step makes fresh ones. Between epochs this
   // frees what the last step left (its gradients, in the graph's pool after a short batch) for the evaluation.
   void grads_release();
@@ -180,6 +191,9 @@ class TrainStep {
   at::Tensor grad_stats_sum_;    // (U, kGradStatsColumns) float32 on device
   at::Tensor grad_stats_steps_;  // (1) float32: non-skipped steps summed
   std::unique_ptr<GradBuckets> grad_buckets_;  // data parallelism (options_.grad_reduce.start set)
+  // amp-fp8: the FP8 linear layers' states (created at each layer's first forward, an eager one before the capture),
+  // installed around every forward. A recomputed unit's second forward records its amaxes again.
+  std::unique_ptr<Fp8Linears> fp8_;
   StepGraph graph_;
 };
 

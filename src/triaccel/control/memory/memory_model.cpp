@@ -38,9 +38,10 @@ double positions(const at::Tensor& out) {
 
 Precision unit_precision(const MemoryModelInputs& in, size_t u, const c10::Device& device) {
   if (!in.unit_precisions.empty()) return precision_applied(in.unit_precisions[u], device);
-  return in.precision == PrecisionMode::kFP32     ? Precision::kFP32
-         : in.precision == PrecisionMode::kAmpBF16 ? Precision::kBF16
-                                                   : Precision::kFP16;
+  // amp-fp8: priced as amp-bf16 (its FP8 linears keep their inputs in 1 byte, not 2: the price is an upper bound).
+  return in.precision == PrecisionMode::kFP32       ? Precision::kFP32
+         : in.precision == PrecisionMode::kAmpFP16 ? Precision::kFP16
+                                                   : Precision::kBF16;
 }
 
 // The allocator's peak over forward + backward of the whole model at kTraceSmall and kTraceLarge samples: its slope
