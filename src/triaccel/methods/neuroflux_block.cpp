@@ -179,7 +179,7 @@ bool BlockTrainer::step_retry(const StepOutcome& oom, int64_t count) {
   }
   TRIACCEL_CHECK_INPUT(dist || retry > 0, "out of memory in NeuroFlux block ", b_, " at batch ", batch_, " with ",
                        bytes_format(fixed_bytes_), " needed at any batch; raise ", option_ref("vram_budget"));
-  const int64_t batch = same_batch && !dist ? count : batch_;  // one process: a step beside the pool at its samples
+  const int64_t batch = same_batch && !dist ? count : batch_;  // the event's; one process: beside the pool, its samples
   Json fields = oom.own ? oom.own->fields() : Json::object();  // data parallel: rank 0's own reading, when it ran out
   fields.update(Json{{"block", b_}, {"batch", batch}, {"retry_batch", same_batch ? batch : retry}});
   if (dist) fields["ranks"] = oom.ranks;

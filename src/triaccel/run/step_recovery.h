@@ -54,7 +54,7 @@ struct StepOutcome {
   bool beside_pool = false;    // a rank ran out beside the captured graph's pool
   int64_t batch = 0;           // the smallest batch a rank that ran out proposes
   std::optional<OomReading> own;  // this rank's reading, when its step ran out
-  Json ranks;       // data parallel: the ranks that ran out as the oom event lists them (StepAgreement); null: one process
+  Json ranks;       // data parallel: the ranks that ran out, as the oom event lists them (null: one process)
   std::string who;  // data parallel: the same ranks as a line names them ("rank 1 of 2")
 };
 
@@ -67,7 +67,8 @@ class StepRecovery {
   // Data parallel: the stop request and whether a checkpoint is due after the last step, agreed with it; empty in one
   // process and after a step that ran out of memory (a stop or a checkpoint waits for a step that ran).
   const std::optional<std::pair<StopRequest, bool>>& agreed() const { return agreed_; }
-  // Ends the run on every rank alike: the oom event of `fields` with action "stopped" at `step`, then a UserError.
+  // Ends the run, called on every rank alike: the oom event of `fields` with action "stopped" at `step` (rank 0
+  // writes it), then a UserError of `message`.
   [[noreturn]] void stop(int64_t step, Json fields, const std::string& message);
 
  private:
