@@ -161,6 +161,32 @@ __device__ __forceinline__ int tree_first_stride(int row_lanes) {
   return s >> 1;
 }
 
+// The row-lane tree of a block's reduction, in a fixed order: at each stride s an active thread in the lower half
+// calls merge(other), which folds the shared slots of thread `other` (s row lanes further) into its own; row lane 0
+// of each column ends with the block's total.
+template <class Merge>
+__device__ __forceinline__ void row_lanes_merge(const Place& p, const Tiling& t, Merge merge) {
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int s = tree_first_stride(t.row_lanes); s > 0; s >>= 1) {
+    if (p.active && p.row_lane < s && p.row_lane + s < t.row_lanes) merge(tid + s * t.lanes);
+    __syncthreads();
+  }
+}
+
+// Row lane 0 of each column stores its kVec channels' block totals (a, b), read from shared slots laid out
+// [k][thread], into partial (C, G) float2.
+template <int kVec>
+__device__ __forceinline__ void partial_store(float2* __restrict__ partial, const Place& p, const Tiling& t,
+                                              const float* a, const float* b) {
+  if (!p.active || p.row_lane != 0) return;
+  const int tid = static_cast<int>(threadIdx.x);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    partial[static_cast<int64_t>(p.c0 + k) * t.row_blocks + blockIdx.y] =
+        make_float2(a[k * kThreads + tid], b[k * kThreads + tid]);
+  }
+}
+
 // ---- forward ----
 
 // partial: (C, G) float2 [mean, M2] of each channel over the block's rows.
@@ -219,29 +245,19 @@ __global__ void __launch_bounds__(kThreads) bn_stats_kernel(const uint16_t* __re
   }
   sh_n[tid] = n;
   __syncthreads();
-  for (int s = tree_first_stride(t.row_lanes); s > 0; s >>= 1) {
-    if (p.active && p.row_lane < s && p.row_lane + s < t.row_lanes) {
-      const int other = tid + s * t.lanes;
-      float n_self = sh_n[tid];
-      const float n_other = sh_n[other];
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        float mean = sh_mean[k * kThreads + tid], m2 = sh_m2[k * kThreads + tid], n_k = n_self;
-        chan_merge(mean, m2, n_k, sh_mean[k * kThreads + other], sh_m2[k * kThreads + other], n_other);
-        sh_mean[k * kThreads + tid] = mean;
-        sh_m2[k * kThreads + tid] = m2;
-      }
-      sh_n[tid] = n_self + n_other;
-    }
-    __syncthreads();
-  }
-  if (p.active && p.row_lane == 0) {
+  row_lanes_merge(p, t, [&](int other) {
+    const float n_self = sh_n[tid];
+    const float n_other = sh_n[other];
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      partial[static_cast<int64_t>(p.c0 + k) * t.row_blocks + blockIdx.y] =
-          make_float2(sh_mean[k * kThreads + tid], sh_m2[k * kThreads + tid]);
+      float mean = sh_mean[k * kThreads + tid], m2 = sh_m2[k * kThreads + tid], n_k = n_self;
+      chan_merge(mean, m2, n_k, sh_mean[k * kThreads + other], sh_m2[k * kThreads + other], n_other);
+      sh_mean[k * kThreads + tid] = mean;
+      sh_m2[k * kThreads + tid] = m2;
     }
-  }
+    sh_n[tid] = n_self + n_other;
+  });
+  partial_store<kVec>(partial, p, t, sh_mean, sh_m2);
 }
 
 // One block per channel: merges the G partials in a fixed order, updates the running stats, writes stats (4, C).
@@ -332,6 +348,37 @@ __device__ __forceinline__ void masked_grad(float (&g)[kVec], const float (&xv)[
   }
 }
 
+// A thread's rows of dy and x, kUnroll rows loaded before any is used: visit(row, g, xv) for each of them in order,
+// g = dy masked by the fused ReLU (masked_grad), xv = x.
+template <class E, int kVec, bool kRelu, class Visit>
+__device__ __forceinline__ void grad_rows_walk(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x,
+                                               const Place& p, const Tiling& t, const float (&scale)[kVec],
+                                               const float (&shift)[kVec], Visit visit) {
+  const int64_t C = t.channels;
+  const int64_t step = t.row_lanes;
+  int64_t m = p.begin;
+  for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
+    float g[kUnroll][kVec], xv[kUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      vec_load<E, kVec>(dy + (m + u * step) * C + p.c0, g[u]);
+      vec_load<E, kVec>(x + (m + u * step) * C + p.c0, xv[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      masked_grad<E, kVec, kRelu>(g[u], xv[u], scale, shift);
+      visit(m + u * step, g[u], xv[u]);
+    }
+  }
+  for (; m < p.end; m += step) {
+    float g[kVec], xv[kVec];
+    vec_load<E, kVec>(dy + m * C + p.c0, g);
+    vec_load<E, kVec>(x + m * C + p.c0, xv);
+    masked_grad<E, kVec, kRelu>(g, xv, scale, shift);
+    visit(m, g, xv);
+  }
+}
+
 // partial: (C, G) float2 [Σg, Σg·(x − mean)] of each channel over the block's rows.
 template <class E, int kVec, bool kRelu>
 __global__ void __launch_bounds__(kThreads)
@@ -351,36 +398,14 @@ __global__ void __launch_bounds__(kThreads)
         shift[k] = stats[kBatchNormShift * C + p.c0 + k];
       }
     }
-    const int64_t step = t.row_lanes;
-    int64_t m = p.begin;
-    for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
-      float g[kUnroll][kVec], xv[kUnroll][kVec];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        vec_load<E, kVec>(dy + (m + u * step) * C + p.c0, g[u]);
-        vec_load<E, kVec>(x + (m + u * step) * C + p.c0, xv[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        masked_grad<E, kVec, kRelu>(g[u], xv[u], scale, shift);
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          sum_g[k] += g[u][k];
-          sum_gx[k] = fmaf(g[u][k], xv[u][k] - mean[k], sum_gx[k]);
-        }
-      }
-    }
-    for (; m < p.end; m += step) {
-      float g[kVec], xv[kVec];
-      vec_load<E, kVec>(dy + m * C + p.c0, g);
-      vec_load<E, kVec>(x + m * C + p.c0, xv);
-      masked_grad<E, kVec, kRelu>(g, xv, scale, shift);
+    const auto sum = [&](int64_t, const float (&g)[kVec], const float (&xv)[kVec]) {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         sum_g[k] += g[k];
         sum_gx[k] = fmaf(g[k], xv[k] - mean[k], sum_gx[k]);
       }
-    }
+    };
+    grad_rows_walk<E, kVec, kRelu>(dy, x, p, t, scale, shift, sum);
   }
 
   __shared__ float sh_g[kVec * kThreads];
@@ -392,24 +417,14 @@ __global__ void __launch_bounds__(kThreads)
     sh_gx[k * kThreads + tid] = sum_gx[k];
   }
   __syncthreads();
-  for (int s = tree_first_stride(t.row_lanes); s > 0; s >>= 1) {
-    if (p.active && p.row_lane < s && p.row_lane + s < t.row_lanes) {
-      const int other = tid + s * t.lanes;
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        sh_g[k * kThreads + tid] += sh_g[k * kThreads + other];
-        sh_gx[k * kThreads + tid] += sh_gx[k * kThreads + other];
-      }
-    }
-    __syncthreads();
-  }
-  if (p.active && p.row_lane == 0) {
+  row_lanes_merge(p, t, [&](int other) {
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      partial[static_cast<int64_t>(p.c0 + k) * t.row_blocks + blockIdx.y] =
-          make_float2(sh_g[k * kThreads + tid], sh_gx[k * kThreads + tid]);
+      sh_g[k * kThreads + tid] += sh_g[k * kThreads + other];
+      sh_gx[k * kThreads + tid] += sh_gx[k * kThreads + other];
     }
-  }
+  });
+  partial_store<kVec>(partial, p, t, sh_g, sh_gx);
 }
 
 // One block per channel: fixed-order sums of the partials → dweight, dbias and coef (3, C) [k1, kx, k0] with
@@ -468,32 +483,12 @@ __global__ void __launch_bounds__(kThreads)
     kx[k] = coef[1 * C + p.c0 + k];
     k0[k] = coef[2 * C + p.c0 + k];
   }
-  const int64_t step = t.row_lanes;
-  int64_t m = p.begin;
-  for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
-    float g[kUnroll][kVec], xv[kUnroll][kVec];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      vec_load<E, kVec>(dy + (m + u * step) * C + p.c0, g[u]);
-      vec_load<E, kVec>(x + (m + u * step) * C + p.c0, xv[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      masked_grad<E, kVec, kRelu>(g[u], xv[u], scale, shift);
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) g[u][k] = fmaf(k1[k], g[u][k], fmaf(kx[k], xv[u][k] - mean[k], k0[k]));
-      vec_store<E, kVec>(dx + (m + u * step) * C + p.c0, g[u]);
-    }
-  }
-  for (; m < p.end; m += step) {
-    float g[kVec], xv[kVec];
-    vec_load<E, kVec>(dy + m * C + p.c0, g);
-    vec_load<E, kVec>(x + m * C + p.c0, xv);
-    masked_grad<E, kVec, kRelu>(g, xv, scale, shift);
+  const auto store = [&](int64_t m, float (&g)[kVec], const float (&xv)[kVec]) {
 #pragma unroll
     for (int k = 0; k < kVec; ++k) g[k] = fmaf(k1[k], g[k], fmaf(kx[k], xv[k] - mean[k], k0[k]));
     vec_store<E, kVec>(dx + m * C + p.c0, g);
-  }
+  };
+  grad_rows_walk<E, kVec, kRelu>(dy, x, p, t, scale, shift, store);
 }
 
 // ---- launchers (raw pointers, explicit stream) ----

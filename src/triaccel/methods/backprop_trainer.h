@@ -23,6 +23,7 @@
 #include "triaccel/optim/optimizer.h"
 #include "triaccel/run/memory_setup.h"
 #include "triaccel/run/session.h"
+#include "triaccel/run/step_recovery.h"
 #include "triaccel/train/faults.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/schedule.h"
@@ -73,18 +74,11 @@ class BackpropTrainer : private MemoryMeter {
   // The loop.
   bool epoch();                            // false: stopped inside the epoch
   Attempt step_with_recovery(int64_t count);
-  // A step that ran out of memory: on this rank (one process), or on some ranks, as every rank agreed (data parallel).
-  struct OomSeen {
-    bool beside_pool = false;  // an eager step of another size beside the captured graph's pool ran out
-    Json ranks;                // data parallel: [{rank, allocated_gb, reserved_gb}] of the ranks that ran out
-  };
-  // Data parallel: the step's stop agreement (one round trip, which the loop then uses: agreed_), carrying whether
-  // each rank's step ran out of memory. Empty when none did; else, after every rank put back what the failed step
-  // changed (TrainStep::failed_step_restore), what the ranks saw, for every rank's same recovery. Every rank stops
-  // with one line when a failing rank could not make its step a skipped one (`unskippable`).
-  std::optional<OomSeen> step_agreed(bool failed, bool unskippable, bool beside_pool, const MemoryStats& at_failure);
-  // The retry every rank makes alike: a released graph, a precision raise refused, a new plan or a smaller batch.
-  Attempt on_out_of_memory(FaultKind fault, int64_t count, const OomSeen& seen);
+  // A step that ran out of memory (on this rank, or as every rank agreed: data parallel): every rank stops with one
+  // line when a failing rank could not make its step a skipped one; else, after every rank put back what the failed
+  // step changed (TrainStep::failed_step_restore), the retry every rank makes alike: a released graph, a precision
+  // raise refused, a new plan or a smaller batch.
+  Attempt on_out_of_memory(FaultKind fault, int64_t count, const StepOutcome& oom);
   Attempt on_skipped_step(FaultKind fault, int64_t count);
   void after_step(int64_t count);
   void fp8_say();  // amp-fp8, after the first step: how many linear layers compute in FP8
@@ -167,7 +161,7 @@ class BackpropTrainer : private MemoryMeter {
   bool retried_at_min_ = false;            // an out-of-memory retry at the minimum batch is allowed once in a row
   int64_t attempt_ = 0;                    // attempts at the current step (retries keep its samples)
   int64_t skips_in_a_row_ = 0;             // skipped attempts at the current samples
-  std::optional<std::pair<StopRequest, bool>> agreed_;  // data parallel: the last step's stop agreement (step_agreed)
+  StepRecovery recovery_{session_};         // the step's out-of-memory recovery; data parallel: its stop agreement
   bool stopped_ = false;
   std::string stop_reason_;                // why it stopped early: max_steps, sigint, sigterm
 };

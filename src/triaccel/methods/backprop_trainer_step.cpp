@@ -1,6 +1,6 @@
 // The BackpropTrainer's loop (methods/backprop_trainer.h): epochs of steps, each step with its recovery (an
-// out-of-memory error, a skipped inf/NaN step, injected faults; with several ranks, agreed by all), the controllers
-// after every step, and the readings the controllers take through the BackpropTrainer.
+// out-of-memory error through run/step_recovery.h, with several ranks agreed by all; a skipped inf/NaN step, injected
+// faults), the controllers after every step, and the readings the controllers take through the BackpropTrainer.
 #include "triaccel/methods/backprop_trainer.h"
 #include "triaccel/methods/backprop_trainer_progress.h"
 
@@ -19,7 +19,7 @@
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/run/component_options.h"
 #include "triaccel/run/memory_setup.h"
-#include "triaccel/run/step_agreement.h"
+#include "triaccel/run/step_recovery.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/param_shards.h"
 #include "triaccel/train/rng.h"
@@ -87,8 +87,8 @@ bool BackpropTrainer::epoch() {
     after_step(count);
     const bool last_in_epoch = p.epoch_offset >= train_loader_.size();
     if (config_.schedule.max_steps > 0 && p.step >= config_.schedule.max_steps) stop_reason_ = "max_steps";
-    // Data parallel: agreed with the step's out-of-memory agreement (step_agreed), in its one round trip.
-    const auto [stop, checkpoint_due] = agreed_ ? *std::exchange(agreed_, std::nullopt) : session_.stop_agreed(p.step);
+    // Data parallel: agreed with the step's outcome (StepRecovery), in its one round trip.
+    const auto [stop, checkpoint_due] = recovery_.agreed() ? *recovery_.agreed() : session_.stop_agreed(p.step);
     if (stop != StopRequest::kNone) stop_reason_ = stop_reason(stop);
     if (!stop_reason_.empty()) {
       stopped_ = true;
@@ -118,10 +118,8 @@ BackpropTrainer::Attempt BackpropTrainer::step_with_recovery(int64_t count) {
                     lr_scale_for_batch(batch_rules_.lr_rule, p.batch, config_.schedule.batch_size);
   last_lr_ = lr;
   FaultKind fault = FaultKind::kNone;
-  agreed_.reset();
-  const bool dist = session_.dist().active();
-  bool failed = false;
-  try {  // loading the batch allocates too (resize, augmentation): under a budget it can run out of memory
+  RecoverableStep step;
+  step.body = [&] {  // loading the batch allocates too (resize, augmentation): under a budget it can run out of memory
     if (local > 0) {
       TRIACCEL_PROFILE_RANGE("triaccel::batch");
       train_loader_.batch_into(p.epoch_offset + shard_offset_, local, images, labels);
@@ -142,23 +140,18 @@ BackpropTrainer::Attempt BackpropTrainer::step_with_recovery(int64_t count) {
       step_->run(images, labels, lr);
     }
     context_trace("a training step");
-  } catch (const c10::OutOfMemoryError&) {
+  };
+  // An eager step of another size beside the graph's private pool: not the plan's error.
+  step.failure = [&] {
+    return StepFailure{memory_planner_ && step_->graph().captured() && shard_count_ != step_->graph_batch_size()};
+  };
+  step.failed_collectives = [&] {
     // --sync-bn: the other ranks' forward passes make collectives this rank cannot make up; it stops them all.
     if (bn_sync_) dist_out_of_memory_check();
-    failed = true;
-  }
-  // An eager step of another size beside the graph's private pool: not the plan's error.
-  const bool beside_pool = failed && memory_planner_ && step_->graph().captured() &&
-                           shard_count_ != step_->graph_batch_size();
-  if (!dist && failed) return on_out_of_memory(fault, count, OomSeen{beside_pool, Json()});
-  if (dist) {
-    // The other ranks' steps went on: this rank makes its step's collectives, so that every rank skips the update.
-    const MemoryStats at_failure = failed ? memory_stats(device_) : MemoryStats{};
-    const bool unskippable = failed && !step_->run_failed(images, labels, lr);
-    if (const auto seen = step_agreed(failed, unskippable, beside_pool, at_failure)) {
-      return on_out_of_memory(fault, count, *seen);
-    }
-  }
+    return step_->run_failed(images, labels, lr);
+  };
+  const StepOutcome outcome = recovery_.run(p.step + 1, step);  // the step after_step is about to count
+  if (outcome.out_of_memory) return on_out_of_memory(fault, count, outcome);
   retried_at_min_ = false;
   peak_trace("step");
   // Only under inject_faults: reading found_inf is a host sync after every step. Without injected faults a
@@ -169,45 +162,30 @@ BackpropTrainer::Attempt BackpropTrainer::step_with_recovery(int64_t count) {
   return Attempt::kTrained;
 }
 
-std::optional<BackpropTrainer::OomSeen> BackpropTrainer::step_agreed(bool failed, bool unskippable, bool beside_pool,
-                                                                     const MemoryStats& at_failure) {
-  const Progress& p = *progress_;
-  RankStepOutcome own;
-  own.out_of_memory = failed;
-  own.must_stop = unskippable;
-  own.beside_pool = beside_pool;
-  own.allocated_gb = static_cast<double>(at_failure.allocated_bytes) / kGB;
-  own.reserved_gb = static_cast<double>(at_failure.reserved_bytes) / kGB;
-  const StepAgreement agreed = step_agreement(session_, p.step + 1, own);  // the step after_step is about to count
-  agreed_ = agreed.stop;
-  if (!agreed.out_of_memory()) return std::nullopt;
-  agreed_.reset();  // a stop or a checkpoint waits for a step that ran
-  OomSeen seen{agreed.beside_pool(), agreed.oom_ranks()};
-  if (agreed.must_stop()) {
-    session_.event(event::kOom, p.step, Json{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"batch", p.batch},
-                                             {"ranks", seen.ranks}, {"action", "stopped"}});
-    throw UserError(str_cat(agreed.oom_who(), " ran out of GPU memory in training after the step's update had begun "
-                            "(the ranks' weights may differ); resume from the last checkpoint with a smaller ",
-                            option_ref("batch_size"), " or on more GPUs: ", option_ref("resume"), " ",
-                            config_.output.out, " ", option_ref("nproc"), " N"));
-  }
-  step_->failed_step_restore();
-  return seen;
-}
-
-BackpropTrainer::Attempt BackpropTrainer::on_out_of_memory(FaultKind fault, int64_t count, const OomSeen& seen) {
+BackpropTrainer::Attempt BackpropTrainer::on_out_of_memory(FaultKind fault, int64_t count, const StepOutcome& oom) {
   Progress& p = *progress_;
+  if (oom.must_stop) {
+    recovery_.stop(p.step, Json{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"batch", p.batch},
+                                {"ranks", oom.ranks}},
+                   str_cat(oom.who, " ran out of GPU memory in training after the step's update had begun (the ranks' "
+                           "weights may differ); resume from the last checkpoint with a smaller ",
+                           option_ref("batch_size"), " or on more GPUs: ", option_ref("resume"), " ",
+                           config_.output.out, " ", option_ref("nproc"), " N"));
+  }
+  if (session_.dist().active()) step_->failed_step_restore();  // every rank puts back what the failed step changed
   attempt_ += fault == FaultKind::kOom ? 1 : 0;  // the injected error came before the increment
   p.oom_retries += 1;
   Json where{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"injected", fault == FaultKind::kOom}};
-  if (!seen.ranks.is_null()) where["ranks"] = seen.ranks;
-  // The failed attempt allocated up to the cap: its peak counts for the run, not as the retry's calibration reading.
-  if (memory_planner_) window();
-  if (seen.beside_pool) {
-    // Not the plan's error: the graph gives its pool back; the next full batches capture it again.
-    Json fields{{"batch", p.batch}, {"retry_batch", count}, {"action", "graph released"}};
+  if (!oom.ranks.is_null()) where["ranks"] = oom.ranks;
+  const auto oom_event = [&](Json fields) {  // what is retried, then where
     for (const auto& [k, v] : where.items()) fields[k] = v;
     session_.event(event::kOom, p.step, fields);
+  };
+  // The failed attempt allocated up to the cap: its peak counts for the run, not as the retry's calibration reading.
+  if (memory_planner_) window();
+  if (oom.beside_pool) {
+    // Not the plan's error: the graph gives its pool back; the next full batches capture it again.
+    oom_event(Json{{"batch", p.batch}, {"retry_batch", count}, {"action", "graph released"}});
     step_->graph_release();
     memory_cache_release(device_);
     return Attempt::kRetry;
@@ -215,18 +193,14 @@ BackpropTrainer::Attempt BackpropTrainer::on_out_of_memory(FaultKind fault, int6
   if (precision_controller_ && precision_controller_->revert_raise()) {
     // The last precision window's promotion, priced by the plan but not paid for: its units go back (refused) and the
     // plan that ran before it stays, instead of a smaller plan for the promotion (micro-batches: a cliff).
-    Json fields{{"batch", p.batch}, {"retry_batch", p.batch}, {"action", "precision raise refused"}};
-    for (const auto& [k, v] : where.items()) fields[k] = v;
-    session_.event(event::kOom, p.step, fields);
+    oom_event(Json{{"batch", p.batch}, {"retry_batch", p.batch}, {"action", "precision raise refused"}});
     memory_cache_release(device_);
     return Attempt::kRetry;
   }
   if (memory_planner_) {
     // A planning error: the model under-predicted. A larger activation scale, a new plan, the same samples at the
     // same batch (UserError when no plan fits any more).
-    Json fields{{"batch", p.batch}, {"retry_batch", p.batch}};
-    for (const auto& [k, v] : where.items()) fields[k] = v;
-    session_.event(event::kOom, p.step, fields);
+    oom_event(Json{{"batch", p.batch}, {"retry_batch", p.batch}});
     memory_cache_release(device_);
     const Event replanned = memory_planner_->on_out_of_memory();
     session_.event(replanned.name, p.step, replanned.fields);
@@ -239,16 +213,12 @@ BackpropTrainer::Attempt BackpropTrainer::on_out_of_memory(FaultKind fault, int6
     retried_at_min_ = true;
     step_->set_graph_batch_size(0);
     memory_cache_release(device_);
-    Json fields{{"batch", p.batch}, {"retry_batch", p.batch}};
-    for (const auto& [k, v] : where.items()) fields[k] = v;
-    session_.event(event::kOom, p.step, fields);
+    oom_event(Json{{"batch", p.batch}, {"retry_batch", p.batch}});
     step_->set_graph_batch_size(session_.dist().share(p.batch).second);
     return Attempt::kRetry;
   }
   const int64_t smaller = batch_after_oom(batch_rules_, p.batch);
-  Json fields{{"batch", p.batch}, {"retry_batch", smaller}};
-  for (const auto& [k, v] : where.items()) fields[k] = v;
-  session_.event(event::kOom, p.step, fields);
+  oom_event(Json{{"batch", p.batch}, {"retry_batch", smaller}});
   // The elastic batch never grows back to a size that ran out of memory.
   batch_rules_.max_batch = std::max(batch_rules_.min_batch, std::min(batch_rules_.max_batch, p.batch - 1));
   batch_set(smaller);

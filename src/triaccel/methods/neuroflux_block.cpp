@@ -8,14 +8,6 @@ at::Tensor permutation(int64_t n, uint64_t seed) {
   return at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
 }
 
-Json oom_reading(const c10::OutOfMemoryError& e, const c10::Device& device) {
-  const MemoryStats m = memory_stats(device);
-  std::string what = e.what_without_backtrace();
-  what = what.substr(0, std::min(what.find('\n'), size_t{400}));
-  return Json{{"allocated_gb", static_cast<double>(m.allocated_bytes) / kGB},
-              {"reserved_gb", static_cast<double>(m.reserved_bytes) / kGB}, {"error", what}};
-}
-
 const char* beside_pool_reason(int64_t ooms) {
   return ooms > 1 ? "beside the CUDA graph's pool again: eager from here" : "beside the CUDA graph's pool";
 }
@@ -158,64 +150,62 @@ void BlockTrainer::body(const at::Tensor& x, const at::Tensor& y) {
   }
 }
 
-bool BlockTrainer::step_failed(Json reading, int64_t proposal) {
-  own_oom_ = std::move(reading);
-  proposal_ = proposal;
-  if (phase_ == 2) return false;  // the update had begun: step_agreed stops every rank
+bool BlockTrainer::step_failed() {
+  if (phase_ == 2) return false;  // the update had begun: every rank stops
   skip_.fill_(1);
   if (phase_ == -1 && graph_.captured()) {
     // The other ranks replay their graphs (their steps are all at its batch; the ranks' graphs are alike): so does
     // this rank, on the last step's inputs, its flag set (NCCL: a captured collective is every rank's or none's).
     graph_.replay_as_is();
-    return false;
+    return true;
   }
   if (phase_ <= 0) {
     grads_release();  // this rank's part of the sum: zeros (every rank skips the update)
     buckets_->finish();
   }
   session_.dist().all_reduce_sum(skip_);
-  return false;
+  return true;
 }
 
-bool BlockTrainer::step_agreed(bool ran) {
-  const int world = session_.dist().world_size();
-  RankStepOutcome own;
-  own.batch = ran ? batch_ : proposal_;
-  if (!ran) {
-    own.out_of_memory = true;
-    own.must_stop = phase_ == 2;  // out of memory after the update had begun
-    own.allocated_gb = own_oom_.value("allocated_gb", 0.0);
-    own.reserved_gb = own_oom_.value("reserved_gb", 0.0);
+bool BlockTrainer::step_retry(const StepOutcome& oom, int64_t count) {
+  const bool dist = buckets_ != nullptr;
+  // A rank proposes its batch beside the graph's pool and a smaller one otherwise (oom_retry_batch), so the batch
+  // the ranks agree on says which.
+  const int64_t retry = oom.batch;
+  const bool same_batch = retry == batch_;
+  if (dist) {  // every rank's update was skipped
+    skip_.zero_();
+    grads_release();
   }
-  const StepAgreement agreed = step_agreement(session_, *run_step_ + 1, own);
-  agreed_ = agreed.stop;
-  if (!agreed.out_of_memory()) return true;
-  const int64_t retry = agreed.batch_agreed(batch_);
-  const bool stop = agreed.must_stop();
-  const Json ranks = agreed.oom_ranks();
-  const std::string who = agreed.oom_who();
-  agreed_.reset();  // a stop or a checkpoint waits for a step that ran
-  skip_.zero_();
-  grads_release();
-  Json fields = ran ? Json::object() : own_oom_;  // rank 0's own reading, when it ran out
-  fields.update(Json{{"block", b_}, {"batch", batch_}, {"retry_batch", retry}, {"ranks", ranks}});
-  if (retry == batch_) fields["reason"] = beside_pool_reason(beside_pool_ooms_ + 1);
-  if (stop || retry <= 0) fields["action"] = "stopped";
+  TRIACCEL_CHECK_INPUT(dist || retry > 0, "out of memory in NeuroFlux block ", b_, " at batch ", batch_, " with ",
+                       bytes_format(fixed_bytes_), " needed at any batch; raise ", option_ref("vram_budget"));
+  const int64_t batch = same_batch && !dist ? count : batch_;  // the event's; one process: beside the pool, its samples
+  Json fields = oom.own ? oom.own->fields() : Json::object();  // data parallel: rank 0's own reading, when it ran out
+  fields.update(Json{{"block", b_}, {"batch", batch}, {"retry_batch", same_batch ? batch : retry}});
+  if (dist) fields["ranks"] = oom.ranks;
+  if (same_batch) fields["reason"] = beside_pool_reason(beside_pool_ooms_ + 1);
+  if (oom.must_stop) {
+    recovery_.stop(*run_step_, fields, str_cat(oom.who, " ran out of GPU memory in NeuroFlux block ", b_, " after the "
+                   "step's update had begun (the ranks' weights may differ); resume from the last checkpoint with a "
+                   "larger ", option_ref("vram_budget"), ": ", option_ref("resume"), " ", config_.output.out));
+  }
+  if (retry <= 0) {
+    const int world = session_.dist().world_size();
+    recovery_.stop(*run_step_, fields, str_cat(oom.who, " ran out of GPU memory in NeuroFlux block ", b_, " at batch ",
+                   batch_, " (", (batch_ + world - 1) / world, " per rank) and no smaller batch fits; resume from the "
+                   "last checkpoint with a larger ", option_ref("vram_budget"), " or on more GPUs: ",
+                   option_ref("resume"), " ", config_.output.out, " ", option_ref("nproc"), " N"));
+  }
   session_.event(event::kOom, *run_step_, fields);
-  TRIACCEL_CHECK_INPUT(!stop, who, " ran out of GPU memory in NeuroFlux block ", b_, " after the step's update "
-                       "had begun (the ranks' weights may differ); resume from the last checkpoint with a larger ",
-                       option_ref("vram_budget"), ": ", option_ref("resume"), " ", config_.output.out);
-  TRIACCEL_CHECK_INPUT(retry > 0, who, " ran out of GPU memory in NeuroFlux block ", b_, " at batch ", batch_, " (",
-                       (batch_ + world - 1) / world, " per rank) and no smaller batch fits; resume from the last "
-                       "checkpoint with a larger ", option_ref("vram_budget"), " or on more GPUs: ",
-                       option_ref("resume"), " ", config_.output.out, " ", option_ref("nproc"), " N");
-  // Every rank's graph as the rank that ran out left its own (NCCL: a captured collective is every rank's or none's):
-  // a smaller batch steps eagerly; beside a captured graph, the graph goes and is captured again after the warm-up,
-  // and the second time the block stays eager (as in one process).
-  if (retry < batch_) {
+  // Every rank's graph as the rank that ran out left its own (NCCL: a captured collective is every rank's or none's).
+  // A smaller batch steps eagerly. Beside the captured graph's pool the graph goes and the same samples run again at
+  // the same batch: the first time the graph is captured again after the warm-up, the second time the block stays
+  // eager (a graph captured again tends only to run out of memory again: without the limit a block captures and
+  // drops its graph every few steps).
+  if (!same_batch) {
     graph_.refuse();
     batch_ = retry;
-  } else {  // retried at the batch: the error came beside a captured graph (the ranks' graphs are alike)
+  } else {
     graph_.drop();
     if (++beside_pool_ooms_ > 1) graph_.refuse();
   }
@@ -336,8 +326,7 @@ void BlockTrainer::epoch(int64_t e) {
     const int64_t count = std::min(batch_, n_train_ - offset_);
     const int64_t fill = epoch_fill(offset_, count, n_train_, batch_, bp_.batch);
     session_.profile_step(*run_step_);
-    const bool ran = step_at(e, offset_, count, fill, order, order_dev, flip);
-    if (!(buckets_ ? step_agreed(ran) : ran)) continue;
+    if (!step_at(e, offset_, count, fill, order, order_dev, flip)) continue;
     offset_ += count;
     ++r_.steps;
     ++*run_step_;
@@ -362,13 +351,13 @@ void BlockTrainer::epoch(int64_t e) {
 
 bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fill, const at::Tensor& order,
                            const at::Tensor& order_dev, const at::Tensor& flip) {
-  const c10::Device& device = session_.device();
   // The schedule follows the data position (on the planned batch's step grid), the lr the batch actually used.
   const int64_t position = (e * n_train_ + offset) / bp_.batch;
   lr_.fill_(schedule_lr(sched_, position) * lr_scale_for_batch(config_.schedule.lr_batch_rule, batch_, bp_.batch));
   at::Tensor x, y;
   phase_ = -1;
-  try {
+  RecoverableStep step;
+  step.body = [&] {
     if (session_.hooks().before_step) session_.hooks().before_step(*run_step_, count + fill);
     if (train_aug_) {
       std::tie(x, y) = train_aug_->batch(offset, count);
@@ -394,40 +383,19 @@ bool BlockTrainer::step_at(int64_t e, int64_t offset, int64_t count, int64_t fil
     }
     phase_ = 2;  // a replay made every collective
     if (count + fill < bp_.batch) ++r_.short_steps;
-  } catch (const c10::OutOfMemoryError& e) {
-    // Data parallel: the retry below is this rank's proposal; step_agreed makes it every rank's (or stops them all).
-    Json fields = oom_reading(e, device);
+  };
+  step.failure = [&] {
     x = at::Tensor();
     y = at::Tensor();
-    if (graph_.captured()) {
-      // A step's input or an eager step (the epoch's short last batch) beside the graph's pool: drop the graph and
-      // retry the same samples at the same batch. The first time the graph is captured again after the warm-up; the
-      // second time the block stays eager (a graph captured again tends only to run out of memory again: without the
-      // limit a block captures and drops its graph every few steps). Data parallel: every rank's graph goes, and
-      // comes back, together (step_agreed).
-      if (buckets_) return step_failed(fields, batch_);
-      graph_.drop();
-      if (++beside_pool_ooms_ > 1) graph_.refuse();
-      memory_cache_release(device);
-      fields.update(Json{{"block", b_}, {"batch", count}, {"retry_batch", count},
-                         {"reason", beside_pool_reason(beside_pool_ooms_)}});
-      session_.event(event::kOom, *run_step_, fields);
-      return false;
-    }
-    // The plan was off (fragmentation, workspaces): the same samples again, eagerly, at the batch re-planned with the
-    // per-sample bytes the failure shows (oom_retry_batch), not a cascade of halvings.
-    const int64_t retry = oom_retry_batch(batch_, fixed_bytes_, po_);
-    if (buckets_) return step_failed(fields, retry);  // step_agreed refuses every rank's graph and frees the cache
-    TRIACCEL_CHECK_INPUT(retry > 0, "out of memory in NeuroFlux block ", b_, " at batch ", batch_, " with ",
-                         bytes_format(fixed_bytes_), " needed at any batch; raise ", option_ref("vram_budget"));
-    graph_.refuse();
-    memory_cache_release(device);
-    fields.update(Json{{"block", b_}, {"batch", batch_}, {"retry_batch", retry}});
-    session_.event(event::kOom, *run_step_, fields);
-    batch_ = retry;
-    return false;
-  }
-  return true;
+    // A step's input or an eager step (the epoch's short last batch) beside the graph's pool: the same batch again
+    // (step_retry). Otherwise the plan was off (fragmentation, workspaces): the batch re-planned with the per-sample
+    // bytes the failure shows (oom_retry_batch), not a cascade of halvings.
+    const bool beside_pool = graph_.captured();
+    return StepFailure{beside_pool, beside_pool ? batch_ : oom_retry_batch(batch_, fixed_bytes_, po_)};
+  };
+  step.failed_collectives = [this] { return step_failed(); };
+  const StepOutcome outcome = recovery_.run(*run_step_ + 1, step);
+  return outcome.out_of_memory ? step_retry(outcome, count) : true;
 }
 
 }  // namespace neuroflux

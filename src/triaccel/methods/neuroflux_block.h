@@ -19,7 +19,7 @@
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/sgd.h"
 #include "triaccel/run/component_options.h"
-#include "triaccel/run/step_agreement.h"
+#include "triaccel/run/step_recovery.h"
 #include "triaccel/train/checkpoint.h"
 #include "triaccel/train/grad_buckets.h"
 #include "triaccel/train/precision.h"
@@ -50,8 +50,6 @@ constexpr const char* kBlockSums = "neuroflux_block.";  // a block in progress: 
 
 // A seeded permutation of [0, n) (int64, on the CPU).
 at::Tensor permutation(int64_t n, uint64_t seed);
-// An out-of-memory event's reading of the allocator, and the error's first line (what was asked for, what was free).
-Json oom_reading(const c10::OutOfMemoryError& e, const c10::Device& device);
 // An oom event's reason for the `ooms`-th error of a block beside its CUDA graph's pool: from the second on the block
 // stays eager.
 const char* beside_pool_reason(int64_t ooms);
@@ -113,24 +111,26 @@ class BlockTrainer {
   // Where the block is, for a checkpoint: its index, epoch, offset in the epoch, batch, steps, epoch times.
   Json progress() const;
   // Data parallel: the stop request and the checkpoint due after the step that just ran, agreed with that step
-  // (step_agreed); empty in one process.
-  const std::optional<std::pair<StopRequest, bool>>& agreed() const { return agreed_; }
+  // (StepRecovery::agreed); empty in one process.
+  const std::optional<std::pair<StopRequest, bool>>& agreed() const { return recovery_.agreed(); }
   // The block's SGD momenta and running loss sums (data parallel: summed over the ranks, a collective every rank
   // makes; resume() gives them back to rank 0).
   NamedTensors state() const;
 
  private:
   void epoch(int64_t e);
-  // One step at [offset, offset + count) of epoch order `order` (fill: rows from the epoch's start); false: retry.
+  // One step at [offset, offset + count) of epoch order `order` (fill: rows from the epoch's start), through
+  // recovery_ (data parallel: agreed by every rank, agreed()); false: retry.
   bool step_at(int64_t e, int64_t offset, int64_t count, int64_t fill, const at::Tensor& order,
                const at::Tensor& order_dev, const at::Tensor& flip);
   // Data parallel, on a rank whose step ran out of memory: its part of the step's collectives (so every rank stays in
-  // step, and every rank's update is skipped through skip_); `reading` and the batch it proposes wait for step_agreed.
-  bool step_failed(Json reading, int64_t proposal);
-  // Data parallel, after every step on every rank, in the step's stop agreement (agreed()): true when it ran on every
-  // rank. Otherwise every rank retries the same samples at the smallest batch a rank proposed (rank 0 writes the oom
-  // event), or stops with one line when a rank proposes none.
-  bool step_agreed(bool ran);
+  // step, and every rank's update is skipped through skip_); false when its update had begun.
+  bool step_failed();
+  // A step of `count` samples that ran out of memory (data parallel: on some rank, every rank alike): the same samples
+  // again at the batch the ranks agreed (the same batch beside the graph's pool, then eager from the second time; a
+  // smaller one otherwise, eager), with the oom event (rank 0), or a stop with one line when no batch fits or a rank's
+  // update had begun. Returns false (retry).
+  bool step_retry(const StepOutcome& oom, int64_t count);
   void grads_release();
   void body(const at::Tensor& x, const at::Tensor& y);
 
@@ -162,9 +162,7 @@ class BlockTrainer {
   // Data parallel: how far the step came on this rank (-1: before its body, 0: in it, 1: the gradients summed, 2:
   // skip_ too).
   int phase_ = -1;
-  int64_t proposal_ = 0;  // data parallel: the batch this rank proposes after running out of memory (0: none fits)
-  Json own_oom_;          // and its reading
-  std::optional<std::pair<StopRequest, bool>> agreed_;  // data parallel: the last step's stop agreement
+  StepRecovery recovery_{session_};  // the step's out-of-memory recovery; data parallel: its stop agreement
   StepGraph graph_;
   std::vector<double> epoch_times_;
   int64_t retries_before_ = 0;

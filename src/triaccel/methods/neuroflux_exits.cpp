@@ -123,7 +123,7 @@ void NeuroFluxRun::cache_pass_split(size_t b, SplitInput& in, std::vector<double
       for (size_t k = 0; k < hits.size(); ++k) correct[static_cast<int64_t>(k)].add_(hits[k]);
       pass_rows_ += count + skip;
     } catch (const c10::OutOfMemoryError& e) {
-      Json fields = oom_reading(e, device_);
+      Json fields = oom_reading(e, device_).fields();
       const int64_t retry = oom_retry_batch(pass_batch, held, po_);
       TRIACCEL_CHECK_INPUT(retry > 0, "out of memory in NeuroFlux block ", b, "'s cache pass at batch ", pass_batch,
                            " with ", bytes_format(held), " held; raise ", option_ref("vram_budget"));

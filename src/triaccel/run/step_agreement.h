@@ -1,6 +1,6 @@
 // Data parallelism: how each rank's training step ended, agreed by every rank after the step in the same round trip
-// as the stop request (Session::stop_agreed), so that every rank takes the same recovery. Used by the backprop trainer
-// and NeuroFlux's block trainer after each step: an out-of-memory error on any rank is retried, or stops the run, on
+// as the stop request (Session::stop_agreed), so that every rank takes the same recovery. Made after each step of
+// either method by StepRecovery (step_recovery.h): an out-of-memory error on any rank is retried, or stops the run, on
 // every rank alike.
 #pragma once
 
@@ -59,9 +59,11 @@ struct StepAgreement {
     return std::any_of(ranks.begin(), ranks.end(),
                        [](const RankStepOutcome& r) { return r.out_of_memory && r.beside_pool; });
   }
-  // The smallest batch any rank proposes, at most `batch`.
+  // The smallest batch a rank that ran out of memory proposes, at most `batch`.
   int64_t batch_agreed(int64_t batch) const {
-    for (const RankStepOutcome& r : ranks) batch = std::min(batch, r.batch);
+    for (const RankStepOutcome& r : ranks) {
+      if (r.out_of_memory) batch = std::min(batch, r.batch);
+    }
     return batch;
   }
   // The ranks that ran out of memory as an oom event lists them ({rank, allocated_gb, reserved_gb}); empty: none.
