@@ -17,6 +17,25 @@ done
 
 # The binaries to run: BIN=.device/bin when the carried ones run here and include every file named (e.g.
 # bench_optim_step), else a fresh build in build-gpu (several minutes; logs in LOGDIR). Exits on a failed build.
+# device_cmake_build SRC DIR LOGDIR "CMAKE_FLAGS" TARGET...: a Release build of the checkout at SRC into DIR for this
+# GPU (sm_90) with this machine's torch and the Debian build dependencies carried in .device/deps
+# (scripts/pack_build_deps.sh); logs LOGDIR/cmake.log and build.log (prefixed by DIR's name). Returns 1 on a failure.
+device_cmake_build() {
+  local src=$1 dir=$2 logdir=$3 flags=$4 prefix log
+  shift 4
+  log="$logdir/$(basename "$dir")"
+  prefix=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+  [ -d .device/deps ] && export CMAKE_PREFIX_PATH=$(pwd)/.device/deps LD_LIBRARY_PATH=$(pwd)/.device/deps/lib:$LD_LIBRARY_PATH
+  # shellcheck disable=SC2086  # flags is a list
+  cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+    -DTRIACCEL_CUDA_ARCHITECTURES=90 -DTRIACCEL_PYTHON=OFF $flags >"$log.cmake.log" 2>&1 ||
+    { tail -30 "$log.cmake.log"; return 1; }
+  cmake --build "$dir" -j "$(nproc)" --target "$@" >"$log.build.log" 2>&1 ||
+    { grep -E "error|FAILED" "$log.build.log" | head -30; return 1; }
+}
+
+# The binaries to run: BIN=.device/bin when the carried ones run here and include every file named (e.g.
+# bench_optim_step), else a fresh build in build-gpu (several minutes; logs in LOGDIR). Exits on a failed build.
 device_binaries() {
   local logdir=$1 f
   shift
@@ -26,15 +45,8 @@ device_binaries() {
   for f in "$@"; do [ -x "$BIN/$f" ] || ok=0; done
   [ "$ok" = 1 ] && return 0
   echo "carried binaries do not run here; building"
-  local prefix t0=$SECONDS
-  prefix=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-  # The Debian build dependencies this image lacks, carried in .device/deps (scripts/pack_build_deps.sh).
-  [ -d .device/deps ] && export CMAKE_PREFIX_PATH=$(pwd)/.device/deps LD_LIBRARY_PATH=$(pwd)/.device/deps/lib:$LD_LIBRARY_PATH
-  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-    -DTRIACCEL_CUDA_ARCHITECTURES=90 -DTRIACCEL_BUILD_BENCH=OFF -DTRIACCEL_PYTHON=OFF \
-    >"$logdir/cmake.log" 2>&1 || { tail -30 "$logdir/cmake.log"; exit 1; }
-  cmake --build build-gpu -j "$(nproc)" --target triaccel_cli triaccel_tests >"$logdir/build.log" 2>&1 ||
-    { grep -E "error|FAILED" "$logdir/build.log" | head -30; exit 1; }
+  local t0=$SECONDS
+  device_cmake_build . build-gpu "$logdir" "-DTRIACCEL_BUILD_BENCH=OFF" triaccel_cli triaccel_tests || exit 1
   echo "built in $((SECONDS - t0)) s"
   BIN=build-gpu
   # PACK_BIN=DIR: the binaries compressed into DIR (e.g. $OUT/bin), to carry as .device/bin in later calls.

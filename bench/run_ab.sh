@@ -28,15 +28,11 @@ B=.device/b
 STAGES=${AB_STAGES:-tests,throughput,train}
 stage() { [[ ",$STAGES," == *",$1,"* ]]; }
 
-ab_build() {  # ab_build SIDE: cmake + ninja of the CLI and the throughput bench, the same flags on either side
-  local side=$1 src=. t0=$SECONDS prefix
+ab_build() {  # ab_build SIDE: the CLI and the throughput bench, the same flags on either side (device_env.sh)
+  local side=$1 src=. t0=$SECONDS
   [ "$side" = a ] && src=.device/a_src
-  prefix=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-  [ -d .device/deps ] && export CMAKE_PREFIX_PATH=$(pwd)/.device/deps LD_LIBRARY_PATH=$(pwd)/.device/deps/lib:$LD_LIBRARY_PATH
-  cmake -S "$src" -B "build-ab-$side" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-    -DTRIACCEL_CUDA_ARCHITECTURES=90 -DTRIACCEL_BUILD_TESTS=OFF -DTRIACCEL_PYTHON=OFF >"$WORK/cmake_$side.log" 2>&1 &&
-    cmake --build "build-ab-$side" -j "$(nproc)" --target triaccel_cli bench_train_throughput \
-      >"$WORK/build_$side.log" 2>&1 || { echo "build $side failed"; grep -E "error|FAILED" "$WORK/build_$side.log" | head; return 1; }
+  device_cmake_build "$src" "build-ab-$side" "$WORK" "-DTRIACCEL_BUILD_TESTS=OFF" triaccel_cli bench_train_throughput ||
+    { echo "build $side failed"; return 1; }
   mkdir -p ".device/$side"
   cp "build-ab-$side/triaccel" "build-ab-$side/bench_train_throughput" ".device/$side/"
   echo "built $side in $((SECONDS - t0)) s"
