@@ -5,6 +5,8 @@
 // difference is the order of the float32 accumulation: 1e-5 of the output's largest value), and the test also
 // requires the FP8 result to be off the exact float32 product by more than that (so a layer that did not quantize
 // fails) and by less than 10 % of its largest value.
+#include "test_util.h"
+
 #include "triaccel/core/errors.h"
 #include "triaccel/models/linear.h"
 #include "triaccel/models/model.h"
@@ -349,7 +351,8 @@ TEST(Fp8LinearCudaTest, EqualsTheCpuLayer) {
   EXPECT_NE(gpu_state.grad.scale().cpu().item<float>(), 1.f);  // the gradients' amaxes were recorded
 }
 
-// A tiny GPT (one block, 32 wide) and its training step in the given precision mode, on `device`.
+// A tiny GPT (one block of test::gpt_tiny_options, vocabulary 16) and its training step in the given precision
+// mode, on `device`.
 struct TinyGptStep {
   std::shared_ptr<Model> model;
   std::unique_ptr<Sgd> sgd;
@@ -359,13 +362,9 @@ struct TinyGptStep {
 
 TinyGptStep tiny_gpt_step(PrecisionMode precision, const c10::Device& device) {
   torch::manual_seed(6);
-  ModelOptions mo;
-  mo.name = "gpt-char";
-  mo.num_classes = 16;
-  mo.block_size = 16;
+  ModelOptions mo = test::gpt_tiny_options();
+  mo.num_classes = 16;  // the head 32 -> 16
   mo.gpt_layers = 1;
-  mo.gpt_heads = 2;
-  mo.gpt_embed = 32;
   TinyGptStep t;
   t.model = model_create(mo);
   t.model->to(device);

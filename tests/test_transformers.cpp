@@ -32,17 +32,7 @@ std::shared_ptr<Model> vit_make(uint64_t seed = 0, int64_t in_channels = 3, int6
   return model_create(options);
 }
 
-// A small GPT for fast tests: 2 layers, 2 heads, width 32, context 16, vocabulary 11.
-ModelOptions gpt_tiny_options() {
-  ModelOptions options;
-  options.name = "gpt-char";
-  options.num_classes = 11;
-  options.block_size = 16;
-  options.gpt_layers = 2;
-  options.gpt_heads = 2;
-  options.gpt_embed = 32;
-  return options;
-}
+using test::gpt_tiny_options;
 
 std::vector<std::string> unit_names(const Model& model) {
   std::vector<std::string> names;

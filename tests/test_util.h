@@ -2,6 +2,8 @@
 // CPU training runs (TinyMnistTest).
 #pragma once
 
+#include "triaccel/models/model.h"
+
 #include <torch/cuda.h>
 
 #include <cstdlib>
@@ -10,6 +12,18 @@
 #include <string>
 
 namespace triaccel::test {
+
+// A small GPT for fast tests: 2 layers, 2 heads, width 32, context 16, vocabulary 11.
+inline ModelOptions gpt_tiny_options() {
+  ModelOptions options;
+  options.name = "gpt-char";
+  options.num_classes = 11;
+  options.block_size = 16;
+  options.gpt_layers = 2;
+  options.gpt_heads = 2;
+  options.gpt_embed = 32;
+  return options;
+}
 
 // A fresh, empty folder under the system temp dir, removed when the object dies.
 class TempDir {

@@ -328,8 +328,8 @@ void fp8_quantize_device_scale_cuda(const at::Tensor& x, const at::Tensor& scale
   // An empty x launches one block of nothing but the inverse (n = 0: no element, amax joined with 0).
   fp8_quantize_launch(x.scalar_type(), out.scalar_type(),
                       QuantizeArgs{x.data_ptr(), static_cast<unsigned char*>(out.data_ptr()), x.numel(),
-                                   scale.data_ptr<float>(), 1.f, reinterpret_cast<unsigned int*>(amax.data_ptr<float>()),
-                                   inverse.data_ptr<float>()},
+                                   scale.data_ptr<float>(), 1.f,
+                                   reinterpret_cast<unsigned int*>(amax.data_ptr<float>()), inverse.data_ptr<float>()},
                       stream);
 }
 

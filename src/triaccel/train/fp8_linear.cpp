@@ -58,7 +58,8 @@ class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const at::Tensor g = grads[0].contiguous();  // (M, N)
     const Fp8ScaledTensor gq = state.grad.quantize_transposed(g);  // (M, N) e5m2, and (N, M)
     // dx = g·W: (M, N) times the (K, N) rows of Wᵀ.
-    const at::Tensor dx = fp8_matmul_nt(gq.data, gq.inverse, wq_t, w_inverse, ctx->saved_data["x_dtype"].toScalarType());
+    const at::Tensor dx =
+        fp8_matmul_nt(gq.data, gq.inverse, wq_t, w_inverse, ctx->saved_data["x_dtype"].toScalarType());
     // dW = gᵀ·x: (N, M) rows of gᵀ times the (K, M) rows of xᵀ.
     const at::Tensor dw = fp8_matmul_nt(gq.data_t, gq.inverse, xq_t, x_inverse, at::kFloat)
                               .to(ctx->saved_data["w_dtype"].toScalarType());
