@@ -112,8 +112,9 @@ BackpropTrainer::BackpropTrainer(Session& session)
   if (session_.dist().active()) grad_reduce_set(so.grad_reduce);
   if (param_shards_) so.after_update = [this] { param_shards_->sync(); };
   step_ = std::make_unique<TrainStep>(session_.model(), *optimizer_, scaler_, so, device_);
-  step_->fp8_restore(fp8_restore_, session_.checkpoint_file());
-  fp8_restore_.clear();
+  if (session_.checkpoint()) {
+    step_->fp8_restore(fp8_entries(session_.checkpoint()->scaler, true), session_.checkpoint_file());
+  }
   context_trace("train step built");
   if (config_.execution.sync_bn && session_.dist().active()) sync_bn_start();
   controllers_build();
@@ -190,10 +191,8 @@ void BackpropTrainer::restore() {
   const std::string& file = session_.checkpoint_file();
   named_tensors_load(model_state(session_.model()), ckpt.model, "model", file);
   optimizer_->state_load(ckpt.optimizer, file);
-  // The scaler's group holds amp-fp8's delayed scales too ("fp8.*"): they go to the step once it is built.
-  NamedTensors scaler;
-  for (const auto& entry : ckpt.scaler) (entry.first.rfind("fp8.", 0) == 0 ? fp8_restore_ : scaler).push_back(entry);
-  named_tensors_load(scaler_state(scaler_), scaler, "loss scaler", file);
+  // The scaler's group holds amp-fp8's delayed scales too: the step loads them once it is built.
+  named_tensors_load(scaler_state(scaler_), fp8_entries(ckpt.scaler, false), "loss scaler", file);
   *progress_ = Progress::from_json(ckpt.progress, file);
   rng_restore(ckpt.rng, device_);
   TRIACCEL_CHECK_INPUT(progress_->epoch_offset <= train_loader_.size(), "checkpoint ", file,

@@ -127,7 +127,6 @@ class BackpropTrainer : private MemoryMeter {
   std::unique_ptr<Optimizer> optimizer_;
   LossScaler scaler_;
   PrecisionMode eval_precision_;
-  NamedTensors fp8_restore_;  // amp-fp8's scales read from the checkpoint, for the step once it is built
   ScheduleOptions schedule_;
   const FaultPlan faults_;
   std::unique_ptr<Progress> progress_;

@@ -93,4 +93,14 @@ inline NamedTensors scaler_state(const LossScaler& s) {
   return {{"scale", s.scale_tensor()}, {"growth_tracker", s.growth_tracker()}, {"skipped", s.skipped_steps()}};
 }
 
+// A checkpoint's scaler group holds the loss scaler's tensors and amp-fp8's delayed scales ("fp8.*", TrainStep's
+// fp8_state): those of the one (fp8 true) or of the other.
+inline NamedTensors fp8_entries(const NamedTensors& scaler, bool fp8) {
+  NamedTensors out;
+  for (const auto& entry : scaler) {
+    if ((entry.first.rfind("fp8.", 0) == 0) == fp8) out.push_back(entry);
+  }
+  return out;
+}
+
 }  // namespace triaccel

@@ -38,9 +38,7 @@ void Fp8DeviceScale::update(const at::Tensor& amax) {
 #ifdef TRIACCEL_WITH_CUDA
   if (amax_.defined()) {
     amax_.copy_(amax.reshape({}));
-    int t = 0;
-    const double g = scale_target(format_, options_, &t);
-    fp8_scale_update_cuda(ring_, next_, scale_, amax_, t, g);
+    update_from_amax();
     return;
   }
 #endif
@@ -65,20 +63,34 @@ void Fp8DeviceScale::update(const at::Tensor& amax) {
   scale_.copy_(at::where(m > 0, power, scale_));
 }
 
+#ifdef TRIACCEL_WITH_CUDA
+void Fp8DeviceScale::update_from_amax() {
+  int t = 0;
+  const double g = scale_target(format_, options_, &t);
+  fp8_scale_update_cuda(ring_, next_, scale_, amax_, t, g);
+}
+
+Fp8ScaledTensor Fp8DeviceScale::quantize_on_device(const at::Tensor& x, bool transposed) {
+  TORCH_CHECK(x.device() == scale_.device(), "Fp8DeviceScale::quantize: x on ", x.device(), ", the scale on ",
+              scale_.device());
+  const at::Tensor xc = x.contiguous();
+  const auto bytes = xc.options().dtype(fp8_dtype(format_));
+  Fp8ScaledTensor out{at::empty(xc.sizes(), bytes), at::empty({}, scale_.options())};
+  if (transposed) {
+    out.data_t = at::empty({xc.size(1), xc.size(0)}, bytes);
+    fp8_quantize_transpose_cuda(xc, scale_, out.data, out.data_t, amax_, out.inverse);
+  } else {
+    fp8_quantize_device_scale_cuda(xc, scale_, out.data, amax_, out.inverse);
+  }
+  update_from_amax();
+  return out;
+}
+#endif
+
 Fp8ScaledTensor Fp8DeviceScale::quantize(const at::Tensor& x) {
   const torch::NoGradGuard no_grad;
 #ifdef TRIACCEL_WITH_CUDA
-  if (amax_.defined() && x.is_cuda()) {
-    TORCH_CHECK(x.device() == scale_.device(), "Fp8DeviceScale::quantize: x on ", x.device(), ", the scale on ",
-                scale_.device());
-    const at::Tensor xc = x.contiguous();
-    Fp8ScaledTensor out{at::empty(xc.sizes(), xc.options().dtype(fp8_dtype(format_))), at::empty({}, scale_.options())};
-    fp8_quantize_device_scale_cuda(xc, scale_, out.data, amax_, out.inverse);
-    int t = 0;
-    const double g = scale_target(format_, options_, &t);
-    fp8_scale_update_cuda(ring_, next_, scale_, amax_, t, g);
-    return out;
-  }
+  if (amax_.defined() && x.is_cuda()) return quantize_on_device(x, /*transposed=*/false);
 #endif
   Fp8ScaledTensor out{fp8_quantize_scaled(x, scale_, format_), inverse()};
   update(x.numel() == 0 ? at::zeros({}, x.options().dtype(at::kFloat)) : at::amax(at::abs(x)));
@@ -89,19 +101,7 @@ Fp8ScaledTensor Fp8DeviceScale::quantize_transposed(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "Fp8DeviceScale::quantize_transposed: x must be a matrix, got ", x.sizes());
   const torch::NoGradGuard no_grad;
 #ifdef TRIACCEL_WITH_CUDA
-  if (amax_.defined() && x.is_cuda()) {
-    TORCH_CHECK(x.device() == scale_.device(), "Fp8DeviceScale::quantize_transposed: x on ", x.device(),
-                ", the scale on ", scale_.device());
-    const at::Tensor xc = x.contiguous();
-    const auto bytes = xc.options().dtype(fp8_dtype(format_));
-    Fp8ScaledTensor out{at::empty(xc.sizes(), bytes), at::empty({}, scale_.options()),
-                        at::empty({xc.size(1), xc.size(0)}, bytes)};
-    fp8_quantize_transpose_cuda(xc, scale_, out.data, out.data_t, amax_, out.inverse);
-    int t = 0;
-    const double g = scale_target(format_, options_, &t);
-    fp8_scale_update_cuda(ring_, next_, scale_, amax_, t, g);
-    return out;
-  }
+  if (amax_.defined() && x.is_cuda()) return quantize_on_device(x, /*transposed=*/true);
 #endif
   Fp8ScaledTensor out = quantize(x);
   out.data_t = out.data.t().contiguous();

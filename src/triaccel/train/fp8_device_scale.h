@@ -48,6 +48,10 @@ class Fp8DeviceScale {
   NamedTensors tensors() const { return {{"ring", ring_}, {"next", next_}, {"scale", scale_}}; }
 
  private:
+  // CUDA: the update kernel on amax_ (which it zeroes), and quantize's one pass (with the transpose or without).
+  void update_from_amax();
+  Fp8ScaledTensor quantize_on_device(const at::Tensor& x, bool transposed);
+
   Fp8Format format_;
   Fp8ScaleOptions options_;
   at::Tensor ring_;   // (history) float32

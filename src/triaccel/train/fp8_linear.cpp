@@ -7,6 +7,7 @@
 #include <torch/autograd.h>
 
 #include <cstdint>
+#include <map>
 #include <vector>
 
 namespace triaccel {
@@ -158,23 +159,25 @@ NamedTensors Fp8Linears::state() const {
 }
 
 void Fp8Linears::restore(const NamedTensors& stored, const std::string& path) {
+  // Each entry by its layer: the name state() gave, less "fp8." and its last two parts (<part>.<key>).
+  std::map<std::string, NamedTensors> by_layer;
+  for (const auto& entry : stored) {
+    const std::string& key = entry.first;
+    const size_t part = key.rfind('.', key.rfind('.') - 1);
+    TRIACCEL_CHECK_INPUT(key.rfind("fp8.", 0) == 0 && part != std::string::npos && part > 4, "checkpoint ", path,
+                         " holds an fp8 scale named '", key, "', not fp8.<layer>.<part>.<tensor>");
+    by_layer[key.substr(4, part - 4)].push_back(entry);
+  }
   size_t matched = 0;
   for (const auto& [layer, name] : names_) {
-    const std::string prefix = str_cat("fp8.", name, ".");
-    NamedTensors mine;
-    for (const auto& entry : stored) {
-      if (entry.first.rfind(prefix, 0) == 0 && entry.first.find('.', prefix.size()) != std::string::npos &&
-          entry.first.find('.', entry.first.find('.', prefix.size()) + 1) == std::string::npos) {
-        mine.push_back(entry);
-      }
-    }
-    if (mine.empty()) continue;
+    const auto it = by_layer.find(name);
+    if (it == by_layer.end()) continue;
     NamedTensors live;
     for (const auto& [part, scale] : fp8_parts(state_for(*layer, layer->weight.device()))) {
-      for (const auto& [key, t] : scale->tensors()) live.emplace_back(str_cat(prefix, part, ".", key), t);
+      for (const auto& [key, t] : scale->tensors()) live.emplace_back(str_cat("fp8.", name, ".", part, ".", key), t);
     }
-    named_tensors_load(live, mine, "fp8 scales", path);
-    matched += mine.size();
+    named_tensors_load(live, it->second, "fp8 scales", path);
+    matched += it->second.size();
   }
   TRIACCEL_CHECK_INPUT(matched == stored.size(), "checkpoint ", path, " holds fp8 scales of ", stored.size() - matched,
                        " tensors no linear layer of this model has (another model's checkpoint); resume from this "
