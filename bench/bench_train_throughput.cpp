@@ -116,6 +116,7 @@ Json bench_one(const Config& cfg, int warmup, int steps, int repeats, const c10:
               {"graph_captured", step.graph().captured()},
               {"grad_stats", cfg.grad_stats},
               {"bn_kernel", triaccel::batch_norm_kernel_enabled()},
+              {"bn_tail", triaccel::batch_norm_add_relu_fused()},
               {"cudnn_autotune", at::globalContext().benchmarkCuDNN()},
               {"final_loss_finite", std::isfinite(loss)}};
 }
@@ -141,6 +142,9 @@ int main(int argc, char** argv) {
   std::string bn_kernel = "on";
   app.add_option("--bn-kernel", bn_kernel, "on|off: our fused bf16 BatchNorm(+ReLU) kernel (models/batch_norm.h); off "
                  "runs LibTorch's BatchNorm, for A/B runs")->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  std::string bn_tail = "on";
+  app.add_option("--bn-tail", bn_tail, "on|off: a residual block's end (BatchNorm + add + ReLU) as one pass of the "
+                 "kernel; off: three (A/B runs)")->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   app.add_option("--grad-stats", grad_stats, "off|on|both: Tri-Accel's fused per-unit gradient statistics in the step "
                  "(both: each configuration without, then with)")->capture_default_str();
   bool cudnn_autotune = true;
@@ -153,6 +157,7 @@ int main(int argc, char** argv) {
     const c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromPool(false, 0));
     at::globalContext().setBenchmarkCuDNN(cudnn_autotune);
     triaccel::batch_norm_kernel_set_enabled(bn_kernel == "on");
+    triaccel::batch_norm_add_relu_set_fused(bn_tail == "on");
     Json rows = Json::array();
     for (const auto& b : split(batches)) {
       for (const auto& p : split(precisions)) {

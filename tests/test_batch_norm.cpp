@@ -101,6 +101,21 @@ TEST(BatchNormDispatchTest, CpuFallsBackToModuleAndCountsBatches) {
   }
 }
 
+// The block end on the CPU (no kernel): relu(bn(x) + residual) exactly as the module composition computes it, the
+// batch counted once. A version that dropped the residual or the ReLU differs on most elements.
+TEST(BatchNormDispatchTest, AddReluOnCpuIsTheComposition) {
+  torch::manual_seed(2);
+  auto bn = bn_make(6);
+  auto reference = bn_clone(bn);
+  const at::Tensor x = (2 + 3 * torch::randn({4, 6, 5, 5})).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor residual = torch::randn({4, 6, 5, 5}).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor y = batch_norm_add_relu(bn, x, residual);
+  EXPECT_TRUE(torch::equal(y, torch::relu(reference->forward(x) + residual)));
+  EXPECT_GT((y == 0).sum().item<int64_t>(), y.numel() / 10);
+  EXPECT_TRUE(torch::equal(bn->running_mean, reference->running_mean));
+  EXPECT_EQ(batches_tracked(bn), 1);
+}
+
 // Eval mode uses the running stats and leaves every buffer alone, as BatchNorm2d does.
 TEST(BatchNormDispatchTest, EvalUsesRunningStatsAndCountsNothing) {
   torch::manual_seed(1);
@@ -442,6 +457,132 @@ TEST(BatchNormCudaTest, AutogradMatchesModuleAndRefusesDoubleBackward) {
   const at::Tensor x_c = x.clone().requires_grad_(true);
   const at::Tensor loss = batch_norm_forward(bn, x_c, false).to(at::kFloat).square().sum();
   EXPECT_THROW(torch::autograd::grad({loss}, {x_c}, {}, /*retain_graph=*/true, /*create_graph=*/true), c10::Error);
+}
+
+// The block end's kernels (batch_norm_add_relu_forward_cuda / _backward_cuda) against relu(bn(x) + r) in float64
+// on the same 16-bit values; the mask is the kernel's own y > 0 (as for the fused ReLU). dresidual must be dy where
+// y > 0 and 0 elsewhere, bit for bit (the kernel writes dy's own bits or 0). Without the residual in the forward,
+// or with the mask recomputed without it, y and dx are off by O(max|ref|).
+void expect_add_relu_matches_reference(const BnCase& k, const at::Tensor& x, const at::Tensor& residual,
+                                       const std::string& what) {
+  BnResult r;
+  r.running_mean = k.running_mean.clone();
+  r.running_var = k.running_var.clone();
+  auto [y, stats] = batch_norm_add_relu_forward_cuda(x, residual, k.weight, k.bias, r.running_mean, r.running_var,
+                                                     kMomentum, kEps);
+  auto [dx, dweight, dbias, dresidual] = batch_norm_add_relu_backward_cuda(k.dy, x, y, k.weight, stats);
+  r.y = y;
+  r.dx = dx;
+  r.dweight = dweight;
+  r.dbias = dbias;
+
+  const at::Tensor x64 = x.to(at::kDouble).requires_grad_(true);
+  const at::Tensor w64 = k.weight.to(at::kDouble).requires_grad_(true);
+  const at::Tensor b64 = k.bias.to(at::kDouble).requires_grad_(true);
+  const at::Tensor rm64 = k.running_mean.to(at::kDouble);
+  const at::Tensor rv64 = k.running_var.to(at::kDouble);
+  const at::Tensor pre = at::batch_norm(x64, w64, b64, rm64, rv64, /*training=*/true, kMomentum, kEps,
+                                        /*cudnn_enabled=*/false);
+  const at::Tensor y_ref = at::relu(pre + residual.to(at::kDouble)).detach();
+  const at::Tensor passes = y > 0;
+  const at::Tensor g = k.dy.to(at::kDouble) * passes.to(at::kDouble);
+  const auto grads = torch::autograd::grad({pre}, {x64, w64, b64}, {g});
+
+  const bool half = x.scalar_type() == at::kHalf;
+  const double rel = half ? 2.0 / 2048 : 2.0 / 512;
+  const double floor = half ? 1e-4 : 1e-3;
+  expect_close(y, y_ref, rel * y_ref.abs() + floor * y_ref.abs().max().item<double>(), what + " y");
+  expect_close(dx, grads[0], rel * grads[0].abs() + floor * grads[0].abs().max().item<double>(), what + " dx");
+  const std::vector<int64_t> reduce_dims = {0, 2, 3};
+  const at::Tensor x_plain = x64.detach();
+  const at::Tensor xhat = (x_plain - x_plain.mean(reduce_dims, /*keepdim=*/true)) /
+                          torch::sqrt(x_plain.var(reduce_dims, /*unbiased=*/false, /*keepdim=*/true) + kEps);
+  expect_close(dweight, grads[1], 1e-4 * (g * xhat).abs().sum(reduce_dims) + 1e-6, what + " dweight");
+  expect_close(dbias, grads[2], 1e-4 * g.abs().sum(reduce_dims) + 1e-6, what + " dbias");
+  expect_close(r.running_mean, rm64, 1e-5 * rm64.abs() + 1e-6, what + " running_mean");
+  expect_close(r.running_var, rv64, 1e-5 * rv64.abs() + 1e-6, what + " running_var");
+  EXPECT_TRUE(torch::equal(dresidual, torch::where(passes, k.dy, torch::zeros_like(k.dy)))) << what;
+  EXPECT_EQ(dresidual.scalar_type(), x.scalar_type());
+  EXPECT_TRUE(y.is_contiguous(at::MemoryFormat::ChannelsLast) && dx.is_contiguous(at::MemoryFormat::ChannelsLast));
+  // Enough masked elements, and enough where the residual decides the mask (bn(x) < 0 < bn(x) + r or the reverse),
+  // that a mask taken from bn(x) alone shows.
+  const at::Tensor pre_positive = pre.detach() > 0;
+  EXPECT_GT((y == 0).sum().item<int64_t>(), y.numel() / 10) << what;
+  EXPECT_GT((pre_positive != (y_ref > 0)).sum().item<int64_t>(), y.numel() / 20) << what;
+}
+
+TEST(BatchNormCudaTest, AddReluMatchesFloat64Reference) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(11);
+  const std::vector<std::vector<int64_t>> shapes = {{4, 64, 8, 8}, {2, 512, 4, 4}, {3, 200, 2, 3},
+                                                    {3, 3, 5, 7},  {64, 64, 16, 16}};
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    for (const auto& shape : shapes) {
+      const BnCase k = case_make(shape, dtype);
+      const at::Tensor residual =
+          (2 * torch::randn(shape, kCuda)).to(dtype).contiguous(at::MemoryFormat::ChannelsLast);
+      expect_add_relu_matches_reference(k, k.x, residual, "add_relu " + shape_name(k.x, true));
+    }
+  }
+}
+
+// A residual at an address that is not 16-byte aligned: the scalar path, the same answers.
+TEST(BatchNormCudaTest, AddReluMisalignedResidualMatchesReference) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(12);
+  const BnCase k = case_make({4, 32, 6, 6});
+  const int64_t n = k.x.numel();
+  at::Tensor buffer = torch::empty({n + 1}, kCuda.dtype(at::kBFloat16));
+  at::Tensor residual = buffer.narrow(0, 1, n).view({4, 6, 6, 32}).permute({0, 3, 1, 2});
+  residual.copy_(2 * torch::randn({4, 32, 6, 6}, kCuda));
+  ASSERT_TRUE(residual.is_contiguous(at::MemoryFormat::ChannelsLast));
+  ASSERT_NE(reinterpret_cast<uintptr_t>(residual.data_ptr()) % 16, 0u);
+  expect_add_relu_matches_reference(k, k.x, residual, "add_relu misaligned residual");
+}
+
+// Through autograd (batch_norm_add_relu): the fused Function where it applies, with the gradients of x, the
+// residual, weight and bias of the composition; the composition where the residual does not fit or the fusion is
+// off; the batch counted once per call on every path.
+TEST(BatchNormCudaTest, AddReluAutogradMatchesCompositionAndDispatches) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(13);
+  auto bn = bn_make(32);
+  bn->to(torch::kCUDA);
+  auto module_path = bn_clone(bn);
+  const auto cl = [](const at::Tensor& t) { return t.to(at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast); };
+  const at::Tensor x = cl(1 + torch::randn({8, 32, 6, 6}, kCuda));
+  const at::Tensor res = cl(torch::randn({8, 32, 6, 6}, kCuda));
+  const at::Tensor dy = cl(torch::randn({8, 32, 6, 6}, kCuda));
+
+  const at::Tensor x_a = x.clone().requires_grad_(true), r_a = res.clone().requires_grad_(true);
+  const at::Tensor y_a = batch_norm_add_relu(bn, x_a, r_a);
+  ASSERT_TRUE(y_a.grad_fn());
+  EXPECT_NE(y_a.grad_fn()->name().find("BatchNormAddReluFunction"), std::string::npos) << y_a.grad_fn()->name();
+  y_a.backward(dy);
+  const at::Tensor x_b = x.clone().requires_grad_(true), r_b = res.clone().requires_grad_(true);
+  const at::Tensor y_b = torch::relu(module_path->forward(x_b) + r_b);
+  y_b.backward(dy);
+  const auto close = [](const at::Tensor& a, const at::Tensor& b) {
+    return torch::allclose(a.to(at::kFloat), b.to(at::kFloat), 2e-2, 2e-2);
+  };
+  EXPECT_TRUE(close(y_a, y_b));
+  EXPECT_TRUE(close(x_a.grad(), x_b.grad()));
+  EXPECT_TRUE(close(r_a.grad(), r_b.grad()));
+  EXPECT_TRUE(torch::allclose(bn->weight.grad(), module_path->weight.grad(), 1e-2, 1e-2));
+  EXPECT_TRUE(torch::allclose(bn->bias.grad(), module_path->bias.grad(), 1e-2, 1e-2));
+  EXPECT_EQ(batches_tracked(bn), 1);
+
+  const auto fused_name = [](const at::Tensor& y) {
+    return y.grad_fn()->name().find("BatchNormAddReluFunction") != std::string::npos;
+  };
+  const at::Tensor x_c = x.clone().requires_grad_(true);
+  EXPECT_FALSE(fused_name(batch_norm_add_relu(bn, x_c, res.contiguous())));  // NCHW residual: the composition
+  const at::Tensor res_float = res.to(at::kFloat).contiguous(at::MemoryFormat::ChannelsLast);
+  EXPECT_FALSE(fused_name(batch_norm_add_relu(bn, x_c, res_float)));  // another dtype: the composition
+  batch_norm_add_relu_set_fused(false);
+  EXPECT_FALSE(fused_name(batch_norm_add_relu(bn, x_c, res)));
+  batch_norm_add_relu_set_fused(true);
+  EXPECT_EQ(batches_tracked(bn), 4);
 }
 
 // A ResNet-18 step under bf16 (then fp16) autocast in channels_last, with the kernel and with the module (ATen),

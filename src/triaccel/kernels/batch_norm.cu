@@ -12,15 +12,17 @@
 //
 // Forward:  stats (per-block mean / M2 of each channel → partial (C, G)) → stats_combine (one block per channel:
 //           Chan's parallel-variance merge in a fixed order; running stats; scale = w·invstd, shift = b − mean·scale)
-//           → transform (y = fmaf(x, scale, shift), optional ReLU, stored as E).
+//           → transform (y = fmaf(x, scale, shift), optional ReLU, or a residual added then ReLU; stored as E).
 // Backward: backward_reduce (per-block Σg and Σg·(x − mean), g = dy masked by y > 0 under ReLU → partial (C, G))
 //           → backward_combine (fixed-order sums; dw, db and the three dx coefficients)
 //           → backward_elemt (dx = k1·g + kx·(x − mean) + k0, stored as E).
+//           With the residual (a block's end) the mask is read from the stored y, and backward_reduce also writes g,
+//           which is the residual's gradient and what backward_elemt reads instead of dy.
 // Within a thread the variance uses sums of x − x₀ (x₀: the thread's first value of the channel), which keeps
 // float32 sums of squares free of cancellation when |mean| ≫ std; threads, blocks and the grid are merged with
 // Chan's formula. Every reduction has a fixed shape and order and there are no atomics: bit-reproducible.
-// The ReLU mask is recomputed in the backward from x and the saved scale / shift through the same function that
-// produced y (bn_output), so it equals y > 0 exactly and y need not be kept or read again.
+// The fused ReLU's mask is recomputed in the backward from x and the saved scale / shift through the same function
+// that produced y (bn_output), so it equals y > 0 exactly and y need not be kept or read again.
 //
 // Bytes (ResNet-18/CIFAR, b512: 314 M activations in the 20 BN layers, 628 MB bf16): forward reads x twice and
 // writes y once (1.9 GB), backward reads x and dy twice and writes dx once (3.1 GB); small layers are re-read from
@@ -301,13 +303,33 @@ __global__ void __launch_bounds__(kCombineThreads)
   stats[kBatchNormShift * C + c] = fmaf(-mean, scale, bias[c]);
 }
 
-template <class E, int kVec, bool kRelu>
+// What the forward applies after the normalization; the backward masks the gradient accordingly.
+enum class Tail {
+  kNone,     // y = bn(x)
+  kRelu,     // y = max(bn(x), 0); the backward recomputes the mask from x (bn_output)
+  kAddRelu,  // y = max(bn(x) + r, 0) (a residual block's end); the backward reads the mask from y
+};
+
+// y before rounding, r the residual (read only under kAddRelu).
+template <Tail kTail>
+__device__ __forceinline__ float tail_output(float x, float scale, float shift, float r) {
+  if constexpr (kTail == Tail::kAddRelu) {
+    const float v = fmaf(x, scale, shift) + r;
+    return v < 0.f ? 0.f : v;
+  } else {
+    return bn_output<kTail == Tail::kRelu>(x, scale, shift);
+  }
+}
+
+template <class E, int kVec, Tail kTail>
 __global__ void __launch_bounds__(kThreads) bn_transform_kernel(const uint16_t* __restrict__ x,
+                                                                const uint16_t* __restrict__ r,
                                                                 uint16_t* __restrict__ y, const Tiling t,
                                                                 const float* __restrict__ stats) {
   const Place p = place_make<kVec>(t);
   if (!p.active) return;
   const int64_t C = t.channels;
+  constexpr bool kAdd = kTail == Tail::kAddRelu;
   float scale[kVec], shift[kVec];
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
@@ -317,72 +339,88 @@ __global__ void __launch_bounds__(kThreads) bn_transform_kernel(const uint16_t* 
   const int64_t step = t.row_lanes;
   int64_t m = p.begin;
   for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
-    float v[kUnroll][kVec];
+    float v[kUnroll][kVec], rv[kUnroll][kVec];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) vec_load<E, kVec>(x + (m + u * step) * C + p.c0, v[u]);
+    for (int u = 0; u < kUnroll; ++u) {
+      vec_load<E, kVec>(x + (m + u * step) * C + p.c0, v[u]);
+      if constexpr (kAdd) vec_load<E, kVec>(r + (m + u * step) * C + p.c0, rv[u]);
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) v[u][k] = bn_output<kRelu>(v[u][k], scale[k], shift[k]);
+      for (int k = 0; k < kVec; ++k) v[u][k] = tail_output<kTail>(v[u][k], scale[k], shift[k], kAdd ? rv[u][k] : 0.f);
       vec_store<E, kVec>(y + (m + u * step) * C + p.c0, v[u]);
     }
   }
   for (; m < p.end; m += step) {
-    float v[kVec];
+    float v[kVec], rv[kVec];
     vec_load<E, kVec>(x + m * C + p.c0, v);
+    if constexpr (kAdd) vec_load<E, kVec>(r + m * C + p.c0, rv);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) v[k] = bn_output<kRelu>(v[k], scale[k], shift[k]);
+    for (int k = 0; k < kVec; ++k) v[k] = tail_output<kTail>(v[k], scale[k], shift[k], kAdd ? rv[k] : 0.f);
     vec_store<E, kVec>(y + m * C + p.c0, v);
   }
 }
 
 // ---- backward ----
 
-// g = dy, or 0 where the fused ReLU's output was not > 0.
-template <class E, int kVec, bool kRelu>
-__device__ __forceinline__ void masked_grad(float (&g)[kVec], const float (&xv)[kVec], const float (&scale)[kVec],
-                                            const float (&shift)[kVec]) {
-  if constexpr (kRelu) {
+// How the backward masks dy by the forward's ReLU: kRelu recomputes y > 0 from x (Tail::kRelu), kOutput reads the
+// stored y (Tail::kAddRelu: y depends on the residual too, and is kept anyway as the next layer's input).
+enum class Mask { kNone, kRelu, kOutput };
+
+// g = dy, or 0 where the fused ReLU's output was not > 0 (yv: the stored y, read only under kOutput).
+template <class E, int kVec, Mask kMask>
+__device__ __forceinline__ void masked_grad(float (&g)[kVec], const float (&xv)[kVec], const float (&yv)[kVec],
+                                            const float (&scale)[kVec], const float (&shift)[kVec]) {
+  if constexpr (kMask == Mask::kRelu) {
 #pragma unroll
     for (int k = 0; k < kVec; ++k) g[k] = relu_passes<E>(xv[k], scale[k], shift[k]) ? g[k] : 0.f;
+  } else if constexpr (kMask == Mask::kOutput) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) g[k] = yv[k] > 0.f ? g[k] : 0.f;
   }
 }
 
-// A thread's rows of dy and x, kUnroll rows loaded before any is used: visit(row, g, xv) for each of them in order,
-// g = dy masked by the fused ReLU (masked_grad), xv = x.
-template <class E, int kVec, bool kRelu, class Visit>
+// A thread's rows of dy and x (and y under kOutput), kUnroll rows loaded before any is used: visit(row, g, xv) for
+// each of them in order, g = dy masked by the fused ReLU (masked_grad), xv = x.
+template <class E, int kVec, Mask kMask, class Visit>
 __device__ __forceinline__ void grad_rows_walk(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x,
-                                               const Place& p, const Tiling& t, const float (&scale)[kVec],
-                                               const float (&shift)[kVec], Visit visit) {
+                                               const uint16_t* __restrict__ y, const Place& p, const Tiling& t,
+                                               const float (&scale)[kVec], const float (&shift)[kVec], Visit visit) {
+  constexpr bool kReadY = kMask == Mask::kOutput;
   const int64_t C = t.channels;
   const int64_t step = t.row_lanes;
   int64_t m = p.begin;
   for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
-    float g[kUnroll][kVec], xv[kUnroll][kVec];
+    float g[kUnroll][kVec], xv[kUnroll][kVec], yv[kUnroll][kVec];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       vec_load<E, kVec>(dy + (m + u * step) * C + p.c0, g[u]);
       vec_load<E, kVec>(x + (m + u * step) * C + p.c0, xv[u]);
+      if constexpr (kReadY) vec_load<E, kVec>(y + (m + u * step) * C + p.c0, yv[u]);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      masked_grad<E, kVec, kRelu>(g[u], xv[u], scale, shift);
+      masked_grad<E, kVec, kMask>(g[u], xv[u], yv[u], scale, shift);
       visit(m + u * step, g[u], xv[u]);
     }
   }
   for (; m < p.end; m += step) {
-    float g[kVec], xv[kVec];
+    float g[kVec], xv[kVec], yv[kVec];
     vec_load<E, kVec>(dy + m * C + p.c0, g);
     vec_load<E, kVec>(x + m * C + p.c0, xv);
-    masked_grad<E, kVec, kRelu>(g, xv, scale, shift);
+    if constexpr (kReadY) vec_load<E, kVec>(y + m * C + p.c0, yv);
+    masked_grad<E, kVec, kMask>(g, xv, yv, scale, shift);
     visit(m, g, xv);
   }
 }
 
-// partial: (C, G) float2 [Σg, Σg·(x − mean)] of each channel over the block's rows.
-template <class E, int kVec, bool kRelu>
+// partial: (C, G) float2 [Σg, Σg·(x − mean)] of each channel over the block's rows. Under kOutput it also stores g
+// (the masked dy: the residual's gradient, and the elementwise kernel's input) to g_out.
+template <class E, int kVec, Mask kMask>
 __global__ void __launch_bounds__(kThreads)
-    bn_backward_reduce_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x, const Tiling t,
+    bn_backward_reduce_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x,
+                              const uint16_t* __restrict__ y, uint16_t* __restrict__ g_out, const Tiling t,
                               const float* __restrict__ stats, float2* __restrict__ partial) {
   const Place p = place_make<kVec>(t);
   const int64_t C = t.channels;
@@ -393,19 +431,20 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       mean[k] = stats[kBatchNormMean * C + p.c0 + k];
-      if (kRelu) {
+      if (kMask == Mask::kRelu) {
         scale[k] = stats[kBatchNormScale * C + p.c0 + k];
         shift[k] = stats[kBatchNormShift * C + p.c0 + k];
       }
     }
-    const auto sum = [&](int64_t, const float (&g)[kVec], const float (&xv)[kVec]) {
+    const auto sum = [&](int64_t m, const float (&g)[kVec], const float (&xv)[kVec]) {
+      if constexpr (kMask == Mask::kOutput) vec_store<E, kVec>(g_out + m * C + p.c0, g);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         sum_g[k] += g[k];
         sum_gx[k] = fmaf(g[k], xv[k] - mean[k], sum_gx[k]);
       }
     };
-    grad_rows_walk<E, kVec, kRelu>(dy, x, p, t, scale, shift, sum);
+    grad_rows_walk<E, kVec, kMask>(dy, x, y, p, t, scale, shift, sum);
   }
 
   __shared__ float sh_g[kVec * kThreads];
@@ -465,7 +504,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   coef[2 * C + c] = -k1 * sh_g[0] * inv_rows;
 }
 
-template <class E, int kVec, bool kRelu>
+// dx from g (dy, masked here under kRelu; under Tail::kAddRelu g arrives masked, from the reduce kernel: kNone).
+template <class E, int kVec, Mask kMask>
 __global__ void __launch_bounds__(kThreads)
     bn_backward_elemt_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x,
                              uint16_t* __restrict__ dx, const Tiling t, const float* __restrict__ stats,
@@ -477,8 +517,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
     mean[k] = stats[kBatchNormMean * C + p.c0 + k];
-    scale[k] = kRelu ? stats[kBatchNormScale * C + p.c0 + k] : 0.f;
-    shift[k] = kRelu ? stats[kBatchNormShift * C + p.c0 + k] : 0.f;
+    scale[k] = kMask == Mask::kRelu ? stats[kBatchNormScale * C + p.c0 + k] : 0.f;
+    shift[k] = kMask == Mask::kRelu ? stats[kBatchNormShift * C + p.c0 + k] : 0.f;
     k1[k] = coef[0 * C + p.c0 + k];
     kx[k] = coef[1 * C + p.c0 + k];
     k0[k] = coef[2 * C + p.c0 + k];
@@ -488,7 +528,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < kVec; ++k) g[k] = fmaf(k1[k], g[k], fmaf(kx[k], xv[k] - mean[k], k0[k]));
     vec_store<E, kVec>(dx + m * C + p.c0, g);
   };
-  grad_rows_walk<E, kVec, kRelu>(dy, x, p, t, scale, shift, store);
+  grad_rows_walk<E, kVec, kMask>(dy, x, nullptr, p, t, scale, shift, store);
 }
 
 // ---- launchers (raw pointers, explicit stream) ----
@@ -514,22 +554,23 @@ Tiling tiling_make(int64_t rows, int64_t channels, int vec, int sms) {
   return t;
 }
 
-template <class E, bool kRelu>
-void transform_launch(int vec, const uint16_t* x, uint16_t* y, const Tiling& t, const float* stats,
-                      cudaStream_t stream) {
+template <class E, Tail kTail>
+void transform_launch(int vec, const uint16_t* x, const uint16_t* r, uint16_t* y, const Tiling& t,
+                      const float* stats, cudaStream_t stream) {
   const dim3 grid(t.tiles, t.row_blocks);
   if (vec == 8) {
-    bn_transform_kernel<E, 8, kRelu><<<grid, kThreads, 0, stream>>>(x, y, t, stats);
+    bn_transform_kernel<E, 8, kTail><<<grid, kThreads, 0, stream>>>(x, r, y, t, stats);
   } else {
-    bn_transform_kernel<E, 1, kRelu><<<grid, kThreads, 0, stream>>>(x, y, t, stats);
+    bn_transform_kernel<E, 1, kTail><<<grid, kThreads, 0, stream>>>(x, r, y, t, stats);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// r: the residual under Tail::kAddRelu, else null.
 template <class E>
-void forward_launch(int vec, bool relu, const uint16_t* x, uint16_t* y, const Tiling& t, float2* partial,
-                    const float* weight, const float* bias, float* running_mean, float* running_var, float* stats,
-                    float momentum, float eps, cudaStream_t stream) {
+void forward_launch(int vec, Tail tail, const uint16_t* x, const uint16_t* r, uint16_t* y, const Tiling& t,
+                    float2* partial, const float* weight, const float* bias, float* running_mean, float* running_var,
+                    float* stats, float momentum, float eps, cudaStream_t stream) {
   const dim3 grid(t.tiles, t.row_blocks);
   if (vec == 8) {
     bn_stats_kernel<E, 8><<<grid, kThreads, 0, stream>>>(x, t, partial);
@@ -540,41 +581,61 @@ void forward_launch(int vec, bool relu, const uint16_t* x, uint16_t* y, const Ti
   bn_stats_combine_kernel<<<t.channels, kCombineThreads, 0, stream>>>(partial, t, weight, bias, running_mean,
                                                                        running_var, stats, momentum, eps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (relu) {
-    transform_launch<E, true>(vec, x, y, t, stats, stream);
-  } else {
-    transform_launch<E, false>(vec, x, y, t, stats, stream);
+  switch (tail) {
+    case Tail::kNone: return transform_launch<E, Tail::kNone>(vec, x, r, y, t, stats, stream);
+    case Tail::kRelu: return transform_launch<E, Tail::kRelu>(vec, x, r, y, t, stats, stream);
+    case Tail::kAddRelu: return transform_launch<E, Tail::kAddRelu>(vec, x, r, y, t, stats, stream);
   }
 }
 
-template <class E, int kVec, bool kRelu>
-void backward_launch_typed(const uint16_t* dy, const uint16_t* x, uint16_t* dx, const Tiling& t, float2* partial,
-                           const float* weight, const float* stats, float* dweight, float* dbias, float* coef,
-                           cudaStream_t stream) {
+// The backward's pointers: y and g (the masked dy, written by the reduce kernel) are used under Mask::kOutput only.
+struct BackwardArgs {
+  const uint16_t* dy;
+  const uint16_t* x;
+  const uint16_t* y;
+  uint16_t* g;
+  uint16_t* dx;
+  float2* partial;
+  const float* weight;
+  const float* stats;
+  float* dweight;
+  float* dbias;
+  float* coef;  // (3, C) scratch
+};
+
+template <class E, int kVec, Mask kMask>
+void backward_launch_typed(const BackwardArgs& a, const Tiling& t, cudaStream_t stream) {
   const dim3 grid(t.tiles, t.row_blocks);
-  bn_backward_reduce_kernel<E, kVec, kRelu><<<grid, kThreads, 0, stream>>>(dy, x, t, stats, partial);
+  bn_backward_reduce_kernel<E, kVec, kMask><<<grid, kThreads, 0, stream>>>(a.dy, a.x, a.y, a.g, t, a.stats,
+                                                                            a.partial);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  bn_backward_combine_kernel<<<t.channels, kCombineThreads, 0, stream>>>(partial, t, weight, stats, dweight, dbias,
-                                                                          coef);
+  bn_backward_combine_kernel<<<t.channels, kCombineThreads, 0, stream>>>(a.partial, t, a.weight, a.stats,
+                                                                          a.dweight, a.dbias, a.coef);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  bn_backward_elemt_kernel<E, kVec, kRelu><<<grid, kThreads, 0, stream>>>(dy, x, dx, t, stats, coef);
+  if constexpr (kMask == Mask::kOutput) {  // g is already masked
+    bn_backward_elemt_kernel<E, kVec, Mask::kNone><<<grid, kThreads, 0, stream>>>(a.g, a.x, a.dx, t, a.stats,
+                                                                                   a.coef);
+  } else {
+    bn_backward_elemt_kernel<E, kVec, kMask><<<grid, kThreads, 0, stream>>>(a.dy, a.x, a.dx, t, a.stats, a.coef);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <class E, int kVec>
+void backward_launch_vec(Mask mask, const BackwardArgs& a, const Tiling& t, cudaStream_t stream) {
+  switch (mask) {
+    case Mask::kNone: return backward_launch_typed<E, kVec, Mask::kNone>(a, t, stream);
+    case Mask::kRelu: return backward_launch_typed<E, kVec, Mask::kRelu>(a, t, stream);
+    case Mask::kOutput: return backward_launch_typed<E, kVec, Mask::kOutput>(a, t, stream);
+  }
+}
+
 template <class E>
-void backward_launch(int vec, bool relu, const uint16_t* dy, const uint16_t* x, uint16_t* dx, const Tiling& t,
-                     float2* partial, const float* weight, const float* stats, float* dweight, float* dbias,
-                     float* coef, cudaStream_t stream) {
+void backward_launch(int vec, Mask mask, const BackwardArgs& a, const Tiling& t, cudaStream_t stream) {
   if (vec == 8) {
-    if (relu) {
-      backward_launch_typed<E, 8, true>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
-    } else {
-      backward_launch_typed<E, 8, false>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
-    }
-  } else if (relu) {
-    backward_launch_typed<E, 1, true>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
+    backward_launch_vec<E, 8>(mask, a, t, stream);
   } else {
-    backward_launch_typed<E, 1, false>(dy, x, dx, t, partial, weight, stats, dweight, dbias, coef, stream);
+    backward_launch_vec<E, 1>(mask, a, t, stream);
   }
 }
 
@@ -606,75 +667,133 @@ int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCo
 const uint16_t* bits_data(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 uint16_t* bits_data_mut(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
+// A second activation (dy, the residual, y) of x's shape, dtype and device; channels_last-contiguous when asked.
+void check_like_x(const char* op, const char* what, const at::Tensor& t, const at::Tensor& x, bool channels_last) {
+  check_activation(op, what, t);
+  TORCH_CHECK(t.sizes() == x.sizes() && t.device() == x.device() && t.scalar_type() == x.scalar_type(), op, ": ",
+              what, " ", t.sizes(), " ", t.scalar_type(), " on ", t.device(), " must match x ", x.sizes(), " ",
+              x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(!channels_last || t.is_contiguous(at::MemoryFormat::ChannelsLast), op, ": ", what,
+              " must be channels_last-contiguous");
+}
+
+// The forward of both entries; residual is defined under Tail::kAddRelu only.
+std::tuple<at::Tensor, at::Tensor> forward_entry(const char* op, const at::Tensor& x, const at::Tensor& residual,
+                                                 const at::Tensor& weight, const at::Tensor& bias,
+                                                 const at::Tensor& running_mean, const at::Tensor& running_var,
+                                                 double momentum, double eps, Tail tail) {
+  check_activation(op, "x", x);
+  TORCH_CHECK(x.is_contiguous(at::MemoryFormat::ChannelsLast), op, ": x must be channels_last-contiguous");
+  if (tail == Tail::kAddRelu) check_like_x(op, "residual", residual, x, /*channels_last=*/true);
+  check_channel_vector(op, "weight", weight, x);
+  check_channel_vector(op, "bias", bias, x);
+  check_channel_vector(op, "running_mean", running_mean, x);
+  check_channel_vector(op, "running_var", running_var, x);
+  TORCH_CHECK(momentum >= 0 && momentum <= 1, op, ": momentum must be in [0, 1], got ", momentum);
+  TORCH_CHECK(eps > 0, op, ": eps must be > 0, got ", eps);
+  const int64_t rows = rows_of(op, x);
+  const int64_t channels = x.size(1);
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::ChannelsLast);  // (N, C, H, W), x's dtype
+  at::Tensor stats = at::empty({4, channels}, weight.options());     // (4, C) float32
+  const bool add = tail == Tail::kAddRelu;
+  const int vec = channels % 8 == 0 && aligned16(x.data_ptr()) && aligned16(y.data_ptr()) &&
+                          (!add || aligned16(residual.data_ptr()))
+                      ? 8
+                      : 1;
+  const Tiling t = tiling_make(rows, channels, vec, sm_count());
+  at::Tensor partial = at::empty({channels, t.row_blocks, 2}, weight.options());  // (C, G) float2
+  const auto launch = x.scalar_type() == at::kHalf ? forward_launch<HalfFormat> : forward_launch<Bf16Format>;
+  launch(vec, tail, bits_data(x), add ? bits_data(residual) : nullptr, bits_data_mut(y), t,
+         reinterpret_cast<float2*>(partial.data_ptr<float>()), weight.data_ptr<float>(), bias.data_ptr<float>(),
+         running_mean.data_ptr<float>(), running_var.data_ptr<float>(), stats.data_ptr<float>(),
+         static_cast<float>(momentum), static_cast<float>(eps), stream);
+  return {y, stats};
+}
+
+// The backward of both entries: (dx, dweight, dbias, g); y is defined and g (the masked dy) returned under
+// Mask::kOutput only.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_entry(const char* op, const at::Tensor& dy,
+                                                                          const at::Tensor& x, const at::Tensor& y,
+                                                                          const at::Tensor& weight,
+                                                                          const at::Tensor& stats, Mask mask) {
+  check_activation(op, "x", x);
+  TORCH_CHECK(x.is_contiguous(at::MemoryFormat::ChannelsLast), op, ": x must be channels_last-contiguous");
+  check_like_x(op, "dy", dy, x, /*channels_last=*/false);
+  const bool output_mask = mask == Mask::kOutput;
+  if (output_mask) check_like_x(op, "y", y, x, /*channels_last=*/true);
+  check_channel_vector(op, "weight", weight, x);
+  const int64_t channels = x.size(1);
+  TORCH_CHECK(stats.defined() && stats.is_cuda() && stats.device() == x.device() &&
+                  stats.scalar_type() == at::kFloat && stats.is_contiguous() &&
+                  stats.sizes() == at::IntArrayRef({4, channels}),
+              op, ": stats must be the contiguous (4, ", channels, ") float32 tensor of the forward");
+  const int64_t rows = rows_of(op, x);
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor dy_cl = dy.contiguous(at::MemoryFormat::ChannelsLast);  // no copy when it already is
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::ChannelsLast);      // (N, C, H, W), x's dtype
+  at::Tensor g = output_mask ? at::empty_like(x, at::MemoryFormat::ChannelsLast) : at::Tensor();
+  at::Tensor dweight = at::empty({channels}, weight.options());
+  at::Tensor dbias = at::empty({channels}, weight.options());
+  at::Tensor coef = at::empty({3, channels}, weight.options());  // (3, C) [k1, kx, k0]
+  const int vec = channels % 8 == 0 && aligned16(x.data_ptr()) && aligned16(dy_cl.data_ptr()) &&
+                          aligned16(dx.data_ptr()) &&
+                          (!output_mask || (aligned16(y.data_ptr()) && aligned16(g.data_ptr())))
+                      ? 8
+                      : 1;
+  const Tiling t = tiling_make(rows, channels, vec, sm_count());
+  at::Tensor partial = at::empty({channels, t.row_blocks, 2}, weight.options());  // (C, G) float2
+  const BackwardArgs args{bits_data(dy_cl),
+                          bits_data(x),
+                          output_mask ? bits_data(y) : nullptr,
+                          output_mask ? bits_data_mut(g) : nullptr,
+                          bits_data_mut(dx),
+                          reinterpret_cast<float2*>(partial.data_ptr<float>()),
+                          weight.data_ptr<float>(),
+                          stats.data_ptr<float>(),
+                          dweight.data_ptr<float>(),
+                          dbias.data_ptr<float>(),
+                          coef.data_ptr<float>()};
+  const auto launch = x.scalar_type() == at::kHalf ? backward_launch<HalfFormat> : backward_launch<Bf16Format>;
+  launch(vec, mask, args, t, stream);
+  return {dx, dweight, dbias, g};
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> batch_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight,
                                                            const at::Tensor& bias, const at::Tensor& running_mean,
                                                            const at::Tensor& running_var, double momentum,
                                                            double eps, bool relu) {
-  constexpr const char* kOp = "batch_norm_forward_cuda";
-  check_activation(kOp, "x", x);
-  TORCH_CHECK(x.is_contiguous(at::MemoryFormat::ChannelsLast), kOp, ": x must be channels_last-contiguous");
-  check_channel_vector(kOp, "weight", weight, x);
-  check_channel_vector(kOp, "bias", bias, x);
-  check_channel_vector(kOp, "running_mean", running_mean, x);
-  check_channel_vector(kOp, "running_var", running_var, x);
-  TORCH_CHECK(momentum >= 0 && momentum <= 1, kOp, ": momentum must be in [0, 1], got ", momentum);
-  TORCH_CHECK(eps > 0, kOp, ": eps must be > 0, got ", eps);
-  const int64_t rows = rows_of(kOp, x);
-  const int64_t channels = x.size(1);
-
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::ChannelsLast);          // (N, C, H, W), x's dtype
-  at::Tensor stats = at::empty({4, channels}, weight.options());             // (4, C) float32
-  const int vec = channels % 8 == 0 && aligned16(x.data_ptr()) && aligned16(y.data_ptr()) ? 8 : 1;
-  const Tiling t = tiling_make(rows, channels, vec, sm_count());
-  at::Tensor partial = at::empty({channels, t.row_blocks, 2}, weight.options());  // (C, G) float2
-  const auto launch = x.scalar_type() == at::kHalf ? forward_launch<HalfFormat> : forward_launch<Bf16Format>;
-  launch(vec, relu, bits_data(x), bits_data_mut(y), t, reinterpret_cast<float2*>(partial.data_ptr<float>()),
-         weight.data_ptr<float>(), bias.data_ptr<float>(), running_mean.data_ptr<float>(),
-         running_var.data_ptr<float>(), stats.data_ptr<float>(), static_cast<float>(momentum),
-         static_cast<float>(eps), stream);
-  return {y, stats};
+  return forward_entry("batch_norm_forward_cuda", x, at::Tensor(), weight, bias, running_mean, running_var, momentum,
+                       eps, relu ? Tail::kRelu : Tail::kNone);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(const at::Tensor& dy, const at::Tensor& x,
                                                                         const at::Tensor& weight,
                                                                         const at::Tensor& stats, bool relu) {
-  constexpr const char* kOp = "batch_norm_backward_cuda";
-  check_activation(kOp, "x", x);
-  TORCH_CHECK(x.is_contiguous(at::MemoryFormat::ChannelsLast), kOp, ": x must be channels_last-contiguous");
-  check_activation(kOp, "dy", dy);
-  TORCH_CHECK(dy.sizes() == x.sizes() && dy.device() == x.device() && dy.scalar_type() == x.scalar_type(), kOp,
-              ": dy ", dy.sizes(), " ", dy.scalar_type(), " on ", dy.device(), " must match x ", x.sizes(), " ",
-              x.scalar_type(), " on ", x.device());
-  check_channel_vector(kOp, "weight", weight, x);
-  const int64_t channels = x.size(1);
-  TORCH_CHECK(stats.defined() && stats.is_cuda() && stats.device() == x.device() &&
-                  stats.scalar_type() == at::kFloat && stats.is_contiguous() &&
-                  stats.sizes() == at::IntArrayRef({4, channels}),
-              kOp, ": stats must be the contiguous (4, ", channels, ") float32 tensor of the forward");
-  const int64_t rows = rows_of(kOp, x);
-
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const at::Tensor dy_cl = dy.contiguous(at::MemoryFormat::ChannelsLast);  // no copy when it already is
-  at::Tensor dx = at::empty_like(x, at::MemoryFormat::ChannelsLast);      // (N, C, H, W), x's dtype
-  at::Tensor dweight = at::empty({channels}, weight.options());
-  at::Tensor dbias = at::empty({channels}, weight.options());
-  at::Tensor coef = at::empty({3, channels}, weight.options());  // (3, C) [k1, kx, k0]
-  const int vec = channels % 8 == 0 && aligned16(x.data_ptr()) && aligned16(dy_cl.data_ptr()) &&
-                          aligned16(dx.data_ptr())
-                      ? 8
-                      : 1;
-  const Tiling t = tiling_make(rows, channels, vec, sm_count());
-  at::Tensor partial = at::empty({channels, t.row_blocks, 2}, weight.options());  // (C, G) float2
-  const auto launch = x.scalar_type() == at::kHalf ? backward_launch<HalfFormat> : backward_launch<Bf16Format>;
-  launch(vec, relu, bits_data(dy_cl), bits_data(x), bits_data_mut(dx), t,
-         reinterpret_cast<float2*>(partial.data_ptr<float>()), weight.data_ptr<float>(), stats.data_ptr<float>(),
-         dweight.data_ptr<float>(), dbias.data_ptr<float>(), coef.data_ptr<float>(), stream);
+  auto [dx, dweight, dbias, g] = backward_entry("batch_norm_backward_cuda", dy, x, at::Tensor(), weight, stats,
+                                                relu ? Mask::kRelu : Mask::kNone);
   return {dx, dweight, dbias};
+}
+
+std::tuple<at::Tensor, at::Tensor> batch_norm_add_relu_forward_cuda(const at::Tensor& x, const at::Tensor& residual,
+                                                                    const at::Tensor& weight, const at::Tensor& bias,
+                                                                    const at::Tensor& running_mean,
+                                                                    const at::Tensor& running_var, double momentum,
+                                                                    double eps) {
+  return forward_entry("batch_norm_add_relu_forward_cuda", x, residual, weight, bias, running_mean, running_var,
+                       momentum, eps, Tail::kAddRelu);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_add_relu_backward_cuda(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+    const at::Tensor& stats) {
+  return backward_entry("batch_norm_add_relu_backward_cuda", dy, x, y, weight, stats, Mask::kOutput);
 }
 
 }  // namespace triaccel

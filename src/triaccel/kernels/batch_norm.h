@@ -42,4 +42,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward_cuda(const at
                                                                         const at::Tensor& weight,
                                                                         const at::Tensor& stats, bool relu);
 
+// A residual block's end in one pass: y = max(x̂·weight + bias + residual, 0), rounded once to x's dtype (PyTorch's
+// bn → add → relu rounds after each). residual: x's shape, dtype and device, channels_last-contiguous. The rest as
+// batch_norm_forward_cuda (stats, running statistics).
+std::tuple<at::Tensor, at::Tensor> batch_norm_add_relu_forward_cuda(const at::Tensor& x, const at::Tensor& residual,
+                                                                    const at::Tensor& weight, const at::Tensor& bias,
+                                                                    const at::Tensor& running_mean,
+                                                                    const at::Tensor& running_var, double momentum,
+                                                                    double eps);
+
+// Its backward, with y as that forward returned it (the mask is y > 0; y is the block's output, which the next layer
+// keeps anyway, so the residual need not be saved). Returns (dx, dweight, dbias, dresidual): dresidual = dy masked
+// by y > 0, also the gradient the normalization's backward consumes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_add_relu_backward_cuda(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+    const at::Tensor& stats);
+
 }  // namespace triaccel

@@ -1,6 +1,7 @@
-// The dispatch between the fused BatchNorm kernel and BatchNorm2d::forward, and the autograd Function around the
-// kernel (models/batch_norm.h). The Function saves x, weight and the (4, C) batch statistics; the backward
-// recomputes the ReLU mask from them, so the output y is not kept.
+// The dispatch between the fused BatchNorm kernel and BatchNorm2d::forward, and the autograd Functions around the
+// kernels (models/batch_norm.h). BatchNormFunction saves x, weight and the (4, C) batch statistics; the backward
+// recomputes the ReLU mask from them, so the output y is not kept. BatchNormAddReluFunction (a block's end) keeps
+// y instead of the residual: the mask needs both, and y is the next layer's input, kept anyway.
 #include "triaccel/models/batch_norm.h"
 
 #ifdef TRIACCEL_WITH_CUDA
@@ -11,12 +12,20 @@
 #include <torch/autograd.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 namespace triaccel {
 
 namespace {
 
 std::atomic<bool> g_kernel_enabled{true};
+// TRIACCEL_BN_TAIL=off: the block-end fusion off from the start (A/B runs of the CLI, docs/measuring.md).
+bool add_relu_fused_default() {
+  const char* v = std::getenv("TRIACCEL_BN_TAIL");
+  return v == nullptr || std::string(v) != "off";
+}
+std::atomic<bool> g_add_relu_fused{add_relu_fused_default()};
 thread_local int t_kernel_off = 0;  // BatchNormKernelOff scopes alive on this thread
 
 thread_local std::shared_ptr<const BatchNormSync> t_sync;
@@ -115,6 +124,33 @@ class BatchNormFunction : public torch::autograd::Function<BatchNormFunction> {
     return {dx, dweight, dbias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// max(bn(x) + residual, 0) in one pass. Inputs as BatchNormFunction (no relu flag) plus the residual (x's shape,
+// dtype, channels_last). Saves x, weight, the statistics and the output y (the mask; the residual is not kept).
+class BatchNormAddReluFunction : public torch::autograd::Function<BatchNormAddReluFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& residual,
+                            const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& running_mean,
+                            const at::Tensor& running_var, double momentum, double eps) {
+    auto [y, stats] =
+        batch_norm_add_relu_forward_cuda(x, residual, weight, bias, running_mean, running_var, momentum, eps);
+    ctx->save_for_backward({x, weight, stats, y});
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "the fused BatchNorm kernel is not twice differentiable (backward with create_graph=true); switch "
+                "it off with batch_norm_kernel_set_enabled(false) or run this part in fp32");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    auto [dx, dweight, dbias, dresidual] =
+        batch_norm_add_relu_backward_cuda(grad_outputs[0].to(x.scalar_type()), x, saved[3], saved[1], saved[2]);
+    // One entry per forward argument: x, residual, weight, bias, running_mean, running_var, momentum, eps.
+    return {dx, dresidual, dweight, dbias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
 #endif
 
 bool on_device_float(const at::Tensor& t, const at::Tensor& x) {
@@ -142,6 +178,10 @@ bool kernel_applies_to(const at::Tensor& x, const at::Tensor& weight, const at::
 }  // namespace
 
 void batch_norm_kernel_set_enabled(bool enabled) { g_kernel_enabled.store(enabled); }
+
+void batch_norm_add_relu_set_fused(bool fused) { g_add_relu_fused.store(fused); }
+
+bool batch_norm_add_relu_fused() { return g_add_relu_fused.load(); }
 
 bool batch_norm_kernel_enabled() { return g_kernel_enabled.load() && t_kernel_off == 0; }
 
@@ -191,6 +231,23 @@ at::Tensor batch_norm_forward(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& 
 #endif
   at::Tensor y = bn.forward(x);
   return relu ? torch::relu(y) : y;
+}
+
+at::Tensor batch_norm_add_relu(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x, const at::Tensor& residual) {
+#ifdef TRIACCEL_WITH_CUDA
+  const bool residual_fits = residual.defined() && residual.sizes() == x.sizes() &&
+                             residual.scalar_type() == x.scalar_type() && residual.device() == x.device() &&
+                             residual.is_contiguous(at::MemoryFormat::ChannelsLast);
+  if (!t_sync && batch_norm_add_relu_fused() && residual_fits && batch_norm_kernel_applies(bn, x)) {
+    if (bn.num_batches_tracked.defined()) {  // as BatchNorm2d::forward in training
+      at::NoGradGuard no_grad;
+      bn.num_batches_tracked.add_(1);
+    }
+    return BatchNormAddReluFunction::apply(x, residual, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                           *bn.options.momentum(), bn.options.eps());
+  }
+#endif
+  return torch::relu(batch_norm_forward(bn, x, /*relu=*/false) + residual);
 }
 
 }  // namespace triaccel

@@ -51,6 +51,22 @@ inline at::Tensor batch_norm_forward(const torch::nn::BatchNorm2d& bn, const at:
   return batch_norm_forward(*bn.ptr(), x, relu);
 }
 
+// max(bn(x) + residual, 0): a residual block's end. On the kernel path (batch_norm_kernel_applies, the block-end
+// fusion enabled, residual of x's shape, dtype and device and channels_last-contiguous, no BatchNormSyncScope) one
+// pass (kernels/batch_norm.h, batch_norm_add_relu_forward_cuda) whose backward reads the output for the mask; else
+// torch::relu(batch_norm_forward(bn, x, false) + residual). Both paths update the module's state alike.
+at::Tensor batch_norm_add_relu(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x, const at::Tensor& residual);
+inline at::Tensor batch_norm_add_relu(const torch::nn::BatchNorm2d& bn, const at::Tensor& x,
+                                      const at::Tensor& residual) {
+  return batch_norm_add_relu(*bn.ptr(), x, residual);
+}
+
+// Process-wide switch of the block-end fusion alone (default on, off when the environment sets TRIACCEL_BN_TAIL=off;
+// A/B runs: bench_train_throughput --bn-tail off).
+// Off, batch_norm_add_relu takes the three-pass composition (the BatchNorm kernel still runs where it applies).
+void batch_norm_add_relu_set_fused(bool fused);
+bool batch_norm_add_relu_fused();
+
 // Synchronized BatchNorm (data parallelism's --sync-bn): while a BatchNormSyncScope lives on a thread, every
 // training-mode batch_norm_forward there normalizes with the statistics of the whole global batch. In forward each
 // channel's sum and sum of squares (and the sample count) are summed over the ranks; in backward the two per-channel

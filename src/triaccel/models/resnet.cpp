@@ -59,9 +59,8 @@ class BasicBlockImpl : public torch::nn::Module {
   // (N, in, H, W) → (N, out, H / stride, W / stride)
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = batch_norm_forward(bn1_, conv1_(x), /*relu=*/true);
-    h = batch_norm_forward(bn2_, conv2_(h), /*relu=*/false);
     const at::Tensor identity = downsample_ ? downsample_(x) : x;
-    return torch::relu(h + identity);
+    return batch_norm_add_relu(bn2_, conv2_(h), identity);  // relu(bn2(conv2(h)) + identity)
   }
 
  private:
