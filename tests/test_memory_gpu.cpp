@@ -3,6 +3,10 @@
 // budget's cap on freed memory. Each skips without a GPU.
 #include "memory_test_util.h"
 
+#ifdef TRIACCEL_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
 namespace triaccel {
 namespace {
 
@@ -142,6 +146,51 @@ TEST(MemoryGpuTest, AnEagerStepOfAnotherSizeRunsInTheGraphsPool) {
       } else {
         EXPECT_GE(g, 5 * kWidth * 4) << "the test cannot tell: the step's temporary fit in memory already reserved";
       }
+    }
+  }
+#endif
+}
+
+// GPU: with warmup_in_pool, the last warm-up step runs in the pool the capture then takes, so the capture reuses
+// that step's freed blocks: it maps no new memory (no cudaMalloc during the capturing step; without the option its
+// fresh pool maps a segment for the 20 MB temporary), the graph's pool is the warm-up's, and the replays after it
+// compute what they should. The body's first run stays out of the pool (warmup_steps = 1: no step is routed).
+TEST(MemoryGpuTest, TheCaptureReusesTheLastWarmUpStepsBlocks) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  constexpr int64_t kWidth = 1 << 20;  // 4 MB of float32 per sample
+  const auto device_allocs = []() {
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(0).num_device_alloc;
+  };
+  for (const bool in_pool : {true, false}) {
+    StepGraphOptions o;
+    o.batch = 5;
+    o.warmup_steps = 2;
+    o.warmup_in_pool = in_pool;
+    StepGraph graph(o);
+    const at::Tensor out = at::zeros({5}, at::TensorOptions().device(gpu));
+    const StepGraph::Body body = [&](const at::Tensor& x, const at::Tensor&) {
+      const at::Tensor scratch = x * 2 + 1;  // a 20 MB temporary
+      out.copy_(scratch.sum(1));
+    };
+    const at::Tensor y = at::zeros({5}, at::TensorOptions().dtype(at::kLong).device(gpu));
+    int64_t capture_allocs = -1;
+    for (int s = 0; s < 5; ++s) {
+      const at::Tensor x = at::full({5, kWidth}, static_cast<float>(s), at::TensorOptions().device(gpu));
+      const bool capturing = s == 2;
+      const int64_t before = device_allocs();
+      graph.run(body, x, y);
+      if (capturing) capture_allocs = device_allocs() - before;
+      EXPECT_EQ(out.cpu().min().item<float>(), static_cast<float>((2 * s + 1) * kWidth)) << s;
+      EXPECT_EQ(out.cpu().max().item<float>(), static_cast<float>((2 * s + 1) * kWidth)) << s;
+    }
+    EXPECT_EQ(graph.captures(), 1);
+    if (in_pool) {
+      EXPECT_EQ(capture_allocs, 0) << "the capture mapped memory beside the warm-up's blocks";
+    } else {
+      EXPECT_GE(capture_allocs, 1) << "the test cannot tell: the capture found its memory mapped already";
     }
   }
 #endif

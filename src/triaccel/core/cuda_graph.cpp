@@ -112,6 +112,27 @@ void cuda_graph_pool_run(at::cuda::CUDAGraph& graph, const std::function<void()>
 #endif
 
 #ifdef TRIACCEL_WITH_CUDA
+CudaGraphPool::CudaGraphPool() : device_(c10::cuda::current_device()), id_(at::cuda::graph_pool_handle()) {}
+
+CudaGraphPool::~CudaGraphPool() {
+  for (; uses_ > 0; --uses_) c10::cuda::CUDACachingAllocator::releasePool(device_, id_);
+}
+
+void CudaGraphPool::run(const std::function<void()>& body) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  c10::cuda::CUDACachingAllocator::beginAllocateToPool(device_, id_,
+                                                       [stream](cudaStream_t s) { return s == stream; });
+  ++uses_;  // beginAllocateToPool took a use of the pool; the destructor gives it back
+  struct Routed {
+    c10::DeviceIndex device;
+    at::cuda::MempoolId_t pool;
+    ~Routed() { c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool); }
+  } routed{device_, id_};
+  body();
+}
+#endif
+
+#ifdef TRIACCEL_WITH_CUDA
 void cuda_copy_pinned_async(const at::Tensor& dst, const at::Tensor& src) {
   TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes() &&
                   dst.scalar_type() == src.scalar_type() && dst.is_cuda() != src.is_cuda() &&

@@ -40,6 +40,31 @@ std::unique_ptr<at::cuda::CUDAGraph> cuda_graph_capture(const std::function<void
 // no lazily made buffer; a caller's tensors that `body` writes in place are not in the pool and are safe.
 void cuda_graph_pool_run(at::cuda::CUDAGraph& graph, const std::function<void()>& body);
 
+// A private memory pool for a graph not yet captured, held from before its capture: an eager call run in it (run)
+// leaves its freed blocks cached in the pool, and the capture (cuda_graph_capture with share_pool = &id()) reuses
+// them, in the layout that eager call fitted, instead of opening a second pool beside the eager calls' cached blocks
+// (which nothing can free while a capture is under way: under a tight --vram-budget the capture ran out of memory
+// in free gaps of both pools where the eager step fitted; docs/results/memory-planner.md). An eager call, unlike a
+// capture, may release the default pool's cached memory when it runs short. Holds one use of the pool per run();
+// the graph captured into it holds its own, so the pool lives while either does. What `run`'s body keeps alive after
+// it returns stays in the pool.
+class CudaGraphPool {
+ public:
+  CudaGraphPool();
+  ~CudaGraphPool();  // gives this object's uses back
+  CudaGraphPool(const CudaGraphPool&) = delete;
+  CudaGraphPool& operator=(const CudaGraphPool&) = delete;
+
+  const at::cuda::MempoolId_t& id() const { return id_; }
+  // `body` with its allocations on the current stream taken from the pool (the routing ends also when it throws).
+  void run(const std::function<void()>& body);
+
+ private:
+  c10::DeviceIndex device_;
+  at::cuda::MempoolId_t id_;
+  int uses_ = 0;
+};
+
 // dst = src for two contiguous tensors of the same size and dtype, one in pinned host memory, the other on the
 // current CUDA device: one cudaMemcpyAsync on the current stream, recorded as a copy node when the stream is being
 // captured (each replay then reads or writes the host memory as it is then). The caller keeps the host tensor alive

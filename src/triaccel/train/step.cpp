@@ -32,6 +32,8 @@ StepGraphOptions graph_options(const StepOptions& o, const c10::Device& device, 
   // writes (weights, optimizer state, the scaler, the metrics, BatchNorm statistics) exists before and is updated in
   // place. So that run takes its memory from the graph's pool instead of needing its own beside it.
   g.eager_in_pool = true;
+  // Its warm-up leaves only its gradients too (released before the capture): the last one runs in the capture's pool.
+  g.warmup_in_pool = true;
   // A capture refused by an error (e.g. a call from autograd's thread that global mode forbids, as a recompute's
   // nested backward may make) is retried once in relaxed mode before the step stays eager.
   g.relaxed_retry = true;

@@ -3,6 +3,9 @@
 #include "triaccel/core/cuda_graph.h"
 
 #include <algorithm>
+#ifdef TRIACCEL_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 namespace triaccel {
 
@@ -13,6 +16,12 @@ struct StepGraph::Graph {
 #endif
   int64_t side_handle = 0;  // side's handle (0: none)
   at::Tensor x, y;  // the static inputs: the tensors of the step that was captured
+};
+
+struct StepGraph::Pool {
+#ifdef TRIACCEL_WITH_CUDA
+  CudaGraphPool pool;
+#endif
 };
 
 StepGraph::StepGraph(StepGraphOptions options) : options_(std::move(options)), batch_(options_.batch) {
@@ -29,18 +38,47 @@ void StepGraph::set_batch(int64_t batch) {
   if (batch == batch_) return;
   batch_ = batch;
   graph_.reset();
+  pool_release();
   eager_steps_ = std::max<int64_t>(0, options_.warmup_steps - 1);
 }
 
 void StepGraph::invalidate() {
   if (!graph_) return;  // still warming up: the warm-up goes on
   graph_.reset();
+  pool_release();
   eager_steps_ = std::max<int64_t>(0, options_.warmup_steps - 1);
 }
 
 void StepGraph::drop() {
   graph_.reset();
+  pool_release();
   eager_steps_ = 0;
+}
+
+void StepGraph::pool_release() {
+#ifdef TRIACCEL_WITH_CUDA
+  if (!next_pool_) return;
+  next_pool_.reset();  // the pool is freeable now unless a graph uses it: its cached blocks go back
+  c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
+
+void StepGraph::warm_up(const Body& body, const at::Tensor& x, const at::Tensor& y) {
+  ++eager_steps_;
+#ifdef TRIACCEL_WITH_CUDA
+  // The last warm-up before the capture runs in the capture's pool (core/cuda_graph.h: CudaGraphPool), unless it is
+  // the body's first run (which makes lasting state: the optimizer's, lazily made buffers).
+  if (options_.warmup_in_pool && eager_steps_ >= options_.warmup_steps && bodies_run_ > 0) {
+    pool_release();
+    auto pool = std::make_unique<Pool>();
+    pool->pool.run([&]() { body(x, y); });  // a throw gives the pool back with it
+    next_pool_ = std::move(pool);
+    ++bodies_run_;
+    return;
+  }
+#endif
+  body(x, y);
+  ++bodies_run_;
 }
 
 void StepGraph::refuse() {
@@ -81,7 +119,8 @@ bool StepGraph::capture(const Body& body, const at::Tensor& x, const at::Tensor&
         if (options_.during_capture) options_.during_capture();
         body(g->x, g->y);
       },
-      &error, relaxed_);
+      &error, relaxed_, next_pool_ ? &next_pool_->pool.id() : nullptr);
+  pool_release();  // a captured graph keeps the pool; a failed capture's goes back
   if (options_.agree_capture) {
     const int own = g->graph ? 0 : error.empty() ? 1 : 2;
     const int all = options_.agree_capture(own);
@@ -162,14 +201,15 @@ void StepGraph::run(const Body& body, const at::Tensor& x, const at::Tensor& y) 
   switch (way(x.size(0))) {
     case Way::kOtherSize:
       in_pool([&]() { body(x, y); });
+      ++bodies_run_;
       return;
     case Way::kWarmUp:
-      ++eager_steps_;
-      body(x, y);
+      warm_up(body, x, y);
       return;
     case Way::kCapture:
       if (!capture(body, x, y)) {
         body(x, y);  // the capture ran nothing: this step runs eagerly
+        ++bodies_run_;
         return;
       }
       last_ran_ = Ran::kCaptured;

@@ -29,6 +29,11 @@ struct StepGraphOptions {
   int64_t batch = 0;              // the batch size to capture (0: none); set_batch changes it later
   int64_t warmup_steps = 3;       // eager steps at the graph's batch size before the capture
   bool relaxed_retry = false;     // retry a capture refused by an error once in relaxed mode (NeuroFlux's blocks)
+  // The last warm-up step before a capture allocates from the pool the capture then uses (core/cuda_graph.h:
+  // CudaGraphPool), so the capture reuses that step's freed blocks instead of needing a pool beside the eager steps'
+  // cached ones. Not the body's first run. Only for a body whose warm-up leaves in the pool nothing but what its
+  // captured run makes too (TrainStep: its gradients, released before the capture).
+  bool warmup_in_pool = false;
   std::function<void()> during_capture;  // tests: called inside the capture before the body (e.g. to fail it)
   // Before a replay and before a capture: e.g. release gradients an eager step left (the graph's live in its pool).
   std::function<void()> before_replay;
@@ -108,6 +113,8 @@ class StepGraph {
 
  private:
   bool capture(const Body& body, const at::Tensor& x, const at::Tensor& y);
+  void warm_up(const Body& body, const at::Tensor& x, const at::Tensor& y);  // one warm-up step (warmup_in_pool)
+  void pool_release();  // gives back the pool the last warm-up ran in, if the capture has not taken it
   // What run() does at a batch size: eagerly in the graph's pool (not the captured size, refused, or disabled),
   // eagerly as a warm-up step, a capture, or a replay. run() and runs_eagerly() both decide by it.
   enum class Way { kOtherSize, kWarmUp, kCapture, kReplay };
@@ -123,8 +130,11 @@ class StepGraph {
   std::string capture_error_;
   bool relaxed_ = false;
   Ran last_ran_ = Ran::kNone;
+  int64_t bodies_run_ = 0;  // eager runs of the body so far (a capture's run not counted)
   struct Graph;
   std::unique_ptr<Graph> graph_;
+  struct Pool;                     // the capture's pool, held from the last warm-up step (warmup_in_pool)
+  std::unique_ptr<Pool> next_pool_;
 };
 
 }  // namespace triaccel
