@@ -95,6 +95,20 @@ at::Tensor sync_batch_norm(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x,
 }
 
 #ifdef TRIACCEL_WITH_CUDA
+// The kernels' backward is not differentiable: a backward with create_graph = true through them is refused.
+void first_order_only() {
+  TORCH_CHECK(!at::GradMode::is_enabled(),
+              "the fused BatchNorm kernel is not twice differentiable (backward with create_graph=true); switch "
+              "it off with batch_norm_kernel_set_enabled(false) or run this part in fp32");
+}
+
+// As BatchNorm2d::forward in training, on the kernel paths.
+void batches_count(torch::nn::BatchNorm2dImpl& bn) {
+  if (!bn.num_batches_tracked.defined()) return;
+  at::NoGradGuard no_grad;
+  bn.num_batches_tracked.add_(1);
+}
+
 // Inputs: x (N, C, H, W) bf16 or fp16 channels_last, weight, bias, running_mean, running_var (C) float32; the running
 // stats are updated in place. Output: y (N, C, H, W) channels_last in x's dtype.
 class BatchNormFunction : public torch::autograd::Function<BatchNormFunction> {
@@ -110,9 +124,7 @@ class BatchNormFunction : public torch::autograd::Function<BatchNormFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    TORCH_CHECK(!at::GradMode::is_enabled(),
-                "the fused BatchNorm kernel is not twice differentiable (backward with create_graph=true); switch "
-                "it off with batch_norm_kernel_set_enabled(false) or run this part in fp32");
+    first_order_only();
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& dy = grad_outputs[0];
     const at::Tensor& x = saved[0];
@@ -140,9 +152,7 @@ class BatchNormAddReluFunction : public torch::autograd::Function<BatchNormAddRe
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    TORCH_CHECK(!at::GradMode::is_enabled(),
-                "the fused BatchNorm kernel is not twice differentiable (backward with create_graph=true); switch "
-                "it off with batch_norm_kernel_set_enabled(false) or run this part in fp32");
+    first_order_only();
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
     auto [dx, dweight, dbias, dresidual] =
@@ -221,10 +231,7 @@ at::Tensor batch_norm_forward(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& 
   }
 #ifdef TRIACCEL_WITH_CUDA
   if (batch_norm_kernel_applies(bn, x)) {
-    if (bn.num_batches_tracked.defined()) {  // as BatchNorm2d::forward in training
-      at::NoGradGuard no_grad;
-      bn.num_batches_tracked.add_(1);
-    }
+    batches_count(bn);
     return BatchNormFunction::apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
                                     *bn.options.momentum(), bn.options.eps(), relu);
   }
@@ -239,10 +246,7 @@ at::Tensor batch_norm_add_relu(torch::nn::BatchNorm2dImpl& bn, const at::Tensor&
                              residual.scalar_type() == x.scalar_type() && residual.device() == x.device() &&
                              residual.is_contiguous(at::MemoryFormat::ChannelsLast);
   if (!t_sync && batch_norm_add_relu_fused() && residual_fits && batch_norm_kernel_applies(bn, x)) {
-    if (bn.num_batches_tracked.defined()) {  // as BatchNorm2d::forward in training
-      at::NoGradGuard no_grad;
-      bn.num_batches_tracked.add_(1);
-    }
+    batches_count(bn);
     return BatchNormAddReluFunction::apply(x, residual, bn.weight, bn.bias, bn.running_mean, bn.running_var,
                                            *bn.options.momentum(), bn.options.eps());
   }
