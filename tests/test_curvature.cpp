@@ -469,6 +469,65 @@ TEST(CurvatureRoundTest, FisherRoundsGiveTheExplicitSampledFishersTopEigenvalue)
   }
 }
 
+// A token model (n, T) → (n, T, V) whose tokens see the ones before them (a causal running mean), as a GPT's do.
+class TokenMixer : public Model {
+ public:
+  TokenMixer() : Model("token-mixer") {
+    auto embed = register_module("embed", torch::nn::Embedding(6, 4));
+    auto out = register_module("out", torch::nn::Linear(4, 6));
+    std::vector<std::shared_ptr<torch::nn::Module>> e{embed}, o{out};
+    unit_add("embed", e, [embed](const at::Tensor& x) {
+      const at::Tensor h = torch::tanh(embed->forward(x));  // (n, T, d)
+      const at::Tensor count = at::arange(1, x.size(1) + 1, h.options()).view({1, -1, 1});
+      return h + h.cumsum(1) / count;
+    });
+    unit_add("out", o, [out](const at::Tensor& x) { return out->forward(x); });
+  }
+};
+
+// The Fisher's rounds on a token model: one label drawn per token from that token's softmax, and the block
+// (1/(n·T)) Σ_k s_k s_kᵀ, s_k the gradient of sample k's summed token losses — the Fisher of the training loss, the
+// mean over tokens. Checked against the explicit matrix at the labels the round drew; a round that divided by the
+// samples (n) would be T = 5 times too large, one that drew a label per sequence could not fill (n, T).
+TEST(CurvatureRoundTest, FisherRoundsOnTokensDrawALabelPerTokenAndAverageOverTokens) {
+  const SingleThreadScope single_thread;
+  torch::manual_seed(7);
+  TokenMixer model;
+  model.to(at::kDouble);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
+  const at::Tensor tokens = at::randint(0, 6, {8, 5}, gen, at::kLong);
+  const at::Tensor targets = at::randint(0, 6, {8, 5}, gen, at::kLong);
+  CurvatureOptions options;
+  options.top_k = 1;
+  options.tol = 1e-13;
+  options.max_iters = 400;
+  options.batch = 8;
+  options.chunk = 1;
+  options.estimator = CurvatureEstimator::kFisher;
+  CurvatureRound round(model, tokens, targets, options);
+  round.run();
+  const auto curv = round.run();
+  const at::Tensor drawn = round.labels();
+  ASSERT_EQ(drawn.sizes(), targets.sizes());
+  EXPECT_FALSE(drawn.equal(targets));  // drawn from the model, not the batch's targets
+  ASSERT_EQ(curv.size(), 2u);
+  for (size_t u = 0; u < curv.size(); ++u) {
+    std::vector<at::Tensor> rows;
+    for (int64_t i = 0; i < tokens.size(0); ++i) {
+      at::Tensor h = tokens.narrow(0, i, 1);
+      for (const Unit& unit : model.units()) h = unit.forward(h);
+      const at::Tensor loss = at::cross_entropy_loss(h.reshape({-1, 6}), drawn.narrow(0, i, 1).reshape({-1}), {},
+                                                     at::Reduction::Sum);
+      rows.push_back(flat_cat(torch::autograd::grad({loss}, model.units()[u].parameters())));
+    }
+    const at::Tensor s_rows = at::stack(rows);  // (n, numel)
+    const double expected =
+        at::linalg_eigvalsh(s_rows.matmul(s_rows.t()) / static_cast<double>(tokens.numel())).max().item<double>();
+    EXPECT_GT(expected, 1e-6) << curv[u].unit;
+    EXPECT_NEAR(curv[u].lambda_max, expected, 1e-8 * expected) << curv[u].unit;
+  }
+}
+
 // The labels are drawn from the model's own prediction, not taken from the batch: with the output biased to class 3
 // every draw is 3; and for the output layer, where the Hessian block is exactly the Gauss-Newton block (the logits are
 // linear in its weights), the Fisher over many draws (each input repeated 16 times) comes close to the Hessian's λ.

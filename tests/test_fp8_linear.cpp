@@ -412,5 +412,42 @@ TEST(Fp8StepTest, AmpFp8RunsTheLinearLayersInFp8AndTrains) {
   }
 }
 
+// Tri-Accel under amp-fp8: only the units at fp8 compute their linear layers in FP8, in the step's forward and in a
+// recomputed unit's backward. The GPT's units: embed, blocks.0 (qkv, proj, fc1, fc2), head (one linear).
+TEST(Fp8StepTest, UnitPrecisionsPutOnlyTheFp8UnitsLinearLayersInFp8) {
+  const c10::Device cpu(c10::kCPU);
+  torch::manual_seed(8);
+  const at::Tensor tokens = torch::randint(0, 16, {4, 16}, torch::kLong);
+  const at::Tensor targets = torch::roll(tokens, 1, 1);
+  const Precision b = Precision::kBF16, f = Precision::kFP8;
+  struct Case {
+    std::vector<Precision> precisions;
+    bool recompute;
+    size_t fp8_layers;
+  };
+  for (const Case& c : {Case{{b, b, b}, false, 0}, Case{{b, f, b}, false, 4}, Case{{b, b, f}, false, 1},
+                        Case{{b, f, b}, true, 4}, Case{{f, f, f}, false, 5}}) {
+    TinyGptStep fp8 = tiny_gpt_step(PrecisionMode::kAmpFP8, cpu);
+    ASSERT_EQ(fp8.model->units().size(), 3u);
+    fp8.step->set_unit_precisions(c.precisions);
+    if (c.recompute) fp8.step->set_recompute({false, true, false});
+    TinyGptStep bf16 = tiny_gpt_step(PrecisionMode::kAmpBF16, cpu);
+    bf16.step->set_unit_precisions({b, b, b});  // the same per-unit forward (each unit's input cast to its dtype)
+    for (int s = 0; s < 2; ++s) {
+      fp8.step->run(tokens, targets, 0.05);
+      bf16.step->run(tokens, targets, 0.05);
+    }
+    EXPECT_EQ(fp8.step->fp8_layers(), c.fp8_layers) << "fp8 layers, recompute " << c.recompute;
+    // Through FP8 or not: blocks.0's weights equal amp-bf16's exactly when that unit is not at fp8.
+    const std::string w = "blocks.0.mlp.fc1.weight";
+    const double diff = largest(fp8.model->named_parameters()[w] - bf16.model->named_parameters()[w]);
+    if (c.precisions[1] == f) {
+      EXPECT_GT(diff, 1e-4);
+    } else if (c.precisions[2] == b) {
+      EXPECT_EQ(diff, 0.0);  // no unit in FP8: the same step as amp-bf16's, bit for bit
+    }
+  }
+}
+
 }  // namespace
 }  // namespace triaccel

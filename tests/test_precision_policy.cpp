@@ -100,6 +100,41 @@ TEST(PrecisionPolicyTest, CurvaturePromotesOneLevelWhileAboveTauCurv) {
   EXPECT_EQ(s.precision[1], Precision::kBF16);
 }
 
+// amp-fp8's ladder (Hopper): fp8, bf16, fp32. A low-variance unit goes to fp8, not fp16; it comes back up to bf16
+// when its variance rises past τ_low's margin, and curvature promotes it to bf16 (there is no fp16 level to stop at).
+TEST(PrecisionPolicyTest, TheFp8LadderDemotesLowVarianceUnitsAndTakesThemBackUp) {
+  PrecisionPolicyOptions o;
+  o.tau_low = 1.0;
+  o.tau_high = 10.0;
+  o.tau_curv = 50.0;
+  o.beta = 0.0;
+  o.hysteresis = 0.25;
+  o.min_dwell_windows = 0;
+  o.low_precision = Precision::kFP8;
+  PrecisionState s = precision_policy_step(o, {}, {{0.5, -1}, {5.0, -1}, {50.0, -1}, {0.5, 100.0}});
+  EXPECT_EQ(s.precision, (std::vector<Precision>{Precision::kFP8, Precision::kBF16, Precision::kFP32,
+                                                 Precision::kBF16}));
+  EXPECT_EQ(s.base[3], Precision::kFP8);  // unit 3 is low-variance, promoted by its curvature to bf16
+  EXPECT_TRUE(s.promoted[3]);
+  // Unit 0's variance rises inside the margin (1.1 < 1.25): it stays in fp8; past it, up to bf16.
+  s = precision_policy_step(o, s, {{1.1, -1}, {5.0, -1}, {50.0, -1}, {0.5, 1.0}});
+  EXPECT_EQ(s.precision[0], Precision::kFP8);
+  EXPECT_EQ(s.precision[3], Precision::kFP8);  // a flat probe ends the promotion: back to fp8
+  s = precision_policy_step(o, s, {{2.0, -1}, {5.0, -1}, {50.0, -1}, {0.5, -1}});
+  EXPECT_EQ(s.precision[0], Precision::kBF16);
+  // And down again once it falls below τ_low · (1 − h).
+  s = precision_policy_step(o, s, {{0.7, -1}, {5.0, -1}, {50.0, -1}, {0.5, -1}});
+  EXPECT_EQ(s.precision[0], Precision::kFP8);
+}
+
+TEST(PrecisionPolicyTest, TheLaddersBottomIsFp16OrFp8) {
+  PrecisionPolicyOptions o;
+  o.low_precision = Precision::kBF16;
+  EXPECT_THROW(o.validate(), UserError);
+  o.low_precision = Precision::kFP8;
+  EXPECT_NO_THROW(o.validate());
+}
+
 TEST(PrecisionPolicyTest, ValidateNamesTheFlag) {
   PrecisionPolicyOptions o;
   o.tau_low = 5;

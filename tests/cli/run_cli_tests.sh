@@ -33,7 +33,6 @@ expect unknown_dataset 2 "--dataset must be one of" -- train --dataset imagenet
 expect batch_zero 2 "--batch-size must be > 0, got 0" -- train "${TINY[@]}" --batch-size 0
 expect batch_text 2 "--batch-size" -- train --batch-size many
 expect bad_precision 2 "--precision must be fp32, amp-bf16, amp-fp16 or amp-fp8, got 'fp6'" -- train "${TINY[@]}" --precision fp6
-expect fp8_tri_accel 2 "--precision amp-fp8 trains with --method backprop" -- train "${TINY[@]}" --method tri-accel --precision fp8
 expect fp8_no_linears 0 "note: amp-fp8 found no linear layer of small-cnn" -- train "${TINY[@]}" --precision fp8 --max-steps 1 --out "$WORK/fp8cnn" --progress lines
 expect bad_lr 2 "--lr must be a positive number" -- train "${TINY[@]}" --lr -1
 expect last_flag_wins 2 "--batch-size must be > 0, got 0" -- train "${TINY[@]}" --batch-size 8 --batch-size 0
@@ -226,7 +225,12 @@ expect cutout_on_text 2 "--cutout applies to images only" -- train "${TEXT[@]}" 
 expect text_missing 2 "input.txt not found in $WORK/text-none; pass --data" -- train "${TEXT[@]}" --data "$WORK/text-none"
 expect text_empty 2 "is empty" -- train "${TEXT[@]}" --data "$WORK/text-empty" --out "$WORK/o3"
 expect text_too_short 2 "smaller --block-size" -- train "${TEXT[@]}" --block-size 200 --out "$WORK/o3"
-expect tri_accel_gpt 2 "does not support --model gpt-char" -- train "${TEXT[@]}" --method tri-accel
+expect tri_accel_gpt_hessian 2 "--curv-estimator hessian needs double backward, which --model gpt-char (its fused attention) has not; use --curv-estimator fisher" -- train "${TEXT[@]}" --method tri-accel --curv-estimator hessian
+# Tri-Accel on the GPT (the Fisher's rounds) with the FP8 ladder: units move to fp8, and a resume reads them back.
+expect tri_accel_gpt_fp8 0 "tri-accel with amp-fp8: the ladder is fp8, bf16, fp32" -- train "${TEXT[@]}" --method tri-accel --precision fp8 --batch-size 16 --ctrl-every 2 --curv-every 4 --max-steps 6 --out "$WORK/ta_fp8" --progress lines
+if grep '"event":"precision"' "$WORK/ta_fp8/events.jsonl" | tail -1 | grep -q '"precision":\[[^]]*"fp8"'; then
+  passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL tri_accel_gpt_fp8: no unit at fp8 in the last precision event"; fi
+expect tri_accel_gpt_fp8_resume 0 "done: test acc" -- train --resume "$WORK/ta_fp8" --progress lines
 expect vit_on_mnist 0 "stopped at step 1" -- train "${TINY[@]}" --model vit-tiny --max-steps 1 --batch-size 4 --out "$WORK/vit" --progress lines
 # BAOC plans any unit-based model: the character GPT on text.
 expect plan_gpt 0 '"unit":"blocks.0"' -- plan "${TEXT[@]}" --batch-size 16 --plan-warmup 2 --optim-memory-budget 25% --json --out "$WORK/pg"

@@ -254,6 +254,11 @@ BackpropTrainer::Attempt BackpropTrainer::on_skipped_step(FaultKind fault, int64
 }
 
 void BackpropTrainer::fp8_say() {
+  if (config_.execution.method == Method::kTriAccel) {
+    session_.printer().line("tri-accel with amp-fp8: the ladder is fp8, bf16, fp32; units whose gradient variance is "
+                            "low compute their linear layers in FP8 (fp8 in the precision events), the rest in bf16");
+    return;
+  }
   const size_t layers = step_->fp8_layers();
   session_.printer().line(
       layers > 0 ? c10::str("amp-fp8: ", layers, " linear layers of ", config_.model.model, " compute in FP8, the "

@@ -39,6 +39,14 @@ PrecisionPolicyOptions precision_policy_options(const Config& config) {
   o.tau_low = config.tri_accel.tau_low;
   o.tau_high = config.tri_accel.tau_high;
   o.tau_curv = config.tri_accel.tau_curv;
+  // amp-fp8: the ladder's bottom level is FP8 (precision_policy.h), the level that pays on Hopper, so FP8 is where
+  // most units go and the variance finds the exceptions: τ_low the 0.85 quantile (with the hysteresis margin about
+  // three units in four), τ_high the 0.95 (fp16's ladder: the paper's quarter of the units at the bottom).
+  if (fp8_linears(config.execution.precision)) {
+    o.low_precision = Precision::kFP8;
+    o.low_quantile = 0.85;
+    o.high_quantile = 0.95;
+  }
   return o;
 }
 

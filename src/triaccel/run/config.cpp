@@ -383,21 +383,20 @@ void Config::validate() const {
   const ModelEntry& entry = model_entry(model.model);
   const Method method = execution.method;
   const std::string& name = model.model;
-  // The curvature probe differentiates twice; the fused attention kernels (flash, memory-efficient, CPU flash)
-  // have no double backward.
-  TRIACCEL_CHECK_INPUT(method != Method::kTriAccel || entry.double_backward, option_ref("method"),
-                       " tri-accel does not support ", option_ref("model"), " ", name,
-                       " yet (its curvature probe needs double backward through attention); use ",
-                       option_ref("method"), " backprop");
+  // The Hessian's products differentiate twice; the fused attention kernels (flash, memory-efficient, CPU flash)
+  // have no double backward. The Fisher's rounds (first-order gradients only) run on every model.
+  const bool hessian = tri_accel.curv_estimator == CurvatureEstimator::kHessian &&
+                       (tri_accel.ta_curvature || tri_accel.ta_precision);
+  TRIACCEL_CHECK_INPUT(method != Method::kTriAccel || entry.double_backward || !hessian, option_ref("method"),
+                       " tri-accel with ", option_ref("curv_estimator"), " hessian needs double backward, which ",
+                       option_ref("model"), " ", name, " (its fused attention) has not; use ",
+                       option_ref("curv_estimator"), " fisher (with ", option_ref("curv_top_k"), " 1)");
   if (method == Method::kNeuroFlux) {
     const auto refusal = neuroflux_refusal(*this);
     TRIACCEL_CHECK_INPUT(!refusal, refusal->message);
   }
   TRIACCEL_CHECK_INPUT(optim.optimizer != OptimizerKind::kBaoc || method == Method::kBackprop, option_ref("optimizer"),
                        " baoc needs ", option_ref("method"), " backprop");
-  TRIACCEL_CHECK_INPUT(!fp8_linears(execution.precision) || method != Method::kTriAccel, option_ref("precision"),
-                       " amp-fp8 trains with ", option_ref("method"), " backprop; tri-accel chooses each unit's "
-                       "precision itself (fp16, bf16 or fp32)");
   validate_world(execution.nproc);
   TRIACCEL_CHECK_INPUT(execution.micro_batch <= schedule.batch_size, option_ref("micro_batch"), " ",
                        execution.micro_batch, " is larger than ", option_ref("batch_size"), " ", schedule.batch_size,

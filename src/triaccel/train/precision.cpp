@@ -7,9 +7,13 @@
 namespace triaccel {
 
 PrecisionMode precision_mode_of(Precision p) {
-  return p == Precision::kFP32 ? PrecisionMode::kFP32
-         : p == Precision::kBF16 ? PrecisionMode::kAmpBF16
-                                 : PrecisionMode::kAmpFP16;
+  switch (p) {
+    case Precision::kFP32: return PrecisionMode::kFP32;
+    case Precision::kBF16: return PrecisionMode::kAmpBF16;
+    case Precision::kFP16: return PrecisionMode::kAmpFP16;
+    case Precision::kFP8: return PrecisionMode::kAmpFP8;
+  }
+  return PrecisionMode::kFP32;
 }
 
 at::ScalarType autocast_dtype(PrecisionMode mode) {
@@ -61,7 +65,7 @@ at::Tensor unit_precision_forward(Model& model, const at::Tensor& images, const 
 }
 
 at::ScalarType precision_dtype(Precision p) {
-  return p == Precision::kFP32 ? at::kFloat : p == Precision::kBF16 ? at::kBFloat16 : at::kHalf;
+  return p == Precision::kFP32 ? at::kFloat : p == Precision::kFP16 ? at::kHalf : at::kBFloat16;
 }
 
 Precision precision_applied(Precision decided, const c10::Device& device) {

@@ -29,13 +29,15 @@ struct EnumNames<PrecisionMode> {
                                                        {PrecisionMode::kAmpFP8, "fp8"}};
 };
 
-// One unit's compute precision (Tri-Accel's per-unit decision). Ordered: a promotion moves up.
-enum class Precision { kFP16 = 0, kBF16 = 1, kFP32 = 2 };
+// One unit's compute precision (Tri-Accel's per-unit decision). Ordered: a promotion moves up. kFP8 is the level
+// under amp-fp8 (Hopper, where fp16 runs as fast as bf16): the unit runs as amp-bf16 with its linear layers in FP8
+// (train/fp8_linear.h). Its value is -1 so that the others keep the numbers checkpoints store them as.
+enum class Precision { kFP8 = -1, kFP16 = 0, kBF16 = 1, kFP32 = 2 };
 
 template <>
 struct EnumNames<Precision> {
   static constexpr EnumName<Precision> kNames[] = {
-      {Precision::kFP16, "fp16"}, {Precision::kBF16, "bf16"}, {Precision::kFP32, "fp32"}};
+      {Precision::kFP8, "fp8"}, {Precision::kFP16, "fp16"}, {Precision::kBF16, "bf16"}, {Precision::kFP32, "fp32"}};
 };
 
 // The 16-bit dtype a mode autocasts to (amp-fp8: bf16, around its FP8 linears); fp32: none (kFloat).
@@ -43,9 +45,10 @@ at::ScalarType autocast_dtype(PrecisionMode mode);
 // Whether the mode runs the linear layers the FP8 product takes in FP8 (amp-fp8).
 inline bool fp8_linears(PrecisionMode mode) { return mode == PrecisionMode::kAmpFP8; }
 
-// The autocast dtype of a unit precision (fp32: no autocast).
+// The autocast mode of a unit precision (fp32: no autocast; fp8: amp-fp8, whose autocast is bf16's).
 PrecisionMode precision_mode_of(Precision p);
-// The dtype a unit of this precision computes in (its input is cast to it).
+// The dtype a unit of this precision computes in (its input is cast to it; fp8: bf16, the FP8 linears quantize from
+// it).
 at::ScalarType precision_dtype(Precision p);
 
 // Sets autocast for the device from the precision mode for the scope's lifetime (and restores it after).

@@ -227,18 +227,14 @@ void TrainStep::update(const at::Tensor& loss_total, const at::Tensor& correct_t
 }
 
 at::Tensor TrainStep::forward(const at::Tensor& images) {
-  // amp-fp8: the model's linear layers FP8 takes (null: their own forward).
-  const LinearOverrideScope fp8(fp8_.get());
-  if (recompute_.empty()) {
-    if (unit_precisions_.empty()) {
-      const AutocastScope autocast(device_, options_.precision);
-      return model_.forward(images);
-    }
-    std::vector<Precision> applied;
-    for (Precision p : unit_precisions_) applied.push_back(precision_applied(p, device_));
-    return unit_precision_forward(model_, images, applied, device_);
+  if (recompute_.empty() && unit_precisions_.empty()) {
+    // amp-fp8: the model's linear layers FP8 takes (null: their own forward).
+    const LinearOverrideScope fp8(fp8_.get());
+    const AutocastScope autocast(device_, options_.precision);
+    return model_.forward(images);
   }
-  // Unit by unit: the same forward as above, with the recomputed units' activations dropped until backward.
+  // Unit by unit, each at its precision (unit_precision_forward's rule; an FP8 unit's linear layers in FP8), the
+  // recomputed units' activations dropped until backward.
   at::Tensor x = images;
   for (size_t u = 0; u < model_.units().size(); ++u) {
     // The unit's input in its own dtype (unit_precision_forward's rule). A recomputed unit casts inside the
@@ -251,7 +247,8 @@ at::Tensor TrainStep::forward(const at::Tensor& images) {
       const bool cast = dtype && in.is_floating_point() && in.scalar_type() != *dtype;
       return unit_forward(u, cast ? in.to(*dtype) : in);
     };
-    x = recompute_[u] ? recompute_forward(cast_forward, x, unit_params_[u], unit_buffers_[u]) : cast_forward(x);
+    const bool recomputed = !recompute_.empty() && recompute_[u];
+    x = recomputed ? recompute_forward(cast_forward, x, unit_params_[u], unit_buffers_[u]) : cast_forward(x);
   }
   return x;
 }
@@ -261,7 +258,9 @@ at::Tensor TrainStep::unit_forward(size_t u, const at::Tensor& x) const {
                                  ? options_.precision
                                  : precision_mode_of(precision_applied(unit_precisions_[u], device_));
   const AutocastScope autocast(device_, mode);
-  const LinearOverrideScope fp8(fp8_.get());  // set here too: a recompute in backward runs on autograd's thread
+  // Set here, per unit: a recompute in backward runs on autograd's thread; under Tri-Accel's precisions only the
+  // units at fp8 take the FP8 linears.
+  const LinearOverrideScope fp8(fp8_linears(mode) ? fp8_.get() : nullptr);
   return model_.units()[u].forward(x);
 }
 

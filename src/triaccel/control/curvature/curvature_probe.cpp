@@ -235,7 +235,7 @@ struct CurvatureRound::State {
   State(Model& m, CurvatureOptions o) : model(m), options(std::move(o)) {}
   Model& model;
   CurvatureOptions options;
-  at::Tensor x, y;                                 // the probe batch, (n, C, H, W) and (n)
+  at::Tensor x, y;                                 // the probe batch, (n, C, H, W) and (n), or tokens (n, T), (n, T)
   std::vector<std::vector<at::Tensor>> params;     // per unit: its parameters that require grad
   std::vector<at::Tensor> all_params;              // all of them, in unit order
   std::vector<int64_t> offset, numel;              // per unit: its slice of the flat vectors
@@ -247,7 +247,7 @@ struct CurvatureRound::State {
   at::Tensor v;
   at::Tensor stats;                                // (2 · units): per unit vᵀw / vᵀv, then ‖w‖
   at::Tensor active;                               // (units) bool, written by the host before each pass
-  at::Tensor label_u;                              // kFisher: (n) uniform draws, one per sample, fixed for the run
+  at::Tensor label_u;                              // kFisher: uniform draws shaped as y, one per label, fixed for the run
   bool started = false;                            // v holds the last round's vectors
 #ifdef TRIACCEL_WITH_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph;
@@ -275,14 +275,18 @@ struct CurvatureRound::State {
   // was a shape of its own for cuDNN to set up at the first round). The same draws every round (common random
   // numbers): a label moves only where the model's prediction moved across it, so each round's Fisher is near the
   // last one's and the warm start holds, while every round's labels are a draw from the model as it is then.
+  // A token model's logits (m, T, V) are m·T rows, one label each.
   static void draw_labels(const at::Tensor& logits, const at::Tensor& u, const at::Tensor& labels) {
     const at::NoGradGuard no_grad;
-    const at::Tensor cdf = at::softmax(logits.detach(), 1).cumsum(1);  // (m, classes)
-    labels.copy_((cdf < u.to(cdf.options()).unsqueeze(1)).sum(1).clamp_max(cdf.size(1) - 1));
+    const at::Tensor cdf = at::softmax(logits.detach().reshape({-1, logits.size(-1)}), 1).cumsum(1);  // (rows, V)
+    const at::Tensor drawn = (cdf < u.reshape({-1}).to(cdf.options()).unsqueeze(1)).sum(1).clamp_max(cdf.size(1) - 1);
+    labels.copy_(drawn.view(labels.sizes()));
   }
 
   // kFisher's products: per chunk k of m samples, the gradient s_k of the sum of its samples' losses at the drawn
-  // labels; each unit's w_u += s_k,u (s_k,u·v_u); then w /= n. The samples' gradients at labels drawn from the model
+  // labels; each unit's w_u += s_k,u (s_k,u·v_u); then w /= the batch's labels (n; a token model's n·T, whose
+  // training loss is the mean over tokens: each token's label is drawn on its own, so the cross terms of one
+  // sequence's tokens have mean zero as those of two samples do). The samples' gradients at labels drawn from the model
   // have mean zero and are independent (eval mode), so E[s_k s_kᵀ] = Σ_{i∈k} F_i: (1/n) Σ_k s_k s_kᵀ is the samples'
   // Fisher for any m (m = 1: exactly (1/n) Σ_i g_i g_iᵀ), at the cost of n/m forward/backward passes.
   void fisher_products(const at::Tensor& vf, at::Tensor& w) {
@@ -296,7 +300,8 @@ struct CurvatureRound::State {
       if (at::isReducedFloatingType(h.scalar_type())) h = h.to(at::kFloat);
       const at::Tensor yc = y.narrow(0, first, count);
       draw_labels(h, label_u.narrow(0, first, count), yc);
-      const at::Tensor loss = at::cross_entropy_loss(h, yc, /*weight=*/{}, at::Reduction::Sum);
+      const at::Tensor loss = at::cross_entropy_loss(h.reshape({-1, h.size(-1)}), yc.reshape({-1}), /*weight=*/{},
+                                                     at::Reduction::Sum);
       const std::vector<at::Tensor> grads = torch::autograd::grad({loss}, all_params, /*grad_outputs=*/{},
                                                                   /*retain_graph=*/false, /*create_graph=*/false,
                                                                   /*allow_unused=*/true);
@@ -320,7 +325,7 @@ struct CurvatureRound::State {
       }
     }
     const at::NoGradGuard no_grad;
-    w.div_(static_cast<double>(n));
+    w.div_(static_cast<double>(y.numel()));
   }
 
   // One pass: one product per unit into w (kHessian: per chunk, the forward, the first-order gradients with their
@@ -464,9 +469,12 @@ CurvatureRound::CurvatureRound(Model& model, const at::Tensor& images, const at:
   State& s = *s_;
   s.options.validate();
   TORCH_CHECK(s.options.top_k == 1, "CurvatureRound: top_k must be 1 (lockstep power iteration has no deflation)");
-  TORCH_CHECK(images.dim() == 4 && labels.dim() == 1 && labels.size(0) == images.size(0) && images.size(0) >= 1,
-              "CurvatureRound: images must be (N, C, H, W) and labels (N), got ", images.sizes(), " and ",
-              labels.sizes());
+  const bool tokens = images.dim() == 2 && labels.sizes() == images.sizes();
+  TORCH_CHECK((images.dim() == 4 && labels.dim() == 1) || (tokens && s.fisher()),
+              "CurvatureRound: images must be (N, C, H, W) and labels (N), or for the Fisher tokens and targets (N, "
+              "T), got ", images.sizes(), " and ", labels.sizes());
+  TORCH_CHECK(labels.size(0) == images.size(0) && images.size(0) >= 1, "CurvatureRound: ", images.size(0),
+              " inputs and ", labels.size(0), " labels");
   const int64_t n = std::min(s.options.batch, images.size(0));
   s.x = images.narrow(0, 0, n).clone();
   s.y = labels.narrow(0, 0, n).to(at::kLong).clone();
@@ -493,7 +501,9 @@ CurvatureRound::CurvatureRound(Model& model, const at::Tensor& images, const at:
   for (int64_t c : s.numel) probed_units += c > 0 ? 1 : 0;
   s.stats = at::zeros({2 * probed_units}, flat);
   s.active = at::zeros({static_cast<int64_t>(s.numel.size())}, flat.dtype(at::kBool));
-  if (s.fisher()) s.label_u = StartVectors(s.options.seed + kLabelSeedOffset, flat).uniform(n);
+  if (s.fisher()) {
+    s.label_u = StartVectors(s.options.seed + kLabelSeedOffset, flat).uniform(s.y.numel()).view(s.y.sizes());
+  }
 }
 
 CurvatureRound::~CurvatureRound() = default;

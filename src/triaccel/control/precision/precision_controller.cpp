@@ -11,6 +11,7 @@ std::string precision_reason(const PrecisionState& state, size_t u) {
   if (!state.calibrated) return "calibrating";
   if (u < state.promoted.size() && state.promoted[u]) return "curvature";
   switch (state.base[u]) {
+    case Precision::kFP8:
     case Precision::kFP16: return "low variance";
     case Precision::kFP32: return "high variance";
     default: return "variance";
@@ -122,7 +123,7 @@ Json PrecisionController::state() const {
 void PrecisionController::restore(const Json& j) {
   auto precisions = [](const std::vector<int>& v) {
     std::vector<Precision> out;
-    for (int p : v) out.push_back(static_cast<Precision>(std::clamp(p, 0, 2)));
+    for (int p : v) out.push_back(static_cast<Precision>(std::clamp(p, -1, 2)));
     return out;
   };
   try {

@@ -20,6 +20,8 @@ void PrecisionPolicyOptions::validate() const {
   TRIACCEL_CHECK_INPUT(hysteresis >= 0 && hysteresis < 1, "precision policy: hysteresis must be in [0, 1), got ",
                        hysteresis);
   TRIACCEL_CHECK_INPUT(min_dwell_windows >= 0, "precision policy: min_dwell_windows must be >= 0");
+  TRIACCEL_CHECK_INPUT(low_precision == Precision::kFP16 || low_precision == Precision::kFP8,
+                       "precision policy: the ladder's bottom level is fp16 or fp8, got ", enum_name(low_precision));
 }
 
 double quantile(std::vector<double> values, double q) {
@@ -33,28 +35,30 @@ double quantile(std::vector<double> values, double q) {
 
 namespace {
 
-// The class of v under the thresholds, without hysteresis.
-Precision classify(double v, double tau_low, double tau_high) {
-  if (v < tau_low) return Precision::kFP16;
+// The class of v under the thresholds, without hysteresis; `low`: the ladder's bottom level (fp16, or fp8).
+Precision classify(double v, double tau_low, double tau_high, Precision low) {
+  if (v < tau_low) return low;
   if (v < tau_high) return Precision::kBF16;
   return Precision::kFP32;
 }
 
 // Moving up needs v to clear the thresholds raised by (1 + h); moving down, to fall below them lowered by (1 − h).
-Precision classify_with_hysteresis(double v, Precision current, double tau_low, double tau_high, double h) {
-  const Precision raw = classify(v, tau_low, tau_high);
+Precision classify_with_hysteresis(double v, Precision current, double tau_low, double tau_high, double h,
+                                   Precision low) {
+  const Precision raw = classify(v, tau_low, tau_high, low);
   if (raw > current) {
-    const Precision up = classify(v, tau_low * (1 + h), tau_high * (1 + h));
+    const Precision up = classify(v, tau_low * (1 + h), tau_high * (1 + h), low);
     return up > current ? up : current;
   }
   if (raw < current) {
-    const Precision down = classify(v, tau_low * (1 - h), tau_high * (1 - h));
+    const Precision down = classify(v, tau_low * (1 - h), tau_high * (1 - h), low);
     return down < current ? down : current;
   }
   return current;
 }
 
-Precision promote(Precision p) { return p == Precision::kFP16 ? Precision::kBF16 : Precision::kFP32; }
+// One level up the ladder: fp8 and fp16 to bf16 (the fp8 ladder has no fp16 level), bf16 to fp32.
+Precision promote(Precision p) { return p <= Precision::kFP16 ? Precision::kBF16 : Precision::kFP32; }
 
 }  // namespace
 
@@ -110,7 +114,8 @@ PrecisionState precision_policy_step(const PrecisionPolicyOptions& o, const Prec
   for (size_t i = 0; i < n; ++i) {
     if (s.calibrated) {
       const Precision next = s.dwell[i] >= o.min_dwell_windows
-                                 ? classify_with_hysteresis(s.ema[i], s.base[i], s.tau_low, s.tau_high, o.hysteresis)
+                                 ? classify_with_hysteresis(s.ema[i], s.base[i], s.tau_low, s.tau_high, o.hysteresis,
+                                                            o.low_precision)
                                  : s.base[i];
       if (next != s.base[i]) {
         s.base[i] = next;

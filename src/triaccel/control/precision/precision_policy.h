@@ -5,6 +5,9 @@
 //   v_l ← β·v_l + (1 − β)·Var[∇_l]
 //   p_l = FP16 if v_l < τ_low;  BF16 if τ_low ≤ v_l < τ_high;  FP32 if v_l ≥ τ_high
 //   p_l promoted one level (FP16 → BF16 → FP32) while λ_max,l > τ_curv
+// Under amp-fp8 (low_precision fp8) the ladder is FP8 / BF16 / FP32: on Hopper fp16 is no faster than bf16, FP8 is
+// the level that is (twice the tensor-core rate); an FP8 unit computes its linear layers in FP8, the rest in bf16,
+// and a promotion moves it to BF16.
 //
 // No manual tuning: unset thresholds (< 0) calibrate themselves. During the first `calibration_windows` windows every
 // unit runs at `default_precision`; at the end of the last one τ_low and τ_high become quantiles (low_quantile,
@@ -34,6 +37,7 @@ struct PrecisionPolicyOptions {
   double hysteresis = 0.25;     // relative margin beyond a threshold needed to change class
   int min_dwell_windows = 2;
   Precision default_precision = Precision::kBF16;
+  Precision low_precision = Precision::kFP16;  // the bottom level: kFP16, or kFP8 under amp-fp8
 
   void validate() const;
 };
