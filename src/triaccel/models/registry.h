@@ -17,8 +17,8 @@ struct ModelEntry {
   const char* name;
   const char* description;
   ModelInput input;
-  // The curvature probe (Tri-Accel) differentiates twice through the model: false where a kernel it uses has no
-  // double backward (the fused attention kernels).
+  // The Hessian's curvature probe (Tri-Accel's curv_estimator hessian) differentiates twice through the model: false
+  // where a kernel it uses has no double backward (the fused attention kernels); the Fisher's needs no such thing.
   bool double_backward;
   // NeuroFlux can train it block by block: its units end in feature maps that an auxiliary conv head reads (CNNs).
   bool local_learning;
