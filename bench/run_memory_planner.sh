@@ -209,6 +209,10 @@ if has history; then
   done
 fi
 
+# KEEP_EVENTS=1: every run's events.jsonl as $OUT/events_TAG.jsonl (the plans, oom events and precisions behind a row).
+if [ -n "${KEEP_EVENTS:-}" ]; then
+  for d in "$WORK"/runs/*/; do [ -f "$d/events.jsonl" ] && cp "$d/events.jsonl" "$FINAL_OUT/events_$(basename "$d").jsonl"; done
+fi
 python3 - "$WORK" "$FINAL_OUT/memory_planner.json" "$GPU" "${COMMIT:-unknown}" "$STAGES" <<'PY'
 import glob, json, os, sys
 work, dst, gpu, commit, stages = sys.argv[1:6]
