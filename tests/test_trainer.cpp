@@ -338,38 +338,6 @@ TEST_F(TrainerTest, TheShortBatchAndTheEvaluationRunInTheGraphsPool) {
   }
 }
 
-// Under a budget on a GPU, an out-of-memory error at a plan whose own steps peaked within its limit is not the plan's
-// (a re-capture after a precision move): the same samples are retried once at the same plan (no larger activation
-// scale, no new plan); a second error in a row is the plan's, which a new plan answers. Every sample once.
-TEST_F(TrainerTest, AnOutOfMemoryAtAPlanMeasuredWithinItsLimitIsRetriedAtThatPlanOnce) {
-  TRIACCEL_SKIP_WITHOUT_GPU();
-  for (const int errors : {1, 2}) {
-    test::TempDir out(errors == 1 ? "run_transient_oom1" : "run_transient_oom2");
-    Config o = options(out.path());  // 384 samples, batch 64, 2 epochs: 12 steps
-    o.set("device", "cuda");
-    o.set("vram_budget", "1GB");
-    RunHooks hooks;
-    int injected = 0;
-    hooks.before_step = [&](int64_t step, int64_t) {
-      if (step == 8 && injected < errors) {
-        ++injected;
-        throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, __LINE__}, "injected out of memory");
-      }
-    };
-    Spans spans(2);
-    record_batches(hooks, spans);
-    api::run(o, hooks);
-    expect_every_sample_once(spans, 384);
-    int same_plan = 0, oom_plans = 0;
-    for (const auto& e : events_read(out.file("events.jsonl"))) {
-      if (e["event"] == "oom" && e.value("action", "") == "cache released, same plan") ++same_plan;
-      if (e["event"] == "memory_plan" && e["reason"] == "oom") ++oom_plans;
-    }
-    EXPECT_EQ(same_plan, 1) << errors << " errors";
-    EXPECT_EQ(oom_plans, errors - 1) << errors << " errors";
-  }
-}
-
 // Cutout (with crop and flip) on the 28×28 images: it changes what is trained, a resumed run still ends bit-exactly
 // where an uninterrupted one does (the squares are a function of seed and epoch), and --cutout may not change on
 // resume.

@@ -158,7 +158,6 @@ class BackpropTrainer : private MemoryMeter {
   double t_epoch_ = 0, t_log_ = 0;         // session clock at the epoch's (or last pause's) start, last log line
   double last_lr_ = 0;
   bool retried_at_min_ = false;            // an out-of-memory retry at the minimum batch is allowed once in a row
-  bool transient_retried_ = false;         // a retry at the same plan after an error not the plan's, once in a row
   int64_t attempt_ = 0;                    // attempts at the current step (retries keep its samples)
   int64_t skips_in_a_row_ = 0;             // skipped attempts at the current samples
   StepRecovery recovery_{session_};         // the step's out-of-memory recovery; data parallel: its stop agreement

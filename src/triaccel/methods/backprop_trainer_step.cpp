@@ -153,7 +153,6 @@ BackpropTrainer::Attempt BackpropTrainer::step_with_recovery(int64_t count) {
   const StepOutcome outcome = recovery_.run(p.step + 1, step);  // the step after_step is about to count
   if (outcome.out_of_memory) return on_out_of_memory(fault, count, outcome);
   retried_at_min_ = false;
-  transient_retried_ = false;
   peak_trace("step");
   // Only under inject_faults: reading found_inf is a host sync after every step. Without injected faults a
   // non-finite step is skipped on the device as GradScaler does (counted in skipped_steps, samples not retried).
@@ -195,18 +194,6 @@ BackpropTrainer::Attempt BackpropTrainer::on_out_of_memory(FaultKind fault, int6
     // The last precision window's promotion, priced by the plan but not paid for: its units go back (refused) and the
     // plan that ran before it stays, instead of a smaller plan for the promotion (micro-batches: a cliff).
     oom_event(Json{{"batch", p.batch}, {"retry_batch", p.batch}, {"action", "precision raise refused"}});
-    memory_cache_release(device_);
-    return Attempt::kRetry;
-  }
-  if (memory_planner_ && !transient_retried_ && memory_planner_->plan_measured_within_limit()) {
-    // The plan's own steps peaked within its limit: this error came from what changed the step since (the first
-    // step after a precision move re-warms and captures beside the cached blocks of the last graph; measured: each
-    // such move cost Tri-Accel a 1.25x larger activation scale at 0.3 GB, and the run ended in micro-batches at 0.48x
-    // unbudgeted speed). Once, the cache and the graph released and the same samples retried at the same plan; a
-    // second error in a row is the plan's.
-    transient_retried_ = true;
-    oom_event(Json{{"batch", p.batch}, {"retry_batch", p.batch}, {"action", "cache released, same plan"}});
-    step_->graph_release();
     memory_cache_release(device_);
     return Attempt::kRetry;
   }

@@ -113,12 +113,6 @@ class MemoryPlanController final : public StepController {
   // not one whose capture failed) while the current plan was in force; 0 before one did. What its prediction is
   // checked against.
   double plan_measured_peak_bytes() const { return plan_measured_peak_bytes_; }
-  // The current plan ran a step that allocated (a reading) and peaked within the limit: an out-of-memory error at
-  // this plan is then not the plan's (a re-capture after a precision move, a probe), and is retried once after
-  // releasing the cache before it counts as a planning error (the trainer's on_out_of_memory).
-  bool plan_measured_within_limit() const {
-    return plan_measured_peak_bytes_ > 0 && plan_measured_peak_bytes_ <= static_cast<double>(limit_bytes());
-  }
   const MemoryModel& model() const { return model_; }
 
  private:
