@@ -246,7 +246,7 @@ TEST(Fp8LinearsTest, TakeOverATransformerBlocksLinearsWithinTheirScope) {
   ASSERT_EQ(fp8.layers(), 4u);  // qkv, proj, fc1, fc2: the same four states at the second call
   for (const torch::nn::LinearImpl* layer : {block->attn->qkv.get(), block->attn->proj.get(), block->mlp->fc1.get(),
                                              block->mlp->fc2.get()}) {
-    const Fp8LinearState* state = fp8.state_of(*layer);
+    const Fp8LinearState* state = fp8.state_of(layer->weight);
     ASSERT_NE(state, nullptr);
     EXPECT_GT(state->input.scale().item<float>(), 1.f);  // the first call's amaxes were recorded
   }

@@ -386,6 +386,14 @@ PYBIND11_MODULE(_triaccel, m) {
   m.def("plan", &plan, py::arg("options"), py::arg("units"), py::arg("state"), py::arg("data"), py::arg("objective"));
   m.def("report", &report, py::arg("runs"), py::arg("output"), py::arg("csv"), py::arg("title"));
   m.def("options", &options);
+  // A unit's nn.Linear as the run computes it (python/triaccel/_fp8.py): under amp-fp8 the step's FP8 linears
+  // (train/fp8_linear.h), y; None where no override is installed on this thread or it does not take the layer.
+  m.def("linear", [](const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias) -> std::optional<at::Tensor> {
+    at::Tensor y = triaccel::linear_override_forward(x, weight, bias.value_or(at::Tensor()));
+    if (!y.defined()) return std::nullopt;
+    return y;
+  });
   // The fused BatchNorm(+ReLU) kernel for a unit's BatchNorm2d (python/triaccel/_fused.py): y, or None where it does
   // not apply (models/batch_norm.h).
   m.def("batch_norm_kernel", [](const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,

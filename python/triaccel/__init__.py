@@ -21,6 +21,7 @@ import torch  # loads LibTorch before the engine, which links it
 
 from . import _triaccel
 from . import _data
+from . import _fp8
 from . import _fused
 from . import _split
 from . import optim
@@ -249,7 +250,9 @@ def train(model, train=None, test=None, dataset=None, loss=None, metric=None, **
     opts, (unit_specs, aliases, how), state, data, objective = _inputs("train", model, train, test, dataset, options,
                                                                        loss, metric)
     gc.collect()  # tensors of earlier runs held only by reference cycles leave the GPU before this one is planned
-    with _data.host_threads_for(data[1:] if data else (), _device_of(opts).startswith("cuda")):
+    fp8 = str(opts.get("precision", "")) in ("amp-fp8", "fp8")
+    with _data.host_threads_for(data[1:] if data else (), _device_of(opts).startswith("cuda")), \
+            _fp8.engine_linears(model if fp8 else None):
         summary = json.loads(_triaccel.train(json.dumps(opts), unit_specs, state, data, objective))
     out = opts.get("out", _OPTIONS["out"][0])
     if aliases and os.path.exists(os.path.join(out, "model.pt")):

@@ -291,6 +291,32 @@ class TiedWeights(unittest.TestCase):
         self.assertEqual(s["units_found"], "auto")
 
 
+class Fp8OfPythonLayers(unittest.TestCase):
+    def test_amp_fp8_computes_a_python_models_linears_in_fp8_and_gives_them_back(self):
+        torch.manual_seed(0)
+        text = torch.arange(16).repeat(40)
+        x = text[:-1].unfold(0, 8, 8)[:64]
+        y = text[1:].unfold(0, 8, 8)[:64]
+        start = CharModel(vocab=16)
+        runs = {}
+        for precision in ("amp-bf16", "amp-fp8"):
+            model = copy.deepcopy(start)
+            with tempfile.TemporaryDirectory() as d:
+                runs[precision] = (model, triaccel.train(model, train=(x, y), test=(x, y), **quiet(
+                    epochs=6, batch_size=16, optimizer="adamw", lr=3e-2, precision=precision, out=d)))
+            for layer in (model.body[1], model.head):
+                self.assertNotIn("forward", vars(layer))  # the layer's own forward again after the run
+        (bf16, s16), (fp8, s8) = runs["amp-bf16"], runs["amp-fp8"]
+        self.assertEqual(s8["fp8_layers"], 2, s8)  # body.1 and the tied head
+        self.assertIsNone(s16["fp8_layers"])
+        self.assertTrue(math.isfinite(s8["test_loss"]))
+        self.assertLess(s8["test_loss"], math.log(16))  # it learned, as amp-bf16 did
+        self.assertLess(abs(s8["test_loss"] - s16["test_loss"]), 0.25 * s16["test_loss"], (s8, s16))
+        # Through FP8: the same steps from the same weights end elsewhere than amp-bf16's.
+        self.assertGreater((fp8.body[1].weight - bf16.body[1].weight).abs().max().item(), 1e-4)
+        self.assertIs(fp8.head.weight, fp8.tok.weight)
+
+
 class AutomaticSplit(unittest.TestCase):
     def test_torchvision_resnet18_is_split_into_its_blocks(self):
         model = torchvision.models.resnet18(num_classes=10)

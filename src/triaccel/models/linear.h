@@ -11,8 +11,10 @@ namespace triaccel {
 class LinearOverride {
  public:
   virtual ~LinearOverride() = default;
-  // The layer's output for x, or an undefined tensor for the layer's own forward.
-  virtual at::Tensor forward(torch::nn::LinearImpl& layer, const at::Tensor& x) = 0;
+  // The output of the linear layer whose weight is `weight` (N, K) for x (..., K) — x·Wᵀ + bias (bias undefined: none)
+  // —, or an undefined tensor for the layer's own forward. A layer is known by its weight (the same tensor at every
+  // call: a built-in model's torch::nn::Linear or a Python nn.Linear, linear_override_forward).
+  virtual at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) = 0;
 };
 
 // Installs `override` for this thread for the scope's lifetime (nullptr: none), and puts back the one before.
@@ -29,5 +31,8 @@ class LinearOverrideScope {
 
 // x (..., in) → (..., out): the override's output where one is installed and takes the layer, else layer.forward(x).
 at::Tensor linear_forward(torch::nn::LinearImpl& layer, const at::Tensor& x);
+// The installed override's output for this layer, or an undefined tensor (none installed on this thread, or it does
+// not take the layer): a Python nn.Linear's forward asks this first (the module's `linear`).
+at::Tensor linear_override_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
 }  // namespace triaccel

@@ -106,24 +106,24 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   return Fp8LinearFunction::apply(x2, weight, b, address, out_dtype.value_or(x.scalar_type())).view(out_shape);
 }
 
-at::Tensor Fp8Linears::forward(torch::nn::LinearImpl& layer, const at::Tensor& x) {
+at::Tensor Fp8Linears::forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const c10::DeviceType type = x.device().type();
   const bool autocast = at::autocast::is_autocast_enabled(type) && x.is_floating_point();
-  if (!fp8_linear_applies(x, layer.weight)) return at::Tensor();
-  Fp8LinearState& state = state_for(layer, x.device());
+  if (!fp8_linear_applies(x, weight)) return at::Tensor();
+  Fp8LinearState& state = state_for(weight.unsafeGetTensorImpl(), x.device());
   // The quantization reads x in its own dtype (a float32 LayerNorm output is not cast first); the output has
   // autocast's dtype, and x's gradient x's dtype.
-  return fp8_linear(x, layer.weight, layer.bias, state,
+  return fp8_linear(x, weight, bias, state,
                     autocast ? std::optional<at::ScalarType>(at::autocast::get_autocast_dtype(type)) : std::nullopt);
 }
 
-const Fp8LinearState* Fp8Linears::state_of(const torch::nn::LinearImpl& layer) const {
-  const auto it = states_.find(&layer);
+const Fp8LinearState* Fp8Linears::state_of(const at::Tensor& weight) const {
+  const auto it = states_.find(weight.unsafeGetTensorImpl());
   return it == states_.end() ? nullptr : it->second.get();
 }
 
-Fp8LinearState& Fp8Linears::state_for(const torch::nn::LinearImpl& layer, const c10::Device& device) {
-  auto& state = states_[&layer];
+Fp8LinearState& Fp8Linears::state_for(Key weight, const c10::Device& device) {
+  auto& state = states_[weight];
   if (!state) state = std::make_unique<Fp8LinearState>(options_, device);
   return *state;
 }
@@ -139,16 +139,20 @@ std::vector<std::pair<const char*, const Fp8DeviceScale*>> fp8_parts(const Fp8Li
 
 void Fp8Linears::layers_name(torch::nn::Module& model) {
   names_.clear();
-  for (const auto& item : model.named_modules()) {
-    if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(item.value().get())) {
-      names_.emplace_back(linear, item.key());
+  const std::string suffix = ".weight";
+  for (const auto& item : model.named_parameters()) {
+    const std::string& key = item.key();
+    const at::Tensor& w = item.value();
+    if (w.dim() != 2 || key.size() <= suffix.size() || key.compare(key.size() - suffix.size(), suffix.size(), suffix)) {
+      continue;
     }
+    names_.push_back({w.unsafeGetTensorImpl(), key.substr(0, key.size() - suffix.size()), w});
   }
 }
 
 NamedTensors Fp8Linears::state() const {
   NamedTensors out;
-  for (const auto& [layer, name] : names_) {
+  for (const auto& [layer, name, weight] : names_) {
     const auto it = states_.find(layer);
     if (it == states_.end()) continue;
     for (const auto& [part, scale] : fp8_parts(*it->second)) {
@@ -169,11 +173,11 @@ void Fp8Linears::restore(const NamedTensors& stored, const std::string& path) {
     by_layer[key.substr(4, part - 4)].push_back(entry);
   }
   size_t matched = 0;
-  for (const auto& [layer, name] : names_) {
+  for (const auto& [layer, name, weight] : names_) {
     const auto it = by_layer.find(name);
     if (it == by_layer.end()) continue;
     NamedTensors live;
-    for (const auto& [part, scale] : fp8_parts(state_for(*layer, layer->weight.device()))) {
+    for (const auto& [part, scale] : fp8_parts(state_for(layer, weight.device()))) {
       for (const auto& [key, t] : scale->tensors()) live.emplace_back(str_cat("fp8.", name, ".", part, ".", key), t);
     }
     named_tensors_load(live, it->second, "fp8 scales", path);

@@ -46,19 +46,22 @@ bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8LinearState& state,
                       std::optional<at::ScalarType> out_dtype = std::nullopt);
 
-// The built-in models' linear layers in FP8 while installed (LinearOverrideScope, models/linear.h): each layer that
-// fp8_linear applies to gets its own Fp8LinearState the first time it runs (so its first forward should be an eager
-// one, before a CUDA graph's capture), kept for as long as this object lives; the others run their own forward.
+// The linear layers in FP8 while installed (LinearOverrideScope, models/linear.h): the built-in models' and a Python
+// model's nn.Linear (the module routes them here). Each layer that fp8_linear applies to gets its own Fp8LinearState
+// the first time it runs (so its first forward should be an eager one, before a CUDA graph's capture), kept for as
+// long as this object lives, keyed by the layer's weight (the same tensor at every call); the others run their own
+// forward.
 // Under autocast the output has autocast's dtype, as autocast's linear gives; the input is quantized from its own
 // dtype (a LayerNorm's float32 output there) with no cast before.
 class Fp8Linears final : public LinearOverride {
  public:
   explicit Fp8Linears(Fp8ScaleOptions options) : options_(options) { options_.validate(); }
-  at::Tensor forward(torch::nn::LinearImpl& layer, const at::Tensor& x) override;
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) override;
   size_t layers() const { return states_.size(); }  // the layers that ran in FP8 so far
-  const Fp8LinearState* state_of(const torch::nn::LinearImpl& layer) const;
+  const Fp8LinearState* state_of(const at::Tensor& weight) const;
 
-  // Checkpoints: the linear layers of `model` by their names in it (once, before state() or restore()).
+  // Checkpoints: the layers of `model` by their weights' names in it less ".weight" ("blocks.0.mlp.fc1"), once,
+  // before state() or restore(); any 2-d parameter may be a linear layer's weight.
   void layers_name(torch::nn::Module& model);
   // The scales of the layers that ran, "fp8.<layer>.<input|weight|grad>.<ring|next|scale>" (live tensors).
   NamedTensors state() const;
@@ -67,11 +70,18 @@ class Fp8Linears final : public LinearOverride {
   void restore(const NamedTensors& stored, const std::string& path);
 
  private:
-  Fp8LinearState& state_for(const torch::nn::LinearImpl& layer, const c10::Device& device);
+  using Key = const c10::TensorImpl*;  // the layer's weight
+  Fp8LinearState& state_for(Key weight, const c10::Device& device);
 
   Fp8ScaleOptions options_;
-  std::unordered_map<const torch::nn::LinearImpl*, std::unique_ptr<Fp8LinearState>> states_;
-  std::vector<std::pair<const torch::nn::LinearImpl*, std::string>> names_;  // layers_name, in the model's order
+  std::unordered_map<Key, std::unique_ptr<Fp8LinearState>> states_;
+  // layers_name's: each candidate weight with its layer's name and the weight, in the model's order.
+  struct Named {
+    Key key;
+    std::string name;
+    at::Tensor weight;
+  };
+  std::vector<Named> names_;
 };
 
 }  // namespace triaccel
