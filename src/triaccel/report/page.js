@@ -7,7 +7,7 @@
   const SVG_NS = 'http://www.w3.org/2000/svg';
   const RUN_COLORS = ['#1f6fb4', '#d6452f', '#2e9e44', '#e8900c', '#7d55b8', '#8c5a3c', '#d9539d', '#17a2b8',
                       '#a5a51e', '#6b7280'];
-  const PRECISION_COLORS = {fp32: '#2f62a8', bf16: '#f2a43a', fp16: '#d9462f'};
+  const PRECISION_COLORS = {fp32: '#2f62a8', bf16: '#f2a43a', fp16: '#d9462f', fp8: '#7b3294'};
   const FORMAT_COLORS = {'adamw-fp32': '#2f62a8', 'adamw-bf16': '#74a9e0', 'adamw-8bit': '#f2a43a',
                          'factored': '#2e9e44', 'sgd': '#9aa1ab'};
   const OTHER_COLOR = '#b07cc6';
