@@ -7,8 +7,7 @@
 #      side by side per seed (SEEDS, default 0), GPT_EPOCHS epochs (default 3) at batch 64 x 256 tokens, AdamW; the
 #      steady epochs' time (the mean over the epochs after the first) and the last validation loss. ARMS (default
 #      "amp-bf16 amp-fp8"): amp-bf16, amp-fp8, ta-fp8 (--method tri-accel --precision amp-fp8: the FP8 ladder),
-#      ta-fp8-lrmean (the same with --curv-lr-mean true: the curvature's lr scales keep their mean at 1), ta-bf16
-#      (--method tri-accel --precision amp-bf16); TA_ARGS is added to the tri-accel arms.
+#      ta-bf16 (--method tri-accel --precision amp-bf16); TA_ARGS is added to the tri-accel arms.
 # Results: $OUT/fp8_gpt.json (rows and the ratios), the runs' events, the test log, and a table printed last; copy
 # them to bench/results/<gpu>/. Usage: COMMIT=<hash> bash bench/run_fp8.sh [stages], stages ⊆ {tests,gpt}.
 set -uo pipefail
@@ -39,7 +38,6 @@ if [[ $STAGES == *gpt* ]]; then
     for arm in ${ARMS:-amp-bf16 amp-fp8}; do
       case $arm in
         ta-fp8) flags=(--method tri-accel --precision amp-fp8 ${TA_ARGS:-}) ;;
-        ta-fp8-lrmean) flags=(--method tri-accel --precision amp-fp8 --curv-lr-mean true ${TA_ARGS:-}) ;;
         ta-bf16) flags=(--method tri-accel --precision amp-bf16 ${TA_ARGS:-}) ;;
         *) flags=(--precision "$arm") ;;
       esac
