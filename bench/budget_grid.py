@@ -3,7 +3,8 @@
 budget combines with, each classified by how it ended.
 
 Axes: model (the built-in ones, each on its dataset at a batch it is trained at), method (backprop, tri-accel,
-neuroflux, auto), optimizer (sgd, adamw, baoc), precision (fp32, amp-bf16, amp-fp16), Tri-Accel's controllers (all,
+neuroflux, auto), optimizer (sgd, adamw, baoc), precision (fp32, amp-bf16, amp-fp16; --precisions adds amp-fp8,
+which changes what every seed draws, so it is not in the default), Tri-Accel's controllers (all,
 or one of them off), vram_budget (none, or a share of the model's unbudgeted peak on the H200 at that batch: 0.9 down
 to 0.2), data placement (auto, device, host), CUDA graphs (on, off) and processes (1, or 2 where GPUS >= 2). A
 combination the CLI refuses in one line (exit 2: an option that does not apply, a budget below the floor) is a
@@ -44,9 +45,11 @@ PLACEMENTS = ["auto", "device", "host"]
 GRAPHS = ["true", "false"]
 
 
-def combos(seed, count, gpus=1):
+def combos(seed, count, gpus=1, precisions=None):
     """`count` combinations drawn with random.Random(seed): the same list on every machine. Each axis value appears
-    about equally often (each axis is drawn uniformly, independently)."""
+    about equally often (each axis is drawn uniformly, independently). precisions: the precision axis (default
+    PRECISIONS; another list draws another grid)."""
+    precisions = precisions or PRECISIONS
     rng = random.Random(seed)
     out = []
     for i in range(count):
@@ -56,7 +59,7 @@ def combos(seed, count, gpus=1):
             "model": model,
             "method": rng.choice(METHODS),
             "optimizer": rng.choice(OPTIMIZERS),
-            "precision": rng.choice(PRECISIONS),
+            "precision": rng.choice(precisions),
             "controllers": rng.choice(CONTROLLERS),
             "budget_share": rng.choice(BUDGET_SHARES),
             "placement": rng.choice(PLACEMENTS),
@@ -164,13 +167,15 @@ def main():
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--max-steps", type=int, default=60)
     ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--precisions", default=",".join(PRECISIONS),
+                    help="the precision axis, comma-separated (e.g. fp32,amp-bf16,amp-fp16,amp-fp8)")
     ap.add_argument("--models", default="", help="only these models' combinations (comma-separated; a quick check)")
     ap.add_argument("--device", default="", help="cpu: a smoke test of the runner (budgets and graphs are no-ops)")
     ap.add_argument("--json")
     ap.add_argument("--deadline-s", type=float, default=0,
                     help="start no run after this many seconds (a device call's limit); the rest are listed as not run")
     a = ap.parse_args()
-    grid = combos(a.seed, a.count, a.gpus)
+    grid = combos(a.seed, a.count, a.gpus, a.precisions.split(","))
     if a.list:
         for c in grid:
             print(json.dumps(c))

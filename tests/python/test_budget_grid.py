@@ -25,6 +25,13 @@ class Grid(unittest.TestCase):
             self.assertEqual({repr(c[axis]) for c in grid}, {repr(v) for v in values}, axis)
         self.assertEqual({c["nproc"] for c in g.combos(0, 150, gpus=1)}, {1})
 
+    def test_amp_fp8_is_drawn_only_when_asked_and_the_default_grid_stays(self):
+        self.assertEqual(g.combos(0, 150), g.combos(0, 150, precisions=list(g.PRECISIONS)))
+        self.assertNotIn("amp-fp8", {c["precision"] for c in g.combos(0, 150)})
+        with_fp8 = g.combos(0, 150, precisions=g.PRECISIONS + ["amp-fp8"])
+        self.assertIn("amp-fp8", {c["precision"] for c in with_fp8})
+        self.assertEqual(with_fp8[0]["model"], g.combos(0, 150)[0]["model"])  # the axes before it draw as before
+
     def test_arguments_follow_the_combination(self):
         c = {"index": 7, "model": "gpt-char", "method": "tri-accel", "optimizer": "adamw", "precision": "amp-fp16",
              "controllers": "ta_batch", "budget_share": 0.5, "vram_budget": "0.895GB", "placement": "host",
