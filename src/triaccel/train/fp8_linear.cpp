@@ -146,14 +146,14 @@ void Fp8Linears::layers_name(torch::nn::Module& model) {
     if (w.dim() != 2 || key.size() <= suffix.size() || key.compare(key.size() - suffix.size(), suffix.size(), suffix)) {
       continue;
     }
-    names_.push_back({w.unsafeGetTensorImpl(), key.substr(0, key.size() - suffix.size()), w});
+    names_.emplace_back(w, key.substr(0, key.size() - suffix.size()));
   }
 }
 
 NamedTensors Fp8Linears::state() const {
   NamedTensors out;
-  for (const auto& [layer, name, weight] : names_) {
-    const auto it = states_.find(layer);
+  for (const auto& [weight, name] : names_) {
+    const auto it = states_.find(weight.unsafeGetTensorImpl());
     if (it == states_.end()) continue;
     for (const auto& [part, scale] : fp8_parts(*it->second)) {
       for (const auto& [key, t] : scale->tensors()) out.emplace_back(str_cat("fp8.", name, ".", part, ".", key), t);
@@ -173,11 +173,11 @@ void Fp8Linears::restore(const NamedTensors& stored, const std::string& path) {
     by_layer[key.substr(4, part - 4)].push_back(entry);
   }
   size_t matched = 0;
-  for (const auto& [layer, name, weight] : names_) {
+  for (const auto& [weight, name] : names_) {
     const auto it = by_layer.find(name);
     if (it == by_layer.end()) continue;
     NamedTensors live;
-    for (const auto& [part, scale] : fp8_parts(state_for(layer, weight.device()))) {
+    for (const auto& [part, scale] : fp8_parts(state_for(weight.unsafeGetTensorImpl(), weight.device()))) {
       for (const auto& [key, t] : scale->tensors()) live.emplace_back(str_cat("fp8.", name, ".", part, ".", key), t);
     }
     named_tensors_load(live, it->second, "fp8 scales", path);

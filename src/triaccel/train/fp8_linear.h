@@ -75,13 +75,8 @@ class Fp8Linears final : public LinearOverride {
 
   Fp8ScaleOptions options_;
   std::unordered_map<Key, std::unique_ptr<Fp8LinearState>> states_;
-  // layers_name's: each candidate weight with its layer's name and the weight, in the model's order.
-  struct Named {
-    Key key;
-    std::string name;
-    at::Tensor weight;
-  };
-  std::vector<Named> names_;
+  // layers_name's: each candidate weight and its layer's name, in the model's order (the key: the weight's TensorImpl).
+  std::vector<std::pair<at::Tensor, std::string>> names_;
 };
 
 }  // namespace triaccel
