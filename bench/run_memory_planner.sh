@@ -198,7 +198,7 @@ if has history; then
     {
       echo "== $tag: eager steps' peak ($hist.step)"
       python3 bench/memory_peak.py "$hist.step" --top 15 2>&1
-      for f in "$hist".capture_oom.*; do
+      for f in "$hist".capture_oom.* "$hist".oom.*; do
         [ -e "$f" ] || continue
         echo "== $f"
         python3 bench/memory_peak.py "$f" --ooms --top 20 2>&1

@@ -175,6 +175,8 @@ BackpropTrainer::Attempt BackpropTrainer::on_out_of_memory(FaultKind fault, int6
   if (session_.dist().active()) step_->failed_step_restore();  // every rank puts back what the failed step changed
   attempt_ += fault == FaultKind::kOom ? 1 : 0;  // the injected error came before the increment
   p.oom_retries += 1;
+  // TRIACCEL_MEMORY_HISTORY: the failed step's events (the refused allocation, what the step held) as <it>.oom.<n>.
+  if (!memory_history_.empty()) memory_history_write(device_, str_cat(memory_history_, ".oom.", p.oom_retries));
   Json where{{"epoch", p.epoch}, {"epoch_offset", p.epoch_offset}, {"injected", fault == FaultKind::kOom}};
   if (!oom.ranks.is_null()) where["ranks"] = oom.ranks;
   const auto oom_event = [&](Json fields) {  // what is retried, then where
