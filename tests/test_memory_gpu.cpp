@@ -196,6 +196,62 @@ TEST(MemoryGpuTest, TheCaptureReusesTheLastWarmUpStepsBlocks) {
 #endif
 }
 
+// GPU: with warmup_in_pool, after invalidate (Tri-Accel moved a unit's precision) the warm-up step and the new capture
+// take their memory from the dropped graph's pool: neither maps new memory (without the option each maps a segment
+// for its 20 MB temporary, the test's own control), and the replays after it run the new body (x * 3 + 1), not the
+// old graph. A version that gives the old pool back and warms up in a fresh one maps memory at the warm-up.
+TEST(MemoryGpuTest, TheRecaptureAfterAnInvalidateReusesTheOldGraphsPool) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  constexpr int64_t kWidth = 1 << 20;  // 4 MB of float32 per sample
+  const auto device_allocs = []() {
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(0).num_device_alloc;
+  };
+  for (const bool in_pool : {true, false}) {
+    SCOPED_TRACE(in_pool);
+    StepGraphOptions o;
+    o.batch = 5;
+    o.warmup_steps = 2;
+    o.warmup_in_pool = in_pool;
+    StepGraph graph(o);
+    const at::Tensor out = at::zeros({5}, at::TensorOptions().device(gpu));
+    int64_t factor = 2;
+    const StepGraph::Body body = [&](const at::Tensor& x, const at::Tensor&) {
+      const at::Tensor scratch = x * static_cast<double>(factor) + 1;  // a 20 MB temporary
+      out.copy_(scratch.sum(1));
+    };
+    const at::Tensor y = at::zeros({5}, at::TensorOptions().dtype(at::kLong).device(gpu));
+    // Steps 0-1 warm up, 2 captures, 3 replays; then invalidate: 4 warms up, 5 captures, 6-7 replay.
+    std::vector<int64_t> allocs;
+    for (int s = 0; s < 8; ++s) {
+      if (s == 4) {
+        factor = 3;
+        graph.invalidate();
+        EXPECT_FALSE(graph.captured());
+      }
+      const at::Tensor x = at::full({5, kWidth}, static_cast<float>(s), at::TensorOptions().device(gpu));
+      const int64_t before = device_allocs();
+      graph.run(body, x, y);
+      if (s == 4 || s == 5) allocs.push_back(device_allocs() - before);
+      const float want = static_cast<float>((factor * s + 1) * kWidth);
+      EXPECT_EQ(out.cpu().min().item<float>(), want) << s;
+      EXPECT_EQ(out.cpu().max().item<float>(), want) << s;
+    }
+    EXPECT_EQ(graph.captures(), 2);
+    EXPECT_EQ(graph.last_ran(), StepGraph::Ran::kReplayed);
+    ASSERT_EQ(allocs.size(), 2u);
+    if (in_pool) {
+      EXPECT_EQ(allocs[0], 0) << "the warm-up after invalidate mapped memory beside the old graph's pool";
+      EXPECT_EQ(allocs[1], 0) << "the re-capture mapped memory beside the old graph's pool";
+    } else {
+      EXPECT_GE(allocs[0] + allocs[1], 1) << "the test cannot tell: the steps found their memory mapped already";
+    }
+  }
+#endif
+}
+
 // GPU: the ranks agree on every capture (agree_capture: NCCL's collectives must be captured and replayed on every
 // rank). When another rank's capture ran out of memory, this rank's good capture goes too: the step runs eagerly and
 // the batch size is refused, as if its own had failed; when every rank captured, it replays. Either way each step's

@@ -855,42 +855,59 @@ SgdSteps six_sgd_steps(const c10::Device& cuda, StepOptions so, bool graphs) {
 }
 #endif
 
-// Per-unit precision: every unit receives its input in its own dtype, whatever its neighbours run at. Without the
-// cast at a unit's entry, ResNet-18's residual adds promote: an fp32 stem keeps layer1 in fp32 (layer1.1 would
-// receive fp32), and a bf16 block output added to an fp16 identity is fp32 too. On the CPU fp16 applies as bf16, so
-// the mixes here are fp32 / bf16; the CUDA run of the same function adds fp16.
-TEST(UnitPrecisionForwardTest, EveryUnitRunsOnInputInItsOwnDtype) {
-  torch::manual_seed(3);
-  ModelOptions options;
-  options.name = "resnet18";
-  auto model = model_create(options);
-  model->train();
-  const size_t n = model->units().size();
-  const auto run = [&](const std::vector<Precision>& precisions, const c10::Device& device) {
-    std::vector<at::ScalarType> seen(n, at::kDouble);
-    const at::Tensor x = torch::randn({2, 3, 32, 32}, torch::TensorOptions().device(device));
-    const at::Tensor logits =
-        unit_precision_forward(*model, x, precisions, device, [&](size_t i, const at::Tensor& in) { seen[i] = in.scalar_type(); });
-    EXPECT_EQ(logits.sizes(), at::IntArrayRef({2, 10}));
+// A chain of residual units, y = linear(x) + x, each recording the dtype of every input it receives.
+class DtypeRecordingModel : public Model {
+ public:
+  explicit DtypeRecordingModel(size_t n) : Model("dtype-recorder"), seen(n) {
     for (size_t i = 0; i < n; ++i) {
-      const at::ScalarType want = precisions[i] == Precision::kFP32   ? at::kFloat
-                                  : precisions[i] == Precision::kBF16 ? at::kBFloat16
-                                                                      : at::kHalf;
-      EXPECT_EQ(seen[i], want) << model->units()[i].name;
+      auto linear = register_module("l" + std::to_string(i), torch::nn::Linear(8, 8));
+      unit_add("l" + std::to_string(i), {linear}, [this, linear, i](const at::Tensor& x) {
+        seen[i].push_back(x.scalar_type());
+        return linear->forward(x) + x;
+      });
+    }
+  }
+  std::vector<std::vector<at::ScalarType>> seen;  // per unit: the dtype of each input, in the order received
+};
+
+// Per-unit precision: in the step's forward (and in a recomputed unit's second forward, in backward) every unit
+// receives its input in its own dtype, whatever its neighbours run at. Without the cast at a unit's entry the residual
+// adds promote: after an fp32 unit a bf16 unit would receive fp32, and an fp32 unit after a bf16 one bf16. On the CPU
+// fp16 applies as bf16, so the mixes there are fp32 / bf16; on a GPU fp16 is added.
+TEST(UnitPrecisionForwardTest, TheStepRunsEveryUnitOnInputInItsOwnDtype) {
+  constexpr size_t kUnits = 5;
+  const auto check = [](const c10::Device& device, const std::vector<Precision>& precisions, bool recompute) {
+    SCOPED_TRACE(testing::Message() << device << (recompute ? " recompute" : ""));
+    torch::manual_seed(3);
+    DtypeRecordingModel model(kUnits);
+    model.to(device);
+    model.train();
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& item : model.named_parameters()) named.emplace_back(item.key(), item.value());
+    Sgd sgd(named, SgdOptions{});
+    LossScaler scaler(LossScalerOptions{}, device);
+    StepOptions so;
+    so.precision = PrecisionMode::kAmpBF16;
+    so.cuda_graphs = false;
+    TrainStep step(model, sgd, scaler, so, device);
+    step.set_unit_precisions(precisions);
+    std::vector<bool> flags(kUnits, false);
+    flags[1] = flags[3] = recompute;
+    step.set_recompute(flags);
+    const at::Tensor x = torch::randn({2, 8}, torch::TensorOptions().device(device));
+    const at::Tensor out = step.forward(x);
+    out.to(at::kFloat).sum().backward();
+    for (size_t i = 0; i < kUnits; ++i) {
+      const at::ScalarType want = precision_dtype(precision_applied(precisions[i], device));
+      ASSERT_EQ(model.seen[i].size(), recompute && (i == 1 || i == 3) ? 2u : 1u) << i;
+      for (const at::ScalarType got : model.seen[i]) EXPECT_EQ(got, want) << "unit " << i;
     }
   };
-  std::vector<Precision> fp32_stem(n, Precision::kBF16);
-  fp32_stem[0] = Precision::kFP32;
-  run(fp32_stem, c10::Device(c10::kCPU));
-  std::vector<Precision> fp32_middle(n, Precision::kBF16);
-  fp32_middle[3] = Precision::kFP32;
-  run(fp32_middle, c10::Device(c10::kCPU));
-  if (test::gpu_available()) {
-    model->to(torch::kCUDA);
-    std::vector<Precision> mixed(n, Precision::kBF16);
-    mixed[0] = Precision::kFP32;
-    for (size_t i = n / 2; i + 1 < n; ++i) mixed[i] = Precision::kFP16;
-    run(mixed, c10::Device(c10::kCUDA));
+  const Precision f32 = Precision::kFP32, b16 = Precision::kBF16, f16 = Precision::kFP16;
+  for (const bool recompute : {false, true}) {
+    check(c10::Device(c10::kCPU), {f32, b16, b16, f32, b16}, recompute);
+    check(c10::Device(c10::kCPU), {b16, f32, b16, b16, f32}, recompute);
+    if (test::gpu_available()) check(c10::Device(c10::kCUDA, 0), {f32, f16, b16, f32, f16}, recompute);
   }
 }
 

@@ -386,6 +386,12 @@ PYBIND11_MODULE(_triaccel, m) {
   m.def("plan", &plan, py::arg("options"), py::arg("units"), py::arg("state"), py::arg("data"), py::arg("objective"));
   m.def("report", &report, py::arg("runs"), py::arg("output"), py::arg("csv"), py::arg("title"));
   m.def("options", &options);
+  // Whether a run at this `precision` value may compute linear layers in FP8 (the engine's names and aliases; false
+  // for a name it does not know, which train() then refuses with its own message).
+  m.def("precision_takes_fp8", [](const std::string& precision) {
+    triaccel::PrecisionMode mode{};
+    return triaccel::enum_try_parse(precision, &mode) && triaccel::fp8_linears(mode);
+  });
   // A unit's nn.Linear as the run computes it (python/triaccel/_fp8.py): under amp-fp8 the step's FP8 linears
   // (train/fp8_linear.h), y; None where no override is installed on this thread or it does not take the layer.
   m.def("linear", [](const at::Tensor& x, const at::Tensor& weight,

@@ -250,7 +250,7 @@ def train(model, train=None, test=None, dataset=None, loss=None, metric=None, **
     opts, (unit_specs, aliases, how), state, data, objective = _inputs("train", model, train, test, dataset, options,
                                                                        loss, metric)
     gc.collect()  # tensors of earlier runs held only by reference cycles leave the GPU before this one is planned
-    fp8 = str(opts.get("precision", "")) in ("amp-fp8", "fp8")
+    fp8 = _triaccel.precision_takes_fp8(str(opts.get("precision", "")))
     with _data.host_threads_for(data[1:] if data else (), _device_of(opts).startswith("cuda")), \
             _fp8.engine_linears(model if fp8 else None):
         summary = json.loads(_triaccel.train(json.dumps(opts), unit_specs, state, data, objective))

@@ -46,22 +46,19 @@ AutocastScope::~AutocastScope() {
   at::autocast::set_autocast_dtype(type_, prev_dtype_);
 }
 
-at::Tensor unit_precision_forward(Model& model, const at::Tensor& images, const std::vector<Precision>& precisions,
-                                  const c10::Device& device,
-                                  const std::function<void(size_t, const at::Tensor&)>& unit_input) {
-  const auto& units = model.units();
-  TORCH_CHECK(precisions.size() == units.size(), "unit_precision_forward: ", precisions.size(), " precisions for ",
-              units.size(), " units");
-  at::Tensor x = images;
-  for (size_t i = 0; i < units.size(); ++i) {
-    const Precision p = precisions[i];
-    const at::ScalarType dtype = precision_dtype(p);
-    if (x.is_floating_point() && x.scalar_type() != dtype) x = x.to(dtype);
-    if (unit_input) unit_input(i, x);
-    const AutocastScope autocast(device, precision_mode_of(p));
-    x = units[i].forward(x);
+PrecisionMode unit_mode(const std::optional<Precision>& unit, PrecisionMode run) {
+  return unit ? precision_mode_of(*unit) : run;
+}
+
+at::Tensor unit_forward_at(const std::optional<Precision>& unit, PrecisionMode run, const c10::Device& device,
+                           const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&)>& forward) {
+  at::Tensor in = x;
+  if (unit) {
+    const at::ScalarType dtype = precision_dtype(*unit);
+    if (in.is_floating_point() && in.scalar_type() != dtype) in = in.to(dtype);
   }
-  return x;
+  const AutocastScope autocast(device, unit_mode(unit, run));
+  return forward(in);
 }
 
 at::ScalarType precision_dtype(Precision p) {

@@ -11,6 +11,7 @@
 #include <c10/core/Device.h>
 
 #include <functional>
+#include <optional>
 #include <vector>
 
 namespace triaccel {
@@ -66,15 +67,18 @@ class AutocastScope {
   bool active_;
 };
 
-// The forward of a model whose units run at their own precisions (Tri-Accel; precisions as applied on the device).
-// Each unit's input is cast to the unit's dtype at its entry, and 16-bit units run under autocast in that dtype. The
-// cast matters for the ops autocast leaves alone: a residual add of a bf16 block output and an fp32 (or fp16)
-// identity promotes to fp32, and the fp32 stream then runs on through every later unit of the stage, raising the
-// memory peak above that of a run in bf16 throughout (measured: docs/results/memory-planner.md). `unit_input`
-// (tests) sees each unit's input after the cast.
-at::Tensor unit_precision_forward(Model& model, const at::Tensor& images, const std::vector<Precision>& precisions,
-                                  const c10::Device& device,
-                                  const std::function<void(size_t, const at::Tensor&)>& unit_input = {});
+// A unit's forward as the training step runs it. With a unit precision (Tri-Accel's, as applied on the device:
+// precision_applied) the unit's input is cast to that precision's dtype at its entry and `forward` runs under that
+// precision's autocast; without one (nullopt), under the run's mode's autocast on its input as it comes. The cast
+// matters for the ops autocast leaves alone: a residual add of a bf16 block output and an fp32 (or fp16) identity
+// promotes to fp32, and the fp32 stream then runs on through every later unit of the stage, raising the memory peak
+// above that of a run in bf16 throughout (measured: docs/results/memory-planner.md). The step's forward and its
+// recomputes (train/step.cpp) and the memory model's traces (control/memory/memory_model.cpp) all run units through
+// this one rule.
+at::Tensor unit_forward_at(const std::optional<Precision>& unit, PrecisionMode run, const c10::Device& device,
+                           const at::Tensor& x, const std::function<at::Tensor(const at::Tensor&)>& forward);
+// The autocast mode unit_forward_at runs a unit in (amp-fp8 for an fp8 unit or an amp-fp8 run: its FP8 linears apply).
+PrecisionMode unit_mode(const std::optional<Precision>& unit, PrecisionMode run);
 
 // The precision a decision runs at on this device: CPUs have no fast fp16 convolutions (measured: ~15x slower than
 // bf16 here), so fp16 decisions run as bf16 there.

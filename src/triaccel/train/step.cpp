@@ -233,35 +233,27 @@ at::Tensor TrainStep::forward(const at::Tensor& images) {
     const AutocastScope autocast(device_, options_.precision);
     return model_.forward(images);
   }
-  // Unit by unit, each at its precision (unit_precision_forward's rule; an FP8 unit's linear layers in FP8), the
-  // recomputed units' activations dropped until backward.
+  // Unit by unit, each at its precision (unit_forward_at's rule; an FP8 unit's linear layers in FP8), the recomputed
+  // units' activations dropped until backward. A recomputed unit casts inside the recompute, so it keeps its input as
+  // it came — the previous unit's output, which that unit's backward holds anyway — not a copy in its dtype (an fp32
+  // unit after a bf16 one: twice the input's bytes, which the memory model, pricing the input as it comes, did not
+  // predict).
   at::Tensor x = images;
   for (size_t u = 0; u < model_.units().size(); ++u) {
-    // The unit's input in its own dtype (unit_precision_forward's rule). A recomputed unit casts inside the
-    // recompute, so it keeps its input as it came — the previous unit's output, which that unit's backward holds
-    // anyway — not a copy in its dtype (an fp32 unit after a bf16 one: twice the input's bytes, which the memory
-    // model, pricing the input as it comes, did not predict).
-    std::optional<at::ScalarType> dtype;
-    if (!unit_precisions_.empty()) dtype = precision_dtype(precision_applied(unit_precisions_[u], device_));
-    const auto cast_forward = [this, u, dtype](const at::Tensor& in) {
-      const bool cast = dtype && in.is_floating_point() && in.scalar_type() != *dtype;
-      return unit_forward(u, cast ? in.to(*dtype) : in);
-    };
+    const auto forward = [this, u](const at::Tensor& in) { return unit_forward(u, in); };
     const bool recomputed = !recompute_.empty() && recompute_[u];
-    x = recomputed ? recompute_forward(cast_forward, x, unit_params_[u], unit_buffers_[u]) : cast_forward(x);
+    x = recomputed ? recompute_forward(forward, x, unit_params_[u], unit_buffers_[u]) : forward(x);
   }
   return x;
 }
 
 at::Tensor TrainStep::unit_forward(size_t u, const at::Tensor& x) const {
-  const PrecisionMode mode = unit_precisions_.empty()
-                                 ? options_.precision
-                                 : precision_mode_of(precision_applied(unit_precisions_[u], device_));
-  const AutocastScope autocast(device_, mode);
+  std::optional<Precision> precision;
+  if (!unit_precisions_.empty()) precision = precision_applied(unit_precisions_[u], device_);
   // Set here, per unit: a recompute in backward runs on autograd's thread; under Tri-Accel's precisions only the
   // units at fp8 take the FP8 linears.
-  const LinearOverrideScope fp8(fp8_linears(mode) ? fp8_.get() : nullptr);
-  return model_.units()[u].forward(x);
+  const LinearOverrideScope fp8(fp8_linears(unit_mode(precision, options_.precision)) ? fp8_.get() : nullptr);
+  return unit_forward_at(precision, options_.precision, device_, x, model_.units()[u].forward);
 }
 
 void TrainStep::set_micro_batch(int64_t micro_batch) {

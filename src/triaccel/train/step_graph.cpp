@@ -3,6 +3,7 @@
 #include "triaccel/core/cuda_graph.h"
 
 #include <algorithm>
+#include <optional>
 #ifdef TRIACCEL_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
@@ -44,9 +45,20 @@ void StepGraph::set_batch(int64_t batch) {
 
 void StepGraph::invalidate() {
   if (!graph_) return;  // still warming up: the warm-up goes on
-  graph_.reset();
+  std::unique_ptr<Graph> old = std::move(graph_);
   pool_release();
   eager_steps_ = std::max<int64_t>(0, options_.warmup_steps - 1);
+#ifdef TRIACCEL_WITH_CUDA
+  if (options_.warmup_in_pool) {
+    // The same step at other dtypes or levers needs about the memory the old graph's pool holds: the next warm-up and
+    // capture take it from there (the old graph is never replayed again), not from a pool beside it, which would have
+    // to find room in the eager pool's partly used pages, and a capture cannot release those when it runs out
+    // (Tri-Accel's precision moves under a budget: docs/results/memory-planner.md).
+    old->side.reset();
+    old->side_handle = 0;
+    stale_ = std::move(old);
+  }
+#endif
 }
 
 void StepGraph::drop() {
@@ -57,8 +69,9 @@ void StepGraph::drop() {
 
 void StepGraph::pool_release() {
 #ifdef TRIACCEL_WITH_CUDA
-  if (!next_pool_) return;
+  if (!next_pool_ && !stale_) return;
   next_pool_.reset();  // the pool is freeable now unless a graph uses it: its cached blocks go back
+  stale_.reset();
   c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
 }
@@ -69,6 +82,15 @@ void StepGraph::warm_up(const Body& body, const at::Tensor& x, const at::Tensor&
   // The last warm-up before the capture runs in the capture's pool (core/cuda_graph.h: CudaGraphPool), unless it is
   // the body's first run (which makes lasting state: the optimizer's, lazily made buffers).
   if (options_.warmup_in_pool && eager_steps_ >= options_.warmup_steps && bodies_run_ > 0) {
+    // The eager pool's cached blocks go back first: a step whose allocations are routed to a pool cannot release
+    // them when it runs out of memory (the caching allocator frees cached blocks only while no capture or routing is
+    // under way).
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    if (stale_) {  // after invalidate: in the old graph's pool, which the capture then shares
+      cuda_graph_pool_run(*stale_->graph, [&]() { body(x, y); });
+      ++bodies_run_;
+      return;
+    }
     pool_release();
     auto pool = std::make_unique<Pool>();
     pool->pool.run([&]() { body(x, y); });  // a throw gives the pool back with it
@@ -114,13 +136,19 @@ bool StepGraph::capture(const Body& body, const at::Tensor& x, const at::Tensor&
   // and under a tight budget the two copies together may not fit (measured: docs/results/memory-planner.md).
   if (options_.before_replay) options_.before_replay();
   std::string error;
+  std::optional<at::cuda::MempoolId_t> share;  // the pool the last warm-up ran in: the old graph's or a new one
+  if (stale_) {
+    share = stale_->graph->pool();
+  } else if (next_pool_) {
+    share = next_pool_->pool.id();
+  }
   g->graph = cuda_graph_capture(
       [&]() {
         if (options_.during_capture) options_.during_capture();
         body(g->x, g->y);
       },
-      &error, relaxed_, next_pool_ ? &next_pool_->pool.id() : nullptr);
-  pool_release();  // a captured graph keeps the pool; a failed capture's goes back
+      &error, relaxed_, share ? &*share : nullptr);
+  pool_release();  // a captured graph keeps the pool (the old graph gives its use back); a failed capture's goes back
   if (options_.agree_capture) {
     const int own = g->graph ? 0 : error.empty() ? 1 : 2;
     const int all = options_.agree_capture(own);

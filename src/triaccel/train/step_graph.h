@@ -84,7 +84,8 @@ class StepGraph {
   // Whether run() at this batch size would run the body eagerly: no graph to replay, and no capture due.
   bool runs_eagerly(int64_t batch) const;
   // Drops a captured graph (the step's work changed: precisions, lr scales); it is captured again after one eager
-  // step. During the warm-up it changes nothing.
+  // step (with warmup_in_pool, that step and the capture take their memory from the dropped graph's pool). During the
+  // warm-up it changes nothing.
   void invalidate();
   // Frees the graph, its pool and inputs; steps at the batch size warm up and capture again from the start.
   void drop();
@@ -135,6 +136,8 @@ class StepGraph {
   std::unique_ptr<Graph> graph_;
   struct Pool;                     // the capture's pool, held from the last warm-up step (warmup_in_pool)
   std::unique_ptr<Pool> next_pool_;
+  // warmup_in_pool: the graph invalidate() dropped, never replayed again; its pool is the next warm-up's and capture's.
+  std::unique_ptr<Graph> stale_;
 };
 
 }  // namespace triaccel

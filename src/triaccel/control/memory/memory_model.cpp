@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 
 namespace triaccel {
 namespace {
@@ -44,6 +45,12 @@ Precision unit_precision(const MemoryModelInputs& in, size_t u, const c10::Devic
                                                    : Precision::kBF16;
 }
 
+// Unit u's precision when Tri-Accel set the units' (the step's forward runs it at that precision: unit_forward_at).
+std::optional<Precision> unit_precision_set(const MemoryModelInputs& in, size_t u, const c10::Device& device) {
+  if (in.unit_precisions.empty()) return std::nullopt;
+  return precision_applied(in.unit_precisions[u], device);
+}
+
 // The allocator's peak over forward + backward of the whole model at kTraceSmall and kTraceLarge samples: its slope
 // over the modelled activations per sample (the units' saved bytes and backward's transients) is the starting
 // activation scale. The gradients come back as new tensors (autograd::grad): the parameters' .grad are untouched.
@@ -65,10 +72,7 @@ double measured_activation_scale(Model& model, const at::Tensor& sample, const M
     memory_stats_reset_peak(device);
     {
       for (size_t u = 0; u < units.size(); ++u) {
-        const Precision p = unit_precision(in, u, device);
-        if (!in.unit_precisions.empty() && x.is_floating_point()) x = x.to(precision_dtype(p));
-        const AutocastScope autocast(device, precision_mode_of(p));
-        x = units[u].forward(x);
+        x = unit_forward_at(unit_precision_set(in, u, device), in.precision, device, x, units[u].forward);
       }
       const auto grads = torch::autograd::grad({x.to(at::kFloat).sum()}, params, {}, /*retain_graph=*/false,
                                                /*create_graph=*/false, /*allow_unused=*/true);
@@ -132,9 +136,7 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
       const bool measured = device.is_cuda() && tensors != nullptr;
       if (measured) device_synchronize(device);
       const double before = measured ? static_cast<double>(memory_stats(device).allocated_bytes) : 0;
-      if (!in.unit_precisions.empty() && x.is_floating_point()) x = x.to(precision_dtype(p));
-      const AutocastScope autocast(device, precision_mode_of(p));
-      at::Tensor out = units[u].forward(x);
+      at::Tensor out = unit_forward_at(unit_precision_set(in, u, device), in.precision, device, x, units[u].forward);
       double graph = 0;
       if (tensors) {
         *tensors = autograd_graph_tensor_bytes(out);
