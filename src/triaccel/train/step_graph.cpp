@@ -209,6 +209,10 @@ void StepGraph::in_pool(const std::function<void()>& fn) {
     cuda_graph_pool_run(*graph_->graph, fn);
     return;
   }
+  if (stale_ && options_.eager_in_pool) {  // between invalidate and the capture: the memory the dropped graph holds
+    cuda_graph_pool_run(*stale_->graph, fn);
+    return;
+  }
 #endif
   fn();
 }

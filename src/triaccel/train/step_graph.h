@@ -61,8 +61,9 @@ class StepGraph {
   // the static inputs unless they are them), else warm-up, capture or an eager step.
   void run(const Body& body, const at::Tensor& x, const at::Tensor& y);
 
-  // Runs `fn` with its allocations on the current stream taken from the captured graph's private pool (just `fn`
-  // when none is captured, off CUDA, or without eager_in_pool): an evaluation between two epochs reuses the
+  // Runs `fn` with its allocations on the current stream taken from the captured graph's private pool (or, between
+  // invalidate and the next capture, the dropped graph's; just `fn` when there is none, off CUDA, or without
+  // eager_in_pool): an evaluation between two epochs, or the memory model's trace after a precision move, reuses the
   // memory the replays use as scratch. `fn` must leave nothing allocated that outlives it.
   void in_pool(const std::function<void()>& fn);
 
