@@ -196,8 +196,8 @@ TEST(MemoryGpuTest, TheCaptureReusesTheLastWarmUpStepsBlocks) {
 #endif
 }
 
-// GPU: with warmup_in_pool, after invalidate (Tri-Accel moved a unit's precision) the warm-up step and the new capture
-// take their memory from the dropped graph's pool: neither maps new memory (without the option each maps a segment
+// GPU: with warmup_in_pool, after invalidate (Tri-Accel moved a unit's precision) an eager call in the pool, the
+// warm-up step and the new capture take their memory from the dropped graph's pool: none maps new memory (without the option each maps a segment
 // for its 20 MB temporary, the test's own control), and the replays after it run the new body (x * 3 + 1), not the
 // old graph. A version that gives the old pool back and warms up in a fresh one maps memory at the warm-up.
 TEST(MemoryGpuTest, TheRecaptureAfterAnInvalidateReusesTheOldGraphsPool) {
@@ -215,6 +215,7 @@ TEST(MemoryGpuTest, TheRecaptureAfterAnInvalidateReusesTheOldGraphsPool) {
     o.batch = 5;
     o.warmup_steps = 2;
     o.warmup_in_pool = in_pool;
+    o.eager_in_pool = in_pool;
     StepGraph graph(o);
     const at::Tensor out = at::zeros({5}, at::TensorOptions().device(gpu));
     int64_t factor = 2;
@@ -230,6 +231,11 @@ TEST(MemoryGpuTest, TheRecaptureAfterAnInvalidateReusesTheOldGraphsPool) {
         factor = 3;
         graph.invalidate();
         EXPECT_FALSE(graph.captured());
+        // An eager call in the pool before the capture (the memory model's trace after a precision move).
+        const at::Tensor w = at::full({5, kWidth}, 1.f, at::TensorOptions().device(gpu));
+        const int64_t before = device_allocs();
+        graph.in_pool([&]() { out.copy_((w * 2).sum(1)); });
+        allocs.push_back(device_allocs() - before);
       }
       const at::Tensor x = at::full({5, kWidth}, static_cast<float>(s), at::TensorOptions().device(gpu));
       const int64_t before = device_allocs();
@@ -241,12 +247,13 @@ TEST(MemoryGpuTest, TheRecaptureAfterAnInvalidateReusesTheOldGraphsPool) {
     }
     EXPECT_EQ(graph.captures(), 2);
     EXPECT_EQ(graph.last_ran(), StepGraph::Ran::kReplayed);
-    ASSERT_EQ(allocs.size(), 2u);
+    ASSERT_EQ(allocs.size(), 3u);
     if (in_pool) {
-      EXPECT_EQ(allocs[0], 0) << "the warm-up after invalidate mapped memory beside the old graph's pool";
-      EXPECT_EQ(allocs[1], 0) << "the re-capture mapped memory beside the old graph's pool";
+      EXPECT_EQ(allocs[0], 0) << "an eager call after invalidate mapped memory beside the old graph's pool";
+      EXPECT_EQ(allocs[1], 0) << "the warm-up after invalidate mapped memory beside the old graph's pool";
+      EXPECT_EQ(allocs[2], 0) << "the re-capture mapped memory beside the old graph's pool";
     } else {
-      EXPECT_GE(allocs[0] + allocs[1], 1) << "the test cannot tell: the steps found their memory mapped already";
+      EXPECT_GE(allocs[1] + allocs[2], 1) << "the test cannot tell: the steps found their memory mapped already";
     }
   }
 #endif
