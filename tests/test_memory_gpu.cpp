@@ -12,6 +12,11 @@ namespace {
 
 using namespace memory_test;
 
+#ifdef TRIACCEL_WITH_CUDA
+// Segments the caching allocator has mapped on device 0 so far (its cudaMalloc calls, or expandable segments' maps).
+int64_t device_allocs() { return c10::cuda::CUDACachingAllocator::getDeviceStats(0).num_device_alloc; }
+#endif
+
 // GPU: the host-streamed loader gives the device loader's batches bit for bit (order, crops, flips, cutout), also
 // when the batch size changes mid-epoch and across epochs.
 TEST(MemoryGpuTest, HostPlacementGivesTheDeviceBatches) {
@@ -161,9 +166,6 @@ TEST(MemoryGpuTest, TheCaptureReusesTheLastWarmUpStepsBlocks) {
   const c10::Device gpu(c10::kCUDA, 0);
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
   constexpr int64_t kWidth = 1 << 20;  // 4 MB of float32 per sample
-  const auto device_allocs = []() {
-    return c10::cuda::CUDACachingAllocator::getDeviceStats(0).num_device_alloc;
-  };
   for (const bool in_pool : {true, false}) {
     StepGraphOptions o;
     o.batch = 5;
@@ -206,9 +208,6 @@ TEST(MemoryGpuTest, TheRecaptureAfterAnInvalidateReusesTheOldGraphsPool) {
   const c10::Device gpu(c10::kCUDA, 0);
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
   constexpr int64_t kWidth = 1 << 20;  // 4 MB of float32 per sample
-  const auto device_allocs = []() {
-    return c10::cuda::CUDACachingAllocator::getDeviceStats(0).num_device_alloc;
-  };
   for (const bool in_pool : {true, false}) {
     SCOPED_TRACE(in_pool);
     StepGraphOptions o;
