@@ -84,7 +84,9 @@ void StepGraph::warm_up(const Body& body, const at::Tensor& x, const at::Tensor&
   if (options_.warmup_in_pool && eager_steps_ >= options_.warmup_steps && bodies_run_ > 0) {
     // The eager pool's cached blocks go back first: a step whose allocations are routed to a pool cannot release
     // them when it runs out of memory (the caching allocator frees cached blocks only while no capture or routing is
-    // under way).
+    // under way). What the last eager step left (its gradients, which the body would free at its start, inside the
+    // routing) is released before, so that its memory goes back too.
+    if (options_.before_replay) options_.before_replay();
     c10::cuda::CUDACachingAllocator::emptyCache();
     if (stale_) {  // after invalidate: in the old graph's pool, which the capture then shares
       cuda_graph_pool_run(*stale_->graph, [&]() { body(x, y); });

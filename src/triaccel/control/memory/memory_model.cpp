@@ -37,15 +37,9 @@ double positions(const at::Tensor& out) {
   return 1;
 }
 
-Precision unit_precision(const MemoryModelInputs& in, size_t u, const c10::Device& device) {
-  if (!in.unit_precisions.empty()) return precision_applied(in.unit_precisions[u], device);
-  // amp-fp8: priced as amp-bf16 (its FP8 linears keep their inputs in 1 byte, not 2: the price is an upper bound).
-  return in.precision == PrecisionMode::kFP32       ? Precision::kFP32
-         : in.precision == PrecisionMode::kAmpFP16 ? Precision::kFP16
-                                                   : Precision::kBF16;
-}
-
 // Unit u's precision when Tri-Accel set the units' (the step's forward runs it at that precision: unit_forward_at).
+// The traces run no FP8 linears: an fp8 unit or an amp-fp8 run is priced as bf16 (its FP8 linears keep their inputs
+// in 1 byte, not 2: the price is an upper bound).
 std::optional<Precision> unit_precision_set(const MemoryModelInputs& in, size_t u, const c10::Device& device) {
   if (in.unit_precisions.empty()) return std::nullopt;
   return precision_applied(in.unit_precisions[u], device);
@@ -129,7 +123,6 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   at::Tensor small = batch_of(sample, kTraceSmall), large = batch_of(sample, kTraceLarge);
   double largest = 0;
   for (size_t u = 0; u < units.size(); ++u) {
-    const Precision p = unit_precision(in, u, device);
     const auto run = [&](at::Tensor x, std::vector<double>* tensors) {
       // On CUDA the allocator counts what the forward keeps (each saved tensor once, at its real dtype); elsewhere
       // the autograd graph's recorded outputs stand in for it.
