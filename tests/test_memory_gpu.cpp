@@ -199,9 +199,9 @@ TEST(MemoryGpuTest, TheCaptureReusesTheLastWarmUpStepsBlocks) {
 }
 
 // GPU: with warmup_in_pool, after invalidate (Tri-Accel moved a unit's precision) an eager call in the pool, the
-// warm-up step and the new capture take their memory from the dropped graph's pool: none maps new memory (without the option each maps a segment
-// for its 20 MB temporary, the test's own control), and the replays after it run the new body (x * 3 + 1), not the
-// old graph. A version that gives the old pool back and warms up in a fresh one maps memory at the warm-up.
+// warm-up step and the new capture take their memory from the dropped graph's pool: none maps new memory (without
+// the option each maps a segment for its 20 MB temporary, the test's own control), and the replays after it run the
+// new body (x * 3 + 1), not the old graph. A version that gives the old pool back and warms up in a fresh one maps memory at the warm-up.
 TEST(MemoryGpuTest, TheRecaptureAfterAnInvalidateReusesTheOldGraphsPool) {
   TRIACCEL_SKIP_WITHOUT_GPU();
 #ifdef TRIACCEL_WITH_CUDA

@@ -266,8 +266,9 @@ void BackpropTrainer::fp8_say() {
       layers > 0 ? c10::str("amp-fp8: ", layers, " linear layers of ", config_.model.model, " compute in FP8, the "
                             "rest in bf16")
                  : c10::str("note: amp-fp8 found no linear layer of ", config_.model.model, " to compute in FP8 (it "
-                            "takes linear layers, the built-in models' and a Python model's nn.Linear, whose sizes and batch rows "
-                            "are multiples of 16 on a GPU; convolutions stay bf16): this run is amp-bf16"));
+                            "takes linear layers, the built-in models' and a Python model's nn.Linear, whose sizes "
+                            "and batch rows are multiples of 16 on a GPU; convolutions stay bf16): this run is "
+                            "amp-bf16"));
 }
 
 void BackpropTrainer::after_step(int64_t count) {

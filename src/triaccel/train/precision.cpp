@@ -69,4 +69,10 @@ Precision precision_applied(Precision decided, const c10::Device& device) {
   return decided == Precision::kFP16 && !device.is_cuda() ? Precision::kBF16 : decided;
 }
 
+std::optional<Precision> unit_precision_at(const std::vector<Precision>& precisions, size_t u,
+                                           const c10::Device& device) {
+  if (precisions.empty()) return std::nullopt;
+  return precision_applied(precisions[u], device);
+}
+
 }  // namespace triaccel

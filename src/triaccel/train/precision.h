@@ -83,5 +83,9 @@ PrecisionMode unit_mode(const std::optional<Precision>& unit, PrecisionMode run)
 // The precision a decision runs at on this device: CPUs have no fast fp16 convolutions (measured: ~15x slower than
 // bf16 here), so fp16 decisions run as bf16 there.
 Precision precision_applied(Precision decided, const c10::Device& device);
+// Unit u's precision as unit_forward_at takes it: precisions[u] as applied on the device, or nullopt when no per-unit
+// precisions are set (precisions empty: the run's mode).
+std::optional<Precision> unit_precision_at(const std::vector<Precision>& precisions, size_t u,
+                                           const c10::Device& device);
 
 }  // namespace triaccel

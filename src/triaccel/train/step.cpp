@@ -248,8 +248,7 @@ at::Tensor TrainStep::forward(const at::Tensor& images) {
 }
 
 at::Tensor TrainStep::unit_forward(size_t u, const at::Tensor& x) const {
-  std::optional<Precision> precision;
-  if (!unit_precisions_.empty()) precision = precision_applied(unit_precisions_[u], device_);
+  const std::optional<Precision> precision = unit_precision_at(unit_precisions_, u, device_);
   // Set here, per unit: a recompute in backward runs on autograd's thread; under Tri-Accel's precisions only the
   // units at fp8 take the FP8 linears.
   const LinearOverrideScope fp8(fp8_linears(unit_mode(precision, options_.precision)) ? fp8_.get() : nullptr);

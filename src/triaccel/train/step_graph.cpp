@@ -207,12 +207,10 @@ bool StepGraph::side_replay(int64_t handle) {
 
 void StepGraph::in_pool(const std::function<void()>& fn) {
 #ifdef TRIACCEL_WITH_CUDA
-  if (graph_ && options_.eager_in_pool) {
-    cuda_graph_pool_run(*graph_->graph, fn);
-    return;
-  }
-  if (stale_ && options_.eager_in_pool) {  // between invalidate and the capture: the memory the dropped graph holds
-    cuda_graph_pool_run(*stale_->graph, fn);
+  // Between invalidate and the capture: the memory the dropped graph holds.
+  const Graph* pool_of = graph_ ? graph_.get() : stale_.get();
+  if (pool_of && options_.eager_in_pool) {
+    cuda_graph_pool_run(*pool_of->graph, fn);
     return;
   }
 #endif

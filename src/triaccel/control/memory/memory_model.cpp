@@ -37,14 +37,6 @@ double positions(const at::Tensor& out) {
   return 1;
 }
 
-// Unit u's precision when Tri-Accel set the units' (the step's forward runs it at that precision: unit_forward_at).
-// The traces run no FP8 linears: an fp8 unit or an amp-fp8 run is priced as bf16 (its FP8 linears keep their inputs
-// in 1 byte, not 2: the price is an upper bound).
-std::optional<Precision> unit_precision_set(const MemoryModelInputs& in, size_t u, const c10::Device& device) {
-  if (in.unit_precisions.empty()) return std::nullopt;
-  return precision_applied(in.unit_precisions[u], device);
-}
-
 // The allocator's peak over forward + backward of the whole model at kTraceSmall and kTraceLarge samples: its slope
 // over the modelled activations per sample (the units' saved bytes and backward's transients) is the starting
 // activation scale. The gradients come back as new tensors (autograd::grad): the parameters' .grad are untouched.
@@ -66,7 +58,8 @@ double measured_activation_scale(Model& model, const at::Tensor& sample, const M
     memory_stats_reset_peak(device);
     {
       for (size_t u = 0; u < units.size(); ++u) {
-        x = unit_forward_at(unit_precision_set(in, u, device), in.precision, device, x, units[u].forward);
+        x = unit_forward_at(unit_precision_at(in.unit_precisions, u, device), in.precision, device, x,
+                            units[u].forward);
       }
       const auto grads = torch::autograd::grad({x.to(at::kFloat).sum()}, params, {}, /*retain_graph=*/false,
                                                /*create_graph=*/false, /*allow_unused=*/true);
@@ -125,11 +118,14 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   for (size_t u = 0; u < units.size(); ++u) {
     const auto run = [&](at::Tensor x, std::vector<double>* tensors) {
       // On CUDA the allocator counts what the forward keeps (each saved tensor once, at its real dtype); elsewhere
-      // the autograd graph's recorded outputs stand in for it.
+      // the autograd graph's recorded outputs stand in for it. Each unit as the step runs it (unit_forward_at), but
+      // with no FP8 linears: an fp8 unit or an amp-fp8 run is priced as bf16 (its FP8 linears keep their inputs in 1
+      // byte, not 2: the price is an upper bound).
       const bool measured = device.is_cuda() && tensors != nullptr;
       if (measured) device_synchronize(device);
       const double before = measured ? static_cast<double>(memory_stats(device).allocated_bytes) : 0;
-      at::Tensor out = unit_forward_at(unit_precision_set(in, u, device), in.precision, device, x, units[u].forward);
+      at::Tensor out = unit_forward_at(unit_precision_at(in.unit_precisions, u, device), in.precision, device, x,
+                                       units[u].forward);
       double graph = 0;
       if (tensors) {
         *tensors = autograd_graph_tensor_bytes(out);
