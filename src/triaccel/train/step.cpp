@@ -2,6 +2,7 @@
 
 #include "triaccel/core/errors.h"
 #include "triaccel/train/fp8_linear.h"
+#include "triaccel/train/fp8_saved.h"
 #include "triaccel/train/recompute.h"
 
 #include <ATen/ATen.h>
@@ -227,7 +228,7 @@ void TrainStep::update(const at::Tensor& loss_total, const at::Tensor& correct_t
 }
 
 at::Tensor TrainStep::forward(const at::Tensor& images) {
-  if (recompute_.empty() && unit_precisions_.empty()) {
+  if (recompute_.empty() && unit_precisions_.empty() && fp8_saved_.empty()) {
     // amp-fp8: the model's linear layers FP8 takes (null: their own forward).
     const LinearOverrideScope fp8(fp8_.get());
     const AutocastScope autocast(device_, options_.precision);
@@ -238,12 +239,24 @@ at::Tensor TrainStep::forward(const at::Tensor& images) {
   // it came — the previous unit's output, which that unit's backward holds anyway — not a copy in its dtype (an fp32
   // unit after a bf16 one: twice the input's bytes, which the memory model, pricing the input as it comes, did not
   // predict).
+  // An FP8-stored unit runs under the scope of one store for the whole forward, so a tensor two units save (one's
+  // output, the next's input) is stored once.
   at::Tensor x = images;
+  Fp8SavedStore fp8_store;
   for (size_t u = 0; u < model_.units().size(); ++u) {
     const auto forward = [this, u](const at::Tensor& in) { return unit_forward(u, in); };
     const bool recomputed = !recompute_.empty() && recompute_[u];
-    x = recomputed ? recompute_forward(forward, x, unit_params_[u], unit_buffers_[u]) : forward(x);
+    if (recomputed) {
+      x = recompute_forward(forward, x, unit_params_[u], unit_buffers_[u]);
+    } else if (!fp8_saved_.empty() && fp8_saved_[u]) {
+      const Fp8SavedScope scope(fp8_store);
+      x = forward(x);
+    } else {
+      x = forward(x);
+    }
   }
+  fp8_saved_last_tensors_ = fp8_store.stored_tensors();
+  fp8_saved_last_bytes_ = fp8_store.stored_bytes();
   return x;
 }
 
@@ -280,6 +293,17 @@ void TrainStep::set_recompute(const std::vector<bool>& recompute) {
       unit_buffers_.push_back(std::move(buffers));
     }
   }
+  invalidate_graph();
+}
+
+void TrainStep::set_fp8_saved(const std::vector<bool>& fp8_saved) {
+  TORCH_CHECK(fp8_saved.empty() || fp8_saved.size() == model_.units().size(), "set_fp8_saved: ", fp8_saved.size(),
+              " flags for ", model_.units().size(), " units");
+  const bool any = std::find(fp8_saved.begin(), fp8_saved.end(), true) != fp8_saved.end();
+  TORCH_CHECK(!any || fp8_saved_available(), "set_fp8_saved: FP8 storage of saved activations is not available here");
+  const std::vector<bool> next = any ? fp8_saved : std::vector<bool>();
+  if (next == fp8_saved_) return;
+  fp8_saved_ = next;
   invalidate_graph();
 }
 
