@@ -17,8 +17,7 @@
 namespace triaccel {
 namespace {
 
-constexpr double kFp8SavedMax = 448.0;  // E4M3's largest finite value
-constexpr uint8_t kFp8SavedNanByte = 0x7f;
+constexpr uint8_t kFp8SavedNanByte = 0x7f;  // the spec's NaN byte (train/fp8.h)
 
 int64_t block_count(int64_t n) { return (n + kFp8BlockElements - 1) / kFp8BlockElements; }
 
@@ -40,12 +39,15 @@ Fp8Blocks fp8_block_quantize_reference(const at::Tensor& x) {
   const int64_t n = x.numel(), blocks = block_count(n);
   const at::Tensor flat = memory_flat(x, "fp8_block_quantize").to(at::kFloat);
   const at::Tensor rows = at::constant_pad_nd(flat, {0, blocks * kFp8BlockElements - n}).view({blocks, kFp8BlockElements});
-  const at::Tensor amax = std::get<0>(at::max(at::where(at::isnan(rows), 0.0, at::abs(rows)), 1));
-  const auto [mantissa, exponent] = at::frexp(amax);
-  const at::Tensor e = at::clamp(at::where(mantissa <= 0.875, 9, 8) - exponent, -126, 127).to(at::kFloat);
-  const at::Tensor usable = at::logical_and(amax > 0, at::isfinite(amax));
-  const at::Tensor scales = at::where(usable, at::pow(2.0, e), at::ones_like(amax)).contiguous();
-  at::Tensor data = at::clamp(flat.mul(per_element(scales, n)), -kFp8SavedMax, kFp8SavedMax)
+  const at::Tensor amax = std::get<0>(at::max(at::where(at::isnan(rows), 0.0, at::abs(rows)), 1)).cpu();
+  // Each block's scale by the delayed scale's own rule (fp8_scale_for_amax: no margin, 1 for an amax of 0 or inf).
+  at::Tensor scales = at::empty({blocks}, amax.options());
+  const float* a = amax.data_ptr<float>();
+  float* s = scales.data_ptr<float>();
+  for (int64_t b = 0; b < blocks; ++b) s[b] = fp8_scale_for_amax(a[b], Fp8Format::kE4M3, 0.0, 1.f);
+  scales = scales.to(x.device());
+  const double fmax = fp8_max(Fp8Format::kE4M3);
+  at::Tensor data = at::clamp(flat.mul(per_element(scales, n)), -fmax, fmax)
                         .to(at::kFloat8_e4m3fn)
                         .view(at::kByte)
                         .contiguous();
