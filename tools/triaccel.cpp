@@ -78,17 +78,23 @@ void plan_print(const Json& plan, bool json) {
               static_cast<long long>(plan["batch_size"].get<int64_t>()));
   if (plan.contains("memory_plan") && !plan["memory_plan"].is_null()) {
     const Json& m = plan["memory_plan"];
-    std::string recompute;
-    for (const auto& u : m["recompute"]) recompute += (recompute.empty() ? "" : ", ") + u.get<std::string>();
+    const auto names = [&m](const char* key) {
+      std::string out;
+      if (m.contains(key)) {
+        for (const auto& u : m[key]) out += (out.empty() ? "" : ", ") + u.get<std::string>();
+      }
+      return out.empty() ? std::string("none") : out;
+    };
+    const std::string recompute = names("recompute"), fp8 = names("fp8_saved");
     if (!m["feasible"].get<bool>()) {
       std::printf("memory: no plan fits; the floor is %lld bytes\n",
                   static_cast<long long>(m["floor_bytes"].get<int64_t>()));
     } else {
-      std::printf("memory: micro-batch %lld x %lld, data on the %s, recompute: %s; predicted peak %lld bytes of "
-                  "%lld planned (budget %lld, floor %lld)\n",
+      std::printf("memory: micro-batch %lld x %lld, data on the %s, recompute: %s, in FP8: %s; predicted peak %lld "
+                  "bytes of %lld planned (budget %lld, floor %lld)\n",
                   static_cast<long long>(m["micro_batch"].get<int64_t>()),
                   static_cast<long long>(m["accumulation"].get<int64_t>()),
-                  m["data_placement"].get<std::string>().c_str(), recompute.empty() ? "none" : recompute.c_str(),
+                  m["data_placement"].get<std::string>().c_str(), recompute.c_str(), fp8.c_str(),
                   static_cast<long long>(m["predicted_peak_bytes"].get<int64_t>()),
                   static_cast<long long>(m["plan_limit_bytes"].get<int64_t>()),
                   static_cast<long long>(m.value("budget_bytes", int64_t{0})),

@@ -121,9 +121,9 @@ Json plan(const Config& config, const RunHooks& hooks) {
   TRIACCEL_CHECK_INPUT(config.output.resume.empty(), "plan does not take ", option_ref("resume"),
                        " (it plans a fresh run)");
   Config planned = config;
-  // `triaccel plan` is BAOC's format plan unless another optimizer is named, or a vram_budget asks for the memory plan
-  // of the run as configured.
-  const bool memory = !config.execution.vram_budget.empty();
+  // `triaccel plan` is BAOC's format plan unless another optimizer is named, or a vram_budget or a memory lever
+  // given by hand asks for the memory plan of the run as configured.
+  const bool memory = !config.execution.vram_budget.empty() || !memory_levers_given(config).empty();
   if (!planned.was_given("optimizer") && !memory) planned.optim.optimizer = OptimizerKind::kBaoc;
   Session session(config_for_run(planned), inputs_of(hooks), /*output=*/false);
   const Config& c = session.config();

@@ -230,7 +230,8 @@ void BackpropTrainer::controllers_build() {
     const MemoryPlan& plan = memory_planner_->plan();
     session_.printer().line(c10::str(
         "memory plan: micro-batch ", plan.micro_batch, " x ", plan.accumulation, ", ",
-        plan.recompute_names(memory_planner_->model()).size(), " units recomputed, data on the ",
+        plan.recompute_names(memory_planner_->model()).size(), " units recomputed, ",
+        plan.fp8_saved_names(memory_planner_->model()).size(), " stored in FP8, data on the ",
         enum_name(plan.data_placement), ", predicted peak ", plan.predicted_peak_bytes / kGB, " GB",
         plan.budget_bytes > 0 ? c10::str(" of ", static_cast<double>(plan.budget_bytes) / kGB, " GB planned") : ""));
   }

@@ -96,6 +96,15 @@ struct EnumNames<PlacementChoice> {
       {PlacementChoice::kAuto, "auto"}, {PlacementChoice::kDevice, "device"}, {PlacementChoice::kHost, "host"}};
 };
 
+// The `saved_activations` option: how the units' activations saved for backward are held (auto: the memory
+// planner's choice under a vram_budget, kept without one; fp8: every unit's stored in FP8 where it is not recomputed).
+enum class SavedActivations { kAuto, kKeep, kFp8 };
+template <>
+struct EnumNames<SavedActivations> {
+  static constexpr EnumName<SavedActivations> kNames[] = {
+      {SavedActivations::kAuto, "auto"}, {SavedActivations::kKeep, "keep"}, {SavedActivations::kFp8, "fp8"}};
+};
+
 // The `dist_backend` option: the collectives of data parallelism (auto: NCCL on CUDA, Gloo on the CPU).
 enum class DistBackend { kAuto, kNccl, kGloo };
 template <>
@@ -198,6 +207,7 @@ struct ExecutionConfig {
   int64_t micro_batch = 0;       // 0: the planner's (the whole batch without a budget)
   std::string recompute = "auto";  // auto: the planner's; none; or unit names, comma-separated
   PlacementChoice data_placement = PlacementChoice::kAuto;
+  SavedActivations saved_activations = SavedActivations::kAuto;
   BatchPolicy batch_policy = BatchPolicy::kFixed;
   Toggle cudnn_autotune = Toggle::kAuto;
   int64_t eval_batch_size = 1000;
@@ -454,6 +464,11 @@ void ExecutionConfig::fields(S& s, V&& v) {
   v(s.data_placement, FieldInfo{"data_placement",
                                 "the dataset on the GPU (device) or streamed from pinned host memory a batch at a "
                                 "time (host); auto: the memory planner's choice"});
+  v(s.saved_activations, FieldInfo{"saved_activations",
+                                   "the activations backward reads: keep (as computed), fp8 (stored in block-scaled "
+                                   "FP8 where not recomputed: about half their 16-bit bytes, a quantize and a "
+                                   "dequantize pass; C++ runs only), auto (the memory planner stores a unit's in FP8 "
+                                   "under a vram_budget where that is the fastest way to fit; kept without one)"});
   v(s.batch_policy, FieldInfo{"batch_policy",
                               "under a vram_budget: fixed (the batch as asked, split into micro-batches to fit) or "
                               "elastic (tri-accel: the paper's rule changes the batch and the lr follows)"});

@@ -11,6 +11,7 @@
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/state_format.h"
 #include "triaccel/run/component_options.h"
+#include "triaccel/train/fp8_saved.h"
 #include "triaccel/train/grad_buckets.h"
 #include "triaccel/train/precision.h"
 
@@ -122,6 +123,7 @@ void memory_inputs_set(Session& session, int64_t world, bool gpu, bool budgeted,
     in.sample_staging_bytes = 2 * c * data.train.images.size(2) * data.train.images.size(3);
   }
   in.allow_host_data = gpu;
+  in.fp8_saved = ex.saved_activations != SavedActivations::kKeep;
   in.for_gpu = gpu;
   in.budgeted = budgeted;
   // Several ranks: the gradient buckets hold a copy of every fp32 gradient (and a bf16 one to send, compressed).
@@ -137,6 +139,9 @@ std::string memory_levers_given(const Config& config) {
   if (ex.recompute != "auto") given.push_back(str_cat(option_ref("recompute"), " ", ex.recompute));
   if (ex.data_placement != PlacementChoice::kAuto) {
     given.push_back(str_cat(option_ref("data_placement"), " ", enum_name(ex.data_placement)));
+  }
+  if (ex.saved_activations != SavedActivations::kAuto) {
+    given.push_back(str_cat(option_ref("saved_activations"), " ", enum_name(ex.saved_activations)));
   }
   if (given.empty()) return "";
   std::string list;
@@ -170,6 +175,10 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
     setup->shards = shard_layout(parameter_numels(model), static_cast<int>(world), state_bytes_per_element(config.optim));
   }
   if (!setup->planned) return setup;
+  TRIACCEL_CHECK_INPUT(ex.saved_activations != SavedActivations::kFp8 || fp8_saved_available(),
+                       option_ref("saved_activations"), " fp8 runs in the C++ runtime (the triaccel command, "
+                       "LibTorch programs), not inside Python, whose autograd engine is its own; use ",
+                       option_ref("saved_activations"), " keep or auto");
 
   memory_inputs_set(session, world, gpu, budget > 0, setup.get());
   MemoryModelInputs first = setup->inputs;
@@ -180,6 +189,9 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
   PlanConstraints& c = setup->limits.constraints;
   c.micro_batch = ex.micro_batch;
   c.recompute = recompute_parse(ex.recompute, model);
+  if (ex.saved_activations != SavedActivations::kAuto) {
+    c.fp8_saved.assign(setup->model.units.size(), ex.saved_activations == SavedActivations::kFp8);
+  }
   c.placement_fixed = ex.data_placement != PlacementChoice::kAuto || !gpu;
   c.placement = ex.data_placement == PlacementChoice::kHost && gpu ? DataPlacement::kHost : DataPlacement::kDevice;
   // Each rank plans for its share of the global batch (the larger one where they differ); `plan` previews --nproc.
@@ -200,9 +212,10 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
   // rank needs another lever or fits nowhere and the plan with the rank's shard is faster or fits where that does
   // not. Every rank decides alike (the same agreed model).
   const MemoryPlan& whole = setup->plan;
+  const auto any = [](const std::vector<bool>& v) { return std::find(v.begin(), v.end(), true) != v.end(); };
   const bool lever_used = !whole.feasible || whole.accumulation > 1 ||
-                          whole.data_placement == DataPlacement::kHost ||
-                          std::find(whole.recompute.begin(), whole.recompute.end(), true) != whole.recompute.end();
+                          whole.data_placement == DataPlacement::kHost || any(whole.recompute) ||
+                          (ex.saved_activations == SavedActivations::kAuto && any(whole.fp8_saved));
   if (shard_possible_here && (setup->shard_optimizer || (ex.shard_optimizer == Toggle::kAuto && lever_used))) {
     const ShardLayout& layout = setup->shards;
     MemorySetup sharded = *setup;
@@ -247,7 +260,10 @@ Json memory_plan_preview(Session& session) {
     units.push_back(Json{{"unit", c.name}, {"saved_bytes_per_sample", c.saved_bytes},
                          {"input_bytes_per_sample", c.input_bytes}, {"flops_per_sample", c.flops},
                          {"recomputable", c.recomputable},
-                         {"recompute", u < m->plan.recompute.size() && m->plan.recompute[u]}});
+                         {"fp8_bytes_per_sample", c.fp8_bytes > 0 ? Json(c.fp8_bytes) : Json()},
+                         {"recompute", u < m->plan.recompute.size() && m->plan.recompute[u]},
+                         {"fp8_saved", u < m->plan.fp8_saved.size() && m->plan.fp8_saved[u] &&
+                                           !(u < m->plan.recompute.size() && m->plan.recompute[u])}});
   }
   j["units"] = units;
   return j;

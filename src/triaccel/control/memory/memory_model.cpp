@@ -3,6 +3,7 @@
 
 #include "triaccel/control/memory/memory_profile.h"
 #include "triaccel/core/device.h"
+#include "triaccel/train/fp8_saved.h"
 #include "triaccel/train/rng.h"
 
 #include <ATen/ATen.h>
@@ -115,6 +116,7 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   // Unit by unit, each fed the previous unit's output at batch kTraceSmall and kTraceLarge.
   at::Tensor small = batch_of(sample, kTraceSmall), large = batch_of(sample, kTraceLarge);
   double largest = 0;
+  const bool fp8 = in.fp8_saved && fp8_saved_available();
   for (size_t u = 0; u < units.size(); ++u) {
     const auto run = [&](at::Tensor x, std::vector<double>* tensors) {
       // On CUDA the allocator counts what the forward keeps (each saved tensor once, at its real dtype); elsewhere
@@ -164,11 +166,40 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
       c.recomputable = again.sizes() == out_large.sizes() &&
                        at::allclose(again.to(at::kFloat), out_large.to(at::kFloat), 1e-3, 1e-3);
     }
+    if (fp8) {
+      // The same forward with what it saves stored in FP8: on CUDA the allocator's growth again, elsewhere the saved
+      // bytes less what the store took in, plus what it keeps. The price: a quantize pass (read the tensor, write its
+      // bytes) and a dequantize pass (the reverse), memory-bound; in seconds here, in the model's unit below.
+      const auto stored = [&](const at::Tensor& x, double* original, double* kept) {
+        Fp8SavedStore store;
+        std::vector<double> tensors;
+        double graph = 0;
+        {
+          const Fp8SavedScope scope(store);
+          graph = run(x, &tensors).second;
+        }
+        *original = static_cast<double>(store.original_bytes());
+        *kept = static_cast<double>(store.stored_bytes());
+        return graph;
+      };
+      double original_small = 0, kept_small = 0, original_large = 0, kept_large = 0;
+      const double fp8_small = stored(small, &original_small, &kept_small);
+      const double fp8_large = stored(large, &original_large, &kept_large);
+      const double per = static_cast<double>(kTraceLarge - kTraceSmall);
+      const double original = (original_large - original_small) / per, kept = (kept_large - kept_small) / per;
+      const double bytes = device.is_cuda() ? (fp8_large - fp8_small) / per : c.saved_bytes - original + kept;
+      if (kept > 0 && bytes > 0) {
+        c.fp8_bytes = bytes;
+        c.fp8_s = 2 * (original + kept) / kGpuMemoryBytesPerS;
+      }
+    }
     m.units.push_back(c);
     small = out_small;
     large = out_large;
   }
   m.transient_bytes = 2 * largest;  // backward: a gradient of the largest tensor and the one it produces
+  const double seconds_per_unit = memory_model_seconds_per_unit(m);
+  for (UnitCost& c : m.units) c.fp8_s = seconds_per_unit > 0 ? c.fp8_s / seconds_per_unit : 0;
   if (in.measure_scale && device.is_cuda()) m.activation_scale = measured_activation_scale(model, sample, in, m, device);
 
   for (auto& p : model.parameters()) p.mutable_grad() = at::Tensor();
@@ -189,6 +220,8 @@ void memory_model_agree(MemoryModel& model,
     fields.push_back(&u.saved_bytes);
     fields.push_back(&u.input_bytes);
     fields.push_back(&u.flops);
+    fields.push_back(&u.fp8_bytes);
+    fields.push_back(&u.fp8_s);
   }
   std::vector<double> values;
   for (const double* f : fields) values.push_back(*f);

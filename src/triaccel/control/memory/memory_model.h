@@ -44,6 +44,9 @@ struct MemoryModelInputs {
   // On CUDA: measure the whole model's forward + backward at two small batches and start from that activation
   // scale (not while training: the step's memory, graph and gradients are live).
   bool measure_scale = false;
+  // Price each unit's saved activations stored in FP8 (train/fp8_saved.h) as well: traced again under an FP8 store
+  // where the lever is available here (fp8_saved_available), UnitCost::fp8_bytes and fp8_s; else not offered.
+  bool fp8_saved = false;
 };
 
 // Bounds of the measured starting activation scale (memory_model_build with measure_scale).

@@ -18,8 +18,6 @@ double total_flops(const MemoryModel& model) {
   return s;
 }
 
-bool worth_recomputing(const UnitCost& u) { return u.recomputable && u.saved_bytes > u.input_bytes; }
-
 // Bytes that do not scale with the micro-batch.
 double base_bytes(const MemoryModel& model, int64_t batch, DataPlacement placement) {
   const double data = placement == DataPlacement::kDevice ? model.dataset_bytes : model.stream_bytes;
@@ -27,56 +25,129 @@ double base_bytes(const MemoryModel& model, int64_t batch, DataPlacement placeme
          static_cast<double>(batch) * model.batch_input_bytes;
 }
 
+// What a unit may do under the constraints: bit 1 << UnitStore.
+using StoreMask = unsigned;
+constexpr StoreMask bit(UnitStore s) { return 1u << static_cast<unsigned>(s); }
+
+bool fp8_offered(const UnitCost& u) { return u.fp8_bytes > 0 && u.fp8_bytes < u.saved_bytes; }
+bool worth_recomputing(const UnitCost& u) { return u.recomputable && u.saved_bytes > u.input_bytes; }
+
+bool flag_at(const std::vector<bool>& flags, size_t u) { return u < flags.size() && flags[u]; }
+
+std::vector<StoreMask> store_masks(const MemoryModel& model, const PlanConstraints& c) {
+  std::vector<StoreMask> masks;
+  for (size_t u = 0; u < model.units.size(); ++u) {
+    const UnitCost& unit = model.units[u];
+    const bool fp8 = fp8_offered(unit) && (c.fp8_saved.empty() || flag_at(c.fp8_saved, u));
+    // Asked for FP8 (the saved_activations option): FP8 instead of kept.
+    StoreMask m = fp8 ? bit(UnitStore::kFp8) : 0;
+    if (!(fp8 && !c.fp8_saved.empty())) m |= bit(UnitStore::kKeep);
+    if (!c.recompute.empty()) {
+      m = flag_at(c.recompute, u) ? bit(UnitStore::kRecompute) : m;
+    } else if (worth_recomputing(unit)) {
+      m |= bit(UnitStore::kRecompute);
+    }
+    masks.push_back(m);
+  }
+  return masks;
+}
+
+// Bytes unit u holds per sample once its forward ran (until backward reaches it).
+double alive_bytes(const UnitCost& c, UnitStore s) {
+  return s == UnitStore::kRecompute ? c.input_bytes : s == UnitStore::kFp8 ? c.fp8_bytes : c.saved_bytes;
+}
+
+std::vector<UnitStore> stores_of(size_t n, const std::vector<bool>& recompute, const std::vector<bool>& fp8_saved) {
+  std::vector<UnitStore> out(n, UnitStore::kKeep);
+  for (size_t u = 0; u < n; ++u) {
+    if (flag_at(recompute, u)) {
+      out[u] = UnitStore::kRecompute;
+    } else if (flag_at(fp8_saved, u)) {
+      out[u] = UnitStore::kFp8;
+    }
+  }
+  return out;
+}
+
+void stores_split(const std::vector<UnitStore>& stores, std::vector<bool>* recompute, std::vector<bool>* fp8_saved) {
+  recompute->assign(stores.size(), false);
+  fp8_saved->assign(stores.size(), false);
+  for (size_t u = 0; u < stores.size(); ++u) {
+    (*recompute)[u] = stores[u] == UnitStore::kRecompute;
+    (*fp8_saved)[u] = stores[u] == UnitStore::kFp8;
+  }
+}
+
 // Activation bytes per sample of the micro-batch, before the scale. Backward runs the units in reverse: when it
-// starts, every kept unit's activations and every recomputed unit's input are alive; when it reaches a recomputed
-// unit u, the units after u are freed and u's activations are alive again beside everything before u.
-double activation_bytes(const MemoryModel& model, const std::vector<bool>& recompute) {
+// starts, every unit's alive bytes are; when it reaches a recomputed unit u, the units after u are freed and u's
+// activations are alive again beside everything before u.
+double activation_bytes(const MemoryModel& model, const std::vector<UnitStore>& stores) {
   double prefix = 0, peak = 0;
   for (size_t u = 0; u < model.units.size(); ++u) {
     const UnitCost& c = model.units[u];
-    if (u < recompute.size() && recompute[u]) {
-      peak = std::max(peak, prefix + c.input_bytes + c.saved_bytes);
-      prefix += c.input_bytes;
-    } else {
-      prefix += c.saved_bytes;
-    }
+    if (stores[u] == UnitStore::kRecompute) peak = std::max(peak, prefix + c.input_bytes + c.saved_bytes);
+    prefix += alive_bytes(c, stores[u]);
   }
   return std::max(peak, prefix) + model.transient_bytes;
 }
 
+// The time a unit's choice adds per sample, in per_sample_s's unit: a recompute repeats its share of the forward,
+// FP8 storage pays its passes. Never 0 for either, so that keeping wins a tie.
+double store_cost(const MemoryModel& model, double flops, const UnitCost& c, UnitStore s) {
+  if (s == UnitStore::kRecompute) {
+    return std::max(flops > 0 ? model.forward_share * model.per_sample_s * c.flops / flops : 0.0, 1e-30);
+  }
+  return s == UnitStore::kFp8 ? std::max(c.fp8_s, 1e-30) : 0.0;
+}
+
 int64_t micro_batches(int64_t batch, int64_t micro) { return (batch + micro - 1) / micro; }
 
-// The least-FLOPs recompute set whose activations (per sample, before the scale) stay within `room`: a dynamic
+// Each unit's cheapest allowed choice, memory aside.
+std::vector<UnitStore> cheapest_stores(const std::vector<StoreMask>& masks) {
+  std::vector<UnitStore> out;
+  for (StoreMask m : masks) {
+    out.push_back((m & bit(UnitStore::kKeep)) ? UnitStore::kKeep
+                  : (m & bit(UnitStore::kFp8)) ? UnitStore::kFp8
+                                               : UnitStore::kRecompute);
+  }
+  return out;
+}
+
+// The least-time choice per unit whose activations (per sample, before the scale) stay within `room`: a dynamic
 // program over the units in order whose state is the bytes alive before the next unit (rounded up to buckets).
-bool recompute_search(const MemoryModel& model, double room, std::vector<bool>* chosen) {
+bool store_search(const MemoryModel& model, const std::vector<StoreMask>& masks, double room,
+                  std::vector<UnitStore>* chosen) {
   const size_t n = model.units.size();
-  chosen->assign(n, false);
+  chosen->assign(n, UnitStore::kKeep);
   room -= model.transient_bytes;
   if (room < 0) return false;
+  const double flops = total_flops(model);
   const double quantum = std::max(room / kBuckets, 1e-12);
-  const auto buckets = [&](double bytes) { return static_cast<int>(std::ceil(bytes / quantum - 1e-9)); };
+  const auto buckets = [&](double bytes) {  // more than the room: kBuckets + 1 (no overflow of the int)
+    return static_cast<int>(std::min(std::ceil(bytes / quantum - 1e-9), static_cast<double>(kBuckets + 1)));
+  };
   const double inf = std::numeric_limits<double>::infinity();
-  // cost[u][b]: least FLOPs over units [0, u) with b buckets alive after them; choice[u][b]: recompute unit u-1.
+  // cost[u][b]: least time over units [0, u) with b buckets alive after them; took/from: unit u-1's choice and the
+  // state before it.
   std::vector<std::vector<double>> cost(n + 1, std::vector<double>(kBuckets + 1, inf));
   std::vector<std::vector<char>> took(n + 1, std::vector<char>(kBuckets + 1, 0));
   std::vector<std::vector<int>> from(n + 1, std::vector<int>(kBuckets + 1, -1));
   cost[0][0] = 0;
+  constexpr UnitStore kChoices[] = {UnitStore::kKeep, UnitStore::kFp8, UnitStore::kRecompute};
   for (size_t u = 0; u < n; ++u) {
     const UnitCost& c = model.units[u];
-    const int keep = buckets(c.saved_bytes), in = buckets(c.input_bytes), during = buckets(c.input_bytes + c.saved_bytes);
-    for (int b = 0; b <= kBuckets; ++b) {
-      if (!std::isfinite(cost[u][b])) continue;
-      if (b + keep <= kBuckets && cost[u][b] < cost[u + 1][b + keep]) {
-        cost[u + 1][b + keep] = cost[u][b];
-        took[u + 1][b + keep] = 0;
-        from[u + 1][b + keep] = b;
-      }
-      if (worth_recomputing(c) && b + during <= kBuckets && b + in <= kBuckets) {
-        const double f = cost[u][b] + std::max(c.flops, 1e-30);
-        if (f < cost[u + 1][b + in]) {
-          cost[u + 1][b + in] = f;
-          took[u + 1][b + in] = 1;
-          from[u + 1][b + in] = b;
+    for (UnitStore s : kChoices) {
+      if (!(masks[u] & bit(s))) continue;
+      const int adds = buckets(alive_bytes(c, s));
+      const int during = s == UnitStore::kRecompute ? buckets(c.input_bytes + c.saved_bytes) : adds;
+      const double price = store_cost(model, flops, c, s);
+      for (int b = 0; b <= kBuckets; ++b) {
+        if (!std::isfinite(cost[u][b]) || b + adds > kBuckets || b + during > kBuckets) continue;
+        const double t = cost[u][b] + price;
+        if (t < cost[u + 1][b + adds]) {
+          cost[u + 1][b + adds] = t;
+          took[u + 1][b + adds] = static_cast<char>(s);
+          from[u + 1][b + adds] = b;
         }
       }
     }
@@ -87,67 +158,70 @@ bool recompute_search(const MemoryModel& model, double room, std::vector<bool>* 
   }
   if (best < 0) return false;
   for (size_t u = n; u > 0; --u) {
-    (*chosen)[u - 1] = took[u][best] != 0;
+    (*chosen)[u - 1] = static_cast<UnitStore>(took[u][best]);
     best = from[u][best];
   }
   return true;
 }
 
-// The cheapest recompute set that fits `budget` at this micro-batch and placement; false when none does.
-bool fit_recompute(const MemoryModel& model, int64_t batch, int64_t micro, DataPlacement placement, double budget,
-                   std::vector<bool>* best) {
+// The cheapest choice per unit that fits `budget` at this micro-batch and placement; false when none does.
+bool fit_stores(const MemoryModel& model, const std::vector<StoreMask>& masks, int64_t batch, int64_t micro,
+                DataPlacement placement, double budget, std::vector<UnitStore>* best) {
   const double room = (budget - base_bytes(model, batch, placement)) /
                       (static_cast<double>(micro) * model.activation_scale);
-  best->assign(model.units.size(), false);
-  if (activation_bytes(model, *best) <= room) return true;  // nothing to recompute (exact, no rounding)
-  if (!recompute_search(model, room, best)) return false;
-  return memory_plan_peak(model, batch, micro, *best, placement) <= budget;  // the rounding, never trusted
+  *best = cheapest_stores(masks);
+  if (activation_bytes(model, *best) <= room) return true;  // the cheapest fits (exact, no rounding)
+  if (!store_search(model, masks, room, best)) return false;
+  return base_bytes(model, batch, placement) +
+             static_cast<double>(micro) * model.activation_scale * activation_bytes(model, *best) <=
+         budget;  // the rounding, never trusted
 }
 
-// The least room (activation bytes per sample, before the scale) in which the search still finds a recompute set:
-// a budget that leaves this room fits a plan at micro-batch 1.
-double least_activation_bytes(const MemoryModel& model) {
-  std::vector<bool> all_kept(model.units.size(), false), r;
-  double hi = activation_bytes(model, all_kept), lo = model.transient_bytes;
+// The least room (activation bytes per sample, before the scale) in which the search still finds a choice: a budget
+// that leaves this room fits a plan at micro-batch 1.
+double least_activation_bytes(const MemoryModel& model, const std::vector<StoreMask>& masks) {
+  std::vector<UnitStore> r;
+  double hi = activation_bytes(model, cheapest_stores(masks)), lo = model.transient_bytes;
   for (int i = 0; i < 40; ++i) {
     const double mid = (lo + hi) / 2;
-    (recompute_search(model, mid, &r) ? hi : lo) = mid;
+    (store_search(model, masks, mid, &r) ? hi : lo) = mid;
   }
   return hi;
 }
 
-// The least any plan needs: micro-batches of 1, the recompute set that holds least, the data where it takes least —
-// each unless the constraints fix it (a placement, micro-batch or recompute set given by hand).
+// The least any plan needs: micro-batches of 1, the choice per unit that holds least, the data where it takes least —
+// each unless the constraints fix it (a placement, micro-batch, recompute set or FP8 set given by hand).
 double floor_bytes(const MemoryModel& model, int64_t batch, const PlanConstraints& constraints) {
   double base = base_bytes(model, batch, constraints.placement_fixed ? constraints.placement : DataPlacement::kDevice);
   if (!constraints.placement_fixed && model.allow_host_data) {
     base = std::min(base, base_bytes(model, batch, DataPlacement::kHost));
   }
   const double micro = constraints.micro_batch > 0 ? static_cast<double>(std::min(constraints.micro_batch, batch)) : 1;
-  const double activations =
-      constraints.recompute.empty() ? least_activation_bytes(model) : activation_bytes(model, constraints.recompute);
-  return base + micro * model.activation_scale * activations;
+  return base + micro * model.activation_scale * least_activation_bytes(model, store_masks(model, constraints));
 }
 
 }  // namespace
 
 double memory_plan_peak(const MemoryModel& model, int64_t batch, int64_t micro_batch,
-                        const std::vector<bool>& recompute, DataPlacement placement) {
+                        const std::vector<bool>& recompute, DataPlacement placement,
+                        const std::vector<bool>& fp8_saved) {
   return base_bytes(model, batch, placement) +
-         static_cast<double>(micro_batch) * model.activation_scale * activation_bytes(model, recompute);
+         static_cast<double>(micro_batch) * model.activation_scale *
+             activation_bytes(model, stores_of(model.units.size(), recompute, fp8_saved));
 }
 
 double memory_plan_step_s(const MemoryModel& model, int64_t batch, int64_t micro_batch,
-                          const std::vector<bool>& recompute, DataPlacement placement) {
+                          const std::vector<bool>& recompute, DataPlacement placement,
+                          const std::vector<bool>& fp8_saved) {
   const double flops = total_flops(model);
-  double recomputed = 0;
-  for (size_t u = 0; u < model.units.size() && u < recompute.size(); ++u) {
-    recomputed += recompute[u] ? model.units[u].flops : 0;
+  const std::vector<UnitStore> stores = stores_of(model.units.size(), recompute, fp8_saved);
+  double per_sample = model.per_sample_s;
+  for (size_t u = 0; u < model.units.size(); ++u) {
+    if (stores[u] != UnitStore::kKeep) per_sample += store_cost(model, flops, model.units[u], stores[u]);
   }
-  const double share = flops > 0 ? model.forward_share * recomputed / flops : 0;
   const double k = static_cast<double>(micro_batches(batch, micro_batch));
   const double stream = placement == DataPlacement::kHost ? model.stream_per_sample_s * static_cast<double>(batch) : 0;
-  return k * model.overhead_s + static_cast<double>(batch) * model.per_sample_s * (1 + share) + stream;
+  return k * model.overhead_s + static_cast<double>(batch) * per_sample + stream;
 }
 
 double memory_model_seconds_per_unit(const MemoryModel& model, double flops_per_s) {
@@ -160,9 +234,11 @@ double memory_plan_epoch_s(const MemoryModel& model, const MemoryPlan& plan, con
   if (!plan.feasible || plan.batch <= 0 || plan.micro_batch <= 0) return std::numeric_limits<double>::infinity();
   const int64_t full = samples.train / plan.batch, rest = samples.train % plan.batch;
   double units = static_cast<double>(full) *
-                 memory_plan_step_s(model, plan.batch, plan.micro_batch, plan.recompute, plan.data_placement);
+                 memory_plan_step_s(model, plan.batch, plan.micro_batch, plan.recompute, plan.data_placement,
+                                    plan.fp8_saved);
   if (rest > 0) {
-    units += memory_plan_step_s(model, rest, std::min(plan.micro_batch, rest), plan.recompute, plan.data_placement);
+    units += memory_plan_step_s(model, rest, std::min(plan.micro_batch, rest), plan.recompute, plan.data_placement,
+                                plan.fp8_saved);
   }
   if (samples.eval > 0) {
     const double batches = static_cast<double>(micro_batches(samples.eval, plan.micro_batch));
@@ -178,7 +254,6 @@ MemoryPlan memory_plan_solve(const MemoryModel& model, int64_t batch, int64_t bu
   plan.batch = batch;
   plan.budget_bytes = budget_bytes;
   plan.floor_bytes = floor_bytes(model, batch, constraints);
-  const std::vector<bool> none(model.units.size(), false);
   const double budget = budget_bytes > 0 ? static_cast<double>(budget_bytes) : std::numeric_limits<double>::infinity();
   // Micro-batch sizes worth trying: ceil(B / k) for every k (larger k with the same size only adds steps); without
   // a budget, the whole batch.
@@ -199,31 +274,30 @@ MemoryPlan memory_plan_solve(const MemoryModel& model, int64_t batch, int64_t bu
   } else if (model.allow_host_data && budget_bytes > 0) {
     placements.push_back(DataPlacement::kHost);
   }
-  const bool recompute_fixed = !constraints.recompute.empty();
+  const std::vector<StoreMask> masks = store_masks(model, constraints);
+  const std::vector<UnitStore> cheapest = cheapest_stores(masks);
   double best_s = std::numeric_limits<double>::infinity();
   for (DataPlacement p : placements) {
     for (int64_t m : micros) {
-      // A lower bound of every plan at this or a smaller micro-batch: nothing recomputed.
-      if (memory_plan_step_s(model, batch, m, none, p) >= best_s) break;
-      std::vector<bool> r;
-      if (recompute_fixed) {
-        r = constraints.recompute;
-        if (memory_plan_peak(model, batch, m, r, p) > budget) continue;
-      } else if (budget_bytes <= 0) {
-        r = none;
-      } else if (!fit_recompute(model, batch, m, p, budget, &r)) {
-        continue;
-      }
-      const double s = memory_plan_step_s(model, batch, m, r, p);
+      // A lower bound of every plan at this or a smaller micro-batch: each unit's cheapest choice.
+      std::vector<bool> r, f;
+      stores_split(cheapest, &r, &f);
+      if (memory_plan_step_s(model, batch, m, r, p, f) >= best_s) break;
+      std::vector<UnitStore> stores = cheapest;
+      if (budget_bytes > 0 && !fit_stores(model, masks, batch, m, p, budget, &stores)) continue;
+      stores_split(stores, &r, &f);
+      if (memory_plan_peak(model, batch, m, r, p, f) > budget) continue;
+      const double s = memory_plan_step_s(model, batch, m, r, p, f);
       if (s < best_s) {
         best_s = s;
         plan.feasible = true;
         plan.micro_batch = m;
         plan.accumulation = micro_batches(batch, m);
         plan.recompute = r;
+        plan.fp8_saved = f;
         plan.data_placement = p;
         plan.predicted_step_s = s;
-        plan.predicted_peak_bytes = memory_plan_peak(model, batch, m, r, p);
+        plan.predicted_peak_bytes = memory_plan_peak(model, batch, m, r, p, f);
       }
     }
   }
@@ -238,17 +312,26 @@ std::vector<std::string> MemoryPlan::recompute_names(const MemoryModel& model) c
   return out;
 }
 
+std::vector<std::string> MemoryPlan::fp8_saved_names(const MemoryModel& model) const {
+  std::vector<std::string> out;
+  for (size_t u = 0; u < fp8_saved.size() && u < model.units.size(); ++u) {
+    if (fp8_saved[u] && !flag_at(recompute, u)) out.push_back(model.units[u].name);
+  }
+  return out;
+}
+
 Json MemoryPlan::to_json(const MemoryModel& model) const {
-  // Per unit, what its activations hold at the micro-batch (its input alone when recomputed); the consumers that
-  // do not scale with it. The report draws both (report/run_model.h).
+  // Per unit, what its activations hold at the micro-batch (its input alone when recomputed, its FP8 bytes when
+  // stored so); the consumers that do not scale with it. The report draws both (report/run_model.h).
   Json units = Json::array();
   const double per_micro = static_cast<double>(micro_batch) * model.activation_scale;
+  const std::vector<UnitStore> stores = stores_of(model.units.size(), recompute, fp8_saved);
   for (size_t u = 0; u < model.units.size(); ++u) {
     const UnitCost& c = model.units[u];
-    const bool r = u < recompute.size() && recompute[u];
     units.push_back(Json{{"unit", c.name},
-                         {"recompute", r},
-                         {"activation_bytes", static_cast<int64_t>(per_micro * (r ? c.input_bytes : c.saved_bytes))}});
+                         {"recompute", stores[u] == UnitStore::kRecompute},
+                         {"fp8_saved", stores[u] == UnitStore::kFp8},
+                         {"activation_bytes", static_cast<int64_t>(per_micro * alive_bytes(c, stores[u]))}});
   }
   const double data = data_placement == DataPlacement::kDevice ? model.dataset_bytes : model.stream_bytes;
   const auto whole = [](double b) { return static_cast<int64_t>(std::ceil(b)); };
@@ -263,6 +346,7 @@ Json MemoryPlan::to_json(const MemoryModel& model) const {
               {"micro_batch", micro_batch},
               {"accumulation", accumulation},
               {"recompute", recompute_names(model)},
+              {"fp8_saved", fp8_saved_names(model)},
               {"data_placement", enum_name(data_placement)},
               {"predicted_peak_bytes", static_cast<int64_t>(std::ceil(predicted_peak_bytes))},
               {"plan_limit_bytes", budget_bytes},
@@ -275,7 +359,8 @@ Json MemoryPlan::to_json(const MemoryModel& model) const {
 
 bool MemoryPlan::operator==(const MemoryPlan& o) const {
   return feasible == o.feasible && batch == o.batch && micro_batch == o.micro_batch &&
-         accumulation == o.accumulation && recompute == o.recompute && data_placement == o.data_placement;
+         accumulation == o.accumulation && recompute == o.recompute && fp8_saved == o.fp8_saved &&
+         data_placement == o.data_placement;
 }
 
 }  // namespace triaccel

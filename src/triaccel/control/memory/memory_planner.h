@@ -6,26 +6,30 @@
 //   peak(m, R, placement) = weights + gradients + optimizer state + fixed transients
 //                         + data(placement) + the step's input buffers (B samples)
 //                         + m · scale · (activations(R) + transient)
-//   activations(R) = max( Σ_{u∉R} saved_u + Σ_{u∈R} input_u,                   backward's start
-//                         max_{u∈R} [ Σ_{v<u} alive_v + input_u + saved_u ] )   a recomputed unit's backward
+//   activations(R, F) = max( Σ_v alive_v,                                    backward's start
+//                            max_{u∈R} [ Σ_{v<u} alive_v + input_u + saved_u ] )   a recomputed unit's backward
 // with B the requested batch, m the micro-batch (B = accumulation steps × m, the last micro-batch shorter when m does
-// not divide B), R the recomputed units, saved_u the activations unit u keeps for backward per sample, input_u its
-// input (what a recomputed unit keeps instead), alive_v what unit v holds (saved_v, or input_v when recomputed):
-// backward frees the units after u before it recomputes u. `scale` is the correction learned from the allocator's
-// readings (1 until measured).
-//   step_s(m, R, placement) = k · overhead_s + B · per_sample_s · (1 + recompute_share) + stream cost
-// with k = ceil(B / m) micro-batches and recompute_share the recomputed units' share of the forward FLOPs times the
-// forward's share of a training step.
+// not divide B), R the recomputed units, F the units whose saved activations are stored in FP8 (train/fp8_saved.h),
+// saved_u the activations unit u keeps for backward per sample, fp8_u the same stored in FP8, input_u its input (what
+// a recomputed unit keeps instead), alive_v what unit v holds (input_v when recomputed, else fp8_v when in F, else
+// saved_v): backward frees the units after u before it recomputes u. `scale` is the correction learned from the
+// allocator's readings (1 until measured).
+//   step_s(m, R, F, placement) = k · overhead_s + B · (per_sample_s · (1 + recompute_share) + Σ_{u∈F∖R} fp8_s_u)
+//                                + stream cost
+// with k = ceil(B / m) micro-batches, recompute_share the recomputed units' share of the forward FLOPs times the
+// forward's share of a training step, and fp8_s_u the price of one quantize pass in forward and one dequantize pass
+// in backward over what unit u stores (memory-bound: its bytes at kGpuMemoryBytesPerS, in the same time unit).
 //
 //   epoch_s = (Σ over the epoch's steps of step_s, a short last step at its own size
 //              + forward_share · (ceil(E / m) · overhead_s + E · per_sample_s))   the evaluation of E samples
 //             × seconds per unit of the model's time (memory_model_seconds_per_unit: Σ_u flops_u / forward_share
 //               FLOPs at kGpuTrainFlopsPerS), the basis NeuroFlux's blocks are priced on too (partitioner.h).
 //
-// The levers: the micro-batch (any m in [1, B]), per-unit recompute, and the dataset resident on the GPU or streamed
-// from pinned host memory. The solver is exact over that space (up to a rounding that only errs towards fitting):
-// for every placement and micro-batch it finds the recompute set of least FLOPs whose peak fits, by dynamic
-// programming over the units in order with the bytes alive so far as the state, and returns the fastest plan.
+// The levers: the micro-batch (any m in [1, B]), each unit's saved activations (kept, stored in FP8 or recomputed),
+// and the dataset resident on the GPU or streamed from pinned host memory. The solver is exact over that space (up
+// to a rounding that only errs towards fitting): for every placement and micro-batch it finds the per-unit choice of
+// least time whose peak fits, by dynamic programming over the units in order with the bytes alive so far as the
+// state, and returns the fastest plan.
 #pragma once
 
 #include "triaccel/core/json.h"
@@ -44,7 +48,12 @@ struct UnitCost {
   double input_bytes = 0;   // the unit's input (kept instead when the unit is recomputed)
   double flops = 0;         // forward FLOPs (the recompute's price, relative to the other units)
   bool recomputable = true; // false: its forward is not repeatable (dropout, stochastic depth)
+  double fp8_bytes = 0;     // its saved activations stored in FP8 (0: not offered here, or nothing it saves would be)
+  double fp8_s = 0;         // the FP8 storage's price per sample, in per_sample_s's unit
 };
+
+// A unit's saved activations in a plan.
+enum class UnitStore { kKeep, kFp8, kRecompute };
 
 struct MemoryModel {
   std::vector<UnitCost> units;
@@ -74,6 +83,7 @@ struct MemoryPlan {
   int64_t micro_batch = 0;
   int64_t accumulation = 0;          // micro-batches per optimizer step
   std::vector<bool> recompute;       // per unit
+  std::vector<bool> fp8_saved;       // per unit: its saved activations stored in FP8 (never with recompute)
   DataPlacement data_placement = DataPlacement::kDevice;
   double predicted_peak_bytes = 0;
   double predicted_step_s = 0;
@@ -81,21 +91,28 @@ struct MemoryPlan {
   double floor_bytes = 0;            // the least peak any plan reaches (micro-batch 1, every unit recomputed, streamed)
 
   std::vector<std::string> recompute_names(const MemoryModel& model) const;
+  std::vector<std::string> fp8_saved_names(const MemoryModel& model) const;
   Json to_json(const MemoryModel& model) const;
   bool operator==(const MemoryPlan& o) const;
 };
 
-// The predicted peak and step time of one combination of levers.
+// The predicted peak and step time of one combination of levers (`fp8_saved` empty: nothing in FP8; a unit in
+// `recompute` is recomputed whatever its flag there).
 double memory_plan_peak(const MemoryModel& model, int64_t batch, int64_t micro_batch,
-                        const std::vector<bool>& recompute, DataPlacement placement);
+                        const std::vector<bool>& recompute, DataPlacement placement,
+                        const std::vector<bool>& fp8_saved = {});
 double memory_plan_step_s(const MemoryModel& model, int64_t batch, int64_t micro_batch,
-                          const std::vector<bool>& recompute, DataPlacement placement);
+                          const std::vector<bool>& recompute, DataPlacement placement,
+                          const std::vector<bool>& fp8_saved = {});
 
 // The seconds both methods' predictions are in (method auto compares them): a sample's forward + backward is its
 // forward FLOPs (Σ_u flops_u, 2 · parameters · output positions) over forward_share, run at kGpuTrainFlopsPerS, an
 // effective rate assumed for a GPU training in 16 bits (convolutions at small images: well below the peak). The
 // comparison depends on the ratio of the two predictions only, not on this rate.
 constexpr double kGpuTrainFlopsPerS = 1e14;
+// The rate memory-bound passes (FP8 storage's quantize and dequantize) are priced at, in the same seconds: about half
+// of an H200's HBM bandwidth, what its elementwise kernels reach (issue 59's timeline).
+constexpr double kGpuMemoryBytesPerS = 2.4e12;
 
 // The samples of one epoch (per process): the training steps' and the evaluation's.
 struct EpochSamples {
@@ -115,6 +132,7 @@ double memory_plan_epoch_s(const MemoryModel& model, const MemoryPlan& plan, con
 struct PlanConstraints {
   int64_t micro_batch = 0;           // > 0: only this micro-batch (at most the batch)
   std::vector<bool> recompute;       // non-empty: exactly this recompute set
+  std::vector<bool> fp8_saved;       // non-empty: these units in FP8 where offered and not recomputed, no others
   bool placement_fixed = false;      // true: only `placement`
   DataPlacement placement = DataPlacement::kDevice;
 };
