@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <torch/utils.h>
 
+#include <algorithm>
 #include <unordered_map>
 #include <vector>
 
@@ -109,7 +110,7 @@ struct SeenTensor {
 
 struct Fp8SavedStore::State {
   std::unordered_map<const c10::TensorImpl*, SeenTensor> seen;
-  int64_t stored_tensors = 0, stored_bytes = 0, original_bytes = 0, passed_tensors = 0;
+  int64_t stored_tensors = 0, stored_bytes = 0, original_bytes = 0, largest_original_bytes = 0, passed_tensors = 0;
 };
 
 namespace {
@@ -160,7 +161,9 @@ class Fp8SavedHooks final : public torch::autograd::SavedVariableHooks {
                    t._version(), stored_});
     ++store->stored_tensors;
     store->stored_bytes += stored_->blocks.data.numel() + 4 * stored_->blocks.scales.numel();
-    store->original_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+    const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+    store->original_bytes += bytes;
+    store->largest_original_bytes = std::max(store->largest_original_bytes, bytes);
   }
 
   at::Tensor call_unpack_hook() override {
@@ -197,6 +200,7 @@ Fp8SavedStore::~Fp8SavedStore() = default;
 int64_t Fp8SavedStore::stored_tensors() const { return state_->stored_tensors; }
 int64_t Fp8SavedStore::stored_bytes() const { return state_->stored_bytes; }
 int64_t Fp8SavedStore::original_bytes() const { return state_->original_bytes; }
+int64_t Fp8SavedStore::largest_original_bytes() const { return state_->largest_original_bytes; }
 int64_t Fp8SavedStore::passed_tensors() const { return state_->passed_tensors; }
 
 Fp8SavedScope::Fp8SavedScope(Fp8SavedStore& store) : previous_(tls_fp8_saved_store) {

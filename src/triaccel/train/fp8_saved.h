@@ -55,6 +55,7 @@ class Fp8SavedStore {
   int64_t stored_tensors() const;    // tensors quantized (each once)
   int64_t stored_bytes() const;      // their FP8 bytes and scales
   int64_t original_bytes() const;    // what they held at their own dtype
+  int64_t largest_original_bytes() const;  // the largest of them at its own dtype (what one unpack makes again)
   int64_t passed_tensors() const;    // saved tensors left as they were (leaves, casts of leaves, small, not floating)
 
   struct State;

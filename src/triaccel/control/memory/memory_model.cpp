@@ -167,10 +167,13 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
                        at::allclose(again.to(at::kFloat), out_large.to(at::kFloat), 1e-3, 1e-3);
     }
     if (fp8) {
-      // The same forward with what it saves stored in FP8: on CUDA the allocator's growth again, elsewhere the saved
-      // bytes less what the store took in, plus what it keeps. The price: a quantize pass (read the tensor, write its
-      // bytes) and a dequantize pass (the reverse), memory-bound; in seconds here, in the model's unit below.
-      const auto stored = [&](const at::Tensor& x, double* original, double* kept) {
+      // The same forward with what it saves stored in FP8: on CUDA the allocator's growth again (the unit's output
+      // counted at its own dtype, as the kept trace counts it: alive until the next unit has run, which in the step
+      // frees it only when that unit stores it in FP8 too — an over-count, never an under-count), elsewhere the saved
+      // bytes less what the store took in, plus what it keeps. Backward dequantizes one stored tensor at a time: the
+      // largest is made again beside the unit's bytes. The price: a quantize pass (read the tensor, write its bytes)
+      // and a dequantize pass (the reverse), memory-bound; in seconds here, in the model's unit below.
+      const auto stored = [&](const at::Tensor& x, double* original, double* kept, double* largest) {
         Fp8SavedStore store;
         std::vector<double> tensors;
         double graph = 0;
@@ -180,17 +183,20 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
         }
         *original = static_cast<double>(store.original_bytes());
         *kept = static_cast<double>(store.stored_bytes());
+        *largest = static_cast<double>(store.largest_original_bytes());
         return graph;
       };
-      double original_small = 0, kept_small = 0, original_large = 0, kept_large = 0;
-      const double fp8_small = stored(small, &original_small, &kept_small);
-      const double fp8_large = stored(large, &original_large, &kept_large);
+      double original_small = 0, kept_small = 0, largest_small = 0, original_large = 0, kept_large = 0,
+             largest_large = 0;
+      const double fp8_small = stored(small, &original_small, &kept_small, &largest_small);
+      const double fp8_large = stored(large, &original_large, &kept_large, &largest_large);
       const double per = static_cast<double>(kTraceLarge - kTraceSmall);
       const double original = (original_large - original_small) / per, kept = (kept_large - kept_small) / per;
       const double bytes = device.is_cuda() ? (fp8_large - fp8_small) / per : c.saved_bytes - original + kept;
       if (kept > 0 && bytes > 0) {
         c.fp8_bytes = bytes;
         c.fp8_s = 2 * (original + kept) / kGpuMemoryBytesPerS;
+        c.fp8_unpack_bytes = largest_large / static_cast<double>(kTraceLarge);
       }
     }
     m.units.push_back(c);
@@ -222,6 +228,7 @@ void memory_model_agree(MemoryModel& model,
     fields.push_back(&u.flops);
     fields.push_back(&u.fp8_bytes);
     fields.push_back(&u.fp8_s);
+    fields.push_back(&u.fp8_unpack_bytes);
   }
   std::vector<double> values;
   for (const double* f : fields) values.push_back(*f);

@@ -80,13 +80,15 @@ void stores_split(const std::vector<UnitStore>& stores, std::vector<bool>* recom
 
 // Activation bytes per sample of the micro-batch, before the scale. Backward runs the units in reverse: when it
 // starts, every unit's alive bytes are; when it reaches a recomputed unit u, the units after u are freed and u's
-// activations are alive again beside everything before u.
+// activations are alive again beside everything before u; at a unit stored in FP8, its largest tensor is made again
+// beside everything up to it.
 double activation_bytes(const MemoryModel& model, const std::vector<UnitStore>& stores) {
   double prefix = 0, peak = 0;
   for (size_t u = 0; u < model.units.size(); ++u) {
     const UnitCost& c = model.units[u];
     if (stores[u] == UnitStore::kRecompute) peak = std::max(peak, prefix + c.input_bytes + c.saved_bytes);
     prefix += alive_bytes(c, stores[u]);
+    if (stores[u] == UnitStore::kFp8) peak = std::max(peak, prefix + c.fp8_unpack_bytes);
   }
   return std::max(peak, prefix) + model.transient_bytes;
 }
@@ -139,7 +141,9 @@ bool store_search(const MemoryModel& model, const std::vector<StoreMask>& masks,
     for (UnitStore s : kChoices) {
       if (!(masks[u] & bit(s))) continue;
       const int adds = buckets(alive_bytes(c, s));
-      const int during = s == UnitStore::kRecompute ? buckets(c.input_bytes + c.saved_bytes) : adds;
+      const int during = s == UnitStore::kRecompute ? buckets(c.input_bytes + c.saved_bytes)
+                         : s == UnitStore::kFp8     ? buckets(c.fp8_bytes + c.fp8_unpack_bytes)
+                                                    : adds;
       const double price = store_cost(model, flops, c, s);
       for (int b = 0; b <= kBuckets; ++b) {
         if (!std::isfinite(cost[u][b]) || b + adds > kBuckets || b + during > kBuckets) continue;

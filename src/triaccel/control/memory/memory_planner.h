@@ -7,12 +7,14 @@
 //                         + data(placement) + the step's input buffers (B samples)
 //                         + m · scale · (activations(R) + transient)
 //   activations(R, F) = max( Σ_v alive_v,                                    backward's start
-//                            max_{u∈R} [ Σ_{v<u} alive_v + input_u + saved_u ] )   a recomputed unit's backward
+//                            max_{u∈R} [ Σ_{v<u} alive_v + input_u + saved_u ],    a recomputed unit's backward
+//                            max_{u∈F∖R} [ Σ_{v≤u} alive_v + unpack_u ] )          an FP8 unit's backward
 // with B the requested batch, m the micro-batch (B = accumulation steps × m, the last micro-batch shorter when m does
 // not divide B), R the recomputed units, F the units whose saved activations are stored in FP8 (train/fp8_saved.h),
 // saved_u the activations unit u keeps for backward per sample, fp8_u the same stored in FP8, input_u its input (what
 // a recomputed unit keeps instead), alive_v what unit v holds (input_v when recomputed, else fp8_v when in F, else
-// saved_v): backward frees the units after u before it recomputes u. `scale` is the correction learned from the
+// saved_v), unpack_u the largest tensor unit u stored in FP8 at its own dtype (backward dequantizes one at a time):
+// backward frees the units after u before it recomputes u. `scale` is the correction learned from the
 // allocator's readings (1 until measured).
 //   step_s(m, R, F, placement) = k · overhead_s + B · (per_sample_s · (1 + recompute_share) + Σ_{u∈F∖R} fp8_s_u)
 //                                + stream cost
@@ -50,6 +52,7 @@ struct UnitCost {
   bool recomputable = true; // false: its forward is not repeatable (dropout, stochastic depth)
   double fp8_bytes = 0;     // its saved activations stored in FP8 (0: not offered here, or nothing it saves would be)
   double fp8_s = 0;         // the FP8 storage's price per sample, in per_sample_s's unit
+  double fp8_unpack_bytes = 0;  // its largest stored tensor at its own dtype: made again when backward reads it
 };
 
 // A unit's saved activations in a plan.
@@ -110,9 +113,11 @@ double memory_plan_step_s(const MemoryModel& model, int64_t batch, int64_t micro
 // effective rate assumed for a GPU training in 16 bits (convolutions at small images: well below the peak). The
 // comparison depends on the ratio of the two predictions only, not on this rate.
 constexpr double kGpuTrainFlopsPerS = 1e14;
-// The rate memory-bound passes (FP8 storage's quantize and dequantize) are priced at, in the same seconds: about half
-// of an H200's HBM bandwidth, what its elementwise kernels reach (issue 59's timeline).
-constexpr double kGpuMemoryBytesPerS = 2.4e12;
+// The rate FP8 storage's quantize and dequantize passes are priced at, in the same seconds: the bytes they read and
+// write (2 · (the stored tensors at their dtype + their FP8 bytes and scales)) over the step time they added when
+// measured on an H200, ResNet-18 b96 with every unit stored so (docs/results/memory-planner.md): far below the
+// HBM's 4.8 TB/s (the passes, their allocations and a dequantize per node that reads a tensor).
+constexpr double kGpuMemoryBytesPerS = 0.85e12;
 
 // The samples of one epoch (per process): the training steps' and the evaluation's.
 struct EpochSamples {
