@@ -7,6 +7,7 @@
 #include "test_util.h"
 #include "triaccel/api/api.h"
 #include "triaccel/control/memory/memory_model.h"
+#include "triaccel/control/memory/memory_plan_controller.h"
 #include "triaccel/control/memory/memory_planner.h"
 #include "triaccel/core/events.h"
 #include "triaccel/models/model.h"
@@ -25,6 +26,7 @@ namespace triaccel {
 namespace {
 
 using memory_test::made_up;
+using memory_test::UnitRig;
 
 // Every micro-batch, placement and per-unit choice (kept, in FP8 where offered, recomputed where allowed): the least
 // step time among those that fit.
@@ -188,6 +190,38 @@ TEST(Fp8SavedPlanTest, TheOptionsFixedChoicesHold) {
   const MemoryPlan auto_floor = memory_plan_solve(m, batch, 1);
   const MemoryPlan keep_floor = memory_plan_solve(m, batch, 1, keep);
   EXPECT_LT(auto_floor.floor_bytes, keep_floor.floor_bytes);
+}
+
+// An out-of-memory error on a plan the planner gave FP8 storage (the lever's memory is the model's least sure term):
+// the run plans without FP8 from then on, the scale kept, and the step stores nothing in FP8; the next error raises
+// the scale as before. With saved_activations fixed by the user the lever stays.
+TEST(Fp8SavedPlanTest, AnOutOfMemoryOnAnFp8PlanLeavesTheLever) {
+  UnitRig rig(false, StepOptions{}, torch::kCPU);
+  MemoryModel m = made_up({100, 40, 40}, {20, 20, 20}, {10, 10, 10});
+  m.dataset_bytes = 0;
+  m.allow_host_data = false;
+  m.units[0].fp8_bytes = 50;
+  m.units[0].fp8_s = 0.02;
+  MemoryPlanLimits limits;
+  limits.batch = 16;
+  limits.budget_bytes = 382 + 16 * 140;
+  const auto same = [m](const std::vector<Precision>&) { return m; };
+  MemoryPlanController c(m, memory_plan_solve(m, 16, limits.budget_bytes), limits, rig.step, same);
+  ASSERT_EQ(c.plan().fp8_saved, (std::vector<bool>{true, false, false}));
+  EXPECT_EQ(rig.step.fp8_saved(), (std::vector<bool>{true, false, false}));
+  const Event off = c.on_out_of_memory();
+  EXPECT_EQ(off.fields["reason"], "oom_fp8_off");
+  EXPECT_DOUBLE_EQ(c.model().activation_scale, 1);
+  EXPECT_EQ(c.plan().fp8_saved, (std::vector<bool>{false, false, false}));
+  EXPECT_EQ(c.plan().recompute, (std::vector<bool>{true, false, false}));
+  EXPECT_TRUE(rig.step.fp8_saved().empty());
+  EXPECT_EQ(c.on_out_of_memory().fields["reason"], "oom");
+  EXPECT_DOUBLE_EQ(c.model().activation_scale, kOomScaleStep);
+  limits.constraints.fp8_saved.assign(3, true);  // saved_activations fp8
+  MemoryPlanController fixed(m, memory_plan_solve(m, 16, limits.budget_bytes, limits.constraints), limits, rig.step,
+                             same);
+  EXPECT_EQ(fixed.on_out_of_memory().fields["reason"], "oom");
+  EXPECT_EQ(fixed.plan().fp8_saved[0], true);
 }
 
 // Linear(256 → 4096) then tanh, fp32. Under an FP8 store its input and weight are leaves (left as they are) and the

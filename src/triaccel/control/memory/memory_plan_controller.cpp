@@ -144,6 +144,11 @@ bool MemoryPlanController::capture_oom_handle(Events& events) {
     events.push_back({event::kMemoryPlan, plan_fields("capture_oom_undone")});
     return true;  // a failed capture's peak is no calibration reading
   }
+  if (fp8_give_up()) {
+    step_.graph_allow();
+    events.push_back({event::kMemoryPlan, plan_fields("capture_oom_fp8_off")});
+    return false;
+  }
   // A capture that ran out of memory: the plan may fill less of the budget; the step captures again. When the
   // smaller share leaves no plan, the graph is given up instead: eager steps at the current share.
   if (limits_.cap_bytes > 0) {  // a disabled graph captures no more
@@ -298,7 +303,16 @@ bool MemoryPlanController::calibrate(const MemoryPlan& ran, double measured) {
   return oom_floored;
 }
 
+bool MemoryPlanController::fp8_give_up() {
+  const bool any = std::find(plan_.fp8_saved.begin(), plan_.fp8_saved.end(), true) != plan_.fp8_saved.end();
+  if (!any || !limits_.constraints.fp8_saved.empty()) return false;  // none, or the user's saved_activations
+  limits_.constraints.fp8_saved.assign(model_.units.size(), false);
+  replan();
+  return true;
+}
+
 Event MemoryPlanController::on_out_of_memory() {
+  if (fp8_give_up()) return {event::kMemoryPlan, plan_fields("oom_fp8_off")};
   model_.activation_scale *= kOomScaleStep;
   limit_scale_ *= kOomScaleStep;
   oom_scale_ = model_.activation_scale;

@@ -1,5 +1,6 @@
 // The memory planner in the training loop (docs/memory-planner.md): holds the run's cost model and plan, applies the
-// plan's levers to the step engine (micro-batch, recompute; the data placement is the loaders', fixed at the start),
+// plan's levers to the step engine (micro-batch, recompute, FP8 storage; the data placement is the loaders', fixed at
+// the start),
 // and plans again when the model changes:
 //   - calibration: after each of the first steps that allocate (eager warm-up, the capture; not a session's first
 //     step, whose optimizer state appears only at its end) the allocator's peak is one reading; a line through the
@@ -7,7 +8,8 @@
 //   - Tri-Accel's precision decisions: units promoted to fp32 keep bigger activations (the model is rebuilt for
 //     the new precisions and the plan recomputed);
 //   - out of memory: a planning error. The scale grows by kOomScaleStep, the plan is recomputed, and the trainer
-//     retries the same samples at the same batch;
+//     retries the same samples at the same batch; on a plan that stores units in FP8, FP8 storage is left instead
+//     (fp8_give_up), the scale kept, and so after a capture that ran out of memory;
 //   - a CUDA-graph capture that ran out of memory (the graph's private pool beside the live tensors: the allocator
 //     reserves more than it allocates): the share of the budget a plan may fill shrinks by kCaptureShareStep, the
 //     plan is recomputed and the step captured again — a budget that fits must not leave the step eager. When the
@@ -129,6 +131,11 @@ class MemoryPlanController final : public StepController {
   };
   StepReading step_reading(const StepContext& ctx);
   bool capture_oom_handle(Events& events);
+  // An out-of-memory error (of a step or of a capture) on a plan that stores units in FP8 the planner chose: the
+  // lever's memory is the cost model's least sure term (its passes' allocations beside the kept tensors, the graph
+  // pool's blocks), so the run plans without it from then on, the scale kept. False when the plan had none or the
+  // user fixed saved_activations.
+  bool fp8_give_up();
   void calibrated_reading(const MemoryPlan& ran, double measured, Events& events);
   void calibration_reading(const MemoryPlan& ran, double measured, Events& events);
   // The model traced for these precisions with the corrections measured so far (activation scale, fixed offset).
