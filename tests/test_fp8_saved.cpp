@@ -215,14 +215,19 @@ TEST(Fp8SavedFormatTest, TheCudaKernelsWriteTheReferencesBytesAndValues) {
         x[n - 1] = 0;
       }
       const Fp8Blocks ref = fp8_block_quantize_reference(x);
-      const Fp8Blocks dev = fp8_block_quantize(x.cuda());
-      EXPECT_TRUE(torch::equal(dev.data.cpu(), ref.data)) << dtype << " n " << n;
-      EXPECT_TRUE(torch::equal(dev.scales.cpu(), ref.scales)) << dtype << " n " << n;
-      at::Tensor back_ref = at::empty_like(x), back_dev = at::empty_like(x.cuda());
+      at::Tensor back_ref = at::empty_like(x);
       fp8_block_dequantize_reference_into(ref, back_ref);
-      fp8_block_dequantize_into(dev, back_dev);
-      EXPECT_TRUE(torch::equal(back_dev.cpu().view(-1).nan_to_num(0), back_ref.view(-1).nan_to_num(0)))
-          << dtype << " n " << n;
+      // Aligned (the kernels' vector loads and stores, the tail one at a time) and one element off (one at a time).
+      for (const bool shifted : {false, true}) {
+        const at::Tensor on_gpu = shifted ? at::cat({x.slice(0, 0, 1), x}).cuda().narrow(0, 1, n) : x.cuda();
+        const Fp8Blocks dev = fp8_block_quantize(on_gpu);
+        EXPECT_TRUE(torch::equal(dev.data.cpu(), ref.data)) << dtype << " n " << n << " shifted " << shifted;
+        EXPECT_TRUE(torch::equal(dev.scales.cpu(), ref.scales)) << dtype << " n " << n << " shifted " << shifted;
+        at::Tensor back_dev = shifted ? at::empty({n + 1}, on_gpu.options()).narrow(0, 1, n) : at::empty_like(on_gpu);
+        fp8_block_dequantize_into(dev, back_dev);
+        EXPECT_TRUE(torch::equal(back_dev.cpu().view(-1).nan_to_num(0), back_ref.view(-1).nan_to_num(0)))
+            << dtype << " n " << n << " shifted " << shifted;
+      }
     }
   }
 }
