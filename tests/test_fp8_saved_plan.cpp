@@ -193,8 +193,7 @@ TEST(Fp8SavedPlanTest, TheOptionsFixedChoicesHold) {
 }
 
 // An out-of-memory error on a plan the planner gave FP8 storage (the lever's memory is the model's least sure term):
-// the run plans without FP8 from then on, the scale kept, and the step stores nothing in FP8; the next error raises
-// the scale as before. With saved_activations fixed by the user the lever stays.
+// the run plans without FP8 from then on, and the step stores nothing in FP8. With saved_activations fixed by the user the lever stays.
 TEST(Fp8SavedPlanTest, AnOutOfMemoryOnAnFp8PlanLeavesTheLever) {
   UnitRig rig(false, StepOptions{}, torch::kCPU);
   MemoryModel m = made_up({100, 40, 40}, {20, 20, 20}, {10, 10, 10});
@@ -209,14 +208,21 @@ TEST(Fp8SavedPlanTest, AnOutOfMemoryOnAnFp8PlanLeavesTheLever) {
   MemoryPlanController c(m, memory_plan_solve(m, 16, limits.budget_bytes), limits, rig.step, same);
   ASSERT_EQ(c.plan().fp8_saved, (std::vector<bool>{true, false, false}));
   EXPECT_EQ(rig.step.fp8_saved(), (std::vector<bool>{true, false, false}));
+  // The scale steps up as after any error (the same error at the same scale hit the plan without FP8 on the H200),
+  // and no plan stores anything in FP8 again: at 1.25 micro-batches of 8; back at scale 1 (a checkpoint's), u0 is
+  // recomputed where the first plan stored it in FP8.
   const Event off = c.on_out_of_memory();
   EXPECT_EQ(off.fields["reason"], "oom_fp8_off");
-  EXPECT_DOUBLE_EQ(c.model().activation_scale, 1);
+  EXPECT_DOUBLE_EQ(c.model().activation_scale, kOomScaleStep);
   EXPECT_EQ(c.plan().fp8_saved, (std::vector<bool>{false, false, false}));
-  EXPECT_EQ(c.plan().recompute, (std::vector<bool>{true, false, false}));
+  EXPECT_EQ(c.plan().micro_batch, 8);
   EXPECT_TRUE(rig.step.fp8_saved().empty());
   EXPECT_EQ(c.on_out_of_memory().fields["reason"], "oom");
-  EXPECT_DOUBLE_EQ(c.model().activation_scale, kOomScaleStep);
+  EXPECT_DOUBLE_EQ(c.model().activation_scale, kOomScaleStep * kOomScaleStep);
+  c.restore(Json{{"activation_scale", 1.0}});
+  EXPECT_EQ(c.plan().micro_batch, 16);
+  EXPECT_EQ(c.plan().recompute, (std::vector<bool>{true, false, false}));
+  EXPECT_EQ(c.plan().fp8_saved, (std::vector<bool>{false, false, false}));
   limits.constraints.fp8_saved.assign(3, true);  // saved_activations fp8
   MemoryPlanController fixed(m, memory_plan_solve(m, 16, limits.budget_bytes, limits.constraints), limits, rig.step,
                              same);

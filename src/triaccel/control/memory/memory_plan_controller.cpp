@@ -145,6 +145,7 @@ bool MemoryPlanController::capture_oom_handle(Events& events) {
     return true;  // a failed capture's peak is no calibration reading
   }
   if (fp8_give_up()) {
+    replan();
     step_.graph_allow();
     events.push_back({event::kMemoryPlan, plan_fields("capture_oom_fp8_off")});
     return false;
@@ -307,17 +308,16 @@ bool MemoryPlanController::fp8_give_up() {
   const bool any = std::find(plan_.fp8_saved.begin(), plan_.fp8_saved.end(), true) != plan_.fp8_saved.end();
   if (!any || !limits_.constraints.fp8_saved.empty()) return false;  // none, or the user's saved_activations
   limits_.constraints.fp8_saved.assign(model_.units.size(), false);
-  replan();
   return true;
 }
 
 Event MemoryPlanController::on_out_of_memory() {
-  if (fp8_give_up()) return {event::kMemoryPlan, plan_fields("oom_fp8_off")};
+  const bool fp8_off = fp8_give_up();
   model_.activation_scale *= kOomScaleStep;
   limit_scale_ *= kOomScaleStep;
   oom_scale_ = model_.activation_scale;
   replan();
-  return {event::kMemoryPlan, plan_fields("oom")};
+  return {event::kMemoryPlan, plan_fields(fp8_off ? "oom_fp8_off" : "oom")};
 }
 
 Json MemoryPlanController::state() const {

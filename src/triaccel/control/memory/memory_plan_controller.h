@@ -8,8 +8,8 @@
 //   - Tri-Accel's precision decisions: units promoted to fp32 keep bigger activations (the model is rebuilt for
 //     the new precisions and the plan recomputed);
 //   - out of memory: a planning error. The scale grows by kOomScaleStep, the plan is recomputed, and the trainer
-//     retries the same samples at the same batch; on a plan that stores units in FP8, FP8 storage is left instead
-//     (fp8_give_up), the scale kept, and so after a capture that ran out of memory;
+//     retries the same samples at the same batch; on a plan that stores units in FP8, FP8 storage is left as well
+//     (fp8_give_up), and instead of the share's step after a capture that ran out of memory;
 //   - a CUDA-graph capture that ran out of memory (the graph's private pool beside the live tensors: the allocator
 //     reserves more than it allocates): the share of the budget a plan may fill shrinks by kCaptureShareStep, the
 //     plan is recomputed and the step captured again — a budget that fits must not leave the step eager. When the
@@ -133,8 +133,9 @@ class MemoryPlanController final : public StepController {
   bool capture_oom_handle(Events& events);
   // An out-of-memory error (of a step or of a capture) on a plan that stores units in FP8 the planner chose: the
   // lever's memory is the cost model's least sure term (its passes' allocations beside the kept tensors, the graph
-  // pool's blocks), so the run plans without it from then on, the scale kept. False when the plan had none or the
-  // user fixed saved_activations.
+  // pool's blocks), so the run plans without it from then on (the constraint set; the caller plans again, a step's
+  // error with the scale raised as for any other). False when the plan had none or the user fixed
+  // saved_activations.
   bool fp8_give_up();
   void calibrated_reading(const MemoryPlan& ran, double measured, Events& events);
   void calibration_reading(const MemoryPlan& ran, double measured, Events& events);
