@@ -96,8 +96,10 @@ struct EnumNames<PlacementChoice> {
       {PlacementChoice::kAuto, "auto"}, {PlacementChoice::kDevice, "device"}, {PlacementChoice::kHost, "host"}};
 };
 
-// The `saved_activations` option: how the units' activations saved for backward are held (auto: the memory
-// planner's choice under a vram_budget, kept without one; fp8: every unit's stored in FP8 where it is not recomputed).
+// The `saved_activations` option: how the units' activations saved for backward are held (keep: as computed; auto:
+// the memory planner's choice under a vram_budget, kept without one; fp8: every unit's stored in FP8 where it is not
+// recomputed). keep by default: on ResNet-18 b96 under 0.25-0.3 GB the planner's FP8 plans gained nothing and their
+// out-of-memory trials cost (bench/results/h200/fp8_saved_plan_10b67e9).
 enum class SavedActivations { kAuto, kKeep, kFp8 };
 template <>
 struct EnumNames<SavedActivations> {
@@ -207,7 +209,7 @@ struct ExecutionConfig {
   int64_t micro_batch = 0;       // 0: the planner's (the whole batch without a budget)
   std::string recompute = "auto";  // auto: the planner's; none; or unit names, comma-separated
   PlacementChoice data_placement = PlacementChoice::kAuto;
-  SavedActivations saved_activations = SavedActivations::kAuto;
+  SavedActivations saved_activations = SavedActivations::kKeep;
   BatchPolicy batch_policy = BatchPolicy::kFixed;
   Toggle cudnn_autotune = Toggle::kAuto;
   int64_t eval_batch_size = 1000;
@@ -468,7 +470,8 @@ void ExecutionConfig::fields(S& s, V&& v) {
                                    "the activations backward reads: keep (as computed), fp8 (stored in block-scaled "
                                    "FP8 where not recomputed: about half their 16-bit bytes, a quantize and a "
                                    "dequantize pass; C++ runs only), auto (the memory planner stores a unit's in FP8 "
-                                   "under a vram_budget where that is the fastest way to fit; kept without one)"});
+                                   "under a vram_budget where its price says that is the fastest way to fit; kept "
+                                   "without one)"});
   v(s.batch_policy, FieldInfo{"batch_policy",
                               "under a vram_budget: fixed (the batch as asked, split into micro-batches to fit) or "
                               "elastic (tri-accel: the paper's rule changes the batch and the lr follows)"});

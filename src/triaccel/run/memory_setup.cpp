@@ -140,7 +140,7 @@ std::string memory_levers_given(const Config& config) {
   if (ex.data_placement != PlacementChoice::kAuto) {
     given.push_back(str_cat(option_ref("data_placement"), " ", enum_name(ex.data_placement)));
   }
-  if (ex.saved_activations != SavedActivations::kAuto) {
+  if (ex.saved_activations == SavedActivations::kFp8) {  // (auto is the planner's; keep, the default, plans nothing)
     given.push_back(str_cat(option_ref("saved_activations"), " ", enum_name(ex.saved_activations)));
   }
   if (given.empty()) return "";
