@@ -73,6 +73,29 @@ inline MemoryModel made_up(const std::vector<double>& saved, const std::vector<d
   return m;
 }
 
+// The least step time over every plan that fits `budget` (any: whether one does), by enumeration.
+using BruteForce = std::function<double(const MemoryModel&, int64_t batch, double budget, bool* any)>;
+
+// The solver's plan at `budget` against a brute force: feasible when a plan fits 0.99 of the budget (the rounding
+// only errs towards fitting), infeasible when none fits; within the budget, no faster than the best that fits and no
+// slower than the best at 0.99 of it; its predicted peak the exact model's. The plan when feasible.
+inline std::optional<MemoryPlan> expect_fastest(const MemoryModel& m, int64_t batch, double budget,
+                                                const BruteForce& brute) {
+  bool any = false, any_tighter = false;
+  const double best = brute(m, batch, budget, &any);
+  const double best_tighter = brute(m, batch, 0.99 * budget, &any_tighter);
+  const MemoryPlan plan = memory_plan_solve(m, batch, static_cast<int64_t>(budget));
+  if (any_tighter) EXPECT_TRUE(plan.feasible);
+  if (!any) EXPECT_FALSE(plan.feasible);
+  if (!plan.feasible) return std::nullopt;
+  EXPECT_LE(plan.predicted_peak_bytes, budget);
+  EXPECT_GE(plan.predicted_step_s, best * (1 - 1e-12));
+  if (any_tighter) EXPECT_LE(plan.predicted_step_s, best_tighter * (1 + 1e-12));
+  EXPECT_DOUBLE_EQ(plan.predicted_peak_bytes, memory_plan_peak(m, batch, plan.micro_batch, plan.recompute,
+                                                               plan.data_placement, plan.fp8_saved));
+  return plan;
+}
+
 // A network of Linear (+ optional BatchNorm) units for the step-engine tests.
 class UnitNet : public Model {
  public:
