@@ -14,6 +14,7 @@
 #include "triaccel/core/errors.h"
 
 #include <CLI/CLI.hpp>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -90,15 +91,18 @@ void plan_print(const Json& plan, bool json) {
       std::printf("memory: no plan fits; the floor is %lld bytes\n",
                   static_cast<long long>(m["floor_bytes"].get<int64_t>()));
     } else {
+      // Without a budget (levers given by hand) there is no limit to name.
+      const bool budgeted = m.contains("budget_bytes") && m["budget_bytes"].is_number();
+      const std::string limit =
+          budgeted ? c10::str(" of ", m["plan_limit_bytes"].get<int64_t>(), " planned (budget ",
+                              m["budget_bytes"].get<int64_t>(), ", floor ", m["floor_bytes"].get<int64_t>(), ")")
+                   : c10::str(" (no budget; floor ", m["floor_bytes"].get<int64_t>(), ")");
       std::printf("memory: micro-batch %lld x %lld, data on the %s, recompute: %s, in FP8: %s; predicted peak %lld "
-                  "bytes of %lld planned (budget %lld, floor %lld)\n",
+                  "bytes%s\n",
                   static_cast<long long>(m["micro_batch"].get<int64_t>()),
                   static_cast<long long>(m["accumulation"].get<int64_t>()),
                   m["data_placement"].get<std::string>().c_str(), recompute.c_str(), fp8.c_str(),
-                  static_cast<long long>(m["predicted_peak_bytes"].get<int64_t>()),
-                  static_cast<long long>(m["plan_limit_bytes"].get<int64_t>()),
-                  static_cast<long long>(m.value("budget_bytes", int64_t{0})),
-                  static_cast<long long>(m["floor_bytes"].get<int64_t>()));
+                  static_cast<long long>(m["predicted_peak_bytes"].get<int64_t>()), limit.c_str());
     }
   }
   if (!plan.contains("optim_plan")) return;

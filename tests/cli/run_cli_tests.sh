@@ -181,6 +181,8 @@ assert all({"unit", "format", "bytes", "risk"} <= set(u) for u in p["units"])
 # The memory plan: `plan --vram-budget` on the CPU plans for a GPU from the modelled profile; a tight budget makes it
 # split the batch or recompute; a budget under the floor is reported with the floor, and `train` refuses it.
 expect memory_plan_text 0 "memory: micro-batch" -- plan "${TINY[@]}" --vram-budget 1GB --out "$WORK/pm0"
+expect saved_fp8_plan_text 0 "in FP8: block1, block2, block3" -- plan "${TINY[@]}" --saved-activations fp8 --out "$WORK/pm_fp8"
+expect bad_saved_activations 2 "--saved-activations must be auto, keep or fp8, got 'half'" -- train "${TINY[@]}" --saved-activations half
 if "$CLI" plan "${TINY[@]}" --vram-budget 1GB --json --out "$WORK/pm1" 2>/dev/null | python3 -c '
 import json, sys
 p = json.loads(sys.stdin.read())

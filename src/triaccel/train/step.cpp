@@ -242,21 +242,21 @@ at::Tensor TrainStep::forward(const at::Tensor& images) {
   // An FP8-stored unit runs under the scope of one store for the whole forward, so a tensor two units save (one's
   // output, the next's input) is stored once.
   at::Tensor x = images;
-  Fp8SavedStore fp8_store;
+  std::optional<Fp8SavedStore> fp8_store;
+  if (!fp8_saved_.empty()) fp8_store.emplace();
   for (size_t u = 0; u < model_.units().size(); ++u) {
     const auto forward = [this, u](const at::Tensor& in) { return unit_forward(u, in); };
     const bool recomputed = !recompute_.empty() && recompute_[u];
     if (recomputed) {
       x = recompute_forward(forward, x, unit_params_[u], unit_buffers_[u]);
     } else if (!fp8_saved_.empty() && fp8_saved_[u]) {
-      const Fp8SavedScope scope(fp8_store);
+      const Fp8SavedScope scope(*fp8_store);
       x = forward(x);
     } else {
       x = forward(x);
     }
   }
-  fp8_saved_last_tensors_ = fp8_store.stored_tensors();
-  fp8_saved_last_bytes_ = fp8_store.stored_bytes();
+  fp8_saved_last_tensors_ = fp8_store ? fp8_store->stored_tensors() : 0;
   return x;
 }
 

@@ -133,12 +133,11 @@ class TrainStep {
   void set_recompute(const std::vector<bool>& recompute);
   const std::vector<bool>& recompute() const { return recompute_; }
   // The units whose saved activations are kept in FP8 (train/fp8_saved.h; empty: none; a unit also recomputed is
-  // recomputed). Needs fp8_saved_available() when any is set. A change drops the captured graph. The last forward's
-  // FP8 store: tensors stored and their bytes (0 when no unit was stored so).
+  // recomputed). Needs fp8_saved_available() when any is set. A change drops the captured graph. The tensors the last
+  // forward stored so (0 when no unit was).
   void set_fp8_saved(const std::vector<bool>& fp8_saved);
   const std::vector<bool>& fp8_saved() const { return fp8_saved_; }
   int64_t fp8_saved_last_tensors() const { return fp8_saved_last_tensors_; }
-  int64_t fp8_saved_last_bytes() const { return fp8_saved_last_bytes_; }
   // Drops the captured graph, e.g. after the optimizer's per-tensor lr scales changed.
   void invalidate_graph();
   // The batch size whose step is captured (Tri-Accel's elastic batch changes it). A new size drops the old graph —
@@ -193,7 +192,7 @@ class TrainStep {
   std::vector<Precision> unit_precisions_;
   std::vector<bool> recompute_;
   std::vector<bool> fp8_saved_;
-  int64_t fp8_saved_last_tensors_ = 0, fp8_saved_last_bytes_ = 0;
+  int64_t fp8_saved_last_tensors_ = 0;
   std::vector<std::vector<at::Tensor>> unit_params_, unit_buffers_;  // per unit, for recompute
   bool grad_stats_enabled_ = false;
   GradStatsLayout grad_stats_layout_;
