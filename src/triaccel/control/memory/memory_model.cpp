@@ -12,6 +12,7 @@
 #include <torch/utils.h>
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 #include <optional>
 
@@ -78,6 +79,42 @@ double measured_activation_scale(Model& model, const at::Tensor& sample, const M
     return std::clamp(slope / modelled, kMeasuredScaleMin, kMeasuredScaleMax);
   } catch (const c10::OutOfMemoryError&) {
     return 1;
+  }
+}
+
+// A unit's forward at one batch, the bytes it leaves allocated (on CUDA; elsewhere its autograd graph's).
+using UnitRun = std::function<double(const at::Tensor& x)>;
+
+// The same forward with what it saves stored in FP8 (UnitCost::fp8_bytes, fp8_s in seconds, fp8_unpack_bytes): on
+// CUDA the allocator's growth again (the unit's output counted at its own dtype, as the kept trace counts it: alive
+// until the next unit has run, which in the step frees it only when that unit stores it in FP8 too — an over-count,
+// never an under-count), elsewhere the saved bytes less what the store took in, plus what it keeps. Backward
+// dequantizes one stored tensor at a time: the largest is made again beside the unit's bytes. The price: a quantize
+// pass (read the tensor, write its bytes) and a dequantize pass (the reverse), memory-bound; in seconds here, in the
+// model's unit once every unit is traced. Not offered (fp8_bytes 0) when the store keeps nothing.
+void fp8_saved_trace(const UnitRun& run, const at::Tensor& small, const at::Tensor& large, bool allocator,
+                     UnitCost* c) {
+  struct Reading {
+    double graph, original, kept, largest;
+  };
+  const auto stored = [&run](const at::Tensor& x) {
+    Fp8SavedStore store;
+    double graph = 0;
+    {
+      const Fp8SavedScope scope(store);
+      graph = run(x);
+    }
+    return Reading{graph, static_cast<double>(store.original_bytes()), static_cast<double>(store.stored_bytes()),
+                   static_cast<double>(store.largest_original_bytes())};
+  };
+  const Reading a = stored(small), b = stored(large);
+  const double per = static_cast<double>(kTraceLarge - kTraceSmall);
+  const double original = (b.original - a.original) / per, kept = (b.kept - a.kept) / per;
+  const double bytes = allocator ? (b.graph - a.graph) / per : c->saved_bytes - original + kept;
+  if (kept > 0 && bytes > 0) {
+    c->fp8_bytes = bytes;
+    c->fp8_s = 2 * (original + kept) / kGpuMemoryBytesPerS;
+    c->fp8_unpack_bytes = b.largest / static_cast<double>(kTraceLarge);
   }
 }
 
@@ -166,39 +203,8 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
       c.recomputable = again.sizes() == out_large.sizes() &&
                        at::allclose(again.to(at::kFloat), out_large.to(at::kFloat), 1e-3, 1e-3);
     }
-    if (fp8) {
-      // The same forward with what it saves stored in FP8: on CUDA the allocator's growth again (the unit's output
-      // counted at its own dtype, as the kept trace counts it: alive until the next unit has run, which in the step
-      // frees it only when that unit stores it in FP8 too — an over-count, never an under-count), elsewhere the saved
-      // bytes less what the store took in, plus what it keeps. Backward dequantizes one stored tensor at a time: the
-      // largest is made again beside the unit's bytes. The price: a quantize pass (read the tensor, write its bytes)
-      // and a dequantize pass (the reverse), memory-bound; in seconds here, in the model's unit below.
-      const auto stored = [&](const at::Tensor& x, double* original, double* kept, double* largest) {
-        Fp8SavedStore store;
-        std::vector<double> tensors;
-        double graph = 0;
-        {
-          const Fp8SavedScope scope(store);
-          graph = run(x, &tensors).second;
-        }
-        *original = static_cast<double>(store.original_bytes());
-        *kept = static_cast<double>(store.stored_bytes());
-        *largest = static_cast<double>(store.largest_original_bytes());
-        return graph;
-      };
-      double original_small = 0, kept_small = 0, largest_small = 0, original_large = 0, kept_large = 0,
-             largest_large = 0;
-      const double fp8_small = stored(small, &original_small, &kept_small, &largest_small);
-      const double fp8_large = stored(large, &original_large, &kept_large, &largest_large);
-      const double per = static_cast<double>(kTraceLarge - kTraceSmall);
-      const double original = (original_large - original_small) / per, kept = (kept_large - kept_small) / per;
-      const double bytes = device.is_cuda() ? (fp8_large - fp8_small) / per : c.saved_bytes - original + kept;
-      if (kept > 0 && bytes > 0) {
-        c.fp8_bytes = bytes;
-        c.fp8_s = 2 * (original + kept) / kGpuMemoryBytesPerS;
-        c.fp8_unpack_bytes = largest_large / static_cast<double>(kTraceLarge);
-      }
-    }
+    const UnitRun measure = [&](const at::Tensor& x) { std::vector<double> t; return run(x, &t).second; };
+    if (fp8) fp8_saved_trace(measure, small, large, device.is_cuda(), &c);
     m.units.push_back(c);
     small = out_small;
     large = out_large;

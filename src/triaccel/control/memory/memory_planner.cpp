@@ -168,17 +168,34 @@ bool store_search(const MemoryModel& model, const std::vector<StoreMask>& masks,
   return true;
 }
 
+// The cost model's peak and step time at these per-unit choices (memory_plan_peak and memory_plan_step_s on flags).
+double peak_at(const MemoryModel& model, int64_t batch, int64_t micro, const std::vector<UnitStore>& stores,
+               DataPlacement placement) {
+  return base_bytes(model, batch, placement) +
+         static_cast<double>(micro) * model.activation_scale * activation_bytes(model, stores);
+}
+
+double step_at(const MemoryModel& model, int64_t batch, int64_t micro, const std::vector<UnitStore>& stores,
+               DataPlacement placement) {
+  const double flops = total_flops(model);
+  double per_sample = model.per_sample_s;
+  for (size_t u = 0; u < model.units.size(); ++u) {
+    if (stores[u] != UnitStore::kKeep) per_sample += store_cost(model, flops, model.units[u], stores[u]);
+  }
+  const double k = static_cast<double>(micro_batches(batch, micro));
+  const double stream = placement == DataPlacement::kHost ? model.stream_per_sample_s * static_cast<double>(batch) : 0;
+  return k * model.overhead_s + static_cast<double>(batch) * per_sample + stream;
+}
+
 // The cheapest choice per unit that fits `budget` at this micro-batch and placement; false when none does.
 bool fit_stores(const MemoryModel& model, const std::vector<StoreMask>& masks, int64_t batch, int64_t micro,
                 DataPlacement placement, double budget, std::vector<UnitStore>* best) {
   const double room = (budget - base_bytes(model, batch, placement)) /
                       (static_cast<double>(micro) * model.activation_scale);
   *best = cheapest_stores(masks);
-  if (activation_bytes(model, *best) <= room) return true;  // the cheapest fits (exact, no rounding)
+  if (peak_at(model, batch, micro, *best, placement) <= budget) return true;  // the cheapest fits (no rounding)
   if (!store_search(model, masks, room, best)) return false;
-  return base_bytes(model, batch, placement) +
-             static_cast<double>(micro) * model.activation_scale * activation_bytes(model, *best) <=
-         budget;  // the rounding, never trusted
+  return peak_at(model, batch, micro, *best, placement) <= budget;  // the rounding, never trusted
 }
 
 // The least room (activation bytes per sample, before the scale) in which the search still finds a choice: a budget
@@ -209,23 +226,13 @@ double floor_bytes(const MemoryModel& model, int64_t batch, const PlanConstraint
 double memory_plan_peak(const MemoryModel& model, int64_t batch, int64_t micro_batch,
                         const std::vector<bool>& recompute, DataPlacement placement,
                         const std::vector<bool>& fp8_saved) {
-  return base_bytes(model, batch, placement) +
-         static_cast<double>(micro_batch) * model.activation_scale *
-             activation_bytes(model, stores_of(model.units.size(), recompute, fp8_saved));
+  return peak_at(model, batch, micro_batch, stores_of(model.units.size(), recompute, fp8_saved), placement);
 }
 
 double memory_plan_step_s(const MemoryModel& model, int64_t batch, int64_t micro_batch,
                           const std::vector<bool>& recompute, DataPlacement placement,
                           const std::vector<bool>& fp8_saved) {
-  const double flops = total_flops(model);
-  const std::vector<UnitStore> stores = stores_of(model.units.size(), recompute, fp8_saved);
-  double per_sample = model.per_sample_s;
-  for (size_t u = 0; u < model.units.size(); ++u) {
-    if (stores[u] != UnitStore::kKeep) per_sample += store_cost(model, flops, model.units[u], stores[u]);
-  }
-  const double k = static_cast<double>(micro_batches(batch, micro_batch));
-  const double stream = placement == DataPlacement::kHost ? model.stream_per_sample_s * static_cast<double>(batch) : 0;
-  return k * model.overhead_s + static_cast<double>(batch) * per_sample + stream;
+  return step_at(model, batch, micro_batch, stores_of(model.units.size(), recompute, fp8_saved), placement);
 }
 
 double memory_model_seconds_per_unit(const MemoryModel& model, double flops_per_s) {
@@ -284,24 +291,19 @@ MemoryPlan memory_plan_solve(const MemoryModel& model, int64_t batch, int64_t bu
   for (DataPlacement p : placements) {
     for (int64_t m : micros) {
       // A lower bound of every plan at this or a smaller micro-batch: each unit's cheapest choice.
-      std::vector<bool> r, f;
-      stores_split(cheapest, &r, &f);
-      if (memory_plan_step_s(model, batch, m, r, p, f) >= best_s) break;
+      if (step_at(model, batch, m, cheapest, p) >= best_s) break;
       std::vector<UnitStore> stores = cheapest;
       if (budget_bytes > 0 && !fit_stores(model, masks, batch, m, p, budget, &stores)) continue;
-      stores_split(stores, &r, &f);
-      if (memory_plan_peak(model, batch, m, r, p, f) > budget) continue;
-      const double s = memory_plan_step_s(model, batch, m, r, p, f);
+      const double s = step_at(model, batch, m, stores, p);
       if (s < best_s) {
         best_s = s;
         plan.feasible = true;
         plan.micro_batch = m;
         plan.accumulation = micro_batches(batch, m);
-        plan.recompute = r;
-        plan.fp8_saved = f;
+        stores_split(stores, &plan.recompute, &plan.fp8_saved);
         plan.data_placement = p;
         plan.predicted_step_s = s;
-        plan.predicted_peak_bytes = memory_plan_peak(model, batch, m, r, p, f);
+        plan.predicted_peak_bytes = peak_at(model, batch, m, stores, p);
       }
     }
   }
