@@ -29,36 +29,6 @@ using memory_test::expect_fastest;
 using memory_test::made_up;
 using memory_test::UnitRig;
 
-// Every micro-batch, placement and per-unit choice (kept, in FP8 where offered, recomputed where allowed): the least
-// step time among those that fit.
-double brute_force_stores(const MemoryModel& m, int64_t batch, double budget, bool* any) {
-  double best = std::numeric_limits<double>::infinity();
-  *any = false;
-  const size_t n = m.units.size();
-  size_t combos = 1;
-  for (size_t u = 0; u < n; ++u) combos *= 3;
-  for (DataPlacement p : {DataPlacement::kDevice, DataPlacement::kHost}) {
-    for (int64_t micro = 1; micro <= batch; ++micro) {
-      for (size_t code = 0; code < combos; ++code) {
-        std::vector<bool> r(n), f(n);
-        bool ok = true;
-        size_t c = code;
-        for (size_t u = 0; u < n; ++u, c /= 3) {
-          r[u] = c % 3 == 1;
-          f[u] = c % 3 == 2;
-          const UnitCost& unit = m.units[u];
-          ok = ok && (!r[u] || unit.recomputable) &&
-               (!f[u] || (unit.fp8_bytes > 0 && unit.fp8_bytes < unit.saved_bytes));
-        }
-        if (!ok || memory_plan_peak(m, batch, micro, r, p, f) > budget) continue;
-        *any = true;
-        best = std::min(best, memory_plan_step_s(m, batch, micro, r, p, f));
-      }
-    }
-  }
-  return best;
-}
-
 TEST(Fp8SavedPlanTest, FindsTheFastestOfKeptFp8AndRecomputedForEveryUnit) {
   std::mt19937 rng(17);
   std::uniform_real_distribution<double> bytes(1, 60), cost(0.5, 5), share(0.3, 0.7), price(0.005, 0.1);
@@ -82,7 +52,7 @@ TEST(Fp8SavedPlanTest, FindsTheFastestOfKeptFp8AndRecomputedForEveryUnit) {
     const double need = memory_plan_solve(m, batch, 0).predicted_peak_bytes;
     const double budget = std::floor(need * (0.3 + 0.7 * (trial % 10) / 10.0));
     SCOPED_TRACE("trial " + std::to_string(trial) + " budget " + std::to_string(budget));
-    const std::optional<MemoryPlan> plan = expect_fastest(m, batch, budget, brute_force_stores);
+    const std::optional<MemoryPlan> plan = expect_fastest(m, batch, budget);
     if (!plan) continue;
     ++feasible;
     for (size_t u = 0; u < m.units.size(); ++u) {
