@@ -174,7 +174,14 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--deadline-s", type=float, default=0,
                     help="start no run after this many seconds (a device call's limit); the rest are listed as not run")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="print the table of these shards' JSON files together (runs nothing)")
     a = ap.parse_args()
+    if a.merge:
+        shards = [json.load(open(f)) for f in a.merge]
+        rows = [r for s in shards for r in s["rows"]]
+        not_run = [i for s in shards for i in s["not_run"]]
+        return report(rows, not_run, f"{len(shards)} shards ({', '.join(s['shard'] for s in shards)})")
     grid = combos(a.seed, a.count, a.gpus, a.precisions.split(","))
     if a.list:
         for c in grid:
@@ -193,17 +200,28 @@ def main():
         r = rows[-1]
         print(f"{r['index']:4d} {r['outcome']:14s} {r['wall_s']:6.1f}s {r['command'][9:160]}  {r['why'][:120]}",
               flush=True)
-    counts = {}
-    for r in rows:
-        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    prediction = peak_prediction(rows)
     result = {"bench": "budget_grid", "seed": a.seed, "count": a.count, "shard": a.shard, "max_steps": a.max_steps,
-              "counts": counts, "peak_prediction": prediction, "not_run": not_run, "rows": rows}
+              "counts": outcome_counts(rows), "peak_prediction": peak_prediction(rows), "not_run": not_run,
+              "rows": rows}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
+    return report(rows, not_run, f"shard {a.shard}")
+
+
+def outcome_counts(rows):
+    counts = {}
+    for r in rows:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    return counts
+
+
+def report(rows, not_run, what):
+    """Prints the outcome table of `rows` (and how many were not run); returns 1 when any run is a bug."""
+    counts, prediction = outcome_counts(rows), peak_prediction(rows)
+    print(f"\n{what}: {len(rows)} runs")
     if not_run:
-        print(f"not run (deadline): {len(not_run)} of this shard's combinations")
+        print(f"not run (deadline): {len(not_run)} combinations")
     print("\n| outcome | runs |\n|---|---|")
     for k in ("ok", "refused", "over_budget", "internal_error", "crash", "timeout"):
         print(f"| {k} | {counts.get(k, 0)} |")

@@ -28,6 +28,10 @@
 #            last is the steady one): issue 56's corners. A budget "0.8x" is 0.8 of the peak of the same entry with
 #            budget "none", which must come earlier in CORNERS. Rows carry the plan's method, its reason and
 #            predicted_epoch_s beside the measured epoch
+#   shards   bench/budget_grid.py (the seeded grid of issue 56), shards GRID_SHARDS (default "0/5 1/5 2/5 3/5 4/5") run
+#            side by side (one process each: the grid counts crashes, peaks and predictions, not speed; its img/s
+#            columns are of concurrent runs), each starting no run after GRID_DEADLINE (300) s, GRID_TIMEOUT (150) s a
+#            run; $OUT/grid_I_of_N.json each, and the shards' table merged
 #   history  HISTORY ("model:budget[:method] ...", CIFAR-10 b96, 1 epoch) with the allocator's history recorded: what
 #            the eager steps' peak and each capture that ran out of memory hold (bench/memory_peak.py)
 # Binaries: .device/bin (built here with `make gpu-binaries`, carried: carry [".device"]); data: .device/data.
@@ -80,7 +84,7 @@ train() {
   echo "$tag: exit $? $(grep -E '^(memory plan|method auto|done)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-220)"
 }
 
-if has r18 || has tri || has grid || has models || has acc || has history || has corners; then cifar10_bin; fi
+if has r18 || has tri || has grid || has shards || has models || has acc || has history || has corners; then cifar10_bin; fi
 if has r18; then
   for conf in ${ALLOC_CONFS:-default}; do
     suffix=""
@@ -184,6 +188,22 @@ ev=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 print(next((e['peak_vram_gb'] for e in ev if e['event']=='summary'), 0))" "$WORK/runs/$tag/events.jsonl" 2>/dev/null)
     fi
   done
+fi
+
+if has shards; then
+  mkdir -p /tmp/shakespeare && cp .device/data/tinyshakespeare/input.txt /tmp/shakespeare/ 2>/dev/null
+  shard_files=()
+  for shard in ${GRID_SHARDS:-0/5 1/5 2/5 3/5 4/5}; do
+    f="$FINAL_OUT/grid_${shard%/*}_of_${shard#*/}.json"
+    shard_files+=("$f")
+    python3 bench/budget_grid.py --bin "$BIN/triaccel" --data-cifar "$DATA" --data-text /tmp/shakespeare \
+      --shard "$shard" --work "/tmp/budget_grid_${shard%/*}" --deadline-s "${GRID_DEADLINE:-300}" \
+      --timeout "${GRID_TIMEOUT:-150}" --json "$f" >"$WORK/grid_${shard%/*}.log" 2>&1 &
+  done
+  wait
+  cat "$WORK"/grid_*.log >"$FINAL_OUT/grid.log"
+  grep -hE '^ *[0-9]+ (internal_error|crash|timeout|over_budget)' "$WORK"/grid_*.log | cut -c1-300
+  python3 bench/budget_grid.py --merge "${shard_files[@]}"
 fi
 
 # What a capture that runs out of memory holds beyond its eager step: each HISTORY entry (model:budget[:method], as

@@ -5,6 +5,7 @@ classified as the issue counts it (an internal error is never "refused"). No eng
 import os
 import sys
 import unittest
+import unittest.mock
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 import budget_grid as g  # noqa: E402
@@ -78,6 +79,32 @@ class Grid(unittest.TestCase):
         self.assertEqual((p["runs"], p["within_5pct"]), (3, 2))
         self.assertAlmostEqual(p["median_abs_error"], 0.01 / 0.30)
         self.assertEqual(g.peak_prediction([])["median_abs_error"], None)
+
+    def test_shards_merge_into_one_table_whose_bugs_fail_it(self):
+        import contextlib
+        import io
+        import json
+        import tempfile
+        ok = dict(vram_budget="0.3GB", outcome="ok", predicted_peak_gb=0.29, peak_vram_gb=0.30)
+        shards = [{"shard": "0/2", "not_run": [], "rows": [ok, dict(ok, outcome="refused")]},
+                  {"shard": "1/2", "not_run": [5, 7], "rows": [dict(ok, outcome="internal_error")]}]
+        with tempfile.TemporaryDirectory() as d:
+            files = []
+            for i, s in enumerate(shards):
+                files.append(os.path.join(d, f"grid_{i}.json"))
+                json.dump(s, open(files[-1], "w"))
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), unittest.mock.patch.object(sys, "argv", ["g", "--merge"] + files):
+                code = g.main()
+            self.assertEqual(code, 1)  # the internal error of the second shard
+            text = out.getvalue()
+            self.assertIn("2 shards (0/2, 1/2): 3 runs", text)
+            self.assertIn("not run (deadline): 2 combinations", text)
+            self.assertIn("| ok | 1 |", text)
+            self.assertIn("| internal_error | 1 |", text)
+            with contextlib.redirect_stdout(io.StringIO()), \
+                    unittest.mock.patch.object(sys, "argv", ["g", "--merge", files[0]]):
+                self.assertEqual(g.main(), 0)
 
 
 if __name__ == "__main__":
