@@ -23,8 +23,9 @@
 #            GRID_BINS ("triaccel" by default; e.g. "triaccel_base triaccel"): every entry under each binary of
 #            .device/bin, tagged with the binary's name when it is not triaccel (an A/B in one call). NeuroFlux rows
 #            list their blocks: planned and used batch, predicted and measured peak, out-of-memory retries, seconds
-#   corners  CORNERS ("model:budget:method:precision:optimizer[:saved] ...", CIFAR-10 b96, CORNER_EPOCHS (2) epochs;
-#            `saved`: --saved-activations auto|keep|fp8, in the tag when given; the
+#   corners  CORNERS ("model:budget:method:precision:optimizer[:saved[:uib]] ...", CIFAR-10 b96, CORNER_EPOCHS (2)
+#            epochs; `saved`: --saved-activations auto|keep|fp8, `uib`: --update-in-backward auto|on|off, each in the
+#            tag when given (saved may be left empty: "...:sgd::off"); the
 #            last is the steady one): issue 56's corners. A budget "0.8x" is 0.8 of the peak of the same entry with
 #            budget "none", which must come earlier in CORNERS. Rows carry the plan's method, its reason and
 #            predicted_epoch_s beside the measured epoch
@@ -171,15 +172,16 @@ fi
 if has corners; then
   declare -A corner_peak
   for entry in ${CORNERS:-}; do
-    IFS=: read -r model budget method precision optimizer saved <<<"$entry"
-    key="$model:$method:$precision:$optimizer:${saved:-}"
+    IFS=: read -r model budget method precision optimizer saved uib <<<"$entry"
+    key="$model:$method:$precision:$optimizer:${saved:-}:${uib:-}"
     saved_args=()
     [ -n "${saved:-}" ] && saved_args=(--saved-activations "$saved")
+    [ -n "${uib:-}" ] && saved_args+=(--update-in-backward "$uib")
     if [[ "$budget" == *x ]]; then
       [ -n "${corner_peak[$key]:-}" ] || { echo "$entry: no unbudgeted run of $key before it"; continue; }
       budget=$(python3 -c "print(f'{float(\"${budget%x}\") * ${corner_peak[$key]}:.4f}GB')")
     fi
-    tag="c_${model}_${method}_${precision}_${optimizer}_$budget${saved:+_$saved}"
+    tag="c_${model}_${method}_${precision}_${optimizer}_$budget${saved:+_$saved}${uib:+_uib-$uib}"
     PRECISION=$precision train "$tag" "$model" "$budget" --method "$method" --optimizer "$optimizer" \
       --dataset cifar10 --data "$DATA" --batch-size 96 --epochs "${CORNER_EPOCHS:-2}" "${saved_args[@]}"
     if [ "$budget" = none ]; then
@@ -333,7 +335,8 @@ for r in rows:
         print(f"corner {r['run'][2:]:44} exit-ok {'yes' if r['finished'] else 'NO':>3} s/ep {r['epoch_s_last'] or 0:6.2f} "
               f"pred {p.get('predicted_epoch_s') or 0:6.2f} method {p.get('method', r['method'])} peak {r['peak_vram_gb'] or 0:.3f} "
               f"<=bud {r['within_budget']} oom {r['oom_events']} micro {p.get('micro_batch', '-')}x{p.get('accumulation', '-')} "
-              f"rcmp {len(p.get('recompute', []))} fp8 {len(p.get('fp8_saved', []))} {p.get('method_reason', '')}")
+              f"rcmp {len(p.get('recompute', []))} fp8 {len(p.get('fp8_saved', []))} "
+              f"uib {'yes' if p.get('update_in_backward') else 'no'} {p.get('method_reason', '')}")
 for p in pt:
     b = p["best"]
     print(f"pytorch best under {p['cap_gb']} GB ({p['resident_gb']} GB resident): {b['recipe']} k={b['k']} {b['img_s']:.0f} img/s")

@@ -74,8 +74,8 @@ inline MemoryModel made_up(const std::vector<double>& saved, const std::vector<d
 }
 
 // Every micro-batch, placement and per-unit choice (kept; recomputed where the unit is recomputable; in FP8 where
-// it is offered, fp8_bytes in (0, saved_bytes)): the least step time among those that fit `budget` (any: whether one
-// does).
+// it is offered, fp8_bytes in (0, saved_bytes)), and at the whole batch the update in backward where it is offered:
+// the least step time among those that fit `budget` (any: whether one does).
 inline double brute_force_fastest(const MemoryModel& m, int64_t batch, double budget, bool* any) {
   const size_t n = m.units.size();
   std::vector<std::vector<UnitStore>> options(n);
@@ -90,6 +90,7 @@ inline double brute_force_fastest(const MemoryModel& m, int64_t batch, double bu
   double best = std::numeric_limits<double>::infinity();
   *any = false;
   for (DataPlacement p : {DataPlacement::kDevice, DataPlacement::kHost}) {
+    if (p == DataPlacement::kHost && !m.allow_host_data) continue;
     for (int64_t micro = 1; micro <= batch; ++micro) {
       for (size_t code = 0; code < combos; ++code) {
         std::vector<bool> r(n), f(n);
@@ -100,9 +101,12 @@ inline double brute_force_fastest(const MemoryModel& m, int64_t batch, double bu
           r[u] = s == UnitStore::kRecompute;
           f[u] = s == UnitStore::kFp8;
         }
-        if (memory_plan_peak(m, batch, micro, r, p, f) > budget) continue;
-        *any = true;
-        best = std::min(best, memory_plan_step_s(m, batch, micro, r, p, f));
+        for (bool u : {false, true}) {
+          if (u && (micro < batch || m.update_in_backward_grads_bytes <= 0)) continue;
+          if (memory_plan_peak(m, batch, micro, r, p, f, u) > budget) continue;
+          *any = true;
+          best = std::min(best, memory_plan_step_s(m, batch, micro, r, p, f, u));
+        }
       }
     }
   }
@@ -123,8 +127,8 @@ inline std::optional<MemoryPlan> expect_fastest(const MemoryModel& m, int64_t ba
   EXPECT_LE(plan.predicted_peak_bytes, budget);
   EXPECT_GE(plan.predicted_step_s, best * (1 - 1e-12));
   if (any_tighter) EXPECT_LE(plan.predicted_step_s, best_tighter * (1 + 1e-12));
-  EXPECT_DOUBLE_EQ(plan.predicted_peak_bytes, memory_plan_peak(m, batch, plan.micro_batch, plan.recompute,
-                                                               plan.data_placement, plan.fp8_saved));
+  EXPECT_DOUBLE_EQ(plan.predicted_peak_bytes, memory_plan_peak(m, plan));
+  if (plan.update_in_backward) EXPECT_EQ(plan.micro_batch, batch);
   return plan;
 }
 

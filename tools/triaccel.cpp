@@ -97,11 +97,13 @@ void plan_print(const Json& plan, bool json) {
           budgeted ? c10::str(" of ", m["plan_limit_bytes"].get<int64_t>(), " planned (budget ",
                               m["budget_bytes"].get<int64_t>(), ", floor ", m["floor_bytes"].get<int64_t>(), ")")
                    : c10::str(" (no budget; floor ", m["floor_bytes"].get<int64_t>(), ")");
-      std::printf("memory: micro-batch %lld x %lld, data on the %s, recompute: %s, in FP8: %s; predicted peak %lld "
+      const bool in_backward = m.value("update_in_backward", false);
+      std::printf("memory: micro-batch %lld x %lld%s, data on the %s, recompute: %s, in FP8: %s; predicted peak %lld "
                   "bytes%s\n",
                   static_cast<long long>(m["micro_batch"].get<int64_t>()),
                   static_cast<long long>(m["accumulation"].get<int64_t>()),
-                  m["data_placement"].get<std::string>().c_str(), recompute.c_str(), fp8.c_str(),
+                  in_backward ? ", updated in backward" : "", m["data_placement"].get<std::string>().c_str(),
+                  recompute.c_str(), fp8.c_str(),
                   static_cast<long long>(m["predicted_peak_bytes"].get<int64_t>()), limit.c_str());
     }
   }

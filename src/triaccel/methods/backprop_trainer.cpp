@@ -231,7 +231,8 @@ void BackpropTrainer::controllers_build() {
     session_.printer().line(c10::str(
         "memory plan: micro-batch ", plan.micro_batch, " x ", plan.accumulation, ", ",
         plan.recompute_names(memory_planner_->model()).size(), " units recomputed, ",
-        plan.fp8_saved_names(memory_planner_->model()).size(), " stored in FP8, data on the ",
+        plan.fp8_saved_names(memory_planner_->model()).size(), " stored in FP8, ",
+        plan.update_in_backward ? "updates in backward, " : "", "data on the ",
         enum_name(plan.data_placement), ", predicted peak ", plan.predicted_peak_bytes / kGB, " GB",
         plan.budget_bytes > 0 ? c10::str(" of ", static_cast<double>(plan.budget_bytes) / kGB, " GB planned") : ""));
   }

@@ -341,6 +341,7 @@ Json BackpropTrainer::memory_plan_brief() const {
               {"accumulation", plan.accumulation},
               {"recompute", plan.recompute_names(memory_planner_->model())},
               {"fp8_saved", plan.fp8_saved_names(memory_planner_->model())},
+              {"update_in_backward", plan.update_in_backward},
               {"data_placement", enum_name(plan.data_placement)},
               {"predicted_peak_gb", plan.predicted_peak_bytes / kGB},
               {"measured_peak_gb", memory_planner_->plan_measured_peak_bytes() > 0

@@ -44,6 +44,11 @@ void Optimizer::state_load(const NamedTensors& stored, const std::string& path) 
   named_tensors_load(state_tensors(), stored, "optimizer", path);
 }
 
+void Optimizer::step_one(size_t /*i*/, const at::Tensor& /*grad*/, const at::Tensor& /*lr*/,
+                         const at::Tensor& /*found_inf*/) {
+  TORCH_CHECK(false, kind_, "::step_one: this optimizer updates its parameters together (steps_one() is false)");
+}
+
 std::vector<at::Tensor> Optimizer::grads() const {
   std::vector<at::Tensor> out;
   out.reserve(params_.size());

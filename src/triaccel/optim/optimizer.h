@@ -35,6 +35,11 @@ class Optimizer {
 
   // One update from the current .grad() of every parameter.
   virtual void step(const at::Tensor& lr, const at::Tensor& found_inf) = 0;
+  // Whether step_one may update one parameter alone, the others' gradients not yet made (the update in backward:
+  // train/step.h). False by default: a rule over all of them (BAOC's statistics, shared step counts).
+  virtual bool steps_one() const { return false; }
+  // Parameter i's part of step(), from `grad` (its gradient): the same values step() would give it. Needs steps_one().
+  virtual void step_one(size_t i, const at::Tensor& grad, const at::Tensor& lr, const at::Tensor& found_inf);
 
   const std::vector<std::string>& names() const { return names_; }
   const std::vector<at::Tensor>& params() const { return params_; }

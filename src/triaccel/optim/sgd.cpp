@@ -51,16 +51,32 @@ Optimizer::NamedTensors Sgd::state_tensors() {
 
 void Sgd::step(const at::Tensor& lr, const at::Tensor& found_inf) {
   const auto all = grads_required();
-  state_init();
-  const torch::NoGradGuard no_grad;
   // The parameters this process updates (all of them unless the state is sharded).
-  std::vector<at::Tensor> p, g, m;
-  std::vector<float> wd, scale;
-  std::vector<int64_t> rows;
+  std::vector<size_t> indices;
+  std::vector<at::Tensor> grads;
   for (size_t i = 0; i < params().size(); ++i) {
     if (!owned(i)) continue;
+    indices.push_back(i);
+    grads.push_back(all[i]);
+  }
+  step_of(indices, grads, lr, found_inf);
+}
+
+void Sgd::step_one(size_t i, const at::Tensor& grad, const at::Tensor& lr, const at::Tensor& found_inf) {
+  TORCH_CHECK(i < params().size() && grad.defined(), "Sgd::step_one: parameter ", i, " of ", params().size(),
+              grad.defined() ? "" : " without a gradient");
+  if (owned(i)) step_of({i}, {grad}, lr, found_inf);
+}
+
+void Sgd::step_of(const std::vector<size_t>& indices, const std::vector<at::Tensor>& grads, const at::Tensor& lr,
+                  const at::Tensor& found_inf) {
+  state_init();
+  const torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> p, m;
+  std::vector<float> wd, scale;
+  std::vector<int64_t> rows;
+  for (size_t i : indices) {
     p.push_back(params()[i]);
-    g.push_back(all[i]);
     m.push_back(momenta_[i]);
     wd.push_back(weight_decays()[i]);
     scale.push_back(lr_scales()[i]);
@@ -69,12 +85,12 @@ void Sgd::step(const at::Tensor& lr, const at::Tensor& found_inf) {
   if (p.empty()) return;
 #ifdef TRIACCEL_WITH_CUDA
   if (p[0].is_cuda()) {
-    sgd_step_cuda(p, g, m, wd, lr_scales_device(), rows, lr, found_inf, static_cast<float>(options_.momentum),
+    sgd_step_cuda(p, grads, m, wd, lr_scales_device(), rows, lr, found_inf, static_cast<float>(options_.momentum),
                   options_.nesterov);
     return;
   }
 #endif
-  sgd_step_reference(p, g, m, wd, scale, lr, found_inf, static_cast<float>(options_.momentum), options_.nesterov);
+  sgd_step_reference(p, grads, m, wd, scale, lr, found_inf, static_cast<float>(options_.momentum), options_.nesterov);
 }
 
 void sgd_step_reference(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,

@@ -32,6 +32,9 @@ class Sgd final : public Optimizer {
 
   // One update from the current .grad() of every parameter. lr, found_inf: float32 scalars on the params' device.
   void step(const at::Tensor& lr, const at::Tensor& found_inf) override;
+  // Each parameter's update is its own (momentum, weight decay and lr scale per tensor).
+  bool steps_one() const override { return true; }
+  void step_one(size_t i, const at::Tensor& grad, const at::Tensor& lr, const at::Tensor& found_inf) override;
 
   const SgdOptions& options() const { return options_; }
   // Creates the momentum buffers if the first step has not yet (a checkpoint load needs them).
@@ -44,6 +47,10 @@ class Sgd final : public Optimizer {
   NamedTensors state_tensors() override;
 
  private:
+  // The update of parameters `indices` (owned ones) from `grads` (theirs, in that order).
+  void step_of(const std::vector<size_t>& indices, const std::vector<at::Tensor>& grads, const at::Tensor& lr,
+               const at::Tensor& found_inf);
+
   SgdOptions options_;
   std::vector<at::Tensor> momenta_;
   bool initialized_ = false;

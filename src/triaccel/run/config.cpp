@@ -361,7 +361,8 @@ std::optional<NeuroFluxRefusal> neuroflux_refusal(const Config& config) {
                             str_cat(option_ref("inject_faults"), " applies to ", option_ref("method"),
                                     " backprop and tri-accel, not neuroflux")};
   }
-  for (const char* key : {"micro_batch", "recompute", "data_placement", "saved_activations", "batch_policy"}) {
+  for (const char* key :
+       {"micro_batch", "recompute", "data_placement", "saved_activations", "update_in_backward", "batch_policy"}) {
     if (config.was_given(key)) {
       return NeuroFluxRefusal{str_cat("refuses ", key, ", a lever of backprop's"),
                               str_cat(option_ref(key), " applies to ", option_ref("method"),

@@ -210,6 +210,7 @@ struct ExecutionConfig {
   std::string recompute = "auto";  // auto: the planner's; none; or unit names, comma-separated
   PlacementChoice data_placement = PlacementChoice::kAuto;
   SavedActivations saved_activations = SavedActivations::kKeep;
+  Toggle update_in_backward = Toggle::kAuto;  // auto: the planner's choice under a vram_budget
   BatchPolicy batch_policy = BatchPolicy::kFixed;
   Toggle cudnn_autotune = Toggle::kAuto;
   int64_t eval_batch_size = 1000;
@@ -472,6 +473,11 @@ void ExecutionConfig::fields(S& s, V&& v) {
                                    "dequantize pass; C++ runs only), auto (the memory planner stores a unit's in FP8 "
                                    "under a vram_budget where its price says that is the fastest way to fit; kept "
                                    "without one)"});
+  v(s.update_in_backward, FieldInfo{"update_in_backward",
+                                    "each parameter updated as soon as backward has made its gradient, which is "
+                                    "then freed (the step holds a gradient or two, not all of them; one micro-batch; "
+                                    "sgd, one process, no loss scaling): auto (the memory planner's choice under a "
+                                    "vram_budget), on, off"});
   v(s.batch_policy, FieldInfo{"batch_policy",
                               "under a vram_budget: fixed (the batch as asked, split into micro-batches to fit) or "
                               "elastic (tri-accel: the paper's rule changes the batch and the lr follows)"});

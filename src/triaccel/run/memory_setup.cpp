@@ -14,6 +14,7 @@
 #include "triaccel/train/fp8_saved.h"
 #include "triaccel/train/grad_buckets.h"
 #include "triaccel/train/precision.h"
+#include "triaccel/train/step.h"
 
 #include <algorithm>
 #include <cmath>
@@ -72,6 +73,23 @@ int64_t state_bytes_per_element(const OptimConfig& o) {
   return o.optimizer == OptimizerKind::kSgd ? (o.momentum > 0 ? 4 : 0) : 8;
 }
 
+// Why this run cannot update each parameter in backward (TrainStep::update_in_backward_possible, known before the
+// step exists), as the end of a sentence; "" when it can.
+std::string update_in_backward_refusal(const Config& config, int64_t world, Model& model) {
+  const ExecutionConfig& ex = config.execution;
+  if (config.optim.optimizer != OptimizerKind::kSgd) return "needs --optimizer sgd (an update per tensor)";
+  if (world > 1) return "runs in one process (data parallelism sums the gradients first)";
+  if (ex.method == Method::kTriAccel) return "is not for tri-accel (its gradient statistics read every gradient)";
+  if (loss_scaler_options(config).enabled) return "needs a precision without loss scaling (not amp-fp16)";
+  if (!ex.inject_faults.empty()) return "does not run with --inject-faults";
+  std::vector<at::Tensor> params;
+  for (const auto& item : model.named_parameters()) params.push_back(item.value());
+  if (!post_accumulate_grad_hooks_free(params)) {
+    return "found a parameter with a post-accumulate-grad hook of its own (or one that needs no gradient)";
+  }
+  return "";
+}
+
 }  // namespace
 
 // Data parallelism: each number's largest value over the ranks (what the memory planner's ranks agree through);
@@ -124,6 +142,8 @@ void memory_inputs_set(Session& session, int64_t world, bool gpu, bool budgeted,
   }
   in.allow_host_data = gpu;
   in.fp8_saved = ex.saved_activations != SavedActivations::kKeep;
+  in.update_in_backward = ex.update_in_backward != Toggle::kOff &&
+                          update_in_backward_refusal(config, world, session.model()).empty();
   in.for_gpu = gpu;
   in.budgeted = budgeted;
   // Several ranks: the gradient buckets hold a copy of every fp32 gradient (and a bf16 one to send, compressed).
@@ -143,6 +163,7 @@ std::string memory_levers_given(const Config& config) {
   if (ex.saved_activations == SavedActivations::kFp8) {  // (auto is the planner's; keep, the default, plans nothing)
     given.push_back(str_cat(option_ref("saved_activations"), " ", enum_name(ex.saved_activations)));
   }
+  if (ex.update_in_backward == Toggle::kOn) given.push_back(str_cat(option_ref("update_in_backward"), " on"));
   if (given.empty()) return "";
   std::string list;
   for (const auto& g : given) list += (list.empty() ? "" : ", ") + g;
@@ -180,6 +201,14 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
                        "LibTorch programs), not inside Python, whose autograd engine is its own; use ",
                        option_ref("saved_activations"), " keep or auto");
 
+  if (ex.update_in_backward == Toggle::kOn) {
+    const std::string why = update_in_backward_refusal(config, world, model);
+    TRIACCEL_CHECK_INPUT(why.empty(), option_ref("update_in_backward"), " on ", why, "; leave it auto or off");
+    TRIACCEL_CHECK_INPUT(ex.micro_batch <= 0 || ex.micro_batch >= config.schedule.batch_size,
+                         option_ref("update_in_backward"), " on updates after one micro-batch, and ",
+                         option_ref("micro_batch"), " ", ex.micro_batch, " splits batch ", config.schedule.batch_size,
+                         "; leave one of them to the planner");
+  }
   memory_inputs_set(session, world, gpu, budget > 0, setup.get());
   MemoryModelInputs first = setup->inputs;
   first.measure_scale = true;  // on CUDA, before the loaders exist (rebuilds while training do not measure)
@@ -192,6 +221,7 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
   if (ex.saved_activations != SavedActivations::kAuto) {
     c.fp8_saved.assign(setup->model.units.size(), ex.saved_activations == SavedActivations::kFp8);
   }
+  if (ex.update_in_backward != Toggle::kAuto) c.update_in_backward = ex.update_in_backward == Toggle::kOn;
   c.placement_fixed = ex.data_placement != PlacementChoice::kAuto || !gpu;
   c.placement = ex.data_placement == PlacementChoice::kHost && gpu ? DataPlacement::kHost : DataPlacement::kDevice;
   // Each rank plans for its share of the global batch (the larger one where they differ); `plan` previews --nproc.
@@ -213,7 +243,7 @@ std::unique_ptr<MemorySetup> memory_setup_make(Session& session, bool preview) {
   // not. Every rank decides alike (the same agreed model).
   const MemoryPlan& whole = setup->plan;
   const auto any = [](const std::vector<bool>& v) { return std::find(v.begin(), v.end(), true) != v.end(); };
-  const bool lever_used = !whole.feasible || whole.accumulation > 1 ||
+  const bool lever_used = !whole.feasible || whole.accumulation > 1 || whole.update_in_backward ||
                           whole.data_placement == DataPlacement::kHost || any(whole.recompute) ||
                           (ex.saved_activations == SavedActivations::kAuto && any(whole.fp8_saved));
   if (shard_possible_here && (setup->shard_optimizer || (ex.shard_optimizer == Toggle::kAuto && lever_used))) {

@@ -43,6 +43,14 @@ void LossScaler::unscale_and_check(const std::vector<at::Tensor>& grads) {
   at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf_, inv_scale_);
 }
 
+void LossScaler::found_inf_reset() { found_inf_.zero_(); }
+
+void LossScaler::check(const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK(!options_.enabled, "LossScaler::check: the loss is scaled; unscale_and_check the gradients instead");
+  const torch::NoGradGuard no_grad;
+  at::_amp_foreach_non_finite_check_and_unscale_(tensors, found_inf_, inv_scale_);  // inv_scale_ is 1: a check only
+}
+
 void LossScaler::update() {
   const torch::NoGradGuard no_grad;
   skipped_.add_(found_inf_);

@@ -33,6 +33,11 @@ class LossScaler {
   // Unscales grads in place and sets found_inf() to 1 if any is inf/NaN (0 otherwise). Device ops only.
   void unscale_and_check(const std::vector<at::Tensor>& grads);
 
+  // The update in backward (train/step.h), scaling off: found_inf() set to 0 before the step, then raised to 1 by
+  // check() of any tensor with an inf/NaN value (the loss, then each gradient before its update). Device ops only.
+  void found_inf_reset();
+  void check(const std::vector<at::Tensor>& tensors);
+
   // After the optimizer step: grows/backs off the scale (when enabled) and counts skipped steps. Device ops only.
   void update();
   // Puts back what the last update() changed (data parallelism: a step that every rank skipped because one rank ran

@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/utils.h>
 
 #include <algorithm>
@@ -41,6 +43,32 @@ StepGraphOptions graph_options(const StepOptions& o, const c10::Device& device, 
   g.agree_capture = o.grad_reduce.agree_capture;
   return g;
 }
+
+// A parameter's post-accumulate-grad hook: the update in backward of that parameter.
+class UpdateInBackwardHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  explicit UpdateInBackwardHook(std::function<void(const at::Tensor&)> update) : update_(std::move(update)) {}
+  void operator()(const torch::autograd::Variable& param) override { update_(param); }
+
+ private:
+  std::function<void(const at::Tensor&)> update_;
+};
+
+// *flag true for the scope's life (none when null), false after it, also when backward throws.
+class FlagScope {
+ public:
+  explicit FlagScope(bool* flag) : flag_(flag) {
+    if (flag_) *flag_ = true;
+  }
+  ~FlagScope() {
+    if (flag_) *flag_ = false;
+  }
+  FlagScope(const FlagScope&) = delete;
+  FlagScope& operator=(const FlagScope&) = delete;
+
+ private:
+  bool* flag_;
+};
 
 }  // namespace
 
@@ -127,7 +155,50 @@ void TrainStep::set_fault(FaultKind kind) {
                                                   : 0.0);
 }
 
-TrainStep::~TrainStep() = default;
+TrainStep::~TrainStep() {
+  if (!updates_in_backward_hooked_) return;
+  for (const auto& p : optimizer_.params()) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+}
+
+bool TrainStep::update_in_backward_possible() const {
+  if (!optimizer_.steps_one() || grad_buckets_ || options_.fault_injection || scaler_.options().enabled ||
+      options_.after_update || grad_stats_enabled_) {
+    return false;
+  }
+  return updates_in_backward_hooked_ || post_accumulate_grad_hooks_free(optimizer_.params());
+}
+
+bool post_accumulate_grad_hooks_free(const std::vector<at::Tensor>& params) {
+  return std::all_of(params.begin(), params.end(), [](const at::Tensor& p) {
+    return p.requires_grad() && !torch::autograd::impl::post_acc_grad_hooks(p);
+  });
+}
+
+void TrainStep::set_update_in_backward(bool on) {
+  if (on == update_in_backward_) return;
+  TORCH_CHECK(!on || update_in_backward_possible(),
+              "set_update_in_backward: this step cannot update in backward (update_in_backward_possible)");
+  if (on && !updates_in_backward_hooked_) {
+    const std::vector<at::Tensor>& params = optimizer_.params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      torch::autograd::impl::set_post_acc_grad_hooks(
+          params[i], std::make_unique<UpdateInBackwardHook>([this, i](const at::Tensor& p) { update_one(i, p); }));
+    }
+    updates_in_backward_hooked_ = true;
+  }
+  update_in_backward_ = on;
+  invalidate_graph();
+}
+
+void TrainStep::update_one(size_t i, const at::Tensor& param) {
+  if (!updating_in_backward_) return;  // another backward (the memory model's trace, a curvature pass)
+  const torch::NoGradGuard no_grad;
+  // The gradient leaves the parameter now: its memory goes back once its update is queued.
+  const at::Tensor grad = std::exchange(param.mutable_grad(), at::Tensor());
+  if (!grad.defined()) return;
+  scaler_.check({grad});
+  optimizer_.step_one(i, grad, lr_, scaler_.found_inf());
+}
 
 size_t TrainStep::fp8_layers() const { return fp8_ ? fp8_->layers() : 0; }
 
@@ -155,6 +226,9 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
   // whole-batch step (no weighting op).
   const int64_t n = images.size(0);
   const int64_t m = options_.micro_batch > 0 ? std::min(options_.micro_batch, n) : n;
+  // The update in backward: one micro-batch only (accumulated gradients must all exist before an update).
+  updated_in_backward_ = update_in_backward_ && m >= n && n > 0 && !grad_stats_enabled_;
+  if (updated_in_backward_) scaler_.found_inf_reset();
   at::Tensor loss_total;     // (1): the batch's mean loss
   at::Tensor correct_total;  // (1) float32: correct predictions (label elements)
   int64_t label_elements = 0;
@@ -173,7 +247,12 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
     // of one number) rather than as a pass over each bucket; the buckets add the weighted gradients as they are.
     const double share = grad_buckets_ ? options_.grad_reduce.weight() : 1.0;
     if (grad_buckets_ && start + len >= n) grad_buckets_->arm();  // the last micro-batch: reduces
-    scaler_.scale(share != 1.0 ? loss * share : loss).backward();
+    const at::Tensor scaled = scaler_.scale(share != 1.0 ? loss * share : loss);
+    if (updated_in_backward_) scaler_.check({loss.detach().reshape({1}).clone()});  // (a copy: checked in place)
+    {
+      const FlagScope updating(updated_in_backward_ ? &updating_in_backward_ : nullptr);
+      scaled.backward();
+    }
     const torch::NoGradGuard no_grad;
     const at::Tensor& correct = terms.metric;
     loss_total = loss_total.defined() ? loss_total + loss.detach() : loss.detach();
@@ -199,23 +278,25 @@ void TrainStep::body(const at::Tensor& images, const at::Tensor& labels) {
 void TrainStep::update(const at::Tensor& loss_total, const at::Tensor& correct_total, int64_t n,
                        double labels_per_sample) {
   const torch::NoGradGuard no_grad;
-  const std::vector<at::Tensor> grads = optimizer_.grads();
-  if (options_.fault_injection) {
-    for (const auto& g : grads) {
-      if (!g.defined()) continue;
-      g.add_(grad_fault_);
-      break;
+  if (!std::exchange(updated_in_backward_, false)) {  // (else each parameter's update ran in backward)
+    const std::vector<at::Tensor> grads = optimizer_.grads();
+    if (options_.fault_injection) {
+      for (const auto& g : grads) {
+        if (!g.defined()) continue;
+        g.add_(grad_fault_);
+        break;
+      }
     }
+    scaler_.unscale_and_check(grads);
+    if (grad_stats_enabled_) {
+      // A skipped step (inf/NaN) contributes nothing: where() rather than a multiply, since NaN · 0 is NaN.
+      const at::Tensor ok = scaler_.found_inf().eq(0);
+      const at::Tensor stats = grad_stats_compute(grads, grad_stats_layout_);
+      grad_stats_sum_.add_(at::where(ok, stats, at::zeros_like(stats)));
+      grad_stats_steps_.add_(ok.to(at::kFloat));
+    }
+    optimizer_.step(lr_, scaler_.found_inf());
   }
-  scaler_.unscale_and_check(grads);
-  if (grad_stats_enabled_) {
-    // A skipped step (inf/NaN) contributes nothing: where() rather than a multiply, since NaN · 0 is NaN.
-    const at::Tensor ok = scaler_.found_inf().eq(0);
-    const at::Tensor stats = grad_stats_compute(grads, grad_stats_layout_);
-    grad_stats_sum_.add_(at::where(ok, stats, at::zeros_like(stats)));
-    grad_stats_steps_.add_(ok.to(at::kFloat));
-  }
-  optimizer_.step(lr_, scaler_.found_inf());
   if (options_.after_update) options_.after_update();
   scaler_.update();
   const at::Tensor loss_detached = loss_total.reshape({1});

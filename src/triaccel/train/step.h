@@ -9,7 +9,13 @@
 // Memory levers (the memory planner's, docs/memory-planner.md), both inside the graph: the batch is split into
 // micro-batches whose gradients accumulate before the one optimizer step (each micro-batch's mean loss weighted by
 // its share of the batch, so the update is the whole batch's; BatchNorm normalizes per micro-batch), and chosen units
-// are recomputed in backward instead of keeping their activations (train/recompute.h).
+// are recomputed in backward instead of keeping their activations (train/recompute.h). A third, for a step of one
+// micro-batch: the update in backward — each parameter updated as soon as backward has made its gradient, which is
+// then freed, so the step never holds more than a gradient or two instead of all of them (an optimizer whose update is
+// per tensor, SGD; no loss scaling, gradient statistics, data parallelism or fault injection). Its non-finite check
+// is the loss's before backward, then each gradient's before its update: an inf/NaN gradient under a finite loss (rare
+// without fp16) skips its update and every one after it in that backward, the parameters updated before it keep
+// theirs, and the step reports skipped.
 #pragma once
 
 #include "triaccel/core/named_tensors.h"
@@ -68,6 +74,10 @@ struct StepOptions {
   // (but the loss factor under data parallelism, for run_failed).
   bool fault_injection = false;
 };
+
+// Whether no parameter in `params` carries a post-accumulate-grad hook (the slot the update in backward takes; a
+// Python model's own register_post_accumulate_grad_hook holds it) and each requires a gradient.
+bool post_accumulate_grad_hooks_free(const std::vector<at::Tensor>& params);
 
 class TrainStep {
  public:
@@ -138,6 +148,13 @@ class TrainStep {
   void set_fp8_saved(const std::vector<bool>& fp8_saved);
   const std::vector<bool>& fp8_saved() const { return fp8_saved_; }
   int64_t fp8_saved_last_tensors() const { return fp8_saved_last_tensors_; }
+  // The update in backward (see above) for the steps of one micro-batch; a change drops the captured graph.
+  // set_update_in_backward(true) needs update_in_backward_possible(): the optimizer updates a tensor at a time, no
+  // loss scaling, data parallelism, fault injection or gradient statistics, and no parameter has another
+  // post-accumulate-grad hook (a Python model's own).
+  bool update_in_backward_possible() const;
+  void set_update_in_backward(bool on);
+  bool update_in_backward() const { return update_in_backward_; }
   // Drops the captured graph, e.g. after the optimizer's per-tensor lr scales changed.
   void invalidate_graph();
   // The batch size whose step is captured (Tri-Accel's elastic batch changes it). A new size drops the old graph —
@@ -173,6 +190,8 @@ class TrainStep {
   bool run_failed_eagerly(Phase phase);
   // One unit's forward at its precision (autocast set inside, so that a recompute in backward sets it again).
   at::Tensor unit_forward(size_t u, const at::Tensor& x) const;
+  // The update in backward of parameter i (optimizer order) once its gradient is accumulated: on autograd's thread.
+  void update_one(size_t i, const at::Tensor& param);
 
   Model& model_;
   Optimizer& optimizer_;
@@ -193,6 +212,10 @@ class TrainStep {
   std::vector<bool> recompute_;
   std::vector<bool> fp8_saved_;
   int64_t fp8_saved_last_tensors_ = 0;
+  bool update_in_backward_ = false;  // asked (set_update_in_backward)
+  bool updates_in_backward_hooked_ = false;  // the parameters carry update_one's hooks (removed by the destructor)
+  bool updating_in_backward_ = false;  // the backward under way updates (read by the hooks, on autograd's thread)
+  bool updated_in_backward_ = false;   // the step under way took its update in backward
   std::vector<std::vector<at::Tensor>> unit_params_, unit_buffers_;  // per unit, for recompute
   bool grad_stats_enabled_ = false;
   GradStatsLayout grad_stats_layout_;

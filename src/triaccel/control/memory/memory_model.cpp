@@ -212,6 +212,20 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   m.transient_bytes = 2 * largest;  // backward: a gradient of the largest tensor and the one it produces
   const double seconds_per_unit = memory_model_seconds_per_unit(m);
   for (UnitCost& c : m.units) c.fp8_s = seconds_per_unit > 0 ? c.fp8_s / seconds_per_unit : 0;
+  if (in.update_in_backward) {
+    // The gradients alive at once when each parameter is updated as backward makes its gradient: the one being
+    // updated and one more (a parameter whose gradient waits for another use, a tied weight). The price: a
+    // non-finite check and an update launched per parameter instead of one of each over all of them.
+    int64_t first = 0, second = 0;
+    for (const auto& p : model.parameters()) {
+      const int64_t k = p.numel();
+      second = std::max(second, std::min(first, k));
+      first = std::max(first, k);
+    }
+    m.update_in_backward_grads_bytes = 4.0 * static_cast<double>(first + second);
+    const double launches = 2.0 * static_cast<double>(model.parameters().size());
+    m.update_in_backward_s = seconds_per_unit > 0 ? launches * kGpuLaunchS / seconds_per_unit : 0;
+  }
   if (in.measure_scale && device.is_cuda()) m.activation_scale = measured_activation_scale(model, sample, in, m, device);
 
   for (auto& p : model.parameters()) p.mutable_grad() = at::Tensor();

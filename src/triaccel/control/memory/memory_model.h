@@ -47,6 +47,9 @@ struct MemoryModelInputs {
   // Price each unit's saved activations stored in FP8 (train/fp8_saved.h) as well: traced again under an FP8 store
   // where the lever is available here (fp8_saved_available), UnitCost::fp8_bytes and fp8_s; else not offered.
   bool fp8_saved = false;
+  // Offer the update in backward (train/step.h; the step can take it: TrainStep::update_in_backward_possible):
+  // MemoryModel::update_in_backward_grads_bytes and update_in_backward_s.
+  bool update_in_backward = false;
 };
 
 // Bounds of the measured starting activation scale (memory_model_build with measure_scale).
@@ -57,6 +60,8 @@ constexpr double kMeasuredScaleMax = 5;
 // slow on a GPU (launches, an under-filled device). ResNet-18's (32×32) throughput at batch 96 and at 512 gives an
 // overhead of ~100 samples (docs/results/memory-planner.md); 64 keeps some weight on recompute.
 constexpr double kGpuOverheadSamples = 64;
+// A small kernel's launch inside a captured step, in seconds (the update in backward's price per launch).
+constexpr double kGpuLaunchS = 2.5e-6;
 // The host gather and copy of one streamed sample, in the same unit.
 constexpr double kStreamSampleCost = 0.05;
 // Batch-independent device memory the shapes do not show: cuBLAS and cuDNN workspaces, the CUDA context's share

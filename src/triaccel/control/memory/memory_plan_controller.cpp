@@ -28,6 +28,7 @@ void MemoryPlanController::apply() {
   step_.set_micro_batch(plan_.micro_batch < plan_.batch ? plan_.micro_batch : 0);
   step_.set_recompute(plan_.recompute);
   step_.set_fp8_saved(plan_.fp8_saved);
+  step_.set_update_in_backward(plan_.update_in_backward);
   step_.graph_allow();  // the step's memory changed: a size refused before may fit now (a disabled graph stays off)
 }
 
@@ -195,8 +196,7 @@ void MemoryPlanController::calibrated_reading(const MemoryPlan& ran, double meas
   calibrate(ran, measured);
   // The plan stays while it still fits: a plan the correction would make look cheaper was left before for a
   // reason (replanning here can flip a run between two plans for good, one of them a plan whose capture fails).
-  const double corrected = memory_plan_peak(model_, plan_.batch, plan_.micro_batch, plan_.recompute,
-                                            plan_.data_placement, plan_.fp8_saved);
+  const double corrected = memory_plan_peak(model_, plan_);
   if (corrected <= static_cast<double>(limit_bytes())) {
     plan_.predicted_peak_bytes = corrected;
     events.push_back({event::kMemoryPlan, plan_fields("remeasured")});
@@ -266,9 +266,9 @@ bool MemoryPlanController::calibrate(const MemoryPlan& ran, double measured) {
   MemoryModel unscaled = model_;
   unscaled.activation_scale = 1;
   unscaled.fixed_bytes = model_.fixed_bytes - offset_;
-  const double base = memory_plan_peak(unscaled, ran.batch, 0, ran.recompute, ran.data_placement, ran.fp8_saved);
-  const double x =
-      memory_plan_peak(unscaled, ran.batch, ran.micro_batch, ran.recompute, ran.data_placement, ran.fp8_saved) - base;
+  const double base = memory_plan_peak(unscaled, ran.batch, 0, ran.recompute, ran.data_placement, ran.fp8_saved,
+                                       ran.update_in_backward);
+  const double x = memory_plan_peak(unscaled, ran) - base;
   readings_.emplace_back(x, measured - base);
   // A least-squares line through the readings when their activations differ enough, else the scale alone.
   double sx = 0, sy = 0, xmin = readings_[0].first, xmax = xmin;

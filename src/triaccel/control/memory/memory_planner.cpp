@@ -18,11 +18,19 @@ double total_flops(const MemoryModel& model) {
   return s;
 }
 
+bool update_in_backward_offered(const MemoryModel& model) { return model.update_in_backward_grads_bytes > 0; }
+
+// The gradients' bytes alive at once.
+double grads_at(const MemoryModel& model, bool update_in_backward) {
+  return update_in_backward && update_in_backward_offered(model) ? model.update_in_backward_grads_bytes
+                                                                 : model.grads_bytes;
+}
+
 // Bytes that do not scale with the micro-batch.
-double base_bytes(const MemoryModel& model, int64_t batch, DataPlacement placement) {
+double base_bytes(const MemoryModel& model, int64_t batch, DataPlacement placement, bool update_in_backward) {
   const double data = placement == DataPlacement::kDevice ? model.dataset_bytes : model.stream_bytes;
-  return model.weights_bytes + model.grads_bytes + model.optimizer_bytes + model.fixed_bytes + data +
-         static_cast<double>(batch) * model.batch_input_bytes;
+  return model.weights_bytes + grads_at(model, update_in_backward) + model.optimizer_bytes + model.fixed_bytes +
+         data + static_cast<double>(batch) * model.batch_input_bytes;
 }
 
 // What a unit may do under the constraints: bit 1 << UnitStore.
@@ -170,13 +178,13 @@ bool store_search(const MemoryModel& model, const std::vector<StoreMask>& masks,
 
 // The cost model's peak and step time at these per-unit choices (memory_plan_peak and memory_plan_step_s on flags).
 double peak_at(const MemoryModel& model, int64_t batch, int64_t micro, const std::vector<UnitStore>& stores,
-               DataPlacement placement) {
-  return base_bytes(model, batch, placement) +
+               DataPlacement placement, bool update_in_backward) {
+  return base_bytes(model, batch, placement, update_in_backward) +
          static_cast<double>(micro) * model.activation_scale * activation_bytes(model, stores);
 }
 
 double step_at(const MemoryModel& model, int64_t batch, int64_t micro, const std::vector<UnitStore>& stores,
-               DataPlacement placement) {
+               DataPlacement placement, bool update_in_backward) {
   const double flops = total_flops(model);
   double per_sample = model.per_sample_s;
   for (size_t u = 0; u < model.units.size(); ++u) {
@@ -184,18 +192,27 @@ double step_at(const MemoryModel& model, int64_t batch, int64_t micro, const std
   }
   const double k = static_cast<double>(micro_batches(batch, micro));
   const double stream = placement == DataPlacement::kHost ? model.stream_per_sample_s * static_cast<double>(batch) : 0;
-  return k * model.overhead_s + static_cast<double>(batch) * per_sample + stream;
+  const double update = update_in_backward && update_in_backward_offered(model) ? model.update_in_backward_s : 0;
+  return k * model.overhead_s + static_cast<double>(batch) * per_sample + stream + update;
 }
 
 // The cheapest choice per unit that fits `budget` at this micro-batch and placement; false when none does.
 bool fit_stores(const MemoryModel& model, const std::vector<StoreMask>& masks, int64_t batch, int64_t micro,
-                DataPlacement placement, double budget, std::vector<UnitStore>* best) {
-  const double room = (budget - base_bytes(model, batch, placement)) /
+                DataPlacement placement, bool update_in_backward, double budget, std::vector<UnitStore>* best) {
+  const double room = (budget - base_bytes(model, batch, placement, update_in_backward)) /
                       (static_cast<double>(micro) * model.activation_scale);
   *best = cheapest_stores(masks);
-  if (peak_at(model, batch, micro, *best, placement) <= budget) return true;  // the cheapest fits (no rounding)
+  if (peak_at(model, batch, micro, *best, placement, update_in_backward) <= budget) return true;  // (no rounding)
   if (!store_search(model, masks, room, best)) return false;
-  return peak_at(model, batch, micro, *best, placement) <= budget;  // the rounding, never trusted
+  return peak_at(model, batch, micro, *best, placement, update_in_backward) <= budget;  // the rounding, not trusted
+}
+
+// The update in backward's settings worth trying at micro-batch `micro` of `batch` (false first).
+std::vector<bool> update_in_backward_choices(const MemoryModel& model, int64_t batch, int64_t micro,
+                                             const PlanConstraints& c) {
+  if (micro < batch || !update_in_backward_offered(model) || c.update_in_backward == false) return {false};
+  if (c.update_in_backward == true) return {true};
+  return {false, true};
 }
 
 // The least room (activation bytes per sample, before the scale) in which the search still finds a choice: a budget
@@ -210,29 +227,48 @@ double least_activation_bytes(const MemoryModel& model, const std::vector<StoreM
   return hi;
 }
 
-// The least any plan needs: micro-batches of 1, the choice per unit that holds least, the data where it takes least —
-// each unless the constraints fix it (a placement, micro-batch, recompute set or FP8 set given by hand).
+// The least any plan needs: micro-batches of 1 (or the whole batch updated in backward, where that takes less), the
+// choice per unit that holds least, the data where it takes least — each unless the constraints fix it (a placement,
+// micro-batch, recompute set, FP8 set or update in backward given by hand).
 double floor_bytes(const MemoryModel& model, int64_t batch, const PlanConstraints& constraints) {
-  double base = base_bytes(model, batch, constraints.placement_fixed ? constraints.placement : DataPlacement::kDevice);
-  if (!constraints.placement_fixed && model.allow_host_data) {
-    base = std::min(base, base_bytes(model, batch, DataPlacement::kHost));
+  const double least = model.activation_scale * least_activation_bytes(model, store_masks(model, constraints));
+  const auto floor_at = [&](int64_t micro, bool update_in_backward) {
+    double base = base_bytes(model, batch, constraints.placement_fixed ? constraints.placement : DataPlacement::kDevice,
+                             update_in_backward);
+    if (!constraints.placement_fixed && model.allow_host_data) {
+      base = std::min(base, base_bytes(model, batch, DataPlacement::kHost, update_in_backward));
+    }
+    return base + static_cast<double>(micro) * least;
+  };
+  const bool offered = update_in_backward_offered(model);
+  if (constraints.update_in_backward == true && offered) return floor_at(batch, true);
+  const int64_t micro = constraints.micro_batch > 0 ? std::min(constraints.micro_batch, batch) : 1;
+  double floor = floor_at(micro, false);
+  if (offered && constraints.update_in_backward != false && (constraints.micro_batch <= 0 || micro >= batch)) {
+    floor = std::min(floor, floor_at(batch, true));
   }
-  const double micro = constraints.micro_batch > 0 ? static_cast<double>(std::min(constraints.micro_batch, batch)) : 1;
-  return base + micro * model.activation_scale * least_activation_bytes(model, store_masks(model, constraints));
+  return floor;
 }
 
 }  // namespace
 
 double memory_plan_peak(const MemoryModel& model, int64_t batch, int64_t micro_batch,
                         const std::vector<bool>& recompute, DataPlacement placement,
-                        const std::vector<bool>& fp8_saved) {
-  return peak_at(model, batch, micro_batch, stores_of(model.units.size(), recompute, fp8_saved), placement);
+                        const std::vector<bool>& fp8_saved, bool update_in_backward) {
+  return peak_at(model, batch, micro_batch, stores_of(model.units.size(), recompute, fp8_saved), placement,
+                 update_in_backward);
+}
+
+double memory_plan_peak(const MemoryModel& model, const MemoryPlan& plan) {
+  return memory_plan_peak(model, plan.batch, plan.micro_batch, plan.recompute, plan.data_placement, plan.fp8_saved,
+                          plan.update_in_backward);
 }
 
 double memory_plan_step_s(const MemoryModel& model, int64_t batch, int64_t micro_batch,
                           const std::vector<bool>& recompute, DataPlacement placement,
-                          const std::vector<bool>& fp8_saved) {
-  return step_at(model, batch, micro_batch, stores_of(model.units.size(), recompute, fp8_saved), placement);
+                          const std::vector<bool>& fp8_saved, bool update_in_backward) {
+  return step_at(model, batch, micro_batch, stores_of(model.units.size(), recompute, fp8_saved), placement,
+                 update_in_backward);
 }
 
 double memory_model_seconds_per_unit(const MemoryModel& model, double flops_per_s) {
@@ -246,10 +282,10 @@ double memory_plan_epoch_s(const MemoryModel& model, const MemoryPlan& plan, con
   const int64_t full = samples.train / plan.batch, rest = samples.train % plan.batch;
   double units = static_cast<double>(full) *
                  memory_plan_step_s(model, plan.batch, plan.micro_batch, plan.recompute, plan.data_placement,
-                                    plan.fp8_saved);
+                                    plan.fp8_saved, plan.update_in_backward);
   if (rest > 0) {
     units += memory_plan_step_s(model, rest, std::min(plan.micro_batch, rest), plan.recompute, plan.data_placement,
-                                plan.fp8_saved);
+                                plan.fp8_saved, plan.update_in_backward);
   }
   if (samples.eval > 0) {
     const double batches = static_cast<double>(micro_batches(samples.eval, plan.micro_batch));
@@ -269,7 +305,9 @@ MemoryPlan memory_plan_solve(const MemoryModel& model, int64_t batch, int64_t bu
   // Micro-batch sizes worth trying: ceil(B / k) for every k (larger k with the same size only adds steps); without
   // a budget, the whole batch.
   std::vector<int64_t> micros;
-  if (constraints.micro_batch > 0) {
+  if (constraints.update_in_backward == true && update_in_backward_offered(model)) {
+    micros.push_back(batch);  // (one micro-batch: the update in backward's)
+  } else if (constraints.micro_batch > 0) {
     micros.push_back(std::min(constraints.micro_batch, batch));
   } else if (budget_bytes <= 0) {
     micros.push_back(batch);
@@ -290,20 +328,24 @@ MemoryPlan memory_plan_solve(const MemoryModel& model, int64_t batch, int64_t bu
   double best_s = std::numeric_limits<double>::infinity();
   for (DataPlacement p : placements) {
     for (int64_t m : micros) {
-      // A lower bound of every plan at this or a smaller micro-batch: each unit's cheapest choice.
-      if (step_at(model, batch, m, cheapest, p) >= best_s) break;
-      std::vector<UnitStore> stores = cheapest;
-      if (budget_bytes > 0 && !fit_stores(model, masks, batch, m, p, budget, &stores)) continue;
-      const double s = step_at(model, batch, m, stores, p);
-      if (s < best_s) {
-        best_s = s;
-        plan.feasible = true;
-        plan.micro_batch = m;
-        plan.accumulation = micro_batches(batch, m);
-        stores_split(stores, &plan.recompute, &plan.fp8_saved);
-        plan.data_placement = p;
-        plan.predicted_step_s = s;
-        plan.predicted_peak_bytes = peak_at(model, batch, m, stores, p);
+      // A lower bound of every plan at this or a smaller micro-batch: each unit's cheapest choice, no update in
+      // backward (which only adds time).
+      if (step_at(model, batch, m, cheapest, p, false) >= best_s) break;
+      for (bool u : update_in_backward_choices(model, batch, m, constraints)) {
+        std::vector<UnitStore> stores = cheapest;
+        if (budget_bytes > 0 && !fit_stores(model, masks, batch, m, p, u, budget, &stores)) continue;
+        const double s = step_at(model, batch, m, stores, p, u);
+        if (s < best_s) {
+          best_s = s;
+          plan.feasible = true;
+          plan.micro_batch = m;
+          plan.accumulation = micro_batches(batch, m);
+          stores_split(stores, &plan.recompute, &plan.fp8_saved);
+          plan.data_placement = p;
+          plan.update_in_backward = u;
+          plan.predicted_step_s = s;
+          plan.predicted_peak_bytes = peak_at(model, batch, m, stores, p, u);
+        }
       }
     }
   }
@@ -342,7 +384,7 @@ Json MemoryPlan::to_json(const MemoryModel& model) const {
   const double data = data_placement == DataPlacement::kDevice ? model.dataset_bytes : model.stream_bytes;
   const auto whole = [](double b) { return static_cast<int64_t>(std::ceil(b)); };
   const Json consumers{{"weights", whole(model.weights_bytes)},
-                       {"gradients", whole(model.grads_bytes)},
+                       {"gradients", whole(grads_at(model, update_in_backward))},
                        {"optimizer", whole(model.optimizer_bytes)},
                        {"data", whole(data + static_cast<double>(batch) * model.batch_input_bytes)},
                        {"fixed", whole(model.fixed_bytes)},
@@ -354,6 +396,7 @@ Json MemoryPlan::to_json(const MemoryModel& model) const {
               {"recompute", recompute_names(model)},
               {"fp8_saved", fp8_saved_names(model)},
               {"data_placement", enum_name(data_placement)},
+              {"update_in_backward", update_in_backward},
               {"predicted_peak_bytes", static_cast<int64_t>(std::ceil(predicted_peak_bytes))},
               {"plan_limit_bytes", budget_bytes},
               {"floor_bytes", static_cast<int64_t>(std::ceil(floor_bytes))},
@@ -366,7 +409,7 @@ Json MemoryPlan::to_json(const MemoryModel& model) const {
 bool MemoryPlan::operator==(const MemoryPlan& o) const {
   return feasible == o.feasible && batch == o.batch && micro_batch == o.micro_batch &&
          accumulation == o.accumulation && recompute == o.recompute && fp8_saved == o.fp8_saved &&
-         data_placement == o.data_placement;
+         data_placement == o.data_placement && update_in_backward == o.update_in_backward;
 }
 
 }  // namespace triaccel

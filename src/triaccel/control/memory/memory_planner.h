@@ -3,7 +3,7 @@
 // profiles.
 //
 // The cost model (MemoryModel) prices each consumer in bytes and each lever in seconds, per unit where it is per unit:
-//   peak(m, R, placement) = weights + gradients + optimizer state + fixed transients
+//   peak(m, R, placement) = weights + gradients(U) + optimizer state + fixed transients
 //                         + data(placement) + the step's input buffers (B samples)
 //                         + m · scale · (activations(R) + transient)
 //   activations(R, F) = max( Σ_v alive_v,                                    backward's start
@@ -15,9 +15,10 @@
 // a recomputed unit keeps instead), alive_v what unit v holds (input_v when recomputed, else fp8_v when in F, else
 // saved_v), unpack_u the largest tensor unit u stored in FP8 at its own dtype (backward dequantizes one at a time):
 // backward frees the units after u before it recomputes u. `scale` is the correction learned from the
-// allocator's readings (1 until measured).
-//   step_s(m, R, F, placement) = k · overhead_s + B · (per_sample_s · (1 + recompute_share) + Σ_{u∈F∖R} fp8_s_u)
-//                                + stream cost
+// allocator's readings (1 until measured). U: the update in backward (train/step.h; one micro-batch only), under
+// which the gradients alive at once are update_in_backward_grads_bytes instead of every parameter's.
+//   step_s(m, R, F, U, placement) = k · overhead_s + B · (per_sample_s · (1 + recompute_share) + Σ_{u∈F∖R} fp8_s_u)
+//                                   + stream cost + (U ? update_in_backward_s : 0)
 // with k = ceil(B / m) micro-batches, recompute_share the recomputed units' share of the forward FLOPs times the
 // forward's share of a training step, and fp8_s_u the price of one quantize pass in forward and one dequantize pass
 // in backward over what unit u stores (memory-bound: its bytes at kGpuMemoryBytesPerS, in the same time unit).
@@ -28,7 +29,7 @@
 //               FLOPs at kGpuTrainFlopsPerS), the basis NeuroFlux's blocks are priced on too (partitioner.h).
 //
 // The levers: the micro-batch (any m in [1, B]), each unit's saved activations (kept, stored in FP8 or recomputed),
-// and the dataset resident on the GPU or streamed from pinned host memory. The solver is exact over that space (up
+// the update in backward (at m = B), and the dataset resident on the GPU or streamed from pinned host memory. The solver is exact over that space (up
 // to a rounding that only errs towards fitting): for every placement and micro-batch it finds the per-unit choice of
 // least time whose peak fits, by dynamic programming over the units in order with the bytes alive so far as the
 // state, and returns the fastest plan.
@@ -38,6 +39,7 @@
 #include "triaccel/data/loader.h"  // DataPlacement
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -78,6 +80,10 @@ struct MemoryModel {
   double stream_per_sample_s = 0;  // host gather and copy of one sample (kHost)
   double forward_share = 1.0 / 3;  // the forward's share of a training step's time (what a recompute repeats)
   bool allow_host_data = true;   // false: the dataset must stay resident (a loader that cannot stream)
+  // The update in backward (train/step.h): the gradients alive at once under it (0: not offered to this run), and
+  // its price per step (its per-tensor launches), in per_sample_s's unit.
+  double update_in_backward_grads_bytes = 0;
+  double update_in_backward_s = 0;
 };
 
 struct MemoryPlan {
@@ -88,6 +94,7 @@ struct MemoryPlan {
   std::vector<bool> recompute;       // per unit
   std::vector<bool> fp8_saved;       // per unit: its saved activations stored in FP8 (never with recompute)
   DataPlacement data_placement = DataPlacement::kDevice;
+  bool update_in_backward = false;   // each parameter updated in backward (accumulation 1)
   double predicted_peak_bytes = 0;
   double predicted_step_s = 0;
   int64_t budget_bytes = 0;          // what the plan may reach (0: no limit); JSON: plan_limit_bytes
@@ -100,13 +107,15 @@ struct MemoryPlan {
 };
 
 // The predicted peak and step time of one combination of levers (`fp8_saved` empty: nothing in FP8; a unit in
-// `recompute` is recomputed whatever its flag there).
+// `recompute` is recomputed whatever its flag there; `update_in_backward` where the model offers it).
 double memory_plan_peak(const MemoryModel& model, int64_t batch, int64_t micro_batch,
                         const std::vector<bool>& recompute, DataPlacement placement,
-                        const std::vector<bool>& fp8_saved = {});
+                        const std::vector<bool>& fp8_saved = {}, bool update_in_backward = false);
 double memory_plan_step_s(const MemoryModel& model, int64_t batch, int64_t micro_batch,
                           const std::vector<bool>& recompute, DataPlacement placement,
-                          const std::vector<bool>& fp8_saved = {});
+                          const std::vector<bool>& fp8_saved = {}, bool update_in_backward = false);
+// The same at a plan's levers.
+double memory_plan_peak(const MemoryModel& model, const MemoryPlan& plan);
 
 // The seconds both methods' predictions are in (method auto compares them): a sample's forward + backward is its
 // forward FLOPs (Σ_u flops_u, 2 · parameters · output positions) over forward_share, run at kGpuTrainFlopsPerS, an
@@ -140,6 +149,9 @@ struct PlanConstraints {
   std::vector<bool> fp8_saved;       // non-empty: these units in FP8 where offered and not recomputed, no others
   bool placement_fixed = false;      // true: only `placement`
   DataPlacement placement = DataPlacement::kDevice;
+  // The update_in_backward option: unset, the solver's choice where the model offers it; true, always (the whole
+  // batch in one micro-batch); false, never.
+  std::optional<bool> update_in_backward;
 };
 
 // The fastest plan for `batch` whose predicted peak is at most `budget_bytes` (0: no budget — the whole batch at
