@@ -44,7 +44,7 @@ struct RunModel {
   //               adamw_fp32_bytes, total_risk}: the last BAOC plan event
   //   memory_plan {step, plans, reason, micro_batch, accumulation, data_placement, predicted_peak_bytes,
   //               measured_peak_bytes, budget_bytes, plan_limit_bytes, units: [{unit, recompute, activation_bytes}],
-  //               consumers: {weights, gradients, optimizer, data, fixed, weight_casts, transient}}: the last memory_plan event
+  //               consumers: {weights, gradients, optimizer, data, fixed, transient}}: the last memory_plan event
   //   blocks     {unit, block, train_acc, holdout_acc, test_acc}: NeuroFlux per-unit local accuracies, in order
   //   exits      {unit, params, holdout_acc, test_acc, chosen, tolerance, full_params}: the NeuroFlux exit curve
   Json charts = Json::object();

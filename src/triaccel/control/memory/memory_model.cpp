@@ -133,11 +133,14 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
 
   MemoryModel m;
   const int64_t n = model.parameter_count();
+  bool any16 = in.precision != PrecisionMode::kFP32;
+  for (Precision p : in.unit_precisions) any16 = any16 || p != Precision::kFP32;
   m.weights_bytes = 4.0 * static_cast<double>(n);
   m.grads_bytes = 4.0 * static_cast<double>(n);
   m.optimizer_bytes = static_cast<double>(in.optimizer_state_bytes + in.optimizer_transient_bytes);
   const double workspaces = in.budgeted ? kGpuFixedTransientBytesBudgeted : kGpuFixedTransientBytes;
-  m.fixed_bytes = (in.for_gpu ? workspaces : 0.0) +
+  // 16-bit units: the weights' casts, which their backward keeps (no autocast cache: a cast per use).
+  m.fixed_bytes = (any16 ? 2.0 * static_cast<double>(n) : 0.0) + (in.for_gpu ? workspaces : 0.0) +
                   static_cast<double>(in.grad_reduce_bytes) + kLossScalerBytes;
   m.dataset_bytes = static_cast<double>(in.dataset_device_bytes);
   m.stream_bytes = static_cast<double>(in.dataset_stream_bytes);
@@ -192,11 +195,6 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
     // per-sample byte: a unit promoted to fp32 would be priced at half of what its activations grow.
     largest = std::max(largest, largest_tensor_per_sample(tensors_small, kTraceSmall, tensors_large, kTraceLarge));
     c.flops = 2.0 * static_cast<double>(units[u].parameter_count()) * positions(out_large);
-    // A 16-bit unit's weights' casts, which its backward keeps (no autocast cache: a cast per use); an fp8 unit's
-    // linears keep 1-byte copies (priced as 2, an upper bound).
-    const std::optional<Precision> precision = unit_precision_at(in.unit_precisions, u, device);
-    const bool sixteen = precision ? *precision != Precision::kFP32 : in.precision != PrecisionMode::kFP32;
-    c.weight_cast_bytes = sixteen ? 2.0 * static_cast<double>(units[u].parameter_count()) : 0.0;
     {
       // Repeatable? A unit that draws random numbers in training (dropout, stochastic depth) gives another output
       // for the same input.

@@ -38,10 +38,7 @@ using StoreMask = unsigned;
 constexpr StoreMask bit(UnitStore s) { return 1u << static_cast<unsigned>(s); }
 
 bool fp8_offered(const UnitCost& u) { return u.fp8_bytes > 0 && u.fp8_bytes < u.saved_bytes; }
-// Recomputing saves its activations over its input, and its weight casts.
-bool worth_recomputing(const UnitCost& u) {
-  return u.recomputable && (u.saved_bytes > u.input_bytes || u.weight_cast_bytes > 0);
-}
+bool worth_recomputing(const UnitCost& u) { return u.recomputable && u.saved_bytes > u.input_bytes; }
 
 bool flag_at(const std::vector<bool>& flags, size_t u) { return u < flags.size() && flags[u]; }
 
@@ -89,30 +86,19 @@ void stores_split(const std::vector<UnitStore>& stores, std::vector<bool>* recom
   }
 }
 
-// Activation bytes per sample of the micro-batch, before the scale, with each unit's weight casts (batch-
-// independent) as `per_cast_byte` (1 / (micro-batch · scale)) per-sample bytes each. Backward runs the units in
-// reverse: when it starts, every unit's alive bytes are, and the casts of every unit not recomputed; when it reaches
-// a recomputed unit u, the units after u are freed (their casts too) and u's activations and casts are made again
-// beside everything before u; at a unit stored in FP8, its largest tensor is made again beside everything up to it.
-double activation_bytes(const MemoryModel& model, const std::vector<UnitStore>& stores, double per_cast_byte) {
+// Activation bytes per sample of the micro-batch, before the scale. Backward runs the units in reverse: when it
+// starts, every unit's alive bytes are; when it reaches a recomputed unit u, the units after u are freed and u's
+// activations are alive again beside everything before u; at a unit stored in FP8, its largest tensor is made again
+// beside everything up to it.
+double activation_bytes(const MemoryModel& model, const std::vector<UnitStore>& stores) {
   double prefix = 0, peak = 0;
   for (size_t u = 0; u < model.units.size(); ++u) {
     const UnitCost& c = model.units[u];
-    const double cast = c.weight_cast_bytes * per_cast_byte;
-    if (stores[u] == UnitStore::kRecompute) peak = std::max(peak, prefix + c.input_bytes + c.saved_bytes + cast);
-    prefix += alive_bytes(c, stores[u]) + (stores[u] == UnitStore::kRecompute ? 0 : cast);
+    if (stores[u] == UnitStore::kRecompute) peak = std::max(peak, prefix + c.input_bytes + c.saved_bytes);
+    prefix += alive_bytes(c, stores[u]);
     if (stores[u] == UnitStore::kFp8) peak = std::max(peak, prefix + c.fp8_unpack_bytes);
   }
   return std::max(peak, prefix) + model.transient_bytes;
-}
-
-// The weight casts of the units not recomputed (what backward's start holds besides the activations).
-double kept_casts_bytes(const MemoryModel& model, const std::vector<UnitStore>& stores) {
-  double kept = 0;
-  for (size_t u = 0; u < model.units.size(); ++u) {
-    if (stores[u] != UnitStore::kRecompute) kept += model.units[u].weight_cast_bytes;
-  }
-  return kept;
 }
 
 // The time a unit's choice adds per sample, in per_sample_s's unit: a recompute repeats its share of the forward,
@@ -137,9 +123,9 @@ std::vector<UnitStore> cheapest_stores(const std::vector<StoreMask>& masks) {
   return out;
 }
 
-// The least-time choice per unit whose bytes (activation_bytes at per_cast_byte) stay within `room`: a dynamic
+// The least-time choice per unit whose activations (per sample, before the scale) stay within `room`: a dynamic
 // program over the units in order whose state is the bytes alive before the next unit (rounded up to buckets).
-bool store_search(const MemoryModel& model, const std::vector<StoreMask>& masks, double room, double per_cast_byte,
+bool store_search(const MemoryModel& model, const std::vector<StoreMask>& masks, double room,
                   std::vector<UnitStore>* chosen) {
   const size_t n = model.units.size();
   chosen->assign(n, UnitStore::kKeep);
@@ -160,12 +146,11 @@ bool store_search(const MemoryModel& model, const std::vector<StoreMask>& masks,
   constexpr UnitStore kChoices[] = {UnitStore::kKeep, UnitStore::kFp8, UnitStore::kRecompute};
   for (size_t u = 0; u < n; ++u) {
     const UnitCost& c = model.units[u];
-    const double cast = c.weight_cast_bytes * per_cast_byte;
     for (UnitStore s : kChoices) {
       if (!(masks[u] & bit(s))) continue;
-      const int adds = buckets(alive_bytes(c, s) + (s == UnitStore::kRecompute ? 0 : cast));
-      const int during = s == UnitStore::kRecompute ? buckets(c.input_bytes + c.saved_bytes + cast)
-                         : s == UnitStore::kFp8     ? buckets(c.fp8_bytes + cast + c.fp8_unpack_bytes)
+      const int adds = buckets(alive_bytes(c, s));
+      const int during = s == UnitStore::kRecompute ? buckets(c.input_bytes + c.saved_bytes)
+                         : s == UnitStore::kFp8     ? buckets(c.fp8_bytes + c.fp8_unpack_bytes)
                                                     : adds;
       const double price = store_cost(model, flops, c, s);
       for (int b = 0; b <= kBuckets; ++b) {
@@ -194,10 +179,8 @@ bool store_search(const MemoryModel& model, const std::vector<StoreMask>& masks,
 // The cost model's peak and step time at these per-unit choices (memory_plan_peak and memory_plan_step_s on flags).
 double peak_at(const MemoryModel& model, int64_t batch, int64_t micro, const std::vector<UnitStore>& stores,
                DataPlacement placement, bool update_in_backward) {
-  const double base = base_bytes(model, batch, placement, update_in_backward);
-  if (micro <= 0) return base + kept_casts_bytes(model, stores);  // (no activations: the calibration's base)
-  const double per_sample = static_cast<double>(micro) * model.activation_scale;
-  return base + per_sample * activation_bytes(model, stores, 1 / per_sample);
+  return base_bytes(model, batch, placement, update_in_backward) +
+         static_cast<double>(micro) * model.activation_scale * activation_bytes(model, stores);
 }
 
 double step_at(const MemoryModel& model, int64_t batch, int64_t micro, const std::vector<UnitStore>& stores,
@@ -216,11 +199,11 @@ double step_at(const MemoryModel& model, int64_t batch, int64_t micro, const std
 // The cheapest choice per unit that fits `budget` at this micro-batch and placement; false when none does.
 bool fit_stores(const MemoryModel& model, const std::vector<StoreMask>& masks, int64_t batch, int64_t micro,
                 DataPlacement placement, bool update_in_backward, double budget, std::vector<UnitStore>* best) {
-  const double per_sample = static_cast<double>(micro) * model.activation_scale;
-  const double room = (budget - base_bytes(model, batch, placement, update_in_backward)) / per_sample;
+  const double room = (budget - base_bytes(model, batch, placement, update_in_backward)) /
+                      (static_cast<double>(micro) * model.activation_scale);
   *best = cheapest_stores(masks);
   if (peak_at(model, batch, micro, *best, placement, update_in_backward) <= budget) return true;  // (no rounding)
-  if (!store_search(model, masks, room, 1 / per_sample, best)) return false;
+  if (!store_search(model, masks, room, best)) return false;
   return peak_at(model, batch, micro, *best, placement, update_in_backward) <= budget;  // the rounding, not trusted
 }
 
@@ -232,16 +215,14 @@ std::vector<bool> update_in_backward_choices(const MemoryModel& model, int64_t b
   return {false, true};
 }
 
-// The least room (activation bytes per sample, before the scale, the weight casts as `per_cast_byte` each) in which
-// the search still finds a choice: a budget that leaves this room fits a plan at that micro-batch.
-double least_activation_bytes(const MemoryModel& model, const std::vector<StoreMask>& masks, double per_cast_byte) {
+// The least room (activation bytes per sample, before the scale) in which the search still finds a choice: a budget
+// that leaves this room fits a plan at micro-batch 1.
+double least_activation_bytes(const MemoryModel& model, const std::vector<StoreMask>& masks) {
   std::vector<UnitStore> r;
-  const std::vector<UnitStore> cheapest = cheapest_stores(masks);
-  double hi = activation_bytes(model, cheapest, per_cast_byte);
-  double lo = model.transient_bytes;
+  double hi = activation_bytes(model, cheapest_stores(masks)), lo = model.transient_bytes;
   for (int i = 0; i < 40; ++i) {
     const double mid = (lo + hi) / 2;
-    (store_search(model, masks, mid, per_cast_byte, &r) ? hi : lo) = mid;
+    (store_search(model, masks, mid, &r) ? hi : lo) = mid;
   }
   return hi;
 }
@@ -250,16 +231,14 @@ double least_activation_bytes(const MemoryModel& model, const std::vector<StoreM
 // choice per unit that holds least, the data where it takes least — each unless the constraints fix it (a placement,
 // micro-batch, recompute set, FP8 set or update in backward given by hand).
 double floor_bytes(const MemoryModel& model, int64_t batch, const PlanConstraints& constraints) {
-  const std::vector<StoreMask> masks = store_masks(model, constraints);
+  const double least = model.activation_scale * least_activation_bytes(model, store_masks(model, constraints));
   const auto floor_at = [&](int64_t micro, bool update_in_backward) {
-    const double per_sample = static_cast<double>(micro) * model.activation_scale;
-    const double least = per_sample * least_activation_bytes(model, masks, 1 / per_sample);
     double base = base_bytes(model, batch, constraints.placement_fixed ? constraints.placement : DataPlacement::kDevice,
                              update_in_backward);
     if (!constraints.placement_fixed && model.allow_host_data) {
       base = std::min(base, base_bytes(model, batch, DataPlacement::kHost, update_in_backward));
     }
-    return base + least;
+    return base + static_cast<double>(micro) * least;
   };
   const bool offered = update_in_backward_offered(model);
   if (constraints.update_in_backward == true && offered) return floor_at(batch, true);
@@ -409,7 +388,6 @@ Json MemoryPlan::to_json(const MemoryModel& model) const {
                        {"optimizer", whole(model.optimizer_bytes)},
                        {"data", whole(data + static_cast<double>(batch) * model.batch_input_bytes)},
                        {"fixed", whole(model.fixed_bytes)},
-                       {"weight_casts", whole(kept_casts_bytes(model, stores))},
                        {"transient", whole(per_micro * model.transient_bytes)}};
   return Json{{"feasible", feasible},
               {"batch", batch},

@@ -3,21 +3,19 @@
 // profiles.
 //
 // The cost model (MemoryModel) prices each consumer in bytes and each lever in seconds, per unit where it is per unit:
-//   peak(m, R, U, placement) = weights + gradients(U) + optimizer state + fixed transients
+//   peak(m, R, placement) = weights + gradients(U) + optimizer state + fixed transients
 //                         + data(placement) + the step's input buffers (B samples)
 //                         + m · scale · (activations(R) + transient)
 //   activations(R, F) = max( Σ_v alive_v,                                    backward's start
-//                            max_{u∈R} [ Σ_{v<u} alive_v + input_u + saved_u + c_u ],  a recomputed unit's backward
+//                            max_{u∈R} [ Σ_{v<u} alive_v + input_u + saved_u ],    a recomputed unit's backward
 //                            max_{u∈F∖R} [ Σ_{v≤u} alive_v + unpack_u ] )          an FP8 unit's backward
 // with B the requested batch, m the micro-batch (B = accumulation steps × m, the last micro-batch shorter when m does
 // not divide B), R the recomputed units, F the units whose saved activations are stored in FP8 (train/fp8_saved.h),
 // saved_u the activations unit u keeps for backward per sample, fp8_u the same stored in FP8, input_u its input (what
 // a recomputed unit keeps instead), alive_v what unit v holds (input_v when recomputed, else fp8_v when in F, else
-// saved_v; plus c_v when v is not recomputed), unpack_u the largest tensor unit u stored in FP8 at its own dtype (backward dequantizes one at a time):
+// saved_v), unpack_u the largest tensor unit u stored in FP8 at its own dtype (backward dequantizes one at a time):
 // backward frees the units after u before it recomputes u. `scale` is the correction learned from the
-// allocator's readings (1 until measured). c_u = cast_u / (m · scale): unit u's 16-bit weight casts (batch-
-// independent), which its backward keeps from its forward on unless it is recomputed (then its recompute makes them
-// again beside the units before it). U: the update in backward (train/step.h; one micro-batch only), under
+// allocator's readings (1 until measured). U: the update in backward (train/step.h; one micro-batch only), under
 // which the gradients alive at once are update_in_backward_grads_bytes instead of every parameter's.
 //   step_s(m, R, F, U, placement) = k · overhead_s + B · (per_sample_s · (1 + recompute_share) + Σ_{u∈F∖R} fp8_s_u)
 //                                   + stream cost + (U ? update_in_backward_s : 0)
@@ -57,7 +55,6 @@ struct UnitCost {
   double fp8_bytes = 0;     // its saved activations stored in FP8 (0: not offered here, or nothing it saves would be)
   double fp8_s = 0;         // the FP8 storage's price per sample, in per_sample_s's unit
   double fp8_unpack_bytes = 0;  // its largest stored tensor at its own dtype: made again when backward reads it
-  double weight_cast_bytes = 0;  // its weights' 16-bit casts (batch-independent; 0 in fp32), kept unless recomputed
 };
 
 // A unit's saved activations in a plan.
@@ -69,7 +66,7 @@ struct MemoryModel {
   double weights_bytes = 0;      // fp32 parameters
   double grads_bytes = 0;        // fp32 gradients
   double optimizer_bytes = 0;    // optimizer state
-  double fixed_bytes = 0;        // scaler, metrics, workspaces, allocator slack (the weight casts are per unit)
+  double fixed_bytes = 0;        // weight casts, scaler, metrics, workspaces, allocator slack
   double dataset_bytes = 0;      // the training and test sets resident on the GPU (kDevice)
   double stream_bytes = 0;       // kHost: what stays on the GPU (order, augmentation draws, test set)
   // Per sample of the requested batch (the step's static inputs exist at the full batch).
