@@ -111,6 +111,7 @@ if [ -n "${LOADER_PROFILE:-}" ]; then
 fi
 # LOADER_THREADS=1: the DataLoader path's CPU per thread and per worker, variant by variant (dev/python_loader_threads.py).
 if [ -n "${LOADER_THREADS:-}" ]; then
+  echo "shared memory: $(df -h /dev/shm | tail -1)"  # the workers' ring of slots lives there (python/triaccel/_data.py)
   timeout ${LOADER_TIMEOUT:-420} python3 dev/python_loader_threads.py $DATA /tmp/loader_threads ${LOADER_THREADS_ARGS:-} \
     --json "$FINAL_OUT/python_loader_threads.json" 2>&1 | grep -vE "Warning|warn" | tail -40
   row "dev/python_loader_threads.py ${LOADER_THREADS_ARGS:-}" "exit ${PIPESTATUS[0]}"

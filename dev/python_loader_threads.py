@@ -5,7 +5,9 @@ DataLoader of 12 workers against 25,642 with tensors; the loader alone 33,133). 
 seconds per second of the main process's threads (the busiest ones named by kind) and of the workers, sampled from
 /proc every 0.25 s over epoch 2's wall time.
 Usage: python_loader_threads.py CIFAR_BIN_DIR OUT_DIR [--models resnet50:96,resnet18:512] [--variants ...]
-Variants: default (the library's host_threads_for); untuned (without it: all intra-op threads); threads1
+Variants: default (the library as it is); ahead (the library without the workers' ring of slots: the DataLoader's
+own shared memory, read by two threads); ring_alone (the library's source over the loader, pinned, no engine);
+untuned (without host_threads_for: all intra-op threads); threads1
 (untuned, torch.set_num_threads(1) before train); passive (untuned with OMP_WAIT_POLICY=PASSIVE); tensors (the tensors
 path, for the ratio); alone (the loader iterated alone, no engine)."""
 import contextlib
@@ -78,6 +80,14 @@ def child(a):
         triaccel._data.host_threads_for = lambda *_: contextlib.nullcontext()
     if a.variant == "threads1":
         torch.set_num_threads(1)
+    if a.variant == "ahead":
+        triaccel._data.RING_SHM_SHARE = 0.0  # no ring: the workers' batches the DataLoader's way, two threads
+    came, close = [], triaccel._data.Served.close
+
+    def closing(served):  # how the workers' batches came, per source
+        came.append(dict(served.came))
+        close(served)
+    triaccel._data.Served.close = closing
     train_set, test_set = pm.cifar_read(a.data)
     test = (test_set[0][:2048], test_set[1][:2048])
     name, batch = a.model.split(":")
@@ -93,6 +103,18 @@ def child(a):
             n += len(x)
         t1 = time.time()
         row = {"images_per_s": round(n / (t1 - t0))}
+    elif a.variant == "ring_alone":  # the engine's source over the same loader, pinned, no engine
+        served, _ = triaccel._data.served_from(loader, "train", True, False)
+        order = torch.randperm(len(loader.dataset)).tolist()
+        served.epoch_begin(order)
+        n, t0 = 0, None
+        for k, offset in enumerate(range(0, len(order) - batch + 1, batch)):
+            if k == 5:
+                t0, n = time.time(), 0
+            n += len(served.fetch(offset, order[offset:offset + batch])[0])
+        t1 = time.time()
+        row = {"images_per_s": round(n / (t1 - t0)), "came": served.came}
+        served.close()
     else:
         out = os.path.join(a.out, f"{name}_{batch}_{a.variant}")
         common = dict(epochs=2, batch_size=batch, precision="amp-bf16", seed=0, channels_last=True, progress="off",
@@ -107,7 +129,8 @@ def child(a):
         events = [json.loads(line) for line in open(os.path.join(out, "events.jsonl")) if line.strip()]
         e2 = [e for e in events if e["event"] == "epoch"][-1]
         t0 = t1 - (events[-1]["time_s"] - e2["time_s"]) - e2["epoch_s"]  # epoch 2's start, on this clock
-        row = {"images_per_s": e2.get("images_per_s"), "epoch_s": e2.get("epoch_s"), "test_acc": s.get("test_acc")}
+        row = {"images_per_s": e2.get("images_per_s"), "epoch_s": e2.get("epoch_s"), "test_acc": s.get("test_acc"),
+               "came": came}
         t1 = t0 + e2["epoch_s"]
     row.update(sampler.rates(t0, t1) or {})
     print("ROW " + json.dumps(row), flush=True)

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 import unittest
 import unittest.mock
 
@@ -249,6 +250,109 @@ class PythonData(unittest.TestCase):
                 return iter([])
         with self.assertRaisesRegex(TypeError, "IterableDataset has no order"):
             triaccel.train(mlp(), train=Stream(), test=Stream(), **quiet())
+
+
+class Indexed(Dataset):
+    """Sample i is (a 3 x 4 tensor of i, i); the samples in `slow` take 20 ms (their workers finish out of turn)."""
+
+    def __init__(self, n, slow=()):
+        self.n, self.slow = n, set(slow)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.slow:
+            time.sleep(0.02)
+        return torch.full((3, 4), float(i)), i
+
+
+def padded(samples):
+    """A collate of the user's own: inputs padded to the longest of the batch (sample i is i % 5 + 1 long)."""
+    n = max(len(x) for x, _ in samples)
+    return (torch.stack([nn.functional.pad(x, (0, n - len(x))) for x, _ in samples]),
+            torch.tensor([y for _, y in samples]))
+
+
+class Ragged(Dataset):
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        return torch.full((i % 5 + 1,), float(i)), i
+
+
+def served_epochs(served, orders, batch, start=0):
+    """Every batch the source serves over epochs of these orders (the first from offset `start`)."""
+    got = []
+    for order in orders:
+        served.epoch_begin(order)
+        for offset in range(start, len(order), batch):
+            x, y = served.fetch(offset, order[offset:offset + batch])
+            got.append((order[offset:offset + batch], x.clone(), y.clone()))
+        start = 0
+    return got
+
+
+class LoaderRing(unittest.TestCase):
+    """The workers collate into a ring of shared-memory slots and send back the slot's number (_data._Ring)."""
+
+    def orders(self, n, epochs):
+        g = torch.Generator().manual_seed(3)
+        return [torch.randperm(n, generator=g).tolist() for _ in range(epochs)]
+
+    def test_every_batch_comes_through_a_slot_and_is_its_own(self):
+        # 2 workers, prefetch 3: batches 0-5 dispatched ahead, so 8 slots; slow samples make the workers finish out
+        # of turn. Two epochs of another order each, the first from offset 48 (a resumed run), batch 16, 203 samples.
+        served = triaccel._data.Served(Indexed(203, slow={5, 40, 41, 150}), num_workers=2, prefetch_factor=3)
+        try:
+            got = served_epochs(served, self.orders(203, 2), 16, start=48)
+            ring = served._ring
+        finally:
+            served.close()
+        self.assertEqual(ring.count, 3 * 2 + 2)
+        self.assertEqual(len(got), 10 + 13)
+        for ids, x, y in got:
+            self.assertEqual(y.tolist(), ids)
+            self.assertTrue(torch.equal(x, torch.tensor(ids, dtype=torch.float32).view(-1, 1, 1).expand(-1, 3, 4)))
+        self.assertEqual(served.came, {"slot": 23, "batch": 0})
+
+    def test_a_users_collate_fills_slots_where_its_batch_fits_and_comes_as_it_is_where_not(self):
+        served = triaccel._data.Served(Ragged(), collate_fn=padded, num_workers=2)
+        try:
+            served.fetch(0, [4])  # the first look at the data: 5 long, so the slots hold (batch, 5)
+            got = served_epochs(served, self.orders(96, 1), 4)
+        finally:
+            served.close()
+        fits = sum(1 for ids, _, _ in got if max(i % 5 for i in ids) == 4)
+        self.assertTrue(0 < fits < len(got))
+        self.assertEqual(served.came, {"slot": fits, "batch": len(got) - fits})
+        for ids, x, y in got:
+            self.assertEqual(y.tolist(), ids)
+            self.assertTrue(torch.equal(x, padded([Ragged()[i] for i in ids])[0]))
+
+    def test_no_ring_where_shared_memory_is_short_the_loaders_batches_then(self):
+        served = triaccel._data.Served(Indexed(64), num_workers=2)
+        try:
+            with unittest.mock.patch.object(triaccel._data, "RING_SHM_SHARE", 0.0):
+                got = served_epochs(served, self.orders(64, 1), 16)
+        finally:
+            served.close()
+        self.assertIsNone(served._ring)
+        self.assertEqual(served.came, {"slot": 0, "batch": 0})  # the two read-ahead threads served them
+        self.assertEqual([y.tolist() for _, _, y in got], [ids for ids, _, _ in got])
+
+    def test_a_larger_batch_makes_a_larger_ring(self):
+        served = triaccel._data.Served(Indexed(64), num_workers=1)
+        try:
+            served_epochs(served, self.orders(64, 1), 8)
+            first = served._ring
+            got = served_epochs(served, self.orders(64, 1), 16)
+            second = served._ring
+        finally:
+            served.close()
+        self.assertEqual((first.batch, second.batch), (8, 16))
+        self.assertEqual([y.tolist() for _, _, y in got], [ids for ids, _, _ in got])
 
 
 class CharModel(nn.Module):
