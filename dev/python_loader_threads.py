@@ -7,7 +7,8 @@ seconds per second of the main process's threads (the busiest ones named by kind
 Usage: python_loader_threads.py CIFAR_BIN_DIR OUT_DIR [--models resnet50:96,resnet18:512] [--variants ...]
 Variants: default (the library as it is); ahead (the library without the workers' ring of slots: the DataLoader's
 own shared memory, read by two threads); ring_alone (the library's source over the loader, pinned, no engine);
-untuned (without host_threads_for: all intra-op threads); threads1
+prefetch4 (default with the DataLoader's prefetch_factor 4); untuned (without host_threads_for: all intra-op
+threads); threads1
 (untuned, torch.set_num_threads(1) before train); passive (untuned with OMP_WAIT_POLICY=PASSIVE); tensors (the tensors
 path, for the ratio); alone (the loader iterated alone, no engine)."""
 import contextlib
@@ -94,7 +95,8 @@ def child(a):
     batch = int(batch)
     sampler = Sampler()
     loader = torch.utils.data.DataLoader(pm.CifarTransformed(*train_set, True), batch_size=batch,
-                                         num_workers=a.workers, pin_memory=True)
+                                         num_workers=a.workers, pin_memory=True,
+                                         prefetch_factor=4 if a.variant == "prefetch4" else None)
     if a.variant == "alone":
         n, t0 = 0, None
         for k, (x, _) in enumerate(loader):
@@ -108,10 +110,11 @@ def child(a):
         order = torch.randperm(len(loader.dataset)).tolist()
         served.epoch_begin(order)
         n, t0 = 0, None
-        for k, offset in enumerate(range(0, len(order) - batch + 1, batch)):
-            if k == 5:
-                t0, n = time.time(), 0
-            n += len(served.fetch(offset, order[offset:offset + batch])[0])
+        with triaccel._data.host_threads_for([served], True):
+            for k, offset in enumerate(range(0, len(order) - batch + 1, batch)):
+                if k == 5:
+                    t0, n = time.time(), 0
+                n += len(served.fetch(offset, order[offset:offset + batch])[0])
         t1 = time.time()
         row = {"images_per_s": round(n / (t1 - t0)), "came": served.came}
         served.close()

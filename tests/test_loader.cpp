@@ -182,6 +182,53 @@ TEST(LoaderTest, CutoutDrawsArePerSeedAndEpochAndLeaveCropsAlone) {
   EXPECT_LE(zeros, 40 * 3 * 9);
 }
 
+// A served dataset of n samples (sample i is the value i) that records what the loader tells it.
+class RecordingSource final : public SampleSource {
+ public:
+  explicit RecordingSource(int64_t n) : n_(n) {}
+  int64_t size() const override { return n_; }
+  void epoch_begin(const std::vector<int64_t>& order) override { begun.push_back(order); }
+  void epoch_ahead(const std::vector<int64_t>& order) override { ahead.push_back({fetched, order}); }
+  std::pair<at::Tensor, at::Tensor> fetch(int64_t, const std::vector<int64_t>& ids) override {
+    fetched += static_cast<int64_t>(ids.size());
+    const at::Tensor x = torch::tensor(ids, torch::kLong).to(torch::kFloat).view({-1, 1});
+    return {x, x.to(torch::kLong).view({-1})};
+  }
+  std::vector<std::vector<int64_t>> begun;
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> ahead;  // (samples fetched before, the order)
+  int64_t fetched = 0;
+
+ private:
+  int64_t n_;
+};
+
+TEST(LoaderTest, ASourceIsToldTheNextEpochsOrderOnceTheEpochsLastSampleIsFetched) {
+  auto source = std::make_shared<RecordingSource>(23);
+  const Dataset d = dataset_from_source(source, "train");  // fetches its one-sample example
+  LoaderOptions o;
+  o.batch_size = 10;
+  o.seed = 5;
+  Loader loader(d, {}, {}, o, torch::kCPU);  // tells the source epoch 0's order
+  ASSERT_EQ(source->fetched, 1);
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    if (epoch > 0) loader.epoch_begin(epoch);
+    for (int64_t off = 0; off < 23; off += 10) {
+      EXPECT_EQ(source->ahead.size(), static_cast<size_t>(epoch));  // not before the epoch's last samples
+      const auto [x, y] = loader.batch(off, std::min<int64_t>(10, 23 - off));
+      EXPECT_EQ(std::vector<int64_t>(y.data_ptr<int64_t>(), y.data_ptr<int64_t>() + y.numel()),
+                loader.sample_indices(off, x.size(0)));
+    }
+  }
+  ASSERT_EQ(source->begun.size(), 2u);  // epoch 0 (the constructor's), epoch 1
+  ASSERT_EQ(source->ahead.size(), 2u);
+  EXPECT_EQ(source->ahead[0].first, 1 + 23);  // right after epoch 0's last batch
+  EXPECT_EQ(source->ahead[0].second, source->begun[1]);  // epoch 1's order, as epoch_begin(1) then gave it
+  EXPECT_NE(source->ahead[0].second, source->begun[0]);
+  EXPECT_EQ(source->ahead[1].first, 1 + 46);
+  loader.epoch_begin(2);
+  EXPECT_EQ(source->ahead[1].second, source->begun[2]);
+}
+
 TEST(LoaderTest, CutoutOutOfRangeIsRefused) {
   const Dataset d = counting_dataset(8);  // 4×4 images
   LoaderOptions o;

@@ -204,6 +204,9 @@ class PySource final : public triaccel::SampleSource {
   void epoch_begin(const std::vector<int64_t>& order) override {
     python_call("the " + split_ + " data failed", [&] { served_.attr("epoch_begin")(order); });
   }
+  void epoch_ahead(const std::vector<int64_t>& order) override {
+    python_call("the " + split_ + " data failed", [&] { served_.attr("epoch_ahead")(order); });
+  }
   std::pair<at::Tensor, at::Tensor> fetch(int64_t offset, const std::vector<int64_t>& ids) override {
     return python_call("the " + split_ + " data failed", [&] {
       const py::tuple batch = served_.attr("fetch")(offset, ids);

@@ -65,15 +65,28 @@ class Served:
         self._iter = None      # the loader's iterator over the ring's batches, from offset self._next on
         self._example = None   # one sample collated (inputs, targets), as the first look at the data gave it
         self.came = {"slot": 0, "batch": 0}  # the workers' batches by the way they came (for tests and probes)
+        self.starts = 0        # iterations the workers were started on (for tests and probes)
 
     def size(self):
         return len(self.dataset)
 
     def epoch_begin(self, order):
+        order = list(order)
+        if self._next == 0 and (self._iter is not None or self._ahead is not None) and order == self.order:
+            return  # the workers are on it already (epoch_ahead), nothing of it fetched yet
         self._ahead_stop()
         self._iter = None
-        self.order = list(order)
+        self.order = order
         self._ordered = True
+
+    def epoch_ahead(self, order):
+        """The next epoch's order, once this epoch's last batch was fetched: the workers start on it while the
+        engine runs its last step and the evaluation (else the epoch would start on the time of one worker's whole
+        batch)."""
+        if self.num_workers == 0 or self._size is None:
+            return
+        self.epoch_begin(order)
+        self._restart(0, self._size)
 
     def close(self):
         """Stops the thread that fetches ahead and the loader's workers (at the run's end)."""
@@ -100,7 +113,9 @@ class Served:
 
     def fetch(self, offset, ids):
         if self.num_workers > 0 and self._ordered and list(self.order[offset:offset + len(ids)]) == list(ids):
-            if self._next != offset or self._size != len(ids) or (self._ahead is None and self._iter is None):
+            last = offset + len(ids) == len(self.order) and len(ids) < (self._size or 0)  # the epoch's short end
+            if self._next != offset or (self._size != len(ids) and not last) or (
+                    self._ahead is None and self._iter is None):
                 self._restart(offset, len(ids))
             self._next += len(ids)
             if self._iter is not None:
@@ -125,6 +140,7 @@ class Served:
         and its workers, which persist across epochs) the first time and again when a batch outgrows its slots."""
         self._ahead_stop()
         self._iter = None
+        self.starts += 1
         if self._loader is not None and self._ring is not None and size > self._ring.batch:
             self._loader = self._ring = None  # its workers hold the old ring: they shut down with the loader
         if self._loader is None:

@@ -76,8 +76,9 @@ def collate_triples(samples):
 class PythonData(unittest.TestCase):
     def train_on(self, train, test, out, **extra):
         model = mlp()
+        extra.setdefault("epochs", 2)
         triaccel.train(model, train=train, test=test, loss=nn.functional.mse_loss,
-                       **quiet(epochs=2, batch_size=32, optimizer="adamw", lr=1e-2, out=out, **extra))
+                       **quiet(batch_size=32, optimizer="adamw", lr=1e-2, out=out, **extra))
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     def test_dataset_and_dataloader_give_the_weights_of_the_same_tensors(self):
@@ -105,6 +106,37 @@ class PythonData(unittest.TestCase):
             self.train_on(loader, (x[:64] * 2.0, y[:64]), d, max_steps=3)
         ahead = [t.name for t in threading.enumerate() if t.name in ("triaccel-fetch-ahead", "triaccel-copy-ahead")]
         self.assertEqual(ahead, [], "a thread reading a DataLoader outlived its run")
+
+    def test_the_engine_tells_the_source_each_next_epochs_order(self):
+        # After each epoch's last batch the engine gives the train source the next epoch's order (epoch_ahead), the
+        # one its epoch_begin then gives: the workers start on it during the evaluation, and the epoch takes it
+        # (one start of the workers for the first epoch, one for each epoch_ahead).
+        x, y = regression_data(200, 4)
+        calls, starts = [], []
+        begin, ahead, close = (triaccel._data.Served.epoch_begin, triaccel._data.Served.epoch_ahead,
+                               triaccel._data.Served.close)
+
+        def recorded(kind, fn):
+            def call(served, order):
+                calls.append((served.split, kind, list(order)))
+                return fn(served, order)
+            return call
+
+        def closing(served):
+            starts.append((served.split, served.starts))
+            close(served)
+        with unittest.mock.patch.object(triaccel._data.Served, "epoch_begin", recorded("begin", begin)), \
+                unittest.mock.patch.object(triaccel._data.Served, "epoch_ahead", recorded("ahead", ahead)), \
+                unittest.mock.patch.object(triaccel._data.Served, "close", closing), \
+                tempfile.TemporaryDirectory() as d:
+            self.train_on(DataLoader(Doubled(x, y), batch_size=32, num_workers=1), (x * 2.0, y), d, epochs=3)
+        train = [(kind, order) for split, kind, order in calls if split == "train"]
+        aheads = [i for i, (kind, _) in enumerate(train) if kind == "ahead"]
+        self.assertEqual(len(aheads), 3)
+        for i in aheads[:2]:  # the order the next epoch began with
+            self.assertEqual(train[i][1], train[i + 1][1])
+            self.assertNotEqual(train[i - 1][1], train[i + 1][1])
+        self.assertIn(("train", 1 + 3), starts)
 
     def test_what_goes_wrong_in_the_loader_reaches_the_caller(self):
         # A worker's exception, and a batch that is not (inputs, targets), each cross both read-ahead threads (the
@@ -341,6 +373,28 @@ class LoaderRing(unittest.TestCase):
         self.assertIsNone(served._ring)
         self.assertEqual(served.came, {"slot": 0, "batch": 0})  # the two read-ahead threads served them
         self.assertEqual([y.tolist() for _, _, y in got], [ids for ids, _, _ in got])
+
+    def test_the_next_epoch_is_fetched_from_the_last_batch_on_and_the_short_end_restarts_nothing(self):
+        # 203 samples in batches of 16: the epoch ends on 11 samples, which the running iteration serves (one start
+        # an epoch); epoch_ahead after the last batch starts the next epoch's, which epoch_begin of that order keeps;
+        # an epoch_begin of another order starts over.
+        served = triaccel._data.Served(Indexed(203), num_workers=2)
+        orders = self.orders(203, 3)
+        try:
+            first = served_epochs(served, orders[:1], 16)
+            self.assertEqual(served.starts, 1)
+            served.epoch_ahead(orders[1])
+            self.assertEqual(served.starts, 2)
+            second = served_epochs(served, orders[1:2], 16)
+            self.assertEqual(served.starts, 2)
+            served.epoch_ahead(orders[0])  # not the order that comes
+            third = served_epochs(served, orders[2:3], 16)
+            self.assertEqual(served.starts, 4)
+        finally:
+            served.close()
+        for ids, _, y in first + second + third:
+            self.assertEqual(y.tolist(), ids)
+        self.assertEqual([ids for ids, _, _ in second], [orders[1][o:o + 16] for o in range(0, 203, 16)])
 
     def test_a_larger_batch_makes_a_larger_ring(self):
         served = triaccel._data.Served(Indexed(64), num_workers=1)

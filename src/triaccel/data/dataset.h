@@ -34,6 +34,9 @@ class SampleSource {
   // Samples [offset, offset + ids.size()) of the order; `ids` are their dataset indices. (inputs, targets), each
   // (count, ...), with the shapes and dtypes of the dataset's example.
   virtual std::pair<at::Tensor, at::Tensor> fetch(int64_t offset, const std::vector<int64_t>& ids) = 0;
+  // The next epoch's order, given once this epoch's last sample was fetched (while its last step and the
+  // evaluation run): a source may start fetching it. epoch_begin follows with the same order when that epoch comes.
+  virtual void epoch_ahead(const std::vector<int64_t>& /*order*/) {}
 };
 
 struct Dataset {

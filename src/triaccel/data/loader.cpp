@@ -97,11 +97,26 @@ int64_t Loader::image_width() const {
   return options_.image_size > 0 ? options_.image_size : images_.size(3);
 }
 
+namespace {
+
+// The generator of epoch `epoch`'s draws: its order first, then the augmentation's.
+at::Generator epoch_generator(uint64_t seed, int64_t epoch) {
+  return at::make_generator<at::CPUGeneratorImpl>(seed_mix(seed, static_cast<uint64_t>(epoch)));
+}
+
+}  // namespace
+
+at::Tensor Loader::order_of(at::Generator& gen) const {
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  return options_.shuffle ? at::randperm(size(), gen, i64) : at::arange(size(), i64);
+}
+
 void Loader::epoch_begin(int64_t epoch) {
   const int64_t n = size();
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_mix(options_.seed, static_cast<uint64_t>(epoch)));
+  auto gen = epoch_generator(options_.seed, epoch);
   const auto i64 = at::TensorOptions().dtype(at::kLong);
-  const at::Tensor order = options_.shuffle ? at::randperm(n, gen, i64) : at::arange(n, i64);
+  const at::Tensor order = order_of(gen);
+  epoch_ = epoch;
   order_ = source_ ? order : order.to(device_);
   if (host_ || source_) order_cpu_ = order;
   if (source_) source_->epoch_begin(std::vector<int64_t>(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + n));
@@ -152,6 +167,11 @@ void Loader::batch_into(int64_t offset, int64_t count, at::Tensor& images, at::T
                          images.sizes(), " and ", labels.sizes(), " (every sample of one shape, as the first)");
     images.copy_(x, /*non_blocking=*/x.is_pinned());
     labels.copy_(y, /*non_blocking=*/y.is_pinned());
+    if (offset + count == size()) {  // the epoch's last samples: the source may start on the next epoch's
+      auto gen = epoch_generator(options_.seed, epoch_ + 1);
+      const at::Tensor next = order_of(gen);
+      source_->epoch_ahead(std::vector<int64_t>(next.data_ptr<int64_t>(), next.data_ptr<int64_t>() + size()));
+    }
     return;
   }
   const at::Tensor index = order_.narrow(0, offset, count);

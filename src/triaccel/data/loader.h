@@ -55,7 +55,8 @@ class Loader {
   Loader(const Dataset& data, std::vector<float> mean, std::vector<float> std, LoaderOptions options,
          const c10::Device& device);
 
-  // Draws the order (and augmentation) of epoch `epoch`. Must be called before batch().
+  // Draws the order (and augmentation) of epoch `epoch`. Must be called before batch(). A served dataset's source
+  // is told the next epoch's order (SampleSource::epoch_ahead) when the epoch's last sample is fetched.
   void epoch_begin(int64_t epoch);
 
   int64_t size() const { return size_; }
@@ -87,7 +88,11 @@ class Loader {
   // a buffer is rewritten only after its previous copy finished). Returns (count, ...) on the device.
   at::Tensor stage(const at::Tensor& source, const at::Tensor& index_cpu, int slot_group) const;
 
+  // The order of epoch `epoch` (the first draw of `gen`, seeded by (seed, epoch)).
+  at::Tensor order_of(at::Generator& gen) const;
+
   bool host_ = false;  // placement kHost on a CUDA device
+  int64_t epoch_ = 0;  // the epoch of the order
   // kTensors a program serves (Dataset::source): images_ and labels_ hold its one-sample example; the order stays
   // on the CPU, and each batch is fetched and copied to the device.
   std::shared_ptr<SampleSource> source_;
