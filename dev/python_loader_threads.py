@@ -90,6 +90,8 @@ def child(a):
         close(served)
     triaccel._data.Served.close = closing
     train_set, test_set = pm.cifar_read(a.data)
+    if a.repeat > 1:  # a longer epoch: the batches the workers fetched during the last evaluation weigh less
+        train_set = (train_set[0].repeat(a.repeat, 1, 1, 1), train_set[1].repeat(a.repeat))
     test = (test_set[0][:2048], test_set[1][:2048])
     name, batch = a.model.split(":")
     batch = int(batch)
@@ -133,7 +135,7 @@ def child(a):
         e2 = [e for e in events if e["event"] == "epoch"][-1]
         t0 = t1 - (events[-1]["time_s"] - e2["time_s"]) - e2["epoch_s"]  # epoch 2's start, on this clock
         row = {"images_per_s": e2.get("images_per_s"), "epoch_s": e2.get("epoch_s"), "test_acc": s.get("test_acc"),
-               "came": came}
+               "eval_s": e2.get("eval_s"), "came": came}
         t1 = t0 + e2["epoch_s"]
     row.update(sampler.rates(t0, t1) or {})
     print("ROW " + json.dumps(row), flush=True)
@@ -146,6 +148,7 @@ def main():
     ap.add_argument("--models", default="resnet50:96,resnet18:512")
     ap.add_argument("--variants", default="tensors,alone,untuned,threads_only,default")
     ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--repeat", type=int, default=1, help="the training set this many times over (a longer epoch)")
     ap.add_argument("--json")
     ap.add_argument("--model")
     ap.add_argument("--variant")
@@ -160,7 +163,7 @@ def main():
                 env["OMP_WAIT_POLICY"] = "PASSIVE"
             t = time.time()
             p = subprocess.run([sys.executable, __file__, a.data, a.out, "--model", model, "--variant", variant,
-                                "--workers", str(a.workers)], env=env, capture_output=True, text=True, timeout=300)
+                                "--workers", str(a.workers), "--repeat", str(a.repeat)], env=env, capture_output=True, text=True, timeout=300)
             got = [json.loads(line[4:]) for line in p.stdout.splitlines() if line.startswith("ROW ")]
             row = {"model": model, "variant": variant, "wall_s": round(time.time() - t, 1), **(got[0] if got else {
                 "error": (p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1][:300]})}

@@ -73,6 +73,19 @@ inline MemoryModel made_up(const std::vector<double>& saved, const std::vector<d
   return m;
 }
 
+// made_up with four units drawn from `rng`: each keeps 1-60 bytes a sample, reads a third of such a draw, costs
+// 0.5-5 (the random models of the solver's brute-force tests).
+inline MemoryModel made_up_random(std::mt19937& rng) {
+  std::uniform_real_distribution<double> bytes(1, 60), cost(0.5, 5);
+  std::vector<double> saved, input, flops;
+  for (int u = 0; u < 4; ++u) {
+    saved.push_back(bytes(rng));
+    input.push_back(bytes(rng) / 3);
+    flops.push_back(cost(rng));
+  }
+  return made_up(saved, input, flops);
+}
+
 // Every micro-batch, placement and per-unit choice (kept; recomputed where the unit is recomputable; in FP8 where
 // it is offered, fp8_bytes in (0, saved_bytes)), and at the whole batch the update in backward where it is offered:
 // the least step time among those that fit `budget` (any: whether one does).

@@ -27,20 +27,15 @@ namespace {
 
 using memory_test::expect_fastest;
 using memory_test::made_up;
+using memory_test::made_up_random;
 using memory_test::UnitRig;
 
 TEST(Fp8SavedPlanTest, FindsTheFastestOfKeptFp8AndRecomputedForEveryUnit) {
   std::mt19937 rng(17);
-  std::uniform_real_distribution<double> bytes(1, 60), cost(0.5, 5), share(0.3, 0.7), price(0.005, 0.1);
+  std::uniform_real_distribution<double> share(0.3, 0.7), price(0.005, 0.1);
   int feasible = 0, with_fp8 = 0;
   for (int trial = 0; trial < 40; ++trial) {
-    std::vector<double> saved, input, flops;
-    for (int u = 0; u < 4; ++u) {
-      saved.push_back(bytes(rng));
-      input.push_back(bytes(rng) / 3);
-      flops.push_back(cost(rng));
-    }
-    MemoryModel m = made_up(saved, input, flops);
+    MemoryModel m = made_up_random(rng);
     for (size_t u = 0; u < m.units.size(); ++u) {
       if ((trial + static_cast<int>(u)) % 4 == 0) continue;  // not offered
       m.units[u].fp8_bytes = share(rng) * m.units[u].saved_bytes;

@@ -32,21 +32,16 @@ namespace {
 
 using memory_test::expect_fastest;
 using memory_test::made_up;
+using memory_test::made_up_random;
 using memory_test::UnitNet;
 using memory_test::UnitRig;
 
 TEST(UpdateInBackwardPlanTest, FindsTheFastestWithAndWithoutIt) {
   std::mt19937 rng(29);
-  std::uniform_real_distribution<double> bytes(1, 60), cost(0.5, 5), grads(100, 400), price(0.1, 4);
+  std::uniform_real_distribution<double> grads(100, 400), price(0.1, 4);
   int with = 0, without = 0;
   for (int trial = 0; trial < 40; ++trial) {
-    std::vector<double> saved, input, flops;
-    for (int u = 0; u < 4; ++u) {
-      saved.push_back(bytes(rng));
-      input.push_back(bytes(rng) / 3);
-      flops.push_back(cost(rng));
-    }
-    MemoryModel m = made_up(saved, input, flops);
+    MemoryModel m = made_up_random(rng);
     m.grads_bytes = grads(rng);
     m.update_in_backward_grads_bytes = trial % 5 == 0 ? 0 : m.grads_bytes / 8;  // not offered in every fifth
     m.update_in_backward_s = price(rng);
