@@ -46,13 +46,15 @@ device_binaries() {
   [ "$ok" = 1 ] && return 0
   echo "carried binaries do not run here; building"
   local t0=$SECONDS
-  device_cmake_build . build-gpu "$logdir" "-DTRIACCEL_BUILD_BENCH=OFF" triaccel_cli triaccel_tests || exit 1
+  local bench=OFF  # the files named are targets too: only those and the command line are built
+  for f in "$@"; do case $f in bench_*) bench=ON ;; esac; done
+  device_cmake_build . build-gpu "$logdir" "-DTRIACCEL_BUILD_BENCH=$bench" triaccel_cli "$@" || exit 1
   echo "built in $((SECONDS - t0)) s"
   BIN=build-gpu
   # PACK_BIN=DIR: the binaries compressed into DIR (e.g. $OUT/bin), to carry as .device/bin in later calls.
   if [ -n "${PACK_BIN:-}" ]; then
     mkdir -p "$PACK_BIN"
-    for f in triaccel triaccel_tests; do xz -T0 -6 -c "$BIN/$f" >"$PACK_BIN/$f.xz"; done
+    for f in triaccel triaccel_tests; do [ -f "$BIN/$f" ] && xz -T0 -6 -c "$BIN/$f" >"$PACK_BIN/$f.xz"; done
     ls -la "$PACK_BIN"
   fi
 }

@@ -33,6 +33,8 @@
 #            side by side (one process each: the grid counts crashes, peaks and predictions, not speed; its img/s
 #            columns are of concurrent runs), each starting no run after GRID_DEADLINE (300) s, GRID_TIMEOUT (150) s a
 #            run; $OUT/grid_I_of_N.json each, and the shards' table merged
+#   micro    ResNet-18 b96 unbudgeted at each micro-batch of MICROS (default "0 48 32": 0 the whole batch), recompute
+#            none, EPOCHS epochs: the speed ceiling of any budget's plan at that micro-batch (issue 56's 0.25 GB)
 #   history  HISTORY ("model:budget[:method] ...", CIFAR-10 b96, 1 epoch) with the allocator's history recorded: what
 #            the eager steps' peak and each capture that ran out of memory hold (bench/memory_peak.py)
 # Binaries: .device/bin (built here with `make gpu-binaries`, carried: carry [".device"]); data: .device/data.
@@ -52,7 +54,7 @@ mkdir -p "$WORK/runs" "$FINAL_OUT"
 source "$(dirname "$0")/device_env.sh"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $GPU; commit ${COMMIT:-?}; stages $STAGES"
-device_binaries "$WORK" triaccel_tests
+if has tests || has mutant; then device_binaries "$WORK" triaccel_tests; else device_binaries "$WORK"; fi
 has() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 if has tests; then
@@ -85,7 +87,15 @@ train() {
   echo "$tag: exit $? $(grep -E '^(memory plan|method auto|done)' "$WORK/runs/$tag.log" | tr '\n' ' ' | cut -c1-220)"
 }
 
-if has r18 || has tri || has grid || has shards || has models || has acc || has history || has corners; then cifar10_bin; fi
+if has r18 || has tri || has grid || has shards || has models || has acc || has history || has corners || has micro; then
+  cifar10_bin
+fi
+if has micro; then
+  for m in ${MICROS:-0 48 32}; do
+    train "micro_b96_m$m" resnet18 none --dataset cifar10 --data "$DATA" --epochs "$EPOCHS" --batch-size 96 \
+      --micro-batch "$m" --recompute none
+  done
+fi
 if has r18; then
   for conf in ${ALLOC_CONFS:-default}; do
     suffix=""
