@@ -54,8 +54,8 @@ mkdir -p "$WORK/runs" "$FINAL_OUT"
 source "$(dirname "$0")/device_env.sh"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "gpu: $GPU; commit ${COMMIT:-?}; stages $STAGES"
-if has tests || has mutant; then device_binaries "$WORK" triaccel_tests; else device_binaries "$WORK"; fi
 has() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+if has tests || has mutant; then device_binaries "$WORK" triaccel_tests; else device_binaries "$WORK"; fi
 
 if has tests; then
   TRIACCEL_SOURCE_DIR=$(pwd) "$BIN/triaccel_tests" --gtest_brief=1 \
