@@ -10,7 +10,9 @@
 #include "triaccel/control/memory/memory_planner.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/events.h"
+#include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/optim/sgd.h"
+#include "triaccel/optim/state_format.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/train/step.h"
 
@@ -164,6 +166,53 @@ TEST(UpdateInBackwardStepTest, GivesThePlainStepsValuesAndFreesEachGradient) {
   EXPECT_TRUE(early.sgd.params()[0].grad().defined());
 }
 
+// AdamW (BaocOptimizer at its fp32, 8-bit and factored formats) updating in backward: after three steps the
+// parameters, every state tensor (moments, their scales) and the step counts are the plain step's bit for bit, and
+// no gradient is left. While BAOC's gradient statistics are gathered (they read a step's gradients together) it
+// cannot update one tensor alone.
+TEST(UpdateInBackwardStepTest, AdamWGivesThePlainStepsValuesAndState) {
+  for (const StateFormat format : {StateFormat::kAdamW32, StateFormat::kAdamW8, StateFormat::kFactored}) {
+    SCOPED_TRACE(state_format_traits(format).name);
+    torch::manual_seed(5);
+    UnitNet plain_net(true), early_net(true);
+    {
+      const torch::NoGradGuard no_grad;
+      auto from = plain_net.parameters();
+      auto to = early_net.parameters();
+      for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i]);
+    }
+    BaocOptimizer plain_opt(memory_test::named_on(plain_net, torch::kCPU), BaocOptions{}, format);
+    BaocOptimizer early_opt(memory_test::named_on(early_net, torch::kCPU), BaocOptions{}, format);
+    LossScaler plain_scaler(LossScalerOptions{}, torch::kCPU), early_scaler(LossScalerOptions{}, torch::kCPU);
+    TrainStep plain(plain_net, plain_opt, plain_scaler, StepOptions{}, torch::kCPU);
+    TrainStep early(early_net, early_opt, early_scaler, StepOptions{}, torch::kCPU);
+    ASSERT_TRUE(early.update_in_backward_possible());
+    early.set_update_in_backward(true);
+    const at::Tensor x = torch::randn({16, 12});
+    const at::Tensor y = torch::randint(0, 5, {16});
+    for (int s = 0; s < 3; ++s) {
+      plain.run(x, y, 0.01);
+      early.run(x, y, 0.01);
+    }
+    for (size_t i = 0; i < plain_opt.params().size(); ++i) {
+      EXPECT_TRUE(torch::equal(plain_opt.params()[i], early_opt.params()[i])) << plain_opt.names()[i];
+      EXPECT_FALSE(early_opt.params()[i].grad().defined());
+    }
+    const NamedTensors a = plain_opt.state_tensors(), b = early_opt.state_tensors();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t k = 0; k < a.size(); ++k) {
+      ASSERT_EQ(a[k].first, b[k].first);
+      EXPECT_TRUE(torch::equal(a[k].second, b[k].second)) << a[k].first;
+    }
+    EXPECT_TRUE(torch::equal(early_opt.counts(), torch::full({early_opt.counts().size(0), 2}, 3.0, torch::kDouble)));
+  }
+  UnitNet net(false);
+  BaocOptimizer gathering(memory_test::named_on(net, torch::kCPU), BaocOptions{});
+  EXPECT_TRUE(gathering.steps_one());
+  gathering.stream_stats_enable(true);
+  EXPECT_FALSE(gathering.steps_one());
+}
+
 // Where the update in backward cannot run: loss scaling (its skip needs every gradient first), fault injection, and
 // micro-batches (the gradients accumulate: the step updates after them as before).
 TEST(UpdateInBackwardStepTest, RefusedWhereItCannotRunAndSkippedOverMicroBatches) {
@@ -278,35 +327,40 @@ TEST(UpdateInBackwardGpuTest, TheGraphedStepMatchesThePlainOneAndItsPeakHoldsFew
 class UpdateInBackwardRunTest : public test::TinyMnistTest {};
 
 // A CPU run with update_in_backward on (a lever given by hand: planned without a budget) trains exactly as the run
-// with it off: the same test loss, bit for bit; the plan and its event say so; with an optimizer that updates all
-// tensors together it is refused in one line naming the way out.
-TEST_F(UpdateInBackwardRunTest, OnTrainsAsOffAndAdamWIsRefused) {
+// with it off, with SGD and with AdamW: the same test loss, bit for bit; the plan and its event say so; BAOC, whose
+// plan reads a step's gradients together, is refused in one line naming the way out.
+TEST_F(UpdateInBackwardRunTest, OnTrainsAsOffAndBaocIsRefused) {
   test::TempDir out("run_update_in_backward");
-  const auto run = [&](const char* toggle) {
+  const auto run = [&](const char* toggle, const char* optimizer) {
     Config o = options(out.path());
     o.set("update_in_backward", toggle);
-    o.set("optimizer", "sgd");
+    o.set("optimizer", optimizer);
     return api::run(o);
   };
-  const Json on = run("on");
+  const Json adamw_on = run("on", "adamw");
+  const Json adamw_off = run("off", "adamw");
+  EXPECT_EQ(adamw_on["memory_plan"]["update_in_backward"], true);
+  EXPECT_EQ(adamw_on["test_loss"].get<double>(), adamw_off["test_loss"].get<double>());
+  const Json on = run("on", "sgd");
   bool planned = false;
   for (const auto& e : events_read(out.file("events.jsonl"))) {
     if (e["event"] == "memory_plan") planned = planned || e["update_in_backward"].get<bool>();
   }
   EXPECT_TRUE(planned);
   EXPECT_EQ(on["memory_plan"]["update_in_backward"], true);
-  const Json off = run("off");
+  const Json off = run("off", "sgd");
   EXPECT_TRUE(off["memory_plan"].is_null());
+  EXPECT_NE(on["test_loss"].get<double>(), adamw_on["test_loss"].get<double>());
   EXPECT_EQ(on["test_loss"].get<double>(), off["test_loss"].get<double>());
   EXPECT_EQ(on["test_acc"].get<double>(), off["test_acc"].get<double>());
-  Config adamw = options(out.path());
-  adamw.set("update_in_backward", "on");
-  adamw.set("optimizer", "adamw");
+  Config baoc = options(out.path());
+  baoc.set("update_in_backward", "on");
+  baoc.set("optimizer", "baoc");
   try {
-    api::run(adamw);
-    ADD_FAILURE() << "adamw with update_in_backward on ran";
+    api::run(baoc);
+    ADD_FAILURE() << "baoc with update_in_backward on ran";
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("needs --optimizer sgd"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("is not for --optimizer baoc"), std::string::npos) << e.what();
   }
 }
 

@@ -184,7 +184,7 @@ expect memory_plan_text 0 "memory: micro-batch" -- plan "${TINY[@]}" --vram-budg
 expect saved_fp8_plan_text 0 "in FP8: block1, block2, block3" -- plan "${TINY[@]}" --saved-activations fp8 --out "$WORK/pm_fp8"
 expect bad_saved_activations 2 "--saved-activations must be auto, keep or fp8, got 'half'" -- train "${TINY[@]}" --saved-activations half
 expect update_in_backward_plan_text 0 "micro-batch 32 x 1, updated in backward" -- plan "${TINY[@]}" --update-in-backward on --out "$WORK/pm_uib"
-expect update_in_backward_adamw 2 "--update-in-backward on needs --optimizer sgd (an update per tensor); leave it auto or off" -- train "${TINY[@]}" --update-in-backward on --optimizer adamw --out "$WORK/uib_adamw"
+expect update_in_backward_baoc 2 "--update-in-backward on is not for --optimizer baoc (its plan reads every gradient of a step together): use sgd or adamw; leave it auto or off" -- train "${TINY[@]}" --update-in-backward on --optimizer baoc --out "$WORK/uib_baoc"
 expect update_in_backward_micro 2 "--update-in-backward on updates after one micro-batch, and --micro-batch 8 splits batch 32" -- train "${TINY[@]}" --update-in-backward on --micro-batch 8 --out "$WORK/uib_micro"
 if "$CLI" plan "${TINY[@]}" --vram-budget 1GB --json --out "$WORK/pm1" 2>/dev/null | python3 -c '
 import json, sys

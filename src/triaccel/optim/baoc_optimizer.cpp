@@ -298,24 +298,55 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
   state_init();
   const torch::NoGradGuard no_grad;
   if (stats_on_) stream_stats_add(g, found_inf);
+  std::vector<size_t> indices;
+  std::vector<at::Tensor> grads;
+  for (size_t i = 0; i < params().size(); ++i) {
+    if (!owned(i)) continue;
+    indices.push_back(i);
+    grads.push_back(g[i]);
+  }
+  if (params().empty() || !params()[0].is_cuda()) {  // the reference path syncs on found_inf
+    if (found_inf.item<float>() != 0.f) return;
+    counts_.add_(1.0);
+  } else {
+    counts_.add_(found_inf.reshape({}).eq(0).to(at::kDouble));
+  }
+  update(indices, grads, lr, found_inf);
+}
+
+void BaocOptimizer::step_one(size_t i, const at::Tensor& grad, const at::Tensor& lr, const at::Tensor& found_inf) {
+  TORCH_CHECK(i < params().size() && grad.defined(), "BaocOptimizer::step_one: parameter ", i, " of ",
+              params().size(), grad.defined() ? "" : " without a gradient");
+  TORCH_CHECK(!stats_on_, "BaocOptimizer::step_one: gradient statistics read a step's gradients together");
+  state_init();
+  const torch::NoGradGuard no_grad;
+  at::Tensor row = counts_.select(0, static_cast<int64_t>(i));  // its step counts alone, as step() advances all
+  if (!params()[i].is_cuda()) {
+    if (found_inf.item<float>() != 0.f) return;
+    row.add_(1.0);
+  } else {
+    row.add_(found_inf.reshape({}).eq(0).to(at::kDouble));
+  }
+  if (owned(i)) update({i}, {grad}, lr, found_inf);
+}
+
+void BaocOptimizer::update(const std::vector<size_t>& indices, const std::vector<at::Tensor>& g, const at::Tensor& lr,
+                           const at::Tensor& found_inf) {
 #ifdef TRIACCEL_WITH_CUDA
   if (!params().empty() && params()[0].is_cuda()) {
-    const at::Tensor ok = found_inf.reshape({}).eq(0);
-    counts_.add_(ok.to(at::kDouble));
     const AdamStepHyper hyper{static_cast<float>(options_.beta1), static_cast<float>(options_.beta2),
                               static_cast<float>(options_.eps)};
-    std::map<StateFormat, std::vector<size_t>> groups;
-    for (size_t i = 0; i < params().size(); ++i) {
-      if (owned(i)) groups[states_[i].format].push_back(i);
-    }
+    std::map<StateFormat, std::vector<size_t>> groups;  // positions in `indices`
+    for (size_t k = 0; k < indices.size(); ++k) groups[states_[indices[k]].format].push_back(k);
     for (const auto& [format, idx] : groups) {
       std::vector<at::Tensor> ps, gs, ms, vs, mas, vas;
       std::vector<float> wds, ks;
       std::vector<int64_t> rows;
-      for (size_t i : idx) {
+      for (size_t k : idx) {
+        const size_t i = indices[k];
         const BaocTensorState& s = states_[i];
         ps.push_back(params()[i]);
-        gs.push_back(g[i]);
+        gs.push_back(g[k]);
         ms.push_back(s.m);
         vs.push_back(s.v);
         mas.push_back(s.m_absmax);
@@ -337,7 +368,7 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
         std::vector<float> fwd, nwd, nk;
         std::vector<int64_t> frow, nrow;
         for (size_t j = 0; j < idx.size(); ++j) {
-          const BaocTensorState& s = states_[idx[j]];
+          const BaocTensorState& s = states_[indices[idx[j]]];
           if (s.v_row.defined()) {
             fp.push_back(ps[j]); fg.push_back(gs[j]); fr.push_back(s.v_row); fc.push_back(s.v_col);
             fwd.push_back(wds[j]); frow.push_back(rows[j]);
@@ -364,15 +395,12 @@ void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
     return;
   }
 #endif
-  // The reference path syncs on found_inf; the CUDA path reads it on the device.
-  if (found_inf.item<float>() != 0.f) return;
-  counts_.add_(1.0);
   const at::Tensor counts_cpu = counts_.cpu();
   const double lr_value = lr.item<double>();
-  for (size_t i = 0; i < params().size(); ++i) {
-    if (!owned(i)) continue;
+  for (size_t k = 0; k < indices.size(); ++k) {
+    const size_t i = indices[k];
     const auto row = static_cast<int64_t>(i);
-    baoc_tensor_step_reference(states_[i], params()[i], g[i], lr_value * lr_scales()[i], weight_decays()[i],
+    baoc_tensor_step_reference(states_[i], params()[i], g[k], lr_value * lr_scales()[i], weight_decays()[i],
                                counts_cpu[row][0].item<double>(), counts_cpu[row][1].item<double>(), options_,
                                map_signed_, map_unsigned_);
   }

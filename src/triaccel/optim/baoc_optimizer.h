@@ -65,6 +65,10 @@ class BaocOptimizer final : public Optimizer {
                 StateFormat initial = StateFormat::kAdamW32);
 
   void step(const at::Tensor& lr, const at::Tensor& found_inf) override;
+  // One tensor's update (the update in backward): while no gradient statistics are gathered, which read every
+  // gradient of a step together.
+  bool steps_one() const override { return !stats_on_; }
+  void step_one(size_t i, const at::Tensor& grad, const at::Tensor& lr, const at::Tensor& found_inf) override;
   NamedTensors state_tensors() override;
   void state_load(const NamedTensors& stored, const std::string& path) override;
 
@@ -110,6 +114,10 @@ class BaocOptimizer final : public Optimizer {
   BaocTensorState state_make(size_t i, StateFormat f, const at::Tensor& m32, const at::Tensor& v32) const;
   // Tensor i's state in its format, zero, on the host (sharded state: what a checkpoint gathers its owner's into).
   BaocTensorState state_host_temporary(size_t i) const;
+  // The update of the tensors `indices` (owned) from `grads` (one each), their step counts already advanced: on CUDA
+  // one kernel per state format, found_inf read on the device; elsewhere the reference, skipped when found_inf.
+  void update(const std::vector<size_t>& indices, const std::vector<at::Tensor>& grads, const at::Tensor& lr,
+              const at::Tensor& found_inf);
   void stream_stats_add(const std::vector<at::Tensor>& grads, const at::Tensor& found_inf);
   // The state's entries by name; with `for_checkpoint` and sharded state, the window's sums summed over the ranks
   // (a collective) and another rank's previous gradients as host temporaries, which the checkpoint gathers.

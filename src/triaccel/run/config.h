@@ -476,7 +476,7 @@ void ExecutionConfig::fields(S& s, V&& v) {
   v(s.update_in_backward, FieldInfo{"update_in_backward",
                                     "each parameter updated as soon as backward has made its gradient, which is "
                                     "then freed (the step holds a gradient or two, not all of them; one micro-batch; "
-                                    "sgd, one process, no loss scaling): auto (the memory planner's choice under a "
+                                    "sgd or adamw, one process, no loss scaling): auto (the memory planner's choice under a "
                                     "vram_budget), on, off"});
   v(s.batch_policy, FieldInfo{"batch_policy",
                               "under a vram_budget: fixed (the batch as asked, split into micro-batches to fit) or "

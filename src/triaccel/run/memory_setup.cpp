@@ -77,7 +77,9 @@ int64_t state_bytes_per_element(const OptimConfig& o) {
 // step exists), as the end of a sentence; "" when it can.
 std::string update_in_backward_refusal(const Config& config, int64_t world, Model& model) {
   const ExecutionConfig& ex = config.execution;
-  if (config.optim.optimizer != OptimizerKind::kSgd) return "needs --optimizer sgd (an update per tensor)";
+  if (config.optim.optimizer == OptimizerKind::kBaoc) {
+    return "is not for --optimizer baoc (its plan reads every gradient of a step together): use sgd or adamw";
+  }
   if (world > 1) return "runs in one process (data parallelism sums the gradients first)";
   if (ex.method == Method::kTriAccel) return "is not for tri-accel (its gradient statistics read every gradient)";
   if (loss_scaler_options(config).enabled) return "needs a precision without loss scaling (not amp-fp16)";
