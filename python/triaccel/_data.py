@@ -163,8 +163,7 @@ class Served:
         kind, *rest = got
         self.came[kind] += 1
         if kind != "slot":
-            pair = self._pair(rest[0])
-            return self._pinned(tuple(t.clone() for t in pair) if pair[0].is_shared() else pair)
+            return self._pinned(_private(self._pair(rest[0])))
         x, y = self._ring.take(*rest)
         return (x.pin_memory(), y.pin_memory()) if self.pin_memory else (x.clone(), y.clone())
 
@@ -206,11 +205,16 @@ class _Ring:
     def put(self, number, pair):
         """In a worker: batch `number` into its slot; what the main process receives for it."""
         x, y = pair
+        self.x[number % self.count, :len(x)].copy_(x)
+        return self._targets_put(number, y)
+
+    def _targets_put(self, number, y):
+        """In a worker: batch `number`'s targets into its slot (its inputs written), the slot marked as holding
+        it; what the main process receives for it."""
         slot = number % self.count
-        self.x[slot, :len(x)].copy_(x)
         self.y[slot, :len(y)].copy_(y)
         self.number[slot] = number
-        return ("slot", slot, len(x), number)
+        return ("slot", slot, len(y), number)
 
     def stack(self, number, samples):
         """In a worker: default_collate's batch of (tensor, tensor or int) samples stacked straight into its slot,
@@ -230,11 +234,8 @@ class _Ring:
             return None
         if y.dtype != self.y.dtype or y.shape[1:] != self.y.shape[2:]:
             return None
-        slot = number % self.count
-        torch.stack([s[0] for s in samples], out=self.x[slot, :len(samples)])
-        self.y[slot, :len(y)].copy_(y)
-        self.number[slot] = number
-        return ("slot", slot, len(samples), number)
+        torch.stack([s[0] for s in samples], out=self.x[number % self.count, :len(samples)])
+        return self._targets_put(number, y)
 
     def take(self, slot, n, number):
         """The main process's view of batch `number` in `slot` (valid until it asks the loader for the next)."""
@@ -271,6 +272,12 @@ class _RingDataset(Dataset):
 
 def _as_is(batch):
     return batch
+
+
+def _private(pair):
+    """A batch of the DataLoader's own way copied out of the shared memory it arrived in (resident, private)."""
+    x, y = pair
+    return (x.clone(), y.clone()) if x.is_shared() else (x, y)
 
 
 class _Batches:
@@ -335,8 +342,7 @@ class _Ahead:
                 continue
             if kind == "batch":
                 try:
-                    x, y = prepare(item)
-                    item = (x.clone(), y.clone()) if x.is_shared() else (x, y)  # resident, private memory
+                    item = _private(prepare(item))
                 except BaseException as e:  # noqa: BLE001 - as in _read
                     kind, item = "error", e
             if not self._put(self._ready, (kind, item)) or kind != "batch":

@@ -104,6 +104,11 @@ at::Generator epoch_generator(uint64_t seed, int64_t epoch) {
   return at::make_generator<at::CPUGeneratorImpl>(seed_mix(seed, static_cast<uint64_t>(epoch)));
 }
 
+// An order (int64 on the CPU) as a served source takes it.
+std::vector<int64_t> order_values(const at::Tensor& order) {
+  return std::vector<int64_t>(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
+}
+
 }  // namespace
 
 at::Tensor Loader::order_of(at::Generator& gen) const {
@@ -119,7 +124,7 @@ void Loader::epoch_begin(int64_t epoch) {
   epoch_ = epoch;
   order_ = source_ ? order : order.to(device_);
   if (host_ || source_) order_cpu_ = order;
-  if (source_) source_->epoch_begin(std::vector<int64_t>(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + n));
+  if (source_) source_->epoch_begin(order_values(order));
   if (options_.augment) {
     shift_ = at::randint(0, 2 * options_.pad + 1, {n, 2}, gen, i64).to(device_);
     flip_ = at::randint(0, 2, {n}, gen, i64).to(at::kByte).to(device_);
@@ -169,8 +174,7 @@ void Loader::batch_into(int64_t offset, int64_t count, at::Tensor& images, at::T
     labels.copy_(y, /*non_blocking=*/y.is_pinned());
     if (offset + count == size()) {  // the epoch's last samples: the source may start on the next epoch's
       auto gen = epoch_generator(options_.seed, epoch_ + 1);
-      const at::Tensor next = order_of(gen);
-      source_->epoch_ahead(std::vector<int64_t>(next.data_ptr<int64_t>(), next.data_ptr<int64_t>() + size()));
+      source_->epoch_ahead(order_values(order_of(gen)));
     }
     return;
   }

@@ -88,7 +88,7 @@ class Loader {
   // a buffer is rewritten only after its previous copy finished). Returns (count, ...) on the device.
   at::Tensor stage(const at::Tensor& source, const at::Tensor& index_cpu, int slot_group) const;
 
-  // The order of epoch `epoch` (the first draw of `gen`, seeded by (seed, epoch)).
+  // An epoch's order: the first draw of `gen`, that epoch's generator (seeded by (seed, epoch)).
   at::Tensor order_of(at::Generator& gen) const;
 
   bool host_ = false;  // placement kHost on a CUDA device

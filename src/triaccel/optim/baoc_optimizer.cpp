@@ -293,24 +293,29 @@ void BaocOptimizer::formats_set(const std::vector<StateFormat>& formats) {
   for (size_t i = 0; i < params().size(); ++i) states_[i].sgd_scale = static_cast<float>(scales[i]);
 }
 
+namespace {
+
+// Advances step counts (all rows of counts_, or one) by a step unless found_inf: on CUDA on the device (the kernels
+// read found_inf there too), true; elsewhere synced on found_inf, false when the step is skipped.
+bool counts_advance(at::Tensor counts, const at::Tensor& found_inf) {
+  if (counts.is_cuda()) {
+    counts.add_(found_inf.reshape({}).eq(0).to(at::kDouble));
+    return true;
+  }
+  if (found_inf.item<float>() != 0.f) return false;
+  counts.add_(1.0);
+  return true;
+}
+
+}  // namespace
+
 void BaocOptimizer::step(const at::Tensor& lr, const at::Tensor& found_inf) {
   const std::vector<at::Tensor> g = grads_required();
   state_init();
   const torch::NoGradGuard no_grad;
   if (stats_on_) stream_stats_add(g, found_inf);
-  std::vector<size_t> indices;
-  std::vector<at::Tensor> grads;
-  for (size_t i = 0; i < params().size(); ++i) {
-    if (!owned(i)) continue;
-    indices.push_back(i);
-    grads.push_back(g[i]);
-  }
-  if (params().empty() || !params()[0].is_cuda()) {  // the reference path syncs on found_inf
-    if (found_inf.item<float>() != 0.f) return;
-    counts_.add_(1.0);
-  } else {
-    counts_.add_(found_inf.reshape({}).eq(0).to(at::kDouble));
-  }
+  if (!counts_advance(counts_, found_inf)) return;
+  const auto [indices, grads] = owned_of(g);
   update(indices, grads, lr, found_inf);
 }
 
@@ -320,13 +325,8 @@ void BaocOptimizer::step_one(size_t i, const at::Tensor& grad, const at::Tensor&
   TORCH_CHECK(!stats_on_, "BaocOptimizer::step_one: gradient statistics read a step's gradients together");
   state_init();
   const torch::NoGradGuard no_grad;
-  at::Tensor row = counts_.select(0, static_cast<int64_t>(i));  // its step counts alone, as step() advances all
-  if (!params()[i].is_cuda()) {
-    if (found_inf.item<float>() != 0.f) return;
-    row.add_(1.0);
-  } else {
-    row.add_(found_inf.reshape({}).eq(0).to(at::kDouble));
-  }
+  // Its step counts alone, as step() advances all of them.
+  if (!counts_advance(counts_.select(0, static_cast<int64_t>(i)), found_inf)) return;
   if (owned(i)) update({i}, {grad}, lr, found_inf);
 }
 

@@ -62,6 +62,16 @@ std::vector<at::Tensor> Optimizer::grads_required() const {
   return g;
 }
 
+std::pair<std::vector<size_t>, std::vector<at::Tensor>> Optimizer::owned_of(const std::vector<at::Tensor>& all) const {
+  std::pair<std::vector<size_t>, std::vector<at::Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!owned(i)) continue;
+    out.first.push_back(i);
+    out.second.push_back(all[i]);
+  }
+  return out;
+}
+
 std::unique_ptr<Optimizer> optimizer_create(OptimizerKind kind,
                                             const std::vector<std::pair<std::string, at::Tensor>>& named_params,
                                             const OptimizerOptions& options) {

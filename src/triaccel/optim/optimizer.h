@@ -74,6 +74,9 @@ class Optimizer {
  protected:
   // The gradients of every parameter; an internal error naming the parameter that has none.
   std::vector<at::Tensor> grads_required() const;
+  // The parameters this process updates (all of them unless the state is sharded) and their gradients, from every
+  // parameter's gradient `all`.
+  std::pair<std::vector<size_t>, std::vector<at::Tensor>> owned_of(const std::vector<at::Tensor>& all) const;
 
  private:
   const char* kind_;

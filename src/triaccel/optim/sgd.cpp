@@ -50,15 +50,7 @@ Optimizer::NamedTensors Sgd::state_tensors() {
 }
 
 void Sgd::step(const at::Tensor& lr, const at::Tensor& found_inf) {
-  const auto all = grads_required();
-  // The parameters this process updates (all of them unless the state is sharded).
-  std::vector<size_t> indices;
-  std::vector<at::Tensor> grads;
-  for (size_t i = 0; i < params().size(); ++i) {
-    if (!owned(i)) continue;
-    indices.push_back(i);
-    grads.push_back(all[i]);
-  }
+  const auto [indices, grads] = owned_of(grads_required());
   step_of(indices, grads, lr, found_inf);
 }
 
