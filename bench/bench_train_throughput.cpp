@@ -8,6 +8,7 @@
 #include "triaccel/train/grad_stats.h"
 #include "triaccel/core/io.h"
 #include "triaccel/core/json.h"
+#include "triaccel/kernels/batch_norm.h"
 #include "triaccel/models/batch_norm.h"
 #include "triaccel/models/registry.h"
 #include "triaccel/train/loss_scaler.h"
@@ -145,6 +146,10 @@ int main(int argc, char** argv) {
   std::string bn_tail = "on";
   app.add_option("--bn-tail", bn_tail, "on|off: a residual block's end (BatchNorm + add + ReLU) as one pass of the "
                  "kernel; off: three (A/B runs)")->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  std::string bn_launch = "0:0";
+  app.add_option("--bn-launch", bn_launch, "ROWS:BLOCKS, the BatchNorm kernels' launch (kernels/batch_norm.h, "
+                 "BatchNormLaunch: backward rows in flight, blocks per SM; 0: the rule; 4:4 the launch before the "
+                 "rules, for A/B runs)")->capture_default_str();
   app.add_option("--grad-stats", grad_stats, "off|on|both: Tri-Accel's fused per-unit gradient statistics in the step "
                  "(both: each configuration without, then with)")->capture_default_str();
   bool cudnn_autotune = true;
@@ -158,6 +163,9 @@ int main(int argc, char** argv) {
     at::globalContext().setBenchmarkCuDNN(cudnn_autotune);
     triaccel::batch_norm_kernel_set_enabled(bn_kernel == "on");
     triaccel::batch_norm_add_relu_set_fused(bn_tail == "on");
+    const auto colon = bn_launch.find(':');
+    TRIACCEL_CHECK_INPUT(colon != std::string::npos, "--bn-launch: '" + bn_launch + "' is not ROWS:BLOCKS (e.g. 4:4)");
+    triaccel::batch_norm_launch_set({std::stoi(bn_launch.substr(0, colon)), std::stoi(bn_launch.substr(colon + 1))});
     Json rows = Json::array();
     for (const auto& b : split(batches)) {
       for (const auto& p : split(precisions)) {
@@ -168,6 +176,7 @@ int main(int argc, char** argv) {
           const Config cfg{model, std::stoll(b), triaccel::enum_parse<triaccel::PrecisionMode>(p, "precision"), channels_last, cuda_graphs,
                            image_size, gs};
           Json row = bench_one(cfg, warmup, steps, repeats, device);
+          row["bn_launch"] = bn_launch;
           std::printf("triaccel %-16s batch %4lld %-9s %s%9.0f img/s  peak %.3f GB\n", model.c_str(),
                       static_cast<long long>(cfg.batch), p.c_str(), gs ? "grad-stats " : "", row["images_per_s"].get<double>(),
                       row["peak_allocated_gb"].get<double>());

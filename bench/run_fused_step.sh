@@ -3,8 +3,11 @@
 # the same module, on the same GPU (docs/measuring.md, docs/roofline.md). Stages (STAGES, comma-separated; default
 # "tests,throughput,pytorch"):
 #   tests       the BatchNorm GPU tests (TESTS_FILTER) and the step tests that run ResNet-18 on the GPU
+#   kernels     bench_batch_norm: the BatchNorm kernels alone on ResNet-18/CIFAR's 20 layers at BATCHES, per launch
+#               choice (BN_CONFIGS; the rules, the launch before them) and ATen's unfused sequence
 #   throughput  bench_train_throughput, ResNet-18 CIFAR synthetic, PRECISIONS (amp-bf16) at BATCHES (96,512), REPEATS
-#               (5) × 50 steps, with the block-end fusion on and off (--bn-tail)
+#               (5) × 50 steps: the block-end fusion on and off (--bn-tail), and on with the BatchNorm launch before
+#               its rules (--bn-launch 4:4)
 #   pytorch     bench/pytorch_reference.py on the same rows, channels_last, eager and torch.compile
 #   acc         the 15-epoch protocol (ResNet-18 b96 amp-bf16) for ACC_SEEDS (0 1 2), fusion on and off
 #               (TRIACCEL_BN_TAIL=off)
@@ -28,7 +31,7 @@ has() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 t0=$SECONDS
 device_cmake_build . build-gpu "$FINAL_OUT" "-DTRIACCEL_BUILD_BENCH=ON" triaccel_cli triaccel_tests \
-  bench_train_throughput || exit 1
+  bench_train_throughput bench_batch_norm || exit 1
 BIN=build-gpu
 echo "built in $((SECONDS - t0)) s"
 
@@ -39,11 +42,18 @@ if has tests; then
   grep -A12 -E '^\[ RUN|Failure' "$FINAL_OUT/tests_gpu.log" | grep -B2 -A10 Failure | head -40
 fi
 
+if has kernels; then
+  "$BIN/bench_batch_norm" --batch-sizes "$BATCHES" --configs "${BN_CONFIGS:-rule:0:0,old:4:4,rows4:4:0,rows2:2:0,aten}" \
+    --commit "${COMMIT:-unknown}" --out "$FINAL_OUT/batch_norm_kernels.json" 2>&1 | tee "$FINAL_OUT/kernels.log"
+fi
+
 if has throughput; then
-  for tail in on off; do
+  for variant in on:0:0 off:0:0 on:4:4; do
+    tail=${variant%%:*}
+    launch=${variant#*:}
     "$BIN/bench_train_throughput" --precisions "$PRECISIONS" --batch-sizes "$BATCHES" --repeats "$REPEATS" \
-      --bn-tail "$tail" --out "$WORK/ours_tail_$tail.json" >>"$FINAL_OUT/throughput.log" 2>&1 ||
-      echo "bench_train_throughput --bn-tail $tail: exit $?"
+      --bn-tail "$tail" --bn-launch "$launch" --out "$WORK/ours_tail_${tail}_launch_${launch/:/_}.json" \
+      >>"$FINAL_OUT/throughput.log" 2>&1 || echo "bench_train_throughput --bn-tail $tail --bn-launch $launch: exit $?"
   done
 fi
 
@@ -87,11 +97,12 @@ python3 - "$WORK" "$FINAL_OUT/fused_step.json" "$GPU" "${COMMIT:-unknown}" "$STA
 import glob, json, os, sys
 work, dst, gpu, commit, stages = sys.argv[1:6]
 rows = []
-for tail in ("on", "off"):
-    f = f"{work}/ours_tail_{tail}.json"
-    if os.path.exists(f):
-        for r in json.load(open(f))["rows"]:
-            rows.append({"system": "triaccel", "variant": f"bn-tail {tail}", **r})
+for f in sorted(glob.glob(f"{work}/ours_tail_*.json")):
+    for r in json.load(open(f))["rows"]:
+        launch = r.get("bn_launch", "0:0")
+        tail = "on" if r["bn_tail"] else "off"
+        rows.append({"system": "triaccel", "variant": f"bn-tail {tail}" + ("" if launch == "0:0" else f" {launch}"),
+                     **r})
 f = f"{work}/pytorch.json"
 if os.path.exists(f):
     for r in json.load(open(f))["rows"]:
@@ -108,13 +119,14 @@ json.dump({"bench": "fused_step", "gpu": gpu, "commit": commit,
 speed = [r for r in rows if "images_per_s" in r]
 base = {(r["batch"], r["precision"]): r["images_per_s"] for r in speed if r["variant"] == "bn-tail off"}
 comp = {(r["batch"], r["precision"]): r["images_per_s"] for r in speed if r["variant"] == "compile"}
-print(f"{'system':9s} {'variant':12s} {'batch':>5s} {'precision':9s} {'img/s':>9s} {'/tail off':>9s} {'/compile':>9s} "
+old = {(r["batch"], r["precision"]): r["images_per_s"] for r in speed if r["variant"] == "bn-tail on 4:4"}
+print(f"{'system':9s} {'variant':16s} {'batch':>5s} {'precision':9s} {'img/s':>9s} {'/tail off':>9s} {'/compile':>9s} "
       f"{'peak GB':>8s}")
 for r in speed:
     k = (r["batch"], r["precision"])
     rel = lambda d: f"{r['images_per_s'] / d[k]:9.3f}" if k in d else f"{'':9s}"
-    print(f"{r['system']:9s} {r['variant']:12s} {r['batch']:5d} {r['precision']:9s} {r['images_per_s']:9.0f} "
-          f"{rel(base)} {rel(comp)} {r['peak_allocated_gb']:8.3f}")
+    print(f"{r['system']:9s} {r['variant']:16s} {r['batch']:5d} {r['precision']:9s} {r['images_per_s']:9.0f} "
+          f"{rel(base)} {rel(old)} {rel(comp)} {r['peak_allocated_gb']:8.3f}")
 acc = [r for r in rows if "test_acc" in r]
 for tail in ("on", "off"):
     a = [r["test_acc"] for r in acc if f"tail_{tail}_" in r["variant"]]

@@ -526,6 +526,40 @@ TEST(BatchNormCudaTest, AddReluMatchesFloat64Reference) {
   }
 }
 
+// Restores the kernels' launch rules when a test ends.
+class LaunchScope {
+ public:
+  explicit LaunchScope(const BatchNormLaunch& launch) { batch_norm_launch_set(launch); }
+  ~LaunchScope() { batch_norm_launch_set({}); }
+};
+
+// Every launch choice (BatchNormLaunch: the rules, the grid of 4 blocks per SM with 4 rows in flight they replaced,
+// one block per SM, 8 per SM — more than the heavier kernels hold, so a second wave —, 2 and 4 rows) gives answers
+// within the reference's tolerance, for each mask (none, ReLU, the block end's): a walk that skipped or repeated
+// rows when the grid or the unroll changes is off by O(max|ref|) in dweight and dx. Shapes with many row blocks, a
+// remainder of rows, and more than one channel tile. Out-of-range choices are refused.
+TEST(BatchNormCudaTest, EveryLaunchChoiceMatchesFloat64Reference) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(13);
+  const std::vector<BatchNormLaunch> launches = {{0, 0}, {4, 4}, {2, 1}, {4, 8}, {2, 0}, {4, 0}};
+  const std::vector<std::vector<int64_t>> shapes = {{64, 64, 16, 16}, {37, 128, 7, 5}, {2, 200, 2, 3}};
+  for (const BatchNormLaunch& launch : launches) {
+    const LaunchScope scope(launch);
+    for (const auto& shape : shapes) {
+      const BnCase k = case_make(shape);
+      const std::string what = "launch " + std::to_string(launch.rows_in_flight) + ":" +
+                               std::to_string(launch.blocks_per_sm) + " " + shape_name(k.x, true);
+      for (const bool relu : {false, true}) expect_matches_reference(k, k.x, relu, kernel_run(k, k.x, relu), what);
+      const at::Tensor residual =
+          (2 * torch::randn(shape, kCuda)).to(at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+      expect_add_relu_matches_reference(k, k.x, residual, "add_relu " + what);
+    }
+  }
+  EXPECT_THROW(batch_norm_launch_set({3, 0}), c10::Error);
+  EXPECT_THROW(batch_norm_launch_set({0, -1}), c10::Error);
+  batch_norm_launch_set({});
+}
+
 // A residual at an address that is not 16-byte aligned: the scalar path, the same answers.
 TEST(BatchNormCudaTest, AddReluMisalignedResidualMatchesReference) {
   TRIACCEL_SKIP_WITHOUT_GPU();

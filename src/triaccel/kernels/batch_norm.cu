@@ -8,7 +8,8 @@
 // inside a block a thread owns kVec consecutive channels (kVec = 8: one 16-byte load; kVec = 1 when C is not a
 // multiple of 8 or a pointer is misaligned) and walks the rows row_lane, row_lane + row_lanes, … of its row block.
 // A thread's channels never change, so it keeps their per-channel constants in registers. The grid is sized to
-// about kBlocksPerSm blocks per SM for every shape (fewer only when there are fewer rows than threads).
+// as many blocks per SM as every kernel of the call holds at once, one wave (fewer only when there are fewer rows
+// than threads): blocks_per_sm_for.
 //
 // Forward:  stats (per-block mean / M2 of each channel → partial (C, G)) → stats_combine (one block per channel:
 //           Chan's parallel-variance merge in a fixed order; running stats; scale = w·invstd, shift = b − mean·scale)
@@ -36,15 +37,21 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <type_traits>
+#include <utility>
 
 namespace triaccel {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kMaxTileChannels = 64;
-constexpr int kBlocksPerSm = 4;
-constexpr int kUnroll = 4;  // rows loaded before any is used: 4 × 16 bytes in flight per thread
+constexpr int kUnroll = 4;  // rows the forward loads before using any: 4 × 16 bytes in flight per thread
 constexpr int kCombineThreads = 128;
 
 // Grid geometry shared by the kernels of one call (see the top of the file).
@@ -381,9 +388,9 @@ __device__ __forceinline__ void masked_grad(float (&g)[kVec], const float (&xv)[
   }
 }
 
-// A thread's rows of dy and x (and y under kOutput), kUnroll rows loaded before any is used: visit(row, g, xv) for
+// A thread's rows of dy and x (and y under kOutput), kRows rows loaded before any is used: visit(row, g, xv) for
 // each of them in order, g = dy masked by the fused ReLU (masked_grad), xv = x.
-template <class E, int kVec, Mask kMask, class Visit>
+template <class E, int kVec, Mask kMask, int kRows, class Visit>
 __device__ __forceinline__ void grad_rows_walk(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x,
                                                const uint16_t* __restrict__ y, const Place& p, const Tiling& t,
                                                const float (&scale)[kVec], const float (&shift)[kVec], Visit visit) {
@@ -391,16 +398,16 @@ __device__ __forceinline__ void grad_rows_walk(const uint16_t* __restrict__ dy, 
   const int64_t C = t.channels;
   const int64_t step = t.row_lanes;
   int64_t m = p.begin;
-  for (; m + (kUnroll - 1) * step < p.end; m += kUnroll * step) {
-    float g[kUnroll][kVec], xv[kUnroll][kVec], yv[kUnroll][kVec];
+  for (; m + (kRows - 1) * step < p.end; m += kRows * step) {
+    float g[kRows][kVec], xv[kRows][kVec], yv[kRows][kVec];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kRows; ++u) {
       vec_load<E, kVec>(dy + (m + u * step) * C + p.c0, g[u]);
       vec_load<E, kVec>(x + (m + u * step) * C + p.c0, xv[u]);
       if constexpr (kReadY) vec_load<E, kVec>(y + (m + u * step) * C + p.c0, yv[u]);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kRows; ++u) {
       masked_grad<E, kVec, kMask>(g[u], xv[u], yv[u], scale, shift);
       visit(m + u * step, g[u], xv[u]);
     }
@@ -417,7 +424,7 @@ __device__ __forceinline__ void grad_rows_walk(const uint16_t* __restrict__ dy, 
 
 // partial: (C, G) float2 [Σg, Σg·(x − mean)] of each channel over the block's rows. Under kOutput it also stores g
 // (the masked dy: the residual's gradient, and the elementwise kernel's input) to g_out.
-template <class E, int kVec, Mask kMask>
+template <class E, int kVec, Mask kMask, int kRows>
 __global__ void __launch_bounds__(kThreads)
     bn_backward_reduce_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x,
                               const uint16_t* __restrict__ y, uint16_t* __restrict__ g_out, const Tiling t,
@@ -444,7 +451,7 @@ __global__ void __launch_bounds__(kThreads)
         sum_gx[k] = fmaf(g[k], xv[k] - mean[k], sum_gx[k]);
       }
     };
-    grad_rows_walk<E, kVec, kMask>(dy, x, y, p, t, scale, shift, sum);
+    grad_rows_walk<E, kVec, kMask, kRows>(dy, x, y, p, t, scale, shift, sum);
   }
 
   __shared__ float sh_g[kVec * kThreads];
@@ -505,7 +512,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 }
 
 // dx from g (dy, masked here under kRelu; under Tail::kAddRelu g arrives masked, from the reduce kernel: kNone).
-template <class E, int kVec, Mask kMask>
+template <class E, int kVec, Mask kMask, int kRows>
 __global__ void __launch_bounds__(kThreads)
     bn_backward_elemt_kernel(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ x,
                              uint16_t* __restrict__ dx, const Tiling t, const float* __restrict__ stats,
@@ -528,15 +535,44 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < kVec; ++k) g[k] = fmaf(k1[k], g[k], fmaf(kx[k], xv[k] - mean[k], k0[k]));
     vec_store<E, kVec>(dx + m * C + p.c0, g);
   };
-  grad_rows_walk<E, kVec, kMask>(dy, x, nullptr, p, t, scale, shift, store);
+  grad_rows_walk<E, kVec, kMask, kRows>(dy, x, nullptr, p, t, scale, shift, store);
 }
 
 // ---- launchers (raw pointers, explicit stream) ----
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// The process's launch choice (batch_norm_launch_set); 0 fields follow the rules below.
+std::atomic<int> g_rows_in_flight{0};
+std::atomic<int> g_blocks_per_sm{0};
+
+// Blocks of `kernel` one SM holds at kThreads threads (its registers and static shared memory decide), per device.
+int occupancy_of(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> known;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
+  return known[key] = std::max(blocks, 1);
+}
+
+// The grid's blocks per SM for the kernels of one call, which share one tiling: the fewest any of them holds at
+// once, so that each runs its grid in one wave (a grid of 4 blocks per SM for a kernel that holds 3 runs a second
+// wave on a quarter of the work, one block an SM: measured as half of HBM's bandwidth).
+int blocks_per_sm_for(std::initializer_list<const void*> kernels) {
+  if (const int chosen = g_blocks_per_sm.load()) return chosen;
+  int blocks = std::numeric_limits<int>::max();
+  for (const void* k : kernels) blocks = std::min(blocks, occupancy_of(k));
+  return blocks;
+}
+
 // vec: 8 when C % 8 == 0 and every pointer the kernels touch is 16-byte aligned, else 1.
-Tiling tiling_make(int64_t rows, int64_t channels, int vec, int sms) {
+Tiling tiling_make(int64_t rows, int64_t channels, int vec, int sms, int blocks_per_sm) {
   Tiling t{};
   t.rows = rows;
   t.channels = static_cast<int>(channels);
@@ -544,7 +580,7 @@ Tiling tiling_make(int64_t rows, int64_t channels, int vec, int sms) {
   t.lanes = (t.tile_channels + vec - 1) / vec;
   t.row_lanes = kThreads / t.lanes;
   t.tiles = static_cast<int>((channels + t.tile_channels - 1) / t.tile_channels);
-  const int64_t target_blocks = static_cast<int64_t>(sms) * kBlocksPerSm;
+  const int64_t target_blocks = static_cast<int64_t>(sms) * blocks_per_sm;
   const int64_t max_row_blocks = (rows + t.row_lanes - 1) / t.row_lanes;  // ≥ 1 row per row lane
   const int64_t want = std::clamp<int64_t>((target_blocks + t.tiles - 1) / t.tiles, 1, max_row_blocks);
   int64_t chunk = (rows + want - 1) / want;
@@ -554,37 +590,61 @@ Tiling tiling_make(int64_t rows, int64_t channels, int vec, int sms) {
   return t;
 }
 
-template <class E, Tail kTail>
-void transform_launch(int vec, const uint16_t* x, const uint16_t* r, uint16_t* y, const Tiling& t,
-                      const float* stats, cudaStream_t stream) {
+// What a launcher needs besides the kernels' pointers: the shape, the vector width, where the scratch goes.
+struct Shape {
+  int64_t rows;
+  int64_t channels;
+  int vec;
+  int sms;
+  at::TensorOptions float_options;  // of the (C, G) float2 partials
+};
+
+float2* partial_make(at::Tensor& holder, const Shape& s, const Tiling& t) {
+  holder = at::empty({s.channels, t.row_blocks, 2}, s.float_options);  // (C, G) float2
+  return reinterpret_cast<float2*>(holder.data_ptr<float>());
+}
+
+template <class E, int kVec, Tail kTail>
+void forward_launch_typed(const Shape& s, const uint16_t* x, const uint16_t* r, uint16_t* y, const float* weight,
+                          const float* bias, float* running_mean, float* running_var, float* stats, float momentum,
+                          float eps, cudaStream_t stream) {
+  const auto stats_kernel = bn_stats_kernel<E, kVec>;
+  const auto transform_kernel = bn_transform_kernel<E, kVec, kTail>;
+  const Tiling t = tiling_make(s.rows, s.channels, kVec, s.sms,
+                               blocks_per_sm_for({reinterpret_cast<const void*>(stats_kernel),
+                                                  reinterpret_cast<const void*>(transform_kernel)}));
+  at::Tensor holder;
+  float2* partial = partial_make(holder, s, t);
   const dim3 grid(t.tiles, t.row_blocks);
-  if (vec == 8) {
-    bn_transform_kernel<E, 8, kTail><<<grid, kThreads, 0, stream>>>(x, r, y, t, stats);
-  } else {
-    bn_transform_kernel<E, 1, kTail><<<grid, kThreads, 0, stream>>>(x, r, y, t, stats);
-  }
+  stats_kernel<<<grid, kThreads, 0, stream>>>(x, t, partial);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  bn_stats_combine_kernel<<<t.channels, kCombineThreads, 0, stream>>>(partial, t, weight, bias, running_mean,
+                                                                       running_var, stats, momentum, eps);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  transform_kernel<<<grid, kThreads, 0, stream>>>(x, r, y, t, stats);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // r: the residual under Tail::kAddRelu, else null.
 template <class E>
-void forward_launch(int vec, Tail tail, const uint16_t* x, const uint16_t* r, uint16_t* y, const Tiling& t,
-                    float2* partial, const float* weight, const float* bias, float* running_mean, float* running_var,
-                    float* stats, float momentum, float eps, cudaStream_t stream) {
-  const dim3 grid(t.tiles, t.row_blocks);
-  if (vec == 8) {
-    bn_stats_kernel<E, 8><<<grid, kThreads, 0, stream>>>(x, t, partial);
+void forward_launch(const Shape& s, Tail tail, const uint16_t* x, const uint16_t* r, uint16_t* y,
+                    const float* weight, const float* bias, float* running_mean, float* running_var, float* stats,
+                    float momentum, float eps, cudaStream_t stream) {
+  const auto typed = [&](auto vec, auto kTail) {
+    forward_launch_typed<E, decltype(vec)::value, decltype(kTail)::value>(s, x, r, y, weight, bias, running_mean,
+                                                                          running_var, stats, momentum, eps, stream);
+  };
+  const auto with_tail = [&](auto vec) {
+    switch (tail) {
+      case Tail::kNone: return typed(vec, std::integral_constant<Tail, Tail::kNone>{});
+      case Tail::kRelu: return typed(vec, std::integral_constant<Tail, Tail::kRelu>{});
+      case Tail::kAddRelu: return typed(vec, std::integral_constant<Tail, Tail::kAddRelu>{});
+    }
+  };
+  if (s.vec == 8) {
+    with_tail(std::integral_constant<int, 8>{});
   } else {
-    bn_stats_kernel<E, 1><<<grid, kThreads, 0, stream>>>(x, t, partial);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  bn_stats_combine_kernel<<<t.channels, kCombineThreads, 0, stream>>>(partial, t, weight, bias, running_mean,
-                                                                       running_var, stats, momentum, eps);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  switch (tail) {
-    case Tail::kNone: return transform_launch<E, Tail::kNone>(vec, x, r, y, t, stats, stream);
-    case Tail::kRelu: return transform_launch<E, Tail::kRelu>(vec, x, r, y, t, stats, stream);
-    case Tail::kAddRelu: return transform_launch<E, Tail::kAddRelu>(vec, x, r, y, t, stats, stream);
+    with_tail(std::integral_constant<int, 1>{});
   }
 }
 
@@ -595,7 +655,6 @@ struct BackwardArgs {
   const uint16_t* y;
   uint16_t* g;
   uint16_t* dx;
-  float2* partial;
   const float* weight;
   const float* stats;
   float* dweight;
@@ -603,39 +662,59 @@ struct BackwardArgs {
   float* coef;  // (3, C) scratch
 };
 
-template <class E, int kVec, Mask kMask>
-void backward_launch_typed(const BackwardArgs& a, const Tiling& t, cudaStream_t stream) {
-  const dim3 grid(t.tiles, t.row_blocks);
-  bn_backward_reduce_kernel<E, kVec, kMask><<<grid, kThreads, 0, stream>>>(a.dy, a.x, a.y, a.g, t, a.stats,
-                                                                            a.partial);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  bn_backward_combine_kernel<<<t.channels, kCombineThreads, 0, stream>>>(a.partial, t, a.weight, a.stats,
-                                                                          a.dweight, a.dbias, a.coef);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if constexpr (kMask == Mask::kOutput) {  // g is already masked
-    bn_backward_elemt_kernel<E, kVec, Mask::kNone><<<grid, kThreads, 0, stream>>>(a.g, a.x, a.dx, t, a.stats,
-                                                                                   a.coef);
-  } else {
-    bn_backward_elemt_kernel<E, kVec, kMask><<<grid, kThreads, 0, stream>>>(a.dy, a.x, a.dx, t, a.stats, a.coef);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+// Rows a backward thread loads before using any. Under a ReLU mask a thread keeps each channel's scale and shift
+// (or reads y) besides its sums, and 4 rows took 70-80 registers: 3 blocks an SM; 2 rows keep 4.
+int backward_rows_in_flight(Mask mask) {
+  if (const int chosen = g_rows_in_flight.load()) return chosen;
+  return mask == Mask::kNone ? 4 : 2;
 }
 
-template <class E, int kVec>
-void backward_launch_vec(Mask mask, const BackwardArgs& a, const Tiling& t, cudaStream_t stream) {
-  switch (mask) {
-    case Mask::kNone: return backward_launch_typed<E, kVec, Mask::kNone>(a, t, stream);
-    case Mask::kRelu: return backward_launch_typed<E, kVec, Mask::kRelu>(a, t, stream);
-    case Mask::kOutput: return backward_launch_typed<E, kVec, Mask::kOutput>(a, t, stream);
-  }
+template <class E, int kVec, Mask kMask, int kRows>
+void backward_launch_typed(const Shape& s, const BackwardArgs& a, cudaStream_t stream) {
+  constexpr Mask kElemtMask = kMask == Mask::kOutput ? Mask::kNone : kMask;  // under kOutput g is already masked
+  const auto reduce_kernel = bn_backward_reduce_kernel<E, kVec, kMask, kRows>;
+  const auto elemt_kernel = bn_backward_elemt_kernel<E, kVec, kElemtMask, kRows>;
+  const Tiling t = tiling_make(s.rows, s.channels, kVec, s.sms,
+                               blocks_per_sm_for({reinterpret_cast<const void*>(reduce_kernel),
+                                                  reinterpret_cast<const void*>(elemt_kernel)}));
+  at::Tensor holder;
+  float2* partial = partial_make(holder, s, t);
+  const dim3 grid(t.tiles, t.row_blocks);
+  reduce_kernel<<<grid, kThreads, 0, stream>>>(a.dy, a.x, a.y, a.g, t, a.stats, partial);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  bn_backward_combine_kernel<<<t.channels, kCombineThreads, 0, stream>>>(partial, t, a.weight, a.stats, a.dweight,
+                                                                          a.dbias, a.coef);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  elemt_kernel<<<grid, kThreads, 0, stream>>>(kMask == Mask::kOutput ? a.g : a.dy, a.x, a.dx, t, a.stats, a.coef);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <class E>
-void backward_launch(int vec, Mask mask, const BackwardArgs& a, const Tiling& t, cudaStream_t stream) {
-  if (vec == 8) {
-    backward_launch_vec<E, 8>(mask, a, t, stream);
+void backward_launch(const Shape& s, Mask mask, const BackwardArgs& a, cudaStream_t stream) {
+  const int rows_in_flight = backward_rows_in_flight(mask);
+  TORCH_CHECK(rows_in_flight == 2 || rows_in_flight == 4, "batch_norm: rows in flight must be 2 or 4, got ",
+              rows_in_flight);
+  const auto typed = [&](auto vec, auto kMask, auto rows) {
+    backward_launch_typed<E, decltype(vec)::value, decltype(kMask)::value, decltype(rows)::value>(s, a, stream);
+  };
+  const auto with_rows = [&](auto vec, auto kMask) {
+    if (rows_in_flight == 2) {
+      typed(vec, kMask, std::integral_constant<int, 2>{});
+    } else {
+      typed(vec, kMask, std::integral_constant<int, 4>{});
+    }
+  };
+  const auto with_mask = [&](auto vec) {
+    switch (mask) {
+      case Mask::kNone: return with_rows(vec, std::integral_constant<Mask, Mask::kNone>{});
+      case Mask::kRelu: return with_rows(vec, std::integral_constant<Mask, Mask::kRelu>{});
+      case Mask::kOutput: return with_rows(vec, std::integral_constant<Mask, Mask::kOutput>{});
+    }
+  };
+  if (s.vec == 8) {
+    with_mask(std::integral_constant<int, 8>{});
   } else {
-    backward_launch_vec<E, 1>(mask, a, t, stream);
+    with_mask(std::integral_constant<int, 1>{});
   }
 }
 
@@ -703,13 +782,11 @@ std::tuple<at::Tensor, at::Tensor> forward_entry(const char* op, const at::Tenso
                           (!add || aligned16(residual.data_ptr()))
                       ? 8
                       : 1;
-  const Tiling t = tiling_make(rows, channels, vec, sm_count());
-  at::Tensor partial = at::empty({channels, t.row_blocks, 2}, weight.options());  // (C, G) float2
+  const Shape shape{rows, channels, vec, sm_count(), weight.options()};
   const auto launch = x.scalar_type() == at::kHalf ? forward_launch<HalfFormat> : forward_launch<Bf16Format>;
-  launch(vec, tail, bits_data(x), add ? bits_data(residual) : nullptr, bits_data_mut(y), t,
-         reinterpret_cast<float2*>(partial.data_ptr<float>()), weight.data_ptr<float>(), bias.data_ptr<float>(),
-         running_mean.data_ptr<float>(), running_var.data_ptr<float>(), stats.data_ptr<float>(),
-         static_cast<float>(momentum), static_cast<float>(eps), stream);
+  launch(shape, tail, bits_data(x), add ? bits_data(residual) : nullptr, bits_data_mut(y), weight.data_ptr<float>(),
+         bias.data_ptr<float>(), running_mean.data_ptr<float>(), running_var.data_ptr<float>(),
+         stats.data_ptr<float>(), static_cast<float>(momentum), static_cast<float>(eps), stream);
   return {y, stats};
 }
 
@@ -745,25 +822,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_entry(const 
                           (!output_mask || (aligned16(y.data_ptr()) && aligned16(g.data_ptr())))
                       ? 8
                       : 1;
-  const Tiling t = tiling_make(rows, channels, vec, sm_count());
-  at::Tensor partial = at::empty({channels, t.row_blocks, 2}, weight.options());  // (C, G) float2
   const BackwardArgs args{bits_data(dy_cl),
                           bits_data(x),
                           output_mask ? bits_data(y) : nullptr,
                           output_mask ? bits_data_mut(g) : nullptr,
                           bits_data_mut(dx),
-                          reinterpret_cast<float2*>(partial.data_ptr<float>()),
                           weight.data_ptr<float>(),
                           stats.data_ptr<float>(),
                           dweight.data_ptr<float>(),
                           dbias.data_ptr<float>(),
                           coef.data_ptr<float>()};
   const auto launch = x.scalar_type() == at::kHalf ? backward_launch<HalfFormat> : backward_launch<Bf16Format>;
-  launch(vec, mask, args, t, stream);
+  launch(Shape{rows, channels, vec, sm_count(), weight.options()}, mask, args, stream);
   return {dx, dweight, dbias, g};
 }
 
 }  // namespace
+
+void batch_norm_launch_set(const BatchNormLaunch& launch) {
+  TORCH_CHECK(launch.rows_in_flight == 0 || launch.rows_in_flight == 2 || launch.rows_in_flight == 4,
+              "batch_norm_launch_set: rows_in_flight must be 0, 2 or 4, got ", launch.rows_in_flight);
+  TORCH_CHECK(launch.blocks_per_sm >= 0 && launch.blocks_per_sm <= 8,
+              "batch_norm_launch_set: blocks_per_sm must be in [0, 8], got ", launch.blocks_per_sm);
+  g_rows_in_flight.store(launch.rows_in_flight);
+  g_blocks_per_sm.store(launch.blocks_per_sm);
+}
 
 std::tuple<at::Tensor, at::Tensor> batch_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight,
                                                            const at::Tensor& bias, const at::Tensor& running_mean,

@@ -58,4 +58,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_add_relu_b
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
     const at::Tensor& stats);
 
+// How the kernels lay out their work; a benchmark's knob (bench/bench_batch_norm.cpp sweeps it against the rules in
+// one run), process-wide, set before the calls it is for (a captured CUDA graph keeps the launches it recorded).
+// A field left 0 follows its rule.
+struct BatchNormLaunch {
+  int rows_in_flight = 0;  // rows a backward thread loads before using any, 2 or 4; rule: 4, 2 under a ReLU mask
+  int blocks_per_sm = 0;   // the grid's blocks per SM; rule: the fewest the call's kernels hold at once (occupancy)
+};
+void batch_norm_launch_set(const BatchNormLaunch& launch);
+
 }  // namespace triaccel
