@@ -229,6 +229,9 @@ int main(int argc, char** argv) {
   } catch (const triaccel::UserError& e) {
     std::fprintf(stderr, "bench_batch_norm: %s\n", e.what());
     return 2;
+  } catch (const std::exception& e) {  // a number that does not parse (std::stoi), a CUDA error
+    std::fprintf(stderr, "bench_batch_norm: error: %s\n", e.what());
+    return 1;
   }
   return 0;
 }
