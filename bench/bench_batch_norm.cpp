@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -88,14 +89,14 @@ struct Config {
 // "name:rows:blocks" (a BatchNormLaunch) or "aten".
 Config config_parse(const std::string& s) {
   if (s == "aten") return {"aten", true, {}};
-  Config c;
-  const auto first = s.find(':'), second = s.find(':', first + 1);
-  if (first == std::string::npos || second == std::string::npos) {
+  const auto colon = s.find(':');
+  if (colon == std::string::npos) {
     throw triaccel::UserError("--configs: '" + s + "' is not name:rows:blocks or aten (e.g. rule:0:0,old:4:4)");
   }
-  c.name = s.substr(0, first);
-  c.launch.rows_in_flight = std::stoi(s.substr(first + 1, second - first - 1));
-  c.launch.blocks_per_sm = std::stoi(s.substr(second + 1));
+  Config c;
+  c.name = s.substr(0, colon);
+  std::tie(c.launch.rows_in_flight, c.launch.blocks_per_sm) =
+      bench::int_pair_parse(s.substr(colon + 1), "--configs " + c.name);
   return c;
 }
 

@@ -163,9 +163,8 @@ int main(int argc, char** argv) {
     at::globalContext().setBenchmarkCuDNN(cudnn_autotune);
     triaccel::batch_norm_kernel_set_enabled(bn_kernel == "on");
     triaccel::batch_norm_add_relu_set_fused(bn_tail == "on");
-    const auto colon = bn_launch.find(':');
-    TRIACCEL_CHECK_INPUT(colon != std::string::npos, "--bn-launch: '" + bn_launch + "' is not ROWS:BLOCKS (e.g. 4:4)");
-    triaccel::batch_norm_launch_set({std::stoi(bn_launch.substr(0, colon)), std::stoi(bn_launch.substr(colon + 1))});
+    const auto [rows_in_flight, blocks_per_sm] = bench::int_pair_parse(bn_launch, "--bn-launch");
+    triaccel::batch_norm_launch_set({rows_in_flight, blocks_per_sm});
     Json rows = Json::array();
     for (const auto& b : split(batches)) {
       for (const auto& p : split(precisions)) {

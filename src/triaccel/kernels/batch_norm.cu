@@ -599,6 +599,16 @@ struct Shape {
   at::TensorOptions float_options;  // of the (C, G) float2 partials
 };
 
+// f(std::integral_constant<int, kVec>) with the call's vector width as a compile-time constant.
+template <class F>
+void with_vec(int vec, F f) {
+  if (vec == 8) {
+    f(std::integral_constant<int, 8>{});
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
+
 float2* partial_make(at::Tensor& holder, const Shape& s, const Tiling& t) {
   holder = at::empty({s.channels, t.row_blocks, 2}, s.float_options);  // (C, G) float2
   return reinterpret_cast<float2*>(holder.data_ptr<float>());
@@ -641,11 +651,7 @@ void forward_launch(const Shape& s, Tail tail, const uint16_t* x, const uint16_t
       case Tail::kAddRelu: return typed(vec, std::integral_constant<Tail, Tail::kAddRelu>{});
     }
   };
-  if (s.vec == 8) {
-    with_tail(std::integral_constant<int, 8>{});
-  } else {
-    with_tail(std::integral_constant<int, 1>{});
-  }
+  with_vec(s.vec, with_tail);
 }
 
 // The backward's pointers: y and g (the masked dy, written by the reduce kernel) are used under Mask::kOutput only.
@@ -691,9 +697,7 @@ void backward_launch_typed(const Shape& s, const BackwardArgs& a, cudaStream_t s
 
 template <class E>
 void backward_launch(const Shape& s, Mask mask, const BackwardArgs& a, cudaStream_t stream) {
-  const int rows_in_flight = backward_rows_in_flight(mask);
-  TORCH_CHECK(rows_in_flight == 2 || rows_in_flight == 4, "batch_norm: rows in flight must be 2 or 4, got ",
-              rows_in_flight);
+  const int rows_in_flight = backward_rows_in_flight(mask);  // 2 or 4 (batch_norm_launch_set refuses others)
   const auto typed = [&](auto vec, auto kMask, auto rows) {
     backward_launch_typed<E, decltype(vec)::value, decltype(kMask)::value, decltype(rows)::value>(s, a, stream);
   };
@@ -711,11 +715,7 @@ void backward_launch(const Shape& s, Mask mask, const BackwardArgs& a, cudaStrea
       case Mask::kOutput: return with_rows(vec, std::integral_constant<Mask, Mask::kOutput>{});
     }
   };
-  if (s.vec == 8) {
-    with_mask(std::integral_constant<int, 8>{});
-  } else {
-    with_mask(std::integral_constant<int, 1>{});
-  }
+  with_vec(s.vec, with_mask);
 }
 
 // ---- checks shared by the entries ----
