@@ -2,7 +2,8 @@
 """Every combination inside every budget (issue 56): a seeded random grid of `triaccel train` runs over the options a
 budget combines with, each classified by how it ended.
 
-Axes: model (the built-in ones, each on its dataset at a batch it is trained at), method (backprop, tri-accel,
+Axes: model (the built-in ones, each on its dataset at a batch it is trained at, and two defined in Python, trained
+through `triaccel.train` by bench/grid_python_model.py: torchvision's ResNet-18 and a GPT with tied weights), method (backprop, tri-accel,
 neuroflux, auto), optimizer (sgd, adamw, baoc), precision (fp32, amp-bf16, amp-fp16; --precisions adds amp-fp8,
 which changes what every seed draws, so it is not in the default), Tri-Accel's controllers (all,
 or one of them off), vram_budget (none, or a share of the model's unbudgeted peak on the H200 at that batch: 0.9 down
@@ -11,8 +12,14 @@ combination the CLI refuses in one line (exit 2: an option that does not apply, 
 result, not a failure.
 
 Outcomes: ok (exit 0, and under a budget the peak within it), refused (exit 2, one `triaccel:` line), over_budget
-(exit 0, peak above the budget), internal_error (a `triaccel: internal error` line), crash (killed by a signal, or
-an exit code other than 0 and 2), timeout. The last four are bugs (issue 56: "never internal error").
+(exit 0, peak above the budget), samples_dropped (exit 0, a sample of a step not trained: `dropped_samples`),
+wrong_floor (refused for a floor the budget is not below), internal_error (a `triaccel: internal error` line), crash
+(killed by a signal, or an exit code other than 0 and 2), timeout. All but the first two are bugs (issue 56: "never
+internal error", "every refusal is below the named floor", "every sample once per epoch").
+
+The predicted peak is judged against the peak the final plan's own steps reached (the summary's
+memory_plan.measured_peak_gb: what the plan predicts), and also against the run's peak (which includes the steps of an
+earlier plan an out-of-memory error corrected).
 
 Usage: budget_grid.py --list [--seed 0 --count 150]         the combinations, one per line (no GPU needed)
        budget_grid.py --bin triaccel --data-cifar DIR --data-text DIR [--shard 0/3] [--max-steps 60] [--json OUT]
@@ -35,7 +42,11 @@ MODELS = {
     "small-cnn": {"dataset": "cifar10", "batch": 128, "peak_gb": 0.25},
     "vit-tiny": {"dataset": "cifar10", "batch": 512, "peak_gb": 1.9},
     "gpt-char": {"dataset": "tinyshakespeare", "batch": 64, "peak_gb": 1.79},
+    # Defined in Python (bench/grid_python_model.py), about the built-in models of their shape.
+    "tv-resnet18": {"dataset": "cifar10", "batch": 96, "peak_gb": 0.62, "python": True},
+    "py-gpt-tied": {"dataset": "tinyshakespeare", "batch": 64, "peak_gb": 1.79, "python": True},
 }
+PYTHON_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grid_python_model.py")
 METHODS = ["backprop", "tri-accel", "neuroflux", "auto"]
 OPTIMIZERS = ["sgd", "adamw", "baoc"]
 PRECISIONS = ["fp32", "amp-bf16", "amp-fp16"]
@@ -89,6 +100,12 @@ def args_of(c, data_cifar, data_text, max_steps, out):
     return a
 
 
+def floor_named(line):
+    """The floor in bytes a refusal names ("below ...'s floor of N bytes", "needs at least N bytes"), or None."""
+    m = re.search(r"floor of (\d+) bytes|needs at least (\d+) bytes", line)
+    return int(m.group(1) or m.group(2)) if m else None
+
+
 def classify(returncode, stderr, summary, budget_bytes, timed_out=False):
     """(outcome, the line that says why). summary: the events' last `summary` (or `stop`) event, or None."""
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -101,10 +118,17 @@ def classify(returncode, stderr, summary, budget_bytes, timed_out=False):
         return "crash", (lines[-1] if lines else f"exit {returncode}")
     if returncode == 2:
         said = [line for line in lines if line.startswith("triaccel:")]
-        return "refused", said[-1] if said else (lines[-1] if lines else "")
+        why = said[-1] if said else (lines[-1] if lines else "")
+        floor = floor_named(why)
+        if budget_bytes and floor is not None and budget_bytes >= floor:
+            return "wrong_floor", why
+        return "refused", why
     peak = (summary or {}).get("peak_vram_gb")
     if budget_bytes and peak is not None and peak * 1e9 > budget_bytes:
         return "over_budget", f"peak {peak:.3f} GB above {budget_bytes / 1e9:.3f} GB"
+    dropped = (summary or {}).get("dropped_samples") or 0
+    if dropped:
+        return "samples_dropped", f"{dropped} samples of its steps not trained"
     return "ok", ""
 
 
@@ -117,7 +141,8 @@ def bytes_of(size):
 
 def run_one(c, a, timeout):
     out = os.path.join(a.work, f"run_{c['index']}")
-    argv = [a.bin] + args_of(c, a.data_cifar, a.data_text, a.max_steps, out)
+    front = [a.python, PYTHON_RUNNER] if MODELS[c["model"]].get("python") else [a.bin]
+    argv = front + args_of(c, a.data_cifar, a.data_text, a.max_steps, out)
     if a.device:
         argv += ["--device", a.device]
     t = time.time()
@@ -135,21 +160,25 @@ def run_one(c, a, timeout):
     outcome, why = classify(code if code is not None else 0, err, last, bytes_of(c["vram_budget"]), timed_out)
     epochs = [e for e in events if e["event"] == "epoch"]
     plans = [e for e in events if e["event"] == "memory_plan" and e.get("predicted_peak_bytes")]
+    final_plan = (last or {}).get("memory_plan") or {}
     return dict(c, outcome=outcome,
                 predicted_peak_gb=plans[-1]["predicted_peak_bytes"] / 1e9 if plans else None,
+                plan_measured_peak_gb=final_plan.get("measured_peak_gb"),
+                dropped_samples=(last or {}).get("dropped_samples"),
                 method_run=plans[-1].get("method") if plans else None, why=why[:300], exit=code, wall_s=round(time.time() - t, 1),
                 oom_events=sum(1 for e in events if e["event"] == "oom"),
                 peak_vram_gb=(last or {}).get("peak_vram_gb"), steps=(last or {}).get("steps"),
                 images_per_s=epochs[-1].get("images_per_s") if epochs else None,
-                command=" ".join(["triaccel"] + argv[1:]))
+                command=" ".join(["triaccel"] + argv[len(front):]) if len(front) == 1 else " ".join(argv))
 
 
-def peak_prediction(rows):
-    """How close the memory plan's predicted peak came to the measured one, over the budgeted runs that trained and
-    have both: {runs, within_5pct, median_abs_error} (error relative to the measured peak)."""
-    errors = sorted(abs(r["predicted_peak_gb"] - r["peak_vram_gb"]) / r["peak_vram_gb"] for r in rows
-                    if r.get("vram_budget") and r["outcome"] in ("ok", "over_budget") and r.get("predicted_peak_gb")
-                    and r.get("peak_vram_gb"))
+def peak_prediction(rows, measured="plan_measured_peak_gb"):
+    """How close the final memory plan's predicted peak came to a measured one, over the budgeted runs that trained
+    and have both: {runs, within_5pct, median_abs_error} (error relative to the measured peak). measured: the key of
+    the peak measured: the final plan's own steps' (default) or the run's (peak_vram_gb)."""
+    errors = sorted(abs(r["predicted_peak_gb"] - r[measured]) / r[measured] for r in rows
+                    if r.get("vram_budget") and r["outcome"] in ("ok", "over_budget", "samples_dropped")
+                    and r.get("predicted_peak_gb") and r.get(measured))
     return {"runs": len(errors), "within_5pct": sum(e <= 0.05 for e in errors),
             "median_abs_error": errors[len(errors) // 2] if errors else None}
 
@@ -171,7 +200,11 @@ def main():
                     help="the precision axis, comma-separated (e.g. fp32,amp-bf16,amp-fp16,amp-fp8)")
     ap.add_argument("--models", default="", help="only these models' combinations (comma-separated; a quick check)")
     ap.add_argument("--device", default="", help="cpu: a smoke test of the runner (budgets and graphs are no-ops)")
-    ap.add_argument("--json")
+    ap.add_argument("--python", default=sys.executable,
+                    help="the interpreter that imports triaccel, for the models defined in Python")
+    ap.add_argument("--no-python-models", action="store_true",
+                    help="list the combinations of the models defined in Python as not run (no module here)")
+    ap.add_argument("--json", help="the shard's result, rewritten after every run (a call cut short keeps its runs)")
     ap.add_argument("--deadline-s", type=float, default=0,
                     help="start no run after this many seconds (a device call's limit); the rest are listed as not run")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
@@ -188,25 +221,32 @@ def main():
             print(json.dumps(c))
         return 0
     i, n = (int(x) for x in a.shard.split("/"))
-    rows, not_run = [], []
+    mine = [c for c in grid if c["index"] % n == i and not (a.models and c["model"] not in a.models.split(","))]
+    rows, not_run = [], [c["index"] for c in mine]
     start = time.monotonic()
-    for c in grid:
-        if c["index"] % n != i or (a.models and c["model"] not in a.models.split(",")):
-            continue
-        if a.deadline_s and time.monotonic() - start > a.deadline_s:
-            not_run.append(c["index"])
+    for c in mine:
+        if (a.deadline_s and time.monotonic() - start > a.deadline_s) or \
+                (a.no_python_models and MODELS[c["model"]].get("python")):
             continue
         rows.append(run_one(c, a, a.timeout))
+        not_run.remove(c["index"])
         r = rows[-1]
         print(f"{r['index']:4d} {r['outcome']:14s} {r['wall_s']:6.1f}s {r['command'][9:160]}  {r['why'][:120]}",
               flush=True)
-    result = {"bench": "budget_grid", "seed": a.seed, "count": a.count, "shard": a.shard, "max_steps": a.max_steps,
-              "counts": outcome_counts(rows), "peak_prediction": peak_prediction(rows), "not_run": not_run,
-              "rows": rows}
+        if a.json:
+            shard_write(a, rows, not_run)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+        shard_write(a, rows, not_run)
     return report(rows, not_run, f"shard {a.shard}")
+
+
+def shard_write(a, rows, not_run):
+    result = {"bench": "budget_grid", "seed": a.seed, "count": a.count, "shard": a.shard, "max_steps": a.max_steps,
+              "counts": outcome_counts(rows), "peak_prediction": peak_prediction(rows),
+              "peak_prediction_run_peak": peak_prediction(rows, "peak_vram_gb"), "not_run": not_run, "rows": rows}
+    with open(a.json + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(a.json + ".tmp", a.json)
 
 
 def outcome_counts(rows):
@@ -218,18 +258,31 @@ def outcome_counts(rows):
 
 def report(rows, not_run, what):
     """Prints the outcome table of `rows` (and how many were not run); returns 1 when any run is a bug."""
-    counts, prediction = outcome_counts(rows), peak_prediction(rows)
+    counts = outcome_counts(rows)
     print(f"\n{what}: {len(rows)} runs")
     if not_run:
         print(f"not run (deadline): {len(not_run)} combinations")
     print("\n| outcome | runs |\n|---|---|")
-    for k in ("ok", "refused", "over_budget", "internal_error", "crash", "timeout"):
+    for k in ("ok", "refused") + BUGS:
         print(f"| {k} | {counts.get(k, 0)} |")
-    if prediction["runs"]:
-        print(f"\npredicted peak within 5 % of the measured: {prediction['within_5pct']} of {prediction['runs']} "
-              f"budgeted runs (median |error| {prediction['median_abs_error']:.1%})")
-    bad = sum(counts.get(k, 0) for k in ("over_budget", "internal_error", "crash", "timeout"))
+    for key, what in (("plan_measured_peak_gb", "the final plan's own steps"), ("peak_vram_gb", "the run")):
+        p = peak_prediction(rows, key)
+        if p["runs"]:
+            print(f"\npredicted peak within 5 % of the peak of {what}: {p['within_5pct']} of {p['runs']} budgeted runs "
+                  f"(median |error| {p['median_abs_error']:.1%})")
+    for r in rows:
+        measured = r.get("plan_measured_peak_gb")
+        if r.get("vram_budget") and r.get("predicted_peak_gb") and measured and \
+                abs(r["predicted_peak_gb"] - measured) > 0.05 * measured:
+            print(f"  off by more than 5 %: #{r['index']} {r['model']} {r['method']} {r['optimizer']} {r['precision']} "
+                  f"{r['vram_budget']}: predicted {r['predicted_peak_gb']:.3f} GB, its steps {measured:.3f}, "
+                  f"{r.get('oom_events', 0)} oom events")
+    bad = sum(counts.get(k, 0) for k in BUGS)
     return 1 if bad else 0
+
+
+# The outcomes that are bugs (issue 56's targets).
+BUGS = ("over_budget", "samples_dropped", "wrong_floor", "internal_error", "crash", "timeout")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@
 #   shards   bench/budget_grid.py (the seeded grid of issue 56), shards GRID_SHARDS (default "0/5 1/5 2/5 3/5 4/5") run
 #            side by side (one process each: the grid counts crashes, peaks and predictions, not speed; its img/s
 #            columns are of concurrent runs), each starting no run after GRID_DEADLINE (300) s, GRID_TIMEOUT (150) s a
-#            run; $OUT/grid_I_of_N.json each, and the shards' table merged
+#            run; $OUT/grid_I_of_N.json each (rewritten after every run), and the shards' table merged. The models
+#            defined in Python run through the module built here (GRID_PYTHON=1, the default: target `python` in
+#            build-gpu, this machine's python3 and torch); GRID_PYTHON=0 lists them as not run
 #   micro    ResNet-18 b96 unbudgeted at each micro-batch of MICROS (default "0 48 32": 0 the whole batch), recompute
 #            none, EPOCHS epochs: the speed ceiling of any budget's plan at that micro-batch (issue 56's 0.25 GB)
 #   history  HISTORY ("model:budget[:method] ...", CIFAR-10 b96, 1 epoch) with the allocator's history recorded: what
@@ -204,17 +206,30 @@ fi
 
 if has shards; then
   mkdir -p /tmp/shakespeare && cp .device/data/tinyshakespeare/input.txt /tmp/shakespeare/ 2>/dev/null
+  python_models=(--no-python-models)
+  if [ "${GRID_PYTHON:-1}" = 1 ]; then
+    t0=$SECONDS
+    if device_cmake_build . build-gpu "$WORK" "-DTRIACCEL_PYTHON=ON -DTRIACCEL_BUILD_BENCH=OFF" python &&
+      PYTHONPATH=$(pwd)/build-gpu/python python3 -c "import triaccel" 2>"$WORK/python_import.log"; then
+      export PYTHONPATH=$(pwd)/build-gpu/python
+      python_models=()
+      echo "python module built in $((SECONDS - t0)) s"
+    else
+      echo "python module: build or import FAILED; its models not run"; tail -5 "$WORK/python_import.log"
+    fi
+  fi
   shard_files=()
   for shard in ${GRID_SHARDS:-0/5 1/5 2/5 3/5 4/5}; do
     f="$FINAL_OUT/grid_${shard%/*}_of_${shard#*/}.json"
     shard_files+=("$f")
     python3 bench/budget_grid.py --bin "$BIN/triaccel" --data-cifar "$DATA" --data-text /tmp/shakespeare \
       --shard "$shard" --work "/tmp/budget_grid_${shard%/*}" --deadline-s "${GRID_DEADLINE:-300}" \
-      --timeout "${GRID_TIMEOUT:-150}" --json "$f" >"$WORK/grid_${shard%/*}.log" 2>&1 &
+      --timeout "${GRID_TIMEOUT:-150}" "${python_models[@]}" --json "$f" >"$WORK/grid_${shard%/*}.log" 2>&1 &
   done
   wait
   cat "$WORK"/grid_*.log >"$FINAL_OUT/grid.log"
-  grep -hE '^ *[0-9]+ (internal_error|crash|timeout|over_budget)' "$WORK"/grid_*.log | cut -c1-300
+  grep -hE '^ *[0-9]+ (internal_error|crash|timeout|over_budget|samples_dropped|wrong_floor)' "$WORK"/grid_*.log |
+    cut -c1-300
   python3 bench/budget_grid.py --merge "${shard_files[@]}"
 fi
 

@@ -70,22 +70,61 @@ class Grid(unittest.TestCase):
         self.assertEqual(g.bytes_of(None), 0)
 
     def test_the_predicted_peak_is_judged_on_budgeted_runs_that_trained(self):
-        rows = [dict(vram_budget="0.3GB", outcome="ok", predicted_peak_gb=0.29, peak_vram_gb=0.30),  # 3.3 %
-                dict(vram_budget="0.3GB", outcome="over_budget", predicted_peak_gb=0.25, peak_vram_gb=0.32),  # 22 %
-                dict(vram_budget="0.5GB", outcome="ok", predicted_peak_gb=0.40, peak_vram_gb=0.41),  # 2.4 %
-                dict(vram_budget=None, outcome="ok", predicted_peak_gb=None, peak_vram_gb=0.6),  # unbudgeted
-                dict(vram_budget="0.1GB", outcome="refused", predicted_peak_gb=0.09, peak_vram_gb=None)]
+        def row(budget, outcome, predicted, plan_peak, run_peak):
+            return dict(vram_budget=budget, outcome=outcome, predicted_peak_gb=predicted,
+                        plan_measured_peak_gb=plan_peak, peak_vram_gb=run_peak)
+        rows = [row("0.3GB", "ok", 0.29, 0.30, 0.30),  # 3.3 %
+                row("0.3GB", "over_budget", 0.25, 0.32, 0.32),  # 22 %
+                row("0.5GB", "ok", 0.40, 0.41, 0.48),  # 2.4 % of its steps; 17 % of the run (an earlier plan's)
+                row(None, "ok", None, None, 0.6),  # unbudgeted
+                row("0.1GB", "refused", 0.09, None, None)]
         p = g.peak_prediction(rows)
         self.assertEqual((p["runs"], p["within_5pct"]), (3, 2))
         self.assertAlmostEqual(p["median_abs_error"], 0.01 / 0.30)
+        run = g.peak_prediction(rows, "peak_vram_gb")
+        self.assertEqual((run["runs"], run["within_5pct"]), (3, 1))
         self.assertEqual(g.peak_prediction([])["median_abs_error"], None)
+
+    def test_a_refusal_for_a_floor_the_budget_is_above_is_a_bug(self):
+        below = "triaccel: error: --vram-budget 0.1GB is below this run's floor: batch 96 of resnet18 needs at least " \
+                "192191328 bytes (0.192191 GB) with micro-batches of 1\n"
+        self.assertEqual(g.classify(2, below, None, 0.1e9)[0], "refused")
+        self.assertEqual(g.classify(2, below, None, 0.2e9)[0], "wrong_floor")
+        other = "triaccel: error: --vram-budget 0.158GB is below backprop's floor of 110939547 bytes for x; raise it\n"
+        self.assertEqual(g.floor_named(other), 110939547)
+        self.assertEqual(g.classify(2, other, None, 0.158e9)[0], "wrong_floor")
+        self.assertEqual(g.classify(2, "triaccel: error: --optimizer baoc needs --method backprop\n", None, 9e9)[0],
+                         "refused")
+
+    def test_a_sample_a_step_did_not_train_is_a_bug(self):
+        self.assertEqual(g.classify(0, "", {"peak_vram_gb": 0.2, "dropped_samples": 0}, 0.3e9)[0], "ok")
+        self.assertEqual(g.classify(0, "", {"peak_vram_gb": 0.2, "dropped_samples": 16}, 0.3e9)[0],
+                         "samples_dropped")
+
+    def test_the_models_defined_in_python_run_through_the_python_runner(self):
+        import grid_python_model as runner
+        c = dict(g.combos(0, 1)[0], model="tv-resnet18", method="backprop", vram_budget="0.3GB", nproc=1)
+        args = g.args_of(c, "/cifar", "/text", 30, "/out")
+        name, dataset, opts = runner.options_of(args)
+        self.assertEqual((name, dataset), ("tv-resnet18", "cifar10"))
+        self.assertEqual(opts["data_dir"], "/cifar")
+        self.assertEqual(opts["batch_size"], 96)
+        self.assertEqual(opts["vram_budget"], "0.3GB")
+        self.assertIs(opts["cuda_graphs"], c["cuda_graphs"] == "true")
+        self.assertNotIn("model", opts)
+        self.assertEqual(runner.options_of(["train", "--ta-batch", "false", "--model", "m", "--dataset", "d"])[2],
+                         {"ta_batch": False})
+        python_models = {m for m in g.MODELS if g.MODELS[m].get("python")}
+        self.assertEqual(python_models, {"tv-resnet18", "py-gpt-tied"})
+        self.assertTrue(python_models <= {c["model"] for c in g.combos(0, 150)})
 
     def test_shards_merge_into_one_table_whose_bugs_fail_it(self):
         import contextlib
         import io
         import json
         import tempfile
-        ok = dict(vram_budget="0.3GB", outcome="ok", predicted_peak_gb=0.29, peak_vram_gb=0.30)
+        ok = dict(vram_budget="0.3GB", outcome="ok", predicted_peak_gb=0.29, plan_measured_peak_gb=0.30,
+                  peak_vram_gb=0.30)
         shards = [{"shard": "0/2", "not_run": [], "rows": [ok, dict(ok, outcome="refused")]},
                   {"shard": "1/2", "not_run": [5, 7], "rows": [dict(ok, outcome="internal_error")]}]
         with tempfile.TemporaryDirectory() as d:
