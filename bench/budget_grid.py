@@ -209,11 +209,14 @@ def main():
                     help="start no run after this many seconds (a device call's limit); the rest are listed as not run")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="print the table of these shards' JSON files together (runs nothing)")
+    ap.add_argument("--rows", action="store_true", help="with --merge: every run as a row of a markdown table too")
     a = ap.parse_args()
     if a.merge:
         shards = [json.load(open(f)) for f in a.merge]
-        rows = [r for s in shards for r in s["rows"]]
+        rows = sorted((r for s in shards for r in s["rows"]), key=lambda r: r.get("index", 0))
         not_run = [i for s in shards for i in s["not_run"]]
+        if a.rows:
+            rows_print(rows)
         return report(rows, not_run, f"{len(shards)} shards ({', '.join(s['shard'] for s in shards)})")
     grid = combos(a.seed, a.count, a.gpus, a.precisions.split(","))
     if a.list:
@@ -247,6 +250,23 @@ def shard_write(a, rows, not_run):
     with open(a.json + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
     os.replace(a.json + ".tmp", a.json)
+
+
+def rows_print(rows):
+    """Every run as a markdown row: the combination, how it ended, its peaks against the plan's prediction."""
+    def gb(v):
+        return f"{v:.3f}" if isinstance(v, (int, float)) else ""
+    print("| # | model | method | optimizer | precision | budget | data | graphs | outcome | peak GB | predicted | "
+          "its steps | oom | why |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        method = r["method"] + (f" → {r['method_run']}" if r["method"] == "auto" and r.get("method_run") else "")
+        if r["method"] == "tri-accel" and r.get("controllers", "all") != "all":
+            method += f" ({r['controllers']} off)"
+        why = r.get("why", "").replace("|", "/")
+        print(f"| {r['index']} | {r['model']} | {method} | {r['optimizer']} | {r['precision']} | "
+              f"{r.get('vram_budget') or 'none'} | {r['placement']} | {r['cuda_graphs']} | {r['outcome']} | "
+              f"{gb(r.get('peak_vram_gb'))} | {gb(r.get('predicted_peak_gb'))} | {gb(r.get('plan_measured_peak_gb'))} | "
+              f"{r.get('oom_events', 0)} | {why[:110]} |")
 
 
 def outcome_counts(rows):
