@@ -230,6 +230,7 @@ if has shards; then
   cat "$WORK"/grid_*.log >"$FINAL_OUT/grid.log"
   grep -hE '^ *[0-9]+ (internal_error|crash|timeout|over_budget|samples_dropped|wrong_floor)' "$WORK"/grid_*.log |
     cut -c1-300
+  python3 bench/budget_grid.py --merge "${shard_files[@]}" --rows >"$FINAL_OUT/grid_rows.md"
   python3 bench/budget_grid.py --merge "${shard_files[@]}"
 fi
 
