@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Test mutants built on the GPU machine (docs/measuring.md: a test must fail against a broken implementation):
-# triaccel_tests is built here (build-gpu) and run on CLEAN_FILTER (default: the mutants' filters; must pass), then for each
-# bench/mutants/NAME.json ({"what", "file", "old", "new", "filter"}: one exact replacement in one source file) the
+# triaccel_tests is built here (build-gpu) and run on CLEAN_FILTER (default: the mutants' filters; must pass), then
+# for each bench/mutants/NAME.json ({"what", "file", "old", "new", "filter"}: one exact replacement in one source file) the
 # file is changed, the tests rebuilt (one object and the link) and run with its filter (must FAIL), and the file is
-# restored (the build is left with the last mutant). Writes $OUT/clean.log and $OUT/mutant_NAME.log; prints a short table last.
+# restored (the build is left with the last mutant). Writes $OUT/clean.log and $OUT/mutant_NAME.log; prints a
+# short table last.
 # Device call: carry [".device"], `MUTANTS="bn_masked_walk_skips_rows" bash bench/run_mutants_device.sh`
 # (MUTANTS: names under bench/mutants, default all).
 set -uo pipefail
@@ -12,11 +13,14 @@ WORK=/tmp/mutants_work
 mkdir -p "$FINAL_OUT" "$WORK"
 source "$(dirname "$0")/device_env.sh"
 echo "gpu: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+names=${MUTANTS:-$(ls bench/mutants/*.json | xargs -n1 basename | sed 's/\.json$//')}
+field() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"; }
+# A warm machine keeps build-gpu between calls, and a mutated file comes back from the checkout with its own time,
+# which may be older than the last call's mutant object: touched, its object is rebuilt from the clean source.
+for name in $names; do touch "$(field "bench/mutants/$name.json" file)"; done
 t0=$SECONDS
 device_cmake_build . build-gpu "$WORK" "-DTRIACCEL_BUILD_BENCH=OFF" triaccel_tests || exit 1
 echo "built in $((SECONDS - t0)) s"
-names=${MUTANTS:-$(ls bench/mutants/*.json | xargs -n1 basename | sed 's/\.json$//')}
-field() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"; }
 # mutate SPEC apply|restore: the exact replacement, or the file back as it was.
 mutate() {
   python3 - "$1" "$2" <<'PY'

@@ -537,12 +537,15 @@ class LaunchScope {
 // one block per SM, 8 per SM — more than the heavier kernels hold, so a second wave —, 2 and 4 rows) gives answers
 // within the reference's tolerance, for each mask (none, ReLU, the block end's): a walk that skipped or repeated
 // rows when the grid or the unroll changes is off by O(max|ref|) in dweight and dx. Shapes with many row blocks, a
-// remainder of rows, and more than one channel tile. Out-of-range choices are refused.
+// remainder of rows, and more than one channel tile; 64x64x32x32 at one block per SM gives a thread 16 rows, so the
+// walk of 4 rows in flight runs its unrolled loop under each mask (with fewer than 4 rows a thread only takes the
+// remainder loop, and a 4-row walk that stepped 5 rows passed). Out-of-range choices are refused.
 TEST(BatchNormCudaTest, EveryLaunchChoiceMatchesFloat64Reference) {
   TRIACCEL_SKIP_WITHOUT_GPU();
   torch::manual_seed(13);
-  const std::vector<BatchNormLaunch> launches = {{0, 0}, {4, 4}, {2, 1}, {4, 8}, {2, 0}, {4, 0}};
-  const std::vector<std::vector<int64_t>> shapes = {{64, 64, 16, 16}, {37, 128, 7, 5}, {2, 200, 2, 3}};
+  const std::vector<BatchNormLaunch> launches = {{0, 0}, {4, 4}, {2, 1}, {4, 8}, {2, 0}, {4, 0}, {4, 1}};
+  const std::vector<std::vector<int64_t>> shapes = {{64, 64, 16, 16}, {37, 128, 7, 5}, {2, 200, 2, 3},
+                                                    {64, 64, 32, 32}};
   for (const BatchNormLaunch& launch : launches) {
     const LaunchScope scope(launch);
     for (const auto& shape : shapes) {
