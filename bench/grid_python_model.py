@@ -25,7 +25,10 @@ def model_make(name, data_dir):
         return python_models.cifar_resnet18()
     if name == "py-gpt-tied":
         import python_gpt
-        with open(os.path.join(data_dir, "input.txt"), "rb") as f:
+        corpus = os.path.join(data_dir, "input.txt")
+        if not os.path.isfile(corpus):  # as the engine's reader says it: a refusal, not a crash of this script
+            raise ValueError(f"tinyshakespeare: input.txt not found in {data_dir}; pass --data with its folder")
+        with open(corpus, "rb") as f:
             vocab = len(set(f.read()))
         return python_gpt.TiedGpt(vocab, tied=True)
     raise ValueError(f"grid_python_model.py: unknown model '{name}' (tv-resnet18, py-gpt-tied)")

@@ -9,6 +9,7 @@
 #include "triaccel/data/dataset.h"
 #include "triaccel/data/loader.h"
 #include "triaccel/models/model.h"
+#include "triaccel/models/registry.h"
 #include "triaccel/train/loss_scaler.h"
 #include "triaccel/run/config.h"
 #include "triaccel/optim/sgd.h"
@@ -178,6 +179,31 @@ TEST(Text, OptionsRejectModelDatasetMismatches) {
   o.set("method", "backprop");
   o.set("block_size", "0");
   EXPECT_NE(error_of([&] { o.validate(); }).find("block_size must be in [1, 8192], got 0"), std::string::npos);
+}
+
+// A model of ModelInput::kAny (a torch.nn.Module from Python) reads what the dataset holds: text and images alike,
+// where an image model is refused text and the GPT images (above).
+TEST(Text, AModelOfAnyInputTakesTextAndImages) {
+  static const bool registered = [] {
+    model_register({"any-input", "a model that reads what the dataset holds (tests)", ModelInput::kAny,
+                    /*double_backward=*/true, /*local_learning=*/false,
+                    [](const ModelOptions& options) {  // a real model, for tests that build every registered one
+                      ModelOptions small = options;
+                      small.name = "small-cnn";
+                      return model_create(small);
+                    }});
+    return true;
+  }();
+  ASSERT_TRUE(registered);
+  Config o;
+  o.set("model", "any-input");
+  o.set("dataset", "tinyshakespeare");
+  EXPECT_NO_THROW(o.validate());
+  o.set("dataset", "fashion-mnist");
+  EXPECT_NO_THROW(o.validate());
+  o.set("dataset", "tinyshakespeare");
+  o.set("augment", "on");  // still an image-only option on text
+  EXPECT_NE(error_of([&] { o.validate(); }).find("augment on applies to images only"), std::string::npos);
 }
 
 // Mean cross-entropy (nats per character) of the model on every window of a split.

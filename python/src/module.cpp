@@ -375,7 +375,7 @@ TORCH_LIBRARY_IMPL(triaccel, CompositeExplicitAutograd, m) {
 PYBIND11_MODULE(_triaccel, m) {
   m.doc() = "triaccel's C++ engine (use the triaccel package, not this module)";
   triaccel::model_register({"python", "a torch.nn.Module passed to triaccel.train (Python)",
-                            triaccel::ModelInput::kImage, /*double_backward=*/true, /*local_learning=*/false,
+                            triaccel::ModelInput::kAny, /*double_backward=*/true, /*local_learning=*/false,
                             &python_model_unbuilt});
   py::register_exception_translator([](std::exception_ptr p) {
     try {

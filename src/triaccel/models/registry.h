@@ -10,8 +10,9 @@
 
 namespace triaccel {
 
-// What a model reads: images (N, C, H, W) float, or tokens (B, T) int64.
-enum class ModelInput { kImage, kTokens };
+// What a model reads: images (N, C, H, W) float, tokens (B, T) int64, or whatever the dataset holds (kAny: a
+// torch.nn.Module from Python, whose input only its own forward knows).
+enum class ModelInput { kImage, kTokens, kAny };
 
 struct ModelEntry {
   const char* name;

@@ -405,14 +405,14 @@ void Config::validate() const {
   TRIACCEL_CHECK_INPUT(execution.batch_policy == BatchPolicy::kFixed || method == Method::kTriAccel,
                        option_ref("batch_policy"), " elastic is tri-accel's rule; use ", option_ref("method"),
                        " tri-accel, or batch_policy fixed");
-  // The model reads what the dataset holds; image-only options on text.
+  // The model reads what the dataset holds (a model of ModelInput::kAny reads either); image-only options on text.
   const bool text = is_text_dataset(data.dataset);
-  const bool language_model = entry.input == ModelInput::kTokens;
-  TRIACCEL_CHECK_INPUT(!language_model || text, option_ref("model"), " ", name, " reads text but ",
-                       option_ref("dataset"), " ", data.dataset, " holds images; use ", option_ref("dataset"),
-                       " tinyshakespeare, or an image model");
-  TRIACCEL_CHECK_INPUT(language_model || !text, option_ref("model"), " ", name, " reads images but ",
-                       option_ref("dataset"), " ", data.dataset, " is text; use ", option_ref("model"), " gpt-char");
+  TRIACCEL_CHECK_INPUT(entry.input != ModelInput::kTokens || text, option_ref("model"), " ", name,
+                       " reads text but ", option_ref("dataset"), " ", data.dataset, " holds images; use ",
+                       option_ref("dataset"), " tinyshakespeare, or an image model");
+  TRIACCEL_CHECK_INPUT(entry.input != ModelInput::kImage || !text, option_ref("model"), " ", name,
+                       " reads images but ", option_ref("dataset"), " ", data.dataset, " is text; use ",
+                       option_ref("model"), " gpt-char");
   if (!text) return;
   TRIACCEL_CHECK_INPUT(data.augment != Toggle::kOn, option_ref("augment"), " on applies to images only; ",
                        option_ref("dataset"), " ", data.dataset, " is text: drop it or use off");
