@@ -209,6 +209,8 @@ TEST_F(TrainerTest, StopRequestCheckpointsAndResumesBitExactly) {
   EXPECT_EQ(events.back()["event"], "stop");
   EXPECT_EQ(events.back()["step"], 4);
   EXPECT_TRUE(events.back()["peak_vram_gb"].is_number());  // judged against a budget (bench/budget_grid.py)
+  EXPECT_EQ(events.back()["dropped_samples"], 0);
+  EXPECT_TRUE(events.back().contains("memory_plan"));  // the summary's brief of the plan in force (null: none)
   EXPECT_EQ(checkpoint_read(b.file(kCheckpointFile)).progress["step"], 4);
 
   Config again = options(b.path());

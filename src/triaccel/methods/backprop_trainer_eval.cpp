@@ -304,11 +304,15 @@ void BackpropTrainer::peak_trace(const char* phase) {
 Json BackpropTrainer::stop() {
   const Progress& p = *progress_;
   checkpoint();
-  // The peak so far (a run stopped mid-epoch has not read this epoch's yet): judged against the budget like the
-  // summary's (bench/budget_grid.py's --max-steps runs).
+  // The peak so far (a run stopped mid-epoch has not read this epoch's yet), the samples dropped and the final
+  // memory plan with its own steps' peak: judged like the summary's (bench/budget_grid.py's --max-steps runs).
   const double peak_gb = std::max(p.peak_vram_gb, static_cast<double>(peak_now()) / kGB);
-  const Json fields{{"reason", stop_reason_}, {"epoch", p.epoch}, {"epoch_offset", p.epoch_offset},
-                    {"peak_vram_gb", peak_gb}};
+  const Json fields{{"reason", stop_reason_},
+                    {"epoch", p.epoch},
+                    {"epoch_offset", p.epoch_offset},
+                    {"peak_vram_gb", peak_gb},
+                    {"dropped_samples", p.dropped_samples},
+                    {"memory_plan", memory_plan_brief()}};
   session_.profile_end();
   session_.event(event::kStop, p.step, fields);
   session_.printer().line(stop_line(stop_reason_, p.step, config_.output.out));
