@@ -3,8 +3,8 @@
 budget combines with, each classified by how it ended.
 
 Axes: model (the built-in ones, each on its dataset at a batch it is trained at, and two defined in Python, trained
-through `triaccel.train` by bench/grid_python_model.py: torchvision's ResNet-18 and a GPT with tied weights), method (backprop, tri-accel,
-neuroflux, auto), optimizer (sgd, adamw, baoc), precision (fp32, amp-bf16, amp-fp16; --precisions adds amp-fp8,
+through `triaccel.train` by bench/grid_python_model.py: torchvision's ResNet-18 and a GPT with tied weights), method
+(backprop, tri-accel, neuroflux, auto), optimizer (sgd, adamw, baoc), precision (fp32, amp-bf16, amp-fp16; --precisions adds amp-fp8,
 which changes what every seed draws, so it is not in the default), Tri-Accel's controllers (all,
 or one of them off), vram_budget (none, or a share of the model's unbudgeted peak on the H200 at that batch: 0.9 down
 to 0.2), data placement (auto, device, host), CUDA graphs (on, off) and processes (1, or 2 where GPUS >= 2). A
@@ -265,8 +265,8 @@ def rows_print(rows):
         why = r.get("why", "").replace("|", "/")
         print(f"| {r['index']} | {r['model']} | {method} | {r['optimizer']} | {r['precision']} | "
               f"{r.get('vram_budget') or 'none'} | {r['placement']} | {r['cuda_graphs']} | {r['outcome']} | "
-              f"{gb(r.get('peak_vram_gb'))} | {gb(r.get('predicted_peak_gb'))} | {gb(r.get('plan_measured_peak_gb'))} | "
-              f"{r.get('oom_events', 0)} | {why[:110]} |")
+              f"{gb(r.get('peak_vram_gb'))} | {gb(r.get('predicted_peak_gb'))} | "
+              f"{gb(r.get('plan_measured_peak_gb'))} | {r.get('oom_events', 0)} | {why[:110]} |")
 
 
 def outcome_counts(rows):
