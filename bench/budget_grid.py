@@ -4,10 +4,10 @@ budget combines with, each classified by how it ended.
 
 Axes: model (the built-in ones, each on its dataset at a batch it is trained at, and two defined in Python, trained
 through `triaccel.train` by bench/grid_python_model.py: torchvision's ResNet-18 and a GPT with tied weights), method
-(backprop, tri-accel, neuroflux, auto), optimizer (sgd, adamw, baoc), precision (fp32, amp-bf16, amp-fp16; --precisions adds amp-fp8,
-which changes what every seed draws, so it is not in the default), Tri-Accel's controllers (all,
-or one of them off), vram_budget (none, or a share of the model's unbudgeted peak on the H200 at that batch: 0.9 down
-to 0.2), data placement (auto, device, host), CUDA graphs (on, off) and processes (1, or 2 where GPUS >= 2). A
+(backprop, tri-accel, neuroflux, auto), optimizer (sgd, adamw, baoc), precision (fp32, amp-bf16, amp-fp16;
+--precisions adds amp-fp8, which changes what every seed draws, so it is not in the default), Tri-Accel's controllers
+(all, or one of them off), vram_budget (none, or a share of the model's unbudgeted peak on the H200 at that batch:
+0.9 down to 0.2), data placement (auto, device, host), CUDA graphs (on, off) and processes (1, or 2 where GPUS >= 2). A
 combination the CLI refuses in one line (exit 2: an option that does not apply, a budget below the floor) is a
 result, not a failure.
 
@@ -141,7 +141,9 @@ def bytes_of(size):
 
 def run_one(c, a, timeout):
     out = os.path.join(a.work, f"run_{c['index']}")
-    front = [a.python, PYTHON_RUNNER] if MODELS[c["model"]].get("python") else [a.bin]
+    python = MODELS[c["model"]].get("python")
+    front = [a.python, PYTHON_RUNNER] if python else [a.bin]
+    shown = ["python3", "bench/grid_python_model.py"] if python else ["triaccel"]  # the command, without local paths
     argv = front + args_of(c, a.data_cifar, a.data_text, a.max_steps, out)
     if a.device:
         argv += ["--device", a.device]
@@ -169,16 +171,23 @@ def run_one(c, a, timeout):
                 oom_events=sum(1 for e in events if e["event"] == "oom"),
                 peak_vram_gb=(last or {}).get("peak_vram_gb"), steps=(last or {}).get("steps"),
                 images_per_s=epochs[-1].get("images_per_s") if epochs else None,
-                command=" ".join(["triaccel"] + argv[len(front):]) if len(front) == 1 else " ".join(argv))
+                command=" ".join(shown + argv[len(front):]))
+
+
+def prediction_error(r, measured="plan_measured_peak_gb"):
+    """|predicted − measured| / measured of a budgeted run that trained, or None (no budget, no training, or a peak
+    missing). measured: the key of the peak measured: the final plan's own steps' (default) or the run's
+    (peak_vram_gb)."""
+    if not (r.get("vram_budget") and r["outcome"] in ("ok", "over_budget", "samples_dropped")
+            and r.get("predicted_peak_gb") and r.get(measured)):
+        return None
+    return abs(r["predicted_peak_gb"] - r[measured]) / r[measured]
 
 
 def peak_prediction(rows, measured="plan_measured_peak_gb"):
-    """How close the final memory plan's predicted peak came to a measured one, over the budgeted runs that trained
-    and have both: {runs, within_5pct, median_abs_error} (error relative to the measured peak). measured: the key of
-    the peak measured: the final plan's own steps' (default) or the run's (peak_vram_gb)."""
-    errors = sorted(abs(r["predicted_peak_gb"] - r[measured]) / r[measured] for r in rows
-                    if r.get("vram_budget") and r["outcome"] in ("ok", "over_budget", "samples_dropped")
-                    and r.get("predicted_peak_gb") and r.get(measured))
+    """How close the final memory plan's predicted peak came to a measured one (prediction_error), over the runs
+    that have both: {runs, within_5pct, median_abs_error}."""
+    errors = sorted(e for e in (prediction_error(r, measured) for r in rows) if e is not None)
     return {"runs": len(errors), "within_5pct": sum(e <= 0.05 for e in errors),
             "median_abs_error": errors[len(errors) // 2] if errors else None}
 
@@ -234,8 +243,8 @@ def main():
         rows.append(run_one(c, a, a.timeout))
         not_run.remove(c["index"])
         r = rows[-1]
-        print(f"{r['index']:4d} {r['outcome']:14s} {r['wall_s']:6.1f}s {r['command'][9:160]}  {r['why'][:120]}",
-              flush=True)
+        print(f"{r['index']:4d} {r['outcome']:14s} {r['wall_s']:6.1f}s {r['command'].partition(' train ')[2][:150]}  "
+              f"{r['why'][:120]}", flush=True)
         if a.json:
             shard_write(a, rows, not_run)
     if a.json:
@@ -291,12 +300,11 @@ def report(rows, not_run, what):
             print(f"\npredicted peak within 5 % of the peak of {what}: {p['within_5pct']} of {p['runs']} budgeted runs "
                   f"(median |error| {p['median_abs_error']:.1%})")
     for r in rows:
-        measured = r.get("plan_measured_peak_gb")
-        if r.get("vram_budget") and r.get("predicted_peak_gb") and measured and \
-                abs(r["predicted_peak_gb"] - measured) > 0.05 * measured:
+        error = prediction_error(r)
+        if error is not None and error > 0.05:
             print(f"  off by more than 5 %: #{r['index']} {r['model']} {r['method']} {r['optimizer']} {r['precision']} "
-                  f"{r['vram_budget']}: predicted {r['predicted_peak_gb']:.3f} GB, its steps {measured:.3f}, "
-                  f"{r.get('oom_events', 0)} oom events")
+                  f"{r['vram_budget']}: predicted {r['predicted_peak_gb']:.3f} GB, its steps "
+                  f"{r['plan_measured_peak_gb']:.3f}, {r.get('oom_events', 0)} oom events")
     bad = sum(counts.get(k, 0) for k in BUGS)
     return 1 if bad else 0
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Test mutants built on the GPU machine (docs/measuring.md: a test must fail against a broken implementation):
 # triaccel_tests is built here (build-gpu) and run on CLEAN_FILTER (default: the mutants' filters; must pass), then
-# for each bench/mutants/NAME.json ({"what", "file", "old", "new", "filter"}: one exact replacement in one source file) the
-# file is changed, the tests rebuilt (one object and the link) and run with its filter (must FAIL), and the file is
-# restored (the build is left with the last mutant). Writes $OUT/clean.log and $OUT/mutant_NAME.log; prints a
+# for each bench/mutants/NAME.json ({"what", "file", "old", "new", "filter"}: one exact replacement in one source
+# file) the file is changed, the tests rebuilt (one object and the link) and run with its filter (must FAIL), and the
+# file is restored (the build is left with the last mutant). Writes $OUT/clean.log and $OUT/mutant_NAME.log; prints a
 # short table last.
 # Device call: carry [".device"], `MUTANTS="bn_masked_walk_skips_rows" bash bench/run_mutants_device.sh`
 # (MUTANTS: names under bench/mutants, default all).
