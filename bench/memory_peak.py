@@ -188,10 +188,12 @@ def mapped_ranges(live, pages):
 
 
 def ooms_of(path):
-    """[(event index, requested bytes, device free bytes, allocated, reserved, {pool: (allocated, reserved)}, ranges)]
+    """[(event index, requested bytes, device free bytes, allocated, reserved, {pool: (allocated, reserved)}, ranges,
+    where the refused allocation was asked for)]
     at each refused allocation in the ring (a capture that ran out of memory: TRIACCEL_MEMORY_HISTORY's
     FILE.capture_oom.N); pools "default" (the default pool's segments) and "other" (the rest); ranges: mapped_ranges
-    then, each with its pool."""
+    then, each with its pool; where: its stack's first frames that name a caller (FILE.fatal: the run's last, refused
+    one)."""
     events, segs = read_snapshot(path)
     ranges = address_ranges(segs, events)
     bases = [r[0] for r in ranges]
@@ -212,8 +214,10 @@ def ooms_of(path):
             res[pool(p * PAGE)] += PAGE
         pools = {k: (alloc[k], res[k]) for k in ("default", "other")}
         runs = [(pool(lo), lo, hi, used, gaps) for lo, hi, used, gaps in mapped_ranges(live, pages)]
+        frames = e.get("frames", [])
+        demangle_all(frame_name(f) for f in frames)
         out.append((i, e["size"], e.get("device_free", e.get("addr", 0)), sum(alloc.values()), sum(res.values()),
-                    pools, runs))
+                    pools, runs, site(frames, 8)))
     return out
 
 
@@ -230,11 +234,12 @@ def main(argv):
     mb = 1e6
     if args.ooms:
         mib = 1 << 20
-        for i, size, free, allocated, reserved, pools, runs in ooms_of(args.snapshot):
+        for i, size, free, allocated, reserved, pools, runs, where_asked in ooms_of(args.snapshot):
             by_pool = "; ".join(f"{k} pool {a / mb:.1f} allocated in {r / mb:.1f} reserved" for k, (a, r) in
                                 pools.items())
             print(f"oom at event {i}: asked {size / mb:.1f} MB, device free {free / mb:.1f} MB, "
                   f"allocated {allocated / mb:.1f} MB, reserved {reserved / mb:.1f} MB ({by_pool})")
+            print(f"  asked by {where_asked}")
             for where, lo, hi, used, gaps in runs:
                 print(f"  mapped {where:7s} {hex(lo)}: {(hi - lo) / mib:6.1f} MiB, {used / mib:6.1f} used, free gaps "
                       f"of 1 MiB or more: {', '.join(f'{g / mib:.1f} MiB' for g in gaps) or 'none'}")

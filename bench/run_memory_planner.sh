@@ -237,18 +237,43 @@ fi
 # What a capture that runs out of memory holds beyond its eager step: each HISTORY entry (model:budget[:method], as
 # GRID) recorded by the allocator (TRIACCEL_MEMORY_HISTORY); bench/memory_peak.py on the eager steps' peak and on
 # each failed capture (its refused allocations, then its peak against the eager step's), as $OUT/history_TAG.txt.
+# HISTORY_RUNS ("TAG MODEL BUDGET ARGS...; ..."): runs of any arguments (--data cifar10 and tinyshakespeare are the
+# copies here: DATA and SHAKESPEARE), for HISTORY's entries; a run that stops on an out-of-memory error no step took
+# also writes its events up to the refused allocation (FILE.fatal: who asked for it).
+history_run() {
+  local tag=$1 model=$2 budget=$3
+  shift 3
+  hist="$WORK/runs/$tag.mem"
+  TRIACCEL_MEMORY_HISTORY=$hist TRIACCEL_MEMORY_HISTORY_ENTRIES=${HISTORY_ENTRIES:-100000} \
+    TORCH_SYMBOLIZE_MODE=dladdr train "$tag" "$model" "$budget" "$@"
+  tail -2 "$WORK/runs/$tag.log" | cut -c1-300
+}
 if has history; then
-  for entry in ${HISTORY:-resnet18:0.3GB:backprop}; do
-    IFS=: read -r model budget method <<<"$entry"
-    method=${method:-backprop}
-    tag="hist_${model}_${budget}_$method"
-    hist="$WORK/runs/$tag.mem"
-    TRIACCEL_MEMORY_HISTORY=$hist TRIACCEL_MEMORY_HISTORY_ENTRIES=${HISTORY_ENTRIES:-100000} \
-      TORCH_SYMBOLIZE_MODE=dladdr train "$tag" "$model" "$budget" --method "$method" --dataset cifar10 \
-      --data "$DATA" --batch-size 96 --epochs 1
+  SHAKESPEARE=$(pwd)/.device/data/tinyshakespeare
+  entries=()
+  if [ -n "${HISTORY_RUNS:-}" ]; then
+    IFS=';' read -ra entries <<<"$HISTORY_RUNS"
+  else
+    for entry in ${HISTORY:-resnet18:0.3GB:backprop}; do
+      IFS=: read -r model budget method <<<"$entry"
+      entries+=("hist_${model}_${budget}_${method:-backprop} $model $budget --method ${method:-backprop} --dataset cifar10 --data cifar10 --batch-size 96 --epochs 1")
+    done
+  fi
+  for entry in "${entries[@]}"; do
+    read -ra a <<<"$entry"
+    for i in "${!a[@]}"; do
+      case ${a[$i]} in cifar10) [ "${a[$((i - 1))]}" = --data ] && a[i]=$DATA ;; tinyshakespeare)
+        [ "${a[$((i - 1))]}" = --data ] && a[i]=$SHAKESPEARE ;; esac
+    done
+    tag=${a[0]}
+    history_run "${a[@]}"
     {
       echo "== $tag: eager steps' peak ($hist.step)"
-      python3 bench/memory_peak.py "$hist.step" --top 15 2>&1
+      [ -e "$hist.step" ] && python3 bench/memory_peak.py "$hist.step" --top 15 2>&1
+      if [ -e "$hist.fatal" ]; then
+        echo "== $hist.fatal (the run's last allocation, refused)"
+        python3 bench/memory_peak.py "$hist.fatal" --ooms --top 25 2>&1
+      fi
       for f in "$hist".capture_oom.* "$hist".oom.*; do
         [ -e "$f" ] || continue
         echo "== $f"
@@ -256,7 +281,7 @@ if has history; then
         python3 bench/memory_peak.py "$f" --compare "$hist.step" --top 20 2>&1
       done
     } >"$FINAL_OUT/history_$tag.txt"
-    grep -E '^(==|oom at|events|peak|.*: peak)' "$FINAL_OUT/history_$tag.txt" | head -30
+    grep -E '^(==|oom at|  asked by|events|peak|.*: peak)' "$FINAL_OUT/history_$tag.txt" | head -30
   done
 fi
 

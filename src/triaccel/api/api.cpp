@@ -1,6 +1,7 @@
 #include "triaccel/api/api.h"
 
 #include "triaccel/core/context_trace.h"
+#include "triaccel/core/device.h"
 #include "triaccel/methods/backprop_trainer.h"
 #include "triaccel/methods/baoc_plan.h"
 #include "triaccel/methods/neuroflux.h"
@@ -9,6 +10,7 @@
 #include "triaccel/train/checkpoint.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 
 namespace triaccel::api {
@@ -113,6 +115,11 @@ Json run(const Config& config, const RunHooks& hooks) {
     BackpropTrainer trainer(session);
     return trainer.run();
   } catch (const c10::OutOfMemoryError& e) {
+    // TRIACCEL_MEMORY_HISTORY (methods/backprop_trainer.h): the allocator's events up to the refused allocation, with
+    // its stack, as <it>.fatal (bench/memory_peak.py --ooms).
+    if (const char* path = std::getenv("TRIACCEL_MEMORY_HISTORY"); path && *path) {
+      memory_history_write(session.device(), str_cat(path, ".fatal"));
+    }
     throw UserError(out_of_memory_message(session, e));
   }
 }
