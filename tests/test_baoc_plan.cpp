@@ -9,7 +9,9 @@
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/control/optimizer_state/format_plan.h"
 #include "triaccel/optim/risk.h"
+#include "triaccel/optim/quant8.h"
 #include "triaccel/optim/signals.h"
+#include "triaccel/optim/state_format.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -153,6 +155,80 @@ TEST(SignalsTest, ScalarAndRankOneErrorsShareAMetric) {
   EXPECT_LT(b.factor_error, 1e-6);
   // On the rank-1 gradient the model now prefers factored to plain SGD (momentum loss equal for both).
   EXPECT_LT(risk_unit_format(StateFormat::kFactored, a), risk_unit_format(StateFormat::kSgd, a));
+}
+
+// The moments' sums as the whole-tensor formulas give them: float64 copies of everything at once (what
+// moment_sums computed before it went chunk by chunk; its temporaries were ~100 bytes an element of the largest tensor).
+MomentSums moment_sums_whole(const at::Tensor& m32, const at::Tensor& v32, const at::Tensor& ms, const at::Tensor& mu,
+                             double bc1, double bc2, double eps) {
+  const auto dir = [eps](const at::Tensor& m, const at::Tensor& v) { return m / (v.sqrt() + eps); };
+  const auto sum = [](const at::Tensor& t) { return t.sum().item<double>(); };
+  const at::Tensor m = m32.to(at::kDouble), v = v32.to(at::kDouble);
+  const at::Tensor mh = m / bc1, vh = v / bc2, u = dir(mh, vh);
+  MomentSums out;
+  out.u_sq = sum(u * u);
+  out.du_scalar = sum((u - mh / (std::sqrt(vh.mean().item<double>()) + eps)).pow(2));
+  const at::Tensor m16 = m.to(at::kBFloat16).to(at::kDouble), v16 = v.to(at::kBFloat16).to(at::kDouble);
+  out.du_bf16 = sum((u - dir(m16 / bc1, v16 / bc2)).pow(2));
+  const int64_t n = m32.numel();
+  const at::Tensor m8 = quant8_decode(quant8_encode(m32.reshape({-1}), ms), ms, {n}).to(at::kDouble);
+  const at::Tensor v8 = quant8_decode(quant8_encode(v32.reshape({-1}), mu), mu, {n}).to(at::kDouble);
+  out.du_8bit = sum((u.reshape({-1}) - dir(m8 / bc1, v8 / bc2)).pow(2));
+  const auto [rows, cols] = state_format_factor_shape(m32.sizes().vec());
+  if (rows > 0) {
+    const at::Tensor v2 = vh.reshape({rows, cols});
+    const at::Tensor r = v2.mean(1), c = v2.mean(0);
+    out.du_factor = sum((u - dir(mh, (at::outer(r, c) / r.mean()).reshape(vh.sizes()))).pow(2));
+  }
+  out.mh_sq = sum(mh * mh);
+  out.noise = sum((vh - mh * mh).clamp_min(0));
+  const at::Tensor logv = (vh + 1e-30).log();
+  out.logv = sum(logv);
+  out.logv_sq = sum(logv * logv);
+  out.elems = static_cast<double>(n);
+  return out;
+}
+
+TEST(SignalsTest, MomentSumsChunkByChunkEqualTheWholeTensorFormulas) {
+  torch::manual_seed(3);
+  const at::Tensor ms = quant8_map(true), mu = quant8_map(false);
+  // Rows that straddle chunks, a channels_last weight (its logical order is not its memory order), a leading
+  // size-1 dimension, a vector; every size over several chunks of 256.
+  struct Case {
+    std::vector<int64_t> shape;
+    bool channels_last;
+  };
+  for (const Case& k : {Case{{37, 29}, false}, Case{{16, 12, 3, 3}, true}, Case{{1, 40, 24}, false},
+                        Case{{700}, false}}) {
+    SCOPED_TRACE(::testing::PrintToString(k.shape));
+    // Moments of spread magnitudes (so the 8-bit and the factored errors are not zero), each row its own scale.
+    at::Tensor m = torch::randn(k.shape) * torch::exp(2 * torch::randn(k.shape));
+    at::Tensor v = torch::randn(k.shape).pow(2) * torch::exp(torch::randn(k.shape)) + 1e-6;
+    if (k.channels_last) {
+      m = m.contiguous(at::MemoryFormat::ChannelsLast);
+      v = v.contiguous(at::MemoryFormat::ChannelsLast);
+    }
+    const double bc1 = 0.4, bc2 = 0.07, eps = 1e-8;
+    const MomentSums want = moment_sums_whole(m, v, ms, mu, bc1, bc2, eps);
+    EXPECT_GT(want.du_8bit, 1e-6 * want.u_sq);
+    if (k.shape.size() > 1) EXPECT_GT(want.du_factor, 1e-3 * want.u_sq);
+    for (const int64_t chunk : {int64_t{256}, int64_t{512}, kSignalChunkElements}) {
+      SCOPED_TRACE(chunk);
+      const MomentSums got = moment_sums(m, v, ms, mu, bc1, bc2, eps, chunk);
+      const auto near = [](double a, double b) { EXPECT_NEAR(a, b, 1e-10 * std::max(1.0, std::abs(b))); };
+      near(got.u_sq, want.u_sq);
+      near(got.du_scalar, want.du_scalar);
+      near(got.du_bf16, want.du_bf16);
+      near(got.du_8bit, want.du_8bit);
+      near(got.du_factor, want.du_factor);
+      near(got.mh_sq, want.mh_sq);
+      near(got.noise, want.noise);
+      near(got.logv, want.logv);
+      near(got.logv_sq, want.logv_sq);
+      EXPECT_EQ(got.elems, want.elems);
+    }
+  }
+  EXPECT_THROW(moment_sums(torch::ones({8}), torch::ones({8}), ms, mu, 1, 1, 1e-8, 100), c10::Error);
 }
 
 TEST(PlannerTest, BudgetsParse) {

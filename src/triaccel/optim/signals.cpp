@@ -22,11 +22,93 @@ double sum_d(const at::Tensor& t) { return t.sum().item<double>(); }
 
 at::Tensor update_dir(const at::Tensor& mh, const at::Tensor& vh, double eps) { return mh / (vh.sqrt() + eps); }
 
+// Elements [a, a + len) of t in its logical (row-major) order: a view when t is contiguous, else a copy of the
+// dim-0 slices that hold them (a channels_last weight: len plus at most two of its rows).
+at::Tensor logical_range(const at::Tensor& t, int64_t a, int64_t len) {
+  if (t.is_contiguous() || t.dim() == 0) return t.reshape({-1}).narrow(0, a, len);
+  const int64_t per_row = t.numel() / t.size(0);
+  const int64_t r0 = a / per_row, r1 = (a + len + per_row - 1) / per_row;
+  return t.narrow(0, r0, r1 - r0).reshape({-1}).narrow(0, a - r0 * per_row, len);
+}
+
 }  // namespace
+
+MomentSums moment_sums(const at::Tensor& m32, const at::Tensor& v32, const at::Tensor& map_signed,
+                       const at::Tensor& map_unsigned, double bc1, double bc2, double eps, int64_t chunk_elements) {
+  TORCH_CHECK(chunk_elements > 0 && chunk_elements % kQuantBlock == 0, "moment_sums: chunks of ", chunk_elements,
+              " elements, not a multiple of the 8-bit codec's block of ", kQuantBlock);
+  const torch::NoGradGuard no_grad;
+  const int64_t n = v32.numel();
+  const auto f64 = v32.options().dtype(at::kDouble);
+  // Whole-tensor reductions first, with no tensor of the moments' size: the mean of v̂ (the SGD formats' scalar
+  // preconditioner) and the rank-1 factors of v̂ (its row and column means over the factor shape, optim/state_format.h).
+  const double v_mean = n > 0 ? v32.sum(at::kDouble).item<double>() / static_cast<double>(n) / bc2 : 0.0;
+  const double scalar_den = std::sqrt(v_mean) + eps;
+  const auto [rows, cols] = state_format_factor_shape(v32.sizes().vec());
+  at::Tensor r, c;
+  double r_mean = 1;
+  if (rows > 0) {
+    // Leading size-1 dimensions come before the rows' dimension d (the factor shape skips them).
+    int64_t d = 0;
+    while (d + 1 < v32.dim() && v32.size(d) == 1) ++d;
+    std::vector<int64_t> inner, outer;
+    for (int64_t k = 0; k < v32.dim(); ++k) (k > d ? inner : outer).push_back(k);
+    r = at::sum(v32, inner, false, at::kDouble).reshape({-1}) / (static_cast<double>(cols) * bc2);
+    c = at::sum(v32, outer, false, at::kDouble).reshape({-1}) / (static_cast<double>(rows) * bc2);
+    r_mean = r.mean().item<double>();
+  }
+  // Then chunk by chunk: each chunk starts at a multiple of the codec's block, so its 8-bit blocks are the whole
+  // tensor's. Each term in its own statement, so that its temporaries go before the next (live at once: the chunk's
+  // m, v, m̂, v̂ and u in float64 and one term's few). The sums stay on the device (one read at the end).
+  at::Tensor sums = at::zeros({9}, f64);
+  for (int64_t a = 0; a < n; a += chunk_elements) {
+    const int64_t len = std::min(chunk_elements, n - a);
+    const at::Tensor m32c = logical_range(m32, a, len).contiguous(), v32c = logical_range(v32, a, len).contiguous();
+    const at::Tensor m = m32c.to(at::kDouble), v = v32c.to(at::kDouble);
+    const at::Tensor mh = m / bc1, vh = v / bc2;
+    const at::Tensor u = update_dir(mh, vh, eps);
+    const auto du = [&](const at::Tensor& m_other, const at::Tensor& v_other) {
+      return (u - update_dir(m_other, v_other, eps)).pow(2).sum();
+    };
+    std::vector<at::Tensor> part(9);
+    part[0] = (u * u).sum();
+    part[1] = (u - mh / scalar_den).pow(2).sum();
+    part[2] = du(m.to(at::kBFloat16).to(at::kDouble) / bc1, v.to(at::kBFloat16).to(at::kDouble) / bc2);
+    part[3] = du(quant8_decode(quant8_encode(m32c, map_signed), map_signed, {len}).to(at::kDouble) / bc1,
+                 quant8_decode(quant8_encode(v32c, map_unsigned), map_unsigned, {len}).to(at::kDouble) / bc2);
+    if (rows > 0) {
+      const at::Tensor k = at::arange(a, a + len, f64.dtype(at::kLong));
+      part[4] = du(mh, r.index_select(0, at::floor_divide(k, cols)) * c.index_select(0, at::remainder(k, cols)) /
+                           r_mean);
+    } else {
+      part[4] = at::zeros({}, f64);
+    }
+    part[5] = (mh * mh).sum();
+    part[6] = (vh - mh * mh).clamp_min(0).sum();
+    const at::Tensor logv = (vh + 1e-30).log();
+    part[7] = logv.sum();
+    part[8] = (logv * logv).sum();
+    sums += at::stack(part);
+  }
+  const at::Tensor h = sums.cpu();
+  const double* x = h.data_ptr<double>();
+  MomentSums out;
+  out.u_sq = x[0];
+  out.du_scalar = x[1];
+  out.du_bf16 = x[2];
+  out.du_8bit = x[3];
+  out.du_factor = x[4];
+  out.mh_sq = x[5];
+  out.noise = x[6];
+  out.logv = x[7];
+  out.logv_sq = x[8];
+  out.elems = static_cast<double>(n);
+  return out;
+}
 
 std::vector<UnitSignals> baoc_signals(const BaocOptimizer& opt, const at::Tensor& stream_sums,
                                       const std::vector<int64_t>& unit_of_tensor, int64_t num_units,
-                                      const std::vector<UnitSignals>& previous) {
+                                      const std::vector<UnitSignals>& previous, int64_t chunk_elements) {
   const torch::NoGradGuard no_grad;
   const size_t n_tensors = opt.params().size();
   TORCH_CHECK(unit_of_tensor.size() == n_tensors, "baoc_signals: ", unit_of_tensor.size(), " unit indices for ",
@@ -55,38 +137,18 @@ std::vector<UnitSignals> baoc_signals(const BaocOptimizer& opt, const at::Tensor
     const double cm = counts[row][0].item<double>(), cv = counts[row][1].item<double>();
     if (cm <= 0 || cv <= 0) continue;
     a.state = true;
-    const at::Tensor m = opt.m_float(i).to(at::kDouble), v = opt.v_float(i).to(at::kDouble);
-    const double bc1 = 1 - std::pow(b1, cm), bc2 = 1 - std::pow(b2, cv);
-    const at::Tensor mh = m / bc1, vh = v / bc2;
-    const at::Tensor u_exact = update_dir(mh, vh, eps);
-    a.u_sq += sum_d(u_exact * u_exact);
-    // One scalar preconditioner per tensor, the SGD formats' k = 1 / (√mean(v̂) + ε): the same metric as the
-    // factorization's error below, so the two compare (a scalar is the constant rank-1 factorization).
-    a.du_scalar += sum_d((u_exact - mh / (std::sqrt(vh.mean().item<double>()) + eps)).pow(2));
-    // bf16: both moments rounded.
-    const at::Tensor m16 = m.to(at::kBFloat16).to(at::kDouble), v16 = v.to(at::kBFloat16).to(at::kDouble);
-    a.du_bf16 += sum_d((u_exact - update_dir(m16 / bc1, v16 / bc2, eps)).pow(2));
-    // 8-bit: the block-wise codec over the logical element order (the optimizer blocks memory order; the same
-    // for contiguous tensors, an estimate for channels_last ones).
-    const at::Tensor m32 = opt.m_float(i), v32 = opt.v_float(i);
-    const at::Tensor ms = opt.map_signed(), mu = opt.map_unsigned();
-    const at::Tensor m8 = quant8_decode(quant8_encode(m32.reshape({-1}), ms), ms, {m32.numel()}).to(at::kDouble);
-    const at::Tensor v8 = quant8_decode(quant8_encode(v32.reshape({-1}), mu), mu, {v32.numel()}).to(at::kDouble);
-    a.du_8bit += sum_d((u_exact.reshape({-1}) - update_dir(m8 / bc1, v8 / bc2, eps)).pow(2));
-    // Rank-1 factorization of v̂ (matrices only; 1-D tensors keep a full v in the factored format).
-    const auto [rows, cols] = state_format_factor_shape(opt.params()[i].sizes().vec());
-    if (rows > 0) {
-      const at::Tensor v2 = vh.reshape({rows, cols});
-      const at::Tensor r = v2.mean(1), c = v2.mean(0);
-      const at::Tensor vf = (at::outer(r, c) / r.mean()).reshape(vh.sizes());
-      a.du_factor += sum_d((u_exact - update_dir(mh, vf, eps)).pow(2));
-    }
-    a.mh_sq += sum_d(mh * mh);
-    a.noise += sum_d((vh - mh * mh).clamp_min(0));
-    const at::Tensor logv = (vh + 1e-30).log();
-    a.logv += sum_d(logv);
-    a.logv_sq += sum_d(logv * logv);
-    a.elems += static_cast<double>(vh.numel());
+    const MomentSums t = moment_sums(opt.m_float(i), opt.v_float(i), opt.map_signed(), opt.map_unsigned(),
+                                     1 - std::pow(b1, cm), 1 - std::pow(b2, cv), eps, chunk_elements);
+    a.u_sq += t.u_sq;
+    a.du_scalar += t.du_scalar;
+    a.du_bf16 += t.du_bf16;
+    a.du_8bit += t.du_8bit;
+    a.du_factor += t.du_factor;
+    a.mh_sq += t.mh_sq;
+    a.noise += t.noise;
+    a.logv += t.logv;
+    a.logv_sq += t.logv_sq;
+    a.elems += t.elems;
   }
   if (opt.sharded()) {  // the stream's sums are every rank's already; the moments' are summed here
     std::vector<double> flat;

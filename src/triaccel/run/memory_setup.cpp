@@ -4,6 +4,7 @@
 
 #include "triaccel/control/memory/partitioner.h"
 #include "triaccel/control/optimizer_state/baoc_controller.h"
+#include "triaccel/optim/signals.h"
 #include "triaccel/core/bytes.h"
 #include "triaccel/core/device.h"
 #include "triaccel/core/errors.h"
@@ -326,7 +327,9 @@ OptimizerBytes optimizer_priced(const Config& config, const std::vector<std::vec
   const auto tensors = static_cast<int64_t>(param_shapes.size());
   constexpr int64_t kMaps = 4 * 256 * 4;  // the 8-bit codec's signed and unsigned maps and their midpoints
   const int64_t bookkeeping = tensors * (2 + kStreamColumns) * 8 + kMaps;  // step counts and window sums, float64
-  out.transient = 4 * elements + bookkeeping + conversion;
+  // A plan's signals (optim/signals.h: a chunk's float64 temporaries) and its conversion come one after the other.
+  const int64_t signals = std::min(elements, kSignalChunkElements) * kSignalChunkBytesPerElement;
+  out.transient = 4 * elements + bookkeeping + std::max(conversion, signals);
   return out;
 }
 
