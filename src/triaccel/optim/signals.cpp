@@ -40,21 +40,31 @@ MomentSums moment_sums(const at::Tensor& m32, const at::Tensor& v32, const at::T
   const torch::NoGradGuard no_grad;
   const int64_t n = v32.numel();
   const auto f64 = v32.options().dtype(at::kDouble);
-  // Whole-tensor reductions first, with no tensor of the moments' size: the mean of v̂ (the SGD formats' scalar
-  // preconditioner) and the rank-1 factors of v̂ (its row and column means over the factor shape, optim/state_format.h).
-  const double v_mean = n > 0 ? v32.sum(at::kDouble).item<double>() / static_cast<double>(n) / bc2 : 0.0;
-  const double scalar_den = std::sqrt(v_mean) + eps;
+  // A first pass: the mean of v̂ (the SGD formats' scalar preconditioner) and the rank-1 factors of v̂ (its row and
+  // column means over the factor shape, optim/state_format.h), also chunk by chunk (a float64 sum of the whole
+  // tensor would convert it whole first). Row k of the factor shape holds the logical elements [k·cols, (k+1)·cols).
   const auto [rows, cols] = state_format_factor_shape(v32.sizes().vec());
-  at::Tensor r, c;
+  at::Tensor v_sum = at::zeros({}, f64), r, c;
+  if (rows > 0) {
+    r = at::zeros({rows}, f64);
+    c = at::zeros({cols}, f64);
+  }
+  for (int64_t a = 0; a < n; a += chunk_elements) {
+    const int64_t len = std::min(chunk_elements, n - a);
+    const at::Tensor v = logical_range(v32, a, len).to(at::kDouble);
+    v_sum += v.sum();
+    if (rows > 0) {
+      const at::Tensor k = at::arange(a, a + len, f64.dtype(at::kLong));
+      r.index_add_(0, at::floor_divide(k, cols), v);
+      c.index_add_(0, at::remainder(k, cols), v);
+    }
+  }
+  const double v_mean = n > 0 ? v_sum.item<double>() / static_cast<double>(n) / bc2 : 0.0;
+  const double scalar_den = std::sqrt(v_mean) + eps;
   double r_mean = 1;
   if (rows > 0) {
-    // Leading size-1 dimensions come before the rows' dimension d (the factor shape skips them).
-    int64_t d = 0;
-    while (d + 1 < v32.dim() && v32.size(d) == 1) ++d;
-    std::vector<int64_t> inner, outer;
-    for (int64_t k = 0; k < v32.dim(); ++k) (k > d ? inner : outer).push_back(k);
-    r = at::sum(v32, inner, false, at::kDouble).reshape({-1}) / (static_cast<double>(cols) * bc2);
-    c = at::sum(v32, outer, false, at::kDouble).reshape({-1}) / (static_cast<double>(rows) * bc2);
+    r /= static_cast<double>(cols) * bc2;
+    c /= static_cast<double>(rows) * bc2;
     r_mean = r.mean().item<double>();
   }
   // Then chunk by chunk: each chunk starts at a multiple of the codec's block, so its 8-bit blocks are the whole
