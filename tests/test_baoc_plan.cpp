@@ -215,16 +215,11 @@ TEST(SignalsTest, MomentSumsChunkByChunkEqualTheWholeTensorFormulas) {
     for (const int64_t chunk : {int64_t{256}, int64_t{512}, kSignalChunkElements}) {
       SCOPED_TRACE(chunk);
       const MomentSums got = moment_sums(m, v, ms, mu, bc1, bc2, eps, chunk);
-      const auto near = [](double a, double b) { EXPECT_NEAR(a, b, 1e-10 * std::max(1.0, std::abs(b))); };
-      near(got.u_sq, want.u_sq);
-      near(got.du_scalar, want.du_scalar);
-      near(got.du_bf16, want.du_bf16);
-      near(got.du_8bit, want.du_8bit);
-      near(got.du_factor, want.du_factor);
-      near(got.mh_sq, want.mh_sq);
-      near(got.noise, want.noise);
-      near(got.logv, want.logv);
-      near(got.logv_sq, want.logv_sq);
+      for (double MomentSums::*f : {&MomentSums::u_sq, &MomentSums::du_scalar, &MomentSums::du_bf16,
+                                    &MomentSums::du_8bit, &MomentSums::du_factor, &MomentSums::mh_sq,
+                                    &MomentSums::noise, &MomentSums::logv, &MomentSums::logv_sq}) {
+        EXPECT_NEAR(got.*f, want.*f, 1e-10 * std::max(1.0, std::abs(want.*f)));
+      }
       EXPECT_EQ(got.elems, want.elems);
     }
   }
