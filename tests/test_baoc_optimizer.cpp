@@ -230,6 +230,28 @@ TEST(Quant8Test, EncodeIsNearestPerBlockAbsmax) {
   EXPECT_LT(((back - x).norm() / x.norm()).item<double>(), 0.02);
 }
 
+TEST(Quant8Test, ATensorOfSeveralChunksEncodesAsItsBlocksAlone) {
+  // Three chunks and a short one, the last block short: every block's bytes and scale are those of the block encoded
+  // alone (a one-block tensor, one chunk), and decoding gives back each block's own decode.
+  torch::manual_seed(5);
+  const int64_t n = 3 * kQuant8ChunkElements + 300;
+  const at::Tensor x = torch::randn({n}) * torch::exp(3 * torch::randn({n}));
+  const at::Tensor map = quant8_map(false);
+  const Quantized8 q = quant8_encode(x.abs(), map);
+  const at::Tensor back = quant8_decode(q, map, {n});
+  const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  ASSERT_EQ(q.absmax.numel(), blocks);
+  const int64_t per_chunk = kQuant8ChunkElements / kQuantBlock;
+  for (int64_t b : {int64_t{0}, per_chunk - 1, per_chunk, per_chunk + 1, 2 * per_chunk, blocks - 2, blocks - 1}) {
+    SCOPED_TRACE(b);
+    const int64_t at = b * kQuantBlock, len = std::min(kQuantBlock, n - at);
+    const Quantized8 alone = quant8_encode(x.abs().narrow(0, at, len), map);
+    EXPECT_TRUE(torch::equal(q.codes.narrow(0, at, len), alone.codes));
+    EXPECT_TRUE(torch::equal(q.absmax.narrow(0, b, 1), alone.absmax));
+    EXPECT_TRUE(torch::equal(back.narrow(0, at, len), quant8_decode(alone, map, {len})));
+  }
+}
+
 TEST(StateBytesTest, ExactBytesPerFormat) {
   const std::vector<int64_t> conv = {64, 3, 3, 3};  // 1728 elements, 7 blocks; factored as 64 × 27
   EXPECT_EQ(state_format_bytes(StateFormat::kAdamW32, conv), 13824);

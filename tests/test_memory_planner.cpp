@@ -22,6 +22,7 @@
 #include "triaccel/models/registry.h"
 #include "triaccel/optim/baoc_optimizer.h"
 #include "triaccel/optim/sgd.h"
+#include "triaccel/optim/quant8.h"
 #include "triaccel/optim/signals.h"
 #include "triaccel/optim/state_format.h"
 #include "triaccel/run/memory_setup.h"
@@ -662,10 +663,12 @@ TEST_F(MemoryRunTest, PlanPricesBaocsFormatsItsWindowAndItsConversions) {
     largest = std::max(largest, numel);
   }
   const auto tensors = static_cast<int64_t>(shapes.size());
-  // The window, the bookkeeping, then the larger of a conversion (m and v decoded, the new state beside the old) and
+  // The window, the bookkeeping, then the larger of a conversion (m and v decoded, the new state beside the old, a
+  // chunk of the 8-bit codec's temporaries) and
   // a chunk of the plan's signals (optim/signals.h), which come one after the other.
   const int64_t signals = std::min(n, kSignalChunkElements) * kSignalChunkBytesPerElement;
-  const int64_t extra = 4 * n + tensors * (2 + kStreamColumns) * 8 + 4 * 256 * 4 + std::max((8 + 8) * largest, signals);
+  const int64_t conversion = (8 + 8) * largest + std::min(largest, kQuant8ChunkElements) * kQuant8ChunkBytesPerElement;
+  const int64_t extra = 4 * n + tensors * (2 + kStreamColumns) * 8 + 4 * 256 * 4 + std::max(conversion, signals);
   EXPECT_EQ(baoc["consumers"]["optimizer"].get<int64_t>() - adamw["consumers"]["optimizer"].get<int64_t>(), extra);
   ASSERT_EQ(baoc["micro_batch"], adamw["micro_batch"]);
   EXPECT_NEAR(baoc["predicted_peak_bytes"].get<double>() - adamw["predicted_peak_bytes"].get<double>(),

@@ -42,24 +42,53 @@ at::Tensor quant8_absmax_round_up(const at::Tensor& absmax) {
   return up.view(at::kFloat).to(at::kBFloat16);  // exact: the low 16 bits are zero
 }
 
-Quantized8 quant8_encode(const at::Tensor& x, const at::Tensor& map) {
-  const int64_t n = x.numel();
+namespace {
+
+// One chunk of whole blocks (the last one may be short): the codec's ATen reference, whose temporaries are about
+// kQuant8ChunkBytesPerElement bytes an element (the padded copy, the normalized values, bucketize's int64 indices).
+void encode_chunk(const at::Tensor& flat_in, const at::Tensor& mids, at::Tensor codes_out, at::Tensor absmax_out) {
+  const int64_t n = flat_in.numel();
   const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
-  at::Tensor flat = x.contiguous().reshape({-1}).to(at::kFloat);
-  flat = at::constant_pad_nd(flat, {0, blocks * kQuantBlock - n}).view({blocks, kQuantBlock});
+  const at::Tensor flat = at::constant_pad_nd(flat_in, {0, blocks * kQuantBlock - n}).view({blocks, kQuantBlock});
   const at::Tensor absmax = quant8_absmax_round_up(flat.abs().amax(1));  // (blocks) bfloat16
   const at::Tensor a = absmax.to(at::kFloat).unsqueeze(1);
   const at::Tensor normalized = at::where(a > 0, flat / a, at::zeros_like(flat));
+  codes_out.copy_(at::bucketize(normalized, mids).to(at::kByte).reshape({-1}).narrow(0, 0, n));
+  absmax_out.copy_(absmax);
+}
+
+}  // namespace
+
+Quantized8 quant8_encode(const at::Tensor& x, const at::Tensor& map) {
+  const int64_t n = x.numel();
+  const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  const at::Tensor flat = x.contiguous().reshape({-1}).to(at::kFloat);
   const at::Tensor mids = quant8_midpoints(map).to(x.device());
-  const at::Tensor codes = at::bucketize(normalized, mids).to(at::kByte).reshape({-1}).narrow(0, 0, n);
-  return {codes.contiguous(), absmax};
+  Quantized8 q{at::empty({n}, flat.options().dtype(at::kByte)), at::empty({blocks}, flat.options().dtype(at::kBFloat16))};
+  // Chunk by chunk (whole blocks each, so the bytes are the whole tensor's): the temporaries stay a few MB whatever
+  // the tensor (a BAOC conversion of ResNet-18's largest convolution ran out of memory in them under a budget).
+  for (int64_t a = 0; a < n; a += kQuant8ChunkElements) {
+    const int64_t len = std::min(kQuant8ChunkElements, n - a);
+    encode_chunk(flat.narrow(0, a, len), mids, q.codes.narrow(0, a, len),
+                 q.absmax.narrow(0, a / kQuantBlock, (len + kQuantBlock - 1) / kQuantBlock));
+  }
+  return q;
 }
 
 at::Tensor quant8_decode(const Quantized8& q, const at::Tensor& map, at::IntArrayRef shape) {
   const int64_t n = q.codes.numel();
-  const at::Tensor values = map.to(q.codes.device()).index_select(0, q.codes.to(at::kLong));
-  const at::Tensor scale = q.absmax.to(at::kFloat).repeat_interleave(kQuantBlock).narrow(0, 0, n);
-  return (values * scale).reshape(shape);
+  const at::Tensor m = map.to(q.codes.device());
+  at::Tensor out = at::empty({n}, q.codes.options().dtype(at::kFloat));
+  for (int64_t a = 0; a < n; a += kQuant8ChunkElements) {  // chunks of whole blocks, as quant8_encode
+    const int64_t len = std::min(kQuant8ChunkElements, n - a);
+    const at::Tensor values = m.index_select(0, q.codes.narrow(0, a, len).to(at::kLong));
+    const at::Tensor scale = q.absmax.narrow(0, a / kQuantBlock, (len + kQuantBlock - 1) / kQuantBlock)
+                                 .to(at::kFloat)
+                                 .repeat_interleave(kQuantBlock)
+                                 .narrow(0, 0, len);
+    out.narrow(0, a, len).copy_(values * scale);
+  }
+  return out.reshape(shape);
 }
 
 }  // namespace triaccel

@@ -14,12 +14,17 @@
 
 #include <ATen/Tensor.h>
 
+#include <cstdint>
+
 namespace triaccel {
 
 // (256) float32 on the CPU.
 at::Tensor quant8_map(bool is_signed);
 // (255) float32: midpoints between successive map values (the decision boundaries of nearest rounding).
 at::Tensor quant8_midpoints(const at::Tensor& map);
+
+constexpr int64_t kQuant8ChunkElements = int64_t{1} << 16;  // a multiple of kQuantBlock
+constexpr int64_t kQuant8ChunkBytesPerElement = 32;
 
 struct Quantized8 {
   at::Tensor codes;   // (numel) uint8
@@ -29,6 +34,8 @@ struct Quantized8 {
 // float32 absmax → bfloat16 scale, rounded up (non-negative finite input).
 at::Tensor quant8_absmax_round_up(const at::Tensor& absmax);
 // x: float32, any shape (read in memory order of x.contiguous()). Reference implementation in ATen.
+// Encoded (and decoded) kQuant8ChunkElements at a time, whole blocks each: the temporaries are about
+// kQuant8ChunkBytesPerElement bytes an element of a chunk, whatever the tensor (run/memory_setup.h prices them).
 Quantized8 quant8_encode(const at::Tensor& x, const at::Tensor& map);
 // The float32 tensor of `shape` (contiguous) that q encodes.
 at::Tensor quant8_decode(const Quantized8& q, const at::Tensor& map, at::IntArrayRef shape);

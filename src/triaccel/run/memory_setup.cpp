@@ -4,6 +4,7 @@
 
 #include "triaccel/control/memory/partitioner.h"
 #include "triaccel/control/optimizer_state/baoc_controller.h"
+#include "triaccel/optim/quant8.h"
 #include "triaccel/optim/signals.h"
 #include "triaccel/core/bytes.h"
 #include "triaccel/core/device.h"
@@ -316,14 +317,16 @@ OptimizerBytes optimizer_priced(const Config& config, const std::vector<std::vec
   }
   std::vector<StateFormat> menu = optim_formats_parse(config.baoc.optim_formats);
   menu.push_back(StateFormat::kAdamW32);  // the warm-up's
-  int64_t conversion = 0;
+  int64_t conversion = 0, largest = 0;
   for (const auto& shape : param_shapes) {
     int64_t most = 0, numel = 1;
     for (StateFormat f : menu) most = std::max(most, state_format_bytes(f, shape));
     for (int64_t d : shape) numel *= d;
     out.state += most;
     conversion = std::max(conversion, 8 * numel + most);  // m and v decoded to float32, the new state beside the old
+    largest = std::max(largest, numel);
   }
+  conversion += std::min(largest, kQuant8ChunkElements) * kQuant8ChunkBytesPerElement;  // a chunk of the 8-bit codec
   const auto tensors = static_cast<int64_t>(param_shapes.size());
   constexpr int64_t kMaps = 4 * 256 * 4;  // the 8-bit codec's signed and unsigned maps and their midpoints
   const int64_t bookkeeping = tensors * (2 + kStreamColumns) * 8 + kMaps;  // step counts and window sums, float64
