@@ -18,8 +18,6 @@ struct UnitSums {
   double mh_sq = 0, noise = 0, logv = 0, logv_sq = 0, elems = 0;
 };
 
-double sum_d(const at::Tensor& t) { return t.sum().item<double>(); }
-
 at::Tensor update_dir(const at::Tensor& mh, const at::Tensor& vh, double eps) { return mh / (vh.sqrt() + eps); }
 
 // Elements [a, a + len) of t in its logical (row-major) order: a view when t is contiguous, else a copy of the
@@ -82,8 +80,12 @@ MomentSums moment_sums(const at::Tensor& m32, const at::Tensor& v32, const at::T
     };
     std::vector<at::Tensor> part(9);
     part[0] = (u * u).sum();
+    // One scalar preconditioner per tensor, the SGD formats' k = 1 / (√mean(v̂) + ε): the same metric as the
+    // factorization's error below, so the two compare (a scalar is the constant rank-1 factorization).
     part[1] = (u - mh / scalar_den).pow(2).sum();
     part[2] = du(m.to(at::kBFloat16).to(at::kDouble) / bc1, v.to(at::kBFloat16).to(at::kDouble) / bc2);
+    // 8-bit: the block-wise codec over the logical element order (the optimizer blocks memory order; the same for
+    // contiguous tensors, an estimate for channels_last ones).
     part[3] = du(quant8_decode(quant8_encode(m32c, map_signed), map_signed, {len}).to(at::kDouble) / bc1,
                  quant8_decode(quant8_encode(v32c, map_unsigned), map_unsigned, {len}).to(at::kDouble) / bc2);
     if (rows > 0) {
