@@ -168,10 +168,31 @@ def run_one(c, a, timeout):
                 plan_measured_peak_gb=final_plan.get("measured_peak_gb"),
                 dropped_samples=(last or {}).get("dropped_samples"),
                 method_run=plans[-1].get("method") if plans else None, why=why[:300], exit=code, wall_s=round(time.time() - t, 1),
+                plan_trail=plan_trail(events),
                 oom_events=sum(1 for e in events if e["event"] == "oom"),
                 peak_vram_gb=(last or {}).get("peak_vram_gb"), steps=(last or {}).get("steps"),
                 images_per_s=epochs[-1].get("images_per_s") if epochs else None,
                 command=" ".join(shown + argv[len(front):]))
+
+
+def plan_trail(events):
+    """The memory plans of a run in order, one short string each: the step it came after, its reason, micro-batch ×
+    accumulation, units recomputed, predicted and (where read) its own steps' peak in MB; and each `oom` event (the
+    story behind a final prediction that misses its steps' peak)."""
+    trail, step = [], 0
+    for e in events:
+        step = e.get("step", step)
+        if e["event"] == "oom":
+            trail.append(f"@{step} oom")
+        elif e["event"] == "memory_plan" and e.get("predicted_peak_bytes"):
+            mb = lambda k: f"{e[k] / 1e6:.0f}" if isinstance(e.get(k), (int, float)) else "-"
+            recompute = e.get("recompute") or []
+            trail.append(f"@{step} {e.get('reason', '?')} {e.get('micro_batch', '?')}x{e.get('accumulation', '?')} "
+                         f"r{len(recompute) if isinstance(recompute, list) else recompute} "
+                         f"p{mb('predicted_peak_bytes')} m{mb('plan_measured_peak_bytes')}")
+        elif e["event"] == "optim_plan":
+            trail.append(f"@{step} optim_plan {e.get('state_bytes', 0) / 1e6:.0f}MB")
+    return trail
 
 
 def prediction_error(r, measured="plan_measured_peak_gb"):
@@ -305,6 +326,8 @@ def report(rows, not_run, what):
             print(f"  off by more than 5 %: #{r['index']} {r['model']} {r['method']} {r['optimizer']} {r['precision']} "
                   f"{r['vram_budget']}: predicted {r['predicted_peak_gb']:.3f} GB, its steps "
                   f"{r['plan_measured_peak_gb']:.3f}, {r.get('oom_events', 0)} oom events")
+            if r.get("plan_trail"):
+                print(f"    {'; '.join(r['plan_trail'])[:600]}")
     bad = sum(counts.get(k, 0) for k in BUGS)
     return 1 if bad else 0
 

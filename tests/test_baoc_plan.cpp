@@ -360,45 +360,77 @@ TEST(SignalsTest, StableGradientsScoreHigherDirectionalStabilityThanNoise) {
   EXPECT_EQ(s[0].params, 64 * 32);
 }
 
-TEST(SignalsTest, SmallCnnPlanAtFifteenPercentFitsAndMixesFormats) {
-  torch::manual_seed(12);
-  ModelOptions mo;
-  mo.name = "small-cnn";
-  mo.in_channels = 1;
-  mo.image_size = 28;
-  const auto model = model_create(mo);
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  for (const auto& item : model->named_parameters()) named.emplace_back(item.key(), item.value());
-  BaocOptimizer opt(named, BaocOptions{});
-  BaocControllerOptions to;
-  to.memory_budget = "15%";
-  to.plan_warmup = 6;
-  int invalidations = 0;
-  BaocController controller(to, *model, opt, [&]() { ++invalidations; }, 1);
-  EXPECT_TRUE(opt.stream_stats_enabled());
-  const at::Tensor x = torch::randn({32, 1, 28, 28});
-  const at::Tensor y = torch::randint(0, 10, {32});
-  Json plan;
-  for (int64_t step = 1; step <= 6; ++step) {
-    for (auto& p : opt.params()) p.mutable_grad() = at::Tensor();
-    at::cross_entropy_loss(model->forward(x), y).backward();
-    opt.step(torch::full({1}, 1e-3), torch::zeros({1}));
-    StepContext ctx;
-    ctx.step = step;
-    for (const Event& e : controller.after_step(ctx)) {
-      if (std::string(e.name) == event::kOptimPlan) plan = e.fields;
-    }
+// A meter that counts the transients run through it (measure), the plan's signals and conversions among them.
+class CountingMeter : public MemoryMeter {
+ public:
+  int measured = 0;
+  MemoryStats window() override { return {}; }
+  void restart() override {}
+  double measure(const std::function<void()>& fn) override {
+    ++measured;
+    fn();
+    return 0;
   }
-  ASSERT_FALSE(plan.is_null());
-  EXPECT_FALSE(opt.stream_stats_enabled());
-  EXPECT_LE(plan["total_bytes"].get<int64_t>(), plan["budget_bytes"].get<int64_t>());
-  EXPECT_EQ(plan["adamw_fp32_bytes"].get<int64_t>(), 8 * model->parameter_count());
-  EXPECT_EQ(plan["state_bytes"].get<int64_t>(), opt.state_bytes());
-  EXPECT_EQ(opt.state_bytes(), plan["total_bytes"].get<int64_t>());
-  std::set<std::string> formats;
-  for (const auto& u : plan["units"]) formats.insert(u["format"].get<std::string>());
-  EXPECT_GE(formats.size(), 2u) << plan.dump();
-  EXPECT_GE(invalidations, 2);  // statistics off, state converted
+};
+
+// The small CNN's plan at 15 %: within the budget, formats mixed; the plan's work runs as a measured transient
+// (apart from the steps' readings), and what the plan frees of the warm-up's priced state is reported to the memory
+// planner: the fp32 AdamW moments beyond the plan's (with re-plans, beyond the budget a later plan may fill) and,
+// without re-plans, the statistics window's previous gradients.
+TEST(SignalsTest, SmallCnnPlanAtFifteenPercentFitsAndMixesFormats) {
+  for (const int64_t replan_every : {0, 3}) {
+    SCOPED_TRACE(replan_every);
+    torch::manual_seed(12);
+    ModelOptions mo;
+    mo.name = "small-cnn";
+    mo.in_channels = 1;
+    mo.image_size = 28;
+    const auto model = model_create(mo);
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& item : model->named_parameters()) named.emplace_back(item.key(), item.value());
+    BaocOptimizer opt(named, BaocOptions{});
+    BaocControllerOptions to;
+    to.memory_budget = "15%";
+    to.plan_warmup = 6;
+    to.replan_every = replan_every;
+    int invalidations = 0;
+    CountingMeter meter;
+    BaocController controller(to, *model, opt, [&]() { ++invalidations; }, 1);
+    EXPECT_TRUE(opt.stream_stats_enabled());
+    const at::Tensor x = torch::randn({32, 1, 28, 28});
+    const at::Tensor y = torch::randint(0, 10, {32});
+    Json plan;
+    for (int64_t step = 1; step <= 6; ++step) {
+      for (auto& p : opt.params()) p.mutable_grad() = at::Tensor();
+      at::cross_entropy_loss(model->forward(x), y).backward();
+      opt.step(torch::full({1}, 1e-3), torch::zeros({1}));
+      StepContext ctx;
+      ctx.step = step;
+      ctx.memory = &meter;
+      if (step < 6) EXPECT_EQ(controller.state_bytes_freed(), 0);  // the warm-up holds what was priced
+      for (const Event& e : controller.after_step(ctx)) {
+        if (std::string(e.name) == event::kOptimPlan) plan = e.fields;
+      }
+    }
+    ASSERT_FALSE(plan.is_null());
+    EXPECT_EQ(meter.measured, 1);
+    const int64_t n = model->parameter_count();
+    if (replan_every == 0) {
+      EXPECT_FALSE(opt.stream_stats_enabled());
+      EXPECT_EQ(controller.state_bytes_freed(), 8 * n - opt.state_bytes() + 4 * n);
+    } else {
+      EXPECT_TRUE(opt.stream_stats_enabled());  // the window before the re-plan at step 9
+      EXPECT_EQ(controller.state_bytes_freed(), 8 * n - plan["budget_bytes"].get<int64_t>());
+    }
+    EXPECT_LE(plan["total_bytes"].get<int64_t>(), plan["budget_bytes"].get<int64_t>());
+    EXPECT_EQ(plan["adamw_fp32_bytes"].get<int64_t>(), 8 * model->parameter_count());
+    EXPECT_EQ(plan["state_bytes"].get<int64_t>(), opt.state_bytes());
+    EXPECT_EQ(opt.state_bytes(), plan["total_bytes"].get<int64_t>());
+    std::set<std::string> formats;
+    for (const auto& u : plan["units"]) formats.insert(u["format"].get<std::string>());
+    EXPECT_GE(formats.size(), 2u) << plan.dump();
+    EXPECT_GE(invalidations, 2);  // statistics off, state converted
+  }
 }
 
 }  // namespace

@@ -54,9 +54,11 @@ std::unique_ptr<StepController> precision_make(ControllerParts& p) {
 std::unique_ptr<StepController> baoc_make(ControllerParts& p) {
   if (p.config.optim.optimizer != OptimizerKind::kBaoc) return nullptr;
   TrainStep* step = &p.step;
-  return std::make_unique<BaocController>(baoc_controller_options(p.config), p.session.model(),
-                                          static_cast<BaocOptimizer&>(p.optimizer),
-                                          [step]() { step->invalidate_graph(); }, p.next_step);
+  auto baoc = std::make_unique<BaocController>(baoc_controller_options(p.config), p.session.model(),
+                                               static_cast<BaocOptimizer&>(p.optimizer),
+                                               [step]() { step->invalidate_graph(); }, p.next_step);
+  p.baoc = baoc.get();
+  return baoc;
 }
 
 std::unique_ptr<StepController> measure_window_make(ControllerParts& p) {
@@ -88,6 +90,9 @@ std::unique_ptr<StepController> memory_plan_make(ControllerParts& p) {
     precision->set_memory_check([plan](const std::vector<Precision>& ps) { return plan->fits(ps); },
                                 /*hold_curvature=*/p.config.execution.vram_budget_bytes() > 0);
     plan->set_capture_oom_undo([precision]() { return precision->revert_raise(); });
+  }
+  if (BaocController* baoc = p.baoc) {  // after the warm-up the state shrinks: the room goes to the activations
+    planner->set_optimizer_freed([baoc]() { return static_cast<double>(baoc->state_bytes_freed()); });
   }
   return planner;
 }

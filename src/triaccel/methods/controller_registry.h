@@ -24,6 +24,7 @@
 
 namespace triaccel {
 
+class BaocController;
 class MemoryPlanController;
 class PrecisionController;
 
@@ -43,6 +44,7 @@ struct ControllerParts {
   std::function<MemoryModel(const std::vector<Precision>&)> memory_model_rebuild;
   // Set by the entries that build them, for later entries and the trainer.
   PrecisionController* precision = nullptr;
+  BaocController* baoc = nullptr;
   MemoryPlanController* memory_planner = nullptr;
 };
 

@@ -17,6 +17,7 @@ MemoryPlanController::MemoryPlanController(MemoryModel model, MemoryPlan plan, M
       limits_(std::move(limits)),
       step_(step),
       rebuild_(std::move(rebuild)),
+      optimizer_start_bytes_(model_.optimizer_bytes),
       precisions_(step.unit_precisions()),
       limit_scale_(model_.activation_scale) {
   limits_.constraints.placement_fixed = true;  // the loaders hold the data where the first plan put it
@@ -45,6 +46,7 @@ MemoryModel MemoryPlanController::corrected_model(const std::vector<Precision>& 
   MemoryModel m = rebuild_(unit_precisions);
   m.activation_scale = model_.activation_scale;
   m.fixed_bytes += offset_;
+  m.optimizer_bytes = model_.optimizer_bytes;  // the state as it is now (a format plan's), not as first priced
   return m;
 }
 
@@ -124,12 +126,23 @@ MemoryPlanController::StepReading MemoryPlanController::step_reading(const StepC
   if (ctx.memory != nullptr && allocated && !beside_graph) {
     measured = static_cast<double>(ctx.memory->window().peak_allocated_bytes);
   }
+  double optimizer = optimizer_freed_ ? optimizer_start_bytes_ - optimizer_freed_() : model_.optimizer_bytes;
   if (agree_) {
-    const std::vector<double> worst = agree_({capture_failed ? 1.0 : 0.0, measured});
+    const std::vector<double> worst = agree_({capture_failed ? 1.0 : 0.0, measured, optimizer});
     capture_failed = worst.at(0) > 0;
     measured = worst.at(1);
+    optimizer = worst.at(2);
   }
-  return {capture_failed, measured};
+  return {capture_failed, measured, optimizer};
+}
+
+bool MemoryPlanController::optimizer_bytes_handle(double bytes, Events& events) {
+  if (std::abs(bytes - model_.optimizer_bytes) < 1) return false;
+  model_.optimizer_bytes = bytes;
+  replan();
+  plan_measured_peak_bytes_ = 0;  // its steps hold another state: what the prediction is checked against starts anew
+  events.push_back({event::kMemoryPlan, plan_fields("optimizer_state")});
+  return true;
 }
 
 // A capture that ran out of memory; true when the step is done with (no calibration reading).
@@ -248,6 +261,7 @@ Events MemoryPlanController::after_step(StepContext& ctx) {
   }
   const StepReading reading = step_reading(ctx);
   if (reading.capture_failed && capture_oom_handle(events)) return events;
+  if (optimizer_bytes_handle(reading.optimizer_bytes, events)) return events;  // this step held the state before
   // Calibration reads the peak. The first step of a session is not read: it makes what later steps reuse (cuDNN's
   // and cuBLAS's handles and workspaces; before the step engine made the optimizer state first, SGD's momentum
   // too). A capture that ran out of memory allocated up to the cap before it failed: not the plan's peak (read, it

@@ -7,6 +7,8 @@
 //     readings corrects the model's activation scale and its fixed bytes, and the plan is recomputed;
 //   - Tri-Accel's precision decisions: units promoted to fp32 keep bigger activations (the model is rebuilt for
 //     the new precisions and the plan recomputed);
+//   - BAOC's format plan: the optimizer state shrinks after the warm-up (set_optimizer_freed); the model's optimizer
+//     bytes follow, the plan is recomputed (the room goes to the activations) and its steps are measured anew;
 //   - out of memory: a planning error. The scale grows by kOomScaleStep, the plan is recomputed, and the trainer
 //     retries the same samples at the same batch; on a plan that stores units in FP8, FP8 storage is left as well
 //     (fp8_give_up), and instead of the share's step after a capture that ran out of memory;
@@ -108,6 +110,14 @@ class MemoryPlanController final : public StepController {
   using Undo = std::function<bool()>;
   void set_capture_oom_undo(Undo undo) { capture_oom_undo_ = std::move(undo); }
 
+  // Bytes of the optimizer consumer the run was planned with that its state no longer holds
+  // (BaocController::state_bytes_freed), read after every step. When it changes, the model's optimizer bytes become
+  // the first model's less it (with several ranks, the largest over the ranks) and the plan is made again: a
+  // `memory_plan` event with reason "optimizer_state"; the step it was read after gives no reading (it ran with the
+  // state before). Unset: the optimizer's bytes stay as planned.
+  using OptimizerFreed = std::function<double()>;
+  void set_optimizer_freed(OptimizerFreed freed) { optimizer_freed_ = std::move(freed); }
+
   const MemoryPlan& plan() const { return plan_; }
   // What a plan may reach now: the budget, or without one the first model's peak at the calibrated scale.
   int64_t limit_bytes() const;
@@ -127,10 +137,14 @@ class MemoryPlanController final : public StepController {
   // after_step's parts, in the order it runs them.
   struct StepReading {
     bool capture_failed = false;
-    double measured = 0;  // the allocator's peak over the step (0: no reading)
+    double measured = 0;         // the allocator's peak over the step (0: no reading)
+    double optimizer_bytes = 0;  // what the optimizer's state holds now, as the model prices it
   };
   StepReading step_reading(const StepContext& ctx);
   bool capture_oom_handle(Events& events);
+  // The optimizer's bytes changed (set_optimizer_freed): the model follows and the plan is made again; false when
+  // they did not.
+  bool optimizer_bytes_handle(double bytes, Events& events);
   // An out-of-memory error (of a step or of a capture) on a plan that stores units in FP8 the planner chose: the
   // lever's memory is the cost model's least sure term (its passes' allocations beside the kept tensors, the graph
   // pool's blocks), so the run plans without it from then on (the constraint set; the caller plans again, a step's
@@ -150,6 +164,8 @@ class MemoryPlanController final : public StepController {
   Rebuild rebuild_;
   Agree agree_;
   Undo capture_oom_undo_;
+  OptimizerFreed optimizer_freed_;
+  double optimizer_start_bytes_;       // the first model's optimizer bytes
   std::vector<Precision> precisions_;  // the step's unit precisions the model was built for
   double limit_scale_;                 // limit_from_first_model: the activation scale the limit is priced at
   double oom_scale_ = 0;               // the scale after the last out-of-memory error: calibration stays above it

@@ -64,8 +64,22 @@ BaocController::BaocController(BaocControllerOptions options, const Model& model
       plan_units_(baoc_plan_units(model, optimizer.params())),
       plan_options_(baoc_format_plan_options(options_)) {
   // Budgets that no plan can meet fail now, not after the warm-up (feasibility does not depend on the signals).
-  format_plan_solve(plan_units_, std::vector<UnitSignals>(plan_units_.size()), plan_options_);
+  budget_bytes_ = format_plan_solve(plan_units_, std::vector<UnitSignals>(plan_units_.size()), plan_options_).budget_bytes;
   window_sync(next_step);
+}
+
+int64_t BaocController::state_bytes_freed() const {
+  if (plans_ == 0) return 0;
+  int64_t warmup = 0, window = 0;
+  for (size_t i = 0; i < optimizer_.params().size(); ++i) {
+    if (!optimizer_.owned(i)) continue;
+    const at::Tensor& p = optimizer_.params()[i];
+    warmup += state_format_bytes(StateFormat::kAdamW32, p.sizes().vec());
+    window += 4 * p.numel();  // the previous gradient, float32
+  }
+  int64_t kept = optimizer_.state_bytes();
+  if (options_.replan_every > 0) kept = std::max(kept, std::min(budget_bytes_, warmup));
+  return std::max<int64_t>(0, warmup - kept) + (options_.replan_every > 0 ? 0 : window);
 }
 
 bool BaocController::is_plan_step(int64_t step) const {
@@ -94,14 +108,26 @@ Events BaocController::after_step(StepContext& ctx) {
   Events events;
   const int64_t step = ctx.step;
   if (is_plan_step(step)) {
-    const at::Tensor sums = optimizer_.stream_stats_take();
-    signals_ = baoc_signals(optimizer_, sums, unit_of_tensor_, static_cast<int64_t>(plan_units_.size()), signals_);
-    const FormatPlan plan = format_plan_solve(plan_units_, signals_, plan_options_);
-    std::vector<StateFormat> formats(unit_of_tensor_.size());
-    for (size_t i = 0; i < formats.size(); ++i) formats[i] = plan.units[static_cast<size_t>(unit_of_tensor_[i])].format;
-    const std::vector<StateFormat> before = optimizer_.formats();
-    optimizer_.formats_set(formats);
-    if (formats != before && step_changed_) step_changed_();
+    // The plan's signals and conversions are a transient between steps: measured apart from the steps' readings.
+    FormatPlan plan;
+    std::vector<StateFormat> before;
+    const auto replan = [&] {
+      const at::Tensor sums = optimizer_.stream_stats_take();
+      signals_ = baoc_signals(optimizer_, sums, unit_of_tensor_, static_cast<int64_t>(plan_units_.size()), signals_);
+      plan = format_plan_solve(plan_units_, signals_, plan_options_);
+      std::vector<StateFormat> formats(unit_of_tensor_.size());
+      for (size_t i = 0; i < formats.size(); ++i) {
+        formats[i] = plan.units[static_cast<size_t>(unit_of_tensor_[i])].format;
+      }
+      before = optimizer_.formats();
+      optimizer_.formats_set(formats);
+    };
+    if (ctx.memory != nullptr) {
+      ctx.memory->measure(replan);
+    } else {
+      replan();
+    }
+    if (optimizer_.formats() != before && step_changed_) step_changed_();
     ++plans_;
     Json fields = format_plan_to_json(plan);
     fields["plan"] = plans_;

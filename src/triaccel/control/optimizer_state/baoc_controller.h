@@ -52,6 +52,11 @@ class BaocController final : public StepController {
   const std::vector<FormatPlanUnit>& plan_units() const { return plan_units_; }
   const FormatPlanOptions& plan_options() const { return plan_options_; }
   const std::vector<UnitSignals>& signals() const { return signals_; }
+  // Bytes of this rank's optimizer consumer as the memory planner priced it for the warm-up (memory_setup.h,
+  // optimizer_priced) that the run no longer needs: 0 before the first plan; after it, the fp32 AdamW state beyond
+  // what the plan keeps (with re-plans, beyond the most a later plan may keep: the memory budget), and without
+  // re-plans the statistics window's previous gradients (the window never opens again).
+  int64_t state_bytes_freed() const;
 
  private:
   bool is_plan_step(int64_t step) const;
@@ -65,6 +70,7 @@ class BaocController final : public StepController {
   std::vector<FormatPlanUnit> plan_units_;
   FormatPlanOptions plan_options_;
   std::vector<UnitSignals> signals_;
+  int64_t budget_bytes_ = 0;  // the format plan's memory budget, in bytes
   int64_t plans_ = 0;
 };
 
