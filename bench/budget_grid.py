@@ -164,7 +164,9 @@ def run_one(c, a, timeout):
     plans = [e for e in events if e["event"] == "memory_plan" and e.get("predicted_peak_bytes")]
     final_plan = (last or {}).get("memory_plan") or {}
     return dict(c, outcome=outcome,
-                predicted_peak_gb=plans[-1]["predicted_peak_bytes"] / 1e9 if plans else None,
+                predicted_peak_gb=final_plan.get("predicted_peak_gb") or (
+                    plans[-1]["predicted_peak_bytes"] / 1e9 if plans else None),
+                first_predicted_peak_gb=first_prediction(events),
                 plan_measured_peak_gb=final_plan.get("measured_peak_gb"),
                 dropped_samples=(last or {}).get("dropped_samples"),
                 method_run=plans[-1].get("method") if plans else None, why=why[:300], exit=code, wall_s=round(time.time() - t, 1),
@@ -173,6 +175,27 @@ def run_one(c, a, timeout):
                 peak_vram_gb=(last or {}).get("peak_vram_gb"), steps=(last or {}).get("steps"),
                 images_per_s=epochs[-1].get("images_per_s") if epochs else None,
                 command=" ".join(shown + argv[len(front):]))
+
+
+# The levers of a memory_plan event: two events with equal levers (and no model change between them) are one plan.
+LEVERS = ("micro_batch", "accumulation", "recompute", "fp8_saved", "data_placement", "update_in_backward")
+# Reasons that change the model a plan is priced on, its levers kept or not: a new prediction, made before its steps.
+NEW_MODEL = ("start", "oom", "oom_fp8_off", "optimizer_state", "precision")
+
+
+def first_prediction(events):
+    """The final plan's prediction as first made, before any of its own steps corrected it (GB; None without a plan):
+    the first event of the last run of memory_plan events with the same levers, a new model starting a new run."""
+    first = None
+    last_levers = None
+    for e in events:
+        if e["event"] != "memory_plan" or not e.get("predicted_peak_bytes"):
+            continue
+        levers = tuple(json.dumps(e.get(k), sort_keys=True) for k in LEVERS)
+        if levers != last_levers or e.get("reason") in NEW_MODEL:
+            first = e["predicted_peak_bytes"] / 1e9
+        last_levers = levers
+    return first
 
 
 def plan_trail(events):
@@ -195,20 +218,21 @@ def plan_trail(events):
     return trail
 
 
-def prediction_error(r, measured="plan_measured_peak_gb"):
+def prediction_error(r, measured="plan_measured_peak_gb", predicted="predicted_peak_gb"):
     """|predicted − measured| / measured of a budgeted run that trained, or None (no budget, no training, or a peak
     missing). measured: the key of the peak measured: the final plan's own steps' (default) or the run's
-    (peak_vram_gb)."""
+    (peak_vram_gb). predicted: the final plan's prediction as it ended (default: corrected by its own steps where they
+    were off) or as first made (first_predicted_peak_gb)."""
     if not (r.get("vram_budget") and r["outcome"] in ("ok", "over_budget", "samples_dropped")
-            and r.get("predicted_peak_gb") and r.get(measured)):
+            and r.get(predicted) and r.get(measured)):
         return None
-    return abs(r["predicted_peak_gb"] - r[measured]) / r[measured]
+    return abs(r[predicted] - r[measured]) / r[measured]
 
 
-def peak_prediction(rows, measured="plan_measured_peak_gb"):
+def peak_prediction(rows, measured="plan_measured_peak_gb", predicted="predicted_peak_gb"):
     """How close the final memory plan's predicted peak came to a measured one (prediction_error), over the runs
     that have both: {runs, within_5pct, median_abs_error}."""
-    errors = sorted(e for e in (prediction_error(r, measured) for r in rows) if e is not None)
+    errors = sorted(e for e in (prediction_error(r, measured, predicted) for r in rows) if e is not None)
     return {"runs": len(errors), "within_5pct": sum(e <= 0.05 for e in errors),
             "median_abs_error": errors[len(errors) // 2] if errors else None}
 
@@ -276,7 +300,9 @@ def main():
 def shard_write(a, rows, not_run):
     result = {"bench": "budget_grid", "seed": a.seed, "count": a.count, "shard": a.shard, "max_steps": a.max_steps,
               "counts": outcome_counts(rows), "peak_prediction": peak_prediction(rows),
-              "peak_prediction_run_peak": peak_prediction(rows, "peak_vram_gb"), "not_run": not_run, "rows": rows}
+              "peak_prediction_run_peak": peak_prediction(rows, "peak_vram_gb"),
+              "peak_prediction_first": peak_prediction(rows, predicted="first_predicted_peak_gb"),
+              "not_run": not_run, "rows": rows}
     with open(a.json + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
     os.replace(a.json + ".tmp", a.json)
@@ -315,16 +341,21 @@ def report(rows, not_run, what):
     print("\n| outcome | runs |\n|---|---|")
     for k in ("ok", "refused") + BUGS:
         print(f"| {k} | {counts.get(k, 0)} |")
-    for key, what in (("plan_measured_peak_gb", "the final plan's own steps"), ("peak_vram_gb", "the run")):
-        p = peak_prediction(rows, key)
+    for key, predicted, what in (("plan_measured_peak_gb", "predicted_peak_gb", "predicted peak"),
+                                 ("plan_measured_peak_gb", "first_predicted_peak_gb",
+                                  "predicted peak as first made (before its steps)"),
+                                 ("peak_vram_gb", "predicted_peak_gb", "predicted peak")):
+        p = peak_prediction(rows, key, predicted)
+        of = "the final plan's own steps" if key == "plan_measured_peak_gb" else "the run"
         if p["runs"]:
-            print(f"\npredicted peak within 5 % of the peak of {what}: {p['within_5pct']} of {p['runs']} budgeted runs "
+            print(f"\n{what} within 5 % of the peak of {of}: {p['within_5pct']} of {p['runs']} budgeted runs "
                   f"(median |error| {p['median_abs_error']:.1%})")
     for r in rows:
-        error = prediction_error(r)
+        error = prediction_error(r, predicted="first_predicted_peak_gb")
         if error is not None and error > 0.05:
             print(f"  off by more than 5 %: #{r['index']} {r['model']} {r['method']} {r['optimizer']} {r['precision']} "
-                  f"{r['vram_budget']}: predicted {r['predicted_peak_gb']:.3f} GB, its steps "
+                  f"{r['vram_budget']}: predicted {r['first_predicted_peak_gb']:.3f} GB first, "
+                  f"{r['predicted_peak_gb']:.3f} in the end, its steps "
                   f"{r['plan_measured_peak_gb']:.3f}, {r.get('oom_events', 0)} oom events")
             if r.get("plan_trail"):
                 print(f"    {'; '.join(r['plan_trail'])[:600]}")

@@ -227,6 +227,7 @@ void MemoryPlanController::calibration_reading(const MemoryPlan& ran, double mea
   limit_scale_ = model_.activation_scale;
   const MemoryPlan before = plan_;
   replan();
+  bool corrected = false;
   if (ran == plan_) {
     plan_measured_peak_bytes_ = std::max(plan_measured_peak_bytes_, measured);
     // The scale an out-of-memory error left holds the model above what this plan's steps read (it keeps the plan
@@ -236,10 +237,13 @@ void MemoryPlanController::calibration_reading(const MemoryPlan& ran, double mea
     const double predicted = plan_.predicted_peak_bytes;
     if (oom_floored && predicted > 0 && plan_measured_peak_bytes_ < (1 - kPredictionTolerance) * predicted) {
       plan_.predicted_peak_bytes = plan_measured_peak_bytes_;
+      corrected = true;
     }
   }
   if (!(plan_ == before)) {
     events.push_back({event::kMemoryPlan, plan_fields("recalibrated")});
+  } else if (corrected) {  // logged: a run whose later steps are replays reads no more (the last event is the plan)
+    events.push_back({event::kMemoryPlan, plan_fields("remeasured")});
   } else if (calibrations_ == kCalibrationSteps) {
     events.push_back({event::kMemoryPlan, plan_fields("measured")});
   }
