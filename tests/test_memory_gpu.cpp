@@ -610,6 +610,59 @@ TEST(MemoryGpuTest, ACaptureThatNeverFitsNearTheFloorLeavesTheStepEager) {
 #endif
 }
 
+// A warm-up step routed into the capture's pool that runs out of memory (the pool's blocks cut for other sizes, not
+// the plan's size: GPT-char at 0.895 GB on the H100 had allocated and asked for what its plan predicted) shrinks the
+// plan's share of the budget and keeps the model's scale; the retried step captures. An out-of-memory error of an
+// ordinary step after it still raises the scale.
+TEST(MemoryGpuTest, AWarmUpOutOfMemoryInTheCapturesPoolShrinksTheShareNotTheScale) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+#ifdef TRIACCEL_WITH_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
+  MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  m.dataset_bytes = 0;
+  m.allow_host_data = false;
+  torch::manual_seed(3);
+  int pool_runs = 0;
+  StepOptions so;
+  so.precision = PrecisionMode::kAmpBF16;
+  so.graph_batch_size = 12;
+  so.warmup_steps = 2;  // the first run plain, the second in the capture's pool
+  so.during_pool_warmup = [&pool_runs]() {
+    TORCH_CHECK_WITH(OutOfMemoryError, ++pool_runs > 1, "test: the pool's blocks are cut for other sizes");
+  };
+  UnitRig rig(false, so, gpu);
+  TrainStep& step = rig.step;
+  MemoryPlanLimits limits;
+  limits.batch = 12;
+  limits.cap_bytes = static_cast<int64_t>(4.0 * memory_plan_solve(m, 12, 1).floor_bytes);
+  limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
+  MemoryPlanController c(m, memory_plan_solve(m, 12, limits.budget_bytes), limits, step,
+                         [&](const std::vector<Precision>&) { return m; });
+  const at::Tensor x = at::randn({12, 12}, at::TensorOptions().device(gpu));
+  const at::Tensor y = at::randint(0, 5, {12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  std::vector<std::string> reasons;
+  StepContext ctx;
+  for (int s = 1, tries = 0; s <= 4 && tries < 8; ++tries) {
+    try {
+      step.run(x, y, 0.05);
+    } catch (const c10::OutOfMemoryError&) {
+      reasons.push_back(c.on_out_of_memory().fields["reason"].get<std::string>());
+      continue;  // the same samples again
+    }
+    ctx.step = s++;
+    c.after_step(ctx);
+  }
+  EXPECT_EQ(step.graph().pool_ooms(), 1);
+  ASSERT_EQ(reasons, std::vector<std::string>{"pool_oom"});
+  EXPECT_DOUBLE_EQ(c.state()["cap_share"].get<double>(), 0.9 * kCaptureShareStep);
+  EXPECT_DOUBLE_EQ(c.model().activation_scale, 1.0) << "the pool's error raised the model's scale";
+  EXPECT_TRUE(step.graph().captured());
+  EXPECT_EQ(c.on_out_of_memory().fields["reason"], "oom");  // not in the pool: the model's error
+  EXPECT_DOUBLE_EQ(c.model().activation_scale, kOomScaleStep);
+#endif
+}
+
 // A capture that runs out of memory right after what made the step bigger (Tri-Accel's precision raise, put back by
 // the undo) keeps the plan's share of the budget and captures again; when the undo finds nothing to put back, the
 // share shrinks as above.

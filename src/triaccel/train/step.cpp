@@ -30,6 +30,7 @@ StepGraphOptions graph_options(const StepOptions& o, const c10::Device& device, 
   g.batch = o.graph_batch_size;
   g.warmup_steps = o.warmup_steps;
   g.during_capture = o.during_capture;
+  g.during_pool_warmup = o.during_pool_warmup;
   g.before_replay = std::move(before_replay);  // gradients an eager step (a shorter last batch) may have left
   // The step's eager run at another batch size leaves only its gradients (released before a replay); what else it
   // writes (weights, optimizer state, the scaler, the metrics, BatchNorm statistics) exists before and is updated in

@@ -50,6 +50,8 @@ struct StepOptions {
   int64_t warmup_steps = 3;       // eager steps at graph_batch_size before capture
   // Tests only: called inside the capture, after capture_begin (e.g. to raise an out-of-memory error there).
   std::function<void()> during_capture;
+  // Tests only: called inside the last warm-up step's run in the capture's pool (StepGraph::pool_ooms).
+  std::function<void()> during_pool_warmup;
   double label_smoothing = 0.0;
   // The loss and metric (train/objective.h); null: cross-entropy and accuracy.
   std::shared_ptr<const Objective> objective;

@@ -6,6 +6,7 @@
 #include <optional>
 #ifdef TRIACCEL_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/Exception.h>
 #endif
 
 namespace triaccel {
@@ -88,14 +89,23 @@ void StepGraph::warm_up(const Body& body, const at::Tensor& x, const at::Tensor&
     // routing) is released before, so that its memory goes back too.
     if (options_.before_replay) options_.before_replay();
     c10::cuda::CUDACachingAllocator::emptyCache();
+    const auto routed = [&]() {
+      try {
+        if (options_.during_pool_warmup) options_.during_pool_warmup();
+        body(x, y);
+      } catch (const c10::OutOfMemoryError&) {
+        ++pool_ooms_;
+        throw;
+      }
+    };
     if (stale_) {  // after invalidate: in the old graph's pool, which the capture then shares
-      cuda_graph_pool_run(*stale_->graph, [&]() { body(x, y); });
+      cuda_graph_pool_run(*stale_->graph, routed);
       ++bodies_run_;
       return;
     }
     pool_release();
     auto pool = std::make_unique<Pool>();
-    pool->pool.run([&]() { body(x, y); });  // a throw gives the pool back with it
+    pool->pool.run(routed);  // a throw gives the pool back with it
     next_pool_ = std::move(pool);
     ++bodies_run_;
     return;

@@ -164,23 +164,23 @@ bool MemoryPlanController::capture_oom_handle(Events& events) {
     events.push_back({event::kMemoryPlan, plan_fields("capture_oom_fp8_off")});
     return false;
   }
-  // A capture that ran out of memory: the plan may fill less of the budget; the step captures again. When the
-  // smaller share leaves no plan, the graph is given up instead: eager steps at the current share.
-  if (limits_.cap_bytes > 0) {  // a disabled graph captures no more
-    const double share = limits_.cap_share * kCaptureShareStep;
-    const auto bytes = static_cast<int64_t>(share * static_cast<double>(limits_.cap_bytes));
-    if (share >= kCaptureShareMin && memory_plan_solve(model_, limits_.batch, bytes, limits_.constraints).feasible) {
-      limits_.cap_share = share;
-      limits_.budget_bytes = bytes;
-      replan();
-      step_.graph_allow();
-      events.push_back({event::kMemoryPlan, plan_fields("capture_oom")});
-    } else {
-      step_.graph_disable();
-      events.push_back({event::kMemoryPlan, plan_fields("capture_oom_eager")});
-    }
-  }
+  // A capture that ran out of memory: the plan may fill less of the budget; the step captures again.
+  if (limits_.cap_bytes > 0) events.push_back(share_shrink("capture_oom"));  // a disabled graph captures no more
   return false;
+}
+
+Event MemoryPlanController::share_shrink(const std::string& reason) {
+  const double share = limits_.cap_share * kCaptureShareStep;
+  const auto bytes = static_cast<int64_t>(share * static_cast<double>(limits_.cap_bytes));
+  if (share >= kCaptureShareMin && memory_plan_solve(model_, limits_.batch, bytes, limits_.constraints).feasible) {
+    limits_.cap_share = share;
+    limits_.budget_bytes = bytes;
+    replan();
+    step_.graph_allow();
+    return {event::kMemoryPlan, plan_fields(reason)};
+  }
+  step_.graph_disable();
+  return {event::kMemoryPlan, plan_fields(reason + "_eager")};
 }
 
 // A reading once calibrated: the steps that allocate under the plan measure it; a reading off the prediction by more
@@ -330,6 +330,14 @@ bool MemoryPlanController::fp8_give_up() {
 }
 
 Event MemoryPlanController::on_out_of_memory() {
+  // A warm-up step routed into the capture's pool: the pool's fragmentation, not the model's error (what it had
+  // allocated and asked for came to the plan's prediction): a smaller share of the budget, the scale kept. A scale
+  // raised for it priced every later plan too high (H100 grid at 62ac2b7: 17-21 % above their steps' peaks).
+  const int64_t pool_ooms = step_.graph().pool_ooms();
+  double in_pool = pool_ooms > pool_ooms_seen_ ? 1 : 0;
+  pool_ooms_seen_ = pool_ooms;
+  if (agree_) in_pool = agree_({in_pool}).at(0);  // every rank re-plans alike
+  if (in_pool > 0 && limits_.cap_bytes > 0) return share_shrink("pool_oom");
   const bool fp8_off = fp8_give_up();
   model_.activation_scale *= kOomScaleStep;
   limit_scale_ *= kOomScaleStep;

@@ -11,7 +11,9 @@
 //     bytes follow, the plan is recomputed (the room goes to the activations) and its steps are measured anew;
 //   - out of memory: a planning error. The scale grows by kOomScaleStep, the plan is recomputed, and the trainer
 //     retries the same samples at the same batch; on a plan that stores units in FP8, FP8 storage is left as well
-//     (fp8_give_up), and instead of the share's step after a capture that ran out of memory;
+//     (fp8_give_up), and instead of the share's step after a capture that ran out of memory. Out of memory in the
+//     warm-up step routed into the capture's pool (StepGraph::pool_ooms) is the pool's, not the model's: the share's
+//     step as after a capture (reason "pool_oom", "pool_oom_eager"), the scale kept;
 //   - a CUDA-graph capture that ran out of memory (the graph's private pool beside the live tensors: the allocator
 //     reserves more than it allocates): the share of the budget a plan may fill shrinks by kCaptureShareStep, the
 //     plan is recomputed and the step captured again — a budget that fits must not leave the step eager. When the
@@ -93,7 +95,8 @@ class MemoryPlanController final : public StepController {
 
   // The plan's event fields with this reason ("start", "calibrated", "precision", "oom").
   Json plan_fields(const std::string& reason) const;
-  // After an out-of-memory error: a new plan with a larger activation scale. UserError when none fits.
+  // After an out-of-memory error: a new plan with a larger activation scale (after one in the warm-up routed into
+  // the capture's pool: at a smaller share of the budget). UserError when none fits.
   Event on_out_of_memory();
   // Whether a plan would fit these unit precisions under the current limit and corrections (Tri-Accel asks before
   // promoting units, so that a promotion no plan can pay for is refused instead of ending the run).
@@ -142,6 +145,10 @@ class MemoryPlanController final : public StepController {
   };
   StepReading step_reading(const StepContext& ctx);
   bool capture_oom_handle(Events& events);
+  // The plan's share of the budget shrinks by kCaptureShareStep and the plan is made again (a pool's fragmentation,
+  // not the model's error); when the smaller share leaves no plan, the graph is given up instead: eager steps at the
+  // current share (`reason` + "_eager").
+  Event share_shrink(const std::string& reason);
   // The optimizer's bytes changed (set_optimizer_freed): the model follows and the plan is made again; false when
   // they did not.
   bool optimizer_bytes_handle(double bytes, Events& events);
@@ -177,6 +184,7 @@ class MemoryPlanController final : public StepController {
   double offset_ = 0;                  // fixed bytes the model missed (added to model_.fixed_bytes)
   bool seen_step_ = false;
   int64_t capture_ooms_seen_ = 0;      // the step graph's capture_ooms() when last looked at
+  int64_t pool_ooms_seen_ = 0;         // the step graph's pool_ooms() when last looked at
 };
 
 }  // namespace triaccel
