@@ -14,8 +14,7 @@ namespace {
 struct UnitSums {
   double pair_dot = 0, pair_prev = 0, pair_cur = 0, mom_dot = 0, mom_sq = 0, mom_gg = 0;
   bool state = false;  // some tensor had exact state
-  double u_sq = 0, du_bf16 = 0, du_8bit = 0, du_factor = 0, du_scalar = 0;
-  double mh_sq = 0, noise = 0, logv = 0, logv_sq = 0, elems = 0;
+  MomentSums moments;  // over the unit's tensors with exact state
 };
 
 at::Tensor update_dir(const at::Tensor& mh, const at::Tensor& vh, double eps) { return mh / (vh.sqrt() + eps); }
@@ -149,35 +148,20 @@ std::vector<UnitSignals> baoc_signals(const BaocOptimizer& opt, const at::Tensor
     const double cm = counts[row][0].item<double>(), cv = counts[row][1].item<double>();
     if (cm <= 0 || cv <= 0) continue;
     a.state = true;
-    const MomentSums t = moment_sums(opt.m_float(i), opt.v_float(i), opt.map_signed(), opt.map_unsigned(),
-                                     1 - std::pow(b1, cm), 1 - std::pow(b2, cv), eps, chunk_elements);
-    a.u_sq += t.u_sq;
-    a.du_scalar += t.du_scalar;
-    a.du_bf16 += t.du_bf16;
-    a.du_8bit += t.du_8bit;
-    a.du_factor += t.du_factor;
-    a.mh_sq += t.mh_sq;
-    a.noise += t.noise;
-    a.logv += t.logv;
-    a.logv_sq += t.logv_sq;
-    a.elems += t.elems;
+    a.moments += moment_sums(opt.m_float(i), opt.v_float(i), opt.map_signed(), opt.map_unsigned(),
+                             1 - std::pow(b1, cm), 1 - std::pow(b2, cv), eps, chunk_elements);
   }
   if (opt.sharded()) {  // the stream's sums are every rank's already; the moments' are summed here
     std::vector<double> flat;
-    for (const UnitSums& a : acc) {
-      for (double v : {a.state ? 1.0 : 0.0, a.u_sq, a.du_bf16, a.du_8bit, a.du_factor, a.du_scalar, a.mh_sq, a.noise,
-                       a.logv, a.logv_sq, a.elems}) {
-        flat.push_back(v);
-      }
+    for (UnitSums& a : acc) {
+      flat.push_back(a.state ? 1.0 : 0.0);
+      for (const double* v : a.moments.fields()) flat.push_back(*v);
     }
     flat = opt.sum_over_ranks(std::move(flat));
     size_t at = 0;
     for (UnitSums& a : acc) {
       a.state = flat[at++] > 0;
-      for (double* v : {&a.u_sq, &a.du_bf16, &a.du_8bit, &a.du_factor, &a.du_scalar, &a.mh_sq, &a.noise, &a.logv,
-                        &a.logv_sq, &a.elems}) {
-        *v = flat[at++];
-      }
+      for (double* v : a.moments.fields()) *v = flat[at++];
     }
   }
   std::vector<UnitSignals> out(static_cast<size_t>(num_units));
@@ -187,14 +171,15 @@ std::vector<UnitSignals> baoc_signals(const BaocOptimizer& opt, const at::Tensor
     s.params = params[static_cast<size_t>(u)];
     if (a.pair_prev > 0 && a.pair_cur > 0) s.cos_successive = a.pair_dot / std::sqrt(a.pair_prev * a.pair_cur);
     if (a.mom_sq > 0 && a.mom_gg > 0) s.cos_momentum = a.mom_dot / std::sqrt(a.mom_sq * a.mom_gg);
-    if (a.state && a.u_sq > 0) {
-      s.quant_error_bf16 = std::sqrt(a.du_bf16 / a.u_sq);
-      s.quant_error_8bit = std::sqrt(a.du_8bit / a.u_sq);
-      s.factor_error = std::sqrt(a.du_factor / a.u_sq);
-      s.precond_error = std::sqrt(a.du_scalar / a.u_sq);
-      s.snr = a.noise > 0 ? a.mh_sq / a.noise : 0;
-      const double mean = a.logv / a.elems;
-      s.log_v_spread = std::sqrt(std::max(0.0, a.logv_sq / a.elems - mean * mean));
+    const MomentSums& m = a.moments;
+    if (a.state && m.u_sq > 0) {
+      s.quant_error_bf16 = std::sqrt(m.du_bf16 / m.u_sq);
+      s.quant_error_8bit = std::sqrt(m.du_8bit / m.u_sq);
+      s.factor_error = std::sqrt(m.du_factor / m.u_sq);
+      s.precond_error = std::sqrt(m.du_scalar / m.u_sq);
+      s.snr = m.noise > 0 ? m.mh_sq / m.noise : 0;
+      const double mean = m.logv / m.elems;
+      s.log_v_spread = std::sqrt(std::max(0.0, m.logv_sq / m.elems - mean * mean));
     }
     out[static_cast<size_t>(u)] = s;
   }

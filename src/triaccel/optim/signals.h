@@ -11,6 +11,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -31,6 +32,15 @@ constexpr int64_t kSignalChunkBytesPerElement = 192;
 struct MomentSums {
   double u_sq = 0, du_scalar = 0, du_bf16 = 0, du_8bit = 0, du_factor = 0;
   double mh_sq = 0, noise = 0, logv = 0, logv_sq = 0, elems = 0;
+  // Every sum, in one order (adding two tensors' sums, or a unit's over the ranks, goes through it).
+  std::array<double*, 10> fields() {
+    return {&u_sq, &du_scalar, &du_bf16, &du_8bit, &du_factor, &mh_sq, &noise, &logv, &logv_sq, &elems};
+  }
+  MomentSums& operator+=(MomentSums other) {
+    const auto mine = fields(), theirs = other.fields();
+    for (size_t k = 0; k < mine.size(); ++k) *mine[k] += *theirs[k];
+    return *this;
+  }
 };
 MomentSums moment_sums(const at::Tensor& m32, const at::Tensor& v32, const at::Tensor& map_signed,
                        const at::Tensor& map_unsigned, double bc1, double bc2, double eps,
