@@ -530,6 +530,47 @@ TEST(MemoryGpuTest, ShortStepsInTheGraphsPoolTrainTheEagerWeights) {
 }
 
 #ifdef TRIACCEL_WITH_CUDA
+// A plan controller over a made-up three-unit model and a UnitRig whose step (amp-bf16) captures at batch 12, after
+// `warmup_steps` warm-up runs; the cap `cap_over_floor` times the model's floor. x, y: one batch on the GPU.
+StepOptions graph_step_options(int warmup_steps) {
+  StepOptions so;
+  so.precision = PrecisionMode::kAmpBF16;
+  so.graph_batch_size = 12;
+  so.warmup_steps = warmup_steps;
+  return so;
+}
+
+MemoryModel graph_test_model() {
+  MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
+  m.dataset_bytes = 0;
+  m.allow_host_data = false;
+  return m;
+}
+
+MemoryPlanLimits graph_test_limits(const MemoryModel& m, double cap_over_floor) {
+  MemoryPlanLimits limits;
+  limits.batch = 12;
+  limits.cap_bytes = static_cast<int64_t>(cap_over_floor * memory_plan_solve(m, 12, 1).floor_bytes);
+  limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
+  return limits;
+}
+
+struct GraphPlanRig {
+  MemoryModel m = graph_test_model();
+  UnitRig rig;
+  TrainStep& step = rig.step;
+  MemoryPlanLimits limits;
+  MemoryPlanController c;
+  at::Tensor x, y;
+  GraphPlanRig(const StepOptions& so, double cap_over_floor)
+      : rig(false, so, c10::Device(c10::kCUDA, 0)),
+        limits(graph_test_limits(m, cap_over_floor)),
+        c(m, memory_plan_solve(m, 12, limits.budget_bytes), limits, step,
+          [this](const std::vector<Precision>&) { return m; }),
+        x(at::randn({12, 12}, at::TensorOptions().device(c10::kCUDA))),
+        y(at::randint(0, 5, {12}, at::TensorOptions().dtype(at::kLong).device(c10::kCUDA))) {}
+};
+
 // What a plan controller did over six steps of a made-up model whose step graph's captures run out of memory:
 // `failing` of them (the first ones; -1: all), with the cap `cap_over_floor` times the plan's floor and `undo` as the
 // controller's capture-oom undo. With `replan_at_end`, an out-of-memory re-plan and two more steps follow.
@@ -542,34 +583,20 @@ struct CaptureOomRun {
 
 CaptureOomRun capture_oom_steps(double cap_over_floor, int failing, const MemoryPlanController::Undo& undo,
                                 bool replan_at_end) {
-  const c10::Device gpu(c10::kCUDA, 0);
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
-  MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
-  m.dataset_bytes = 0;
-  m.allow_host_data = false;
-  const double floor = memory_plan_solve(m, 12, 1).floor_bytes;
   torch::manual_seed(3);
   CaptureOomRun out;
-  StepOptions so;
-  so.precision = PrecisionMode::kAmpBF16;
-  so.graph_batch_size = 12;
-  so.warmup_steps = 1;
+  StepOptions so = graph_step_options(1);
   so.during_capture = [&out, failing]() {
     ++out.captures;
     TORCH_CHECK_WITH(OutOfMemoryError, failing >= 0 && out.captures > failing, "test: no room for the graph's pool");
   };
-  UnitRig rig(false, so, gpu);
-  TrainStep& step = rig.step;
-  MemoryPlanLimits limits;
-  limits.batch = 12;
-  limits.cap_bytes = static_cast<int64_t>(cap_over_floor * floor);
-  limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
-  const MemoryPlan plan = memory_plan_solve(m, 12, limits.budget_bytes);
-  EXPECT_TRUE(plan.feasible);
-  MemoryPlanController c(m, plan, limits, step, [&](const std::vector<Precision>&) { return m; });
+  GraphPlanRig r(so, cap_over_floor);
+  EXPECT_TRUE(r.c.plan().feasible);
+  TrainStep& step = r.step;
+  MemoryPlanController& c = r.c;
   if (undo) c.set_capture_oom_undo(undo);
-  const at::Tensor x = at::randn({12, 12}, at::TensorOptions().device(gpu));
-  const at::Tensor y = at::randint(0, 5, {12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  const at::Tensor &x = r.x, &y = r.y;
   StepContext ctx;
   for (int s = 1; s <= 6; ++s) {
     ctx.step = s;
@@ -617,30 +644,17 @@ TEST(MemoryGpuTest, ACaptureThatNeverFitsNearTheFloorLeavesTheStepEager) {
 TEST(MemoryGpuTest, AWarmUpOutOfMemoryInTheCapturesPoolShrinksTheShareNotTheScale) {
   TRIACCEL_SKIP_WITHOUT_GPU();
 #ifdef TRIACCEL_WITH_CUDA
-  const c10::Device gpu(c10::kCUDA, 0);
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
-  MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
-  m.dataset_bytes = 0;
-  m.allow_host_data = false;
   torch::manual_seed(3);
   int pool_runs = 0;
-  StepOptions so;
-  so.precision = PrecisionMode::kAmpBF16;
-  so.graph_batch_size = 12;
-  so.warmup_steps = 2;  // the first run plain, the second in the capture's pool
+  StepOptions so = graph_step_options(2);  // the first run plain, the second in the capture's pool
   so.during_pool_warmup = [&pool_runs]() {
     TORCH_CHECK_WITH(OutOfMemoryError, ++pool_runs > 1, "test: the pool's blocks are cut for other sizes");
   };
-  UnitRig rig(false, so, gpu);
-  TrainStep& step = rig.step;
-  MemoryPlanLimits limits;
-  limits.batch = 12;
-  limits.cap_bytes = static_cast<int64_t>(4.0 * memory_plan_solve(m, 12, 1).floor_bytes);
-  limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
-  MemoryPlanController c(m, memory_plan_solve(m, 12, limits.budget_bytes), limits, step,
-                         [&](const std::vector<Precision>&) { return m; });
-  const at::Tensor x = at::randn({12, 12}, at::TensorOptions().device(gpu));
-  const at::Tensor y = at::randint(0, 5, {12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  GraphPlanRig r(so, 4.0);
+  TrainStep& step = r.step;
+  MemoryPlanController& c = r.c;
+  const at::Tensor &x = r.x, &y = r.y;
   std::vector<std::string> reasons;
   StepContext ctx;
   for (int s = 1, tries = 0; s <= 4 && tries < 8; ++tries) {
@@ -694,39 +708,26 @@ TEST(MemoryGpuTest, ACaptureOutOfMemoryAfterARaiseUndoesTheRaiseNotTheShare) {
 TEST(MemoryGpuTest, AFailedCaptureIsNoCalibrationReading) {
   TRIACCEL_SKIP_WITHOUT_GPU();
 #ifdef TRIACCEL_WITH_CUDA
-  const c10::Device gpu(c10::kCUDA, 0);
   const c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool());
-  MemoryModel m = made_up({10, 20, 30}, {5, 10, 15}, {1, 2, 3});
-  m.dataset_bytes = 0;
-  m.allow_host_data = false;
   bool failed_now = false;
   int failures = 0;
-  StepOptions so;
-  so.precision = PrecisionMode::kAmpBF16;
-  so.graph_batch_size = 12;
-  so.warmup_steps = 1;
+  StepOptions so = graph_step_options(1);
   so.during_capture = [&]() {
     if (failures >= 2) return;  // the first two captures fail, the third succeeds
     ++failures;
     failed_now = true;
     TORCH_CHECK_WITH(OutOfMemoryError, false, "test: the capture filled the cap");
   };
-  UnitRig rig(false, so, gpu);
-  TrainStep& step = rig.step;
-  MemoryPlanLimits limits;
-  limits.batch = 12;
-  limits.cap_bytes = static_cast<int64_t>(100 * memory_plan_solve(m, 12, 1).floor_bytes);
-  limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
-  const MemoryPlan plan = memory_plan_solve(m, 12, limits.budget_bytes);
-  ASSERT_TRUE(plan.feasible);
-  MemoryPlanController c(m, plan, limits, step, [&](const std::vector<Precision>&) { return m; });
-  const double truth = plan.predicted_peak_bytes;
+  GraphPlanRig r(so, 100);
+  ASSERT_TRUE(r.c.plan().feasible);
+  TrainStep& step = r.step;
+  MemoryPlanController& c = r.c;
+  const double truth = c.plan().predicted_peak_bytes;
   FakeMeter meter;
   meter.peak = [&] { return failed_now ? 1e12 : truth; };
   StepContext ctx;
   ctx.memory = &meter;
-  const at::Tensor x = at::randn({12, 12}, at::TensorOptions().device(gpu));
-  const at::Tensor y = at::randint(0, 5, {12}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  const at::Tensor &x = r.x, &y = r.y;
   for (int s = 1; s <= 12; ++s) {
     failed_now = false;
     ctx.step = s;
