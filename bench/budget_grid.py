@@ -237,6 +237,16 @@ def peak_prediction(rows, measured="plan_measured_peak_gb", predicted="predicted
             "median_abs_error": errors[len(errors) // 2] if errors else None}
 
 
+def shard_of(grid, shard, models="", only=""):
+    """Shard "I/N"'s combinations: those whose index is I modulo N (of `models` alone when given); with `only`
+    (indices, comma-separated), those combinations dealt out among the N shards in turn."""
+    i, n = (int(x) for x in shard.split("/"))
+    if only:
+        wanted = {int(k) for k in only.split(",")}
+        return [c for c in grid if c["index"] in wanted][i::n]
+    return [c for c in grid if c["index"] % n == i and not (models and c["model"] not in models.split(","))]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
@@ -253,6 +263,9 @@ def main():
     ap.add_argument("--precisions", default=",".join(PRECISIONS),
                     help="the precision axis, comma-separated (e.g. fp32,amp-bf16,amp-fp16,amp-fp8)")
     ap.add_argument("--models", default="", help="only these models' combinations (comma-separated; a quick check)")
+    ap.add_argument("--only", default="",
+                    help="only these combinations' indices (comma-separated; a re-run of some rows), shared out "
+                         "among the shards in turn")
     ap.add_argument("--device", default="", help="cpu: a smoke test of the runner (budgets and graphs are no-ops)")
     ap.add_argument("--python", default=sys.executable,
                     help="the interpreter that imports triaccel, for the models defined in Python")
@@ -277,8 +290,7 @@ def main():
         for c in grid:
             print(json.dumps(c))
         return 0
-    i, n = (int(x) for x in a.shard.split("/"))
-    mine = [c for c in grid if c["index"] % n == i and not (a.models and c["model"] not in a.models.split(","))]
+    mine = shard_of(grid, a.shard, a.models, a.only)
     rows, not_run = [], [c["index"] for c in mine]
     start = time.monotonic()
     for c in mine:

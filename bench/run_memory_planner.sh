@@ -32,7 +32,8 @@
 #   shards   bench/budget_grid.py (the seeded grid of issue 56), shards GRID_SHARDS (default "0/5 1/5 2/5 3/5 4/5") run
 #            side by side (one process each: the grid counts crashes, peaks and predictions, not speed; its img/s
 #            columns are of concurrent runs), each starting no run after GRID_DEADLINE (300) s, GRID_TIMEOUT (150) s a
-#            run; $OUT/grid_I_of_N.json each (rewritten after every run), and the shards' table merged. The models
+#            run; $OUT/grid_I_of_N.json each (rewritten after every run), and the shards' table merged;
+#            GRID_ONLY ("5,17,...": those combinations alone, a re-run of some rows). The models
 #            defined in Python run through the module built here (GRID_PYTHON=1, the default: target `python` in
 #            build-gpu, this machine's python3 and torch); GRID_PYTHON=0 lists them as not run
 #   micro    ResNet-18 b96 unbudgeted at each micro-batch of MICROS (default "0 48 32": 0 the whole batch), recompute
@@ -224,7 +225,7 @@ if has shards; then
     shard_files+=("$f")
     python3 bench/budget_grid.py --bin "$BIN/triaccel" --data-cifar "$DATA" --data-text /tmp/shakespeare \
       --shard "$shard" --work "/tmp/budget_grid_${shard%/*}" --deadline-s "${GRID_DEADLINE:-300}" \
-      --timeout "${GRID_TIMEOUT:-150}" "${python_models[@]}" --json "$f" >"$WORK/grid_${shard%/*}.log" 2>&1 &
+      --timeout "${GRID_TIMEOUT:-150}" --only "${GRID_ONLY:-}" "${python_models[@]}" --json "$f" >"$WORK/grid_${shard%/*}.log" 2>&1 &
   done
   wait
   cat "$WORK"/grid_*.log >"$FINAL_OUT/grid.log"

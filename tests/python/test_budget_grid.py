@@ -17,6 +17,17 @@ class Grid(unittest.TestCase):
         self.assertNotEqual(g.combos(0, 150), g.combos(1, 150))
         self.assertEqual([c["index"] for c in g.combos(3, 20)], list(range(20)))
 
+    def test_shards_split_the_grid_or_the_rows_asked_for_once_each(self):
+        grid = g.combos(0, 150)
+        shards = [g.shard_of(grid, f"{i}/8") for i in range(8)]
+        self.assertEqual(sorted(c["index"] for s in shards for c in s), list(range(150)))
+        self.assertEqual([c["index"] for c in shards[3]][:3], [3, 11, 19])
+        asked = [2, 5, 6, 8, 10, 17, 30, 146]
+        shards = [g.shard_of(grid, f"{i}/3", only=",".join(map(str, asked))) for i in range(3)]
+        self.assertEqual(sorted(c["index"] for s in shards for c in s), asked)
+        self.assertEqual([len(s) for s in shards], [3, 3, 2])  # dealt in turn, not by index modulo 3
+        self.assertEqual(shards[0][0], grid[2])
+
     def test_every_value_of_every_axis_is_drawn(self):
         grid = g.combos(0, 150, gpus=2)
         axes = {"model": sorted(g.MODELS), "method": g.METHODS, "optimizer": g.OPTIMIZERS,
