@@ -530,8 +530,7 @@ TEST(MemoryGpuTest, ShortStepsInTheGraphsPoolTrainTheEagerWeights) {
 }
 
 #ifdef TRIACCEL_WITH_CUDA
-// A plan controller over a made-up three-unit model and a UnitRig whose step (amp-bf16) captures at batch 12, after
-// `warmup_steps` warm-up runs; the cap `cap_over_floor` times the model's floor. x, y: one batch on the GPU.
+// The capture tests' step (amp-bf16) captures at batch 12 after `warmup_steps` warm-up runs.
 StepOptions graph_step_options(int warmup_steps) {
   StepOptions so;
   so.precision = PrecisionMode::kAmpBF16;
@@ -555,6 +554,8 @@ MemoryPlanLimits graph_test_limits(const MemoryModel& m, double cap_over_floor) 
   return limits;
 }
 
+// A plan controller over a made-up three-unit model and a UnitRig with that step; the cap `cap_over_floor` times the
+// model's floor. x, y: one batch on the GPU.
 struct GraphPlanRig {
   MemoryModel m = graph_test_model();
   UnitRig rig;
