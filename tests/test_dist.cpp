@@ -258,5 +258,25 @@ TEST(StepAgreementTest, EveryRankReadsTheSameRecoveryFromTheRows) {
   EXPECT_TRUE(none.oom_ranks().empty());
 }
 
+// The pool's out-of-memory error (a warm-up step routed into the capture's pool) is re-planned as the pool's only when
+// every rank that ran out ran out there: one rank's ordinary error is the model's.
+TEST(StepAgreementTest, APoolWarmUpErrorIsThePoolsOnlyWhenEveryRankThatRanOutHadIt) {
+  RankStepOutcome fine;
+  fine.in_pool_warmup = true;  // not out of memory: ignored
+  RankStepOutcome pool;
+  pool.out_of_memory = true;
+  pool.in_pool_warmup = true;
+  RankStepOutcome model;
+  model.out_of_memory = true;
+  StepAgreement a;
+  for (const RankStepOutcome& r : {fine, pool}) a.ranks.push_back(RankStepOutcome::from_row(r.to_row()));
+  EXPECT_TRUE(a.in_pool_warmup());
+  a.ranks.push_back(RankStepOutcome::from_row(model.to_row()));
+  EXPECT_FALSE(a.in_pool_warmup());
+  StepAgreement none;
+  none.ranks = {fine, fine};
+  EXPECT_FALSE(none.in_pool_warmup());
+}
+
 }  // namespace
 }  // namespace triaccel

@@ -662,7 +662,8 @@ TEST(MemoryGpuTest, AWarmUpOutOfMemoryInTheCapturesPoolShrinksTheShareNotTheScal
     try {
       step.run(x, y, 0.05);
     } catch (const c10::OutOfMemoryError&) {
-      reasons.push_back(c.on_out_of_memory().fields["reason"].get<std::string>());
+      const Event e = step.graph().ran_out_in_pool() ? c.on_pool_out_of_memory() : c.on_out_of_memory();
+      reasons.push_back(e.fields["reason"].get<std::string>());
       continue;  // the same samples again
     }
     ctx.step = s++;

@@ -65,6 +65,27 @@ TEST(MemoryPlanControllerTest, PaysForAPromotionWithinTheFirstPeak) {
   EXPECT_DOUBLE_EQ(again.model().activation_scale, 1.25);
 }
 
+// An out-of-memory error in the warm-up step routed into the capture's pool is the pool's: under a budget the plan's
+// share shrinks by kCaptureShareStep and the scale stays; with no cap to take a share of, it is the model's error.
+TEST(MemoryPlanControllerTest, ThePoolsOutOfMemoryShrinksTheShareWhereThereIsACap) {
+  UnitRig rig(false, StepOptions{}, torch::kCPU);
+  const MemoryModel m = promotion_model({Precision::kBF16, Precision::kBF16, Precision::kBF16});
+  MemoryPlanLimits limits;
+  limits.batch = 16;
+  limits.cap_bytes = static_cast<int64_t>(2 * memory_plan_solve(m, 16, 0).predicted_peak_bytes);
+  limits.budget_bytes = static_cast<int64_t>(limits.cap_share * static_cast<double>(limits.cap_bytes));
+  MemoryPlanController capped(m, memory_plan_solve(m, 16, limits.budget_bytes), limits, rig.step, promotion_model);
+  const Event pool = capped.on_pool_out_of_memory();
+  EXPECT_EQ(pool.fields["reason"], "pool_oom");
+  EXPECT_DOUBLE_EQ(capped.state()["cap_share"].get<double>(), 0.9 * kCaptureShareStep);
+  EXPECT_DOUBLE_EQ(capped.model().activation_scale, 1.0);
+
+  limits.cap_bytes = 0;
+  MemoryPlanController uncapped(m, memory_plan_solve(m, 16, limits.budget_bytes), limits, rig.step, promotion_model);
+  EXPECT_EQ(uncapped.on_pool_out_of_memory().fields["reason"], "oom");
+  EXPECT_DOUBLE_EQ(uncapped.model().activation_scale, kOomScaleStep);
+}
+
 // Without a budget the limit is the 16-bit peak the calibration steps measured: a promoted plan that peaks above its
 // prediction (here the fp32 unit keeps 60 % more than modelled; three recomputed fp32 units did on the H100) has
 // the scale refit on its reading, and the plan recomputes more to stay under that peak, where the limit priced at the

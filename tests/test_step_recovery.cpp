@@ -46,7 +46,7 @@ TEST_F(StepRecoveryTest, OneProcessRetriesWithTheReadingAndWhatTheMethodMadeOfIt
   RecoverableStep step;
   step.failure = [&] {
     ++failures;
-    return StepFailure{true, 24};
+    return StepFailure{true, 24, true};
   };
   step.failed_collectives = [&] {
     ++collectives;
@@ -64,6 +64,7 @@ TEST_F(StepRecoveryTest, OneProcessRetriesWithTheReadingAndWhatTheMethodMadeOfIt
   EXPECT_TRUE(oom.out_of_memory);
   EXPECT_FALSE(oom.must_stop);
   EXPECT_TRUE(oom.beside_pool);
+  EXPECT_TRUE(oom.in_pool_warmup);
   EXPECT_EQ(oom.batch, 24);
   ASSERT_TRUE(oom.own.has_value());
   EXPECT_EQ(oom.own->fields(),

@@ -143,7 +143,10 @@ BackpropTrainer::Attempt BackpropTrainer::step_with_recovery(int64_t count) {
   };
   // An eager step of another size beside the graph's private pool: not the plan's error.
   step.failure = [&] {
-    return StepFailure{memory_planner_ && step_->graph().captured() && shard_count_ != step_->graph_batch_size()};
+    StepFailure f;
+    f.beside_pool = memory_planner_ && step_->graph().captured() && shard_count_ != step_->graph_batch_size();
+    f.in_pool_warmup = step_->graph().ran_out_in_pool();
+    return f;
   };
   step.failed_collectives = [&] {
     // --sync-bn: the other ranks' forward passes make collectives this rank cannot make up; it stops them all.
@@ -204,7 +207,8 @@ BackpropTrainer::Attempt BackpropTrainer::on_out_of_memory(FaultKind fault, int6
     // same batch (UserError when no plan fits any more).
     oom_event(Json{{"batch", p.batch}, {"retry_batch", p.batch}});
     memory_cache_release(device_);
-    const Event replanned = memory_planner_->on_out_of_memory();
+    const Event replanned =
+        oom.in_pool_warmup ? memory_planner_->on_pool_out_of_memory() : memory_planner_->on_out_of_memory();
     session_.event(replanned.name, p.step, replanned.fields);
     return Attempt::kRetry;
   }

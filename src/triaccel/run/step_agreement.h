@@ -25,10 +25,11 @@ struct RankStepOutcome {
   int64_t batch = 0;           // the batch this rank proposes for the next attempt (NeuroFlux; 0: none)
   double allocated_gb = 0;     // the allocator's reading at the failure
   double reserved_gb = 0;
+  bool in_pool_warmup = false;  // ... in a warm-up step routed into the capture's pool (not the plan's model)
 
   std::vector<double> to_row() const {
     return {out_of_memory ? 1.0 : 0.0, must_stop ? 1.0 : 0.0, beside_pool ? 1.0 : 0.0, static_cast<double>(batch),
-            allocated_gb, reserved_gb};
+            allocated_gb, reserved_gb, in_pool_warmup ? 1.0 : 0.0};
   }
   static RankStepOutcome from_row(const std::vector<double>& row) {
     RankStepOutcome o;
@@ -38,6 +39,7 @@ struct RankStepOutcome {
     o.batch = static_cast<int64_t>(row.at(3));
     o.allocated_gb = row.at(4);
     o.reserved_gb = row.at(5);
+    o.in_pool_warmup = row.at(6) != 0;
     return o;
   }
 };
@@ -58,6 +60,13 @@ struct StepAgreement {
   bool beside_pool() const {
     return std::any_of(ranks.begin(), ranks.end(),
                        [](const RankStepOutcome& r) { return r.out_of_memory && r.beside_pool; });
+  }
+  // Every rank that ran out did so in a warm-up step routed into the capture's pool: the pool's error, not the plan's
+  // model (one rank's ordinary out-of-memory error is the model's, whatever the others' were).
+  bool in_pool_warmup() const {
+    return out_of_memory() && std::all_of(ranks.begin(), ranks.end(), [](const RankStepOutcome& r) {
+             return !r.out_of_memory || r.in_pool_warmup;
+           });
   }
   // The smallest batch a rank that ran out of memory proposes, at most `batch`.
   int64_t batch_agreed(int64_t batch) const {

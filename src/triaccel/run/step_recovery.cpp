@@ -34,6 +34,7 @@ StepOutcome StepRecovery::run(int64_t count, const RecoverableStep& step) {
   if (!session_.dist().active()) {
     out.out_of_memory = out.own.has_value();
     out.beside_pool = failure.beside_pool;
+    out.in_pool_warmup = failure.in_pool_warmup;
     out.batch = failure.batch;
     return out;
   }
@@ -43,6 +44,7 @@ StepOutcome StepRecovery::run(int64_t count, const RecoverableStep& step) {
     own.out_of_memory = true;
     own.must_stop = !step.failed_collectives();
     own.beside_pool = failure.beside_pool;
+    own.in_pool_warmup = failure.in_pool_warmup;
     own.batch = failure.batch;
     own.allocated_gb = out.own->allocated_gb;
     own.reserved_gb = out.own->reserved_gb;
@@ -55,6 +57,7 @@ StepOutcome StepRecovery::run(int64_t count, const RecoverableStep& step) {
   out.out_of_memory = true;
   out.must_stop = agreed.must_stop();
   out.beside_pool = agreed.beside_pool();
+  out.in_pool_warmup = agreed.in_pool_warmup();
   out.batch = agreed.batch_agreed(std::numeric_limits<int64_t>::max());
   out.ranks = agreed.oom_ranks();
   out.who = agreed.oom_who();

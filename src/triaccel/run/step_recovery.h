@@ -35,6 +35,9 @@ OomReading oom_reading(const c10::OutOfMemoryError& e, const c10::Device& device
 struct StepFailure {
   bool beside_pool = false;  // an eager step beside the captured graph's pool ran out (not the memory plan's error)
   int64_t batch = 0;         // the batch this rank proposes for the retry (0: none fits, or the method takes none)
+  // A warm-up step routed into the capture's pool ran out (StepGraph::ran_out_in_pool): the pool's blocks cut for
+  // other sizes, not the memory plan's model.
+  bool in_pool_warmup = false;
 };
 
 // One step as the method hands it to StepRecovery::run.
@@ -52,6 +55,7 @@ struct StepOutcome {
   bool out_of_memory = false;  // here, or on some rank: nothing trained, the method retries the samples (or stops)
   bool must_stop = false;      // a rank ran out after its update had begun: the ranks' weights may differ
   bool beside_pool = false;    // a rank ran out beside the captured graph's pool
+  bool in_pool_warmup = false;  // a rank ran out in a warm-up step routed into the capture's pool
   int64_t batch = 0;           // the smallest batch a rank that ran out proposes
   std::optional<OomReading> own;  // this rank's reading, when its step ran out
   Json ranks;       // data parallel: the ranks that ran out, as the oom event lists them (null: one process)

@@ -95,6 +95,7 @@ void StepGraph::warm_up(const Body& body, const at::Tensor& x, const at::Tensor&
         body(x, y);
       } catch (const c10::OutOfMemoryError&) {
         ++pool_ooms_;
+        ran_out_in_pool_ = true;
         throw;
       }
     };
@@ -240,6 +241,7 @@ bool StepGraph::runs_eagerly(int64_t batch) const {
 
 void StepGraph::run(const Body& body, const at::Tensor& x, const at::Tensor& y) {
   last_ran_ = Ran::kEager;
+  ran_out_in_pool_ = false;
   switch (way(x.size(0))) {
     case Way::kOtherSize:
       in_pool([&]() { body(x, y); });

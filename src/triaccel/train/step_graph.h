@@ -116,6 +116,8 @@ class StepGraph {
   // routing is under way), not the step's size — a 25 % reserve over what was allocated, measured (GPT-char at
   // 0.895 GB on the H100: 634 MB allocated in 793 MB reserved when a 138 MB block was refused).
   int64_t pool_ooms() const { return pool_ooms_; }
+  // Whether the last run() ran out of memory in such a warm-up step (StepFailure::in_pool_warmup).
+  bool ran_out_in_pool() const { return ran_out_in_pool_; }
   const std::string& capture_error() const { return capture_error_; }  // the first capture error's first line
   bool relaxed() const { return relaxed_; }
 
@@ -135,6 +137,7 @@ class StepGraph {
   int64_t captures_ = 0;
   int64_t capture_ooms_ = 0;
   int64_t pool_ooms_ = 0;
+  bool ran_out_in_pool_ = false;
   int64_t side_handles_ = 0;  // side captures so far (the last one's handle)
   std::string capture_error_;
   bool relaxed_ = false;

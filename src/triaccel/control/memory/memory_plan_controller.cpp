@@ -329,15 +329,15 @@ bool MemoryPlanController::fp8_give_up() {
   return true;
 }
 
+Event MemoryPlanController::on_pool_out_of_memory() {
+  // The pool's fragmentation, not the model's error (what the step had allocated and asked for came to the plan's
+  // prediction): a smaller share of the budget, the scale kept. A scale raised for it priced every later plan too
+  // high (H100 grid at 62ac2b7: 17-21 % above their steps' peaks).
+  if (limits_.cap_bytes > 0) return share_shrink("pool_oom");
+  return on_out_of_memory();  // no cap to take a share of
+}
+
 Event MemoryPlanController::on_out_of_memory() {
-  // A warm-up step routed into the capture's pool: the pool's fragmentation, not the model's error (what it had
-  // allocated and asked for came to the plan's prediction): a smaller share of the budget, the scale kept. A scale
-  // raised for it priced every later plan too high (H100 grid at 62ac2b7: 17-21 % above their steps' peaks).
-  const int64_t pool_ooms = step_.graph().pool_ooms();
-  double in_pool = pool_ooms > pool_ooms_seen_ ? 1 : 0;
-  pool_ooms_seen_ = pool_ooms;
-  if (agree_) in_pool = agree_({in_pool}).at(0);  // every rank re-plans alike
-  if (in_pool > 0 && limits_.cap_bytes > 0) return share_shrink("pool_oom");
   const bool fp8_off = fp8_give_up();
   model_.activation_scale *= kOomScaleStep;
   limit_scale_ *= kOomScaleStep;

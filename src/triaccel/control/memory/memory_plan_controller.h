@@ -12,8 +12,9 @@
 //   - out of memory: a planning error. The scale grows by kOomScaleStep, the plan is recomputed, and the trainer
 //     retries the same samples at the same batch; on a plan that stores units in FP8, FP8 storage is left as well
 //     (fp8_give_up), and instead of the share's step after a capture that ran out of memory. Out of memory in the
-//     warm-up step routed into the capture's pool (StepGraph::pool_ooms) is the pool's, not the model's: the share's
-//     step as after a capture (reason "pool_oom", "pool_oom_eager"), the scale kept;
+//     warm-up step routed into the capture's pool (StepFailure::in_pool_warmup, agreed with the step) is the pool's,
+//     not the model's: on_pool_out_of_memory takes the share's step as after a capture (reason "pool_oom",
+//     "pool_oom_eager"), the scale kept;
 //   - a CUDA-graph capture that ran out of memory (the graph's private pool beside the live tensors: the allocator
 //     reserves more than it allocates): the share of the budget a plan may fill shrinks by kCaptureShareStep, the
 //     plan is recomputed and the step captured again — a budget that fits must not leave the step eager. When the
@@ -95,9 +96,11 @@ class MemoryPlanController final : public StepController {
 
   // The plan's event fields with this reason ("start", "calibrated", "precision", "oom").
   Json plan_fields(const std::string& reason) const;
-  // After an out-of-memory error: a new plan with a larger activation scale (after one in the warm-up routed into
-  // the capture's pool: at a smaller share of the budget). UserError when none fits.
+  // After an out-of-memory error: a new plan with a larger activation scale. UserError when none fits.
   Event on_out_of_memory();
+  // After an out-of-memory error in a warm-up step routed into the capture's pool, on every rank that ran out
+  // (StepOutcome::in_pool_warmup): a new plan at a smaller share of the budget, the scale kept.
+  Event on_pool_out_of_memory();
   // Whether a plan would fit these unit precisions under the current limit and corrections (Tri-Accel asks before
   // promoting units, so that a promotion no plan can pay for is refused instead of ending the run).
   bool fits(const std::vector<Precision>& unit_precisions) const;
@@ -184,7 +187,6 @@ class MemoryPlanController final : public StepController {
   double offset_ = 0;                  // fixed bytes the model missed (added to model_.fixed_bytes)
   bool seen_step_ = false;
   int64_t capture_ooms_seen_ = 0;      // the step graph's capture_ooms() when last looked at
-  int64_t pool_ooms_seen_ = 0;         // the step graph's pool_ooms() when last looked at
 };
 
 }  // namespace triaccel
