@@ -502,6 +502,30 @@ TEST(MemoryPlanControllerTest, AnOptimizerStateAFormatPlanShrankGivesItsRoomToTh
   }
 }
 
+// A plan whose steps read below the model's price (here the scale an out-of-memory error floored at 1.25× the fit)
+// prices the plan the format plan's room allows as the model's difference from that reading, not the model's price
+// alone (grid run #2 on the H100: 1,071 MB predicted, 971 read; the old plan had read 876 under 964).
+TEST(MemoryPlanControllerTest, AFormatPlansNewPlanIsPricedFromWhatTheOldOneRead) {
+  for (const int64_t budget : {2000, 5000}) {
+    SCOPED_TRACE(budget);
+    OptimizerRig r(budget);
+    r.steps(1, 8);
+    r.c->on_out_of_memory();  // the scale 1.25× what the readings fit: every price above its truth
+    r.steps(9, 10);
+    const MemoryPlan before = r.c->plan();
+    ASSERT_GT(memory_plan_peak(r.c->model(), before), 1.05 * r.truth(before));
+    r.freed = 600;
+    r.reasons.clear();
+    r.steps(11, 11);
+    ASSERT_EQ(r.reasons.back(), "optimizer_state");
+    r.true_optimizer = 100;
+    const MemoryPlan& after = r.c->plan();
+    EXPECT_GT(memory_plan_peak(r.c->model(), after), 1.05 * r.truth(after)) << "the model alone is off";
+    EXPECT_NEAR(after.predicted_peak_bytes, r.truth(after), kPredictionTolerance * r.truth(after));
+    EXPECT_GE(after.predicted_peak_bytes, r.truth(after) - 1) << "priced below what it reads";
+  }
+}
+
 // A store port for the next two-rank test of this file: one free now (ctest -j runs test binaries side by side).
 int next_port() { return free_local_port(); }
 

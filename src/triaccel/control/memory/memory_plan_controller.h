@@ -165,6 +165,8 @@ class MemoryPlanController final : public StepController {
   void calibration_reading(const MemoryPlan& ran, double measured, Events& events);
   // The model traced for these precisions with the corrections measured so far (activation scale, fixed offset).
   MemoryModel corrected_model(const std::vector<Precision>& unit_precisions) const;
+  // The model plans are priced with (replan): the model, or at the limit's scale for a 16-bit step without a budget.
+  MemoryModel priced_model() const;
 
   MemoryModel model_;
   MemoryModel first_model_;            // limit_from_first_model: the model the limit comes from
