@@ -12,6 +12,8 @@
 #include <torch/utils.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <numeric>
 #include <optional>
@@ -69,11 +71,20 @@ double measured_activation_scale(Model& model, const at::Tensor& sample, const M
     device_synchronize(device);
     return static_cast<double>(memory_stats(device).peak_allocated_bytes - before);
   };
+  // TRIACCEL_SCALE_TRACE="S,L" (measurement only, docs/measuring.md): the two batches of this trace.
+  int64_t small_batch = kTraceSmall, large_batch = kTraceLarge;
+  if (const char* v = std::getenv("TRIACCEL_SCALE_TRACE"); v != nullptr && *v != '\0') {
+    long long s = 0, l = 0;
+    if (std::sscanf(v, "%lld,%lld", &s, &l) == 2 && s >= kTraceSmall && l > s) {
+      small_batch = s;
+      large_batch = l;
+    }
+  }
   try {
     double slope = 0;
     for (int pass = 0; pass < 2; ++pass) {  // the first pass lets cuDNN pick its algorithms and workspaces settle
-      const double small = peak_of(kTraceSmall), large = peak_of(kTraceLarge);
-      slope = (large - small) / static_cast<double>(kTraceLarge - kTraceSmall);
+      const double small = peak_of(small_batch), large = peak_of(large_batch);
+      slope = (large - small) / static_cast<double>(large_batch - small_batch);
     }
     if (slope <= 0) return 1;
     return std::clamp(slope / modelled, kMeasuredScaleMin, kMeasuredScaleMax);
