@@ -50,10 +50,11 @@ for k, s in enumerate(sets, 1):
     except OSError:
         rows.append((s, None, None, None)); continue
     plans = [e for e in ev if e["event"] == "memory_plan"]
-    summ = next((e for e in ev if e["event"] == "summary"), {})
+    summ = next((e for e in ev if e["event"] in ("summary", "stop") and "peak_vram_gb" in e), {})
     p = plans[0] if plans else {}
-    rows.append((s, p.get("predicted_peak_bytes"), p.get("activation_scale"), summ.get("peak_vram_gb")))
-print("\nrecompute set                                     predicted MB  scale   measured MB")
+    stored = ",".join(u["unit"].replace("blocks.", "b") for u in p.get("units", []) if not u["recompute"])
+    rows.append((stored or s, p.get("predicted_peak_bytes"), p.get("activation_scale"), summ.get("peak_vram_gb")))
+print("\nunits stored (the rest recomputed)                predicted MB  scale   measured MB")
 for s, pred, scale, peak in rows:
     f = lambda v, m=1: f"{v * m:10.1f}" if isinstance(v, (int, float)) else "         -"
     print(f"{s[:48]:48s} {f(pred, 1e-6)}  {scale if scale is None else round(scale, 3)!s:6s} {f(peak, 1e3)}")
