@@ -12,7 +12,6 @@
 #include <torch/utils.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -42,16 +41,10 @@ double positions(const at::Tensor& out) {
   return 1;
 }
 
-// The allocator's peak over forward + backward of the whole model at two batches: its slope over the modelled
-// activations per sample (the units' saved bytes and backward's transients) is the starting activation scale. The
-// gradients come back as new tensors (autograd::grad): the parameters' .grad are untouched. At the smallest batches
-// the parameters' gradients, which backward makes while it frees the activations, move the peak, and the slope
-// falls below what a training batch reads (H100, ViT-Tiny fp32 at micro-batch 256: 0.883 traced at batches 2 and 4,
-// 0.999 at 8 and 16, 0.989 read by eager steps; amp-bf16 0.981, 1.081, 1.034: bench/results/h100/scale_trace_d7c5988):
-// kScaleTraceBatches first, the unit traces' batches where they do not fit. Out of memory in both (a budget already
-// capped below even this): the scale stays 1 and calibration corrects it later.
-constexpr std::array<std::pair<int64_t, int64_t>, 2> kScaleTraceBatches{{{8, 16}, {kTraceSmall, kTraceLarge}}};
-
+// The allocator's peak over forward + backward of the whole model at kTraceSmall and kTraceLarge samples: its slope
+// over the modelled activations per sample (the units' saved bytes and backward's transients) is the starting
+// activation scale. The gradients come back as new tensors (autograd::grad): the parameters' .grad are untouched.
+// Out of memory (a budget already capped below even this): the scale stays 1 and calibration corrects it later.
 double measured_activation_scale(Model& model, const at::Tensor& sample, const MemoryModelInputs& in,
                                  const MemoryModel& m, const c10::Device& device) {
   double modelled = m.transient_bytes;
@@ -78,26 +71,26 @@ double measured_activation_scale(Model& model, const at::Tensor& sample, const M
     device_synchronize(device);
     return static_cast<double>(memory_stats(device).peak_allocated_bytes - before);
   };
-  std::vector<std::pair<int64_t, int64_t>> pairs(kScaleTraceBatches.begin(), kScaleTraceBatches.end());
-  // TRIACCEL_SCALE_TRACE="S,L" (measurement only, docs/measuring.md): these two batches alone.
+  // TRIACCEL_SCALE_TRACE="S,L" (measurement only, docs/measuring.md): the two batches of this trace.
+  int64_t small_batch = kTraceSmall, large_batch = kTraceLarge;
   if (const char* v = std::getenv("TRIACCEL_SCALE_TRACE"); v != nullptr && *v != '\0') {
     long long s = 0, l = 0;
-    if (std::sscanf(v, "%lld,%lld", &s, &l) == 2 && s >= kTraceSmall && l > s) pairs = {{s, l}};
-  }
-  for (const auto& [small_batch, large_batch] : pairs) {
-    try {
-      double slope = 0;
-      for (int pass = 0; pass < 2; ++pass) {  // the first pass lets cuDNN pick its algorithms and workspaces settle
-        const double small = peak_of(small_batch), large = peak_of(large_batch);
-        slope = (large - small) / static_cast<double>(large_batch - small_batch);
-      }
-      if (slope <= 0) return 1;
-      return std::clamp(slope / modelled, kMeasuredScaleMin, kMeasuredScaleMax);
-    } catch (const c10::OutOfMemoryError&) {
-      memory_cache_release(device);  // what the failed trace cached goes back before the smaller one
+    if (std::sscanf(v, "%lld,%lld", &s, &l) == 2 && s >= kTraceSmall && l > s) {
+      small_batch = s;
+      large_batch = l;
     }
   }
-  return 1;
+  try {
+    double slope = 0;
+    for (int pass = 0; pass < 2; ++pass) {  // the first pass lets cuDNN pick its algorithms and workspaces settle
+      const double small = peak_of(small_batch), large = peak_of(large_batch);
+      slope = (large - small) / static_cast<double>(large_batch - small_batch);
+    }
+    if (slope <= 0) return 1;
+    return std::clamp(slope / modelled, kMeasuredScaleMin, kMeasuredScaleMax);
+  } catch (const c10::OutOfMemoryError&) {
+    return 1;
+  }
 }
 
 // A unit's forward at one batch, the bytes it leaves allocated (on CUDA; elsewhere its autograd graph's).
