@@ -5,10 +5,10 @@
 # traced at batches 2 and 4). For each model in MODELS ("model:precision:batch:micro", micro 0: the whole batch):
 # `triaccel plan --json` under each trace pair of PAIRS (TRIACCEL_SCALE_TRACE), then a few eager steps with no
 # recompute and the data on the host; the scale those steps imply (the plan's peak is linear in the scale: two plans
-# give its intercept and slope) against each traced scale.
+# give its intercept and slope) against each traced scale. The models run side by side.
 # Usage (device machine, carry [".device"]): bash bench/scale_trace.sh
 set -uo pipefail
-MODELS=${MODELS:-"vit-tiny:fp32:512:256 vit-tiny:amp-bf16:512:256 resnet18:fp32:96:0 gpt-char:fp32:64:0"}
+MODELS=${MODELS:-"vit-tiny:fp32:512:256 vit-tiny:amp-bf16:512:256 resnet18:fp32:96:0 resnet18:amp-bf16:96:0 gpt-char:fp32:64:0 efficientnet-b0:amp-bf16:96:0"}
 PAIRS=${PAIRS:-"2,4 8,16 32,64"}
 STEPS=${STEPS:-3}
 OUTDIR=${OUT:-out}
@@ -19,22 +19,27 @@ source "$(dirname "$0")/device_env.sh"
 device_binaries "$WORK"
 cifar10_bin
 mkdir -p /tmp/shakespeare && cp .device/data/tinyshakespeare/input.txt /tmp/shakespeare/ 2>/dev/null
-for spec in $MODELS; do
-  IFS=: read -r model precision batch micro <<<"$spec"
+# One model's plans and steps; the models run side by side (each process reads its own allocator's peak).
+one_model() {
+  local model precision batch micro tag pair
+  IFS=: read -r model precision batch micro <<<"$1"
   tag="${model}_${precision}"
-  data=(--dataset cifar10 --data "$DATA")
+  local data=(--dataset cifar10 --data "$DATA")
   [ "$model" = gpt-char ] && data=(--dataset tinyshakespeare --data /tmp/shakespeare)
-  levers=(--recompute none --data-placement host)
+  local levers=(--recompute none --data-placement host)
   [ "$micro" != 0 ] && levers+=(--micro-batch "$micro")
-  common=(--model "$model" "${data[@]}" --batch-size "$batch" --optimizer adamw --precision "$precision" "${levers[@]}")
+  local common=(--model "$model" "${data[@]}" --batch-size "$batch" --optimizer adamw --precision "$precision"
+                "${levers[@]}")
   for pair in $PAIRS; do
     TRIACCEL_SCALE_TRACE=$pair "$BIN/triaccel" plan "${common[@]}" --json >"$OUTDIR/plan_${tag}_${pair/,/_}.json" \
-      2>"$WORK/plan.err" || tail -2 "$WORK/plan.err"
+      2>"$WORK/plan_$tag.err" || tail -2 "$WORK/plan_$tag.err"
   done
   "$BIN/triaccel" train "${common[@]}" --cuda-graphs false --epochs 1 --max-steps "$STEPS" --out "$WORK/run_$tag" \
     --progress lines >"$WORK/run_$tag.log" 2>&1 || tail -2 "$WORK/run_$tag.log"
   cp "$WORK/run_$tag/events.jsonl" "$OUTDIR/events_$tag.jsonl" 2>/dev/null
-done
+}
+for spec in $MODELS; do one_model "$spec" & done
+wait
 python3 - "$OUTDIR" "$MODELS" "$PAIRS" <<'EOF'
 import json, os, sys
 out, models, pairs = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
