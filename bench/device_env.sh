@@ -67,6 +67,11 @@ cifar10_bin() {
   fi
 }
 
+# TinyShakespeare at /tmp/shakespeare (from the carried copy): a gpt-char run's --data.
+shakespeare_text() {
+  mkdir -p /tmp/shakespeare && cp .device/data/tinyshakespeare/input.txt /tmp/shakespeare/ 2>/dev/null
+}
+
 # The Tri-Accel protocol's flags (docs/tri-accel.md: SGD momentum 0.9 nesterov, wd 5e-4, lr 0.075 at batch 96, label
 # smoothing 0.1, 5 warm-up epochs then cosine, 15 epochs in all) on the CIFAR-10 copy; after cifar10_bin.
 tri_accel_protocol() {

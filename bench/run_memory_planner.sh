@@ -135,7 +135,7 @@ if has pytorch; then
   done
 fi
 if has models; then
-  mkdir -p /tmp/shakespeare && cp .device/data/tinyshakespeare/input.txt /tmp/shakespeare/ 2>/dev/null
+  shakespeare_text
   for budget in ${EFFB0_BUDGETS:-none 2GB}; do
     train "effb0_b96_$budget" efficientnet-b0 "$budget" --dataset cifar10 --data "$DATA" --image-size 224 \
       --epochs 1 --batch-size 96
@@ -164,7 +164,7 @@ if has acc; then
   done
 fi
 if has grid; then
-  mkdir -p /tmp/shakespeare && cp .device/data/tinyshakespeare/input.txt /tmp/shakespeare/ 2>/dev/null
+  shakespeare_text
   for entry in $GRID; do
     IFS=: read -r model budget method <<<"$entry"
     method=${method:-backprop}
@@ -206,7 +206,7 @@ print(next((e['peak_vram_gb'] for e in ev if e['event']=='summary'), 0))" "$WORK
 fi
 
 if has shards; then
-  mkdir -p /tmp/shakespeare && cp .device/data/tinyshakespeare/input.txt /tmp/shakespeare/ 2>/dev/null
+  shakespeare_text
   python_models=(--no-python-models)
   if [ "${GRID_PYTHON:-1}" = 1 ]; then
     t0=$SECONDS

@@ -18,7 +18,7 @@ mkdir -p "$WORK" "$OUTDIR"
 source "$(dirname "$0")/device_env.sh"
 device_binaries "$WORK"
 cifar10_bin
-mkdir -p /tmp/shakespeare && cp .device/data/tinyshakespeare/input.txt /tmp/shakespeare/ 2>/dev/null
+shakespeare_text
 # One model's plans and steps; the models run side by side (each process reads its own allocator's peak).
 one_model() {
   local model precision batch micro tag pair
