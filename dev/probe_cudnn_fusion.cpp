@@ -53,8 +53,23 @@ struct Row {
 
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
-// NHWC strides of an NCHW-ordered dim.
-std::vector<int64_t> nhwc(int64_t n, int64_t c, int64_t h, int64_t w) { return {c * h * w, 1, w * c, c}; }
+// NHWC strides of an NCHW-ordered dim (n, c, h, w).
+std::vector<int64_t> nhwc(int64_t c, int64_t h, int64_t w) { return {c * h * w, 1, w * c, c}; }
+
+// Device buffers freed when the row is done, on every path out of it.
+struct DeviceBuffers {
+  std::vector<void*> owned;
+  void* alloc(size_t bytes) {
+    void* p = nullptr;
+    CUDA_OK(cudaMalloc(&p, std::max<size_t>(bytes, 256)));
+    CUDA_OK(cudaMemset(p, 0, std::max<size_t>(bytes, 256)));
+    owned.push_back(p);
+    return p;
+  }
+  ~DeviceBuffers() {
+    for (void* p : owned) cudaFree(p);
+  }
+};
 
 Row run(cudnnHandle_t handle, const Shape& s, Variant v, int reps) {
   Row row;
@@ -65,12 +80,12 @@ Row run(cudnnHandle_t handle, const Shape& s, Variant v, int reps) {
   const TensorPtr x = g.tensor(fe::graph::Tensor_attributes()
                                    .set_name("x")
                                    .set_dim({s.n, s.c, s.h, s.h})
-                                   .set_stride(nhwc(s.n, s.c, s.h, s.h))
+                                   .set_stride(nhwc(s.c, s.h, s.h))
                                    .set_data_type(fe::DataType_t::BFLOAT16));
   const TensorPtr w = g.tensor(fe::graph::Tensor_attributes()
                                    .set_name("w")
                                    .set_dim({s.k, s.c, 3, 3})
-                                   .set_stride(nhwc(s.k, s.c, 3, 3))
+                                   .set_stride(nhwc(s.c, 3, 3))
                                    .set_data_type(fe::DataType_t::BFLOAT16));
   TensorPtr in = x, scale, bias;
   if (v == Variant::kPrologueConvStats) {
@@ -113,14 +128,8 @@ Row run(cudnnHandle_t handle, const Shape& s, Variant v, int reps) {
   row.supported = true;
   if (failed(g.get_workspace_size(row.workspace))) return row;
 
-  std::vector<void*> owned;
-  const auto alloc = [&](size_t bytes) {
-    void* p = nullptr;
-    CUDA_OK(cudaMalloc(&p, std::max<size_t>(bytes, 256)));
-    CUDA_OK(cudaMemset(p, 0, std::max<size_t>(bytes, 256)));
-    owned.push_back(p);
-    return p;
-  };
+  DeviceBuffers buffers;
+  const auto alloc = [&buffers](size_t bytes) { return buffers.alloc(bytes); };
   std::unordered_map<TensorPtr, void*> pack;
   pack[x] = alloc(static_cast<size_t>(s.n * s.c * s.h * s.h) * 2);
   pack[w] = alloc(static_cast<size_t>(s.k * s.c * 9) * 2);
@@ -156,7 +165,6 @@ Row run(cudnnHandle_t handle, const Shape& s, Variant v, int reps) {
   }
   CUDA_OK(cudaEventDestroy(start));
   CUDA_OK(cudaEventDestroy(stop));
-  for (void* p : owned) CUDA_OK(cudaFree(p));
   return row;
 }
 
