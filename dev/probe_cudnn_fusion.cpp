@@ -1,5 +1,5 @@
 // Issue 59, item 2: what cuDNN's graph API (through the header-only cudnn-frontend of PyPI's nvidia-cudnn-frontend)
-// offers on this GPU for ResNet-18's CIFAR 3x3 convolutions in bf16 channels-last: for each layer shape, a
+// offers on this GPU for ResNet-18's CIFAR 3x3 convolutions in bf16 and fp16 channels-last: for each layer shape, a
 // convolution alone, the convolution with BatchNorm's statistics in its epilogue (genstats: per-channel sum and sum
 // of squares, fp32), and the same with the previous BatchNorm's scale, bias and ReLU in its prologue (the pattern
 // NVIDIA's MLPerf ResNet fuses). Prints, per variant, whether an engine supports it (or cuDNN's message), its
@@ -71,22 +71,24 @@ struct DeviceBuffers {
   }
 };
 
-Row run(cudnnHandle_t handle, const Shape& s, Variant v, int reps) {
+// One variant at one shape in the 16-bit type io (bf16 or fp16): the images, weights, the prologue's scale and bias
+// and the intermediates in it; the statistics and the arithmetic in fp32 (the pattern cuDNN's own genstats test builds
+// in fp16; on the H200, fp32 scale and bias or fp32 intermediates found no engine: "inputDataTypeX == FLOAT",
+// "!is_input_compute_type_match").
+Row run(cudnnHandle_t handle, const Shape& s, Variant v, fe::DataType_t io, int reps) {
   Row row;
   fe::graph::Graph g;
-  g.set_io_data_type(fe::DataType_t::BFLOAT16)
-      .set_intermediate_data_type(fe::DataType_t::FLOAT)
-      .set_compute_data_type(fe::DataType_t::FLOAT);
+  g.set_io_data_type(io).set_intermediate_data_type(io).set_compute_data_type(fe::DataType_t::FLOAT);
   const TensorPtr x = g.tensor(fe::graph::Tensor_attributes()
                                    .set_name("x")
                                    .set_dim({s.n, s.c, s.h, s.h})
                                    .set_stride(nhwc(s.c, s.h, s.h))
-                                   .set_data_type(fe::DataType_t::BFLOAT16));
+                                   .set_data_type(io));
   const TensorPtr w = g.tensor(fe::graph::Tensor_attributes()
                                    .set_name("w")
                                    .set_dim({s.k, s.c, 3, 3})
                                    .set_stride(nhwc(s.c, 3, 3))
-                                   .set_data_type(fe::DataType_t::BFLOAT16));
+                                   .set_data_type(io));
   TensorPtr in = x, scale, bias;
   if (v == Variant::kPrologueConvStats) {
     const auto channel = [&](const char* name) {
@@ -94,7 +96,7 @@ Row run(cudnnHandle_t handle, const Shape& s, Variant v, int reps) {
                           .set_name(name)
                           .set_dim({1, s.c, 1, 1})
                           .set_stride({s.c, 1, s.c, s.c})
-                          .set_data_type(fe::DataType_t::FLOAT));
+                          .set_data_type(io));
     };
     scale = channel("scale");
     bias = channel("bias");
@@ -106,7 +108,7 @@ Row run(cudnnHandle_t handle, const Shape& s, Variant v, int reps) {
   }
   const TensorPtr y = g.conv_fprop(
       in, w, fe::graph::Conv_fprop_attributes().set_padding({1, 1}).set_stride({1, 1}).set_dilation({1, 1}));
-  y->set_output(true).set_data_type(fe::DataType_t::BFLOAT16);
+  y->set_output(true).set_data_type(io);
   TensorPtr sum, sq_sum;
   if (v != Variant::kConv) {
     auto stats = g.genstats(y, fe::graph::Genstats_attributes());
@@ -139,8 +141,8 @@ Row run(cudnnHandle_t handle, const Shape& s, Variant v, int reps) {
     pack[sq_sum] = alloc(static_cast<size_t>(s.k) * 4);
   }
   if (scale) {
-    pack[scale] = alloc(static_cast<size_t>(s.c) * 4);
-    pack[bias] = alloc(static_cast<size_t>(s.c) * 4);
+    pack[scale] = alloc(static_cast<size_t>(s.c) * 2);
+    pack[bias] = alloc(static_cast<size_t>(s.c) * 2);
   }
   void* workspace = alloc(static_cast<size_t>(row.workspace));
   for (int i = 0; i < 5; ++i) {  // warm-up
@@ -199,23 +201,32 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s, cuDNN %zu, cudnn-frontend %d, batch %lld\n", prop.name, cudnnGetVersion(), CUDNN_FRONTEND_VERSION,
               static_cast<long long>(batch));
-  const std::vector<Shape> shapes{{batch, 64, 64, 32}, {batch, 128, 128, 16}, {batch, 256, 256, 8},
-                                  {batch, 512, 512, 4}};
-  std::printf("%-22s %-20s %9s %12s %10s  %s\n", "layer", "variant", "supported", "workspace", "median us", "note");
+  const std::vector<Shape> shapes{
+      {batch, 64, 64, 32}, {batch, 128, 128, 16}, {batch, 256, 256, 8}, {batch, 512, 512, 4}};
+  std::printf("%-22s %-5s %-20s %9s %12s %10s  %s\n", "layer", "type", "variant", "supported", "workspace", "median us",
+              "note");
   for (const Shape& s : shapes) {
-    for (const Variant v : {Variant::kConv, Variant::kConvStats, Variant::kPrologueConvStats}) {
-      const Row r = run(handle, s, v, 50);
-      char layer[64];
-      std::snprintf(layer, sizeof layer, "%lldx%lld %lld->%lld", static_cast<long long>(s.h),
-                    static_cast<long long>(s.h), static_cast<long long>(s.c), static_cast<long long>(s.k));
-      std::printf("%-22s %-20s %9s %12lld %10.1f  %.120s\n", layer, variant_name(v), r.supported ? "yes" : "no",
-                  static_cast<long long>(r.workspace), r.median_us, r.message.c_str());
-      std::fprintf(json,
-                   "{\"batch\": %lld, \"c\": %lld, \"k\": %lld, \"hw\": %lld, \"variant\": \"%s\", \"supported\": %s, "
-                   "\"workspace_bytes\": %lld, \"median_us\": %.3f, \"message\": \"%s\"}\n",
-                   static_cast<long long>(s.n), static_cast<long long>(s.c), static_cast<long long>(s.k),
-                   static_cast<long long>(s.h), variant_name(v), r.supported ? "true" : "false",
-                   static_cast<long long>(r.workspace), r.median_us, json_escape(r.message).c_str());
+    for (const fe::DataType_t io : {fe::DataType_t::BFLOAT16, fe::DataType_t::HALF}) {
+      const char* type = io == fe::DataType_t::HALF ? "fp16" : "bf16";
+      for (const Variant v : {Variant::kConv, Variant::kConvStats, Variant::kPrologueConvStats}) {
+        const Row r = run(handle, s, v, io, 50);
+        char layer[64];
+        std::snprintf(layer, sizeof layer, "%lldx%lld %lld->%lld", static_cast<long long>(s.h),
+                      static_cast<long long>(s.h), static_cast<long long>(s.c), static_cast<long long>(s.k));
+        // The note: cuDNN's message up to its first line break (the JSON keeps all of it).
+        const std::string note = r.message.substr(0, r.message.find('\n'));
+        std::printf("%-22s %-5s %-20s %9s %12lld %10.1f  %.100s\n", layer, type, variant_name(v),
+                    r.supported ? "yes" : "no", static_cast<long long>(r.workspace), r.median_us, note.c_str());
+        std::fprintf(json,
+                     "{\"batch\": %lld, \"c\": %lld, \"k\": %lld, \"hw\": "
+                     "%lld, \"type\": \"%s\", \"variant\": \"%s\", "
+                     "\"supported\": %s, "
+                     "\"workspace_bytes\": %lld, \"median_us\": %.3f, "
+                     "\"message\": \"%s\"}\n",
+                     static_cast<long long>(s.n), static_cast<long long>(s.c), static_cast<long long>(s.k),
+                     static_cast<long long>(s.h), type, variant_name(v), r.supported ? "true" : "false",
+                     static_cast<long long>(r.workspace), r.median_us, json_escape(r.message).c_str());
+      }
     }
   }
   if (json != stdout) std::fclose(json);
