@@ -33,7 +33,8 @@
 #            side by side (one process each: the grid counts crashes, peaks and predictions, not speed; its img/s
 #            columns are of concurrent runs), each starting no run after GRID_DEADLINE (300) s, GRID_TIMEOUT (150) s a
 #            run; $OUT/grid_I_of_N.json each (rewritten after every run), and the shards' table merged;
-#            GRID_ONLY ("5,17,...": those combinations alone, a re-run of some rows). The models
+#            GRID_ONLY ("5,17,...": those combinations alone, a re-run of some rows); SHARD_BINS ("triaccel_base
+#            triaccel"): the shards under each binary of .device/bin in turn, tagged (an A/B in one call). The models
 #            defined in Python run through the module built here (GRID_PYTHON=1, the default: target `python` in
 #            build-gpu, this machine's python3 and torch); GRID_PYTHON=0 lists them as not run
 #   micro    ResNet-18 b96 unbudgeted at each micro-batch of MICROS (default "0 48 32": 0 the whole batch), recompute
@@ -219,20 +220,29 @@ if has shards; then
       echo "python module: build or import FAILED; its models not run"; tail -5 "$WORK/python_import.log"
     fi
   fi
-  shard_files=()
-  for shard in ${GRID_SHARDS:-0/5 1/5 2/5 3/5 4/5}; do
-    f="$FINAL_OUT/grid_${shard%/*}_of_${shard#*/}.json"
-    shard_files+=("$f")
-    python3 bench/budget_grid.py --bin "$BIN/triaccel" --data-cifar "$DATA" --data-text /tmp/shakespeare \
-      --shard "$shard" --work "/tmp/budget_grid_${shard%/*}" --deadline-s "${GRID_DEADLINE:-300}" \
-      --timeout "${GRID_TIMEOUT:-150}" --only "${GRID_ONLY:-}" "${python_models[@]}" --json "$f" >"$WORK/grid_${shard%/*}.log" 2>&1 &
+  # SHARD_BINS ("triaccel" by default; e.g. "triaccel_base triaccel"): the shards under each binary of $BIN in turn (an
+  # A/B at one call: the same rows, the same machine), the files and logs of one not named triaccel tagged with it.
+  for shard_bin in ${SHARD_BINS:-triaccel}; do
+    [ -x "$BIN/$shard_bin" ] || { echo "shards: no binary $BIN/$shard_bin (carry it in .device/bin)"; continue; }
+    tag=""
+    [ "$shard_bin" != triaccel ] && tag="${shard_bin}_"
+    shard_files=()
+    for shard in ${GRID_SHARDS:-0/5 1/5 2/5 3/5 4/5}; do
+      f="$FINAL_OUT/grid_${tag}${shard%/*}_of_${shard#*/}.json"
+      shard_files+=("$f")
+      python3 bench/budget_grid.py --bin "$BIN/$shard_bin" --data-cifar "$DATA" --data-text /tmp/shakespeare \
+        --shard "$shard" --work "/tmp/budget_grid_${shard%/*}" --deadline-s "${GRID_DEADLINE:-300}" \
+        --timeout "${GRID_TIMEOUT:-150}" --only "${GRID_ONLY:-}" "${python_models[@]}" --json "$f" \
+        >"$WORK/grid_${tag}${shard%/*}.log" 2>&1 &
+    done
+    wait
+    cat "$WORK"/grid_"${tag}"[0-9]*.log >"$FINAL_OUT/grid${tag:+_${tag%_}}.log"
+    grep -hE '^ *[0-9]+ (internal_error|crash|timeout|over_budget|samples_dropped|wrong_floor)' \
+      "$WORK"/grid_"${tag}"[0-9]*.log | cut -c1-300
+    echo "shards under $shard_bin:"
+    python3 bench/budget_grid.py --merge "${shard_files[@]}" --rows >"$FINAL_OUT/grid_${tag}rows.md"
+    python3 bench/budget_grid.py --merge "${shard_files[@]}"
   done
-  wait
-  cat "$WORK"/grid_*.log >"$FINAL_OUT/grid.log"
-  grep -hE '^ *[0-9]+ (internal_error|crash|timeout|over_budget|samples_dropped|wrong_floor)' "$WORK"/grid_*.log |
-    cut -c1-300
-  python3 bench/budget_grid.py --merge "${shard_files[@]}" --rows >"$FINAL_OUT/grid_rows.md"
-  python3 bench/budget_grid.py --merge "${shard_files[@]}"
 fi
 
 # What a capture that runs out of memory holds beyond its eager step: each HISTORY entry (model:budget[:method], as
