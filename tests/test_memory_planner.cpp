@@ -47,6 +47,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace triaccel {
@@ -464,6 +465,56 @@ TEST(MemoryModelTest, TheEvaluationBatchFitsBesideWhatIsHeld) {
   EXPECT_EQ(memory_model_eval_batch(m, 3600, 4000, 0, 1000), 1);     // held above the cap: one sample
   m.activation_scale = 2;  // a calibrated scale applies to evaluation too
   EXPECT_EQ(memory_model_eval_batch(m, 3600, 1000, 16, 1000), 50);
+}
+
+// The starting scale's traces: 32/64 first, then 8/16 and 2/4 where a cap runs a pair out of memory (ViT-Tiny fp32's
+// 2/4 trace read 0.883 where its steps at 256 samples read 0.989: the smallest batches under-trace). A made-up
+// allocator: 1000 bytes fixed plus 3 bytes a sample over a modelled 2, so every pair that fits reads 1.5.
+TEST(MemoryModelTest, TheScaleIsTracedAtTheLargestPairThatFits) {
+  unsetenv("TRIACCEL_SCALE_TRACE");
+  const std::vector<std::pair<int64_t, int64_t>> pairs = scale_trace_batches();
+  ASSERT_EQ(pairs.size(), 3u);
+  EXPECT_EQ(pairs[0], std::make_pair(int64_t{32}, int64_t{64}));
+  EXPECT_EQ(pairs[1], std::make_pair(int64_t{8}, int64_t{16}));
+  EXPECT_EQ(pairs[2], std::make_pair(int64_t{2}, int64_t{4}));
+  setenv("TRIACCEL_SCALE_TRACE", "128,256", 1);
+  EXPECT_EQ(scale_trace_batches(), (std::vector<std::pair<int64_t, int64_t>>{{128, 256}}));
+  unsetenv("TRIACCEL_SCALE_TRACE");
+
+  int64_t cap = 1000000;  // the largest batch that fits
+  std::vector<int64_t> asked;
+  int releases = 0;
+  const auto peak_of = [&](int64_t batch) {
+    asked.push_back(batch);
+    TORCH_CHECK_WITH(OutOfMemoryError, batch <= cap, "made-up cap");
+    return 1000.0 + 3.0 * static_cast<double>(batch);
+  };
+  const auto release = [&releases] { ++releases; };
+  EXPECT_DOUBLE_EQ(activation_scale_from_traces(pairs, peak_of, 2, release), 1.5);
+  EXPECT_EQ(asked, (std::vector<int64_t>{32, 64, 32, 64}));  // two passes, the first pair alone
+  EXPECT_EQ(releases, 0);
+
+  cap = 40;  // 64 does not fit: 8/16 next
+  asked.clear();
+  EXPECT_DOUBLE_EQ(activation_scale_from_traces(pairs, peak_of, 2, release), 1.5);
+  EXPECT_EQ(asked, (std::vector<int64_t>{32, 64, 8, 16, 8, 16}));
+  EXPECT_EQ(releases, 1);
+
+  cap = 1;  // nothing fits: the scale stays 1
+  EXPECT_DOUBLE_EQ(activation_scale_from_traces(pairs, peak_of, 2, release), 1);
+  EXPECT_EQ(releases, 4);
+
+  // A peak that does not grow with the batch: 1, not the next pair's reading.
+  asked.clear();
+  const auto flat = [&asked](int64_t batch) {
+    asked.push_back(batch);
+    return 500.0;
+  };
+  EXPECT_DOUBLE_EQ(activation_scale_from_traces(pairs, flat, 2, release), 1);
+  EXPECT_EQ(asked.size(), 4u);
+  // Clamped: 3 bytes a sample over a modelled 0.1 is 30, read as kMeasuredScaleMax.
+  cap = 1000000;
+  EXPECT_DOUBLE_EQ(activation_scale_from_traces(pairs, peak_of, 0.1, release), kMeasuredScaleMax);
 }
 
 // One unit, Linear(256 → 1024) then tanh, fp32: backward needs the linear's input (allocated before the unit) and

@@ -81,26 +81,8 @@ double measured_activation_scale(Model& model, const at::Tensor& sample, const M
     device_synchronize(device);
     return static_cast<double>(memory_stats(device).peak_allocated_bytes - before);
   };
-  std::vector<std::pair<int64_t, int64_t>> pairs(kScaleTraceBatches.begin(), kScaleTraceBatches.end());
-  // TRIACCEL_SCALE_TRACE="S,L" (measurement only, docs/measuring.md): these two batches alone.
-  if (const char* v = std::getenv("TRIACCEL_SCALE_TRACE"); v != nullptr && *v != '\0') {
-    long long s = 0, l = 0;
-    if (std::sscanf(v, "%lld,%lld", &s, &l) == 2 && s >= kTraceSmall && l > s) pairs = {{s, l}};
-  }
-  double scale = 1;
-  for (const auto& [small_batch, large_batch] : pairs) {
-    try {
-      double slope = 0;
-      for (int pass = 0; pass < 2; ++pass) {  // the first pass lets cuDNN pick its algorithms and workspaces settle
-        const double small = peak_of(small_batch), large = peak_of(large_batch);
-        slope = (large - small) / static_cast<double>(large_batch - small_batch);
-      }
-      if (slope > 0) scale = std::clamp(slope / modelled, kMeasuredScaleMin, kMeasuredScaleMax);
-      break;
-    } catch (const c10::OutOfMemoryError&) {
-      memory_cache_release(device);  // what the failed trace cached goes back before the smaller one
-    }
-  }
+  const double scale = activation_scale_from_traces(scale_trace_batches(), peak_of, modelled,
+                                                    [&device] { memory_cache_release(device); });
   memory_cache_release(device);
   return scale;
 }
@@ -142,6 +124,34 @@ void fp8_saved_trace(const UnitRun& run, const at::Tensor& small, const at::Tens
 }
 
 }  // namespace
+
+std::vector<std::pair<int64_t, int64_t>> scale_trace_batches() {
+  if (const char* v = std::getenv("TRIACCEL_SCALE_TRACE"); v != nullptr && *v != '\0') {
+    long long s = 0, l = 0;
+    if (std::sscanf(v, "%lld,%lld", &s, &l) == 2 && s >= kTraceSmall && l > s) return {{s, l}};
+  }
+  return {kScaleTraceBatches.begin(), kScaleTraceBatches.end()};
+}
+
+double activation_scale_from_traces(const std::vector<std::pair<int64_t, int64_t>>& pairs,
+                                    const std::function<double(int64_t)>& peak_of, double modelled_per_sample,
+                                    const std::function<void()>& release) {
+  if (modelled_per_sample <= 0) return 1;
+  for (const auto& [small_batch, large_batch] : pairs) {
+    try {
+      double slope = 0;
+      for (int pass = 0; pass < 2; ++pass) {
+        const double small = peak_of(small_batch), large = peak_of(large_batch);
+        slope = (large - small) / static_cast<double>(large_batch - small_batch);
+      }
+      if (slope <= 0) return 1;
+      return std::clamp(slope / modelled_per_sample, kMeasuredScaleMin, kMeasuredScaleMax);
+    } catch (const c10::OutOfMemoryError&) {
+      release();  // what the failed trace cached goes back before the smaller one
+    }
+  }
+  return 1;
+}
 
 MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const MemoryModelInputs& in,
                                const c10::Device& device) {

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 namespace triaccel {
@@ -55,6 +56,19 @@ struct MemoryModelInputs {
 // Bounds of the measured starting activation scale (memory_model_build with measure_scale).
 constexpr double kMeasuredScaleMin = 0.2;
 constexpr double kMeasuredScaleMax = 5;
+
+// The pairs of batches the starting activation scale is traced at, in the order tried: 32 and 64, then 8 and 16, then
+// 2 and 4 (memory_model.cpp says why); TRIACCEL_SCALE_TRACE="S,L" (measurement only, docs/measuring.md) gives one pair.
+std::vector<std::pair<int64_t, int64_t>> scale_trace_batches();
+
+// The starting activation scale from whole-model peaks: for each pair in order, peak_of (the allocator's peak over one
+// forward + backward at that many samples, in bytes; it may throw c10::OutOfMemoryError) at both batches, twice (the
+// first pass lets cuDNN settle), the slope over `modelled_per_sample` bytes, within [kMeasuredScaleMin,
+// kMeasuredScaleMax]. A pair that runs out of memory calls `release` and the next is tried; a slope of zero or less,
+// or every pair out of memory, leaves the scale at 1.
+double activation_scale_from_traces(const std::vector<std::pair<int64_t, int64_t>>& pairs,
+                                    const std::function<double(int64_t)>& peak_of, double modelled_per_sample,
+                                    const std::function<void()>& release);
 
 // Per-micro-batch overhead of a step, in units of one sample's forward + backward: what makes small micro-batches
 // slow on a GPU (launches, an under-filled device). ResNet-18's (32×32) throughput at batch 96 and at 512 gives an
