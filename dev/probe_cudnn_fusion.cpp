@@ -131,20 +131,19 @@ Row run(cudnnHandle_t handle, const Shape& s, Variant v, fe::DataType_t io, int 
   if (failed(g.get_workspace_size(row.workspace))) return row;
 
   DeviceBuffers buffers;
-  const auto alloc = [&buffers](size_t bytes) { return buffers.alloc(bytes); };
   std::unordered_map<TensorPtr, void*> pack;
-  pack[x] = alloc(static_cast<size_t>(s.n * s.c * s.h * s.h) * 2);
-  pack[w] = alloc(static_cast<size_t>(s.k * s.c * 9) * 2);
-  pack[y] = alloc(static_cast<size_t>(s.n * s.k * s.h * s.h) * 2);
+  pack[x] = buffers.alloc(static_cast<size_t>(s.n * s.c * s.h * s.h) * 2);
+  pack[w] = buffers.alloc(static_cast<size_t>(s.k * s.c * 9) * 2);
+  pack[y] = buffers.alloc(static_cast<size_t>(s.n * s.k * s.h * s.h) * 2);
   if (sum) {
-    pack[sum] = alloc(static_cast<size_t>(s.k) * 4);
-    pack[sq_sum] = alloc(static_cast<size_t>(s.k) * 4);
+    pack[sum] = buffers.alloc(static_cast<size_t>(s.k) * 4);
+    pack[sq_sum] = buffers.alloc(static_cast<size_t>(s.k) * 4);
   }
   if (scale) {
-    pack[scale] = alloc(static_cast<size_t>(s.c) * 2);
-    pack[bias] = alloc(static_cast<size_t>(s.c) * 2);
+    pack[scale] = buffers.alloc(static_cast<size_t>(s.c) * 2);
+    pack[bias] = buffers.alloc(static_cast<size_t>(s.c) * 2);
   }
-  void* workspace = alloc(static_cast<size_t>(row.workspace));
+  void* workspace = buffers.alloc(static_cast<size_t>(row.workspace));
   for (int i = 0; i < 5; ++i) {  // warm-up
     if (failed(g.execute(handle, pack, workspace))) return row;
   }
@@ -206,22 +205,20 @@ int main(int argc, char** argv) {
   std::printf("%-22s %-5s %-20s %9s %12s %10s  %s\n", "layer", "type", "variant", "supported", "workspace", "median us",
               "note");
   for (const Shape& s : shapes) {
+    char layer[64];
+    std::snprintf(layer, sizeof layer, "%lldx%lld %lld->%lld", static_cast<long long>(s.h), static_cast<long long>(s.h),
+                  static_cast<long long>(s.c), static_cast<long long>(s.k));
     for (const fe::DataType_t io : {fe::DataType_t::BFLOAT16, fe::DataType_t::HALF}) {
       const char* type = io == fe::DataType_t::HALF ? "fp16" : "bf16";
       for (const Variant v : {Variant::kConv, Variant::kConvStats, Variant::kPrologueConvStats}) {
         const Row r = run(handle, s, v, io, 50);
-        char layer[64];
-        std::snprintf(layer, sizeof layer, "%lldx%lld %lld->%lld", static_cast<long long>(s.h),
-                      static_cast<long long>(s.h), static_cast<long long>(s.c), static_cast<long long>(s.k));
         // The note: cuDNN's message up to its first line break (the JSON keeps all of it).
         const std::string note = r.message.substr(0, r.message.find('\n'));
         std::printf("%-22s %-5s %-20s %9s %12lld %10.1f  %.100s\n", layer, type, variant_name(v),
                     r.supported ? "yes" : "no", static_cast<long long>(r.workspace), r.median_us, note.c_str());
         std::fprintf(json,
-                     "{\"batch\": %lld, \"c\": %lld, \"k\": %lld, \"hw\": "
-                     "%lld, \"type\": \"%s\", \"variant\": \"%s\", "
-                     "\"supported\": %s, "
-                     "\"workspace_bytes\": %lld, \"median_us\": %.3f, "
+                     "{\"batch\": %lld, \"c\": %lld, \"k\": %lld, \"hw\": %lld, \"type\": \"%s\", "
+                     "\"variant\": \"%s\", \"supported\": %s, \"workspace_bytes\": %lld, \"median_us\": %.3f, "
                      "\"message\": \"%s\"}\n",
                      static_cast<long long>(s.n), static_cast<long long>(s.c), static_cast<long long>(s.k),
                      static_cast<long long>(s.h), type, variant_name(v), r.supported ? "true" : "false",
