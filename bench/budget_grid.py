@@ -200,8 +200,9 @@ def first_prediction(events):
 
 def plan_trail(events):
     """The memory plans of a run in order, one short string each: the step it came after, its reason, micro-batch ×
-    accumulation, units recomputed, predicted and (where read) its own steps' peak in MB; and each `oom` event (the
-    story behind a final prediction that misses its steps' peak)."""
+    accumulation, units recomputed, predicted and (where read) its own steps' peak in MB, the activation scale and the
+    fixed bytes in MB (which of the two a calibration moved); and each `oom` event (the story behind a final
+    prediction that misses its steps' peak)."""
     trail, step = [], 0
     for e in events:
         step = e.get("step", step)
@@ -210,9 +211,13 @@ def plan_trail(events):
         elif e["event"] == "memory_plan" and e.get("predicted_peak_bytes"):
             mb = lambda k: f"{e[k] / 1e6:.0f}" if isinstance(e.get(k), (int, float)) else "-"
             recompute = e.get("recompute") or []
+            fixed = (e.get("consumers") or {}).get("fixed")
+            scale = e.get("activation_scale")
             trail.append(f"@{step} {e.get('reason', '?')} {e.get('micro_batch', '?')}x{e.get('accumulation', '?')} "
                          f"r{len(recompute) if isinstance(recompute, list) else recompute} "
-                         f"p{mb('predicted_peak_bytes')} m{mb('plan_measured_peak_bytes')}")
+                         f"p{mb('predicted_peak_bytes')} m{mb('plan_measured_peak_bytes')}"
+                         + (f" s{scale:.3f}" if isinstance(scale, (int, float)) else "")
+                         + (f" f{fixed / 1e6:.0f}" if isinstance(fixed, (int, float)) else ""))
         elif e["event"] == "optim_plan":
             trail.append(f"@{step} optim_plan {e.get('state_bytes', 0) / 1e6:.0f}MB")
     return trail

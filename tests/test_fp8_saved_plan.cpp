@@ -43,6 +43,7 @@ TEST(Fp8SavedPlanTest, FindsTheFastestOfKeptFp8AndRecomputedForEveryUnit) {
       m.units[u].fp8_unpack_bytes = 0.25 * share(rng) * m.units[u].saved_bytes;
     }
     m.units[trial % 4].recomputable = trial % 3 != 0;
+    m.outputs_in_saved = trial % 2 == 1;  // the allocator's reading (CUDA) and the autograd graph's
     const int64_t batch = 10;
     const double need = memory_plan_solve(m, batch, 0).predicted_peak_bytes;
     const double budget = std::floor(need * (0.3 + 0.7 * (trial % 10) / 10.0));

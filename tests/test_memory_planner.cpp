@@ -127,6 +127,7 @@ TEST(MemoryPlannerTest, FindsTheFastestPlanThatFits) {
     }
     MemoryModel m = made_up(saved, input, flops);
     m.units[trial % 5].recomputable = trial % 3 != 0;
+    m.outputs_in_saved = trial % 2 == 1;  // the allocator's reading (CUDA) and the autograd graph's
     const int64_t batch = 12;
     const double need = memory_plan_solve(m, batch, 0).predicted_peak_bytes;
     const double budget = std::floor(need * (0.3 + 0.7 * (trial % 10) / 10.0));
@@ -157,6 +158,25 @@ TEST(MemoryPlannerTest, RecomputesTheCheapUnitAndReplansWhenTheModelGrows) {
   EXPECT_EQ(grown.micro_batch, 8);
   EXPECT_EQ(grown.accumulation, 2);
   EXPECT_EQ(grown.recompute, (std::vector<bool>{true, false, false}));
+}
+
+// Read from the allocator, a kept unit's bytes hold its output: a recomputed unit after it holds nothing more, and its
+// own output is held (and counted) by the unit after it. Four units of 100 bytes a sample, each reading 10; transient
+// 4; base 382 at batch 16.
+TEST(MemoryPlannerTest, ARecomputedUnitAfterAKeptOneHoldsNoCopyOfItsInput) {
+  MemoryModel m = made_up({100, 100, 100, 100}, {10, 10, 10, 10}, {1, 1, 1, 1});
+  m.dataset_bytes = 0;
+  m.outputs_in_saved = true;
+  // u1 and u2 recomputed: forward leaves u0's 100, u1's output 10 (u2's checkpoint), u2's output 10 (u3 reads it) and
+  // u3's 100: 220, the peak; backward at u2: 100 + 10 + u2's 100 made again = 210, at u1: 100 + 100.
+  EXPECT_DOUBLE_EQ(memory_plan_peak(m, 16, 16, {false, true, true, false}, DataPlacement::kDevice), 382 + 16 * 224);
+  // u1 alone recomputed, and it keeps 300: backward at u1 holds u0's 100 and u1's 300 made again: 400 (forward
+  // leaves 310). Counted as its input, u0's output (inside u0's 100) came twice: 410.
+  m.units[1].saved_bytes = 300;
+  const std::vector<bool> one{false, true, false, false};
+  EXPECT_DOUBLE_EQ(memory_plan_peak(m, 16, 16, one, DataPlacement::kDevice), 382 + 16 * (400 + 4));
+  m.outputs_in_saved = false;  // the autograd graph's records: u1 holds its input beside its backward's 300
+  EXPECT_DOUBLE_EQ(memory_plan_peak(m, 16, 16, one, DataPlacement::kDevice), 382 + 16 * (410 + 4));
 }
 
 TEST(MemoryPlannerTest, KeepsTheUsersLevers) {

@@ -179,6 +179,7 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   m.stream_bytes = static_cast<double>(in.dataset_stream_bytes);
   m.batch_input_bytes = static_cast<double>(in.sample_input_bytes);
   m.allow_host_data = in.allow_host_data;
+  m.outputs_in_saved = device.is_cuda();  // the allocator's growth below, else the autograd graph's records
   m.overhead_s = in.for_gpu ? kGpuOverheadSamples : 1.0;
   m.per_sample_s = 1.0;
   m.stream_per_sample_s = kStreamSampleCost;

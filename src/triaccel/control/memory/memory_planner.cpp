@@ -38,7 +38,10 @@ using StoreMask = unsigned;
 constexpr StoreMask bit(UnitStore s) { return 1u << static_cast<unsigned>(s); }
 
 bool fp8_offered(const UnitCost& u) { return u.fp8_bytes > 0 && u.fp8_bytes < u.saved_bytes; }
-bool worth_recomputing(const UnitCost& u) { return u.recomputable && u.saved_bytes > u.input_bytes; }
+// Read from the allocator, a recomputed unit holds at most its input, which it holds kept as well: any saved bytes.
+bool worth_recomputing(const MemoryModel& m, const UnitCost& u) {
+  return u.recomputable && u.saved_bytes > (m.outputs_in_saved ? 0.0 : u.input_bytes);
+}
 
 bool flag_at(const std::vector<bool>& flags, size_t u) { return u < flags.size() && flags[u]; }
 
@@ -52,7 +55,7 @@ std::vector<StoreMask> store_masks(const MemoryModel& model, const PlanConstrain
     if (!(fp8 && !c.fp8_saved.empty())) m |= bit(UnitStore::kKeep);
     if (!c.recompute.empty()) {
       m = flag_at(c.recompute, u) ? bit(UnitStore::kRecompute) : m;
-    } else if (worth_recomputing(unit)) {
+    } else if (worth_recomputing(model, unit)) {
       m |= bit(UnitStore::kRecompute);
     }
     masks.push_back(m);
@@ -60,9 +63,27 @@ std::vector<StoreMask> store_masks(const MemoryModel& model, const PlanConstrain
   return masks;
 }
 
-// Bytes unit u holds per sample once its forward ran (until backward reaches it).
-double alive_bytes(const UnitCost& c, UnitStore s) {
-  return s == UnitStore::kRecompute ? c.input_bytes : s == UnitStore::kFp8 ? c.fp8_bytes : c.saved_bytes;
+// Bytes unit u holds per sample once its forward ran (until backward reaches it), after a recomputed unit or not.
+// Read from the allocator (outputs_in_saved), each unit's output is counted once: by the unit when it is kept or stored
+// in FP8 (its bytes hold it), else by its reader — the next unit, whose checkpoint or graph keeps it — so a unit adds
+// its input only after a recomputed unit (the first unit's input is the step's batch, counted with the data). Counted
+// as its input by a recomputed unit after a kept one, the output was priced twice: GPT-char fp32 at micro-batch 64
+// (H100 grid at f33deac), first predictions 6-7 % above the steps' peaks, one residual stream (25 MB) a boundary.
+double alive_bytes(const MemoryModel& m, size_t u, UnitStore s, bool after_recompute) {
+  const UnitCost& c = m.units[u];
+  if (!m.outputs_in_saved) {
+    return s == UnitStore::kRecompute ? c.input_bytes : s == UnitStore::kFp8 ? c.fp8_bytes : c.saved_bytes;
+  }
+  const double input = u > 0 && after_recompute ? c.input_bytes : 0.0;
+  return input + (s == UnitStore::kRecompute ? 0.0 : s == UnitStore::kFp8 ? c.fp8_bytes : c.saved_bytes);
+}
+
+// Bytes unit u holds per sample while backward runs it, beside the units before it: a recomputed unit's activations
+// made again beside what it held, an FP8-stored unit's largest tensor made again at its dtype.
+double during_bytes(const MemoryModel& m, size_t u, UnitStore s, bool after_recompute) {
+  const UnitCost& c = m.units[u];
+  const double alive = alive_bytes(m, u, s, after_recompute);
+  return s == UnitStore::kRecompute ? alive + c.saved_bytes : s == UnitStore::kFp8 ? alive + c.fp8_unpack_bytes : alive;
 }
 
 std::vector<UnitStore> stores_of(size_t n, const std::vector<bool>& recompute, const std::vector<bool>& fp8_saved) {
@@ -87,16 +108,15 @@ void stores_split(const std::vector<UnitStore>& stores, std::vector<bool>* recom
 }
 
 // Activation bytes per sample of the micro-batch, before the scale. Backward runs the units in reverse: when it
-// starts, every unit's alive bytes are; when it reaches a recomputed unit u, the units after u are freed and u's
-// activations are alive again beside everything before u; at a unit stored in FP8, its largest tensor is made again
-// beside everything up to it.
+// starts, every unit's alive bytes are; when it reaches unit u, the units after u are freed and u's bytes while it
+// runs (during_bytes) are alive beside everything before u.
 double activation_bytes(const MemoryModel& model, const std::vector<UnitStore>& stores) {
   double prefix = 0, peak = 0;
+  bool after_recompute = false;
   for (size_t u = 0; u < model.units.size(); ++u) {
-    const UnitCost& c = model.units[u];
-    if (stores[u] == UnitStore::kRecompute) peak = std::max(peak, prefix + c.input_bytes + c.saved_bytes);
-    prefix += alive_bytes(c, stores[u]);
-    if (stores[u] == UnitStore::kFp8) peak = std::max(peak, prefix + c.fp8_unpack_bytes);
+    peak = std::max(peak, prefix + during_bytes(model, u, stores[u], after_recompute));
+    prefix += alive_bytes(model, u, stores[u], after_recompute);
+    after_recompute = stores[u] == UnitStore::kRecompute;
   }
   return std::max(peak, prefix) + model.transient_bytes;
 }
@@ -124,7 +144,8 @@ std::vector<UnitStore> cheapest_stores(const std::vector<StoreMask>& masks) {
 }
 
 // The least-time choice per unit whose activations (per sample, before the scale) stay within `room`: a dynamic
-// program over the units in order whose state is the bytes alive before the next unit (rounded up to buckets).
+// program over the units in order whose state is the bytes alive before the next unit (rounded up to buckets) and
+// whether the unit before it was recomputed (what the next unit holds depends on it: alive_bytes).
 bool store_search(const MemoryModel& model, const std::vector<StoreMask>& masks, double room,
                   std::vector<UnitStore>* chosen) {
   const size_t n = model.units.size();
@@ -137,36 +158,39 @@ bool store_search(const MemoryModel& model, const std::vector<StoreMask>& masks,
     return static_cast<int>(std::min(std::ceil(bytes / quantum - 1e-9), static_cast<double>(kBuckets + 1)));
   };
   const double inf = std::numeric_limits<double>::infinity();
-  // cost[u][b]: least time over units [0, u) with b buckets alive after them; took/from: unit u-1's choice and the
-  // state before it.
-  std::vector<std::vector<double>> cost(n + 1, std::vector<double>(kBuckets + 1, inf));
-  std::vector<std::vector<char>> took(n + 1, std::vector<char>(kBuckets + 1, 0));
-  std::vector<std::vector<int>> from(n + 1, std::vector<int>(kBuckets + 1, -1));
+  // State k = 2·b + r: b buckets alive, r = the last unit recomputed. cost[u][k]: least time over units [0, u) ending
+  // in state k; took/from: unit u-1's choice and the state before it.
+  constexpr int kStates = 2 * (kBuckets + 1);
+  std::vector<std::vector<double>> cost(n + 1, std::vector<double>(kStates, inf));
+  std::vector<std::vector<char>> took(n + 1, std::vector<char>(kStates, 0));
+  std::vector<std::vector<int>> from(n + 1, std::vector<int>(kStates, -1));
   cost[0][0] = 0;
   constexpr UnitStore kChoices[] = {UnitStore::kKeep, UnitStore::kFp8, UnitStore::kRecompute};
   for (size_t u = 0; u < n; ++u) {
-    const UnitCost& c = model.units[u];
     for (UnitStore s : kChoices) {
       if (!(masks[u] & bit(s))) continue;
-      const int adds = buckets(alive_bytes(c, s));
-      const int during = s == UnitStore::kRecompute ? buckets(c.input_bytes + c.saved_bytes)
-                         : s == UnitStore::kFp8     ? buckets(c.fp8_bytes + c.fp8_unpack_bytes)
-                                                    : adds;
-      const double price = store_cost(model, flops, c, s);
-      for (int b = 0; b <= kBuckets; ++b) {
-        if (!std::isfinite(cost[u][b]) || b + adds > kBuckets || b + during > kBuckets) continue;
-        const double t = cost[u][b] + price;
-        if (t < cost[u + 1][b + adds]) {
-          cost[u + 1][b + adds] = t;
-          took[u + 1][b + adds] = static_cast<char>(s);
-          from[u + 1][b + adds] = b;
+      const double price = store_cost(model, flops, model.units[u], s);
+      const int r_next = s == UnitStore::kRecompute ? 1 : 0;
+      for (int r = 0; r < 2; ++r) {
+        const int adds = buckets(alive_bytes(model, u, s, r == 1));
+        const int during = buckets(during_bytes(model, u, s, r == 1));
+        for (int b = 0; b <= kBuckets; ++b) {
+          const int k = 2 * b + r;
+          if (!std::isfinite(cost[u][k]) || b + adds > kBuckets || b + during > kBuckets) continue;
+          const double t = cost[u][k] + price;
+          const int next = 2 * (b + adds) + r_next;
+          if (t < cost[u + 1][next]) {
+            cost[u + 1][next] = t;
+            took[u + 1][next] = static_cast<char>(s);
+            from[u + 1][next] = k;
+          }
         }
       }
     }
   }
   int best = -1;
-  for (int b = 0; b <= kBuckets; ++b) {
-    if (std::isfinite(cost[n][b]) && (best < 0 || cost[n][b] < cost[n][best])) best = b;
+  for (int k = 0; k < kStates; ++k) {
+    if (std::isfinite(cost[n][k]) && (best < 0 || cost[n][k] < cost[n][best])) best = k;
   }
   if (best < 0) return false;
   for (size_t u = n; u > 0; --u) {
@@ -375,11 +399,12 @@ Json MemoryPlan::to_json(const MemoryModel& model) const {
   const double per_micro = static_cast<double>(micro_batch) * model.activation_scale;
   const std::vector<UnitStore> stores = stores_of(model.units.size(), recompute, fp8_saved);
   for (size_t u = 0; u < model.units.size(); ++u) {
-    const UnitCost& c = model.units[u];
-    units.push_back(Json{{"unit", c.name},
-                         {"recompute", stores[u] == UnitStore::kRecompute},
-                         {"fp8_saved", stores[u] == UnitStore::kFp8},
-                         {"activation_bytes", static_cast<int64_t>(per_micro * alive_bytes(c, stores[u]))}});
+    const bool after_recompute = u > 0 && stores[u - 1] == UnitStore::kRecompute;
+    units.push_back(
+        Json{{"unit", model.units[u].name},
+             {"recompute", stores[u] == UnitStore::kRecompute},
+             {"fp8_saved", stores[u] == UnitStore::kFp8},
+             {"activation_bytes", static_cast<int64_t>(per_micro * alive_bytes(model, u, stores[u], after_recompute))}});
   }
   const double data = data_placement == DataPlacement::kDevice ? model.dataset_bytes : model.stream_bytes;
   const auto whole = [](double b) { return static_cast<int64_t>(std::ceil(b)); };

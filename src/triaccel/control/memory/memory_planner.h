@@ -73,6 +73,12 @@ struct MemoryModel {
   double batch_input_bytes = 0;  // the float input and labels of one sample, plus its uint8 staging when streamed
   // Per sample of the micro-batch, besides the units' saved activations.
   double transient_bytes = 0;    // backward's largest transients (a gradient and the one it produces)
+  // How the units' saved bytes were read. true (the allocator's growth over each forward, on CUDA): a kept or
+  // FP8-stored unit's bytes hold its output, which the next unit reads; a recomputed unit's output is held by its
+  // reader, so a unit counts its input only after a recomputed unit (memory_planner.cpp: alive_bytes). false (the
+  // autograd graph's records, elsewhere): a unit's records hold what its own backward saves, and a recomputed unit
+  // holds its input.
+  bool outputs_in_saved = false;
   double activation_scale = 1;   // measured / modelled activations (the allocator's correction)
   // Time.
   double overhead_s = 0;         // per micro-batch, whatever its size (launches, an under-filled GPU)
