@@ -367,6 +367,33 @@ TEST(MemoryPlanControllerTest, CalibrationStepsTheScaleDownAndNeverBelowAnOutOfM
   EXPECT_DOUBLE_EQ(r.c.model().activation_scale, after_oom);
 }
 
+// An out-of-memory error whose attempt read a peak above the plan's prediction raises the scale to what puts the failed
+// plan kOomReadingMargin above that reading, within [kOomScaleMinStep, kOomScaleMaxStep]; the plan after it is priced
+// near its truth. A reading under the prediction (it does not explain the error) or none takes the blind step.
+TEST(MemoryPlanControllerTest, AnOutOfMemoryReadingSetsTheScaleItShows) {
+  for (const double true_scale : {1.4, 3.5}) {
+    CalibrationRig r;
+    r.true_scale = true_scale;
+    const MemoryPlan failed = r.c.plan();
+    const double read = 0.97 * r.truth(failed);  // the refused allocation is not in the reading
+    ASSERT_GT(read, failed.predicted_peak_bytes);
+    r.c.on_out_of_memory(read);
+    const MemoryModel after = r.c.model();
+    if (true_scale < 2) {
+      EXPECT_NEAR(memory_plan_peak(after, failed), (1 + kOomReadingMargin) * read, 1e-6) << true_scale;
+      EXPECT_GT(after.activation_scale, kOomScaleStep);  // more than the blind step: no second error
+      EXPECT_NEAR(r.c.plan().predicted_peak_bytes, r.truth(r.c.plan()), 0.05 * r.truth(r.c.plan()));
+    } else {
+      EXPECT_DOUBLE_EQ(after.activation_scale, kOomScaleMaxStep) << true_scale;
+    }
+  }
+  for (const double read : {0.0, 100.0}) {  // none, and far under the prediction
+    CalibrationRig r;
+    r.c.on_out_of_memory(read);
+    EXPECT_DOUBLE_EQ(r.c.model().activation_scale, kOomScaleStep) << read;
+  }
+}
+
 // The scale an out-of-memory error left holds the model above what the readings fit (it keeps the failed plan out
 // of reach): the plan stays, and its prediction is its own reading, not the floored model's (GPT-char at 0.5 GB on
 // the H100 was predicted 0.434 GB and peaked at 0.391).

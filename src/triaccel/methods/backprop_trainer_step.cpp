@@ -186,8 +186,13 @@ BackpropTrainer::Attempt BackpropTrainer::on_out_of_memory(FaultKind fault, int6
     for (const auto& [k, v] : where.items()) fields[k] = v;
     session_.event(event::kOom, p.step, fields);
   };
-  // The failed attempt allocated up to the cap: its peak counts for the run, not as the retry's calibration reading.
-  if (memory_planner_) window();
+  // The failed attempt allocated up to the cap: its peak counts for the run, not as the retry's calibration reading;
+  // the planner reads from it how far the model was off (an injected error's attempt ran nothing: no reading).
+  double failed_peak = 0;
+  if (memory_planner_) {
+    const double peak = static_cast<double>(window().peak_allocated_bytes);
+    if (fault != FaultKind::kOom) failed_peak = peak;
+  }
   if (oom.beside_pool) {
     // Not the plan's error: the graph gives its pool back; the next full batches capture it again.
     oom_event(Json{{"batch", p.batch}, {"retry_batch", count}, {"action", "graph released"}});
@@ -208,7 +213,7 @@ BackpropTrainer::Attempt BackpropTrainer::on_out_of_memory(FaultKind fault, int6
     oom_event(Json{{"batch", p.batch}, {"retry_batch", p.batch}});
     memory_cache_release(device_);
     const Event replanned =
-        oom.in_pool_warmup ? memory_planner_->on_pool_out_of_memory() : memory_planner_->on_out_of_memory();
+        oom.in_pool_warmup ? memory_planner_->on_pool_out_of_memory() : memory_planner_->on_out_of_memory(failed_peak);
     session_.event(replanned.name, p.step, replanned.fields);
     return Attempt::kRetry;
   }

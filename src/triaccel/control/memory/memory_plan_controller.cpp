@@ -362,10 +362,26 @@ Event MemoryPlanController::on_pool_out_of_memory() {
   return on_out_of_memory();  // no cap to take a share of
 }
 
-Event MemoryPlanController::on_out_of_memory() {
+double MemoryPlanController::oom_scale_step(double failed_peak) const {
+  if (failed_peak <= 0) return kOomScaleStep;
+  // The failed plan's price as base + scale · x (calibrate's line), x its activations at scale 1.
+  MemoryModel unscaled = model_;
+  unscaled.activation_scale = 1;
+  const double base = memory_plan_peak(unscaled, plan_.batch, 0, plan_.recompute, plan_.data_placement,
+                                       plan_.fp8_saved, plan_.update_in_backward);
+  const double x = memory_plan_peak(unscaled, plan_) - base;
+  if (x <= 0 || model_.activation_scale <= 0) return kOomScaleStep;
+  const double step = (failed_peak * (1 + kOomReadingMargin) - base) / x / model_.activation_scale;
+  if (step <= 1) return kOomScaleStep;  // the reading does not explain the error
+  return std::clamp(step, kOomScaleMinStep, kOomScaleMaxStep);
+}
+
+Event MemoryPlanController::on_out_of_memory(double failed_peak_bytes) {
+  if (agree_) failed_peak_bytes = agree_({failed_peak_bytes}).at(0);  // every rank calls it: one step for all
+  const double step = oom_scale_step(failed_peak_bytes);
   const bool fp8_off = fp8_give_up();
-  model_.activation_scale *= kOomScaleStep;
-  limit_scale_ *= kOomScaleStep;
+  model_.activation_scale *= step;
+  limit_scale_ *= step;
   oom_scale_ = model_.activation_scale;
   replan();
   return {event::kMemoryPlan, plan_fields(fp8_off ? "oom_fp8_off" : "oom")};

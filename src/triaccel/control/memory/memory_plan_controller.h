@@ -39,8 +39,17 @@
 
 namespace triaccel {
 
-// Growth of the activation scale after an out-of-memory error.
+// Growth of the activation scale after an out-of-memory error the failed attempt's reading does not explain (none
+// read, or its peak below the plan's prediction: the pool's fragmentation, a consumer the model does not hold).
 constexpr double kOomScaleStep = 1.25;
+// After one it explains (the attempt's peak above the prediction): the scale at which the failed plan's prediction is
+// kOomReadingMargin above that peak (what the refused allocation would have added is not read), by
+// kOomScaleMinStep at least and kOomScaleMaxStep at most. The blind step priced the plans after it above their
+// steps' peaks (H100 grid at f33deac: 6.6-14 % on four rows, each after an out-of-memory error) or took two errors
+// where one reading asked for more (EfficientNet-B0: 2-4 a run).
+constexpr double kOomReadingMargin = 0.02;
+constexpr double kOomScaleMinStep = 1.05;
+constexpr double kOomScaleMaxStep = 2.0;
 // Shrinking of the plan's share of the budget after a CUDA-graph capture ran out of memory, and its least value.
 constexpr double kCaptureShareStep = 0.9;
 constexpr double kCaptureShareMin = 0.5;
@@ -96,8 +105,10 @@ class MemoryPlanController final : public StepController {
 
   // The plan's event fields with this reason ("start", "calibrated", "precision", "oom").
   Json plan_fields(const std::string& reason) const;
-  // After an out-of-memory error: a new plan with a larger activation scale. UserError when none fits.
-  Event on_out_of_memory();
+  // After an out-of-memory error: a new plan with a larger activation scale (kOomScaleStep, or from
+  // `failed_peak_bytes`: the allocator's peak over the failed attempt, 0 when none was read, e.g. an injected error;
+  // with several ranks, called on every rank alike: the largest rank's). UserError when none fits.
+  Event on_out_of_memory(double failed_peak_bytes = 0);
   // After an out-of-memory error in a warm-up step routed into the capture's pool, on every rank that ran out
   // (StepOutcome::in_pool_warmup): a new plan at a smaller share of the budget, the scale kept.
   Event on_pool_out_of_memory();
@@ -138,6 +149,9 @@ class MemoryPlanController final : public StepController {
   // Adds a reading (the plan the step ran with, the allocator's peak) and refits the scale and the offset; true when
   // the fit came out under the scale the last out-of-memory error left (the scale is held there).
   bool calibrate(const MemoryPlan& ran, double measured);
+  // The activation scale's growth after an out-of-memory error of the current plan whose attempt peaked at
+  // `failed_peak` (kOomScaleStep and the reading's bounds above).
+  double oom_scale_step(double failed_peak) const;
   // Plans again on the current model; UserError naming the floor when nothing fits.
   void replan();
   // after_step's parts, in the order it runs them.
