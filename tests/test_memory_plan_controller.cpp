@@ -304,12 +304,7 @@ struct CalibrationRig {
     made.allow_host_data = false;
     return made;
   }();
-  MemoryPlanLimits limits = [] {
-    MemoryPlanLimits l;
-    l.batch = 16;
-    l.budget_bytes = 2000;
-    return l;
-  }();
+  MemoryPlanLimits limits = limits_at(2000);
   MemoryPlanController c{m, memory_plan_solve(m, 16, limits.budget_bytes), limits, rig.step,
                          [this](const std::vector<Precision>&) { return m; }};
   double true_scale = 0.5;
@@ -317,9 +312,15 @@ struct CalibrationRig {
   StepContext ctx;
   std::vector<std::string> reasons;  // of the events after_step returned
 
-  CalibrationRig() {
+  explicit CalibrationRig(int64_t budget = 2000) : limits(limits_at(budget)) {
     meter.peak = [this] { return truth(c.plan()); };
     ctx.memory = &meter;
+  }
+  static MemoryPlanLimits limits_at(int64_t budget) {
+    MemoryPlanLimits l;
+    l.batch = 16;
+    l.budget_bytes = budget;
+    return l;
   }
   double truth(const MemoryPlan& p) const {
     MemoryModel t = m;
@@ -367,30 +368,34 @@ TEST(MemoryPlanControllerTest, CalibrationStepsTheScaleDownAndNeverBelowAnOutOfM
   EXPECT_DOUBLE_EQ(r.c.model().activation_scale, after_oom);
 }
 
-// An out-of-memory error whose attempt read a peak above the plan's prediction raises the scale to what puts the failed
-// plan kOomReadingMargin above that reading, within [kOomScaleMinStep, kOomScaleMaxStep]; the plan after it is priced
-// near its truth. A reading under the prediction (it does not explain the error) or none takes the blind step.
-TEST(MemoryPlanControllerTest, AnOutOfMemoryReadingSetsTheScaleItShows) {
-  for (const double true_scale : {1.4, 3.5}) {
+// An out-of-memory error whose attempt allocated past what the plan may fill raises the scale at least to what puts
+// the failed plan kOomReadingMargin above that reading, by kOomScaleStep at least and kOomScaleMaxStep at most; the
+// plan after it is priced near its truth. A reading under the limit (the cap's margin went first), or none, takes
+// the blind step.
+TEST(MemoryPlanControllerTest, AnOutOfMemoryReadingPastTheLimitSetsTheScaleItShows) {
+  for (const double true_scale : {1.8, 3.5}) {
     CalibrationRig r;
     r.true_scale = true_scale;
     const MemoryPlan failed = r.c.plan();
     const double read = 0.97 * r.truth(failed);  // the refused allocation is not in the reading
-    ASSERT_GT(read, failed.predicted_peak_bytes);
+    ASSERT_GE(read, r.limits.budget_bytes) << true_scale;
     r.c.on_out_of_memory(read);
     const MemoryModel after = r.c.model();
     if (true_scale < 2) {
-      EXPECT_NEAR(memory_plan_peak(after, failed), (1 + kOomReadingMargin) * read, 1e-6) << true_scale;
+      EXPECT_NEAR(memory_plan_peak(after, failed), (1 + kOomReadingMargin) * read, 1e-6);
       EXPECT_GT(after.activation_scale, kOomScaleStep);  // more than the blind step: no second error
       EXPECT_NEAR(r.c.plan().predicted_peak_bytes, r.truth(r.c.plan()), 0.05 * r.truth(r.c.plan()));
     } else {
-      EXPECT_DOUBLE_EQ(after.activation_scale, kOomScaleMaxStep) << true_scale;
+      EXPECT_DOUBLE_EQ(after.activation_scale, kOomScaleMaxStep);
     }
   }
-  for (const double read : {0.0, 100.0}) {  // none, and far under the prediction
-    CalibrationRig r;
-    r.c.on_out_of_memory(read);
-    EXPECT_DOUBLE_EQ(r.c.model().activation_scale, kOomScaleStep) << read;
+  // A budget far above the plan (every unit kept, the whole batch: 3,326 bytes predicted under 5,000): a reading of
+  // 4,900 would ask for 1.57× the scale, but it came under the limit.
+  for (const double read : {0.0, 4900.0}) {
+    CalibrationRig roomy(5000);
+    ASSERT_LT(roomy.c.plan().predicted_peak_bytes, 3400);
+    roomy.c.on_out_of_memory(read);
+    EXPECT_DOUBLE_EQ(roomy.c.model().activation_scale, kOomScaleStep) << read;
   }
 }
 

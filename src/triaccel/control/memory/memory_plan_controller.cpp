@@ -363,7 +363,8 @@ Event MemoryPlanController::on_pool_out_of_memory() {
 }
 
 double MemoryPlanController::oom_scale_step(double failed_peak) const {
-  if (failed_peak <= 0) return kOomScaleStep;
+  const double limit = static_cast<double>(limit_bytes());
+  if (failed_peak <= 0 || limit <= 0 || failed_peak < limit) return kOomScaleStep;
   // The failed plan's price as base + scale · x (calibrate's line), x its activations at scale 1.
   MemoryModel unscaled = model_;
   unscaled.activation_scale = 1;
@@ -372,8 +373,7 @@ double MemoryPlanController::oom_scale_step(double failed_peak) const {
   const double x = memory_plan_peak(unscaled, plan_) - base;
   if (x <= 0 || model_.activation_scale <= 0) return kOomScaleStep;
   const double step = (failed_peak * (1 + kOomReadingMargin) - base) / x / model_.activation_scale;
-  if (step <= 1) return kOomScaleStep;  // the reading does not explain the error
-  return std::clamp(step, kOomScaleMinStep, kOomScaleMaxStep);
+  return std::clamp(step, kOomScaleStep, kOomScaleMaxStep);
 }
 
 Event MemoryPlanController::on_out_of_memory(double failed_peak_bytes) {

@@ -39,16 +39,17 @@
 
 namespace triaccel {
 
-// Growth of the activation scale after an out-of-memory error the failed attempt's reading does not explain (none
-// read, or its peak below the plan's prediction: the pool's fragmentation, a consumer the model does not hold).
+// Growth of the activation scale after an out-of-memory error, the least: with no reading of the failed attempt, or
+// one under what the plan may fill (the pool's fragmentation, a consumer the model does not hold: the cap's margin
+// went first, not the model's price).
 constexpr double kOomScaleStep = 1.25;
-// After one it explains (the attempt's peak above the prediction): the scale at which the failed plan's prediction is
-// kOomReadingMargin above that peak (what the refused allocation would have added is not read), by
-// kOomScaleMinStep at least and kOomScaleMaxStep at most. The blind step priced the plans after it above their
-// steps' peaks (H100 grid at f33deac: 6.6-14 % on four rows, each after an out-of-memory error) or took two errors
-// where one reading asked for more (EfficientNet-B0: 2-4 a run).
+// A failed attempt that allocated past what the plan may fill shows the model's error: the scale rises at least to
+// the one at which the failed plan's prediction is kOomReadingMargin above that reading (what the refused
+// allocation would have added is not read), at most by kOomScaleMaxStep. The blind step alone took EfficientNet-B0
+// two to four errors in a row where the first one's reading asked for more (H100 grid at f33deac). A smaller step
+// than the blind one, for a reading just past the prediction, ran out of memory again (H100 at 934576b: gpt-char
+// amp-fp16 at 0.448 GB read just above its 385 MB prediction under a 448 MB cap and failed twice).
 constexpr double kOomReadingMargin = 0.02;
-constexpr double kOomScaleMinStep = 1.05;
 constexpr double kOomScaleMaxStep = 2.0;
 // Shrinking of the plan's share of the budget after a CUDA-graph capture ran out of memory, and its least value.
 constexpr double kCaptureShareStep = 0.9;
@@ -105,7 +106,7 @@ class MemoryPlanController final : public StepController {
 
   // The plan's event fields with this reason ("start", "calibrated", "precision", "oom").
   Json plan_fields(const std::string& reason) const;
-  // After an out-of-memory error: a new plan with a larger activation scale (kOomScaleStep, or from
+  // After an out-of-memory error: a new plan with a larger activation scale (kOomScaleStep, or more from
   // `failed_peak_bytes`: the allocator's peak over the failed attempt, 0 when none was read, e.g. an injected error;
   // with several ranks, called on every rank alike: the largest rank's). UserError when none fits.
   Event on_out_of_memory(double failed_peak_bytes = 0);
