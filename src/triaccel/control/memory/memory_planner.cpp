@@ -38,7 +38,8 @@ using StoreMask = unsigned;
 constexpr StoreMask bit(UnitStore s) { return 1u << static_cast<unsigned>(s); }
 
 bool fp8_offered(const UnitCost& u) { return u.fp8_bytes > 0 && u.fp8_bytes < u.saved_bytes; }
-// Read from the allocator, a recomputed unit holds at most its input, which it holds kept as well: any saved bytes.
+// Read from the allocator, recomputing a unit frees all of its saved bytes (its input stays counted where it was), so
+// it is worth it whenever there are any; from the autograd graph, only what they hold beyond its input.
 bool worth_recomputing(const MemoryModel& m, const UnitCost& u) {
   return u.recomputable && u.saved_bytes > (m.outputs_in_saved ? 0.0 : u.input_bytes);
 }
@@ -67,8 +68,9 @@ std::vector<StoreMask> store_masks(const MemoryModel& model, const PlanConstrain
 // Read from the allocator (outputs_in_saved), each unit's output is counted once: by the unit when it is kept or stored
 // in FP8 (its bytes hold it), else by its reader — the next unit, whose checkpoint or graph keeps it — so a unit adds
 // its input only after a recomputed unit (the first unit's input is the step's batch, counted with the data). Counted
-// as its input by a recomputed unit after a kept one, the output was priced twice: GPT-char fp32 at micro-batch 64
-// (H100 grid at f33deac), first predictions 6-7 % above the steps' peaks, one residual stream (25 MB) a boundary.
+// as its input by a recomputed unit after a kept one, the output was priced twice (GPT-char fp32: one 25 MB residual
+// stream at micro-batch 64). Plans recomputing every block still read 12-14 % under their first prediction, the rest
+// of it elsewhere (bench/results/h100/grid_rows_934576b).
 double alive_bytes(const MemoryModel& m, size_t u, UnitStore s, bool after_recompute) {
   const UnitCost& c = m.units[u];
   if (!m.outputs_in_saved) {
