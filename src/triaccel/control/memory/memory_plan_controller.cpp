@@ -8,6 +8,16 @@
 #include <cmath>
 
 namespace triaccel {
+namespace {
+
+// The part of a plan's price its activation scale sets (the price is linear in the scale: this is scale · x).
+double scaled_activation_bytes(MemoryModel m, const MemoryPlan& p) {
+  const double all = memory_plan_peak(m, p);
+  m.activation_scale = 0;
+  return all - memory_plan_peak(m, p);
+}
+
+}  // namespace
 
 MemoryPlanController::MemoryPlanController(MemoryModel model, MemoryPlan plan, MemoryPlanLimits limits,
                                            TrainStep& step, Rebuild rebuild)
@@ -153,16 +163,11 @@ bool MemoryPlanController::optimizer_bytes_handle(double bytes, Events& events) 
   const MemoryModel priced = priced_model();
   const double over =
       plan_measured_peak_bytes_ > 0 ? memory_plan_peak(priced, before) - plan_measured_peak_bytes_ : 0.0;
-  const auto activations = [](MemoryModel m, const MemoryPlan& p) {  // the part of a plan's price the scale sets
-    const double all = memory_plan_peak(m, p);
-    m.activation_scale = 0;
-    return all - memory_plan_peak(m, p);
-  };
-  const double before_activations = activations(priced, before);
+  const double before_activations = scaled_activation_bytes(priced, before);
   model_.optimizer_bytes = bytes;
   replan();
   if (over > 0 && before_activations > 0) {
-    const double share = std::min(1.0, activations(priced_model(), plan_) / before_activations);
+    const double share = std::min(1.0, scaled_activation_bytes(priced_model(), plan_) / before_activations);
     plan_.predicted_peak_bytes -= over * share;
   }
   plan_measured_peak_bytes_ = 0;  // its steps hold another state: what the prediction is checked against starts anew
@@ -365,14 +370,11 @@ Event MemoryPlanController::on_pool_out_of_memory() {
 double MemoryPlanController::oom_scale_step(double failed_peak) const {
   const double limit = static_cast<double>(limit_bytes());
   if (failed_peak <= 0 || limit <= 0 || failed_peak < limit) return kOomScaleStep;
-  // The failed plan's price as base + scale · x (calibrate's line), x its activations at scale 1.
-  MemoryModel unscaled = model_;
-  unscaled.activation_scale = 1;
-  const double base = memory_plan_peak(unscaled, plan_.batch, 0, plan_.recompute, plan_.data_placement,
-                                       plan_.fp8_saved, plan_.update_in_backward);
-  const double x = memory_plan_peak(unscaled, plan_) - base;
-  if (x <= 0 || model_.activation_scale <= 0) return kOomScaleStep;
-  const double step = (failed_peak * (1 + kOomReadingMargin) - base) / x / model_.activation_scale;
+  // The failed plan's price is base + activations, the activations in proportion to the scale.
+  const double activations = scaled_activation_bytes(model_, plan_);
+  if (activations <= 0) return kOomScaleStep;
+  const double base = memory_plan_peak(model_, plan_) - activations;
+  const double step = (failed_peak * (1 + kOomReadingMargin) - base) / activations;
   return std::clamp(step, kOomScaleStep, kOomScaleMaxStep);
 }
 
