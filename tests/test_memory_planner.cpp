@@ -128,6 +128,9 @@ TEST(MemoryPlannerTest, FindsTheFastestPlanThatFits) {
     MemoryModel m = made_up(saved, input, flops);
     m.units[trial % 5].recomputable = trial % 3 != 0;
     m.outputs_in_saved = trial % 2 == 1;  // the allocator's reading (CUDA) and the autograd graph's
+    if (trial % 4 == 1) {  // and, on CUDA, the units' own backward peaks read (some below the transient term)
+      for (auto& u : m.units) u.backward_bytes = u.saved_bytes * (0.3 + 0.2 * static_cast<double>(trial % 7));
+    }
     const int64_t batch = 12;
     const double need = memory_plan_solve(m, batch, 0).predicted_peak_bytes;
     const double budget = std::floor(need * (0.3 + 0.7 * (trial % 10) / 10.0));
@@ -177,6 +180,36 @@ TEST(MemoryPlannerTest, ARecomputedUnitAfterAKeptOneHoldsNoCopyOfItsInput) {
   EXPECT_DOUBLE_EQ(memory_plan_peak(m, 16, 16, one, DataPlacement::kDevice), 382 + 16 * (400 + 4));
   m.outputs_in_saved = false;  // the autograd graph's records: u1 holds its input beside its backward's 300
   EXPECT_DOUBLE_EQ(memory_plan_peak(m, 16, 16, one, DataPlacement::kDevice), 382 + 16 * (410 + 4));
+}
+
+// Where a unit's own backward peak was read (the allocator's, backward_bytes: its transients included), a recomputed
+// unit holds that peak in place of its saved bytes and the transient term. The same four units as above, u1 alone
+// recomputed with 300 saved: backward at u1 priced 100 + 300 + 4 transient = 404 unread.
+TEST(MemoryPlannerTest, ARecomputedUnitHoldsItsOwnBackwardPeakWhereItWasRead) {
+  MemoryModel m = made_up({100, 300, 100, 100}, {10, 10, 10, 10}, {1, 1, 1, 1});
+  m.dataset_bytes = 0;
+  m.outputs_in_saved = true;
+  const std::vector<bool> one{false, true, false, false};
+  ASSERT_DOUBLE_EQ(memory_plan_peak(m, 16, 16, one, DataPlacement::kDevice), 382 + 16 * 404);
+  // Its backward peaks at 250 (it freed saved tensors before making its largest gradients): 100 + 250 at u1, above
+  // the forward's end (u0 100, u2 10 + 100, u3 100, transient 4: 314).
+  m.units[1].backward_bytes = 250;
+  EXPECT_DOUBLE_EQ(memory_plan_peak(m, 16, 16, one, DataPlacement::kDevice), 382 + 16 * 350);
+  // A peak below the transient term: the term stays the floor (backward's start, 310 + 4).
+  m.units[1].backward_bytes = 3;
+  EXPECT_DOUBLE_EQ(memory_plan_peak(m, 16, 16, one, DataPlacement::kDevice), 382 + 16 * 314);
+  // The solver prices it the same way: at 382 + 16 · 360 the plan recomputing u1 fits with its peak read, not without.
+  PlanConstraints c;
+  c.micro_batch = 16;
+  c.recompute = one;
+  c.placement_fixed = true;
+  m.units[1].backward_bytes = 250;
+  EXPECT_TRUE(memory_plan_solve(m, 16, 382 + 16 * 360, c).feasible);
+  m.units[1].backward_bytes = 0;
+  EXPECT_FALSE(memory_plan_solve(m, 16, 382 + 16 * 360, c).feasible);
+  // Kept, a unit's read peak changes nothing (the transient term prices a kept unit's backward).
+  m.units[1].backward_bytes = 250;
+  EXPECT_DOUBLE_EQ(memory_plan_peak(m, 16, 16, {false, false, false, false}, DataPlacement::kDevice), 382 + 16 * 604);
 }
 
 TEST(MemoryPlannerTest, KeepsTheUsersLevers) {

@@ -123,6 +123,15 @@ void fp8_saved_trace(const UnitRun& run, const at::Tensor& small, const at::Tens
   }
 }
 
+// UnitCost::backward_bytes from a unit's peak (above its input) at the trace's two batches: the slope, after a first
+// pass unread (backward runs on autograd's thread, whose first product makes that thread's cuBLAS workspace).
+double backward_trace(const std::function<double(const at::Tensor&)>& peak, const at::Tensor& small,
+                      const at::Tensor& large) {
+  (void)peak(small);
+  const double a = peak(small), b = peak(large);
+  return std::max(0.0, (b - a) / static_cast<double>(kTraceLarge - kTraceSmall));
+}
+
 }  // namespace
 
 std::vector<std::pair<int64_t, int64_t>> scale_trace_batches() {
@@ -210,6 +219,31 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
       }
       return std::make_pair(out.detach(), graph);
     };
+    // The allocator's peak over the unit's forward and a backward from a gradient of its output's shape, above what
+    // was allocated before (the input, the caller's). The gradient is taken for the input alone where it is floating
+    // (the parameters' gradients are held by the step, not per sample), else for the unit's parameters.
+    const auto backward_peak = [&](const at::Tensor& input) {
+      at::Tensor x = input.detach();
+      const bool floating = at::isFloatingType(x.scalar_type());
+      if (floating) x.requires_grad_(true);
+      std::vector<at::Tensor> wrt;
+      if (floating) wrt.push_back(x);
+      for (const auto& p : floating ? std::vector<at::Tensor>{} : units[u].parameters()) {
+        if (p.requires_grad()) wrt.push_back(p);
+      }
+      device_synchronize(device);
+      const int64_t before = memory_stats(device).allocated_bytes;
+      memory_stats_reset_peak(device);
+      {
+        const at::Tensor out = unit_forward_at(unit_precision_at(in.unit_precisions, u, device), in.precision, device,
+                                               x, units[u].forward);
+        if (wrt.empty() || !out.requires_grad()) return 0.0;
+        (void)torch::autograd::grad({out}, wrt, {at::ones_like(out)}, /*retain_graph=*/false, /*create_graph=*/false,
+                                    /*allow_unused=*/true);
+      }
+      device_synchronize(device);
+      return static_cast<double>(memory_stats(device).peak_allocated_bytes - before);
+    };
     UnitCost c;
     c.name = units[u].name;
     c.input_bytes = static_cast<double>(bytes_per_sample(large));
@@ -237,6 +271,7 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
       c.recomputable = again.sizes() == out_large.sizes() &&
                        at::allclose(again.to(at::kFloat), out_large.to(at::kFloat), 1e-3, 1e-3);
     }
+    if (device.is_cuda() && c.recomputable) c.backward_bytes = backward_trace(backward_peak, small, large);
     const UnitRun measure = [&](const at::Tensor& x) { std::vector<double> t; return run(x, &t).second; };
     if (fp8) fp8_saved_trace(measure, small, large, device.is_cuda(), &c);
     m.units.push_back(c);
@@ -283,6 +318,7 @@ void memory_model_agree(MemoryModel& model,
     fields.push_back(&u.fp8_bytes);
     fields.push_back(&u.fp8_s);
     fields.push_back(&u.fp8_unpack_bytes);
+    fields.push_back(&u.backward_bytes);
   }
   std::vector<double> values;
   for (const double* f : fields) values.push_back(*f);

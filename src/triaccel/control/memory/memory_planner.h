@@ -55,6 +55,9 @@ struct UnitCost {
   double fp8_bytes = 0;     // its saved activations stored in FP8 (0: not offered here, or nothing it saves would be)
   double fp8_s = 0;         // the FP8 storage's price per sample, in per_sample_s's unit
   double fp8_unpack_bytes = 0;  // its largest stored tensor at its own dtype: made again when backward reads it
+  // The allocator's peak over the unit's forward and a backward from its output's gradient, above its input (0: not
+  // read, off CUDA): what a recomputed unit holds while backward runs it, its transients included.
+  double backward_bytes = 0;
 };
 
 // A unit's saved activations in a plan.
