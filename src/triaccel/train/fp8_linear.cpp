@@ -13,7 +13,7 @@
 namespace triaccel {
 namespace {
 
-constexpr int64_t kScaledMmMultiple = 16;  // CUDA's _scaled_mm: every dimension of both operands
+constexpr int64_t kScaledMmMultiple = kFp8ScaledMmMultiple;
 
 // a (M, K) fp8 row-major times bᵀ, where b_rows (N, K) is fp8 row-major: (M, N) in `dtype`, plus bias (N) when
 // defined. _scaled_mm takes its second operand column-major, which b_rows viewed transposed is. fast: Hopper's

@@ -35,6 +35,9 @@ struct Fp8LinearState {
   Fp8DeviceScale grad;    // E5M2: the output's gradient
 };
 
+// CUDA's _scaled_mm: every dimension of both operands a multiple of this.
+constexpr int64_t kFp8ScaledMmMultiple = 16;
+
 // Whether fp8_linear can compute this layer: x (..., K) float32 / bfloat16 / float16 on the weight's device, weight
 // (N, K); on CUDA, K, N and the rows of x (the product of its leading dimensions) multiples of 16.
 bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);

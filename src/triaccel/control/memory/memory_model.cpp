@@ -3,6 +3,8 @@
 
 #include "triaccel/control/memory/memory_profile.h"
 #include "triaccel/core/device.h"
+#include "triaccel/models/linear.h"
+#include "triaccel/train/fp8_linear.h"
 #include "triaccel/train/fp8_saved.h"
 #include "triaccel/train/rng.h"
 
@@ -42,6 +44,36 @@ double positions(const at::Tensor& out) {
   return 1;
 }
 
+// The step's FP8 linear layers (an amp-fp8 run's, a Tri-Accel unit's at fp8: train/step.cpp) for the traces, with
+// scales of their own (the run's are not touched): an FP8 layer keeps its input for backward in 1 byte where a 16-bit
+// one keeps 2. Here a layer takes FP8 only where it would at every batch, its rows per sample a multiple of
+// _scaled_mm's 16 (GPT-char's 256 tokens): ViT-Tiny's 65 tokens take it at some micro-batches only, so they are priced
+// at 16 bits, an upper bound. Unpriced, a Tri-Accel GPT-char run without a budget (its limit AMP bf16's peak) paid
+// for its fp32 head by recomputing blocks.0 all run, at 5.83 GB against the limit's 6.71 (H200,
+// bench/results/h200/tri_accel_fp8_a007584).
+class TraceFp8Linears final : public LinearOverride {
+ public:
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) override {
+    if (x.dim() < 2 || x.size(0) == 0 || x.size(-1) == 0 ||
+        (x.numel() / x.size(-1) / x.size(0)) % kFp8ScaledMmMultiple != 0) {
+      return at::Tensor();
+    }
+    return linears_.forward(x, weight, bias);
+  }
+
+ private:
+  Fp8Linears linears_{Fp8ScaleOptions{}};
+};
+
+// Unit u's forward as the step runs it: its precision's autocast (unit_forward_at), its linear layers in FP8 where the
+// step's would be.
+at::Tensor traced_unit_forward(const MemoryModelInputs& in, const Unit& unit, size_t u, const c10::Device& device,
+                               const at::Tensor& x, TraceFp8Linears& fp8) {
+  const std::optional<Precision> precision = unit_precision_at(in.unit_precisions, u, device);
+  const LinearOverrideScope scope(fp8_linears(unit_mode(precision, in.precision)) ? &fp8 : nullptr);
+  return unit_forward_at(precision, in.precision, device, x, unit.forward);
+}
+
 // The allocator's peak over forward + backward of the whole model at two batches: its slope over the modelled
 // activations per sample (the units' saved bytes and backward's transients) is the starting activation scale. The
 // gradients come back as new tensors (autograd::grad): the parameters' .grad are untouched. At small batches the
@@ -56,7 +88,7 @@ constexpr std::array<std::pair<int64_t, int64_t>, 3> kScaleTraceBatches{
     {{32, 64}, {8, 16}, {kTraceSmall, kTraceLarge}}};
 
 double measured_activation_scale(Model& model, const at::Tensor& sample, const MemoryModelInputs& in,
-                                 const MemoryModel& m, const c10::Device& device) {
+                                 const MemoryModel& m, const c10::Device& device, TraceFp8Linears& fp8) {
   double modelled = m.transient_bytes;
   for (const UnitCost& u : m.units) modelled += u.saved_bytes;
   if (modelled <= 0) return 1;
@@ -71,10 +103,7 @@ double measured_activation_scale(Model& model, const at::Tensor& sample, const M
     const int64_t before = memory_stats(device).allocated_bytes;
     memory_stats_reset_peak(device);
     {
-      for (size_t u = 0; u < units.size(); ++u) {
-        x = unit_forward_at(unit_precision_at(in.unit_precisions, u, device), in.precision, device, x,
-                            units[u].forward);
-      }
+      for (size_t u = 0; u < units.size(); ++u) x = traced_unit_forward(in, units[u], u, device, x, fp8);
       const auto grads = torch::autograd::grad({x.to(at::kFloat).sum()}, params, {}, /*retain_graph=*/false,
                                                /*create_graph=*/false, /*allow_unused=*/true);
     }
@@ -123,12 +152,41 @@ void fp8_saved_trace(const UnitRun& run, const at::Tensor& small, const at::Tens
   }
 }
 
-// UnitCost::backward_bytes from a unit's peak (above its input) at the trace's two batches: the slope, after a first
-// pass unread (backward runs on autograd's thread, whose first product makes that thread's cuBLAS workspace).
-double backward_trace(const std::function<double(const at::Tensor&)>& peak, const at::Tensor& small,
-                      const at::Tensor& large) {
-  (void)peak(small);
-  const double a = peak(small), b = peak(large);
+// The allocator's peak over unit u's forward and a backward from a gradient of its output's shape, above what was
+// allocated before (the input, the caller's). The gradient is taken for the input alone where it is floating (the
+// parameters' gradients are held by the step, not per sample), else for the unit's parameters; 0 when neither needs one.
+double unit_backward_peak(const MemoryModelInputs& in, const Unit& unit, size_t u, const c10::Device& device,
+                          const at::Tensor& input, TraceFp8Linears& fp8) {
+  at::Tensor x = input.detach();
+  std::vector<at::Tensor> wrt;
+  if (at::isFloatingType(x.scalar_type())) {
+    x.requires_grad_(true);
+    wrt.push_back(x);
+  } else {
+    for (const auto& p : unit.parameters()) {
+      if (p.requires_grad()) wrt.push_back(p);
+    }
+  }
+  device_synchronize(device);
+  const int64_t before = memory_stats(device).allocated_bytes;
+  memory_stats_reset_peak(device);
+  {
+    const at::Tensor out = traced_unit_forward(in, unit, u, device, x, fp8);
+    if (wrt.empty() || !out.requires_grad()) return 0.0;
+    (void)torch::autograd::grad({out}, wrt, {at::ones_like(out)}, /*retain_graph=*/false, /*create_graph=*/false,
+                                /*allow_unused=*/true);
+  }
+  device_synchronize(device);
+  return static_cast<double>(memory_stats(device).peak_allocated_bytes - before);
+}
+
+// UnitCost::backward_bytes: unit_backward_peak's slope over the trace's two batches, after a first pass unread
+// (backward runs on autograd's thread, whose first product makes that thread's cuBLAS workspace).
+double backward_trace(const MemoryModelInputs& in, const Unit& unit, size_t u, const c10::Device& device,
+                      const at::Tensor& small, const at::Tensor& large, TraceFp8Linears& fp8) {
+  (void)unit_backward_peak(in, unit, u, device, small, fp8);
+  const double a = unit_backward_peak(in, unit, u, device, small, fp8);
+  const double b = unit_backward_peak(in, unit, u, device, large, fp8);
   return std::max(0.0, (b - a) / static_cast<double>(kTraceLarge - kTraceSmall));
 }
 
@@ -197,17 +255,15 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   at::Tensor small = batch_of(sample, kTraceSmall), large = batch_of(sample, kTraceLarge);
   double largest = 0;
   const bool fp8 = in.fp8_saved && fp8_saved_available();
+  TraceFp8Linears fp8_linears_traced;  // outlives every graph the traces record (their backward reads its scales)
   for (size_t u = 0; u < units.size(); ++u) {
     const auto run = [&](at::Tensor x, std::vector<double>* tensors) {
       // On CUDA the allocator counts what the forward keeps (each saved tensor once, at its real dtype); elsewhere
-      // the autograd graph's recorded outputs stand in for it. Each unit as the step runs it (unit_forward_at), but
-      // with no FP8 linears: an fp8 unit or an amp-fp8 run is priced as bf16 (its FP8 linears keep their inputs in 1
-      // byte, not 2: the price is an upper bound).
+      // the autograd graph's recorded outputs stand in for it. Each unit as the step runs it (traced_unit_forward).
       const bool measured = device.is_cuda() && tensors != nullptr;
       if (measured) device_synchronize(device);
       const double before = measured ? static_cast<double>(memory_stats(device).allocated_bytes) : 0;
-      at::Tensor out = unit_forward_at(unit_precision_at(in.unit_precisions, u, device), in.precision, device, x,
-                                       units[u].forward);
+      at::Tensor out = traced_unit_forward(in, units[u], u, device, x, fp8_linears_traced);
       double graph = 0;
       if (tensors) {
         *tensors = autograd_graph_tensor_bytes(out);
@@ -218,31 +274,6 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
         graph = static_cast<double>(memory_stats(device).allocated_bytes) - before;
       }
       return std::make_pair(out.detach(), graph);
-    };
-    // The allocator's peak over the unit's forward and a backward from a gradient of its output's shape, above what
-    // was allocated before (the input, the caller's). The gradient is taken for the input alone where it is floating
-    // (the parameters' gradients are held by the step, not per sample), else for the unit's parameters.
-    const auto backward_peak = [&](const at::Tensor& input) {
-      at::Tensor x = input.detach();
-      const bool floating = at::isFloatingType(x.scalar_type());
-      if (floating) x.requires_grad_(true);
-      std::vector<at::Tensor> wrt;
-      if (floating) wrt.push_back(x);
-      for (const auto& p : floating ? std::vector<at::Tensor>{} : units[u].parameters()) {
-        if (p.requires_grad()) wrt.push_back(p);
-      }
-      device_synchronize(device);
-      const int64_t before = memory_stats(device).allocated_bytes;
-      memory_stats_reset_peak(device);
-      {
-        const at::Tensor out = unit_forward_at(unit_precision_at(in.unit_precisions, u, device), in.precision, device,
-                                               x, units[u].forward);
-        if (wrt.empty() || !out.requires_grad()) return 0.0;
-        (void)torch::autograd::grad({out}, wrt, {at::ones_like(out)}, /*retain_graph=*/false, /*create_graph=*/false,
-                                    /*allow_unused=*/true);
-      }
-      device_synchronize(device);
-      return static_cast<double>(memory_stats(device).peak_allocated_bytes - before);
     };
     UnitCost c;
     c.name = units[u].name;
@@ -265,13 +296,19 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
     c.flops = 2.0 * static_cast<double>(units[u].parameter_count()) * positions(out_large);
     {
       // Repeatable? A unit that draws random numbers in training (dropout, stochastic depth) gives another output
-      // for the same input.
+      // for the same input. Asked of its 16-bit forward twice: FP8 layers' delayed scales move between two calls.
       const torch::NoGradGuard no_grad;
-      const at::Tensor again = run(large, nullptr).first;
-      c.recomputable = again.sizes() == out_large.sizes() &&
-                       at::allclose(again.to(at::kFloat), out_large.to(at::kFloat), 1e-3, 1e-3);
+      const auto plain = [&] {
+        return unit_forward_at(unit_precision_at(in.unit_precisions, u, device), in.precision, device, large,
+                               units[u].forward);
+      };
+      const at::Tensor once = plain(), again = plain();
+      c.recomputable = again.sizes() == once.sizes() &&
+                       at::allclose(again.to(at::kFloat), once.to(at::kFloat), 1e-3, 1e-3);
     }
-    if (device.is_cuda() && c.recomputable) c.backward_bytes = backward_trace(backward_peak, small, large);
+    if (device.is_cuda() && c.recomputable) {
+      c.backward_bytes = backward_trace(in, units[u], u, device, small, large, fp8_linears_traced);
+    }
     const UnitRun measure = [&](const at::Tensor& x) { std::vector<double> t; return run(x, &t).second; };
     if (fp8) fp8_saved_trace(measure, small, large, device.is_cuda(), &c);
     m.units.push_back(c);
@@ -295,7 +332,9 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
     const double launches = 2.0 * static_cast<double>(model.parameters().size());
     m.update_in_backward_s = seconds_per_unit > 0 ? launches * kGpuLaunchS / seconds_per_unit : 0;
   }
-  if (in.measure_scale && device.is_cuda()) m.activation_scale = measured_activation_scale(model, sample, in, m, device);
+  if (in.measure_scale && device.is_cuda()) {
+    m.activation_scale = measured_activation_scale(model, sample, in, m, device, fp8_linears_traced);
+  }
 
   for (auto& p : model.parameters()) p.mutable_grad() = at::Tensor();
   model.train(was_training);
