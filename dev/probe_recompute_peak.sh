@@ -6,6 +6,8 @@
 # against the plan's own measured peak (the `measured` event), with both plans' consumers. Different recompute sets
 # of one model separate the recompute term from the rest. The runs go side by side, JOBS at a time; PROBE_BINS
 # ("triaccel_base triaccel"): every case under each binary of .device/bin, tagged with its name (an A/B in one call).
+# ONLY ("vit_none,gpt_all"): those cases alone; REPEAT=N: each N times (tags _r1.._rN: the trace's spread between
+# processes of one binary).
 # Usage (device machine, carry [".device"]): bash dev/probe_recompute_peak.sh; writes $OUT/recompute_peak.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,12 +50,18 @@ one() {
     { echo "$tag: exit $?"; tail -2 "$WORK/$tag.log"; }
 }
 n=0
+REPEAT=${REPEAT:-1}
 for bin in ${PROBE_BINS:-triaccel}; do
   while IFS= read -r c; do
     [ -z "$c" ] && continue
-    one "$c" "$bin" &
-    n=$((n + 1))
-    [ $((n % JOBS)) = 0 ] && wait
+    [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",${c%%|*},"* ]] && continue
+    for r in $(seq 1 "$REPEAT"); do
+      run_case=$c
+      [ "$REPEAT" -gt 1 ] && run_case="${c%%|*}_r$r|${c#*|}"
+      one "$run_case" "$bin" &
+      n=$((n + 1))
+      [ $((n % JOBS)) = 0 ] && wait
+    done
   done <<<"$CASES"
 done
 wait
@@ -74,13 +82,14 @@ for d in sorted(glob.glob(os.path.join(work, "*/events.jsonl"))):
     rows.append({"tag": tag, "first": {k: first.get(k) for k in keep},
                  "measured": {k: measured.get(k) for k in keep}})
 json.dump({"probe": "recompute_peak", "rows": rows}, open(dest, "w"), indent=1)
-print(f"{'tag':12} {'recomp':>6} {'first MB':>9} {'meas MB':>8} {'err %':>6} {'scale0':>6} {'scale1':>6} "
-      f"{'acts0 MB':>8}")
+print(f"{'tag':24} {'recomp':>6} {'first MB':>9} {'meas MB':>8} {'err %':>6} {'scale0':>6} {'scale1':>6} "
+      f"{'acts0 MB':>8} {'back MB':>7}")
 for r in rows:
     f, m = r["first"], r["measured"]
     p, got = f["predicted_peak_bytes"], m.get("plan_measured_peak_bytes")
     acts = sum(u["activation_bytes"] for u in f.get("units") or []) / 1e6
+    back = max([u.get("backward_bytes", 0) for u in f.get("units") or []] or [0]) / 1e6
     err = f"{100 * (p - got) / got:+.1f}" if got else "-"
-    print(f"{r['tag']:12} {len(f.get('recompute') or []):6} {p / 1e6:9.1f} {(got or 0) / 1e6:8.1f} {err:>6} "
-          f"{f.get('activation_scale') or 0:6.3f} {m.get('activation_scale') or 0:6.3f} {acts:8.1f}")
+    print(f"{r['tag']:24} {len(f.get('recompute') or []):6} {p / 1e6:9.1f} {(got or 0) / 1e6:8.1f} {err:>6} "
+          f"{f.get('activation_scale') or 0:6.3f} {m.get('activation_scale') or 0:6.3f} {acts:8.1f} {back:7.1f}")
 EOF
