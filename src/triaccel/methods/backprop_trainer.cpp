@@ -213,9 +213,13 @@ void BackpropTrainer::controllers_build() {
     in.unit_precisions = precisions;
     // Traced in the captured step's pool, whose scratch is idle between steps (as for the evaluation): beside it,
     // under a budget, the trace's few MB need not fit, and the run then ends with an out-of-memory error at its first
-    // precision decision (measured: docs/results/memory-planner.md).
+    // precision decision (measured: docs/results/memory-planner.md). A transient (measure): the trace reads the
+    // allocator's peak over each unit's backward, so the window's peak before it is carried, and the trace's own
+    // peak is no step's.
     MemoryModel rebuilt;
-    step_->in_graph_pool([&]() { rebuilt = memory_model_build(session_.model(), memory_->sample, in, device_); });
+    (void)measure([&]() {
+      step_->in_graph_pool([&]() { rebuilt = memory_model_build(session_.model(), memory_->sample, in, device_); });
+    });
     if (const auto agree = memory_agree_over_ranks(session_)) memory_model_agree(rebuilt, agree);
     return rebuilt;
   };
