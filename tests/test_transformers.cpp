@@ -6,7 +6,9 @@
 // here, but a broken mask changes earlier logits by ~1e-2).
 #include "test_util.h"
 #include "triaccel/core/errors.h"
+#include "triaccel/core/autograd_walk.h"
 #include "triaccel/core/io.h"
+#include "triaccel/models/transformer.h"
 #include "triaccel/models/model.h"
 
 #include <gtest/gtest.h>
@@ -146,6 +148,33 @@ TEST(VitTiny, InitializationIsTruncNormalAndLayerNormIdentity) {
       if (p.numel() > 1000) EXPECT_NEAR(p.std().item<double>(), 0.0176, 0.002) << name;  // std of N(0,.02²) cut at ±2σ
     }
   }
+}
+
+// The attention splits its q, k, v product by unbind: the values and every gradient equal those of the permute and
+// three selects it replaces bit for bit, and backward stacks the three gradients (no select's zero-filled copy of
+// the product, no sum of three).
+TEST(Attention, SplitsTheProductByUnbindAsThePermutedSelectsDid) {
+  torch::manual_seed(4);
+  SelfAttention attn(32, 4, AttentionMask::kCausal);
+  const at::Tensor x = torch::randn({2, 8, 32}, torch::requires_grad());
+  const at::Tensor g = torch::randn({2, 8, 32});
+  const at::Tensor out = attn->forward(x);
+  int selects = 0, unbinds = 0;
+  autograd_graph_visit(out, [&](torch::autograd::Node& node) {
+    selects += node.name().find("SelectBackward") != std::string::npos ? 1 : 0;
+    unbinds += node.name().find("UnbindBackward") != std::string::npos ? 1 : 0;
+  });
+  EXPECT_EQ(selects, 0);
+  EXPECT_EQ(unbinds, 1);
+  const std::vector<at::Tensor> wrt{x, attn->qkv->weight, attn->qkv->bias, attn->proj->weight};
+  const auto grads = torch::autograd::grad({out}, wrt, {g});
+  // The replaced formulation, from the same weights.
+  const at::Tensor heads = attn->qkv->forward(x).view({2, 8, 3, 4, 8}).permute({2, 0, 3, 1, 4});
+  const at::Tensor o = at::scaled_dot_product_attention(heads[0], heads[1], heads[2], {}, 0.0, true);
+  const at::Tensor ref = attn->proj->forward(o.transpose(1, 2).reshape({2, 8, 32}));
+  const auto ref_grads = torch::autograd::grad({ref}, wrt, {g});
+  EXPECT_TRUE(torch::equal(out, ref));
+  for (size_t i = 0; i < wrt.size(); ++i) EXPECT_TRUE(torch::equal(grads[i], ref_grads[i])) << i;
 }
 
 TEST(GptChar, ParameterCountIsExact) {
