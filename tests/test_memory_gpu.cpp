@@ -4,6 +4,7 @@
 #include "memory_test_util.h"
 
 #ifdef TRIACCEL_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -663,6 +664,41 @@ TEST(MemoryGpuTest, TheStartingScaleHoldsAtALargerBatch) {
   const double reference = scale_at("128,256");
   EXPECT_NEAR(scale_at(nullptr), reference, 0.04 * reference);
   EXPECT_LT(scale_at("2,4"), 0.95 * reference) << "the smallest batches no longer under-trace: the test shows nothing";
+}
+
+// Each GPT-char block's own backward peak, read from the allocator, holds at least its saved activations and no more
+// than they and the transient term (the price it replaces for a recomputed unit): a reading that counted a cuBLAS
+// workspace, or the parameters' gradients, would fall outside. On Hopper under amp-fp8, a block at fp8 (its linear
+// layers in FP8) is priced below the same block at bf16.
+TEST(MemoryGpuTest, ABlocksBackwardPeakLiesBetweenItsSavedBytesAndThemWithTheTransient) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  torch::manual_seed(0);
+  const c10::Device gpu(torch::kCUDA, 0);
+  ModelOptions mo;
+  mo.name = "gpt-char";
+  mo.num_classes = 65;
+  const std::shared_ptr<Model> model = model_create(mo);
+  model->to(gpu);
+  MemoryModelInputs in;
+  in.for_gpu = true;
+  const at::Tensor sample = torch::zeros({mo.block_size}, at::TensorOptions().dtype(torch::kLong).device(gpu));
+  const MemoryModel m = memory_model_build(*model, sample, in, gpu);
+  for (size_t u = 1; u + 1 < m.units.size(); ++u) {
+    const UnitCost& c = m.units[u];
+    EXPECT_GE(c.backward_bytes, c.saved_bytes) << c.name;
+    EXPECT_LE(c.backward_bytes, c.saved_bytes + m.transient_bytes) << c.name;
+  }
+#ifdef TRIACCEL_WITH_CUDA
+  if (at::cuda::getCurrentDeviceProperties()->major < 9) GTEST_SKIP() << "FP8 needs Hopper";
+#endif
+  in.precision = PrecisionMode::kAmpFP8;
+  const auto blocks0_saved = [&](Precision p) {
+    in.unit_precisions.assign(m.units.size(), Precision::kBF16);
+    in.unit_precisions[1] = p;
+    return memory_model_build(*model, sample, in, gpu).units[1].saved_bytes;
+  };
+  const double bf16 = blocks0_saved(Precision::kBF16), fp8 = blocks0_saved(Precision::kFP8);
+  EXPECT_LT(fp8, 0.9 * bf16) << fp8 << " against " << bf16;
 }
 
 // A warm-up step routed into the capture's pool that runs out of memory (the pool's blocks cut for other sizes, not
