@@ -190,6 +190,76 @@ double backward_trace(const MemoryModelInputs& in, const Unit& unit, size_t u, c
   return std::max(0.0, (b - a) / static_cast<double>(kTraceLarge - kTraceSmall));
 }
 
+// One unit's costs, traced at the batches `small` and `large` (the previous unit's outputs at kTraceSmall and
+// kTraceLarge), with its outputs at both and the largest tensor per sample its graph records.
+struct UnitTrace {
+  UnitCost cost;
+  at::Tensor out_small, out_large;
+  double largest = 0;
+};
+
+UnitTrace unit_trace(const MemoryModelInputs& in, const Unit& unit, size_t u, const c10::Device& device,
+                     const at::Tensor& small, const at::Tensor& large, bool fp8_store, TraceFp8Linears& fp8) {
+  const auto run = [&](at::Tensor x, std::vector<double>* tensors) {
+    // On CUDA the allocator counts what the forward keeps (each saved tensor once, at its real dtype); elsewhere
+    // the autograd graph's recorded outputs stand in for it. Each unit as the step runs it (traced_unit_forward).
+    const bool measured = device.is_cuda() && tensors != nullptr;
+    if (measured) device_synchronize(device);
+    const double before = measured ? static_cast<double>(memory_stats(device).allocated_bytes) : 0;
+    at::Tensor out = traced_unit_forward(in, unit, u, device, x, fp8);
+    double graph = 0;
+    if (tensors) {
+      *tensors = autograd_graph_tensor_bytes(out);
+      graph = std::accumulate(tensors->begin(), tensors->end(), 0.0);
+    }
+    if (measured) {
+      device_synchronize(device);
+      graph = static_cast<double>(memory_stats(device).allocated_bytes) - before;
+    }
+    return std::make_pair(out.detach(), graph);
+  };
+  UnitTrace t;
+  UnitCost& c = t.cost;
+  c.name = unit.name;
+  c.input_bytes = static_cast<double>(bytes_per_sample(large));
+  if (device.is_cuda()) {
+    // A library's first call on a stream keeps a workspace from the allocator (cuBLAS: 32 MiB a stream on Hopper; a
+    // run's fresh stream has none): made here, before the readings, it is not counted as the small trace's saving.
+    const torch::NoGradGuard no_grad;
+    (void)run(small, nullptr);
+  }
+  std::vector<double> tensors_small, tensors_large;
+  auto [out_small, graph_small] = run(small, &tensors_small);
+  auto [out_large, graph_large] = run(large, &tensors_large);
+  c.saved_bytes = std::max(0.0, (graph_large - graph_small) / static_cast<double>(kTraceLarge - kTraceSmall));
+  // Per sample: a weight's 16-bit cast (4.7 MB for ResNet-18's layer4.1 at any batch) is no sample's backward
+  // transient. Counted over the trace's 4 samples it would make the transient term about half of ResNet-18's
+  // modelled activations, and the calibration would take that back by roughly halving the scale of every other
+  // per-sample byte: a unit promoted to fp32 would be priced at half of what its activations grow.
+  t.largest = largest_tensor_per_sample(tensors_small, kTraceSmall, tensors_large, kTraceLarge);
+  c.flops = 2.0 * static_cast<double>(unit.parameter_count()) * positions(out_large);
+  {
+    // Repeatable? A unit that draws random numbers in training (dropout, stochastic depth) gives another output
+    // for the same input. Asked of its 16-bit forward twice: FP8 layers' delayed scales move between two calls.
+    const torch::NoGradGuard no_grad;
+    const auto plain = [&] {
+      return unit_forward_at(unit_precision_at(in.unit_precisions, u, device), in.precision, device, large,
+                             unit.forward);
+    };
+    const at::Tensor once = plain(), again = plain();
+    c.recomputable = again.sizes() == once.sizes() &&
+                     at::allclose(again.to(at::kFloat), once.to(at::kFloat), 1e-3, 1e-3);
+  }
+  if (device.is_cuda() && c.recomputable) {
+    c.backward_bytes = backward_trace(in, unit, u, device, small, large, fp8);
+  }
+  const UnitRun measure = [&](const at::Tensor& x) { std::vector<double> tensors; return run(x, &tensors).second; };
+  if (fp8_store) fp8_saved_trace(measure, small, large, device.is_cuda(), &c);
+  t.out_small = out_small;
+  t.out_large = out_large;
+  return t;
+}
+
 }  // namespace
 
 std::vector<std::pair<int64_t, int64_t>> scale_trace_batches() {
@@ -257,63 +327,11 @@ MemoryModel memory_model_build(Model& model, const at::Tensor& sample, const Mem
   const bool fp8 = in.fp8_saved && fp8_saved_available();
   TraceFp8Linears fp8_linears_traced;  // outlives every graph the traces record (their backward reads its scales)
   for (size_t u = 0; u < units.size(); ++u) {
-    const auto run = [&](at::Tensor x, std::vector<double>* tensors) {
-      // On CUDA the allocator counts what the forward keeps (each saved tensor once, at its real dtype); elsewhere
-      // the autograd graph's recorded outputs stand in for it. Each unit as the step runs it (traced_unit_forward).
-      const bool measured = device.is_cuda() && tensors != nullptr;
-      if (measured) device_synchronize(device);
-      const double before = measured ? static_cast<double>(memory_stats(device).allocated_bytes) : 0;
-      at::Tensor out = traced_unit_forward(in, units[u], u, device, x, fp8_linears_traced);
-      double graph = 0;
-      if (tensors) {
-        *tensors = autograd_graph_tensor_bytes(out);
-        graph = std::accumulate(tensors->begin(), tensors->end(), 0.0);
-      }
-      if (measured) {
-        device_synchronize(device);
-        graph = static_cast<double>(memory_stats(device).allocated_bytes) - before;
-      }
-      return std::make_pair(out.detach(), graph);
-    };
-    UnitCost c;
-    c.name = units[u].name;
-    c.input_bytes = static_cast<double>(bytes_per_sample(large));
-    if (device.is_cuda()) {
-      // A library's first call on a stream keeps a workspace from the allocator (cuBLAS: 32 MiB a stream on Hopper; a
-      // run's fresh stream has none): made here, before the readings, it is not counted as the small trace's saving.
-      const torch::NoGradGuard no_grad;
-      (void)run(small, nullptr);
-    }
-    std::vector<double> tensors_small, tensors_large;
-    auto [out_small, graph_small] = run(small, &tensors_small);
-    auto [out_large, graph_large] = run(large, &tensors_large);
-    c.saved_bytes = std::max(0.0, (graph_large - graph_small) / static_cast<double>(kTraceLarge - kTraceSmall));
-    // Per sample: a weight's 16-bit cast (4.7 MB for ResNet-18's layer4.1 at any batch) is no sample's backward
-    // transient. Counted over the trace's 4 samples it would make the transient term about half of ResNet-18's
-    // modelled activations, and the calibration would take that back by roughly halving the scale of every other
-    // per-sample byte: a unit promoted to fp32 would be priced at half of what its activations grow.
-    largest = std::max(largest, largest_tensor_per_sample(tensors_small, kTraceSmall, tensors_large, kTraceLarge));
-    c.flops = 2.0 * static_cast<double>(units[u].parameter_count()) * positions(out_large);
-    {
-      // Repeatable? A unit that draws random numbers in training (dropout, stochastic depth) gives another output
-      // for the same input. Asked of its 16-bit forward twice: FP8 layers' delayed scales move between two calls.
-      const torch::NoGradGuard no_grad;
-      const auto plain = [&] {
-        return unit_forward_at(unit_precision_at(in.unit_precisions, u, device), in.precision, device, large,
-                               units[u].forward);
-      };
-      const at::Tensor once = plain(), again = plain();
-      c.recomputable = again.sizes() == once.sizes() &&
-                       at::allclose(again.to(at::kFloat), once.to(at::kFloat), 1e-3, 1e-3);
-    }
-    if (device.is_cuda() && c.recomputable) {
-      c.backward_bytes = backward_trace(in, units[u], u, device, small, large, fp8_linears_traced);
-    }
-    const UnitRun measure = [&](const at::Tensor& x) { std::vector<double> t; return run(x, &t).second; };
-    if (fp8) fp8_saved_trace(measure, small, large, device.is_cuda(), &c);
-    m.units.push_back(c);
-    small = out_small;
-    large = out_large;
+    UnitTrace t = unit_trace(in, units[u], u, device, small, large, fp8, fp8_linears_traced);
+    largest = std::max(largest, t.largest);
+    m.units.push_back(std::move(t.cost));
+    small = t.out_small;
+    large = t.out_large;
   }
   m.transient_bytes = 2 * largest;  // backward: a gradient of the largest tensor and the one it produces
   const double seconds_per_unit = memory_model_seconds_per_unit(m);
