@@ -154,7 +154,8 @@ void fp8_saved_trace(const UnitRun& run, const at::Tensor& small, const at::Tens
 
 // The allocator's peak over unit u's forward and a backward from a gradient of its output's shape, above what was
 // allocated before (the input, the caller's). The gradient is taken for the input alone where it is floating (the
-// parameters' gradients are held by the step, not per sample), else for the unit's parameters; 0 when neither needs one.
+// parameters' gradients are held by the step, not per sample), else for the unit's parameters; 0 when none needs
+// one.
 double unit_backward_peak(const MemoryModelInputs& in, const Unit& unit, size_t u, const c10::Device& device,
                           const at::Tensor& input, TraceFp8Linears& fp8) {
   at::Tensor x = input.detach();
