@@ -3,8 +3,10 @@
 # Each arm of ARMS ("name|flags") trains the GPT of bench/run_fp8.sh for EPOCHS epochs, one after the other on the
 # machine to itself; the arms that switch one of Tri-Accel's parts off separate what each costs. PROFILE ("name ...")
 # arms run again with a timeline of steps 200-209, and the first two are compared kernel by kernel
-# (bench/trace_summary.py --compare). Usage (device machine, carry [".device"]): bash dev/probe_ta_fp8.sh; writes
-# $OUT/ta_fp8.json, the timelines' comparison and a table (s/epoch over epochs 2..EPOCHS, speed against amp-bf16).
+# (bench/trace_summary.py --compare). BINS ("triaccel_base triaccel"): every arm under each binary of .device/bin, its
+# runs named BIN/arm and compared with that binary's amp-bf16 (an A/B in one call; the timelines: the last binary's).
+# Usage (device machine, carry [".device"]): bash dev/probe_ta_fp8.sh; writes $OUT/ta_fp8.json, the timelines'
+# comparison and a table (s/epoch over epochs 2..EPOCHS, speed against amp-bf16).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-out}
@@ -26,28 +28,35 @@ PROFILE=${PROFILE:-"amp-fp8 ta-fp8"}
 COMMON=(--model gpt-char --dataset tinyshakespeare --data /tmp/shakespeare --gpt-layers 12 --gpt-heads 12
         --gpt-embed 768 --block-size 256 --batch-size 64 --epochs "$EPOCHS" --warmup-epochs 1 --optimizer adamw
         --lr 6e-4 --weight-decay 0.1 --progress lines --log-every 100000 --seed 0)
-run() {  # name flags [extra...]
-  local name=$1 flags=$2
-  shift 2
+BINS=${BINS:-triaccel}
+run() {  # bin name flags [extra...]
+  local bin=$1 name=$2 flags=$3
+  shift 3
+  [ "$BINS" != triaccel ] && name="${bin}__$name"
   # shellcheck disable=SC2086  # flags is a list
-  timeout 240 "$BIN/triaccel" train "${COMMON[@]}" $flags "$@" --out "$WORK/$name" >"$WORK/$name.log" 2>&1 ||
+  timeout 240 "$BIN/$bin" train "${COMMON[@]}" $flags "$@" --out "$WORK/$name" >"$WORK/$name.log" 2>&1 ||
     { echo "$name: exit $?"; tail -3 "$WORK/$name.log"; }
-  echo "== $name: triaccel train ${COMMON[*]} $flags $*" >>"$OUTDIR/commands.txt"
+  echo "== $name: $bin train ${COMMON[*]} $flags $*" >>"$OUTDIR/commands.txt"
 }
-while IFS='|' read -r name flags; do
-  [ -n "$name" ] && run "$name" "$flags"
-done <<<"$ARMS"
+for bin in $BINS; do
+  while IFS='|' read -r name flags; do
+    [ -n "$name" ] && run "$bin" "$name" "$flags"
+  done <<<"$ARMS"
+done
+last_bin=${BINS##* }
 for name in $PROFILE; do
   flags=$(grep "^$name|" <<<"$ARMS" | cut -d'|' -f2-)
-  run "prof_$name" "$flags" --profile-steps 200:210
+  run "$last_bin" "prof_$name" "$flags" --profile-steps 200:210
 done
 set -- $PROFILE
-if [ $# -ge 2 ] && [ -f "$WORK/prof_$1/profile.json" ] && [ -f "$WORK/prof_$2/profile.json" ]; then
-  python3 bench/trace_summary.py "$WORK/prof_$1/profile.json" "$WORK/prof_$2/profile.json" >"$OUTDIR/trace_rows.jsonl" \
-    2>"$OUTDIR/trace_rows.txt"
-  python3 bench/trace_summary.py --compare "$WORK/prof_$1/profile.json" "$WORK/prof_$2/profile.json" \
-    >"$OUTDIR/trace_compare.txt" 2>&1
-  python3 bench/trace_summary.py --kernels "$WORK/prof_$2/profile.json" >"$OUTDIR/trace_kernels_$2.txt" 2>&1
+pre=""
+[ "$BINS" != triaccel ] && pre="${last_bin}__"
+a="$WORK/${pre}prof_$1/profile.json"
+b="$WORK/${pre}prof_${2:-}/profile.json"
+if [ $# -ge 2 ] && [ -f "$a" ] && [ -f "$b" ]; then
+  python3 bench/trace_summary.py "$a" "$b" >"$OUTDIR/trace_rows.jsonl" 2>"$OUTDIR/trace_rows.txt"
+  python3 bench/trace_summary.py --compare "$a" "$b" >"$OUTDIR/trace_compare.txt" 2>&1
+  python3 bench/trace_summary.py --kernels "$b" >"$OUTDIR/trace_kernels_$2.txt" 2>&1
   cat "$OUTDIR/trace_rows.txt"; head -40 "$OUTDIR/trace_compare.txt"
 fi
 for d in "$WORK"/*/; do cp "$d/events.jsonl" "$OUTDIR/$(basename "$d").events.jsonl" 2>/dev/null; done
@@ -67,14 +76,14 @@ for f in sorted(glob.glob(os.path.join(work, "*/events.jsonl"))):
     rows[name] = {"epoch_s": sum(steady) / len(steady), "val_loss": summ[-1].get("test_loss"),
                   "peak_gb": summ[-1].get("peak_vram_gb"), "fp8_layers": summ[-1].get("fp8_layers"),
                   "probe_s": epochs[-1].get("probe_s_total"), "units": prec[-1] if prec else None}
-base = rows.get("amp-bf16", {}).get("epoch_s")
-for r in rows.values():
+for n, r in rows.items():  # against the same binary's amp-bf16 ("BIN__arm" names under BINS)
+    base = rows.get(n.split("__")[0] + "__amp-bf16" if "__" in n else "amp-bf16", {}).get("epoch_s")
     r["speed_vs_bf16"] = base / r["epoch_s"] if base else None
 json.dump(rows, open(dest, "w"), indent=1)
-print(f"{'arm':22} {'s/epoch':>8} {'x bf16':>7} {'val loss':>9} {'peak GB':>8} {'fp8 lin':>7} {'probe s':>7}  units")
+print(f"{'arm':36} {'s/epoch':>8} {'x bf16':>7} {'val loss':>9} {'peak GB':>8} {'fp8 lin':>7} {'probe s':>7}  units")
 for n, r in rows.items():
     units = " ".join(u[:4] for u in r["units"]) if r["units"] else "-"
     sp = f"{r['speed_vs_bf16']:.3f}" if r["speed_vs_bf16"] else "-"
-    print(f"{n:22} {r['epoch_s']:8.3f} {sp:>7} {r['val_loss'] or 0:9.4f} {r['peak_gb'] or 0:8.3f} "
+    print(f"{n:36} {r['epoch_s']:8.3f} {sp:>7} {r['val_loss'] or 0:9.4f} {r['peak_gb'] or 0:8.3f} "
           f"{str(r['fp8_layers']):>7} {r['probe_s'] or 0:7.2f}  {units}")
 EOF
