@@ -597,6 +597,33 @@ TEST(MemoryModelTest, SavedActivationsAreWhatBackwardKeeps) {
                                            MemoryModelInputs{}, gpu);
   EXPECT_DOUBLE_EQ(m.units[0].saved_bytes, 1024 * 4);
   EXPECT_DOUBLE_EQ(m.units[0].input_bytes, 256 * 4);
+  EXPECT_GE(m.units[0].backward_bytes, 1024 * 4);  // its own backward's peak holds at least what it saved
+}
+
+// A unit that starts with an in-place op on its input (a Python model may): its backward peak cannot be read with
+// the input as a leaf that needs a gradient, so it is left unread (0: the saved + transient price), and the model
+// is still built.
+class InPlaceStart : public Model {
+ public:
+  InPlaceStart() : Model("in-place-start") {
+    auto a = register_module("a", torch::nn::Linear(256, 1024));
+    auto b = register_module("b", torch::nn::Linear(1024, 16));
+    unit_add("a", {a}, [a](const at::Tensor& x) { return a->forward(x); });
+    unit_add("b", {b}, [b](const at::Tensor& x) { return b->forward(x.clone().relu_()).add_(1); });
+    unit_add("c", {}, [](const at::Tensor& x) { return x.relu_(); });
+  }
+};
+
+TEST(MemoryModelTest, AUnitThatWritesItsInputInPlaceLeavesItsBackwardPeakUnread) {
+  TRIACCEL_SKIP_WITHOUT_GPU();
+  const c10::Device gpu(c10::kCUDA, 0);
+  InPlaceStart net;
+  net.to(gpu);
+  const MemoryModel m = memory_model_build(net, torch::zeros({256}, at::TensorOptions().device(gpu)),
+                                           MemoryModelInputs{}, gpu);
+  ASSERT_EQ(m.units.size(), 3u);
+  EXPECT_GT(m.units[1].backward_bytes, 0);
+  EXPECT_EQ(m.units[2].backward_bytes, 0);
 }
 
 // A unit whose graph records a tensor the batch does not size (its weight scaled before use, as a 16-bit cast is):

@@ -17,6 +17,7 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <functional>
 #include <numeric>
 #include <optional>
@@ -182,13 +183,19 @@ double unit_backward_peak(const MemoryModelInputs& in, const Unit& unit, size_t 
 }
 
 // UnitCost::backward_bytes: unit_backward_peak's slope over the trace's two batches, after a first pass unread
-// (backward runs on autograd's thread, whose first product makes that thread's cuBLAS workspace).
+// (backward runs on autograd's thread, whose first product makes that thread's cuBLAS workspace). 0 (unread: the
+// unit keeps the saved + transient price) where the unit cannot run so (a Python unit that starts with an in-place op
+// on its input, which a leaf that needs a gradient refuses) or the trace does not fit.
 double backward_trace(const MemoryModelInputs& in, const Unit& unit, size_t u, const c10::Device& device,
                       const at::Tensor& small, const at::Tensor& large, TraceFp8Linears& fp8) {
-  (void)unit_backward_peak(in, unit, u, device, small, fp8);
-  const double a = unit_backward_peak(in, unit, u, device, small, fp8);
-  const double b = unit_backward_peak(in, unit, u, device, large, fp8);
-  return std::max(0.0, (b - a) / static_cast<double>(kTraceLarge - kTraceSmall));
+  try {
+    (void)unit_backward_peak(in, unit, u, device, small, fp8);
+    const double a = unit_backward_peak(in, unit, u, device, small, fp8);
+    const double b = unit_backward_peak(in, unit, u, device, large, fp8);
+    return std::max(0.0, (b - a) / static_cast<double>(kTraceLarge - kTraceSmall));
+  } catch (const std::exception&) {  // c10::Error, or a Python unit's error as the module hands it back
+    return 0;
+  }
 }
 
 // One unit's costs, traced at the batches `small` and `large` (the previous unit's outputs at kTraceSmall and
