@@ -99,17 +99,14 @@ double measured_activation_scale(Model& model, const at::Tensor& sample, const M
   }
   const auto& units = model.units();
   const auto peak_of = [&](int64_t batch) {
-    at::Tensor x = batch_of(sample, batch);
-    device_synchronize(device);
-    const int64_t before = memory_stats(device).allocated_bytes;
-    memory_stats_reset_peak(device);
-    {
-      for (size_t u = 0; u < units.size(); ++u) x = traced_unit_forward(in, units[u], u, device, x, fp8);
-      const auto grads = torch::autograd::grad({x.to(at::kFloat).sum()}, params, {}, /*retain_graph=*/false,
-                                               /*create_graph=*/false, /*allow_unused=*/true);
-    }
-    device_synchronize(device);
-    return static_cast<double>(memory_stats(device).peak_allocated_bytes - before);
+    at::Tensor x = batch_of(sample, batch);  // allocated before the reading; freed once unit 0 has run
+    return step_peak_bytes(
+        [&] {
+          for (size_t u = 0; u < units.size(); ++u) x = traced_unit_forward(in, units[u], u, device, x, fp8);
+          (void)torch::autograd::grad({x.to(at::kFloat).sum()}, params, {}, /*retain_graph=*/false,
+                                      /*create_graph=*/false, /*allow_unused=*/true);
+        },
+        {}, device);  // the gradients come back as new tensors: none held in .grad to take out
   };
   const double scale = activation_scale_from_traces(scale_trace_batches(), peak_of, modelled,
                                                     [&device] { memory_cache_release(device); });
@@ -169,17 +166,19 @@ double unit_backward_peak(const MemoryModelInputs& in, const Unit& unit, size_t 
       if (p.requires_grad()) wrt.push_back(p);
     }
   }
-  device_synchronize(device);
-  const int64_t before = memory_stats(device).allocated_bytes;
-  memory_stats_reset_peak(device);
-  {
-    const at::Tensor out = traced_unit_forward(in, unit, u, device, x, fp8);
-    if (wrt.empty() || !out.requires_grad()) return 0.0;
-    (void)torch::autograd::grad({out}, wrt, {at::ones_like(out)}, /*retain_graph=*/false, /*create_graph=*/false,
-                                /*allow_unused=*/true);
-  }
-  device_synchronize(device);
-  return static_cast<double>(memory_stats(device).peak_allocated_bytes - before);
+  if (wrt.empty()) return 0.0;
+  bool graph = true;
+  const double peak = step_peak_bytes(
+      [&] {
+        const at::Tensor out = traced_unit_forward(in, unit, u, device, x, fp8);
+        graph = out.requires_grad();
+        if (graph) {
+          (void)torch::autograd::grad({out}, wrt, {at::ones_like(out)}, /*retain_graph=*/false,
+                                      /*create_graph=*/false, /*allow_unused=*/true);
+        }
+      },
+      {}, device);
+  return graph ? peak : 0.0;
 }
 
 // UnitCost::backward_bytes: unit_backward_peak's slope over the trace's two batches, after a first pass unread

@@ -73,11 +73,9 @@ std::vector<StoreMask> store_masks(const MemoryModel& model, const PlanConstrain
 // of it elsewhere (bench/results/h100/grid_rows_934576b).
 double alive_bytes(const MemoryModel& m, size_t u, UnitStore s, bool after_recompute) {
   const UnitCost& c = m.units[u];
-  if (!m.outputs_in_saved) {
-    return s == UnitStore::kRecompute ? c.input_bytes : s == UnitStore::kFp8 ? c.fp8_bytes : c.saved_bytes;
-  }
-  const double input = u > 0 && after_recompute ? c.input_bytes : 0.0;
-  return input + (s == UnitStore::kRecompute ? 0.0 : s == UnitStore::kFp8 ? c.fp8_bytes : c.saved_bytes);
+  const double input = m.outputs_in_saved && u > 0 && after_recompute ? c.input_bytes : 0.0;
+  const double recomputed = m.outputs_in_saved ? 0.0 : c.input_bytes;  // a recomputed unit's: its checkpoint's input
+  return input + (s == UnitStore::kRecompute ? recomputed : s == UnitStore::kFp8 ? c.fp8_bytes : c.saved_bytes);
 }
 
 // Bytes unit u holds per sample while backward runs it, beside the units before it and backward's transient term: a
